@@ -1,0 +1,10 @@
+"""The compute service: model, continuous-batching scheduler and engine over a paged KV pool.
+
+``from compute_service import LLM`` gives the in-process engine.
+"""
+
+from compute_service.llm import LLM
+from compute_service.outputs import CompletionOutput, RequestOutput
+from compute_service.sampling_params import SamplingParams
+
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]

@@ -1,0 +1,44 @@
+"""Typed, validated configuration of the compute engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_CPU_KV_CACHE_BYTES = 512 << 20
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Scheduling budgets and the KV pool the engine asks its memory service for.
+
+    When ``memory_socket`` is None the engine starts a private memory service with the pool
+    settings below; otherwise it attaches to that service and those settings are the service's.
+    """
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    kv_cache_bytes: int | None = None  # default: 512 MiB on CPU, memory_utilization_threshold on CUDA
+    max_num_blocks: int | None = None
+    memory_utilization_threshold: float = 0.9
+    reserved_fraction: float = 0.0
+    reserved_min_priority: int = 1
+    memory_socket: str | None = None
+    device: str | None = None  # default: cuda when available, else cpu
+    dtype: str | None = None  # default: float32 on CPU, bfloat16 on CUDA
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}) so every running sequence can decode each step"
+            )
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.dtype not in (None, "float32", "float16", "bfloat16"):
+            raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.device is not None and not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")

@@ -1,0 +1,73 @@
+"""Paged-attention kernels: `write_kv` and `paged_attention` (contract in docs/design.md).
+
+CUDA tensors go to the Triton kernels, anything else to the PyTorch reference. Triton is imported
+on the first CUDA call only, so importing this package stays cheap.
+
+This module deliberately has no `__version__`: transformers probes for a Hugging Face package that
+is also imported as `kernels`, and falls back to importing ours and reading that attribute.
+"""
+
+import torch
+
+from kernels.reference import paged_attention_reference, write_kv_reference
+
+__all__ = ["write_kv", "paged_attention"]
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write the new tokens' K/V into the paged caches, in place.
+
+    Args:
+        key, value: (T, H_kv, D) K/V of the new tokens.
+        k_cache, v_cache: (num_blocks, block_size, H_kv, D), last dim contiguous (views into the pool).
+        slot_mapping: (T,) int32 or int64; slot = block_id * block_size + offset; -1 skips the token.
+    Raises:
+        ValueError: shapes, dtypes, devices or strides do not fit the contract.
+    """
+    if key.is_cuda:
+        from kernels.triton_write_kv import write_kv_triton
+
+        write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+    else:
+        write_kv_reference(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    *,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Attention of a packed batch of new tokens over their sequences' paged KV cache.
+
+    Query token i of sequence b sits at absolute position `seq_lens[b] - q_len_b + i` and attends to
+    every position up to its own: causal within the new tokens, full over the cached context. The
+    new tokens' K/V must already be in the cache (call `write_kv` first).
+
+    Args:
+        query: (T, H_q, D) new tokens of B sequences, packed; H_q % H_kv == 0.
+        k_cache, v_cache: (num_blocks, block_size, H_kv, D) the layer's caches.
+        block_tables: (B, max_blocks_per_seq) int32, padded with 0 past each sequence's blocks.
+        seq_lens: (B,) int32 context length of each sequence including its new tokens.
+        cu_seqlens_q: (B + 1,) int32; new tokens of sequence b are query[cu[b]:cu[b+1]].
+        scale: softmax scale, default 1/sqrt(D).
+    Returns:
+        (T, H_q, D) in the dtype of query.
+    Raises:
+        ValueError: shapes, dtypes, devices or strides do not fit the contract.
+    """
+    if query.is_cuda:
+        from kernels.triton_attention import paged_attention_triton
+
+        return paged_attention_triton(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale=scale)
+    return paged_attention_reference(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale=scale)

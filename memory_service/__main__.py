@@ -1,0 +1,70 @@
+"""python -m memory_service: run the memory service until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+
+from pagedserve.config import add_config_file_flag, config_from_args
+from pagedserve.log import configure_logging
+
+from memory_service.config import MemoryServiceConfig
+
+
+def _bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m memory_service",
+        description="pagedserve memory service: owns the paged KV pool and all block metadata.",
+    )
+    add_config_file_flag(p)
+    p.add_argument("--socket", help="Unix socket path (default: $XDG_RUNTIME_DIR or /tmp/pagedserve-UID, memory.sock)")
+    p.add_argument("--address", help="also listen on TCP host:port (only when asked for)")
+    p.add_argument("--block-size", dest="block_size", type=int, help="tokens per KV block (default 16)")
+    p.add_argument("--max-num-blocks", dest="max_num_blocks", type=int, help="blocks in the pool")
+    p.add_argument("--kv-cache-bytes", dest="kv_cache_bytes", type=int, help="pool size in bytes (if no --max-num-blocks)")
+    p.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", type=_bool, help="true/false (default true)")
+    p.add_argument(
+        "--memory-utilization-threshold", dest="memory_utilization_threshold", type=float,
+        help="share of the device's free memory for the pool when no size is given (default 0.9)",
+    )
+    p.add_argument("--reserved-fraction", dest="reserved_fraction", type=float, help="share of blocks reserved for high priority")
+    p.add_argument("--reserved-min-priority", dest="reserved_min_priority", type=int, help="lowest priority that may use reserved blocks")
+    p.add_argument("--device", help="cpu or cuda[:N] (default cpu)")
+    p.add_argument("--lease-ttl-s", dest="lease_ttl_s", type=float, help="seconds of silence before a client's lease expires")
+    p.add_argument("--metrics-port", dest="metrics_port", type=int, help="serve Prometheus metrics on this port")
+    p.add_argument("--log-level", dest="log_level", help="debug, info, warning, error")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        config = config_from_args(MemoryServiceConfig, args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(config.log_level)
+    from memory_service.server import start
+
+    service = start(config)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"memory service listening on {', '.join(service.addresses)}", flush=True)
+    stop.wait()
+    service.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

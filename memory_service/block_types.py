@@ -1,0 +1,202 @@
+"""Plain data of the block manager: its config, the ops a client sends, their results and stats.
+
+Kept apart from ``block_manager`` so that the logic module stays short; import these names from
+``memory_service.block_manager``, which re-exports them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+def _require_int(name: str, value: object, minimum: int | None = None) -> None:
+    # bool is an int subclass, but `num_blocks=True` is a caller bug, not one block.
+    if type(value) is not int:
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+@dataclass(frozen=True)
+class BlockManagerConfig:
+    """How the KV pool is split into blocks.
+
+    Block ids ``[0, num_blocks - reserved_blocks)`` form the general pool, the top
+    ``reserved_blocks`` ids ``[num_blocks - reserved_blocks, num_blocks)`` the priority-reserved
+    pool, which only sequences with ``priority >= reserved_min_priority`` may take.
+
+    Args:
+        num_blocks: blocks in the pool.
+        block_size: tokens per block.
+        enable_prefix_caching: share and keep full blocks by content.
+        reserved_blocks: blocks of the priority-reserved pool (< num_blocks: the general pool keeps one).
+        reserved_min_priority: lowest priority allowed into the reserved pool.
+    """
+
+    num_blocks: int
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    reserved_blocks: int = 0
+    reserved_min_priority: int = 1
+
+    def __post_init__(self) -> None:
+        _require_int("num_blocks", self.num_blocks, 1)
+        _require_int("block_size", self.block_size, 1)
+        if type(self.enable_prefix_caching) is not bool:
+            raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
+        _require_int("reserved_blocks", self.reserved_blocks, 0)
+        if self.reserved_blocks >= self.num_blocks:
+            raise ValueError(
+                f"reserved_blocks must be < num_blocks ({self.num_blocks}) so the general pool keeps a block, "
+                f"got {self.reserved_blocks}"
+            )
+        _require_int("reserved_min_priority", self.reserved_min_priority)
+
+    @property
+    def num_general_blocks(self) -> int:
+        """Blocks of the general pool, ids ``[0, num_general_blocks)``."""
+        return self.num_blocks - self.reserved_blocks
+
+
+@dataclass(frozen=True)
+class AllocateOp:
+    """Create a sequence: share its cached prefix, then take blocks for its next tokens.
+
+    Args:
+        seq_id: new sequence id (unique across all clients).
+        prompt_token_ids: the whole prompt (non-empty, token ids >= 0).
+        max_num_new_tokens: token budget of this step (>= 1); blocks are taken for
+            ``min(len(prompt) - num_cached_tokens, max_num_new_tokens)`` tokens, the rest of the
+            prompt comes later through AppendOp (chunked prefill).
+        priority: scheduling priority; ``>= reserved_min_priority`` may use the reserved pool.
+        namespace: prefix-cache namespace (model name + cache_salt); only equal namespaces share.
+    """
+
+    seq_id: str
+    prompt_token_ids: Sequence[int]
+    max_num_new_tokens: int
+    priority: int = 0
+    namespace: str = ""
+
+
+@dataclass(frozen=True)
+class AppendOp:
+    """Grow a sequence by tokens whose K/V is written in this step (a prompt chunk or a sampled token).
+
+    Args:
+        seq_id: a live sequence of the client.
+        token_ids: the new tokens (non-empty, token ids >= 0).
+    """
+
+    seq_id: str
+    token_ids: Sequence[int]
+
+
+@dataclass(frozen=True)
+class FreeOp:
+    """End a sequence; its blocks lose a reference.
+
+    Args:
+        seq_id: a live sequence of the client.
+    """
+
+    seq_id: str
+
+
+@dataclass(frozen=True)
+class ForkOp:
+    """Create a child sequence that shares every block of its parent (e.g. parallel sampling).
+
+    Args:
+        parent_seq_id: a live sequence of the client.
+        child_seq_id: new sequence id.
+    """
+
+    parent_seq_id: str
+    child_seq_id: str
+
+
+Op = AllocateOp | AppendOp | FreeOp | ForkOp
+
+
+# Not frozen, unlike the ops: one is built per op on the hot path and a frozen dataclass takes ~3x
+# as long to construct. Treat it as read-only all the same.
+@dataclass(slots=True)
+class OpResult:
+    """What one op did.
+
+    Args:
+        ok: False when the op found too few free blocks; it then changed nothing.
+        block_ids: AllocateOp and ForkOp: the whole block table; AppendOp: the blocks appended to
+            the table; FreeOp: the table the sequence held. Empty when not ok.
+        num_cached_tokens: AllocateOp: prompt tokens served from the prefix cache.
+        num_new_tokens: AllocateOp: tokens that got blocks in this step beyond the cached ones.
+        copies: AppendOp: ``(src, dst)`` copy-on-write pairs; ``dst`` replaced ``src`` at the same
+            position of the table and already holds ``src``'s bytes.
+    """
+
+    ok: bool
+    block_ids: list[int]
+    num_cached_tokens: int = 0
+    num_new_tokens: int = 0
+    copies: list[tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """Block counts of one pool; ``num_free + num_cached + num_used == num_total``.
+
+    Args:
+        name: "general" or "reserved".
+        num_total_blocks: blocks of the pool.
+        num_free_blocks: blocks with no content worth keeping.
+        num_cached_blocks: evictable blocks: no reference, but a prefix-cache entry.
+        num_used_blocks: blocks in at least one block table.
+    """
+
+    name: str
+    num_total_blocks: int
+    num_free_blocks: int
+    num_cached_blocks: int
+    num_used_blocks: int
+
+
+@dataclass(frozen=True)
+class BlockManagerStats:
+    """A snapshot of the block manager.
+
+    Args:
+        pools: the general pool, then the reserved pool (always both; the latter may be empty).
+        kv_utilization: tokens stored / token capacity of the used blocks (0.0 when none is used).
+        fragmentation: unused slots / slots of the used blocks (0.0 when none is used).
+        prefix_cache_queries: prompt tokens looked up in the prefix cache.
+        prefix_cache_hits: prompt tokens served from it.
+        num_evictions: cached blocks evicted so far.
+        num_copy_on_writes: blocks copied on write so far.
+        num_sequences: live sequences.
+    """
+
+    pools: tuple[PoolStats, ...]
+    kv_utilization: float
+    fragmentation: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_evictions: int
+    num_copy_on_writes: int
+    num_sequences: int
+
+    @property
+    def general(self) -> PoolStats:
+        """Stats of the general pool."""
+        return self.pools[0]
+
+    @property
+    def reserved(self) -> PoolStats:
+        """Stats of the priority-reserved pool."""
+        return self.pools[1]
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """prefix_cache_hits / prefix_cache_queries (0.0 before any query)."""
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0

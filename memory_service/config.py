@@ -1,0 +1,49 @@
+"""Typed, validated configuration of the memory service."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class MemoryServiceConfig:
+    """How the memory service listens and sizes its KV pool.
+
+    The pool's block count comes from, in order: ``max_num_blocks``; ``kv_cache_bytes``;
+    ``memory_utilization_threshold`` times the device's free memory (GPU memory on CUDA, available
+    RAM on CPU) at the first attach, when the layout (and so the bytes per block) is known.
+    """
+
+    socket: str | None = None  # Unix socket path (the default transport)
+    address: str | None = None  # "host:port": TCP, only when asked for explicitly
+    block_size: int = 16
+    max_num_blocks: int | None = None
+    kv_cache_bytes: int | None = None
+    enable_prefix_caching: bool = True
+    memory_utilization_threshold: float = 0.9
+    reserved_fraction: float = 0.0  # share of blocks reserved for priority >= reserved_min_priority
+    reserved_min_priority: int = 1
+    device: str = "cpu"  # "cpu" or "cuda" / "cuda:N"
+    lease_ttl_s: float = 30.0
+    metrics_port: int | None = None  # Prometheus /metrics over HTTP when set
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size > 1024:
+            raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
+        if self.max_num_blocks is not None and self.max_num_blocks < 1:
+            raise ValueError(f"max_num_blocks must be >= 1, got {self.max_num_blocks}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
+            raise ValueError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
+        if not 0.0 < self.memory_utilization_threshold <= 1.0:
+            raise ValueError(
+                f"memory_utilization_threshold must be in (0, 1], got {self.memory_utilization_threshold}"
+            )
+        if not 0.0 <= self.reserved_fraction < 1.0:
+            raise ValueError(f"reserved_fraction must be in [0, 1), got {self.reserved_fraction}")
+        if self.lease_ttl_s <= 0:
+            raise ValueError(f"lease_ttl_s must be > 0, got {self.lease_ttl_s}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port must be a TCP port, got {self.metrics_port}")

@@ -1,0 +1,102 @@
+"""Protobuf <-> core conversion at the edge: the block manager never sees protobuf types."""
+
+from __future__ import annotations
+
+from pagedserve.memory.v1 import memory_pb2 as pb
+
+from memory_service.block_manager import AllocateOp, AppendOp, ForkOp, FreeOp, OpResult
+from memory_service.pool import KvLayout, PoolDescriptor
+
+Op = AllocateOp | AppendOp | FreeOp | ForkOp
+
+
+def layout_from_pb(msg: pb.KvLayout, default_block_size: int) -> KvLayout:
+    return KvLayout(
+        num_layers=msg.num_layers,
+        num_kv_heads=msg.num_kv_heads,
+        head_dim=msg.head_dim,
+        dtype=msg.dtype,
+        block_size=msg.block_size or default_block_size,
+    )
+
+
+def layout_to_pb(layout: KvLayout) -> pb.KvLayout:
+    return pb.KvLayout(
+        num_layers=layout.num_layers,
+        num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+        dtype=layout.dtype,
+        block_size=layout.block_size,
+    )
+
+
+def descriptor_to_pb(desc: PoolDescriptor) -> pb.PoolDescriptor:
+    msg = pb.PoolDescriptor(shape=list(desc.shape), dtype=desc.dtype, device=desc.device, num_bytes=desc.num_bytes)
+    if desc.shm_name is not None:
+        msg.shm_name = desc.shm_name
+    else:
+        msg.cuda_ipc_handle = desc.cuda_ipc_handle
+    return msg
+
+
+def descriptor_from_pb(msg: pb.PoolDescriptor) -> PoolDescriptor:
+    which = msg.WhichOneof("handle")
+    return PoolDescriptor(
+        shape=tuple(msg.shape),
+        dtype=msg.dtype,
+        device=msg.device,
+        shm_name=msg.shm_name if which == "shm_name" else None,
+        cuda_ipc_handle=msg.cuda_ipc_handle if which == "cuda_ipc_handle" else None,
+    )
+
+
+def op_from_pb(msg: pb.SequenceOp) -> Op:
+    which = msg.WhichOneof("op")
+    if which == "append":
+        return AppendOp(msg.append.seq_id, list(msg.append.token_ids))
+    if which == "allocate":
+        a = msg.allocate
+        return AllocateOp(a.seq_id, list(a.prompt_token_ids), a.max_num_new_tokens, a.priority, a.namespace)
+    if which == "free":
+        return FreeOp(msg.free.seq_id)
+    if which == "fork":
+        return ForkOp(msg.fork.parent_seq_id, msg.fork.child_seq_id)
+    raise ValueError("ops[]: a SequenceOp must set one of allocate, append, free, fork")
+
+
+def op_to_pb(op: Op) -> pb.SequenceOp:
+    if isinstance(op, AppendOp):
+        return pb.SequenceOp(append=pb.AppendOp(seq_id=op.seq_id, token_ids=op.token_ids))
+    if isinstance(op, AllocateOp):
+        return pb.SequenceOp(
+            allocate=pb.AllocateOp(
+                seq_id=op.seq_id,
+                prompt_token_ids=op.prompt_token_ids,
+                max_num_new_tokens=op.max_num_new_tokens,
+                priority=op.priority,
+                namespace=op.namespace,
+            )
+        )
+    if isinstance(op, FreeOp):
+        return pb.SequenceOp(free=pb.FreeOp(seq_id=op.seq_id))
+    return pb.SequenceOp(fork=pb.ForkOp(parent_seq_id=op.parent_seq_id, child_seq_id=op.child_seq_id))
+
+
+def result_to_pb(result: OpResult) -> pb.OpResult:
+    return pb.OpResult(
+        ok=result.ok,
+        block_ids=result.block_ids,
+        num_cached_tokens=result.num_cached_tokens,
+        num_new_tokens=result.num_new_tokens,
+        copies=[pb.BlockCopy(src=s, dst=d) for s, d in result.copies],
+    )
+
+
+def result_from_pb(msg: pb.OpResult) -> OpResult:
+    return OpResult(
+        ok=msg.ok,
+        block_ids=list(msg.block_ids),
+        num_cached_tokens=msg.num_cached_tokens,
+        num_new_tokens=msg.num_new_tokens,
+        copies=[(c.src, c.dst) for c in msg.copies],
+    )

@@ -1,0 +1,182 @@
+"""The memory service over the wire: a real server process, clients in other processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from memory_service.block_manager import AllocateOp, AppendOp, ForkOp, FreeOp
+from memory_service.client import MemoryClient
+from pagedserve.memory.v1 import memory_pb2 as pb
+from pagedserve.memory.v1 import memory_pb2_grpc
+from tests.memory_service.conftest import TINY_LAYOUT
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def stub_for(socket: str) -> memory_pb2_grpc.MemoryManagerStub:
+    return memory_pb2_grpc.MemoryManagerStub(grpc.insecure_channel(f"unix:{socket}"))
+
+
+def used_blocks(client: MemoryClient) -> int:
+    return sum(p.num_used_blocks for p in client.stats().pools)
+
+
+def test_socket_is_private(memory_service: str) -> None:
+    assert stat.S_IMODE(os.stat(memory_service).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(os.path.dirname(memory_service)).st_mode) == 0o700
+
+
+def test_health_and_reflection(memory_service: str) -> None:
+    channel = grpc.insecure_channel(f"unix:{memory_service}")
+    health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="pagedserve.memory.v1.MemoryManager"))
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    replies = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+        iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+    )
+    names = {s.name for s in next(replies).list_services_response.service}
+    assert {"pagedserve.memory.v1.MemoryManager", "grpc.health.v1.Health"} <= names
+
+
+def test_step_allocates_shares_prefix_and_frees(memory_service: str) -> None:
+    with MemoryClient(f"unix:{memory_service}", TINY_LAYOUT, "t") as client:
+        assert client.pool.shape == (2, 2, 16, 4, 2, 4)
+        prompt = list(range(10))  # 2 full blocks + 2 tokens
+        [a] = client.step([AllocateOp("a", prompt, max_num_new_tokens=100)])
+        assert a.ok and a.num_cached_tokens == 0 and a.num_new_tokens == 10 and len(a.block_ids) == 3
+        [b] = client.step([AllocateOp("b", prompt, max_num_new_tokens=100)])
+        assert b.ok and b.num_cached_tokens == 8 and b.block_ids[:2] == a.block_ids[:2]
+        assert b.block_ids[2] != a.block_ids[2]
+        results = client.step([AppendOp("a", [10, 11, 12]), ForkOp("a", "a2"), FreeOp("b")])
+        assert [r.ok for r in results] == [True, True, True]
+        assert client.block_table("a2") == client.block_table("a")
+        stats = client.stats()
+        assert stats.num_sequences == 2 and stats.prefix_cache_hits == 8
+
+
+def test_out_of_blocks_is_a_result_not_an_error(memory_service: str) -> None:
+    with MemoryClient(f"unix:{memory_service}", TINY_LAYOUT, "t") as client:
+        # 12 general blocks hold 48 tokens; priority 0 cannot take the 4 reserved ones.
+        [big] = client.step([AllocateOp("big", list(range(48)), max_num_new_tokens=48)])
+        assert big.ok
+        results = client.step([AllocateOp("low", [1, 2, 3], 3), AllocateOp("high", [1, 2, 3], 3, priority=1)])
+        assert [r.ok for r in results] == [False, True]
+        assert results[1].block_ids[0] >= 12  # from the reserved pool
+        with pytest.raises(ValueError, match="low|not a live"):
+            try:
+                client.block_table("low")
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT
+                raise ValueError(exc.details()) from None
+
+
+@pytest.mark.parametrize(
+    ("ops", "needle"),
+    [
+        ([pb.SequenceOp(append=pb.AppendOp(seq_id="nope", token_ids=[1]))], "nope"),
+        ([pb.SequenceOp(free=pb.FreeOp(seq_id="nope"))], "nope"),
+        ([pb.SequenceOp(fork=pb.ForkOp(parent_seq_id="ghost", child_seq_id="c"))], "ghost"),
+        ([pb.SequenceOp(allocate=pb.AllocateOp(seq_id="x", prompt_token_ids=[1], max_num_new_tokens=-5))], "max_num_new_tokens"),
+        ([pb.SequenceOp(allocate=pb.AllocateOp(seq_id="x", prompt_token_ids=[-1], max_num_new_tokens=1))], "token"),
+        ([pb.SequenceOp(allocate=pb.AllocateOp(seq_id="x", prompt_token_ids=[1] * 100000, max_num_new_tokens=1))], ""),
+        ([pb.SequenceOp()], "SequenceOp"),
+    ],
+)
+def test_bad_input_is_invalid_argument_and_changes_nothing(memory_service: str, ops: list, needle: str) -> None:
+    with MemoryClient(f"unix:{memory_service}", TINY_LAYOUT, "t") as client:
+        [ok] = client.step([AllocateOp("keep", [5, 6, 7, 8, 9], 5)])
+        before = client.stats()
+        stub = stub_for(memory_service)
+        # A valid op in front of the bad one must not be applied either.
+        request = pb.StepRequest(client_id=client.client_id, ops=[pb.SequenceOp(free=pb.FreeOp(seq_id="keep")), *ops])
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Step(request)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert needle in info.value.details()
+        assert client.stats() == before
+        assert client.block_table("keep") == ok.block_ids
+
+
+def test_unknown_client_and_bad_layout(memory_service: str) -> None:
+    stub = stub_for(memory_service)
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Step(pb.StepRequest(client_id="who", ops=[]))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "who" in info.value.details()
+    with MemoryClient(f"unix:{memory_service}", TINY_LAYOUT, "t"):
+        other = pb.KvLayout(num_layers=3, num_kv_heads=2, head_dim=4, dtype="float32", block_size=4)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Attach(pb.AttachRequest(client_name="x", layout=other))
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Attach(pb.AttachRequest(client_name="x", layout=pb.KvLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype="int8")))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "dtype" in info.value.details()
+    assert stub.Ping(pb.PingRequest()) == pb.PingResponse()  # still serving
+
+
+WRITER = """
+import sys, torch
+from memory_service.block_manager import AllocateOp
+from memory_service.client import MemoryClient
+from memory_service.pool import KvLayout
+layout = KvLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype="float32", block_size=4)
+client = MemoryClient("unix:" + sys.argv[1], layout, "writer")
+[r] = client.step([AllocateOp("w", list(range(8)), 8)])
+block = r.block_ids[1]
+client.pool[1, 0, block] = torch.arange(32, dtype=torch.float32).view(4, 2, 4)  # layer 1, K
+print(block, flush=True)
+if sys.argv[2] == "hang":
+    sys.stdin.read()
+client.close() if sys.argv[2] == "close" else None
+"""
+
+
+def test_another_process_writes_the_same_bytes(memory_service: str) -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", WRITER, memory_service, "stay"], capture_output=True, text=True, check=True, cwd=ROOT
+    )
+    block = int(out.stdout.split()[0])
+    with MemoryClient(f"unix:{memory_service}", TINY_LAYOUT, "reader") as reader:
+        expected = torch.arange(32, dtype=torch.float32).view(4, 2, 4)
+        assert torch.equal(reader.pool[1, 0, block], expected)
+
+
+def test_killed_client_gets_its_blocks_reclaimed(memory_service: str) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WRITER, memory_service, "hang"], stdout=subprocess.PIPE, stdin=subprocess.PIPE, text=True, cwd=ROOT
+    )
+    int(proc.stdout.readline())
+    with MemoryClient(f"unix:{memory_service}", TINY_LAYOUT, "observer") as observer:
+        assert used_blocks(observer) == 2
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        deadline = time.monotonic() + 10
+        while used_blocks(observer) != 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert used_blocks(observer) == 0
+        assert observer.stats().num_clients == 1
+        # The writer's first block was full: it stays cached for the next identical prompt.
+        [r] = observer.step([AllocateOp("again", list(range(8)) + [99], 9)])
+        assert r.num_cached_tokens == 8
+
+
+def test_lease_expires_without_keepalive(memory_service: str) -> None:
+    stub = stub_for(memory_service)
+    reply = stub.Attach(pb.AttachRequest(client_name="silent", layout=pb.KvLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype="float32", block_size=4)))
+    stub.Step(pb.StepRequest(client_id=reply.client_id, ops=[pb.SequenceOp(allocate=pb.AllocateOp(seq_id="s", prompt_token_ids=[1, 2], max_num_new_tokens=2))]))
+    assert sum(p.num_used_blocks for p in stub.Stats(pb.StatsRequest()).pools) == 1
+    time.sleep(3.5)  # ttl is 2 s
+    assert sum(p.num_used_blocks for p in stub.Stats(pb.StatsRequest()).pools) == 0
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Step(pb.StepRequest(client_id=reply.client_id, ops=[]))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
