@@ -90,7 +90,8 @@ class Engine:
             seed = request.params.seed if request.params.seed is not None else torch.seed()
             generator.manual_seed(seed + index)
         seq = Sequence(
-            seq_id=f"{request.request_id}#{index}.{next(self._seq_counter)}",
+            # Sequence ids are unique per memory service: other clients may share it.
+            seq_id=f"{self.memory.client_id}/{next(self._seq_counter)}",
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
             params=request.params,

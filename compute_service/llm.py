@@ -144,6 +144,8 @@ class LLM:
             for out in self.engine.step():
                 if out.finished:
                     finished[out.request_id] = out
+        if not self.engine.requests:
+            self.engine.step()  # frees the last finished sequences' blocks now, not at the next call
         return [finished[i] for i in ids]
 
     def chat(self, messages: list[dict[str, str]], **kwargs: Any) -> RequestOutput:

@@ -1,18 +1,22 @@
 """Prefix cache: a content-addressed index of full KV blocks, so equal prompt prefixes share blocks.
 
-A full block is keyed by ``(parent_entry_id, token_ids, namespace)``:
+A full block's content is its key ``(parent_entry_id, token_bytes, namespace)``:
 
-- ``token_ids`` are the block's own ``block_size`` token ids (a tuple), stored in the key itself;
-- ``parent_entry_id`` identifies the cache entry of the block before it (``ROOT_ENTRY_ID`` for the
-  first block of a sequence). Entry ids are handed out once per registration and never reused;
-- ``namespace`` (model name + cache_salt) keeps tenants apart.
+- ``token_bytes``: the block's own ``block_size`` token ids, encoded by ``encode_token_ids``
+  (``TOKEN_WIDTH`` = 4 bytes each). Bytes rather than a tuple of ints: hashing and comparing them runs over one
+  buffer, and dropping a key frees one object instead of dereferencing block_size ints;
+- ``parent_entry_id``: the cache entry of the block before it in the sequence (``ROOT_ENTRY_ID``
+  for a first block). Each registration gets a new entry id, never reused;
+- ``namespace``: model name + cache_salt, so tenants never share.
 
-This is the chained hash of (parent hash, token ids, namespace) from docs/design.md, with one
-deliberate difference: the parent is named by its entry id, not by its hash value. The dict compares
-whole keys on lookup, so a hash collision can never share wrong content: not in this block (its
-token ids are compared) and not in its prefix (an entry id names exactly one registration, and by
-induction one prefix). The cost is that an entry whose parent was evicted becomes unreachable; it is
-harmless and leaves in LRU order like any other evictable block.
+The block is indexed by ``hash(key)``, the chained hash of (parent, token ids, namespace) of
+docs/design.md, and stores its key. A lookup compares the stored key with the wanted one, so a hash
+collision can never share wrong content: not this block's tokens (compared), and not its prefix,
+because the parent is named by its entry id, which stands for exactly one registration and, by
+induction from the root, one prefix. (A parent named by its hash would let two prefixes whose
+hashes collide adopt each other's children.) A colliding block is simply not cached. The price of
+entry ids: when a parent is evicted, its cached children can no longer be reached; they are
+harmless and leave in LRU order like any other evictable block.
 
 The cache only indexes blocks. Reference counts, the LRU of evictable blocks and the free lists live
 in the BlockManager, which calls ``drop`` when it evicts a block.
@@ -20,20 +24,54 @@ in the BlockManager, which calls ``drop`` when it evicts a block.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from array import array
+from collections.abc import Iterable, Sequence
 
 # Parent entry id of a sequence's first block.
 ROOT_ENTRY_ID = 0
+# A sequence whose chain met a hash collision: none of its later blocks can be registered.
+UNCACHEABLE = -1
 
-CacheKey = tuple[int, tuple[int, ...], str]  # (parent_entry_id, token_ids of the block, namespace)
+CacheKey = tuple[int, bytes, str]  # (parent_entry_id, token_bytes of the block, namespace)
+
+# Token ids are unsigned 32-bit: an id that does not fit (negative, >= 2**32, not an int) cannot be
+# encoded, which is how the block manager validates them.
+_TOKEN_TYPECODE = "I"
+TOKEN_WIDTH = array(_TOKEN_TYPECODE).itemsize  # bytes per token id
+
+
+def encode_token_ids(token_ids: Sequence[int]) -> bytes:
+    """Encodes token ids as a cache key's ``token_bytes``.
+
+    Args:
+        token_ids: ints in ``[0, 2**32)``.
+
+    Returns:
+        ``TOKEN_WIDTH`` bytes per token.
+
+    Raises:
+        OverflowError: an id is negative or too large.
+        TypeError: an id is not an int.
+    """
+    return array(_TOKEN_TYPECODE, token_ids).tobytes()
+
+
+def decode_token_ids(token_bytes: bytes) -> list[int]:
+    """Inverse of ``encode_token_ids`` (debugging and tests)."""
+    token_ids = array(_TOKEN_TYPECODE)
+    token_ids.frombytes(token_bytes)
+    return token_ids.tolist()
+
+# Module-level so that tests can force collisions; looked up once per call, not per block.
+_block_hash = hash
 
 
 class PrefixCache:
     """Maps the content of full blocks to the block ids that hold it.
 
-    Invariants (checked by ``check_integrity``): a block has a key iff it has a non-zero entry id iff
-    the index maps that key to that block; entry ids are unique; a parent entry id is always smaller
-    than its child's (the parent registered first).
+    Invariants (``check_integrity``): a block has a key iff it has a hash iff it has an entry id
+    iff the index maps its hash to it; hashes and entry ids are unique among cached blocks; a
+    parent entry id is smaller than its child's (the parent registered first).
 
     Args:
         num_blocks: number of block ids, ``[0, num_blocks)``.
@@ -42,111 +80,121 @@ class PrefixCache:
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.block_size = block_size
-        self._block_ids: dict[CacheKey, int] = {}
-        # Per block id; plain lists indexed by block id keep the hot path free of per-block objects.
+        self._block_ids: dict[int, int] = {}  # hash -> block id
+        # Per block id; plain lists keep the hot path free of per-block objects.
         self.block_keys: list[CacheKey | None] = [None] * num_blocks
+        self.block_hashes: list[int | None] = [None] * num_blocks
         self.entry_ids: list[int] = [ROOT_ENTRY_ID] * num_blocks  # ROOT_ENTRY_ID = not cached
         self._next_entry_id = ROOT_ENTRY_ID + 1
 
     def __len__(self) -> int:
         return len(self._block_ids)
 
-    def is_cached(self, block_id: int) -> bool:
-        """Whether the block holds a registered full block (in use or evictable).
+    def match(self, token_bytes: bytes, namespace: str, max_num_blocks: int) -> tuple[list[int], int]:
+        """Finds the longest cached prefix of a prompt, block by block. Changes nothing.
 
         Args:
-            block_id: the block.
-
-        Returns:
-            True if the block has a cache key.
-        """
-        return self.block_keys[block_id] is not None
-
-    def match(self, token_ids: tuple[int, ...], namespace: str, max_num_blocks: int) -> tuple[list[int], int]:
-        """Finds the longest cached prefix of ``token_ids``, block by block. Changes nothing.
-
-        Args:
-            token_ids: the prompt (a tuple: its slices are the keys' token tuples).
+            token_bytes: the prompt, encoded.
             namespace: the prompt's namespace.
             max_num_blocks: look at most this many leading full blocks.
 
         Returns:
             The cached block ids of the prefix, in order, and the entry id of the last one
-            (``ROOT_ENTRY_ID`` when nothing matched), the parent for the blocks that follow.
+            (``ROOT_ENTRY_ID`` when nothing matched): the parent of the blocks that follow.
         """
-        block_size = self.block_size
+        block_width = self.block_size * TOKEN_WIDTH
+        block_hash = _block_hash
         get = self._block_ids.get
-        entry_ids = self.entry_ids
+        block_keys, entry_ids = self.block_keys, self.entry_ids
         block_ids: list[int] = []
         parent_entry_id = ROOT_ENTRY_ID
-        for start in range(0, max_num_blocks * block_size, block_size):
-            block_id = get((parent_entry_id, token_ids[start : start + block_size], namespace))
-            if block_id is None:
+        for start in range(0, max_num_blocks * block_width, block_width):
+            key = (parent_entry_id, token_bytes[start : start + block_width], namespace)
+            block_id = get(block_hash(key))
+            if block_id is None or block_keys[block_id] != key:
                 break
             block_ids.append(block_id)
             parent_entry_id = entry_ids[block_id]
         return block_ids, parent_entry_id
 
-    def register(self, block_ids: Sequence[int], token_ids: Sequence[int], namespace: str, parent_entry_id: int) -> int:
+    def register(self, block_ids: Sequence[int], token_bytes: bytes, start: int, namespace: str, parent_entry_id: int) -> int:
         """Registers blocks of one sequence that just became full.
 
         When an identical block is already cached (two sequences generated the same tokens), the
         sequence keeps its own block and it is not registered: no de-duplication, so block tables
-        stay append-only. The chain continues from the cached twin, so the next block can still be
-        registered.
+        stay append-only. The chain goes on from the cached twin, so later blocks still register.
 
         Args:
-            block_ids: consecutive full blocks of one sequence, not cached yet.
-            token_ids: their contents: ``block_ids[i]`` holds ``token_ids[i * block_size:(i + 1) * block_size]``.
+            block_ids: consecutive blocks of one sequence, now full, not cached.
+            token_bytes: encoded tokens of the sequence (or of a tail of it) holding the blocks' contents.
+            start: the token index in ``token_bytes`` where ``block_ids[0]`` begins; the blocks follow.
             namespace: the sequence's namespace.
-            parent_entry_id: entry id of the block before ``block_ids[0]`` in the sequence.
+            parent_entry_id: entry id of the content of the block before ``block_ids[0]``, or
+                ``UNCACHEABLE``.
 
         Returns:
-            The entry id of the last block's content, the parent for the sequence's next block.
+            The entry id of the last block's content (the parent of the sequence's next block), or
+            ``UNCACHEABLE`` once a hash collision kept a block out.
         """
-        block_size = self.block_size
-        index = self._block_ids
-        for i, block_id in enumerate(block_ids):
-            key = (parent_entry_id, tuple(token_ids[i * block_size : (i + 1) * block_size]), namespace)
-            cached_block_id = index.setdefault(key, block_id)
+        if parent_entry_id == UNCACHEABLE:
+            return UNCACHEABLE
+        block_width = self.block_size * TOKEN_WIDTH
+        start *= TOKEN_WIDTH
+        block_hash = _block_hash
+        setdefault = self._block_ids.setdefault
+        block_keys, block_hashes, entry_ids = self.block_keys, self.block_hashes, self.entry_ids
+        next_entry_id = self._next_entry_id
+        for block_id in block_ids:
+            key = (parent_entry_id, token_bytes[start : start + block_width], namespace)
+            start += block_width
+            hash_value = block_hash(key)
+            cached_block_id = setdefault(hash_value, block_id)
             if cached_block_id == block_id:
-                self.block_keys[block_id] = key
-                parent_entry_id = self.entry_ids[block_id] = self._next_entry_id
-                self._next_entry_id += 1
+                block_keys[block_id] = key
+                block_hashes[block_id] = hash_value
+                parent_entry_id = entry_ids[block_id] = next_entry_id
+                next_entry_id += 1
+            elif block_keys[cached_block_id] == key:
+                parent_entry_id = entry_ids[cached_block_id]
             else:
-                parent_entry_id = self.entry_ids[cached_block_id]
+                parent_entry_id = UNCACHEABLE  # a different block owns this hash; keep it
+                break
+        self._next_entry_id = next_entry_id
         return parent_entry_id
 
-    def drop(self, block_id: int) -> None:
-        """Forgets a cached block (it is being evicted and reused).
+    def drop(self, block_ids: Iterable[int]) -> None:
+        """Forgets cached blocks (they are being evicted for reuse).
 
         Args:
-            block_id: a cached block.
+            block_ids: cached blocks.
         """
-        del self._block_ids[self.block_keys[block_id]]
-        self.block_keys[block_id] = None
-        self.entry_ids[block_id] = ROOT_ENTRY_ID
+        index = self._block_ids
+        block_keys, block_hashes, entry_ids = self.block_keys, self.block_hashes, self.entry_ids
+        for block_id in block_ids:
+            del index[block_hashes[block_id]]
+            block_keys[block_id] = block_hashes[block_id] = None
+            entry_ids[block_id] = ROOT_ENTRY_ID
 
     def check_integrity(self) -> None:
-        """Raises AssertionError if the index and the per-block keys disagree."""
-        num_keyed = 0
+        """Raises AssertionError if the index and the per-block keys, hashes and entry ids disagree."""
+        num_cached = 0
         seen_entry_ids: set[int] = set()
         for block_id, key in enumerate(self.block_keys):
-            entry_id = self.entry_ids[block_id]
+            hash_value, entry_id = self.block_hashes[block_id], self.entry_ids[block_id]
             if key is None:
-                if entry_id != ROOT_ENTRY_ID:
-                    raise AssertionError(f"block {block_id} has entry id {entry_id} but no cache key")
+                if hash_value is not None or entry_id != ROOT_ENTRY_ID:
+                    raise AssertionError(f"block {block_id} has hash {hash_value} / entry id {entry_id} but no key")
                 continue
-            num_keyed += 1
-            if self._block_ids.get(key) != block_id:
-                raise AssertionError(f"block {block_id}'s key maps to block {self._block_ids.get(key)}")
-            parent_entry_id, token_ids, namespace = key
-            if type(token_ids) is not tuple or len(token_ids) != self.block_size or type(namespace) is not str:
+            num_cached += 1
+            parent_entry_id, token_bytes, namespace = key
+            if type(token_bytes) is not bytes or len(token_bytes) != self.block_size * TOKEN_WIDTH or type(namespace) is not str:
                 raise AssertionError(f"block {block_id} has a malformed key {key!r}")
+            if hash_value != _block_hash(key) or self._block_ids.get(hash_value) != block_id:
+                raise AssertionError(f"block {block_id}: hash {hash_value} does not match its key or the index")
             if not ROOT_ENTRY_ID < entry_id < self._next_entry_id or entry_id in seen_entry_ids:
                 raise AssertionError(f"block {block_id} has a bad or duplicate entry id {entry_id}")
-            if not 0 <= parent_entry_id < entry_id:
+            if not ROOT_ENTRY_ID <= parent_entry_id < entry_id:
                 raise AssertionError(f"block {block_id} (entry {entry_id}) has parent entry {parent_entry_id}")
             seen_entry_ids.add(entry_id)
-        if num_keyed != len(self._block_ids):
-            raise AssertionError(f"{len(self._block_ids)} keys indexed but {num_keyed} blocks hold a key")
+        if num_cached != len(self._block_ids):
+            raise AssertionError(f"{len(self._block_ids)} hashes indexed but {num_cached} blocks hold a key")

@@ -180,7 +180,12 @@ class MemoryManagerServicer(memory_pb2_grpc.MemoryManagerServicer):
         with self._lock:
             self._lease(request.client_id)
             results = self.block_manager.apply(request.client_id, ops)
-        return pb.StepResponse(results=[convert.result_to_pb(r) for r in results])
+            num_available, num_available_reserved = self.block_manager.num_available_blocks()
+        return pb.StepResponse(
+            results=[convert.result_to_pb(r) for r in results],
+            num_available_blocks=num_available,
+            num_available_reserved_blocks=num_available_reserved,
+        )
 
     def GetBlockTable(self, request: pb.GetBlockTableRequest, context: grpc.ServicerContext) -> pb.GetBlockTableResponse:
         with self._lock:

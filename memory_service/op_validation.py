@@ -1,0 +1,153 @@
+"""Validation of a client's batch of ops, before the block manager applies any of it.
+
+A bad op is a caller bug: it raises ``ValueError`` naming the op and the problem, and because the
+whole batch is checked first, nothing of the batch has been applied. Token ids are checked by
+encoding them for the prefix cache (one pass in C), and the encodings are handed on to the manager.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+from memory_service.block_types import AllocateOp, AppendOp, ForkOp, FreeOp, Op
+from memory_service.prefix_cache import encode_token_ids
+
+
+class _LiveSequence(Protocol):
+    client_id: str
+    num_tokens: int
+
+
+def _where(index: int, op: object) -> str:
+    return f"ops[{index}] ({type(op).__name__})"
+
+
+def _encode_token_ids(index: int, op: object, name: str, token_ids: object) -> bytes:
+    """Returns the encoded ids; raises unless ``token_ids`` is a non-empty sequence of ints in [0, 2**32)."""
+    # bytes and str would be taken as raw machine words and characters.
+    if isinstance(token_ids, (str, bytes, bytearray, memoryview)):
+        raise ValueError(f"{_where(index, op)}: {name} must be a sequence of int token ids, got {type(token_ids).__name__}")
+    try:
+        token_bytes = encode_token_ids(token_ids)
+    except OverflowError as exc:
+        raise ValueError(f"{_where(index, op)}: {name} holds a token id < 0 or >= 2**32 ({exc})") from exc
+    except TypeError as exc:
+        raise ValueError(f"{_where(index, op)}: {name} must be a sequence of int token ids ({exc})") from exc
+    if not token_bytes:
+        raise ValueError(f"{_where(index, op)}: {name} is empty")
+    return token_bytes
+
+
+class OpValidator:
+    """Checks a batch of ops against the state as the batch itself would evolve it.
+
+    Args:
+        max_num_tokens: token capacity of the whole pool; no sequence can ever outgrow it.
+        seqs: the block manager's live sequences (read, never changed): seq_id -> sequence.
+        client_seq_ids: the block manager's clients (read, never changed): client_id -> seq ids.
+    """
+
+    def __init__(
+        self,
+        max_num_tokens: int,
+        seqs: Mapping[str, _LiveSequence],
+        client_seq_ids: Mapping[str, object],
+    ) -> None:
+        self._max_num_tokens = max_num_tokens
+        self._seqs = seqs
+        self._client_seq_ids = client_seq_ids
+
+    def validate(self, client_id: str, ops: Sequence[Op], expected_type: type | None = None) -> list[bytes | None]:
+        """Raises ``ValueError`` for the first bad op. Changes nothing.
+
+        Checked: the client is attached; each op is one of the four op types (``expected_type``
+        when given); seq ids are non-empty strings; new ones are not live, the others are live
+        sequences of this client (counting creations and frees earlier in the batch); token lists
+        are non-empty with ids >= 0; ``max_num_new_tokens >= 1``; no sequence outgrows the pool.
+
+        Args:
+            client_id: the client sending the batch.
+            ops: the batch.
+            expected_type: the only op type allowed (the single-op methods).
+
+        Returns:
+            Per op, its token ids encoded by ``encode_token_ids`` (AllocateOp: the prompt; AppendOp:
+            the new tokens); None for FreeOp and ForkOp.
+        """
+        if client_id not in self._client_seq_ids:
+            raise ValueError(f"client_id {client_id!r} is not attached")
+        # Sequences touched by earlier ops of the batch: seq_id -> a lower bound of its num_tokens
+        # (how much an AllocateOp gets from the prefix cache is known only when it runs), or None
+        # once freed.
+        batch_num_tokens: dict[str, int | None] = {}
+        max_num_tokens = self._max_num_tokens
+        encoded: list[bytes | None] = []
+        for index, op in enumerate(ops):
+            op_type = type(op)
+            if expected_type is not None and op_type is not expected_type:
+                raise ValueError(f"expected an {expected_type.__name__}, got {op_type.__name__}")
+            if op_type is AppendOp:
+                num_tokens = self._live_num_tokens(client_id, batch_num_tokens, index, op, "seq_id", op.seq_id)
+                token_bytes = _encode_token_ids(index, op, "token_ids", op.token_ids)
+                num_tokens += len(op.token_ids)
+                if num_tokens > max_num_tokens:
+                    raise ValueError(
+                        f"{_where(index, op)}: seq_id {op.seq_id!r} would grow to {num_tokens} tokens, "
+                        f"more than the whole pool holds ({max_num_tokens})"
+                    )
+                batch_num_tokens[op.seq_id] = num_tokens
+                encoded.append(token_bytes)
+            elif op_type is AllocateOp:
+                self._check_new_seq_id(batch_num_tokens, index, op, "seq_id", op.seq_id)
+                token_bytes = _encode_token_ids(index, op, "prompt_token_ids", op.prompt_token_ids)
+                num_prompt_tokens = len(op.prompt_token_ids)
+                if num_prompt_tokens > max_num_tokens:
+                    raise ValueError(
+                        f"{_where(index, op)}: prompt_token_ids has {num_prompt_tokens} tokens, "
+                        f"more than the whole pool holds ({max_num_tokens})"
+                    )
+                if type(op.max_num_new_tokens) is not int or op.max_num_new_tokens < 1:
+                    raise ValueError(f"{_where(index, op)}: max_num_new_tokens must be an int >= 1, got {op.max_num_new_tokens!r}")
+                if type(op.priority) is not int:
+                    raise ValueError(f"{_where(index, op)}: priority must be an int, got {op.priority!r}")
+                if type(op.namespace) is not str:
+                    raise ValueError(f"{_where(index, op)}: namespace must be a string, got {op.namespace!r}")
+                batch_num_tokens[op.seq_id] = min(num_prompt_tokens, op.max_num_new_tokens)
+                encoded.append(token_bytes)
+            elif op_type is FreeOp:
+                self._live_num_tokens(client_id, batch_num_tokens, index, op, "seq_id", op.seq_id)
+                batch_num_tokens[op.seq_id] = None
+                encoded.append(None)
+            elif op_type is ForkOp:
+                num_tokens = self._live_num_tokens(client_id, batch_num_tokens, index, op, "parent_seq_id", op.parent_seq_id)
+                self._check_new_seq_id(batch_num_tokens, index, op, "child_seq_id", op.child_seq_id)
+                batch_num_tokens[op.child_seq_id] = num_tokens
+                encoded.append(None)
+            else:
+                raise ValueError(f"ops[{index}]: expected an AllocateOp, AppendOp, FreeOp or ForkOp, got {op_type.__name__}")
+        return encoded
+
+    def _live_num_tokens(
+        self, client_id: str, batch_num_tokens: dict[str, int | None], index: int, op: Op, name: str, seq_id: object
+    ) -> int:
+        if type(seq_id) is not str:
+            raise ValueError(f"{_where(index, op)}: {name} must be a string, got {seq_id!r}")
+        if seq_id in batch_num_tokens:
+            num_tokens = batch_num_tokens[seq_id]
+            if num_tokens is None:
+                raise ValueError(f"{_where(index, op)}: {name} {seq_id!r} was freed by an earlier op of this batch")
+            return num_tokens
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise ValueError(f"{_where(index, op)}: {name} {seq_id!r} is not a live sequence")
+        if seq.client_id != client_id:
+            raise ValueError(f"{_where(index, op)}: {name} {seq_id!r} belongs to another client")
+        return seq.num_tokens
+
+    def _check_new_seq_id(self, batch_num_tokens: dict[str, int | None], index: int, op: Op, name: str, seq_id: object) -> None:
+        if type(seq_id) is not str or not seq_id:
+            raise ValueError(f"{_where(index, op)}: {name} must be a non-empty string, got {seq_id!r}")
+        is_live = batch_num_tokens[seq_id] is not None if seq_id in batch_num_tokens else seq_id in self._seqs
+        if is_live:
+            raise ValueError(f"{_where(index, op)}: {name} {seq_id!r} is already a live sequence")

@@ -1,0 +1,177 @@
+"""The engine end to end on a tiny random-weight Llama: token-for-token equal to transformers.
+
+Every scenario (prefix caching on/off, chunked prefill, preemption, late arrivals, priorities,
+forks) must produce exactly the greedy tokens of `transformers` `generate` with the same weights.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from compute_service import LLM, SamplingParams
+
+VOCAB = 256
+EOS = 1
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        bos_token_id=0, eos_token_id=EOS, tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_dir: Path) -> LlamaForCausalLM:
+    return LlamaForCausalLM.from_pretrained(tiny_dir, torch_dtype=torch.float32).eval()
+
+
+def hf_greedy(model: LlamaForCausalLM, prompt: list[int], max_tokens: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long), pad_token_id=EOS)
+    return out[0, len(prompt):].tolist()
+
+
+def make_prompts(num: int, seed: int, shared_prefix: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    prefix = [rng.randrange(2, VOCAB) for _ in range(shared_prefix)]
+    return [prefix + [rng.randrange(2, VOCAB) for _ in range(rng.randrange(1, 40))] for _ in range(num)]
+
+
+def expected(hf_model: LlamaForCausalLM, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    return [hf_greedy(hf_model, p, max_tokens) for p in prompts]
+
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
+
+
+@pytest.mark.parametrize("enable_prefix_caching", [True, False])
+def test_greedy_equals_transformers(tiny_dir: Path, hf_model: LlamaForCausalLM, enable_prefix_caching: bool) -> None:
+    prompts = make_prompts(8, seed=1, shared_prefix=10)
+    with LLM(str(tiny_dir), block_size=4, max_num_blocks=256, enable_prefix_caching=enable_prefix_caching) as llm:
+        first = llm.generate(prompts, GREEDY)
+        again = llm.generate(prompts, GREEDY)  # second round: the prompts' blocks are cached now
+        stats = llm.memory_stats()
+    want = expected(hf_model, prompts, 24)
+    assert [o.token_ids for o in first] == want
+    assert [o.token_ids for o in again] == want
+    if enable_prefix_caching:
+        assert all(o.num_cached_tokens >= 8 for o in again)
+        assert stats.prefix_cache_hits > 0
+    else:
+        assert all(o.num_cached_tokens == 0 for o in again) and stats.prefix_cache_hits == 0
+
+
+def test_chunked_prefill_and_small_batches(tiny_dir: Path, hf_model: LlamaForCausalLM) -> None:
+    prompts = make_prompts(6, seed=2, shared_prefix=30)
+    with LLM(str(tiny_dir), block_size=4, max_num_blocks=256, max_num_seqs=3, max_num_batched_tokens=8) as llm:
+        outs = llm.generate(prompts, GREEDY)
+        assert llm.engine.num_steps > sum(len(p) for p in prompts) // 8  # prompts really went in chunks
+    assert [o.token_ids for o in outs] == expected(hf_model, prompts, 24)
+
+
+def test_preemption_by_recompute(tiny_dir: Path, hf_model: LlamaForCausalLM) -> None:
+    prompts = make_prompts(8, seed=3)
+    # 24 blocks of 4 tokens: far too few for 8 sequences of up to 40 + 24 tokens at once.
+    with LLM(str(tiny_dir), block_size=4, max_num_blocks=24, max_num_seqs=8) as llm:
+        outs = llm.generate(prompts, GREEDY)
+        assert llm.engine.scheduler.num_preemptions > 0
+        stats = llm.memory_stats()
+    assert [o.token_ids for o in outs] == expected(hf_model, prompts, 24)
+    assert stats.num_sequences == 0
+
+
+def test_requests_arriving_while_others_decode(tiny_dir: Path, hf_model: LlamaForCausalLM) -> None:
+    prompts = make_prompts(6, seed=4, shared_prefix=8)
+    with LLM(str(tiny_dir), block_size=4, max_num_blocks=256) as llm:
+        engine = llm.engine
+        done = {}
+        for tick in range(10_000):
+            if tick % 3 == 0 and tick // 3 < len(prompts):  # a new request every third step
+                engine.add_request(f"r{tick // 3}", prompts[tick // 3], GREEDY)
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.token_ids
+            if len(done) == len(prompts):
+                break
+    assert [done[f"r{i}"] for i in range(len(prompts))] == expected(hf_model, prompts, 24)
+
+
+def test_priority_jumps_the_queue(tiny_dir: Path) -> None:
+    prompts = make_prompts(4, seed=5)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    with LLM(str(tiny_dir), block_size=4, max_num_blocks=64, max_num_seqs=1) as llm:
+        engine = llm.engine
+        for i, prompt in enumerate(prompts[:3]):
+            engine.add_request(f"low{i}", prompt, params, priority=0)
+        engine.step()  # low0 starts
+        engine.add_request("high", prompts[3], params, priority=5)
+        order = []
+        while engine.has_unfinished():
+            order += [o.request_id for o in engine.step() if o.finished]
+    assert order == ["low0", "high", "low1", "low2"]
+
+
+def test_high_priority_preempts_lower_when_blocks_run_out(tiny_dir: Path, hf_model: LlamaForCausalLM) -> None:
+    rng = random.Random(9)
+    low = [rng.randrange(2, VOCAB) for _ in range(30)]  # 8 blocks of 4
+    high = [rng.randrange(2, VOCAB) for _ in range(12)]  # 3 blocks
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    with LLM(str(tiny_dir), block_size=4, max_num_blocks=10, max_num_seqs=2) as llm:
+        engine = llm.engine
+        engine.add_request("low", low, params, priority=0)
+        engine.step()  # low's whole prompt: 8 of the 10 blocks
+        engine.add_request("high", high, params, priority=5)
+        finished = {}
+        while engine.has_unfinished():
+            finished.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+        assert engine.scheduler.num_preemptions >= 1
+        assert list(finished) == ["high", "low"]
+    assert finished["low"] == hf_greedy(hf_model, low, 6)
+    assert finished["high"] == hf_greedy(hf_model, high, 6)
+
+
+def test_parallel_sampling_forks_share_the_prompt(tiny_dir: Path, hf_model: LlamaForCausalLM) -> None:
+    prompt = make_prompts(1, seed=6)[0]
+    with LLM(str(tiny_dir), block_size=4, max_num_blocks=128) as llm:
+        [greedy] = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, n=3))
+        assert llm.memory_stats().num_copy_on_writes >= (1 if len(prompt) % 4 else 0)
+        [sampled] = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=1.0, n=3, seed=7))
+        [again] = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=1.0, n=3, seed=7))
+    want = hf_greedy(hf_model, prompt, 12)
+    assert [c.token_ids for c in greedy.outputs] == [want] * 3
+    assert [c.token_ids for c in sampled.outputs] == [c.token_ids for c in again.outputs]
+    assert len({tuple(c.token_ids) for c in sampled.outputs}) > 1
+
+
+def test_abort_and_bad_input(tiny_dir: Path) -> None:
+    with LLM(str(tiny_dir), block_size=4, max_num_blocks=64) as llm:
+        engine = llm.engine
+        engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
+        engine.step()
+        assert engine.abort("a")
+        outs = engine.step()
+        assert [(o.request_id, o.finished, o.finish_reason) for o in outs] == [("a", True, "abort")]
+        engine.step()  # frees the aborted sequence's blocks
+        assert llm.memory_stats().num_sequences == 0
+        with pytest.raises(ValueError, match="token ids"):
+            llm.generate([[VOCAB + 5]], max_tokens=2)
+        with pytest.raises(ValueError, match="max_tokens"):
+            llm.generate([[3, 4]], max_tokens=0)
+        with pytest.raises(ValueError, match="KV pool"):
+            llm.generate([[3] * 200], max_tokens=200)
+        # Still serving after bad input.
+        assert len(llm.generate([[3, 4]], max_tokens=2, temperature=0.0)[0].token_ids) == 2

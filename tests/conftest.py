@@ -1,0 +1,87 @@
+"""Shared fixtures: the real default model (loaded once per session) and tiny random-weight models.
+
+The default model's converted copy lives in the persistent cache root ($PAGEDSERVE_CACHE_DIR or
+~/.cache/pagedserve), so only the very first run on a machine pays the ~20 s conversion.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+# Shape of every tiny test model: 2 layers, hidden 64, 4 query heads over 2 KV heads, vocab 128.
+TINY_SHAPE = dict(
+    vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+)
+TINY_VARIANTS = ("llama", "llama-tied", "llama3-rope", "qwen2", "mistral")
+
+
+@dataclass(frozen=True)
+class TinyModel:
+    """A random-weight model saved with save_pretrained at `path`, and the transformers model itself
+    (float32, eager attention) as the reference."""
+
+    variant: str
+    path: Path
+    hf_model: torch.nn.Module
+
+
+def _build_tiny(variant: str) -> torch.nn.Module:
+    import transformers
+
+    if variant == "qwen2":
+        config = transformers.Qwen2Config(**TINY_SHAPE)
+        model_class = transformers.Qwen2ForCausalLM
+    elif variant == "mistral":  # head_dim decoupled from hidden / heads: 4 * 32 != 64
+        config = transformers.MistralConfig(**TINY_SHAPE, head_dim=32, sliding_window=None)
+        model_class = transformers.MistralForCausalLM
+    else:
+        extra = {
+            "llama": {},
+            "llama-tied": {"tie_word_embeddings": True},
+            # Original context 64 puts the 8 rotary frequencies of head_dim 16 in all three bands.
+            "llama3-rope": {"rope_theta": 500000.0, "rope_scaling": {
+                "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64}},
+        }[variant]
+        config = transformers.LlamaConfig(**TINY_SHAPE, **extra)
+        model_class = transformers.LlamaForCausalLM
+    config._attn_implementation = "eager"
+    torch.manual_seed(TINY_VARIANTS.index(variant))
+    model = model_class(config).eval()
+    with torch.no_grad():  # biases start at zero and norms at one: make them matter
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0.0, 0.1)
+            elif "norm" in name:
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+    return model
+
+
+@pytest.fixture(scope="session")
+def make_tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], TinyModel]:
+    """Factory: `make_tiny_model("qwen2")` -> TinyModel, built and saved once per session."""
+    built: dict[str, TinyModel] = {}
+
+    def make(variant: str = "llama") -> TinyModel:
+        if variant not in built:
+            hf_model = _build_tiny(variant)
+            path = tmp_path_factory.mktemp(f"tiny-{variant}")
+            hf_model.save_pretrained(path)
+            built[variant] = TinyModel(variant=variant, path=path, hf_model=hf_model)
+        return built[variant]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def default_model():
+    """The real default model (SmolLM2-135M-Instruct, float32 on CPU), loaded once via the cache."""
+    from compute_service.model_loader import load_model
+
+    return load_model("default", device="cpu")
