@@ -4,6 +4,9 @@ No transformers modeling code runs here: weights come in as (Hugging Face name, 
 and are copied into fused parameters by name. The KV pool is not ours: it is the memory
 service's allocation, mapped into this process, shape
 (num_layers, 2, num_blocks, block_size, H_kv, D); the model only reads and writes its slots.
+
+Mistral's and Qwen2's sliding window is not applied: attention always spans the whole context,
+which equals the trained model only for contexts shorter than the window (the loader logs it).
 """
 
 from __future__ import annotations
@@ -105,7 +108,9 @@ class CausalLM(nn.Module):
             param, start, stop = targets[name]
             destination = param[start:stop]
             if destination.shape != tensor.shape:
-                raise ValueError(f"checkpoint tensor {name!r} is {tuple(tensor.shape)}, expected {tuple(destination.shape)}")
+                raise ValueError(
+                    f"checkpoint tensor {name!r} is {tuple(tensor.shape)}, expected {tuple(destination.shape)}"
+                )
             destination.copy_(tensor)
             loaded.add(name)
         missing = sorted(set(targets) - loaded)

@@ -86,7 +86,7 @@ def default_cache_dir() -> Path:
     return Path(configured).expanduser() if configured else Path.home() / ".cache" / "pagedserve"
 
 
-def resolve_model(model: str, *, cache_dir: Path | None = None) -> ModelSource:
+def resolve_model(model: str | Path, *, cache_dir: Path | None = None) -> ModelSource:
     """Turn a `model` argument into a loadable directory, converting the default model if needed.
 
     Args:
@@ -105,12 +105,12 @@ def resolve_model(model: str, *, cache_dir: Path | None = None) -> ModelSource:
             f"model {model!r} is neither 'default' nor an existing local directory "
             "(pagedserve never downloads models)"
         )
-    _check_model_dir(path, model)
+    _check_model_dir(path, str(model))
     return ModelSource(name=path.resolve().name, path=path)
 
 
 def load_model(
-    model: str = DEFAULT_MODEL,
+    model: str | Path = DEFAULT_MODEL,
     *,
     cache_dir: Path | None = None,
     device: torch.device | str | None = None,

@@ -87,11 +87,10 @@ def _paged_attention_kernel(
         # Address translation: logical block -> physical block -> slot.
         block_ids = tl.load(table_row + ctx // BLOCK_SIZE, mask=is_ctx, other=0).to(tl.int64)
         offsets = ctx % BLOCK_SIZE
-        kv_mask = is_ctx[None, :] & is_dim[:, None]  # (D_PAD, BLOCK_N)
         k_ptrs = k_head + block_ids[None, :] * stride_k_block + offsets[None, :] * stride_k_slot + dims[:, None]
-        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # (D_PAD, BLOCK_N)
+        k = tl.load(k_ptrs, mask=is_dim[:, None] & is_ctx[None, :], other=0.0)  # (D_PAD, BLOCK_N)
         v_ptrs = v_head + block_ids[:, None] * stride_v_block + offsets[:, None] * stride_v_slot + dims[None, :]
-        v = tl.load(v_ptrs, mask=tl.trans(kv_mask), other=0.0)  # (BLOCK_N, D_PAD)
+        v = tl.load(v_ptrs, mask=is_ctx[:, None] & is_dim[None, :], other=0.0)  # (BLOCK_N, D_PAD)
         if UPCAST_DOT:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -189,15 +188,21 @@ def paged_attention_triton(
     num_splits: int | None = None,
     block_q: int | None = None,
     block_n: int | None = None,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """Triton `paged_attention`. Arguments, result and errors as `kernels.paged_attention`.
 
     Args:
         num_splits: split the context into this many ranges (1 = no split); default: heuristic.
-        block_q: new tokens per tile (power of two); default: 1 group of rows for T == B
-            (decode-like batches), else 64 rows.
-        block_n: context tokens per step (power of two); default 64.
-    The grid is sized from shapes alone: T // block_q + B tiles bound every sequence's tiles.
+        block_q: new tokens per tile (power of two); a tile has block_q * next_pow2(G) rows;
+            default: 16 rows when T == B (decode-like batches), else 64 rows.
+        block_n: context tokens per step (power of two); default 64 (32 for float32).
+        num_warps: warps per program of the attention kernel; default 8 for 64-row tiles, else 4.
+    Defaults keep the sm_90 build free of register spills (checked by tests/kernels/test_triton_compile.py).
+    The grid is sized from shapes alone (no device sync, so the call can be captured in a CUDA
+    graph): T // block_q + B tiles bound every sequence's tiles, and the split heuristic takes
+    `max_blocks_per_seq * block_size` as the context bound, so block tables should be trimmed to
+    the batch's longest sequence.
     """
     check_paged_attention(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q)
     check_triton_device(query)
@@ -215,7 +220,10 @@ def paged_attention_triton(
         # tl.dot needs >= 16 rows; decode-like batches use the fewest tokens that give 16 rows.
         rows = 16 if num_tokens == num_seqs else 64
         block_q = max(1, rows // g_pad)
-    block_n = 64 if block_n is None else block_n
+    if block_n is None:  # fp32 dots run on FMA units and need more registers per element
+        block_n = 32 if query.dtype == torch.float32 else 64
+    if num_warps is None:
+        num_warps = 8 if block_q * g_pad >= 64 else 4
     for name, value in (("block_q", block_q), ("block_n", block_n)):
         if value < 1 or value & (value - 1):
             raise ValueError(f"{name} must be a power of two, got {value}")
@@ -237,7 +245,7 @@ def paged_attention_triton(
     else:
         partial, lse, target, lse_strides = None, out, out, (0, 0)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    is_half = query.dtype != torch.float32
+    is_fp32 = query.dtype == torch.float32
     _paged_attention_kernel[(num_tiles, num_kv_heads, num_splits)](
         query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
         target, lse,
@@ -250,10 +258,11 @@ def paged_attention_triton(
         *lse_strides,
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, G_PAD=g_pad, BLOCK_N=block_n,
         D_PAD=max(16, triton.next_power_of_2(head_dim)), B_PAD=triton.next_power_of_2(num_seqs),
-        NUM_SPLITS=num_splits, IS_FP32=not is_half,
+        NUM_SPLITS=num_splits, IS_FP32=is_fp32,
         # The interpreter's bf16 tl.dot is wrong (Triton 3.9); fp32 products of half values are
         # exact, so upcasting there computes what the tensor cores do (fp32 accumulation).
-        UPCAST_DOT=is_half and is_interpreter(),
+        UPCAST_DOT=not is_fp32 and is_interpreter(),
+        num_warps=num_warps,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_q_heads)](

@@ -38,7 +38,7 @@ from memory_service.block_types import (
     PoolStats,
 )
 from memory_service.op_validation import OpValidator
-from memory_service.prefix_cache import ROOT_ENTRY_ID, PrefixCache
+from memory_service.prefix_cache import ROOT_ENTRY_ID, TOKEN_WIDTH, PrefixCache
 
 __all__ = [
     "AllocateOp",
@@ -60,7 +60,7 @@ _POOL_NAMES = ("general", "reserved")
 class _Sequence:
     """Book-keeping of one live sequence. Invariant: ``len(block_table) == ceil(num_tokens / block_size)``."""
 
-    __slots__ = ("client_id", "block_table", "num_tokens", "may_use_reserved", "namespace", "partial_token_ids", "last_entry_id")
+    __slots__ = ("client_id", "block_table", "num_tokens", "may_use_reserved", "namespace", "partial_token_bytes", "last_entry_id")
 
     def __init__(
         self,
@@ -69,7 +69,7 @@ class _Sequence:
         num_tokens: int,
         may_use_reserved: bool,
         namespace: str,
-        partial_token_ids: list[int],
+        partial_token_bytes: bytes,
         last_entry_id: int,
     ) -> None:
         self.client_id = client_id
@@ -77,9 +77,9 @@ class _Sequence:
         self.num_tokens = num_tokens
         self.may_use_reserved = may_use_reserved
         self.namespace = namespace
-        # With prefix caching: the tokens of the last block while it is partially filled, to key it
-        # once it fills; and the cache entry id of the content of the last full block.
-        self.partial_token_ids = partial_token_ids
+        # With prefix caching: the (encoded) tokens of the last block while it is partially filled,
+        # to key it once it fills; and the cache entry id of the content of the last full block.
+        self.partial_token_bytes = partial_token_bytes
         self.last_entry_id = last_entry_id
 
 
@@ -174,19 +174,19 @@ class BlockManager:
         Returns:
             One result per op, in order.
         """
-        self._validator.validate(client_id, ops)
+        encoded_token_ids = self._validator.validate(client_id, ops)
         results: list[OpResult] = []
         failed_seq_ids: set[str] = set()  # created by a failed op of this batch: not live
-        for op in ops:
+        for op, token_bytes in zip(ops, encoded_token_ids):
             op_type = type(op)
             if op_type is AllocateOp:
-                result = self._allocate(client_id, op)
+                result = self._allocate(client_id, op, token_bytes)
                 if result.ok:
                     failed_seq_ids.discard(op.seq_id)
                 else:
                     failed_seq_ids.add(op.seq_id)
             elif op_type is AppendOp:
-                result = OpResult(False, []) if op.seq_id in failed_seq_ids else self._append(op.seq_id, op.token_ids)
+                result = OpResult(False, []) if op.seq_id in failed_seq_ids else self._append(op.seq_id, token_bytes)
             elif op_type is FreeOp:
                 result = OpResult(False, []) if op.seq_id in failed_seq_ids else OpResult(True, self._free(op.seq_id))
             elif op.parent_seq_id in failed_seq_ids:
@@ -214,8 +214,8 @@ class BlockManager:
         Returns:
             ``block_ids`` = the whole table, ``num_cached_tokens``, ``num_new_tokens``; or ``ok=False``.
         """
-        self._validator.validate(client_id, (op,), AllocateOp)
-        return self._allocate(client_id, op)
+        [prompt_bytes] = self._validator.validate(client_id, (op,), AllocateOp)
+        return self._allocate(client_id, op, prompt_bytes)
 
     def append(self, client_id: str, op: AppendOp) -> OpResult:
         """Grows a sequence by tokens whose K/V is written in this step.
@@ -232,8 +232,8 @@ class BlockManager:
             ``block_ids`` = the blocks appended to the table, ``copies`` = ``[(src, dst)]`` when a
             copy replaced the last block; or ``ok=False``.
         """
-        self._validator.validate(client_id, (op,), AppendOp)
-        return self._append(op.seq_id, op.token_ids)
+        [token_bytes] = self._validator.validate(client_id, (op,), AppendOp)
+        return self._append(op.seq_id, token_bytes)
 
     def free(self, client_id: str, op: FreeOp) -> OpResult:
         """Ends a sequence. Its blocks lose a reference; unreferenced ones that hold a cache key become
@@ -276,18 +276,27 @@ class BlockManager:
             raise ValueError(f"seq_id {seq_id!r} is not a live sequence")
         return list(seq.block_table)
 
+    def ref_count(self, block_id: int) -> int:
+        """Returns how many block tables hold a block (0: free or evictable).
+
+        Args:
+            block_id: a block id in ``[0, num_blocks)``.
+        """
+        if type(block_id) is not int or not 0 <= block_id < self.config.num_blocks:
+            raise ValueError(f"block_id must be an int in [0, {self.config.num_blocks}), got {block_id!r}")
+        return self._ref_counts[block_id]
+
     # --- the ops, validated -------------------------------------------------------------------
 
-    def _allocate(self, client_id: str, op: AllocateOp) -> OpResult:
+    # The ops below are validated; token_bytes are their token ids as encoded by the validation.
+
+    def _allocate(self, client_id: str, op: AllocateOp, prompt_bytes: bytes) -> OpResult:
         block_size = self._block_size
-        prompt = op.prompt_token_ids
-        if type(prompt) is not tuple:
-            prompt = tuple(prompt)  # the prefix cache keys are tuples of token ids
-        num_prompt_tokens = len(prompt)
+        num_prompt_tokens = len(prompt_bytes) // TOKEN_WIDTH
         may_use_reserved = op.priority >= self._reserved_min_priority
         cache = self._prefix_cache
         if cache is not None:
-            block_table, parent_entry_id = cache.match(prompt, op.namespace, (num_prompt_tokens - 1) // block_size)
+            block_table, parent_entry_id = cache.match(prompt_bytes, op.namespace, (num_prompt_tokens - 1) // block_size)
         else:
             block_table, parent_entry_id = [], ROOT_ENTRY_ID
         num_cached_blocks = len(block_table)
@@ -312,28 +321,28 @@ class BlockManager:
                 del evictable[block_id >= num_general][block_id]
             ref_counts[block_id] += 1
         block_table += self._take_blocks(num_new_blocks, may_use_reserved)
-        partial_token_ids: list[int] = []
+        partial_token_bytes = b""
         if cache is not None:
             num_full_blocks = num_tokens // block_size
             if num_full_blocks > num_cached_blocks:
                 parent_entry_id = cache.register(
-                    block_table[num_cached_blocks:num_full_blocks], prompt, num_cached_tokens, op.namespace, parent_entry_id
+                    block_table[num_cached_blocks:num_full_blocks], prompt_bytes, num_cached_tokens, op.namespace, parent_entry_id
                 )
-            partial_token_ids = list(prompt[num_full_blocks * block_size : num_tokens])
+            partial_token_bytes = prompt_bytes[num_full_blocks * block_size * TOKEN_WIDTH : num_tokens * TOKEN_WIDTH]
             self._num_prefix_cache_queries += num_prompt_tokens
             self._num_prefix_cache_hits += num_cached_tokens
         self._seqs[op.seq_id] = _Sequence(
-            client_id, block_table, num_tokens, may_use_reserved, op.namespace, partial_token_ids, parent_entry_id
+            client_id, block_table, num_tokens, may_use_reserved, op.namespace, partial_token_bytes, parent_entry_id
         )
         self._client_seq_ids[client_id][op.seq_id] = None
         return OpResult(True, list(block_table), num_cached_tokens, num_new_tokens)
 
-    def _append(self, seq_id: str, token_ids: Sequence[int]) -> OpResult:
+    def _append(self, seq_id: str, token_bytes: bytes) -> OpResult:
         block_size = self._block_size
         seq = self._seqs[seq_id]
         block_table = seq.block_table
         num_tokens = seq.num_tokens
-        new_num_tokens = num_tokens + len(token_ids)
+        new_num_tokens = num_tokens + len(token_bytes) // TOKEN_WIDTH
         # A partially filled last block shared with a fork would receive this sequence's tokens under
         # the other sequence's feet: give this sequence its own copy first.
         needs_copy = num_tokens % block_size != 0 and self._ref_counts[block_table[-1]] > 1
@@ -361,15 +370,15 @@ class BlockManager:
         seq.num_tokens = new_num_tokens
         cache = self._prefix_cache
         if cache is not None:
-            partial_token_ids = seq.partial_token_ids
-            partial_token_ids += token_ids
-            if len(partial_token_ids) >= block_size:
-                num_filled = len(partial_token_ids) // block_size
+            partial_token_bytes = seq.partial_token_bytes + token_bytes
+            num_filled = len(partial_token_bytes) // (block_size * TOKEN_WIDTH)
+            if num_filled:
                 first = num_tokens // block_size
                 seq.last_entry_id = cache.register(
-                    block_table[first : first + num_filled], partial_token_ids, 0, seq.namespace, seq.last_entry_id
+                    block_table[first : first + num_filled], partial_token_bytes, 0, seq.namespace, seq.last_entry_id
                 )
-                del partial_token_ids[: num_filled * block_size]
+                partial_token_bytes = partial_token_bytes[num_filled * block_size * TOKEN_WIDTH :]
+            seq.partial_token_bytes = partial_token_bytes
         return OpResult(True, new_block_ids, 0, 0, copies)
 
     def _free(self, seq_id: str) -> list[int]:
@@ -391,7 +400,7 @@ class BlockManager:
             parent.num_tokens,
             parent.may_use_reserved,
             parent.namespace,
-            list(parent.partial_token_ids),
+            parent.partial_token_bytes,  # immutable: shared until either side appends
             parent.last_entry_id,
         )
         self._client_seq_ids[client_id][child_seq_id] = None
@@ -432,11 +441,8 @@ class BlockManager:
                 evictable = self._evictable_block_ids[pool]
                 num_evicted = min(num_blocks - len(block_ids), len(evictable))
                 if num_evicted:
-                    popitem = evictable.popitem
-                    evicted = [popitem(last=False)[0] for _ in range(num_evicted)]  # least recently used first
-                    self._prefix_cache.drop(evicted)
+                    block_ids += self._prefix_cache.evict(evictable, num_evicted)
                     self._num_evictions += num_evicted
-                    block_ids += evicted
             if len(block_ids) != num_blocks:
                 raise AssertionError(f"took {len(block_ids)} of {num_blocks} blocks the caller found available")
         ref_counts = self._ref_counts
@@ -519,8 +525,9 @@ class BlockManager:
                 raise AssertionError(f"seq {seq_id!r}: {len(table)} blocks for {seq.num_tokens} tokens")
             if len(set(table)) != len(table) or not all(0 <= b < num_blocks for b in table):
                 raise AssertionError(f"seq {seq_id!r}: bad block table {table}")
-            if self._prefix_cache is not None and len(seq.partial_token_ids) != seq.num_tokens % block_size:
-                raise AssertionError(f"seq {seq_id!r}: {len(seq.partial_token_ids)} pending tokens for {seq.num_tokens}")
+            num_partial = len(seq.partial_token_bytes) // TOKEN_WIDTH
+            if self._prefix_cache is not None and num_partial != seq.num_tokens % block_size:
+                raise AssertionError(f"seq {seq_id!r}: {num_partial} pending tokens for {seq.num_tokens}")
             if seq_id not in self._client_seq_ids.get(seq.client_id, ()):
                 raise AssertionError(f"seq {seq_id!r}: its client {seq.client_id!r} does not list it")
             for block_id in table:

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from memory_service.block_types import AllocateOp, AppendOp, ForkOp, FreeOp, Op
-from memory_service.prefix_cache import encode_token_ids
+from memory_service.prefix_cache import TOKEN_WIDTH, encode_token_ids
 
 
 class _LiveSequence(Protocol):
@@ -90,7 +90,7 @@ class OpValidator:
             if op_type is AppendOp:
                 num_tokens = self._live_num_tokens(client_id, batch_num_tokens, index, op, "seq_id", op.seq_id)
                 token_bytes = _encode_token_ids(index, op, "token_ids", op.token_ids)
-                num_tokens += len(op.token_ids)
+                num_tokens += len(token_bytes) // TOKEN_WIDTH
                 if num_tokens > max_num_tokens:
                     raise ValueError(
                         f"{_where(index, op)}: seq_id {op.seq_id!r} would grow to {num_tokens} tokens, "
@@ -101,7 +101,7 @@ class OpValidator:
             elif op_type is AllocateOp:
                 self._check_new_seq_id(batch_num_tokens, index, op, "seq_id", op.seq_id)
                 token_bytes = _encode_token_ids(index, op, "prompt_token_ids", op.prompt_token_ids)
-                num_prompt_tokens = len(op.prompt_token_ids)
+                num_prompt_tokens = len(token_bytes) // TOKEN_WIDTH
                 if num_prompt_tokens > max_num_tokens:
                     raise ValueError(
                         f"{_where(index, op)}: prompt_token_ids has {num_prompt_tokens} tokens, "

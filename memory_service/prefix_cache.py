@@ -3,45 +3,43 @@
 A full block's content is its key ``(parent_entry_id, token_bytes, namespace)``:
 
 - ``token_bytes``: the block's own ``block_size`` token ids, encoded by ``encode_token_ids``
-  (``TOKEN_WIDTH`` = 4 bytes each). Bytes rather than a tuple of ints: hashing and comparing them runs over one
-  buffer, and dropping a key frees one object instead of dereferencing block_size ints;
+  (``TOKEN_WIDTH`` = 4 bytes each). Bytes rather than a tuple of ints: a bytes object hashes and
+  compares as one buffer and caches its hash, and freeing it touches no int objects;
 - ``parent_entry_id``: the cache entry of the block before it in the sequence (``ROOT_ENTRY_ID``
   for a first block). Each registration gets a new entry id, never reused;
 - ``namespace``: model name + cache_salt, so tenants never share.
 
-The block is indexed by ``hash(key)``, the chained hash of (parent, token ids, namespace) of
-docs/design.md, and stores its key. A lookup compares the stored key with the wanted one, so a hash
-collision can never share wrong content: not this block's tokens (compared), and not its prefix,
-because the parent is named by its entry id, which stands for exactly one registration and, by
-induction from the root, one prefix. (A parent named by its hash would let two prefixes whose
-hashes collide adopt each other's children.) A colliding block is simply not cached. The price of
-entry ids: when a parent is evicted, its cached children can no longer be reached; they are
-harmless and leave in LRU order like any other evictable block.
+The hash of the key is the chained hash of (parent, token ids, namespace) of docs/design.md. The
+index is a dict keyed by the whole key, and a dict compares keys on lookup: the token ids are stored
+with the block and a hash collision can never share wrong content. Not in the block's prefix either:
+the parent is named by its entry id, which stands for exactly one registration and, by induction
+from the root, exactly one prefix (a parent named by its hash would let two prefixes whose hashes
+collide adopt each other's children). The price: when a parent is evicted, its cached children can
+no longer be reached; they are harmless and leave in LRU order like any other evictable block.
 
 The cache only indexes blocks. Reference counts, the LRU of evictable blocks and the free lists live
-in the BlockManager, which calls ``drop`` when it evicts a block.
+in the BlockManager, which has ``evict`` take blocks off an LRU when it needs them.
 """
 
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable, Sequence
+from collections import OrderedDict
+from collections.abc import Sequence
 
 # Parent entry id of a sequence's first block.
 ROOT_ENTRY_ID = 0
-# A sequence whose chain met a hash collision: none of its later blocks can be registered.
-UNCACHEABLE = -1
 
 CacheKey = tuple[int, bytes, str]  # (parent_entry_id, token_bytes of the block, namespace)
 
 # Token ids are unsigned 32-bit: an id that does not fit (negative, >= 2**32, not an int) cannot be
-# encoded, which is how the block manager validates them.
+# encoded, which is how the block manager validates them in one pass in C.
 _TOKEN_TYPECODE = "I"
 TOKEN_WIDTH = array(_TOKEN_TYPECODE).itemsize  # bytes per token id
 
 
 def encode_token_ids(token_ids: Sequence[int]) -> bytes:
-    """Encodes token ids as a cache key's ``token_bytes``.
+    """Encodes token ids for cache keys.
 
     Args:
         token_ids: ints in ``[0, 2**32)``.
@@ -62,16 +60,13 @@ def decode_token_ids(token_bytes: bytes) -> list[int]:
     token_ids.frombytes(token_bytes)
     return token_ids.tolist()
 
-# Module-level so that tests can force collisions; looked up once per call, not per block.
-_block_hash = hash
-
 
 class PrefixCache:
     """Maps the content of full blocks to the block ids that hold it.
 
-    Invariants (``check_integrity``): a block has a key iff it has a hash iff it has an entry id
-    iff the index maps its hash to it; hashes and entry ids are unique among cached blocks; a
-    parent entry id is smaller than its child's (the parent registered first).
+    Invariants (``check_integrity``): a block has a key iff it has an entry id iff the index maps
+    that key to it; entry ids are unique; a parent entry id is smaller than its child's (the parent
+    registered first).
 
     Args:
         num_blocks: number of block ids, ``[0, num_blocks)``.
@@ -80,10 +75,9 @@ class PrefixCache:
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.block_size = block_size
-        self._block_ids: dict[int, int] = {}  # hash -> block id
+        self._block_ids: dict[CacheKey, int] = {}
         # Per block id; plain lists keep the hot path free of per-block objects.
         self.block_keys: list[CacheKey | None] = [None] * num_blocks
-        self.block_hashes: list[int | None] = [None] * num_blocks
         self.entry_ids: list[int] = [ROOT_ENTRY_ID] * num_blocks  # ROOT_ENTRY_ID = not cached
         self._next_entry_id = ROOT_ENTRY_ID + 1
 
@@ -103,15 +97,13 @@ class PrefixCache:
             (``ROOT_ENTRY_ID`` when nothing matched): the parent of the blocks that follow.
         """
         block_width = self.block_size * TOKEN_WIDTH
-        block_hash = _block_hash
         get = self._block_ids.get
-        block_keys, entry_ids = self.block_keys, self.entry_ids
+        entry_ids = self.entry_ids
         block_ids: list[int] = []
         parent_entry_id = ROOT_ENTRY_ID
         for start in range(0, max_num_blocks * block_width, block_width):
-            key = (parent_entry_id, token_bytes[start : start + block_width], namespace)
-            block_id = get(block_hash(key))
-            if block_id is None or block_keys[block_id] != key:
+            block_id = get((parent_entry_id, token_bytes[start : start + block_width], namespace))
+            if block_id is None:
                 break
             block_ids.append(block_id)
             parent_entry_id = entry_ids[block_id]
@@ -126,75 +118,75 @@ class PrefixCache:
 
         Args:
             block_ids: consecutive blocks of one sequence, now full, not cached.
-            token_bytes: encoded tokens of the sequence (or of a tail of it) holding the blocks' contents.
+            token_bytes: encoded tokens of the sequence (or of a tail of it) holding their contents.
             start: the token index in ``token_bytes`` where ``block_ids[0]`` begins; the blocks follow.
             namespace: the sequence's namespace.
-            parent_entry_id: entry id of the content of the block before ``block_ids[0]``, or
-                ``UNCACHEABLE``.
+            parent_entry_id: entry id of the content of the block before ``block_ids[0]``.
 
         Returns:
-            The entry id of the last block's content (the parent of the sequence's next block), or
-            ``UNCACHEABLE`` once a hash collision kept a block out.
+            The entry id of the last block's content: the parent of the sequence's next block.
         """
-        if parent_entry_id == UNCACHEABLE:
-            return UNCACHEABLE
         block_width = self.block_size * TOKEN_WIDTH
         start *= TOKEN_WIDTH
-        block_hash = _block_hash
         setdefault = self._block_ids.setdefault
-        block_keys, block_hashes, entry_ids = self.block_keys, self.block_hashes, self.entry_ids
+        block_keys, entry_ids = self.block_keys, self.entry_ids
         next_entry_id = self._next_entry_id
         for block_id in block_ids:
             key = (parent_entry_id, token_bytes[start : start + block_width], namespace)
             start += block_width
-            hash_value = block_hash(key)
-            cached_block_id = setdefault(hash_value, block_id)
+            cached_block_id = setdefault(key, block_id)
             if cached_block_id == block_id:
                 block_keys[block_id] = key
-                block_hashes[block_id] = hash_value
                 parent_entry_id = entry_ids[block_id] = next_entry_id
                 next_entry_id += 1
-            elif block_keys[cached_block_id] == key:
-                parent_entry_id = entry_ids[cached_block_id]
             else:
-                parent_entry_id = UNCACHEABLE  # a different block owns this hash; keep it
-                break
+                parent_entry_id = entry_ids[cached_block_id]
         self._next_entry_id = next_entry_id
         return parent_entry_id
 
-    def drop(self, block_ids: Iterable[int]) -> None:
-        """Forgets cached blocks (they are being evicted for reuse).
+    def evict(self, lru: OrderedDict[int, None], num_blocks: int) -> list[int]:
+        """Takes the least recently used blocks off an LRU and forgets them, for reuse.
 
         Args:
-            block_ids: cached blocks.
+            lru: cached, unreferenced blocks, least recently used first (owned by the BlockManager).
+            num_blocks: how many to evict (at most ``len(lru)``).
+
+        Returns:
+            The evicted block ids, least recently used first.
         """
         index = self._block_ids
-        block_keys, block_hashes, entry_ids = self.block_keys, self.block_hashes, self.entry_ids
-        for block_id in block_ids:
-            del index[block_hashes[block_id]]
-            block_keys[block_id] = block_hashes[block_id] = None
+        block_keys, entry_ids = self.block_keys, self.entry_ids
+        popitem = lru.popitem
+        evicted = []
+        for _ in range(num_blocks):
+            block_id = popitem(last=False)[0]
+            del index[block_keys[block_id]]
+            block_keys[block_id] = None
             entry_ids[block_id] = ROOT_ENTRY_ID
+            evicted.append(block_id)
+        return evicted
 
     def check_integrity(self) -> None:
-        """Raises AssertionError if the index and the per-block keys, hashes and entry ids disagree."""
+        """Raises AssertionError if the index and the per-block keys and entry ids disagree."""
         num_cached = 0
         seen_entry_ids: set[int] = set()
+        block_width = self.block_size * TOKEN_WIDTH
         for block_id, key in enumerate(self.block_keys):
-            hash_value, entry_id = self.block_hashes[block_id], self.entry_ids[block_id]
+            entry_id = self.entry_ids[block_id]
             if key is None:
-                if hash_value is not None or entry_id != ROOT_ENTRY_ID:
-                    raise AssertionError(f"block {block_id} has hash {hash_value} / entry id {entry_id} but no key")
+                if entry_id != ROOT_ENTRY_ID:
+                    raise AssertionError(f"block {block_id} has entry id {entry_id} but no key")
                 continue
             num_cached += 1
             parent_entry_id, token_bytes, namespace = key
-            if type(token_bytes) is not bytes or len(token_bytes) != self.block_size * TOKEN_WIDTH or type(namespace) is not str:
+            if type(token_bytes) is not bytes or len(token_bytes) != block_width or type(namespace) is not str:
                 raise AssertionError(f"block {block_id} has a malformed key {key!r}")
-            if hash_value != _block_hash(key) or self._block_ids.get(hash_value) != block_id:
-                raise AssertionError(f"block {block_id}: hash {hash_value} does not match its key or the index")
+            if self._block_ids.get(key) != block_id:
+                raise AssertionError(f"block {block_id}: its key maps to block {self._block_ids.get(key)}")
             if not ROOT_ENTRY_ID < entry_id < self._next_entry_id or entry_id in seen_entry_ids:
                 raise AssertionError(f"block {block_id} has a bad or duplicate entry id {entry_id}")
             if not ROOT_ENTRY_ID <= parent_entry_id < entry_id:
                 raise AssertionError(f"block {block_id} (entry {entry_id}) has parent entry {parent_entry_id}")
             seen_entry_ids.add(entry_id)
         if num_cached != len(self._block_ids):
-            raise AssertionError(f"{len(self._block_ids)} hashes indexed but {num_cached} blocks hold a key")
+            raise AssertionError(f"{len(self._block_ids)} keys indexed but {num_cached} blocks hold one")

@@ -85,3 +85,13 @@ def default_model():
     from compute_service.model_loader import load_model
 
     return load_model("default", device="cpu")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip every test marked `cuda` on a machine without a GPU (scripts/gpu_checks.sh runs them)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (run scripts/gpu_checks.sh on a GPU machine)")
+    for item in items:
+        if item.get_closest_marker("cuda"):
+            item.add_marker(skip)

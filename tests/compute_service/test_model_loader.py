@@ -11,7 +11,9 @@ import torch
 
 from compute_service import model_loader
 from compute_service.model_config import ModelConfig
-from compute_service.model_loader import CACHE_DIR_ENV, DEFAULT_MODEL_NAME, default_cache_dir, load_model, resolve_model
+from compute_service.model_loader import (
+    CACHE_DIR_ENV, DEFAULT_MODEL_NAME, default_cache_dir, load_model, resolve_model,
+)
 
 
 def test_missing_path_raises(tmp_path):
@@ -123,7 +125,8 @@ def test_conversion_runs_once_then_the_cache_is_used(tmp_path, fake_conversion):
     second = resolve_model("default", cache_dir=tmp_path)
     assert first.source.was_converted and not second.was_converted
     assert len(fake_conversion) == 1
-    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == [f".{DEFAULT_MODEL_NAME}.lock", DEFAULT_MODEL_NAME]
+    left = sorted(p.name for p in (tmp_path / "models").iterdir())
+    assert left == [f".{DEFAULT_MODEL_NAME}.lock", DEFAULT_MODEL_NAME]  # the stale temp dir is gone
     assert first.config.name == DEFAULT_MODEL_NAME
 
 

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# On a GPU machine: every CUDA-marked test, then the GPU benchmarks. Output under ${OUT:-out}/.
+# Nothing is downloaded: the throughput benchmark uses a random-weight 1B-class Llama built in code.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+status=0
+unset TRITON_INTERPRET
+python -m pytest -q -p no:cacheprovider -m cuda tests 2>&1 | tee "$OUT/cuda_tests.txt" || status=1
+python benchmarks/bench_kernels.py 2>&1 | tee "$OUT/bench_kernels.txt" || status=1
+python benchmarks/bench_throughput.py --random-model-config 1b --device cuda --dtype bfloat16 --quick \
+    2>&1 | tee "$OUT/bench_throughput.txt" || status=1
+python benchmarks/bench_memory.py 2>&1 | tee "$OUT/bench_memory.txt" || status=1
+exit $status

@@ -1,0 +1,110 @@
+"""The engine on the real default model (SmolLM2-135M-Instruct, float32 on CPU) against transformers.
+
+16 varied prompts x 64 new tokens, greedy, token for token, in every scheduling regime: prefix
+caching on and off, chunked prefill, a pool so small that preemption happens, and requests
+arriving while others decode. transformers' outputs are computed once per session.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from compute_service import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 64
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a hash table is in two sentences.",
+    "List three prime numbers greater than 50.",
+    "Translate 'good morning' into Spanish and German.",
+    "Why is the sky blue?",
+    "Give me a short recipe for pancakes.",
+    "What does a block manager do in an inference server?",
+]
+RAW = [
+    "The quick brown fox",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village by the mountains,",
+    "1, 1, 2, 3, 5, 8,",
+    "The three laws of thermodynamics are",
+    "PagedAttention splits the KV cache into",
+    "import numpy as np\nx = np.arange(10)\n",
+    "Dear hiring manager, I am writing to",
+]
+
+
+@pytest.fixture(scope="module")
+def prompts(default_model) -> list[list[int]]:
+    tok = default_model.tokenizer
+    chats = []
+    for question in QUESTIONS:  # a shared system prompt: repeated prefixes for the prefix cache
+        ids = tok.apply_chat_template(
+            [{"role": "system", "content": "You are a concise, helpful assistant."}, {"role": "user", "content": question}],
+            add_generation_prompt=True, tokenize=True,
+        )
+        chats.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    return chats + [tok.encode(text) for text in RAW]
+
+
+@pytest.fixture(scope="module")
+def reference(prompts: list[list[int]]) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    from compute_service.model_loader import resolve_model
+
+    hf = AutoModelForCausalLM.from_pretrained(resolve_model("default").path, torch_dtype=torch.float32).eval()
+    outs = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False)
+            outs.append(out[0, len(prompt):].tolist())
+    return outs
+
+
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+
+
+@pytest.mark.parametrize(
+    ("name", "config"),
+    [
+        ("prefix_caching", dict(enable_prefix_caching=True)),
+        ("no_prefix_caching", dict(enable_prefix_caching=False)),
+        ("chunked_prefill", dict(max_num_batched_tokens=32, max_num_seqs=8)),
+        ("preemption", dict(max_num_blocks=40)),
+    ],
+)
+def test_greedy_equals_transformers(prompts, reference, name: str, config: dict) -> None:
+    with LLM("default", **config) as llm:
+        outs = llm.generate(prompts, GREEDY)
+        stats = llm.memory_stats()
+        if name == "preemption":
+            assert llm.engine.scheduler.num_preemptions > 0
+        if name == "prefix_caching":
+            assert stats.prefix_cache_hits > 0  # the shared system prompt
+    for i, (out, want) in enumerate(zip(outs, reference)):
+        assert out.token_ids == want, f"prompt {i} differs"
+
+
+def test_requests_arriving_while_others_decode(prompts, reference) -> None:
+    with LLM("default") as llm:
+        engine = llm.engine
+        done: dict[str, list[int]] = {}
+        for tick in range(100_000):
+            if tick % 4 == 0 and tick // 4 < len(prompts):
+                engine.add_request(f"r{tick // 4}", prompts[tick // 4], GREEDY)
+            done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+            if len(done) == len(prompts):
+                break
+    assert [done[f"r{i}"] for i in range(len(prompts))] == reference
+
+
+def test_paris(default_model) -> None:
+    with LLM("default") as llm:
+        out = llm.chat([{"role": "user", "content": "What is the capital of France?"}], max_tokens=20, temperature=0.0)
+    assert "Paris" in out.text
+    assert out.finish_reason in ("eos", "length")
