@@ -3,7 +3,7 @@
 Prints a table, then as its last line one JSON object with ``alloc_free_blocks_per_s``,
 ``rpc_step_p50_us``, ``rpc_step_p99_us``, ``noop_rpc_p50_us`` and ``step_vs_noop_p50``.
 
-    python benchmarks/bench_memory.py [--seconds 2] [--num-seqs 64] [--iters 2000]
+    python benchmarks/bench_memory.py [--num-sequences 20000] [--num-seqs 64] [--iters 2000]
 """
 
 from __future__ import annotations
@@ -73,11 +73,11 @@ def bench_rpc(num_seqs: int, iters: int) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=2.0, help="duration of the in-process run")
+    parser.add_argument("--num-sequences", type=int, default=20_000, help="requests of the in-process run")
     parser.add_argument("--num-seqs", type=int, default=64, help="sequences grown per step RPC")
     parser.add_argument("--iters", type=int, default=2000, help="step RPCs timed")
     args = parser.parse_args()
-    blocks_per_s = run_inprocess_benchmark(seconds=args.seconds)
+    blocks_per_s = run_inprocess_benchmark(num_sequences=args.num_sequences)
     rpc = bench_rpc(args.num_seqs, args.iters)
     result = {
         "alloc_free_blocks_per_s": round(blocks_per_s),

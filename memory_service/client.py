@@ -16,7 +16,7 @@ from pagedserve.memory.v1 import memory_pb2 as pb
 from pagedserve.memory.v1 import memory_pb2_grpc
 
 from memory_service import convert
-from memory_service.block_manager import OpResult
+from memory_service.block_manager import AppendOp, OpResult
 from memory_service.pool import KvLayout, MappedPool
 
 
@@ -75,12 +75,22 @@ class MemoryClient:
 
     def step_with_counts(self, ops: Sequence) -> StepResult:
         """Like ``step``, plus the available block counts after it (what the scheduler plans with)."""
-        reply = self._stub.Step(pb.StepRequest(client_id=self.client_id, ops=[convert.op_to_pb(op) for op in ops]))
-        return StepResult(
-            [convert.result_from_pb(r) for r in reply.results],
-            reply.num_available_blocks,
-            reply.num_available_reserved_blocks,
+        # Pack the longest run of appends (the running sequences' growth) into an AppendBatch;
+        # the ops before it travel as ops, those after it as late_ops, so the order is kept.
+        first = next((i for i, op in enumerate(ops) if isinstance(op, AppendOp)), len(ops))
+        end = first
+        while end < len(ops) and isinstance(ops[end], AppendOp):
+            end += 1
+        request = pb.StepRequest(
+            client_id=self.client_id,
+            ops=[convert.op_to_pb(op) for op in ops[:first]],
+            appends=convert.appends_to_pb(list(ops[first:end])),
+            late_ops=[convert.op_to_pb(op) for op in ops[end:]],
         )
+        reply = self._stub.Step(request)
+        results = [convert.result_from_pb(r) for r in reply.results]
+        results[first:first] = convert.append_results_from_pb(reply.append_results)
+        return StepResult(results, reply.num_available_blocks, reply.num_available_reserved_blocks)
 
     def block_table(self, seq_id: str) -> list[int]:
         return list(self._stub.GetBlockTable(pb.GetBlockTableRequest(client_id=self.client_id, seq_id=seq_id)).block_ids)

@@ -100,3 +100,56 @@ def result_from_pb(msg: pb.OpResult) -> OpResult:
         num_new_tokens=msg.num_new_tokens,
         copies=[(c.src, c.dst) for c in msg.copies],
     )
+
+
+def appends_from_pb(batch: pb.AppendBatch) -> list[AppendOp]:
+    """Unpack an AppendBatch into one AppendOp per sequence (ValueError on inconsistent arrays)."""
+    seq_ids, counts, tokens = batch.seq_ids, batch.num_tokens, batch.token_ids
+    if len(seq_ids) != len(counts):
+        raise ValueError(f"appends: {len(seq_ids)} seq_ids but {len(counts)} num_tokens")
+    if sum(counts) != len(tokens) or any(n < 1 for n in counts):
+        raise ValueError(f"appends: num_tokens must be >= 1 each and sum to len(token_ids) = {len(tokens)}")
+    if all(n == 1 for n in counts):  # the decode step: one token each
+        return [AppendOp(seq_id, [token]) for seq_id, token in zip(seq_ids, tokens)]
+    ops, start = [], 0
+    for seq_id, n in zip(seq_ids, counts):
+        ops.append(AppendOp(seq_id, list(tokens[start : start + n])))
+        start += n
+    return ops
+
+
+def appends_to_pb(ops: list[AppendOp]) -> pb.AppendBatch:
+    tokens: list[int] = []
+    for op in ops:
+        tokens.extend(op.token_ids)
+    return pb.AppendBatch(
+        seq_ids=[op.seq_id for op in ops], num_tokens=[len(op.token_ids) for op in ops], token_ids=tokens
+    )
+
+
+def append_results_to_pb(results: list[OpResult]) -> pb.AppendBatchResult:
+    new_block_ids: list[int] = []
+    copies = []
+    for index, result in enumerate(results):
+        if result.block_ids:
+            new_block_ids.extend(result.block_ids)
+        for src, dst in result.copies:
+            copies.append(pb.BlockCopy(src=src, dst=dst, seq_index=index))
+    return pb.AppendBatchResult(
+        ok=[r.ok for r in results],
+        num_new_blocks=[len(r.block_ids) for r in results],
+        new_block_ids=new_block_ids,
+        copies=copies,
+    )
+
+
+def append_results_from_pb(msg: pb.AppendBatchResult) -> list[OpResult]:
+    copies: dict[int, list[tuple[int, int]]] = {}
+    for c in msg.copies:
+        copies.setdefault(c.seq_index, []).append((c.src, c.dst))
+    results, start = [], 0
+    block_ids = msg.new_block_ids
+    for index, (ok, n) in enumerate(zip(msg.ok, msg.num_new_blocks)):
+        results.append(OpResult(ok, list(block_ids[start : start + n]) if n else [], 0, 0, copies.get(index, [])))
+        start += n
+    return results

@@ -174,15 +174,23 @@ class MemoryManagerServicer(memory_pb2_grpc.MemoryManagerServicer):
                         self._release(request.client_id, "keepalive_ended")
 
     def Step(self, request: pb.StepRequest, context: grpc.ServicerContext) -> pb.StepResponse:
-        if len(request.ops) > MAX_OPS_PER_STEP:
-            raise ValueError(f"ops has {len(request.ops)} entries; at most {MAX_OPS_PER_STEP} per step")
-        ops = [convert.op_from_pb(op) for op in request.ops]
+        num_ops = len(request.ops) + len(request.appends.seq_ids) + len(request.late_ops)
+        if num_ops > MAX_OPS_PER_STEP:
+            raise ValueError(f"the step has {num_ops} ops; at most {MAX_OPS_PER_STEP} per step")
+        early = [convert.op_from_pb(op) for op in request.ops]
+        appends = convert.appends_from_pb(request.appends)
+        late = [convert.op_from_pb(op) for op in request.late_ops]
         with self._lock:
             self._lease(request.client_id)
-            results = self.block_manager.apply(request.client_id, ops)
+            if self.block_manager is None:
+                raise PreconditionError("no pool yet: attach first")
+            # One apply() so that validation covers the whole step before anything changes.
+            results = self.block_manager.apply(request.client_id, [*early, *appends, *late])
             num_available, num_available_reserved = self.block_manager.num_available_blocks()
+        num_early = len(early)
         return pb.StepResponse(
-            results=[convert.result_to_pb(r) for r in results],
+            results=[convert.result_to_pb(r) for r in results[:num_early] + results[num_early + len(appends):]],
+            append_results=convert.append_results_to_pb(results[num_early : num_early + len(appends)]),
             num_available_blocks=num_available,
             num_available_reserved_blocks=num_available_reserved,
         )

@@ -8,6 +8,8 @@ mkdir -p "$OUT"
 status=0
 unset TRITON_INTERPRET
 python -m pytest -q -p no:cacheprovider -m cuda tests 2>&1 | tee "$OUT/cuda_tests.txt" || status=1
+# Every kernel test again, natively: without the interpreter they take CUDA tensors.
+python -m pytest -q -p no:cacheprovider tests/kernels 2>&1 | tee "$OUT/kernel_tests.txt" || status=1
 python benchmarks/bench_kernels.py 2>&1 | tee "$OUT/bench_kernels.txt" || status=1
 python benchmarks/bench_throughput.py --random-model-config 1b --device cuda --dtype bfloat16 --quick \
     2>&1 | tee "$OUT/bench_throughput.txt" || status=1

@@ -6,12 +6,20 @@ The default model's converted copy lives in the persistent cache root ($PAGEDSER
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
+import os
 
-import pytest
 import torch
+
+# Without a GPU, Triton kernels run under the interpreter; it must be chosen before anything
+# (transformers included) imports triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from collections.abc import Callable  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
 
 # Shape of every tiny test model: 2 layers, hidden 64, 4 query heads over 2 KV heads, vocab 128.
 TINY_SHAPE = dict(

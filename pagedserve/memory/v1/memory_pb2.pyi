@@ -136,21 +136,37 @@ class SequenceOp(_message.Message):
     fork: ForkOp
     def __init__(self, allocate: _Optional[_Union[AllocateOp, _Mapping]] = ..., append: _Optional[_Union[AppendOp, _Mapping]] = ..., free: _Optional[_Union[FreeOp, _Mapping]] = ..., fork: _Optional[_Union[ForkOp, _Mapping]] = ...) -> None: ...
 
+class AppendBatch(_message.Message):
+    __slots__ = ("seq_ids", "num_tokens", "token_ids")
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    seq_ids: _containers.RepeatedScalarFieldContainer[str]
+    num_tokens: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_ids: _Optional[_Iterable[str]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class StepRequest(_message.Message):
-    __slots__ = ("client_id", "ops")
+    __slots__ = ("client_id", "ops", "appends", "late_ops")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     OPS_FIELD_NUMBER: _ClassVar[int]
+    APPENDS_FIELD_NUMBER: _ClassVar[int]
+    LATE_OPS_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     ops: _containers.RepeatedCompositeFieldContainer[SequenceOp]
-    def __init__(self, client_id: _Optional[str] = ..., ops: _Optional[_Iterable[_Union[SequenceOp, _Mapping]]] = ...) -> None: ...
+    appends: AppendBatch
+    late_ops: _containers.RepeatedCompositeFieldContainer[SequenceOp]
+    def __init__(self, client_id: _Optional[str] = ..., ops: _Optional[_Iterable[_Union[SequenceOp, _Mapping]]] = ..., appends: _Optional[_Union[AppendBatch, _Mapping]] = ..., late_ops: _Optional[_Iterable[_Union[SequenceOp, _Mapping]]] = ...) -> None: ...
 
 class BlockCopy(_message.Message):
-    __slots__ = ("src", "dst")
+    __slots__ = ("src", "dst", "seq_index")
     SRC_FIELD_NUMBER: _ClassVar[int]
     DST_FIELD_NUMBER: _ClassVar[int]
+    SEQ_INDEX_FIELD_NUMBER: _ClassVar[int]
     src: int
     dst: int
-    def __init__(self, src: _Optional[int] = ..., dst: _Optional[int] = ...) -> None: ...
+    seq_index: int
+    def __init__(self, src: _Optional[int] = ..., dst: _Optional[int] = ..., seq_index: _Optional[int] = ...) -> None: ...
 
 class OpResult(_message.Message):
     __slots__ = ("ok", "block_ids", "num_cached_tokens", "num_new_tokens", "copies")
@@ -166,15 +182,29 @@ class OpResult(_message.Message):
     copies: _containers.RepeatedCompositeFieldContainer[BlockCopy]
     def __init__(self, ok: _Optional[bool] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., num_new_tokens: _Optional[int] = ..., copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ...) -> None: ...
 
+class AppendBatchResult(_message.Message):
+    __slots__ = ("ok", "num_new_blocks", "new_block_ids", "copies")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    NUM_NEW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    COPIES_FIELD_NUMBER: _ClassVar[int]
+    ok: _containers.RepeatedScalarFieldContainer[bool]
+    num_new_blocks: _containers.RepeatedScalarFieldContainer[int]
+    new_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    copies: _containers.RepeatedCompositeFieldContainer[BlockCopy]
+    def __init__(self, ok: _Optional[_Iterable[bool]] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ...) -> None: ...
+
 class StepResponse(_message.Message):
-    __slots__ = ("results", "num_available_blocks", "num_available_reserved_blocks")
+    __slots__ = ("results", "append_results", "num_available_blocks", "num_available_reserved_blocks")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
+    APPEND_RESULTS_FIELD_NUMBER: _ClassVar[int]
     NUM_AVAILABLE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_AVAILABLE_RESERVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[OpResult]
+    append_results: AppendBatchResult
     num_available_blocks: int
     num_available_reserved_blocks: int
-    def __init__(self, results: _Optional[_Iterable[_Union[OpResult, _Mapping]]] = ..., num_available_blocks: _Optional[int] = ..., num_available_reserved_blocks: _Optional[int] = ...) -> None: ...
+    def __init__(self, results: _Optional[_Iterable[_Union[OpResult, _Mapping]]] = ..., append_results: _Optional[_Union[AppendBatchResult, _Mapping]] = ..., num_available_blocks: _Optional[int] = ..., num_available_reserved_blocks: _Optional[int] = ...) -> None: ...
 
 class GetBlockTableRequest(_message.Message):
     __slots__ = ("client_id", "seq_id")
