@@ -148,14 +148,15 @@ class LLM:
             self.engine.step()  # frees the last finished sequences' blocks now, not at the next call
         return [finished[i] for i in ids]
 
-    def chat(self, messages: list[dict[str, str]], **kwargs: Any) -> RequestOutput:
+    def chat(self, messages: list[dict[str, str]], sampling_params: SamplingParams | None = None,
+             **kwargs: Any) -> RequestOutput:
         """One chat conversation through the model's chat template."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template")
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         if hasattr(ids, "keys"):  # newer transformers return a BatchEncoding
             ids = ids["input_ids"]
-        return self.generate([list(ids)], **kwargs)[0]
+        return self.generate([list(ids)], sampling_params, **kwargs)[0]
 
     def memory_stats(self) -> Any:
         """The memory service's Stats reply (blocks per pool, utilisation, prefix-cache hits, ...)."""

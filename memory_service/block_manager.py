@@ -165,7 +165,8 @@ class BlockManager:
         All ops are validated first, against the state as the earlier ops would leave it; a bad one
         raises ``ValueError`` and nothing is applied. Then each op applies atomically: one that finds
         too few blocks returns ``ok=False`` having changed nothing, and the others still apply. Ops
-        on a sequence whose AllocateOp or ForkOp failed earlier in the batch fail the same way.
+        on a sequence whose AllocateOp failed earlier in the batch fail the same way. A ForkOp
+        must come before the batch's AllocateOp/AppendOp of its parent (see ``OpValidator``).
 
         Args:
             client_id: an attached client.
@@ -176,7 +177,7 @@ class BlockManager:
         """
         encoded_token_ids = self._validator.validate(client_id, ops)
         results: list[OpResult] = []
-        failed_seq_ids: set[str] = set()  # created by a failed op of this batch: not live
+        failed_seq_ids: set[str] = set()  # their AllocateOp in this batch failed: not live
         for op, token_bytes in zip(ops, encoded_token_ids):
             op_type = type(op)
             if op_type is AllocateOp:
@@ -189,10 +190,7 @@ class BlockManager:
                 result = OpResult(False, []) if op.seq_id in failed_seq_ids else self._append(op.seq_id, token_bytes)
             elif op_type is FreeOp:
                 result = OpResult(False, []) if op.seq_id in failed_seq_ids else OpResult(True, self._free(op.seq_id))
-            elif op.parent_seq_id in failed_seq_ids:
-                result = OpResult(False, [])
-                failed_seq_ids.add(op.child_seq_id)
-            else:
+            else:  # ForkOp: never fails, and its parent was not allocated earlier in the batch
                 result = self._fork(client_id, op.parent_seq_id, op.child_seq_id)
                 failed_seq_ids.discard(op.child_seq_id)
             results.append(result)

@@ -64,7 +64,13 @@ class OpValidator:
         Checked: the client is attached; each op is one of the four op types (``expected_type``
         when given); seq ids are non-empty strings; new ones are not live, the others are live
         sequences of this client (counting creations and frees earlier in the batch); token lists
-        are non-empty with ids >= 0; ``max_num_new_tokens >= 1``; no sequence outgrows the pool.
+        are non-empty with ids >= 0; ``max_num_new_tokens >= 1``; no sequence outgrows the pool;
+        no ForkOp forks a sequence that an earlier op of the batch allocated or appended to.
+
+        Why the last rule: copy-on-write copies a block when the op applies, but the K/V of the
+        batch's new tokens is written after the whole batch (by the model's forward pass). A block
+        shared by a fork of a sequence with tokens still pending could be copied without them. Fork
+        first, then append (the compute service's step does: forks, frees, then the work).
 
         Args:
             client_id: the client sending the batch.
@@ -81,6 +87,7 @@ class OpValidator:
         # (how much an AllocateOp gets from the prefix cache is known only when it runs), or None
         # once freed.
         batch_num_tokens: dict[str, int | None] = {}
+        pending_seq_ids: set[str] = set()  # sequences with tokens whose K/V this batch will write
         max_num_tokens = self._max_num_tokens
         encoded: list[bytes | None] = []
         for index, op in enumerate(ops):
@@ -97,6 +104,7 @@ class OpValidator:
                         f"more than the whole pool holds ({max_num_tokens})"
                     )
                 batch_num_tokens[op.seq_id] = num_tokens
+                pending_seq_ids.add(op.seq_id)
                 encoded.append(token_bytes)
             elif op_type is AllocateOp:
                 self._check_new_seq_id(batch_num_tokens, index, op, "seq_id", op.seq_id)
@@ -114,13 +122,20 @@ class OpValidator:
                 if type(op.namespace) is not str:
                     raise ValueError(f"{_where(index, op)}: namespace must be a string, got {op.namespace!r}")
                 batch_num_tokens[op.seq_id] = min(num_prompt_tokens, op.max_num_new_tokens)
+                pending_seq_ids.add(op.seq_id)
                 encoded.append(token_bytes)
             elif op_type is FreeOp:
                 self._live_num_tokens(client_id, batch_num_tokens, index, op, "seq_id", op.seq_id)
                 batch_num_tokens[op.seq_id] = None
+                pending_seq_ids.discard(op.seq_id)
                 encoded.append(None)
             elif op_type is ForkOp:
                 num_tokens = self._live_num_tokens(client_id, batch_num_tokens, index, op, "parent_seq_id", op.parent_seq_id)
+                if op.parent_seq_id in pending_seq_ids:
+                    raise ValueError(
+                        f"{_where(index, op)}: parent_seq_id {op.parent_seq_id!r} got tokens from an earlier op of this "
+                        "batch whose K/V is not written yet; fork it before its AllocateOp/AppendOp, or in a later batch"
+                    )
                 self._check_new_seq_id(batch_num_tokens, index, op, "child_seq_id", op.child_seq_id)
                 batch_num_tokens[op.child_seq_id] = num_tokens
                 encoded.append(None)

@@ -61,6 +61,32 @@ def cmd_up(args: argparse.Namespace) -> int:
                 child.kill()
 
 
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Generate in this process, attached to the running memory service when there is one.
+
+    The KV pool (and its prefix cache) lives in the memory service, so a second call with the same
+    prompt prefix reuses the first call's blocks even though this process is new.
+    """
+    from compute_service import LLM, SamplingParams
+
+    socket = args.socket or default_socket_path()
+    attach = Path(socket).exists()
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    with LLM(args.model, memory_socket=socket if attach else None) as llm:
+        if args.raw:
+            out = llm.generate([args.prompt], params)[0]
+        else:
+            out = llm.chat([{"role": "user", "content": args.prompt}], sampling_params=params)
+    print(out.text)
+    print(
+        f"[{len(out.prompt_token_ids)} prompt tokens ({out.num_cached_tokens} from the prefix cache), "
+        f"{len(out.token_ids)} generated, finish_reason={out.finish_reason}, "
+        f"memory service: {'attached at ' + socket if attach else 'private'}]",
+        file=sys.stderr,
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description="PagedAttention LLM inference server.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -72,12 +98,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="KV pool size in bytes (default 512 MiB)",
     )
     up.set_defaults(func=cmd_up)
+    gen = sub.add_parser("generate", help="send one prompt (chat template applied unless --raw)")
+    gen.add_argument("prompt")
+    gen.add_argument("--model", default="default", help="'default' or a local Hugging Face model directory")
+    gen.add_argument("--socket", help="memory service socket to attach to (default: the one `pagedserve up` uses)")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    gen.set_defaults(func=cmd_generate)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

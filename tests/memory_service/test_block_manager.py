@@ -413,21 +413,33 @@ def test_ops_on_a_sequence_whose_creation_failed_fail_too(make: MakeManager) -> 
     ops = [
         AllocateOp("big", tokens(0, 9), 9),
         AppendOp("big", [1]),
-        ForkOp("big", "child"),
-        AppendOp("child", [1]),
-        FreeOp("child"),
         FreeOp("big"),
         AllocateOp("big", tokens(0, 3), 3),  # the id may be used again, and this one fits
+        AppendOp("big", [1]),
     ]
-    assert [r.ok for r in run(manager, *ops)] == [False, False, False, False, False, False, True]
-    assert manager.has_sequence("big") and not manager.has_sequence("child")
+    assert [r.ok for r in run(manager, *ops)] == [False, False, False, True, True]
+    assert manager.block_table("big") == [1]
 
 
 def test_batch_is_validated_against_its_own_earlier_ops(make: MakeManager) -> None:
     manager = make()
-    results = run(manager, AllocateOp("x", tokens(0, 3), 3), AppendOp("x", [3, 4]), ForkOp("x", "y"), FreeOp("x"), AppendOp("y", [5]))
-    assert [r.ok for r in results] == [True] * 5
-    assert manager.block_table("y") == [0, 1] and not manager.has_sequence("x")
+    alloc(manager, "a", tokens(0, 3))  # [0]
+    ops = [ForkOp("a", "y"), AppendOp("a", [3, 4]), AllocateOp("x", [9], 1), AppendOp("x", [9]), FreeOp("a"), AppendOp("y", [5]), FreeOp("x")]
+    results = run(manager, *ops)
+    assert [r.ok for r in results] == [True] * 7
+    assert results[1].copies == [(0, 1)] and results[1].block_ids == [2]
+    assert manager.block_table("y") == [0] and not manager.has_sequence("a") and not manager.has_sequence("x")
+
+
+def test_fork_then_append_in_one_batch(make: MakeManager) -> None:
+    # The compute service's parallel sampling: fork the children, then append each one's token.
+    copies: list[tuple[int, int]] = []
+    manager = make(copy_block=lambda src, dst: copies.append((src, dst)))
+    alloc(manager, "a", tokens(0, 6))  # [0, 1]
+    results = run(manager, ForkOp("a", "b"), ForkOp("a", "c"), AppendOp("a", [6]), AppendOp("b", [7]), AppendOp("c", [8]))
+    assert [r.copies for r in results] == [[], [], [(1, 2)], [(1, 3)], []]
+    assert copies == [(1, 2), (1, 3)]
+    assert [manager.block_table(s) for s in "abc"] == [[0, 2], [0, 3], [0, 1]]
 
 
 BAD_BATCHES = [
@@ -455,6 +467,8 @@ BAD_BATCHES = [
     ([AllocateOp("x", [1] * 33, 1)], "32"),  # 8 blocks of 4 hold 32 tokens
     ([AppendOp("keep", [1] * 29)], "32"),  # keep holds 4
     ([AllocateOp("x", [1] * 20, 20), AppendOp("x", [1] * 13)], "33"),
+    ([AppendOp("keep", [1]), ForkOp("keep", "k2")], "not written yet"),
+    ([AllocateOp("x", [1], 1), ForkOp("x", "y")], "not written yet"),
     ([AppendOp("keep", [])], "empty"),
     ([AllocateOp("", [1], 1)], "seq_id"),
     ([AllocateOp(7, [1], 1)], "seq_id"),

@@ -34,6 +34,7 @@ class ModelSequence:
     namespace: str
     token_ids: list[int]
     block_table: list[int] = field(default_factory=list)
+    priority: int = 0
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
@@ -89,6 +90,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
             block_id = seq.block_table[pos // self.block_size]
             self.slots[block_id][pos % self.block_size] = (seq.namespace, seq.token_ids[pos])
 
+    def check_new_blocks_pool(self, seq: ModelSequence, block_ids: list[int]) -> None:
+        """Blocks a low-priority sequence takes (not shares) come from the general pool."""
+        if seq.priority < self.manager.config.reserved_min_priority:
+            assert all(b < self.manager.config.num_general_blocks for b in block_ids), block_ids
+
     def snapshot(self) -> tuple:
         return (
             self.manager.stats(),
@@ -139,8 +145,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert num_new == min(len(prompt) - num_cached, max_new)
         if not self.manager.config.enable_prefix_caching:
             assert num_cached == 0
-        seq = ModelSequence(client_id, namespace, prompt[: num_cached + num_new], list(result.block_ids))
+        seq = ModelSequence(client_id, namespace, prompt[: num_cached + num_new], list(result.block_ids), priority)
         assert len(seq.block_table) == -(-len(seq.token_ids) // bs)
+        self.check_new_blocks_pool(seq, seq.block_table[num_cached // bs :])
         # The shared prefix must already hold exactly these tokens, in this namespace.
         for pos in range(num_cached):
             assert self.slots[seq.block_table[pos // bs]][pos % bs] == (namespace, prompt[pos])
@@ -165,6 +172,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if result.copies:
             event("append: copy-on-write")
         assert result.copies == self.copies_made
+        self.check_new_blocks_pool(seq, result.block_ids + [dst for _, dst in result.copies])
         for src, dst in result.copies:
             position = seq.block_table.index(src)
             assert position == len(seq.block_table) - 1, "only the partial last block is copied"
@@ -184,7 +192,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
         child_id = self.new_id("f")
         [result] = self.manager.apply(parent.client_id, [ForkOp(parent_id, child_id)])
         assert result.ok and result.block_ids == parent.block_table
-        self.seqs[child_id] = ModelSequence(parent.client_id, parent.namespace, list(parent.token_ids), list(parent.block_table))
+        self.seqs[child_id] = ModelSequence(
+            parent.client_id, parent.namespace, list(parent.token_ids), list(parent.block_table), parent.priority
+        )
 
     @rule(data=st.data())
     def free(self, data: st.DataObject) -> None:
@@ -206,6 +216,88 @@ class BlockManagerMachine(RuleBasedStateMachine):
             del self.seqs[seq_id]
         self.clients.remove(client_id)
         assert not self.manager.has_client(client_id)
+
+    @rule(data=st.data())
+    def mixed_batch(self, data: st.DataObject) -> None:
+        """Several ops of one client in one apply(), as a scheduler step sends them."""
+        client_id = data.draw(st.sampled_from(self.clients))
+        # Model view of the batch as it builds: seq_id -> most tokens it may hold, None once freed.
+        upper: dict[str, int | None] = {s: len(q.token_ids) for s, q in self.seqs.items() if q.client_id == client_id}
+        pending: set[str] = set()  # allocated or appended in this batch: not forkable
+        ops: list = []
+        prompts: dict[str, list[int]] = {}
+        for _ in range(data.draw(st.integers(2, 5))):
+            live = sorted(s for s, n in upper.items() if n is not None)
+            kind = data.draw(st.sampled_from(["allocate", "append", "fork", "free"] if live else ["allocate"]))
+            if kind == "allocate":
+                seq_id, prompt = self.new_id("s"), self.draw_prompt(data)
+                priority = data.draw(st.sampled_from([0, 1]))
+                ops.append(AllocateOp(seq_id, prompt, data.draw(st.integers(1, len(prompt) + 2)), priority))
+                upper[seq_id], prompts[seq_id] = len(prompt), prompt
+                pending.add(seq_id)
+            elif kind == "append":
+                seq_id = data.draw(st.sampled_from(live))
+                new_tokens = data.draw(st.lists(TOKEN, min_size=1, max_size=3))
+                if upper[seq_id] + len(new_tokens) <= self.capacity:
+                    ops.append(AppendOp(seq_id, new_tokens))
+                    upper[seq_id] += len(new_tokens)
+                    pending.add(seq_id)
+            elif kind == "fork":
+                parents = [s for s in live if s not in pending]
+                if parents:
+                    parent_id, child_id = data.draw(st.sampled_from(parents)), self.new_id("f")
+                    ops.append(ForkOp(parent_id, child_id))
+                    upper[child_id] = upper[parent_id]
+            else:
+                seq_id = data.draw(st.sampled_from(live))
+                ops.append(FreeOp(seq_id))
+                upper[seq_id] = None
+                pending.discard(seq_id)
+
+        self.copies_made.clear()
+        results = self.manager.apply(client_id, ops)
+        assert len(results) == len(ops)
+        # Replay the results on the model, in order; the step's K/V is written in the same order.
+        failed: set[str] = set()
+        all_copies = []
+        for op, result in zip(ops, results):
+            if isinstance(op, AllocateOp):
+                if not result.ok:
+                    failed.add(op.seq_id)
+                    continue
+                failed.discard(op.seq_id)
+                prompt = prompts[op.seq_id]
+                num_cached = result.num_cached_tokens
+                seq = ModelSequence(client_id, "", prompt[: num_cached + result.num_new_tokens], list(result.block_ids), op.priority)
+                self.check_new_blocks_pool(seq, seq.block_table[num_cached // self.block_size :])
+                for pos in range(num_cached):
+                    assert self.slots[seq.block_table[pos // self.block_size]][pos % self.block_size] == ("", prompt[pos])
+                self.seqs[op.seq_id] = seq
+                self.write(seq, num_cached)
+            elif isinstance(op, AppendOp):
+                if op.seq_id in failed or not result.ok:
+                    assert not result.ok and not result.block_ids
+                    continue
+                seq = self.seqs[op.seq_id]
+                for src, dst in result.copies:
+                    seq.block_table[seq.block_table.index(src)] = dst
+                all_copies += result.copies
+                self.check_new_blocks_pool(seq, result.block_ids + [dst for _, dst in result.copies])
+                seq.block_table += result.block_ids
+                start = len(seq.token_ids)
+                seq.token_ids += op.token_ids
+                self.write(seq, start)
+            elif isinstance(op, ForkOp):
+                parent = self.seqs[op.parent_seq_id]
+                assert result.ok and result.block_ids == parent.block_table
+                self.seqs[op.child_seq_id] = ModelSequence(
+                    client_id, parent.namespace, list(parent.token_ids), list(parent.block_table), parent.priority
+                )
+            elif op.seq_id in failed:
+                assert not result.ok
+            else:
+                assert result.ok and result.block_ids == self.seqs.pop(op.seq_id).block_table
+        assert all_copies == self.copies_made
 
     @rule(data=st.data())
     def bad_batch_changes_nothing(self, data: st.DataObject) -> None:
