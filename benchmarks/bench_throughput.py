@@ -288,8 +288,13 @@ def build_random_model(shape: str, dtype: torch.dtype, directory: str) -> Path:
 
     config = LlamaConfig(**_RANDOM_SHAPES[shape], bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-5)
     torch.manual_seed(0)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = LlamaForCausalLM(config).to(dtype)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # built in its final dtype: half the peak memory of a float32 build
+    try:
+        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default_dtype)
     path = Path(directory) / f"random-llama-{shape}"
     model.save_pretrained(path)
     del model
@@ -316,12 +321,12 @@ def parse_args() -> argparse.Namespace:
                         help="default: float32 on CPU, bfloat16 on CUDA")
     parser.add_argument("--kv-cache-bytes", type=parse_bytes, default=None,
                         help="KV budget of every system, e.g. 512MiB (default: 512MiB, --quick 48MiB)")
-    parser.add_argument("--num-requests", type=int, default=None, help="default 128 (--quick 64)")
+    parser.add_argument("--num-requests", type=int, default=None, help="default 128 (--quick 32)")
     parser.add_argument("--prompt-len", type=int, nargs=2, default=None, help="default 16 512 (--quick 16 128)")
     parser.add_argument("--output-len", type=int, nargs=2, default=None, help="default 16 256 (--quick 16 64)")
     parser.add_argument("--baseline-requests", type=int, default=None,
                         help="run the transformers static baseline on a seeded subset of this many requests "
-                             "(default: 16, --quick 6)")
+                             "(default: 16, --quick 4)")
     parser.add_argument("--cb-baseline-requests", type=int, default=None,
                         help="same for the transformers continuous-batching baseline (default: all)")
     parser.add_argument("--skip-hf-static", action="store_true")
@@ -330,23 +335,26 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--hf-cb-page-size", type=int, default=None, help="default: --block-size")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: every CPU this process may run on)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     quick = args.quick
     args.kv_cache_bytes = args.kv_cache_bytes or (48 << 20 if quick else 512 << 20)
-    args.num_requests = args.num_requests or (64 if quick else 128)
+    args.num_requests = args.num_requests or (32 if quick else 128)
     args.prompt_len = tuple(args.prompt_len or ((16, 128) if quick else (16, 512)))
     args.output_len = tuple(args.output_len or ((16, 64) if quick else (16, 256)))
     if args.baseline_requests is None:
-        args.baseline_requests = 6 if quick else 16
+        args.baseline_requests = 4 if quick else 16
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    args.threads = args.threads or len(os.sched_getaffinity(0))
     return args
 
 
 def main() -> None:
     args = parse_args()
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(args.threads)
     logging.getLogger("transformers").setLevel(logging.ERROR)
     dtype = _DTYPES[args.dtype]
     tmp = tempfile.TemporaryDirectory(prefix="bench-throughput-")
@@ -363,7 +371,7 @@ def main() -> None:
     bytes_per_token = kv_bytes_per_token(config, dtype)
     naive_seqs = max(1, args.kv_cache_bytes // (config.max_position * bytes_per_token))
 
-    engine = run_engine(model_arg, workload, args)
+    engine = progress(run_engine(model_arg, workload, args))
     gc.collect()
     results = [engine]
     if not (args.skip_hf_static and args.skip_hf_cb):
@@ -374,14 +382,20 @@ def main() -> None:
         if not args.skip_hf_static:
             subset = seeded_subset(workload, args.baseline_requests, args.seed)
             pad_id = config.eos_token_ids[0] if config.eos_token_ids else 0
-            results.append(run_hf_static(hf_model, subset, naive_seqs, list(config.eos_token_ids), pad_id))
+            results.append(progress(run_hf_static(hf_model, subset, naive_seqs, list(config.eos_token_ids), pad_id)))
         if not args.skip_hf_cb:
             subset = seeded_subset(workload, args.cb_baseline_requests, args.seed)
-            results.append(run_hf_cb(hf_model, subset, args, bytes_per_token))
+            results.append(progress(run_hf_cb(hf_model, subset, args, bytes_per_token)))
         del hf_model
         gc.collect()
     report(args, workload, results, naive_seqs, bytes_per_token, config)
     tmp.cleanup()
+
+
+def progress(result: RunResult) -> RunResult:
+    print(f"[bench_throughput] {result.name}: {result.num_requests} requests, {result.generated_tokens} tokens in "
+          f"{result.wall_s:.1f} s = {result.tok_s:.2f} tok/s", file=sys.stderr, flush=True)
+    return result
 
 
 def agreement(engine: RunResult, other: RunResult, workload: list[Request], subset: list[Request]) -> float:
@@ -419,6 +433,7 @@ def report(args, workload, results, naive_seqs, bytes_per_token, config) -> None
         "device": args.device,
         "dtype": args.dtype,
         "quick": args.quick,
+        "threads": args.threads,
     }
     for r in results:
         summary[f"{r.name}_wall_s"] = round(r.wall_s, 2)

@@ -180,3 +180,33 @@ def test_lease_expires_without_keepalive(memory_service: str) -> None:
     with pytest.raises(grpc.RpcError) as info:
         stub.Step(pb.StepRequest(client_id=reply.client_id, ops=[]))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_prometheus_metrics() -> None:
+    import socket as socketlib
+    import urllib.request
+
+    from tests.memory_service.conftest import start_memory_service
+
+    with socketlib.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc, sock = start_memory_service("--max-num-blocks", "16", "--metrics-port", str(port))
+    try:
+        with MemoryClient(f"unix:{sock}", TINY_LAYOUT, "m") as client:
+            client.step([AllocateOp("a", list(range(9)), 9)])
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.1)
+        assert 'pagedserve_memory_blocks{pool="general",state="used"} 3.0' in body
+        assert 'pagedserve_memory_blocks{pool="general",state="total"} 16.0' in body
+        assert "pagedserve_memory_kv_utilization 0.75" in body
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
