@@ -1,31 +1,23 @@
 """Block manager: which KV blocks each sequence holds (docs/design.md, "Block manager").
 
-Pure Python and single-threaded (the servicer holds a lock around every call). Per pool, every
-block is in exactly one state:
+Pure Python and single-threaded (the servicer holds a lock around every call). The sequences,
+their owners and the ops live here; the state of each block in ``block_pool``, the content index
+of full blocks in ``prefix_cache``, the checks of a batch in ``op_validation``.
 
-    free     refcount 0, no cache key     on the pool's free list
-    cached   refcount 0, a cache key      on the pool's LRU of evictable blocks
-    used     refcount n >= 1              in the block tables of n sequences (cache key or not)
+Ordering rules (tests assert exact block ids against them), on top of ``block_pool``'s:
 
-Ordering rules (tests assert exact block ids against them):
-
-- Each free list is a stack. A fresh manager hands out increasing ids: 0, 1, 2, ... (the reserved
-  pool: ``num_blocks - reserved_blocks``, ...). A freed sequence pushes its blocks tail first, so
-  the next allocation gets them back head first, in table order.
-- A new block comes from the general pool's free list, then by evicting the general pool's least
-  recently used cached block; sequences with ``priority >= reserved_min_priority`` then go on to the
-  reserved pool's free list and then its LRU. An op's blocks are handed out in that order.
-- A freed sequence appends its newly evictable blocks to the LRU tail first, so a sequence's tail is
-  evicted before its head (a prefix is worth more than what follows it).
+- A freed sequence releases its blocks tail first: its head is handed out again first, and its
+  tail is evicted first.
 - Copy-on-write takes its destination before the blocks that the same AppendOp appends.
 - ``release_client`` frees the client's sequences in creation order.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
+from memory_service.block_pool import BlockPool
 from memory_service.block_types import (
     AllocateOp,
     AppendOp,
@@ -53,34 +45,20 @@ __all__ = [
     "PoolStats",
 ]
 
-_GENERAL, _RESERVED = 0, 1  # pool index; a block's pool is `block_id >= num_general_blocks`
-_POOL_NAMES = ("general", "reserved")
 
-
+@dataclass(slots=True)
 class _Sequence:
-    """Book-keeping of one live sequence. Invariant: ``len(block_table) == ceil(num_tokens / block_size)``."""
+    """Book-keeping of one live sequence."""
 
-    __slots__ = ("client_id", "block_table", "num_tokens", "may_use_reserved", "namespace", "partial_token_bytes", "last_entry_id")
-
-    def __init__(
-        self,
-        client_id: str,
-        block_table: list[int],
-        num_tokens: int,
-        may_use_reserved: bool,
-        namespace: str,
-        partial_token_bytes: bytes,
-        last_entry_id: int,
-    ) -> None:
-        self.client_id = client_id
-        self.block_table = block_table
-        self.num_tokens = num_tokens
-        self.may_use_reserved = may_use_reserved
-        self.namespace = namespace
-        # With prefix caching: the (encoded) tokens of the last block while it is partially filled,
-        # to key it once it fills; and the cache entry id of the content of the last full block.
-        self.partial_token_bytes = partial_token_bytes
-        self.last_entry_id = last_entry_id
+    client_id: str
+    block_table: list[int]  # len == ceil(num_tokens / block_size)
+    num_tokens: int
+    may_use_reserved: bool
+    namespace: str
+    # With prefix caching: the (encoded) tokens of the last block while it is partially filled, to
+    # key it once it fills; and the cache entry id of the content of the last full block.
+    partial_token_bytes: bytes
+    last_entry_id: int
 
 
 class BlockManager:
@@ -99,22 +77,15 @@ class BlockManager:
     def __init__(self, config: BlockManagerConfig, copy_block: Callable[[int, int], None] | None = None) -> None:
         self.config = config
         self._block_size = config.block_size
-        self._num_general_blocks = num_general = config.num_general_blocks
         self._reserved_min_priority = config.reserved_min_priority
         self._copy_block = copy_block
         self._prefix_cache = PrefixCache(config.num_blocks, config.block_size) if config.enable_prefix_caching else None
-        # Without prefix caching no block ever has a key; the list keeps the free path branch-free.
-        self._block_keys = self._prefix_cache.block_keys if self._prefix_cache is not None else [None] * config.num_blocks
-        self._ref_counts = [0] * config.num_blocks
-        # Indexed by pool. Stacks whose top is the end, filled in reverse to hand out increasing ids.
-        self._free_block_ids = (list(range(num_general - 1, -1, -1)), list(range(config.num_blocks - 1, num_general - 1, -1)))
-        self._evictable_block_ids: tuple[OrderedDict[int, None], OrderedDict[int, None]] = (OrderedDict(), OrderedDict())
+        self._pool = BlockPool(config.num_blocks, config.num_general_blocks, self._prefix_cache)
         self._seqs: dict[str, _Sequence] = {}
         self._client_seq_ids: dict[str, dict[str, None]] = {}  # ordered sets: release in creation order
         self._validator = OpValidator(config.num_blocks * config.block_size, self._seqs, self._client_seq_ids)
         self._num_prefix_cache_queries = 0
         self._num_prefix_cache_hits = 0
-        self._num_evictions = 0
         self._num_copy_on_writes = 0
 
     # --- clients ----------------------------------------------------------------------------
@@ -150,11 +121,25 @@ class BlockManager:
         return num_freed
 
     def has_client(self, client_id: str) -> bool:
-        """Returns whether ``client_id`` is attached."""
+        """Tells whether a client is attached.
+
+        Args:
+            client_id: any id.
+
+        Returns:
+            True between ``add_client`` and ``release_client``.
+        """
         return client_id in self._client_seq_ids
 
     def has_sequence(self, seq_id: str) -> bool:
-        """Returns whether ``seq_id`` is a live sequence (of any client)."""
+        """Tells whether a sequence is live (of any client: sequence ids are global).
+
+        Args:
+            seq_id: any id.
+
+        Returns:
+            True between its AllocateOp or ForkOp and its FreeOp (or its client's release).
+        """
         return seq_id in self._seqs
 
     # --- ops ----------------------------------------------------------------------------------
@@ -165,8 +150,9 @@ class BlockManager:
         All ops are validated first, against the state as the earlier ops would leave it; a bad one
         raises ``ValueError`` and nothing is applied. Then each op applies atomically: one that finds
         too few blocks returns ``ok=False`` having changed nothing, and the others still apply. Ops
-        on a sequence whose AllocateOp failed earlier in the batch fail the same way. A ForkOp
-        must come before the batch's AllocateOp/AppendOp of its parent (see ``OpValidator``).
+        on a sequence whose AllocateOp failed earlier in the batch (or a fork of it) fail the same way. A sequence
+        forked after its AllocateOp/AppendOp in the batch takes no more AppendOps in that batch,
+        nor does its child (see ``OpValidator``).
 
         Args:
             client_id: an attached client.
@@ -177,20 +163,23 @@ class BlockManager:
         """
         encoded_token_ids = self._validator.validate(client_id, ops)
         results: list[OpResult] = []
-        failed_seq_ids: set[str] = set()  # their AllocateOp in this batch failed: not live
+        failed_seq_ids: set[str] = set()  # their AllocateOp (or their parent's) failed in this batch
         for op, token_bytes in zip(ops, encoded_token_ids):
             op_type = type(op)
-            if op_type is AllocateOp:
+            if op_type is AppendOp:  # the most frequent: one per running sequence and step
+                result = OpResult(False, []) if op.seq_id in failed_seq_ids else self._append(op.seq_id, token_bytes)
+            elif op_type is AllocateOp:
                 result = self._allocate(client_id, op, token_bytes)
                 if result.ok:
                     failed_seq_ids.discard(op.seq_id)
                 else:
                     failed_seq_ids.add(op.seq_id)
-            elif op_type is AppendOp:
-                result = OpResult(False, []) if op.seq_id in failed_seq_ids else self._append(op.seq_id, token_bytes)
             elif op_type is FreeOp:
                 result = OpResult(False, []) if op.seq_id in failed_seq_ids else OpResult(True, self._free(op.seq_id))
-            else:  # ForkOp: never fails, and its parent was not allocated earlier in the batch
+            elif op.parent_seq_id in failed_seq_ids:  # ForkOp
+                result = OpResult(False, [])
+                failed_seq_ids.add(op.child_seq_id)
+            else:
                 result = self._fork(client_id, op.parent_seq_id, op.child_seq_id)
                 failed_seq_ids.discard(op.child_seq_id)
             results.append(result)
@@ -275,14 +264,25 @@ class BlockManager:
         return list(seq.block_table)
 
     def ref_count(self, block_id: int) -> int:
-        """Returns how many block tables hold a block (0: free or evictable).
+        """Tells how many block tables hold a block.
 
         Args:
             block_id: a block id in ``[0, num_blocks)``.
+
+        Returns:
+            The block's reference count; 0 when it is free or evictable.
         """
         if type(block_id) is not int or not 0 <= block_id < self.config.num_blocks:
             raise ValueError(f"block_id must be an int in [0, {self.config.num_blocks}), got {block_id!r}")
-        return self._ref_counts[block_id]
+        return self._pool.ref_counts[block_id]
+
+    def num_available_blocks(self) -> tuple[int, int]:
+        """Tells how many blocks allocation can still take, per pool: free plus evictable cached ones.
+
+        Returns:
+            (general pool, reserved pool); O(1), cheap enough to answer every step.
+        """
+        return self._pool.num_available_blocks()
 
     # --- the ops, validated -------------------------------------------------------------------
 
@@ -294,7 +294,9 @@ class BlockManager:
         may_use_reserved = op.priority >= self._reserved_min_priority
         cache = self._prefix_cache
         if cache is not None:
-            block_table, parent_entry_id = cache.match(prompt_bytes, op.namespace, (num_prompt_tokens - 1) // block_size)
+            block_table, parent_entry_id = cache.match(
+                prompt_bytes, op.namespace, (num_prompt_tokens - 1) // block_size
+            )
         else:
             block_table, parent_entry_id = [], ROOT_ENTRY_ID
         num_cached_blocks = len(block_table)
@@ -303,28 +305,21 @@ class BlockManager:
         num_tokens = num_cached_tokens + num_new_tokens
         num_new_blocks = -(-num_tokens // block_size) - num_cached_blocks
 
-        ref_counts = self._ref_counts
-        num_general = self._num_general_blocks
-        num_available = self._num_available_blocks(may_use_reserved)
-        for block_id in block_table:
-            # Sharing an evictable block takes it off its LRU: it cannot also be evicted for this op.
-            if ref_counts[block_id] == 0 and (block_id < num_general or may_use_reserved):
-                num_available -= 1
-        if num_new_blocks > num_available:
+        pool = self._pool
+        if num_new_blocks > pool.num_available(may_use_reserved, sharing=block_table):
             return OpResult(False, [])
-
-        evictable = self._evictable_block_ids
-        for block_id in block_table:
-            if ref_counts[block_id] == 0:
-                del evictable[block_id >= num_general][block_id]
-            ref_counts[block_id] += 1
-        block_table += self._take_blocks(num_new_blocks, may_use_reserved)
+        pool.share(block_table)
+        block_table += pool.take(num_new_blocks, may_use_reserved)
         partial_token_bytes = b""
         if cache is not None:
             num_full_blocks = num_tokens // block_size
             if num_full_blocks > num_cached_blocks:
                 parent_entry_id = cache.register(
-                    block_table[num_cached_blocks:num_full_blocks], prompt_bytes, num_cached_tokens, op.namespace, parent_entry_id
+                    block_table[num_cached_blocks:num_full_blocks],
+                    prompt_bytes,
+                    num_cached_tokens,
+                    op.namespace,
+                    parent_entry_id,
                 )
             partial_token_bytes = prompt_bytes[num_full_blocks * block_size * TOKEN_WIDTH : num_tokens * TOKEN_WIDTH]
             self._num_prefix_cache_queries += num_prompt_tokens
@@ -343,14 +338,15 @@ class BlockManager:
         new_num_tokens = num_tokens + len(token_bytes) // TOKEN_WIDTH
         # A partially filled last block shared with a fork would receive this sequence's tokens under
         # the other sequence's feet: give this sequence its own copy first.
-        needs_copy = num_tokens % block_size != 0 and self._ref_counts[block_table[-1]] > 1
+        pool = self._pool
+        needs_copy = num_tokens % block_size != 0 and pool.ref_counts[block_table[-1]] > 1
         num_new_blocks = -(-new_num_tokens // block_size) - len(block_table) + needs_copy
         new_block_ids: list[int] = []
         copies: list[tuple[int, int]] = []
         if num_new_blocks:
-            if num_new_blocks > self._num_available_blocks(seq.may_use_reserved):
+            if num_new_blocks > pool.num_available(seq.may_use_reserved):
                 return OpResult(False, [])
-            new_block_ids = self._take_blocks(num_new_blocks, seq.may_use_reserved)
+            new_block_ids = pool.take(num_new_blocks, seq.may_use_reserved)
             if needs_copy:
                 src, dst = block_table[-1], new_block_ids.pop(0)
                 if self._copy_block is not None:
@@ -358,10 +354,10 @@ class BlockManager:
                         self._copy_block(src, dst)
                     except BaseException:
                         # Give the blocks back (entries evicted for them stay dropped), then re-raise.
-                        self._release_blocks(reversed([dst, *new_block_ids]))
+                        pool.release(reversed([dst, *new_block_ids]))
                         raise
                 block_table[-1] = dst
-                self._ref_counts[src] -= 1  # still >= 1: the other sequences keep it
+                pool.release((src,))  # the other sequences keep it: refcount still >= 1
                 copies.append((src, dst))
                 self._num_copy_on_writes += 1
             block_table += new_block_ids
@@ -384,14 +380,12 @@ class BlockManager:
         del self._client_seq_ids[seq.client_id][seq_id]
         # Tail first: the tail becomes older in the LRU than the head, and the head ends up on top
         # of the free stack.
-        self._release_blocks(reversed(seq.block_table))
+        self._pool.release(reversed(seq.block_table))
         return seq.block_table
 
     def _fork(self, client_id: str, parent_seq_id: str, child_seq_id: str) -> OpResult:
         parent = self._seqs[parent_seq_id]
-        ref_counts = self._ref_counts
-        for block_id in parent.block_table:
-            ref_counts[block_id] += 1
+        self._pool.share(parent.block_table)
         self._seqs[child_seq_id] = _Sequence(
             client_id,
             list(parent.block_table),
@@ -404,76 +398,7 @@ class BlockManager:
         self._client_seq_ids[client_id][child_seq_id] = None
         return OpResult(True, list(parent.block_table))
 
-    # --- blocks -------------------------------------------------------------------------------
-
-    def _num_available_blocks(self, may_use_reserved: bool) -> int:
-        free, evictable = self._free_block_ids, self._evictable_block_ids
-        num = len(free[_GENERAL]) + len(evictable[_GENERAL])
-        if may_use_reserved:
-            num += len(free[_RESERVED]) + len(evictable[_RESERVED])
-        return num
-
-    def _take_blocks(self, num_blocks: int, may_use_reserved: bool) -> list[int]:
-        """Takes ``num_blocks`` blocks (the caller checked they are available), refcount 1 each.
-
-        Args:
-            num_blocks: how many.
-            may_use_reserved: whether the reserved pool may be used once the general one is empty.
-
-        Returns:
-            The block ids, in the order of the module docstring's rules.
-        """
-        free = self._free_block_ids[_GENERAL]
-        if 0 < num_blocks <= len(free):  # the common case: plain free blocks of the general pool
-            block_ids = free[-num_blocks:]
-            del free[-num_blocks:]
-            block_ids.reverse()
-        else:
-            block_ids = []
-            for pool in (_GENERAL, _RESERVED) if may_use_reserved else (_GENERAL,):
-                free = self._free_block_ids[pool]
-                num_taken = min(num_blocks - len(block_ids), len(free))
-                if num_taken:
-                    block_ids += reversed(free[-num_taken:])
-                    del free[-num_taken:]
-                evictable = self._evictable_block_ids[pool]
-                num_evicted = min(num_blocks - len(block_ids), len(evictable))
-                if num_evicted:
-                    block_ids += self._prefix_cache.evict(evictable, num_evicted)
-                    self._num_evictions += num_evicted
-            if len(block_ids) != num_blocks:
-                raise AssertionError(f"took {len(block_ids)} of {num_blocks} blocks the caller found available")
-        ref_counts = self._ref_counts
-        for block_id in block_ids:
-            ref_counts[block_id] = 1
-        return block_ids
-
-    def _release_blocks(self, block_ids: Iterable[int]) -> None:
-        """Drops one reference from each block, in order; unreferenced ones go to their pool's LRU
-        (cache key) or free stack (none).
-        """
-        ref_counts = self._ref_counts
-        block_keys = self._block_keys
-        num_general = self._num_general_blocks
-        free, evictable = self._free_block_ids, self._evictable_block_ids
-        for block_id in block_ids:
-            ref_count = ref_counts[block_id] = ref_counts[block_id] - 1
-            if ref_count == 0:
-                if block_keys[block_id] is None:
-                    free[block_id >= num_general].append(block_id)
-                else:
-                    evictable[block_id >= num_general][block_id] = None
-
     # --- observability ------------------------------------------------------------------------
-
-    def num_available_blocks(self) -> tuple[int, int]:
-        """Blocks that allocation can still take, per pool: free plus evictable cached ones.
-
-        Returns:
-            (general pool, reserved pool); O(1), cheap enough to answer every step.
-        """
-        free, evictable = self._free_block_ids, self._evictable_block_ids
-        return len(free[0]) + len(evictable[0]), len(free[1]) + len(evictable[1])
 
     def stats(self) -> BlockManagerStats:
         """Returns a snapshot: block counts per pool, utilization, prefix-cache and event counters.
@@ -481,10 +406,6 @@ class BlockManager:
         Returns:
             The stats; O(blocks in use), not for the hot path.
         """
-        pools = []
-        for pool, (lo, hi) in enumerate(self._pool_ranges()):
-            num_free, num_cached = len(self._free_block_ids[pool]), len(self._evictable_block_ids[pool])
-            pools.append(PoolStats(_POOL_NAMES[pool], hi - lo, num_free, num_cached, hi - lo - num_free - num_cached))
         block_size = self._block_size
         num_filled: dict[int, int] = {}  # used block -> tokens it holds (the most any table stores in it)
         for seq in self._seqs.values():
@@ -497,23 +418,26 @@ class BlockManager:
         num_slots = len(num_filled) * block_size
         num_stored = sum(num_filled.values())
         return BlockManagerStats(
-            pools=tuple(pools),
+            pools=self._pool.stats(),
             kv_utilization=num_stored / num_slots if num_slots else 0.0,
             fragmentation=(num_slots - num_stored) / num_slots if num_slots else 0.0,
             prefix_cache_queries=self._num_prefix_cache_queries,
             prefix_cache_hits=self._num_prefix_cache_hits,
-            num_evictions=self._num_evictions,
+            num_evictions=self._pool.num_evictions,
             num_copy_on_writes=self._num_copy_on_writes,
             num_sequences=len(self._seqs),
         )
 
     def check_integrity(self) -> None:
-        """Raises AssertionError unless every invariant holds; O(pool size), for tests and debugging.
+        """Checks every invariant; O(pool size), for tests and debugging.
 
         Checked: each block is free, cached or used; per pool ``free + cached + used == total``;
         refcount == number of block tables holding the block; free blocks have no cache key,
         evictable ones have one; the prefix cache's keys are unique and consistent; each table
         fits its sequence's token count; clients and sequences agree on ownership.
+
+        Raises:
+            AssertionError: naming the first broken invariant (a bug, never bad input).
         """
         block_size, num_blocks = self._block_size, self.config.num_blocks
         expected_ref_counts = [0] * num_blocks
@@ -532,30 +456,4 @@ class BlockManager:
                 expected_ref_counts[block_id] += 1
         if sum(map(len, self._client_seq_ids.values())) != len(self._seqs):
             raise AssertionError("clients list sequences that are not live")
-        if expected_ref_counts != self._ref_counts:
-            block_id = next(b for b in range(num_blocks) if expected_ref_counts[b] != self._ref_counts[b])
-            raise AssertionError(
-                f"block {block_id}: refcount {self._ref_counts[block_id]} but {expected_ref_counts[block_id]} tables hold it"
-            )
-        for pool, (lo, hi) in enumerate(self._pool_ranges()):
-            free, evictable = self._free_block_ids[pool], self._evictable_block_ids[pool]
-            if len(set(free)) != len(free) or not set(free).isdisjoint(evictable):
-                raise AssertionError(f"{_POOL_NAMES[pool]} pool: a block is listed twice in free/evictable")
-            for block_id in free:
-                if not lo <= block_id < hi or self._ref_counts[block_id] or self._block_keys[block_id] is not None:
-                    raise AssertionError(f"free block {block_id}: wrong pool, referenced or cached")
-            for block_id in evictable:
-                if not lo <= block_id < hi or self._ref_counts[block_id] or self._block_keys[block_id] is None:
-                    raise AssertionError(f"evictable block {block_id}: wrong pool, referenced or not cached")
-            num_used = sum(1 for b in range(lo, hi) if self._ref_counts[b])
-            if len(free) + len(evictable) + num_used != hi - lo:
-                raise AssertionError(
-                    f"{_POOL_NAMES[pool]} pool: free {len(free)} + cached {len(evictable)} + used {num_used} != {hi - lo}"
-                )
-        if self._prefix_cache is not None:
-            self._prefix_cache.check_integrity()
-        elif any(key is not None for key in self._block_keys):
-            raise AssertionError("a block has a cache key with prefix caching disabled")
-
-    def _pool_ranges(self) -> tuple[tuple[int, int], tuple[int, int]]:
-        return (0, self._num_general_blocks), (self._num_general_blocks, self.config.num_blocks)
+        self._pool.check_integrity(expected_ref_counts)

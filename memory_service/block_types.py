@@ -65,7 +65,7 @@ class AllocateOp:
 
     Args:
         seq_id: new sequence id (unique across all clients).
-        prompt_token_ids: the whole prompt (non-empty, token ids >= 0).
+        prompt_token_ids: the whole prompt (non-empty, ints in [0, 2**32)).
         max_num_new_tokens: token budget of this step (>= 1); blocks are taken for
             ``min(len(prompt) - num_cached_tokens, max_num_new_tokens)`` tokens, the rest of the
             prompt comes later through AppendOp (chunked prefill).
@@ -86,7 +86,7 @@ class AppendOp:
 
     Args:
         seq_id: a live sequence of the client.
-        token_ids: the new tokens (non-empty, token ids >= 0).
+        token_ids: the new tokens (non-empty, ints in [0, 2**32)).
     """
 
     seq_id: str

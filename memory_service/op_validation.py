@@ -25,9 +25,11 @@ def _where(index: int, op: object) -> str:
 
 def _encode_token_ids(index: int, op: object, name: str, token_ids: object) -> bytes:
     """Returns the encoded ids; raises unless ``token_ids`` is a non-empty sequence of ints in [0, 2**32)."""
-    # bytes and str would be taken as raw machine words and characters.
-    if isinstance(token_ids, (str, bytes, bytearray, memoryview)):
-        raise ValueError(f"{_where(index, op)}: {name} must be a sequence of int token ids, got {type(token_ids).__name__}")
+    # bytes and str would be taken as raw machine words and characters. (A list is the common case.)
+    if type(token_ids) is not list and isinstance(token_ids, (str, bytes, bytearray, memoryview)):
+        raise ValueError(
+            f"{_where(index, op)}: {name} must be a sequence of int token ids, got {type(token_ids).__name__}"
+        )
     try:
         token_bytes = encode_token_ids(token_ids)
     except OverflowError as exc:
@@ -64,13 +66,14 @@ class OpValidator:
         Checked: the client is attached; each op is one of the four op types (``expected_type``
         when given); seq ids are non-empty strings; new ones are not live, the others are live
         sequences of this client (counting creations and frees earlier in the batch); token lists
-        are non-empty with ids >= 0; ``max_num_new_tokens >= 1``; no sequence outgrows the pool;
-        no ForkOp forks a sequence that an earlier op of the batch allocated or appended to.
+        are non-empty with ids in [0, 2**32); ``max_num_new_tokens >= 1``; no sequence outgrows the pool;
+        no AppendOp goes to a sequence that shares blocks, through a ForkOp earlier in the batch,
+        with a sequence that an earlier op of the batch allocated or appended to.
 
         Why the last rule: copy-on-write copies a block when the op applies, but the K/V of the
-        batch's new tokens is written after the whole batch (by the model's forward pass). A block
-        shared by a fork of a sequence with tokens still pending could be copied without them. Fork
-        first, then append (the compute service's step does: forks, frees, then the work).
+        batch's new tokens is written after the whole batch (by the model's forward pass). Such an
+        append could copy a shared block before those tokens are in it. Fork first, then append
+        (the compute service's step does: forks, frees, then the work), or append in a later batch.
 
         Args:
             client_id: the client sending the batch.
@@ -88,6 +91,8 @@ class OpValidator:
         # once freed.
         batch_num_tokens: dict[str, int | None] = {}
         pending_seq_ids: set[str] = set()  # sequences with tokens whose K/V this batch will write
+        # Sequences that, through a ForkOp of this batch, share blocks that may hold pending tokens.
+        unwritten_shared_seq_ids: set[str] = set()
         max_num_tokens = self._max_num_tokens
         encoded: list[bytes | None] = []
         for index, op in enumerate(ops):
@@ -95,7 +100,18 @@ class OpValidator:
             if expected_type is not None and op_type is not expected_type:
                 raise ValueError(f"expected an {expected_type.__name__}, got {op_type.__name__}")
             if op_type is AppendOp:
-                num_tokens = self._live_num_tokens(client_id, batch_num_tokens, index, op, "seq_id", op.seq_id)
+                seq_id = op.seq_id
+                seq = self._seqs.get(seq_id) if type(seq_id) is str and seq_id not in batch_num_tokens else None
+                if seq is not None and seq.client_id == client_id:  # the common case (decode), inlined
+                    num_tokens = seq.num_tokens
+                else:
+                    num_tokens = self._live_num_tokens(client_id, batch_num_tokens, index, op, "seq_id", op.seq_id)
+                if op.seq_id in unwritten_shared_seq_ids:
+                    raise ValueError(
+                        f"{_where(index, op)}: seq_id {op.seq_id!r} shares blocks (by a ForkOp earlier in this batch) "
+                        "holding tokens whose K/V this batch has not written yet, so copy-on-write could copy them "
+                        "without it; fork before the AllocateOp/AppendOp, or append in a later batch"
+                    )
                 token_bytes = _encode_token_ids(index, op, "token_ids", op.token_ids)
                 num_tokens += len(token_bytes) // TOKEN_WIDTH
                 if num_tokens > max_num_tokens:
@@ -116,7 +132,9 @@ class OpValidator:
                         f"more than the whole pool holds ({max_num_tokens})"
                     )
                 if type(op.max_num_new_tokens) is not int or op.max_num_new_tokens < 1:
-                    raise ValueError(f"{_where(index, op)}: max_num_new_tokens must be an int >= 1, got {op.max_num_new_tokens!r}")
+                    raise ValueError(
+                        f"{_where(index, op)}: max_num_new_tokens must be an int >= 1, got {op.max_num_new_tokens!r}"
+                    )
                 if type(op.priority) is not int:
                     raise ValueError(f"{_where(index, op)}: priority must be an int, got {op.priority!r}")
                 if type(op.namespace) is not str:
@@ -128,19 +146,21 @@ class OpValidator:
                 self._live_num_tokens(client_id, batch_num_tokens, index, op, "seq_id", op.seq_id)
                 batch_num_tokens[op.seq_id] = None
                 pending_seq_ids.discard(op.seq_id)
+                unwritten_shared_seq_ids.discard(op.seq_id)
                 encoded.append(None)
             elif op_type is ForkOp:
-                num_tokens = self._live_num_tokens(client_id, batch_num_tokens, index, op, "parent_seq_id", op.parent_seq_id)
-                if op.parent_seq_id in pending_seq_ids:
-                    raise ValueError(
-                        f"{_where(index, op)}: parent_seq_id {op.parent_seq_id!r} got tokens from an earlier op of this "
-                        "batch whose K/V is not written yet; fork it before its AllocateOp/AppendOp, or in a later batch"
-                    )
+                num_tokens = self._live_num_tokens(
+                    client_id, batch_num_tokens, index, op, "parent_seq_id", op.parent_seq_id
+                )
                 self._check_new_seq_id(batch_num_tokens, index, op, "child_seq_id", op.child_seq_id)
+                if op.parent_seq_id in pending_seq_ids or op.parent_seq_id in unwritten_shared_seq_ids:
+                    unwritten_shared_seq_ids.update((op.parent_seq_id, op.child_seq_id))
                 batch_num_tokens[op.child_seq_id] = num_tokens
                 encoded.append(None)
             else:
-                raise ValueError(f"ops[{index}]: expected an AllocateOp, AppendOp, FreeOp or ForkOp, got {op_type.__name__}")
+                raise ValueError(
+                    f"ops[{index}]: expected an AllocateOp, AppendOp, FreeOp or ForkOp, got {op_type.__name__}"
+                )
         return encoded
 
     def _live_num_tokens(
@@ -160,7 +180,9 @@ class OpValidator:
             raise ValueError(f"{_where(index, op)}: {name} {seq_id!r} belongs to another client")
         return seq.num_tokens
 
-    def _check_new_seq_id(self, batch_num_tokens: dict[str, int | None], index: int, op: Op, name: str, seq_id: object) -> None:
+    def _check_new_seq_id(
+        self, batch_num_tokens: dict[str, int | None], index: int, op: Op, name: str, seq_id: object
+    ) -> None:
         if type(seq_id) is not str or not seq_id:
             raise ValueError(f"{_where(index, op)}: {name} must be a non-empty string, got {seq_id!r}")
         is_live = batch_num_tokens[seq_id] is not None if seq_id in batch_num_tokens else seq_id in self._seqs

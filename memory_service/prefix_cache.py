@@ -64,9 +64,9 @@ def decode_token_ids(token_bytes: bytes) -> list[int]:
 class PrefixCache:
     """Maps the content of full blocks to the block ids that hold it.
 
-    Invariants (``check_integrity``): a block has a key iff it has an entry id iff the index maps
-    that key to it; entry ids are unique; a parent entry id is smaller than its child's (the parent
-    registered first).
+    Invariants (``check_integrity``): a block has a key iff the index maps that key to it; the entry
+    ids of blocks with a key are unique; a parent entry id is smaller than its child's (the parent
+    registered first). A block without a key has a stale entry id, never read.
 
     Args:
         num_blocks: number of block ids, ``[0, num_blocks)``.
@@ -78,7 +78,7 @@ class PrefixCache:
         self._block_ids: dict[CacheKey, int] = {}
         # Per block id; plain lists keep the hot path free of per-block objects.
         self.block_keys: list[CacheKey | None] = [None] * num_blocks
-        self.entry_ids: list[int] = [ROOT_ENTRY_ID] * num_blocks  # ROOT_ENTRY_ID = not cached
+        self.entry_ids: list[int] = [ROOT_ENTRY_ID] * num_blocks  # meaningful while the block has a key
         self._next_entry_id = ROOT_ENTRY_ID + 1
 
     def __len__(self) -> int:
@@ -109,7 +109,9 @@ class PrefixCache:
             parent_entry_id = entry_ids[block_id]
         return block_ids, parent_entry_id
 
-    def register(self, block_ids: Sequence[int], token_bytes: bytes, start: int, namespace: str, parent_entry_id: int) -> int:
+    def register(
+        self, block_ids: Sequence[int], token_bytes: bytes, start: int, namespace: str, parent_entry_id: int
+    ) -> int:
         """Registers blocks of one sequence that just became full.
 
         When an identical block is already cached (two sequences generated the same tokens), the
@@ -154,15 +156,12 @@ class PrefixCache:
         Returns:
             The evicted block ids, least recently used first.
         """
-        index = self._block_ids
-        block_keys, entry_ids = self.block_keys, self.entry_ids
-        popitem = lru.popitem
+        index, block_keys, popitem = self._block_ids, self.block_keys, lru.popitem
         evicted = []
         for _ in range(num_blocks):
-            block_id = popitem(last=False)[0]
+            block_id = popitem(False)[0]  # last=False: the least recently used; positional is faster
             del index[block_keys[block_id]]
-            block_keys[block_id] = None
-            entry_ids[block_id] = ROOT_ENTRY_ID
+            block_keys[block_id] = None  # its entry id goes stale: read only while a key is set
             evicted.append(block_id)
         return evicted
 
@@ -172,11 +171,9 @@ class PrefixCache:
         seen_entry_ids: set[int] = set()
         block_width = self.block_size * TOKEN_WIDTH
         for block_id, key in enumerate(self.block_keys):
-            entry_id = self.entry_ids[block_id]
             if key is None:
-                if entry_id != ROOT_ENTRY_ID:
-                    raise AssertionError(f"block {block_id} has entry id {entry_id} but no key")
                 continue
+            entry_id = self.entry_ids[block_id]
             num_cached += 1
             parent_entry_id, token_bytes, namespace = key
             if type(token_bytes) is not bytes or len(token_bytes) != block_width or type(namespace) is not str:

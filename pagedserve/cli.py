@@ -31,18 +31,19 @@ def cmd_up(args: argparse.Namespace) -> int:
         memory_cmd += ["--config", args.config]
     if args.kv_cache_bytes:
         memory_cmd += ["--kv-cache-bytes", str(args.kv_cache_bytes)]
+    stop = False
+
+    def on_signal(*_: object) -> None:
+        nonlocal stop
+        stop = True
+
+    # Installed before anything starts, so an early SIGTERM still stops the children cleanly.
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     children = [subprocess.Popen(memory_cmd)]
     try:
         _wait_for_socket(socket, children[0], timeout_s=60)
         print(f"pagedserve: memory service on unix:{socket}", flush=True)
-        stop = False
-
-        def on_signal(*_: object) -> None:
-            nonlocal stop
-            stop = True
-
-        signal.signal(signal.SIGTERM, on_signal)
-        signal.signal(signal.SIGINT, on_signal)
         while not stop:
             for child in children:
                 if child.poll() is not None:

@@ -30,7 +30,9 @@ def make() -> Iterator[MakeManager]:
     """Builds managers with client "c" attached; checks each one's integrity at teardown."""
     managers: list[BlockManager] = []
 
-    def build(num_blocks: int = 8, copy_block: Callable[[int, int], None] | None = None, **config: object) -> BlockManager:
+    def build(
+        num_blocks: int = 8, copy_block: Callable[[int, int], None] | None = None, **config: object
+    ) -> BlockManager:
         config.setdefault("block_size", BS)
         manager = BlockManager(BlockManagerConfig(num_blocks=num_blocks, **config), copy_block=copy_block)
         manager.add_client("c")
@@ -63,7 +65,9 @@ def refs(manager: BlockManager) -> list[int]:
 
 
 def snapshot(manager: BlockManager) -> tuple:
-    tables = {s: manager.block_table(s) for s in ("a", "b", "keep") if manager.has_sequence(s)}
+    """Everything an op that changed nothing must leave as it was."""
+    names = ("a", "b", "keep", "fill", "high", "high2", "low", "other", "x", "y")
+    tables = {s: manager.block_table(s) for s in names if manager.has_sequence(s)}
     return manager.stats(), tables, refs(manager), manager.num_available_blocks()
 
 
@@ -259,7 +263,7 @@ def test_cached_children_of_an_evicted_parent_are_unreachable(make: MakeManager)
     run(manager, AppendOp("a", [50, 51, 52]), AppendOp("b", [50, 51, 52, 53, 54, 55, 56, 57]))
     assert manager.block_table("b") == [0, 2, 3, 4]  # 2: unregistered twin of 1; 3: child of 1's entry
     run(manager, FreeOp("a"))  # LRU: 1
-    run(manager, FreeOp("b"))  # LRU: 1, 4 is partial -> free, 3, 0; free: 2, 4, 5
+    run(manager, FreeOp("b"))  # LRU: 1, 3, 0; free: 5, 4, 2 (4 is partial, 2 has no key)
     assert manager.stats().general == PoolStats("general", 6, 3, 3, 0)
     # 4 blocks: the 3 free ones, then block 1 is evicted; 3 stays cached under 1's old entry.
     alloc(manager, "x", tokens(100, 16))
@@ -402,7 +406,12 @@ def test_reserved_min_priority_is_configurable(make: MakeManager) -> None:
 
 def test_batch_with_a_failing_op_applies_the_others(make: MakeManager) -> None:
     manager = make(num_blocks=4)
-    results = run(manager, AllocateOp("a", tokens(0, 4), 4), AllocateOp("big", tokens(100, 16), 16), AllocateOp("b", tokens(200, 5), 5))
+    results = run(
+        manager,
+        AllocateOp("a", tokens(0, 4), 4),
+        AllocateOp("big", tokens(100, 16), 16),
+        AllocateOp("b", tokens(200, 5), 5),
+    )
     assert results == [OpResult(True, [0], 0, 4), OpResult(False, []), OpResult(True, [1, 2], 0, 5)]
     assert not manager.has_sequence("big")
 
@@ -413,22 +422,41 @@ def test_ops_on_a_sequence_whose_creation_failed_fail_too(make: MakeManager) -> 
     ops = [
         AllocateOp("big", tokens(0, 9), 9),
         AppendOp("big", [1]),
+        ForkOp("big", "child"),
+        FreeOp("child"),
         FreeOp("big"),
         AllocateOp("big", tokens(0, 3), 3),  # the id may be used again, and this one fits
         AppendOp("big", [1]),
     ]
-    assert [r.ok for r in run(manager, *ops)] == [False, False, False, True, True]
-    assert manager.block_table("big") == [1]
+    assert [r.ok for r in run(manager, *ops)] == [False, False, False, False, False, True, True]
+    assert manager.block_table("big") == [1] and not manager.has_sequence("child")
 
 
 def test_batch_is_validated_against_its_own_earlier_ops(make: MakeManager) -> None:
     manager = make()
     alloc(manager, "a", tokens(0, 3))  # [0]
-    ops = [ForkOp("a", "y"), AppendOp("a", [3, 4]), AllocateOp("x", [9], 1), AppendOp("x", [9]), FreeOp("a"), AppendOp("y", [5]), FreeOp("x")]
+    ops = [
+        ForkOp("a", "y"),
+        AppendOp("a", [3, 4]),
+        AllocateOp("x", [9], 1),
+        AppendOp("x", [9]),
+        FreeOp("a"),
+        AppendOp("y", [5]),
+        FreeOp("x"),
+    ]
     results = run(manager, *ops)
     assert [r.ok for r in results] == [True] * 7
     assert results[1].copies == [(0, 1)] and results[1].block_ids == [2]
     assert manager.block_table("y") == [0] and not manager.has_sequence("a") and not manager.has_sequence("x")
+
+
+def test_fork_after_append_in_one_batch_shares_the_pending_tokens(make: MakeManager) -> None:
+    manager = make()
+    alloc(manager, "a", tokens(0, 6))  # [0, 1]
+    results = run(manager, AppendOp("a", [6]), ForkOp("a", "b"), FreeOp("a"))
+    assert [r.ok for r in results] == [True, True, True]
+    # Appending to b now must wait for the next batch, when token 6's K/V is in block 1.
+    assert manager.block_table("b") == [0, 1] and run(manager, AppendOp("b", [7])) == [OpResult(True, [])]
 
 
 def test_fork_then_append_in_one_batch(make: MakeManager) -> None:
@@ -436,7 +464,9 @@ def test_fork_then_append_in_one_batch(make: MakeManager) -> None:
     copies: list[tuple[int, int]] = []
     manager = make(copy_block=lambda src, dst: copies.append((src, dst)))
     alloc(manager, "a", tokens(0, 6))  # [0, 1]
-    results = run(manager, ForkOp("a", "b"), ForkOp("a", "c"), AppendOp("a", [6]), AppendOp("b", [7]), AppendOp("c", [8]))
+    results = run(
+        manager, ForkOp("a", "b"), ForkOp("a", "c"), AppendOp("a", [6]), AppendOp("b", [7]), AppendOp("c", [8])
+    )
     assert [r.copies for r in results] == [[], [], [(1, 2)], [(1, 3)], []]
     assert copies == [(1, 2), (1, 3)]
     assert [manager.block_table(s) for s in "abc"] == [[0, 2], [0, 3], [0, 1]]
@@ -467,8 +497,9 @@ BAD_BATCHES = [
     ([AllocateOp("x", [1] * 33, 1)], "32"),  # 8 blocks of 4 hold 32 tokens
     ([AppendOp("keep", [1] * 29)], "32"),  # keep holds 4
     ([AllocateOp("x", [1] * 20, 20), AppendOp("x", [1] * 13)], "33"),
-    ([AppendOp("keep", [1]), ForkOp("keep", "k2")], "not written yet"),
-    ([AllocateOp("x", [1], 1), ForkOp("x", "y")], "not written yet"),
+    ([AppendOp("keep", [1]), ForkOp("keep", "k2"), AppendOp("k2", [2])], "not written yet"),
+    ([AppendOp("keep", [1]), ForkOp("keep", "k2"), AppendOp("keep", [2])], "not written yet"),
+    ([AllocateOp("x", [1], 1), ForkOp("x", "y"), ForkOp("y", "z"), AppendOp("z", [2])], "not written yet"),
     ([AppendOp("keep", [])], "empty"),
     ([AllocateOp("", [1], 1)], "seq_id"),
     ([AllocateOp(7, [1], 1)], "seq_id"),

@@ -2,14 +2,17 @@
 
 The model keeps, per live sequence, its owner, its tokens and the block table the op results
 imply (tables from AllocateOp/ForkOp, appended blocks and copy-on-write pairs from AppendOp), and
-a simulated pool: the (namespace, token) written into every slot. A step writes the new tokens
-into their slots, as the compute service would, and ``copy_block`` copies slots. Invariants:
+a simulated pool: the (namespace, token) written into every slot. Rules apply single ops, mixed
+batches of one client (as a scheduler step sends them), bad batches and client releases. After an
+apply the model writes the new tokens into their slots in op order, as the compute service's
+forward pass would; ``copy_block`` copies slots when the manager calls it. Invariants:
 
 - ``check_integrity()`` holds;
 - the manager's block tables equal the model's, and each refcount is the number of model tables
   holding the block;
 - every slot a live sequence covers holds that sequence's own token: prefix sharing and
   copy-on-write never hand a sequence somebody else's data;
+- a low-priority sequence never takes (as opposed to shares) a reserved block;
 - an op that fails (out of blocks, or a bad batch) changes nothing.
 """
 
@@ -223,7 +226,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         client_id = data.draw(st.sampled_from(self.clients))
         # Model view of the batch as it builds: seq_id -> most tokens it may hold, None once freed.
         upper: dict[str, int | None] = {s: len(q.token_ids) for s, q in self.seqs.items() if q.client_id == client_id}
-        pending: set[str] = set()  # allocated or appended in this batch: not forkable
+        pending: set[str] = set()  # allocated or appended in this batch
+        frozen: set[str] = set()  # forked from (or as) a pending sequence: no more appends this batch
         ops: list = []
         prompts: dict[str, list[int]] = {}
         for _ in range(data.draw(st.integers(2, 5))):
@@ -238,21 +242,22 @@ class BlockManagerMachine(RuleBasedStateMachine):
             elif kind == "append":
                 seq_id = data.draw(st.sampled_from(live))
                 new_tokens = data.draw(st.lists(TOKEN, min_size=1, max_size=3))
-                if upper[seq_id] + len(new_tokens) <= self.capacity:
+                if seq_id not in frozen and upper[seq_id] + len(new_tokens) <= self.capacity:
                     ops.append(AppendOp(seq_id, new_tokens))
                     upper[seq_id] += len(new_tokens)
                     pending.add(seq_id)
             elif kind == "fork":
-                parents = [s for s in live if s not in pending]
-                if parents:
-                    parent_id, child_id = data.draw(st.sampled_from(parents)), self.new_id("f")
-                    ops.append(ForkOp(parent_id, child_id))
-                    upper[child_id] = upper[parent_id]
+                parent_id, child_id = data.draw(st.sampled_from(live)), self.new_id("f")
+                ops.append(ForkOp(parent_id, child_id))
+                upper[child_id] = upper[parent_id]
+                if parent_id in pending or parent_id in frozen:
+                    frozen.update((parent_id, child_id))
             else:
                 seq_id = data.draw(st.sampled_from(live))
                 ops.append(FreeOp(seq_id))
                 upper[seq_id] = None
                 pending.discard(seq_id)
+                frozen.discard(seq_id)
 
         self.copies_made.clear()
         results = self.manager.apply(client_id, ops)
@@ -268,10 +273,15 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 failed.discard(op.seq_id)
                 prompt = prompts[op.seq_id]
                 num_cached = result.num_cached_tokens
-                seq = ModelSequence(client_id, "", prompt[: num_cached + result.num_new_tokens], list(result.block_ids), op.priority)
+                seq = ModelSequence(
+                    client_id, "", prompt[: num_cached + result.num_new_tokens], list(result.block_ids), op.priority
+                )
                 self.check_new_blocks_pool(seq, seq.block_table[num_cached // self.block_size :])
                 for pos in range(num_cached):
-                    assert self.slots[seq.block_table[pos // self.block_size]][pos % self.block_size] == ("", prompt[pos])
+                    assert self.slots[seq.block_table[pos // self.block_size]][pos % self.block_size] == (
+                        "",
+                        prompt[pos],
+                    )
                 self.seqs[op.seq_id] = seq
                 self.write(seq, num_cached)
             elif isinstance(op, AppendOp):
@@ -288,6 +298,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 seq.token_ids += op.token_ids
                 self.write(seq, start)
             elif isinstance(op, ForkOp):
+                if op.parent_seq_id in failed:
+                    assert not result.ok
+                    failed.add(op.child_seq_id)
+                    continue
+                failed.discard(op.child_seq_id)
                 parent = self.seqs[op.parent_seq_id]
                 assert result.ok and result.block_ids == parent.block_table
                 self.seqs[op.child_seq_id] = ModelSequence(
