@@ -88,6 +88,9 @@ class Scheduler:
         elif seq in self.running:
             self.running.remove(seq)
             self._pending_free_ids.append(seq.seq_id)
+            # Its blocks come back at the start of the next step's RPC, before that step's
+            # admissions: plan with them (an estimate, like preemption's; shared blocks may stay).
+            self.num_available_blocks += len(seq.block_table)
         elif seq in self.waiting:
             self.waiting.remove(seq)
 
