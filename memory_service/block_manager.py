@@ -8,6 +8,9 @@ Ordering rules (tests assert exact block ids against them), on top of ``block_po
 
 - A freed sequence releases its blocks tail first: its head is handed out again first, and its
   tail is evicted first.
+- A FreeOp of a sequence that an earlier op of the same batch allocated or appended to releases its
+  blocks after the batch's last op (in FreeOp order): the K/V of those tokens is written after the
+  batch, so its blocks must not serve a later op of the batch.
 - Copy-on-write takes its destination before the blocks that the same AppendOp appends.
 - ``release_client`` frees the client's sequences in creation order.
 """
@@ -152,7 +155,10 @@ class BlockManager:
         too few blocks returns ``ok=False`` having changed nothing, and the others still apply. Ops
         on a sequence whose AllocateOp failed earlier in the batch (or a fork of it) fail the same way. A sequence
         forked after its AllocateOp/AppendOp in the batch takes no more AppendOps in that batch,
-        nor does its child (see ``OpValidator``).
+        nor does its child (see ``OpValidator``). A sequence freed after its AllocateOp/AppendOp in the
+        batch keeps its blocks until the batch ends: the K/V of its new tokens is written after the
+        batch all the same, and would overwrite whatever a later op put in them (a copy-on-write
+        destination is copied when its op applies).
 
         Args:
             client_id: an attached client.
@@ -161,28 +167,42 @@ class BlockManager:
         Returns:
             One result per op, in order.
         """
-        encoded_token_ids = self._validator.validate(client_id, ops)
+        encoded_token_ids, late_free_indices = self._validator.validate(client_id, ops)
         results: list[OpResult] = []
         failed_seq_ids: set[str] = set()  # their AllocateOp (or their parent's) failed in this batch
-        for op, token_bytes in zip(ops, encoded_token_ids):
-            op_type = type(op)
-            if op_type is AppendOp:  # the most frequent: one per running sequence and step
-                result = OpResult(False, []) if op.seq_id in failed_seq_ids else self._append(op.seq_id, token_bytes)
-            elif op_type is AllocateOp:
-                result = self._allocate(client_id, op, token_bytes)
-                if result.ok:
-                    failed_seq_ids.discard(op.seq_id)
+        late_block_tables: list[list[int]] = []  # of sequences freed with tokens this batch writes
+        try:
+            for op, token_bytes in zip(ops, encoded_token_ids):
+                op_type = type(op)
+                if op_type is AppendOp:  # the most frequent: one per running sequence and step
+                    if op.seq_id in failed_seq_ids:
+                        result = OpResult(False, [])
+                    else:
+                        result = self._append(op.seq_id, token_bytes)
+                elif op_type is AllocateOp:
+                    result = self._allocate(client_id, op, token_bytes)
+                    if result.ok:
+                        failed_seq_ids.discard(op.seq_id)
+                    else:
+                        failed_seq_ids.add(op.seq_id)
+                elif op_type is FreeOp:
+                    if op.seq_id in failed_seq_ids:
+                        result = OpResult(False, [])
+                    elif len(results) in late_free_indices:  # len(results): this op's index
+                        late_block_tables.append(self._free(op.seq_id, release=False))
+                        result = OpResult(True, late_block_tables[-1])
+                    else:
+                        result = OpResult(True, self._free(op.seq_id))
+                elif op.parent_seq_id in failed_seq_ids:  # ForkOp
+                    result = OpResult(False, [])
+                    failed_seq_ids.add(op.child_seq_id)
                 else:
-                    failed_seq_ids.add(op.seq_id)
-            elif op_type is FreeOp:
-                result = OpResult(False, []) if op.seq_id in failed_seq_ids else OpResult(True, self._free(op.seq_id))
-            elif op.parent_seq_id in failed_seq_ids:  # ForkOp
-                result = OpResult(False, [])
-                failed_seq_ids.add(op.child_seq_id)
-            else:
-                result = self._fork(client_id, op.parent_seq_id, op.child_seq_id)
-                failed_seq_ids.discard(op.child_seq_id)
-            results.append(result)
+                    result = self._fork(client_id, op.parent_seq_id, op.child_seq_id)
+                    failed_seq_ids.discard(op.child_seq_id)
+                results.append(result)
+        finally:  # also when copy_block raised: the freed sequences are gone, their blocks must not leak
+            for block_table in late_block_tables:
+                self._pool.release(reversed(block_table))
         return results
 
     def allocate(self, client_id: str, op: AllocateOp) -> OpResult:
@@ -201,7 +221,7 @@ class BlockManager:
         Returns:
             ``block_ids`` = the whole table, ``num_cached_tokens``, ``num_new_tokens``; or ``ok=False``.
         """
-        [prompt_bytes] = self._validator.validate(client_id, (op,), AllocateOp)
+        [prompt_bytes] = self._validator.validate(client_id, (op,), AllocateOp).encoded_token_ids
         return self._allocate(client_id, op, prompt_bytes)
 
     def append(self, client_id: str, op: AppendOp) -> OpResult:
@@ -219,7 +239,7 @@ class BlockManager:
             ``block_ids`` = the blocks appended to the table, ``copies`` = ``[(src, dst)]`` when a
             copy replaced the last block; or ``ok=False``.
         """
-        [token_bytes] = self._validator.validate(client_id, (op,), AppendOp)
+        [token_bytes] = self._validator.validate(client_id, (op,), AppendOp).encoded_token_ids
         return self._append(op.seq_id, token_bytes)
 
     def free(self, client_id: str, op: FreeOp) -> OpResult:
@@ -375,12 +395,15 @@ class BlockManager:
             seq.partial_token_bytes = partial_token_bytes
         return OpResult(True, new_block_ids, 0, 0, copies)
 
-    def _free(self, seq_id: str) -> list[int]:
+    def _free(self, seq_id: str, release: bool = True) -> list[int]:
+        """Forgets a sequence and returns its table; its blocks lose their reference now if ``release``,
+        else the caller releases them later."""
         seq = self._seqs.pop(seq_id)
         del self._client_seq_ids[seq.client_id][seq_id]
-        # Tail first: the tail becomes older in the LRU than the head, and the head ends up on top
-        # of the free stack.
-        self._pool.release(reversed(seq.block_table))
+        if release:
+            # Tail first: the tail becomes older in the LRU than the head, and the head ends up on
+            # top of the free stack.
+            self._pool.release(reversed(seq.block_table))
         return seq.block_table
 
     def _fork(self, client_id: str, parent_seq_id: str, child_seq_id: str) -> OpResult:

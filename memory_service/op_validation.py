@@ -2,13 +2,14 @@
 
 A bad op is a caller bug: it raises ``ValueError`` naming the op and the problem, and because the
 whole batch is checked first, nothing of the batch has been applied. Token ids are checked by
-encoding them for the prefix cache (one pass in C), and the encodings are handed on to the manager.
+encoding them for the prefix cache (one pass in C), and the encodings are handed on to the manager,
+with the FreeOps whose blocks must wait for the end of the batch (``ValidatedBatch``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from memory_service.block_types import AllocateOp, AppendOp, ForkOp, FreeOp, Op
 from memory_service.prefix_cache import TOKEN_WIDTH, encode_token_ids
@@ -41,6 +42,20 @@ def _encode_token_ids(index: int, op: object, name: str, token_ids: object) -> b
     return token_bytes
 
 
+class ValidatedBatch(NamedTuple):
+    """What validation learned about a batch, for the block manager to apply it.
+
+    Args:
+        encoded_token_ids: per op, its token ids encoded by ``encode_token_ids`` (AllocateOp: the
+            prompt; AppendOp: the new tokens); None for FreeOp and ForkOp.
+        late_free_indices: indices of the FreeOps whose sequence an earlier op of the batch allocated
+            or appended to (counted whether or not that op will find its blocks).
+    """
+
+    encoded_token_ids: list[bytes | None]
+    late_free_indices: set[int]
+
+
 class OpValidator:
     """Checks a batch of ops against the state as the batch itself would evolve it.
 
@@ -60,7 +75,7 @@ class OpValidator:
         self._seqs = seqs
         self._client_seq_ids = client_seq_ids
 
-    def validate(self, client_id: str, ops: Sequence[Op], expected_type: type | None = None) -> list[bytes | None]:
+    def validate(self, client_id: str, ops: Sequence[Op], expected_type: type | None = None) -> ValidatedBatch:
         """Raises ``ValueError`` for the first bad op. Changes nothing.
 
         Checked: the client is attached; each op is one of the four op types (``expected_type``
@@ -81,8 +96,8 @@ class OpValidator:
             expected_type: the only op type allowed (the single-op methods).
 
         Returns:
-            Per op, its token ids encoded by ``encode_token_ids`` (AllocateOp: the prompt; AppendOp:
-            the new tokens); None for FreeOp and ForkOp.
+            The encoded token ids of each op, and which FreeOps free a sequence with tokens whose
+            K/V this batch writes (the block manager releases those blocks after the batch).
         """
         if client_id not in self._client_seq_ids:
             raise ValueError(f"client_id {client_id!r} is not attached")
@@ -93,6 +108,7 @@ class OpValidator:
         pending_seq_ids: set[str] = set()  # sequences with tokens whose K/V this batch will write
         # Sequences that, through a ForkOp of this batch, share blocks that may hold pending tokens.
         unwritten_shared_seq_ids: set[str] = set()
+        late_free_indices: set[int] = set()
         max_num_tokens = self._max_num_tokens
         encoded: list[bytes | None] = []
         for index, op in enumerate(ops):
@@ -145,7 +161,11 @@ class OpValidator:
             elif op_type is FreeOp:
                 self._live_num_tokens(client_id, batch_num_tokens, index, op, "seq_id", op.seq_id)
                 batch_num_tokens[op.seq_id] = None
-                pending_seq_ids.discard(op.seq_id)
+                # Tokens it got in this batch have their K/V written after the batch: its blocks must
+                # outlive the batch. (Its forks share only blocks it holds: freeing them needs no delay.)
+                if op.seq_id in pending_seq_ids:
+                    late_free_indices.add(index)
+                    pending_seq_ids.remove(op.seq_id)
                 unwritten_shared_seq_ids.discard(op.seq_id)
                 encoded.append(None)
             elif op_type is ForkOp:
@@ -161,7 +181,7 @@ class OpValidator:
                 raise ValueError(
                     f"ops[{index}]: expected an AllocateOp, AppendOp, FreeOp or ForkOp, got {op_type.__name__}"
                 )
-        return encoded
+        return ValidatedBatch(encoded, late_free_indices)
 
     def _live_num_tokens(
         self, client_id: str, batch_num_tokens: dict[str, int | None], index: int, op: Op, name: str, seq_id: object

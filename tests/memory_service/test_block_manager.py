@@ -459,6 +459,46 @@ def test_fork_after_append_in_one_batch_shares_the_pending_tokens(make: MakeMana
     assert manager.block_table("b") == [0, 1] and run(manager, AppendOp("b", [7])) == [OpResult(True, [])]
 
 
+def test_blocks_freed_with_pending_tokens_serve_no_later_op_of_the_batch(make: MakeManager) -> None:
+    # x's token 9 is written into block 1 after the batch, x freed or not. Found by the state
+    # machine: handing block 1 to b's copy-on-write let that write land on top of b's copy.
+    copies: list[tuple[int, int]] = []
+    manager = make(num_blocks=3, copy_block=lambda src, dst: copies.append((src, dst)))
+    alloc(manager, "a", tokens(0, 2))  # [0], 2 tokens
+    results = run(manager, AllocateOp("x", [9], 1), ForkOp("a", "b"), FreeOp("x"), AppendOp("b", [7]))
+    assert results == [
+        OpResult(True, [1], 0, 1),
+        OpResult(True, [0]),
+        OpResult(True, [1]),
+        OpResult(True, [], copies=[(0, 2)]),  # not block 1
+    ]
+    assert copies == [(0, 2)] and manager.block_table("b") == [2]
+    assert refs(manager) == [1, 0, 1]  # block 1 comes back when the batch ends
+    assert alloc(manager, "y", [5]).block_ids == [1]
+
+
+def test_blocks_freed_after_an_append_come_back_after_the_batch(make: MakeManager) -> None:
+    manager = make(num_blocks=2)
+    alloc(manager, "a", tokens(0, 2))  # [0]
+    results = run(manager, AppendOp("a", [2]), FreeOp("a"), AllocateOp("y", [5], 1), AllocateOp("z", [6], 1))
+    # Block 0 still awaits token 2's K/V: z finds no block in this batch.
+    assert results == [OpResult(True, []), OpResult(True, [0]), OpResult(True, [1], 0, 1), OpResult(False, [])]
+    assert refs(manager) == [0, 1] and alloc(manager, "z", [6]).block_ids == [0]
+
+
+def test_a_failing_copy_block_still_releases_the_blocks_freed_earlier_in_the_batch(make: MakeManager) -> None:
+    def broken_copy(src: int, dst: int) -> None:
+        raise OSError("device lost")
+
+    manager = make(num_blocks=3, copy_block=broken_copy)
+    alloc(manager, "a", tokens(0, 2))  # [0]
+    run(manager, ForkOp("a", "b"))
+    with pytest.raises(OSError, match="device lost"):
+        manager.apply("c", [AllocateOp("x", [9], 1), FreeOp("x"), AppendOp("b", [7])])
+    manager.check_integrity()
+    assert not manager.has_sequence("x") and refs(manager) == [2, 0, 0]
+
+
 def test_fork_then_append_in_one_batch(make: MakeManager) -> None:
     # The compute service's parallel sampling: fork the children, then append each one's token.
     copies: list[tuple[int, int]] = []
