@@ -54,6 +54,7 @@ class Engine:
         self.scheduler = Scheduler(config, memory.block_size, available, memory.num_reserved_blocks,
                                    memory.reserved_min_priority)
         self.requests: dict[str, Request] = {}
+        self._aborted_ids: set[str] = set()
         self._seq_counter = itertools.count()
         self.num_steps = 0
 
@@ -112,6 +113,7 @@ class Engine:
             if not seq.is_finished:
                 seq.finish_reason = FinishReason.ABORT
                 self.scheduler.finish(seq)
+        self._aborted_ids.add(request_id)  # reported by the next step
         return True
 
     def has_unfinished(self) -> bool:
@@ -150,9 +152,9 @@ class Engine:
                     self._fork_children(seq, row)
                 self._append_token(seq, token)
                 touched[seq.request_id] = self.requests[seq.request_id]
-        for request in self.requests.values():
-            if any(s.finish_reason == FinishReason.ABORT for s in request.seqs):
-                touched[request.request_id] = request
+        for request_id in self._aborted_ids:
+            touched[request_id] = self.requests[request_id]
+        self._aborted_ids.clear()
         outputs = [self._output(r) for r in touched.values()]
         for out in outputs:
             if out.finished:

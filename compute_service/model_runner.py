@@ -34,4 +34,4 @@ class ModelRunner:
             block_size=self.block_size,
             device=self.model.device,
         )
-        return self.model(batch, self.kv_pool).float().cpu()
+        return self.model(batch, self.kv_pool).cpu()  # already float32

@@ -80,6 +80,8 @@ class Sequence:
         prompt_len = len(self.prompt_token_ids)
         if start + n <= prompt_len:
             return self.prompt_token_ids[start : start + n]
+        if start >= prompt_len:  # decode (or recompute past the prompt): no concatenation per step
+            return self.output_token_ids[start - prompt_len : start - prompt_len + n]
         return self.token_ids[start : start + n]
 
     def reset_for_recompute(self) -> None:
