@@ -49,13 +49,27 @@ class ComputeStub:
                 request_serializer=pagedserve_dot_compute_dot_v1_dot_compute__pb2.LoadRequest.SerializeToString,
                 response_deserializer=pagedserve_dot_compute_dot_v1_dot_compute__pb2.LoadResponse.FromString,
                 _registered_method=True)
+        self.Info = channel.unary_unary(
+                '/pagedserve.compute.v1.Compute/Info',
+                request_serializer=pagedserve_dot_compute_dot_v1_dot_compute__pb2.InfoRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_compute_dot_v1_dot_compute__pb2.InfoResponse.FromString,
+                _registered_method=True)
+        self.GetTokenizer = channel.unary_stream(
+                '/pagedserve.compute.v1.Compute/GetTokenizer',
+                request_serializer=pagedserve_dot_compute_dot_v1_dot_compute__pb2.GetTokenizerRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_compute_dot_v1_dot_compute__pb2.TokenizerChunk.FromString,
+                _registered_method=True)
 
 
 class ComputeServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
-        """Runs one request and streams its tokens as they are sampled.
+        """Runs one request and streams its tokens as they are sampled: one message per engine step and
+        completion that produced tokens. The last message of each completion carries its
+        finish_reason; the last message of the request carries usage. Bad input: INVALID_ARGUMENT
+        naming the field. A request id already running: ALREADY_EXISTS. Memory service unreachable:
+        UNAVAILABLE. Cancelling the call (or its deadline passing) aborts the request.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -69,7 +83,22 @@ class ComputeServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Load(self, request, context):
-        """Current load, for the gateway's routing.
+        """Current load, for the gateway's routing (cheap: no engine round trip).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Info(self, request, context):
+        """What a gateway needs to serve this model without model files: limits, special ids, the chat
+        template and the list of tokenizer files (fetch them with GetTokenizer).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetTokenizer(self, request, context):
+        """The tokenizer's files, streamed in chunks; each file's last chunk carries its sha256.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -92,6 +121,16 @@ def add_ComputeServicer_to_server(servicer, server):
                     servicer.Load,
                     request_deserializer=pagedserve_dot_compute_dot_v1_dot_compute__pb2.LoadRequest.FromString,
                     response_serializer=pagedserve_dot_compute_dot_v1_dot_compute__pb2.LoadResponse.SerializeToString,
+            ),
+            'Info': grpc.unary_unary_rpc_method_handler(
+                    servicer.Info,
+                    request_deserializer=pagedserve_dot_compute_dot_v1_dot_compute__pb2.InfoRequest.FromString,
+                    response_serializer=pagedserve_dot_compute_dot_v1_dot_compute__pb2.InfoResponse.SerializeToString,
+            ),
+            'GetTokenizer': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetTokenizer,
+                    request_deserializer=pagedserve_dot_compute_dot_v1_dot_compute__pb2.GetTokenizerRequest.FromString,
+                    response_serializer=pagedserve_dot_compute_dot_v1_dot_compute__pb2.TokenizerChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +214,60 @@ class Compute:
             '/pagedserve.compute.v1.Compute/Load',
             pagedserve_dot_compute_dot_v1_dot_compute__pb2.LoadRequest.SerializeToString,
             pagedserve_dot_compute_dot_v1_dot_compute__pb2.LoadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Info(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.compute.v1.Compute/Info',
+            pagedserve_dot_compute_dot_v1_dot_compute__pb2.InfoRequest.SerializeToString,
+            pagedserve_dot_compute_dot_v1_dot_compute__pb2.InfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTokenizer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pagedserve.compute.v1.Compute/GetTokenizer',
+            pagedserve_dot_compute_dot_v1_dot_compute__pb2.GetTokenizerRequest.SerializeToString,
+            pagedserve_dot_compute_dot_v1_dot_compute__pb2.TokenizerChunk.FromString,
             options,
             channel_credentials,
             insecure,
