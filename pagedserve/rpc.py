@@ -1,9 +1,14 @@
-"""gRPC plumbing shared by the servers: error mapping, health, reflection, socket addresses."""
+"""gRPC plumbing shared by the servers: error mapping, health, reflection, server creation.
+
+Servicers raise the exceptions of ``pagedserve.errors`` (and ``ValueError`` for bad input); the
+interceptors below turn them into status codes in one place. Anything else is a bug: it is logged
+with its traceback and answered INTERNAL, and the server keeps serving.
+"""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent import futures
 from pathlib import Path
 from typing import Any
@@ -12,26 +17,51 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pagedserve.errors import PreconditionError
+from pagedserve.errors import AlreadyExistsError, PreconditionError, ResourceExhaustedError, UnavailableError
 from pagedserve.log import get_logger
 
 log = get_logger("rpc")
 
+# 64 MiB: a step of thousands of sequences or a tokenizer chunk fits; far larger is a bad request.
+MAX_MESSAGE_BYTES = 64 << 20
 
-def _status_for(exc: Exception) -> grpc.StatusCode | None:
-    if isinstance(exc, ValueError):
-        return grpc.StatusCode.INVALID_ARGUMENT
-    if isinstance(exc, PreconditionError):
-        return grpc.StatusCode.FAILED_PRECONDITION
-    return None
+_STATUS_FOR_EXCEPTION: dict[type[Exception], grpc.StatusCode] = {
+    ValueError: grpc.StatusCode.INVALID_ARGUMENT,
+    PreconditionError: grpc.StatusCode.FAILED_PRECONDITION,
+    AlreadyExistsError: grpc.StatusCode.ALREADY_EXISTS,
+    ResourceExhaustedError: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    UnavailableError: grpc.StatusCode.UNAVAILABLE,
+}
+_EXPECTED = tuple(_STATUS_FOR_EXCEPTION)
+
+
+def status_for(exc: BaseException) -> grpc.StatusCode:
+    """The status code that answers ``exc``: its mapped code, or INTERNAL for a bug."""
+    for kind, code in _STATUS_FOR_EXCEPTION.items():
+        if isinstance(exc, kind):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+def _describe(exc: BaseException, method: str) -> tuple[grpc.StatusCode, str]:
+    code = status_for(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        log.error("rpc_internal_error", method=method, error=repr(exc), exc_info=exc)
+        return code, f"internal error in {method}: {type(exc).__name__}"
+    return code, str(exc)
+
+
+# --- synchronous servers ------------------------------------------------------------------------
 
 
 def _wrap_unary(behavior: Callable, method: str) -> Callable:
     def handler(request: Any, context: grpc.ServicerContext) -> Any:
         try:
             return behavior(request, context)
-        except (ValueError, PreconditionError) as exc:
-            context.abort(_status_for(exc), str(exc))
+        except Exception as exc:  # noqa: BLE001 - mapped, and bugs are logged with a traceback
+            if context.code() is not None and not isinstance(exc, _EXPECTED):
+                raise  # context.abort() already chose the status
+            context.abort(*_describe(exc, method))
 
     return handler
 
@@ -40,16 +70,16 @@ def _wrap_stream(behavior: Callable, method: str) -> Callable:
     def handler(request: Any, context: grpc.ServicerContext) -> Any:
         try:
             yield from behavior(request, context)
-        except (ValueError, PreconditionError) as exc:
-            context.abort(_status_for(exc), str(exc))
+        except Exception as exc:  # noqa: BLE001
+            if context.code() is not None and not isinstance(exc, _EXPECTED):
+                raise
+            context.abort(*_describe(exc, method))
 
     return handler
 
 
 class ErrorInterceptor(grpc.ServerInterceptor):
-    """Maps ValueError to INVALID_ARGUMENT and PreconditionError to FAILED_PRECONDITION, in one place.
-
-    Servicers raise; they never build status codes for bad input themselves."""
+    """Maps exceptions to status codes for a synchronous server (see the module docstring)."""
 
     def intercept_service(self, continuation: Callable, handler_call_details: Any) -> Any:
         handler = continuation(handler_call_details)
@@ -69,7 +99,7 @@ def create_server(
     *,
     max_workers: int = 16,
 ) -> tuple[grpc.Server, health.HealthServicer]:
-    """A gRPC server with our servicers, the error interceptor, grpc.health.v1 and reflection.
+    """A thread-pool gRPC server with our servicers, the error interceptor, health and reflection.
 
     Args:
         register: callables that add one servicer each (``lambda s: add_XServicer_to_server(x, s)``).
@@ -80,7 +110,7 @@ def create_server(
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers),
         interceptors=[ErrorInterceptor()],
-        options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)],
+        options=_message_options(),
     )
     for add in register:
         add(server)
@@ -93,11 +123,124 @@ def create_server(
     return server, health_servicer
 
 
-def bind(server: grpc.Server, address: str) -> str:
+# --- asyncio servers (the ones that stream: a stream never pins a thread) ---------------------
+
+
+def _wrap_aio_unary(behavior: Callable, method: str) -> Callable:
+    async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await behavior(request, context)
+        except grpc.aio.AbortError:
+            raise  # context.abort() already chose the status
+        except Exception as exc:  # noqa: BLE001 - mapped, and bugs are logged with a traceback
+            await context.abort(*_describe(exc, method))
+
+    return handler
+
+
+def _wrap_aio_stream(behavior: Callable, method: str) -> Callable:
+    async def handler(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        try:
+            async for reply in behavior(request, context):
+                yield reply
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            await context.abort(*_describe(exc, method))
+
+    return handler
+
+
+class AioErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Maps exceptions to status codes for a grpc.aio server (see the module docstring)."""
+
+    async def intercept_service(self, continuation: Callable, handler_call_details: Any) -> Any:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        if handler.unary_unary:
+            return handler._replace(unary_unary=_wrap_aio_unary(handler.unary_unary, method))
+        if handler.unary_stream:
+            return handler._replace(unary_stream=_wrap_aio_stream(handler.unary_stream, method))
+        return handler
+
+
+class AioHealth:
+    """The grpc.health.v1 state of an asyncio server: one switch for every service it serves."""
+
+    def __init__(self, servicer: health.aio.HealthServicer, service_names: list[str]) -> None:
+        self.servicer = servicer
+        self.service_names = service_names
+        self.is_serving = False
+
+    async def set_serving(self, serving: bool) -> None:
+        """SERVING or NOT_SERVING for the overall server ("") and every named service."""
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        self.is_serving = serving
+        for name in [*self.service_names, ""]:
+            await self.servicer.set(name, status)
+
+    async def shut_down(self) -> None:
+        """NOT_SERVING for good: later set_serving calls are ignored (graceful shutdown)."""
+        self.is_serving = False
+        await self.servicer.enter_graceful_shutdown()
+
+
+def create_aio_server(
+    register: Iterable[Callable[[grpc.aio.Server], None]],
+    service_names: Iterable[str],
+    *,
+    serving: bool = True,
+    max_message_bytes: int = MAX_MESSAGE_BYTES,
+    extra_interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
+) -> tuple[grpc.aio.Server, AioHealth]:
+    """A grpc.aio server with our servicers, the error interceptor, health and reflection.
+
+    Must be called with an event loop running (inside ``async def main``).
+
+    Args:
+        register: callables that add one servicer each.
+        service_names: full names of those services, for health and reflection.
+        serving: the initial health status. A service that must load something first starts
+            NOT_SERVING and calls ``await health.set_serving(True)`` when ready.
+        max_message_bytes: largest request or reply accepted.
+        extra_interceptors: run before the error interceptor (auth, for example).
+    Returns:
+        The (not yet started) server and its health switch. Initial statuses are set before the
+        server starts, so no probe ever sees an unknown service.
+    """
+    server = grpc.aio.server(
+        interceptors=[*extra_interceptors, AioErrorInterceptor()],
+        options=_message_options(max_message_bytes),
+    )
+    for add in register:
+        add(server)
+    servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    names = list(service_names)
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in [*names, ""]:
+        servicer._server_status[name] = status  # no watcher exists before start: set synchronously
+    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    state = AioHealth(servicer, names)
+    state.is_serving = serving
+    return server, state
+
+
+def _message_options(max_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    return [("grpc.max_receive_message_length", max_bytes), ("grpc.max_send_message_length", max_bytes)]
+
+
+# --- addresses ------------------------------------------------------------------------------------
+
+
+def bind(server: grpc.Server | grpc.aio.Server, address: str) -> str:
     """Bind ``address`` ("unix:/path/to.sock" or "host:port") and return the bound address.
 
     A Unix socket's directory is created private to the owner (0700) when it does not exist, and
     the socket file itself is made 0600 once the server has started (see ``secure_socket``).
+    A TCP port of 0 picks a free port; the returned address names it.
     """
     if address.startswith("unix:"):
         path = Path(address[len("unix:"):])

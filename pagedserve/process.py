@@ -1,0 +1,163 @@
+"""Start, watch and stop a pagedserve service as its own process: the one helper for tests and `up`.
+
+A service is started with its own command line (``python -m memory_service ...``), is ready when
+its ``grpc.health.v1`` check says SERVING at its address, and is stopped by PID: SIGTERM first (a
+service drains and releases what it holds), SIGKILL after a timeout.
+
+Why the child is tied to its parent: a service started by a test, by ``LLM`` or by ``pagedserve up``
+must not outlive its owner, even when the owner is SIGKILLed and cannot clean up. On Linux the
+child asks the kernel for SIGTERM when its parent dies (``PR_SET_PDEATHSIG``). The kernel sends it
+when the *thread* that started the child exits, so start services from a long-lived thread (the
+main thread, or the thread that also stops them).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Runs in the child between fork and exec: SIGTERM when the parent goes."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def check_health(address: str, service: str = "", timeout_s: float = 1.0) -> int | None:
+    """One grpc.health.v1 Check: the ServingStatus number, or None when nothing answers."""
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout_s
+            )
+        except grpc.RpcError:
+            return None
+    return reply.status
+
+
+class ServiceProcess:
+    """One service process: ``ServiceProcess("memory_service", ["--socket", p], address="unix:" + p)``.
+
+    Args:
+        module: the service's package, run as ``python -m module``.
+        args: its command-line arguments.
+        address: where its gRPC health service answers ("unix:/path" or "host:port").
+        health_service: the service name to check ("" = the whole server).
+        env: environment for the child (default: this process's).
+        log_file: when given, the child's stdout and stderr go there (a failed start quotes its
+            tail); otherwise they are inherited, so its logs appear with this process's.
+        die_with_parent: SIGTERM the child when this process dies (Linux).
+    """
+
+    def __init__(self, module: str, args: Sequence[str] = (), *, address: str, health_service: str = "",
+                 env: dict[str, str] | None = None, log_file: str | Path | None = None,
+                 die_with_parent: bool = True) -> None:
+        self.module = module
+        self.args = [str(a) for a in args]
+        self.address = address
+        self.health_service = health_service
+        self.log_file = Path(log_file) if log_file is not None else None
+        self._log: IO[bytes] | None = None
+        if self.log_file is not None:
+            self._log = open(self.log_file, "ab")
+        parent = os.getpid()
+        preexec = (lambda: _die_with_parent(parent)) if die_with_parent and sys.platform == "linux" else None
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", module, *self.args],
+            env=env, stdout=self._log, stderr=subprocess.STDOUT if self._log else None,
+            stdin=subprocess.DEVNULL, preexec_fn=preexec,
+        )
+
+    @classmethod
+    def launch(cls, module: str, args: Sequence[str] = (), *, address: str, ready_timeout_s: float = 120.0,
+               **kwargs: object) -> ServiceProcess:
+        """Start the service and wait until it is SERVING; on failure it is stopped and RuntimeError raised."""
+        service = cls(module, args, address=address, **kwargs)  # type: ignore[arg-type]
+        try:
+            service.wait_ready(ready_timeout_s)
+        except BaseException:  # KeyboardInterrupt too: never leave a half-started child behind
+            service.stop()
+            raise
+        return service
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.poll()
+
+    def is_running(self) -> bool:
+        return self.proc.poll() is None
+
+    def wait_ready(self, timeout_s: float = 120.0) -> None:
+        """Block until the health check says SERVING.
+
+        Raises:
+            RuntimeError: the process exited first, or it was not SERVING within ``timeout_s``.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.module} exited with status {self.proc.returncode} before serving{self._tail()}")
+            if check_health(self.address, self.health_service, timeout_s=1.0) == health_pb2.HealthCheckResponse.SERVING:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.module} was not SERVING at {self.address} within {timeout_s:.0f} s{self._tail()}")
+            time.sleep(0.05)
+
+    def send_signal(self, sig: int) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def stop(self, timeout_s: float = 10.0) -> int:
+        """SIGTERM, wait up to ``timeout_s``, then SIGKILL; returns the exit status."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        return self.proc.returncode
+
+    def kill(self) -> int:
+        """SIGKILL (a crash, for fault tests); returns the exit status."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        return self.proc.wait()
+
+    def _tail(self, num_bytes: int = 4000) -> str:
+        if self.log_file is None or not self.log_file.exists():
+            return ""
+        if self._log is not None:
+            self._log.flush()
+        data = self.log_file.read_bytes()[-num_bytes:].decode(errors="replace")
+        return f"; its log ends with:\n{data}"
+
+    def __enter__(self) -> ServiceProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"ServiceProcess({self.module!r}, pid={self.pid}, address={self.address!r})"
