@@ -81,31 +81,37 @@ class Scheduler:
 
     def finish(self, seq: Sequence) -> None:
         """Drop a finished (or aborted) sequence; its blocks are freed in the next step's RPC."""
-        if any(child is seq for _, child in self._pending_forks):
-            # Finished before the service ever forked it: there is nothing to free there.
-            self._pending_forks = [(p, c) for p, c in self._pending_forks if c is not seq]
-            self.running.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
         elif seq in self.running:
             self.running.remove(seq)
-            self._pending_free_ids.append(seq.seq_id)
-            # Its blocks come back at the start of the next step's RPC, before that step's
-            # admissions: plan with them (an estimate, like preemption's; shared blocks may stay).
-            self.num_available_blocks += len(seq.block_table)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
+            if any(child is seq for _, child in self._pending_forks):
+                # Finished before the service ever forked it: there is nothing to free there.
+                self._pending_forks = [(p, c) for p, c in self._pending_forks if c is not seq]
+            else:
+                self._pending_free_ids.append(seq.seq_id)
+                # Its blocks come back at the start of the next step's RPC, before that step's
+                # admissions: plan with them (an estimate, like preemption's; shared blocks may stay).
+                self.num_available_blocks += len(seq.block_table)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._pending_free_ids)
 
-    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
+    def _preempt(self, seq: Sequence, plan: StepPlan | None = None) -> None:
+        """Preemption by recompute: ``seq`` loses its blocks and waits at the front of its priority.
+
+        While planning (``plan`` given) its blocks are freed by this step's RPC and counted as
+        available at once (an estimate: shared blocks may stay in use). Once the RPC is sent (an op
+        failed: no plan), they are freed by the next step's. Never a pending fork: ``schedule()``
+        turns those into ForkOps before it preempts anyone.
+        """
         self.running.remove(seq)
         self.num_preemptions += 1
-        self.num_available_blocks += len(seq.block_table)  # estimate: shared blocks may stay in use
-        if any(child is seq for _, child in self._pending_forks):
-            # Never forked on the service side yet: nothing to free there.
-            self._pending_forks = [(p, c) for p, c in self._pending_forks if c is not seq]
+        if plan is None:
+            self._pending_free_ids.append(seq.seq_id)
         else:
             plan.frees.append(FreeOp(seq.seq_id))
+            self.num_available_blocks += len(seq.block_table)
         seq.reset_for_recompute()
         self.add(seq)
 
@@ -184,7 +190,7 @@ class Scheduler:
         for (op, seq), result in zip(plan.work, results[num_other:]):
             if isinstance(op, AppendOp):
                 if not result.ok:
-                    self._preempt_after_failure(seq)
+                    self._preempt(seq)  # the count it was planned with was stale
                     continue
                 seq.block_table.extend(result.block_ids)
                 for src, dst in result.copies:
@@ -199,10 +205,3 @@ class Scheduler:
                 seq.num_cached_tokens = seq.num_computed_tokens = result.num_cached_tokens
                 scheduled.append(ScheduledSeq(seq, result.num_new_tokens))
         return scheduled
-
-    def _preempt_after_failure(self, seq: Sequence) -> None:
-        self.running.remove(seq)
-        self.num_preemptions += 1
-        self._pending_free_ids.append(seq.seq_id)
-        seq.reset_for_recompute()
-        self.add(seq)

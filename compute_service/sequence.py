@@ -47,8 +47,6 @@ class Sequence:
     num_preemptions: int = 0
     arrival: int = field(default_factory=lambda: next(_arrival))
     generator: torch.Generator | None = None
-    # Set when this sequence was forked from a parent at the end of its prefill (n > 1).
-    fork_pending: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:
