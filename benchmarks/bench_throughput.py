@@ -47,8 +47,8 @@ import torch  # noqa: E402
 from compute_service import LLM, SamplingParams  # noqa: E402
 from compute_service.model_config import ModelConfig  # noqa: E402
 from compute_service.model_loader import load_tokenizer, resolve_model  # noqa: E402
+from pagedserve.dtypes import DTYPES  # noqa: E402
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Random-weight Llama shapes (no tokenizer: prompts are token ids). "1b" is Llama-3.2-1B's shape
 # with an 8k context; "tiny" checks the plumbing on a CPU in seconds.
 _RANDOM_SHAPES = {
@@ -330,7 +330,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--random-model-config", choices=sorted(_RANDOM_SHAPES),
                         help="use a random-weight Llama of this shape (built in a temp dir) for all three systems")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    parser.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                         help="default: float32 on CPU, bfloat16 on CUDA")
     parser.add_argument("--kv-cache-bytes", type=parse_bytes, default=None,
                         help="KV budget of every system, e.g. 512MiB (default 512MiB; --quick 48MiB)")
@@ -373,7 +373,7 @@ def main() -> None:
         say(f"load average {os.getloadavg()[0]:.1f} at start: other processes share these CPUs, and "
             f"{args.threads} torch threads may stall on each other; --threads 1 gives steadier figures")
     logging.getLogger("transformers").setLevel(logging.ERROR)
-    dtype = _DTYPES[args.dtype]
+    dtype = DTYPES[args.dtype]
     with tempfile.TemporaryDirectory(prefix="bench-throughput-") as tmp:
         if args.random_model_config:
             model_dir = build_random_model(args.random_model_config, dtype, tmp)

@@ -17,6 +17,7 @@ import torch
 
 from memory_service.client import MemoryClient
 from memory_service.pool import KvLayout
+from pagedserve.dtypes import dtype_name
 
 from compute_service.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from compute_service.engine import Engine
@@ -24,7 +25,6 @@ from compute_service.model_loader import load_model
 from compute_service.outputs import RequestOutput
 from compute_service.sampling_params import SamplingParams
 
-_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
 class MemoryServiceProcess:
@@ -88,7 +88,7 @@ class LLM:
             num_layers=loaded.config.num_layers,
             num_kv_heads=loaded.config.num_kv_heads,
             head_dim=loaded.config.head_dim,
-            dtype=_DTYPE_NAMES[loaded.model.dtype],
+            dtype=dtype_name(loaded.model.dtype),
             block_size=self.config.block_size,
         )
         try:

@@ -31,6 +31,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from pagedserve.dtypes import dtype_name, parse_dtype
+
 from compute_service.model import CausalLM
 from compute_service.model_config import SUPPORTED_MODEL_TYPES, ModelConfig
 
@@ -47,11 +49,6 @@ MARKER_FILE = "pagedserve.json"
 # The chat model ends its turn with <|im_end|>; <|endoftext|> also ends a document.
 _DEFAULT_STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-_DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16,
-}
 
 
 @dataclass(frozen=True)
@@ -188,11 +185,8 @@ def _resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> tor
     if dtype is None:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if isinstance(dtype, str):
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype {dtype!r} is not one of {sorted(_DTYPES)}")
-        return _DTYPES[dtype]
-    if dtype not in _DTYPES.values():
-        raise ValueError(f"dtype {dtype} is not one of float32, bfloat16, float16")
+        return parse_dtype(dtype)
+    dtype_name(dtype)  # raises for an unsupported torch dtype
     return dtype
 
 

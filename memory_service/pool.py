@@ -19,11 +19,7 @@ from typing import Protocol
 
 import torch
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
+from pagedserve.dtypes import DTYPES
 
 
 @dataclass(frozen=True)
