@@ -8,7 +8,7 @@ import torch
 
 import kernels
 from kernels.reference import paged_attention_naive, paged_attention_reference
-from kernels.testing import dense_attention, make_paged_batch
+from tests.kernels.helpers import dense_attention, make_paged_batch
 from kernels.triton_attention import paged_attention_triton
 
 pytestmark = pytest.mark.cuda

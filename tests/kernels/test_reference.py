@@ -9,7 +9,7 @@ import torch
 
 from kernels import paged_attention, write_kv
 from kernels.reference import paged_attention_naive, paged_attention_reference, write_kv_reference
-from kernels.testing import dense_attention, make_paged_batch
+from tests.kernels.helpers import dense_attention, make_paged_batch
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # (atol, rtol) against a float32 oracle computed from the same rounded inputs.

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kernels.reference import paged_attention_naive
-from kernels.testing import PagedBatch, dense_attention, make_paged_batch
+from tests.kernels.helpers import PagedBatch, dense_attention, make_paged_batch
 from kernels.triton_attention import choose_num_splits, paged_attention_triton
 
 # (atol, rtol) against a float32 oracle computed from the same rounded inputs: half-precision

@@ -1,4 +1,4 @@
-"""Builders of paged batches for tests and benchmarks (not imported by the kernels themselves).
+"""Builders of paged batches for the kernel tests (test code: it lives here, not in the product package).
 
 `make_paged_batch` draws contiguous per-sequence K/V, writes them into a pool whose blocks are
 handed out in a shuffled order (so block tables are not sorted), and keeps the contiguous copies so
