@@ -10,7 +10,9 @@ Prints a table, then as its last line one JSON object:
   decode_b64_ctx2k_gbps, decode_b64_ctx2k_frac_of_copy_bw, decode_b64_ctx2k_vs_sdpa (block size 16),
   block16_vs_block32 (GB/s at block 16 over GB/s at block 32, decode b64 ctx2k), copy_gbps, ...
 
-Usage: python benchmarks/bench_kernels.py [--quick]
+Usage, from the repository root (``python benchmarks/bench_kernels.py`` where the package is
+installed):
+  python -m benchmarks.bench_kernels [--quick]
 """
 
 import argparse

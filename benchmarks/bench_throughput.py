@@ -18,9 +18,12 @@ token capacity of the whole pool, averaged over the steps after which requests w
 pool is the bottleneck); fragmentation = unused slots in allocated blocks / slots of allocated
 blocks, averaged over steps. Prints a table, then as its last line one JSON object.
 
-    python benchmarks/bench_throughput.py --quick [--threads 1]
-    python benchmarks/bench_throughput.py [--kv-cache-bytes 512MiB] [--baseline-requests 16]
-    python benchmarks/bench_throughput.py --random-model-config 1b --device cuda --kv-cache-bytes 8GiB
+From the repository root (``python benchmarks/bench_throughput.py ...`` also works where the
+package is installed, e.g. ``pip install -e .``):
+
+    python -m benchmarks.bench_throughput --quick [--threads 1]
+    python -m benchmarks.bench_throughput [--kv-cache-bytes 512MiB] [--baseline-requests 16]
+    python -m benchmarks.bench_throughput --random-model-config 1b --device cuda --kv-cache-bytes 8GiB
 """
 
 from __future__ import annotations
@@ -39,15 +42,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
-
-from compute_service import LLM, SamplingParams  # noqa: E402
-from compute_service.model_config import ModelConfig  # noqa: E402
-from compute_service.model_loader import load_tokenizer, resolve_model  # noqa: E402
-from pagedserve.dtypes import DTYPES  # noqa: E402
+from compute_service import LLM, SamplingParams
+from compute_service.model_config import ModelConfig
+from compute_service.model_loader import load_tokenizer, resolve_model
+from pagedserve.dtypes import DTYPES
 
 # Random-weight Llama shapes (no tokenizer: prompts are token ids). "1b" is Llama-3.2-1B's shape
 # with an 8k context; "tiny" checks the plumbing on a CPU in seconds.

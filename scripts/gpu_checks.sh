@@ -10,8 +10,8 @@ unset TRITON_INTERPRET
 python -m pytest -q -p no:cacheprovider -m cuda tests 2>&1 | tee "$OUT/cuda_tests.txt" || status=1
 # Every kernel test again, natively: without the interpreter they take CUDA tensors.
 python -m pytest -q -p no:cacheprovider tests/kernels 2>&1 | tee "$OUT/kernel_tests.txt" || status=1
-python benchmarks/bench_kernels.py 2>&1 | tee "$OUT/bench_kernels.txt" || status=1
-python benchmarks/bench_throughput.py --random-model-config 1b --device cuda --dtype bfloat16 --quick \
+python -m benchmarks.bench_kernels 2>&1 | tee "$OUT/bench_kernels.txt" || status=1
+python -m benchmarks.bench_throughput --random-model-config 1b --device cuda --dtype bfloat16 --quick \
     2>&1 | tee "$OUT/bench_throughput.txt" || status=1
 python benchmarks/bench_memory.py 2>&1 | tee "$OUT/bench_memory.txt" || status=1
 exit $status
