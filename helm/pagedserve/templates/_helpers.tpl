@@ -1,0 +1,119 @@
+{{/* Names, labels and the pieces shared by the gateway and engine pods. */}}
+
+{{- define "pagedserve.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "pagedserve.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Suffixed names stay within the 63 characters of a DNS label. */}}
+{{- define "pagedserve.gatewayName" -}}
+{{- printf "%s-gateway" (include "pagedserve.fullname" . | trunc 55 | trimSuffix "-") }}
+{{- end }}
+
+{{- define "pagedserve.engineName" -}}
+{{- printf "%s-engine" (include "pagedserve.fullname" . | trunc 56 | trimSuffix "-") }}
+{{- end }}
+
+{{/* Labels of one component's objects ("gateway" or "engine"): pass (list $ "engine"). */}}
+{{- define "pagedserve.labels" -}}
+{{- $root := index . 0 -}}
+helm.sh/chart: {{ printf "%s-%s" $root.Chart.Name $root.Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{ include "pagedserve.selectorLabels" . }}
+app.kubernetes.io/version: {{ $root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ $root.Release.Service }}
+{{- end }}
+
+{{/* Selector labels of one component ("gateway" or "engine"): pass (list $ "engine"). */}}
+{{- define "pagedserve.selectorLabels" -}}
+{{- $root := index . 0 -}}
+app.kubernetes.io/name: {{ include "pagedserve.name" $root }}
+app.kubernetes.io/instance: {{ $root.Release.Name }}
+app.kubernetes.io/component: {{ index . 1 }}
+{{- end }}
+
+{{/* The image of one component: (list $ "engine"). Gateways need no GPU, so without an
+explicit image.tag they run the slim CPU variant; engines the CUDA one unless gpu.mode=none. */}}
+{{- define "pagedserve.image" -}}
+{{- $root := index . 0 -}}
+{{- $cpu := or (eq (index . 1) "gateway") (eq $root.Values.gpu.mode "none") -}}
+{{- $tag := $root.Values.image.tag | default (printf "%s-%s" $root.Chart.AppVersion (ternary "cpu" "cuda" $cpu)) -}}
+{{- printf "%s:%s" $root.Values.image.repository $tag }}
+{{- end }}
+
+{{- define "pagedserve.cacheDir" -}}/var/cache/pagedserve{{- end }}
+
+{{/* The memory service's socket: one path, used by both engine containers. */}}
+{{- define "pagedserve.socketPath" -}}
+{{- printf "%s/memory.sock" (trimSuffix "/" .Values.engine.socketDir) }}
+{{- end }}
+
+{{/* What the compute service's --model gets, per model.source. */}}
+{{- define "pagedserve.modelArg" -}}
+{{- if eq .Values.model.source "default" -}}
+default
+{{- else if eq .Values.model.source "pvc" -}}
+{{- trimSuffix "/" (printf "/models/%s" (trimPrefix "/" .Values.model.pvc.path)) }}
+{{- else -}}
+{{- printf "%s/models/%s" (include "pagedserve.cacheDir" .) (.Values.model.download.repo | replace "/" "--") }}
+{{- end }}
+{{- end }}
+
+{{/* Environment every container shares: caches under the cache volume, nothing under $HOME. */}}
+{{- define "pagedserve.commonEnv" -}}
+- name: HOME
+  value: /tmp
+- name: PYTHONDONTWRITEBYTECODE
+  value: "1"
+- name: PYTHONUNBUFFERED
+  value: "1"
+- name: PAGEDSERVE_CACHE_DIR
+  value: {{ include "pagedserve.cacheDir" . }}
+- name: HF_HOME
+  value: {{ include "pagedserve.cacheDir" . }}/huggingface
+- name: TRITON_CACHE_DIR
+  value: {{ include "pagedserve.cacheDir" . }}/triton
+{{- end }}
+
+{{/* Mounts both engine containers have, at identical paths. */}}
+{{- define "pagedserve.engineMounts" -}}
+- name: tmp
+  mountPath: /tmp
+- name: socket
+  mountPath: {{ .Values.engine.socketDir }}
+- name: dshm
+  mountPath: /dev/shm
+- name: cache
+  mountPath: {{ include "pagedserve.cacheDir" . }}
+{{- end }}
+
+{{/*
+An engine container's resources plus its GPU: (list $ resources withGpu).
+dra: both containers list the pod's one claim, so both see the same device.
+device-plugin: only the memory container (which allocates the KV pool) requests the GPU.
+*/}}
+{{- define "pagedserve.engineResources" -}}
+{{- $root := index . 0 -}}
+{{- $res := deepCopy (index . 1) -}}
+{{- $withGpu := index . 2 -}}
+{{- $mode := $root.Values.gpu.mode -}}
+{{- if and $withGpu (eq $mode "dra") -}}
+{{- $_ := set $res "claims" (list (dict "name" "gpu")) -}}
+{{- else if and $withGpu (eq $mode "device-plugin") -}}
+{{- $limits := deepCopy (default (dict) $res.limits) -}}
+{{- $_ := set $limits $root.Values.gpu.devicePlugin.resourceName 1 -}}
+{{- $_ := set $res "limits" $limits -}}
+{{- end -}}
+{{- toYaml $res }}
+{{- end }}
