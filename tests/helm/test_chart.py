@@ -1,0 +1,225 @@
+"""The Helm chart renders, lints and validates against the Kubernetes schemas for every value set,
+and its objects have the structure the services rely on."""
+
+from __future__ import annotations
+
+import posixpath
+
+import kubernetes_validate
+import pytest
+
+from tests.helm.chart import NAMESPACE, container, engine_pod, env, flag, gateway_pod, lint, mounts, render
+
+KUBE_VERSION = "1.34.0"  # first release with resource.k8s.io/v1 (DRA) enabled by default
+
+VALUE_SETS = {
+    "default": {},
+    "gpu-dra-pvc": {"gpu": {"mode": "dra"}, "model": {"source": "pvc", "pvc": {"claimName": "models", "path": "llama-3b"}}},
+    "gpu-device-plugin": {"gpu": {"mode": "device-plugin"}},
+    "cpu-download": {
+        "gpu": {"mode": "none"}, "engine": {"shmSizeLimit": "3Gi"},
+        "model": {"source": "download", "download": {"repo": "HuggingFaceTB/SmolLM2-360M-Instruct",
+                                                     "tokenSecret": {"name": "hf"}}},
+    },
+    "multi-replica": {
+        "engine": {"replicas": 4}, "cache": {"existingClaim": "pagedserve-cache"},
+        "gateway": {"replicas": 3, "autoscaling": {"enabled": True}, "podDisruptionBudget": {"enabled": True},
+                    "apiKeys": {"secretName": "gateway-keys"}},
+        "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
+    },
+}
+
+
+@pytest.fixture(scope="module", params=sorted(VALUE_SETS))
+def case(request: pytest.FixtureRequest):
+    return request.param, VALUE_SETS[request.param], render(VALUE_SETS[request.param])
+
+
+def test_lint_is_clean(case) -> None:
+    _, values, _ = case
+    assert lint(values) == []
+
+
+def test_every_object_is_valid_kubernetes(case) -> None:
+    _, _, rendered = case
+    for obj in rendered.objects:
+        if obj["apiVersion"].startswith("monitoring.coreos.com/"):  # a CRD: no built-in schema
+            assert obj["kind"] == "ServiceMonitor"
+            continue
+        kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+
+
+def test_engine_containers_share_socket_shm_and_cache(case) -> None:
+    _, values, rendered = case
+    pod = engine_pod(rendered)
+    memory, compute = container(pod, "memory"), container(pod, "compute")
+    assert pod["shareProcessNamespace"] is True
+    # The one socket path, on both sides, inside the directory both mount from one emptyDir.
+    socket = flag(memory, "--socket")
+    assert socket == flag(compute, "--memory-socket") == "/run/pagedserve/memory.sock"
+    for c in (memory, compute):
+        assert mounts(c)["socket"] == posixpath.dirname(socket)
+        assert mounts(c)["dshm"] == "/dev/shm"
+        assert mounts(c)["cache"] == env(c)["PAGEDSERVE_CACHE_DIR"]
+        assert mounts(c)["tmp"] == "/tmp"
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["socket"] == {"name": "socket", "emptyDir": {}}
+    expected_shm = values.get("engine", {}).get("shmSizeLimit", "2Gi")
+    assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": expected_shm}
+    claim = values.get("cache", {}).get("existingClaim")
+    if claim:
+        assert volumes["cache"]["persistentVolumeClaim"] == {"claimName": claim}
+    else:
+        assert "emptyDir" in volumes["cache"]
+
+
+def test_probes_are_grpc_health_with_a_generous_startup(case) -> None:
+    _, _, rendered = case
+    pod = engine_pod(rendered)
+    compute = container(pod, "compute")
+    assert flag(compute, "--listen") == "0.0.0.0:50052"
+    for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert compute[kind]["grpc"]["port"] == 50052
+    assert compute["readinessProbe"]["grpc"]["service"] == "pagedserve.compute.v1.Compute"
+    startup = compute["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 600  # model loading takes minutes
+    # The memory service has only its Unix socket: the same health check, sent over that socket.
+    memory = container(pod, "memory")
+    assert memory["livenessProbe"]["exec"]["command"][-1] == "unix:" + flag(memory, "--socket")
+    probe_script = mounts(memory)["probe"] + "/grpc_health.py"
+    assert memory["livenessProbe"]["exec"]["command"][:2] == ["python", probe_script]
+    gateway = container(gateway_pod(rendered), "gateway")
+    assert flag(gateway, "--listen") == "0.0.0.0:50051"
+    for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert gateway[kind]["grpc"]["port"] == 50051
+
+
+def test_security_context_everywhere(case) -> None:
+    _, _, rendered = case
+    for pod in (engine_pod(rendered), gateway_pod(rendered)):
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["runAsUser"] != 0
+        assert pod["automountServiceAccountToken"] is False
+        for c in pod["containers"] + pod.get("initContainers", []):
+            sc = c["securityContext"]
+            assert sc["readOnlyRootFilesystem"] is True, c["name"]
+            assert sc["allowPrivilegeEscalation"] is False, c["name"]
+            assert sc["capabilities"]["drop"] == ["ALL"], c["name"]
+            assert "privileged" not in sc
+            # What the services write lands on a volume, never the read-only root.
+            assert mounts(c)["tmp"] == "/tmp" and env(c)["HOME"] == "/tmp", c["name"]
+            assert mounts(c)["cache"] == env(c)["PAGEDSERVE_CACHE_DIR"], c["name"]
+            assert "resources" in c
+
+
+def test_gateway_discovers_engines_through_the_headless_service(case) -> None:
+    _, values, rendered = case
+    service = rendered.one("Service", "-engine")
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["publishNotReadyAddresses"] is False  # loading engines get no traffic
+    engine = rendered.one("Deployment", "-engine")
+    pod_labels = engine["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    assert engine["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    gateway_selector = rendered.one("Service", "-gateway")["spec"]["selector"]
+    assert not gateway_selector.items() <= pod_labels.items()  # gateway Service never routes to engines
+    backend = flag(container(gateway_pod(rendered), "gateway"), "--backend")
+    assert backend == f"dns:{service['metadata']['name']}.{NAMESPACE}.svc:50052"
+    assert engine["spec"]["replicas"] == values.get("engine", {}).get("replicas", 1)
+
+
+def test_notes_tell_how_to_reach_the_gateway(case) -> None:
+    _, _, rendered = case
+    assert "kubectl -n llm port-forward svc/demo-pagedserve-gateway 50051:50051" in rendered.notes
+    assert "grpcurl -plaintext" in rendered.notes
+    assert "pagedserve.gateway.v1.Gateway/Generate" in rendered.notes
+
+
+def test_gpu_through_one_dra_claim_shared_by_both_containers() -> None:
+    rendered = render({"gpu": {"mode": "dra"}})
+    template = rendered.one("ResourceClaimTemplate", "-gpu")
+    [request] = template["spec"]["spec"]["devices"]["requests"]
+    assert request["exactly"] == {"deviceClassName": "gpu.nvidia.com", "allocationMode": "ExactCount", "count": 1}
+    pod = engine_pod(rendered)
+    assert pod["resourceClaims"] == [{"name": "gpu", "resourceClaimTemplateName": template["metadata"]["name"]}]
+    for name in ("memory", "compute"):
+        c = container(pod, name)
+        assert c["resources"]["claims"] == [{"name": "gpu"}]
+        assert "nvidia.com/gpu" not in c["resources"].get("limits", {})
+    assert flag(container(pod, "memory"), "--device") == "cuda:0"
+    assert container(pod, "compute")["image"] == "pagedserve:0.1.0-cuda"
+    assert container(gateway_pod(rendered), "gateway")["image"] == "pagedserve:0.1.0-cpu"  # no GPU needed
+
+
+def test_gpu_through_the_device_plugin() -> None:
+    rendered = render({"gpu": {"mode": "device-plugin"}})
+    assert "ResourceClaimTemplate" not in rendered.kinds()
+    pod = engine_pod(rendered)
+    assert "resourceClaims" not in pod
+    memory, compute = container(pod, "memory"), container(pod, "compute")
+    # The memory service allocates the KV pool: it holds the scheduler's one GPU ...
+    assert memory["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert memory["resources"]["limits"]["memory"] == "4Gi"  # the user's limits kept
+    # ... and the compute container sees devices through the runtime's environment variable.
+    assert "nvidia.com/gpu" not in compute["resources"].get("limits", {})
+    assert env(compute)["NVIDIA_VISIBLE_DEVICES"] == "all"
+
+
+def test_cpu_mode_has_no_gpu_at_all() -> None:
+    rendered = render(VALUE_SETS["cpu-download"])
+    assert "ResourceClaimTemplate" not in rendered.kinds()
+    pod = engine_pod(rendered)
+    assert "resourceClaims" not in pod
+    for c in pod["containers"]:
+        assert c["image"] == "pagedserve:0.1.0-cpu"
+        assert "claims" not in c["resources"]
+        assert not [k for k in c["resources"].get("limits", {}) if "gpu" in k]
+        assert "NVIDIA_VISIBLE_DEVICES" not in env(c)
+    assert flag(container(pod, "memory"), "--device") == "cpu"
+
+
+def test_model_sources() -> None:
+    default = engine_pod(render({}))
+    assert flag(container(default, "compute"), "--model") == "default"
+    assert "initContainers" not in default
+
+    pvc = engine_pod(render(VALUE_SETS["gpu-dra-pvc"]))
+    compute = container(pvc, "compute")
+    assert flag(compute, "--model") == "/models/llama-3b"
+    assert mounts(compute)["model"] == "/models"
+    assert {"name": "model", "mountPath": "/models", "readOnly": True} in compute["volumeMounts"]
+    assert {"name": "model", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}} in pvc["volumes"]
+
+    download = engine_pod(render(VALUE_SETS["cpu-download"]))
+    init = container(download, "download-model")
+    model_dir = flag(container(download, "compute"), "--model")
+    assert model_dir == "/var/cache/pagedserve/models/HuggingFaceTB--SmolLM2-360M-Instruct"
+    assert init["command"] == ["hf", "download", "HuggingFaceTB/SmolLM2-360M-Instruct"]
+    assert flag(init, "--local-dir") == model_dir
+    assert mounts(init)["cache"] == mounts(container(download, "compute"))["cache"]
+    [token] = [e for e in init["env"] if e["name"] == "HF_TOKEN"]
+    assert token["valueFrom"]["secretKeyRef"] == {"name": "hf", "key": "token"}
+
+
+def test_optional_objects_follow_values() -> None:
+    plain = render({})
+    assert sorted(plain.kinds()) == [
+        "ConfigMap", "Deployment", "Deployment", "ResourceClaimTemplate", "Service", "Service"]
+    assert container(gateway_pod(plain), "gateway")["args"].count("--api-keys-file") == 0
+
+    full = render(VALUE_SETS["multi-replica"])
+    hpa = full.one("HorizontalPodAutoscaler", "-gateway")
+    assert hpa["spec"]["scaleTargetRef"]["name"] == full.one("Deployment", "-gateway")["metadata"]["name"]
+    assert "replicas" not in full.one("Deployment", "-gateway")["spec"]  # the autoscaler owns it
+    pdb = full.one("PodDisruptionBudget", "-gateway")
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= \
+        full.one("Deployment", "-gateway")["spec"]["template"]["metadata"]["labels"].items()
+    monitors = {m["metadata"]["name"]: m for m in full.objects if m["kind"] == "ServiceMonitor"}
+    assert {n: [e["port"] for e in m["spec"]["endpoints"]] for n, m in monitors.items()} == {
+        "demo-pagedserve-gateway": ["metrics"],
+        "demo-pagedserve-engine": ["compute-metrics", "memory-metrics"],
+    }
+    assert all(m["metadata"]["labels"]["release"] == "prometheus" for m in monitors.values())
+    gateway = container(gateway_pod(full), "gateway")
+    assert flag(gateway, "--api-keys-file") == "/etc/pagedserve/api-keys/api-keys"
+    assert mounts(gateway)["api-keys"] == "/etc/pagedserve/api-keys"

@@ -1,0 +1,42 @@
+"""Bad values fail at install (values.schema.json, checked by Helm itself) with a message that names
+the offending key."""
+
+from __future__ import annotations
+
+import helm_python as helm
+import pytest
+
+from tests.helm.chart import lint, render
+
+BAD_VALUES = {
+    "negative engine replicas": ({"engine": {"replicas": -1}}, "/engine/replicas"),
+    "negative gateway replicas": ({"gateway": {"replicas": -2}}, "/gateway/replicas"),
+    "unknown GPU mode": ({"gpu": {"mode": "tpu"}}, "/gpu/mode"),
+    "missing model source": ({"model": {"source": None}}, "missing property 'source'"),
+    "unknown model source": ({"model": {"source": "s3"}}, "/model/source"),
+    "pvc source without a claim": ({"model": {"source": "pvc"}}, "/model/pvc/claimName"),
+    "download source without a repo": ({"model": {"source": "download"}}, "/model/download/repo"),
+    "misspelt key": ({"engine": {"replica": 2}}, "'replica' not allowed"),
+    "port out of range": ({"gateway": {"port": 70000}}, "/gateway/port"),
+    "relative socket dir": ({"engine": {"socketDir": "run/pagedserve"}}, "/engine/socketDir"),
+    "bad shm size": ({"engine": {"shmSizeLimit": "lots"}}, "/engine/shmSizeLimit"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_VALUES))
+def test_bad_values_fail_install_naming_the_key(case: str) -> None:
+    values, expected = BAD_VALUES[case]
+    with pytest.raises(helm.HelmValuesError) as info:
+        render(values)
+    assert expected in str(info.value)
+    # `helm lint` reports the same problem as an error.
+    assert any(expected in finding["error"] for finding in lint(values))
+
+
+def test_good_edge_values_pass() -> None:
+    """Scaling engines to zero and the smallest valid settings are accepted."""
+    rendered = render({"engine": {"replicas": 0, "memory": {"kvCacheBytes": None}}, "gateway": {"replicas": 1}})
+    engine = rendered.one("Deployment", "-engine")
+    assert engine["spec"]["replicas"] == 0
+    [memory] = [c for c in engine["spec"]["template"]["spec"]["containers"] if c["name"] == "memory"]
+    assert "--kv-cache-bytes" not in memory["args"]  # sized by memory_utilization_threshold instead
