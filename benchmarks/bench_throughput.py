@@ -48,6 +48,7 @@ from compute_service import LLM, SamplingParams
 from compute_service.model_config import ModelConfig
 from compute_service.model_loader import load_tokenizer, resolve_model
 from pagedserve.dtypes import DTYPES
+from pagedserve.log import configure_logging
 
 # Random-weight Llama shapes (no tokenizer: prompts are token ids). "1b" is Llama-3.2-1B's shape
 # with an 8k context; "tiny" checks the plumbing on a CPU in seconds.
@@ -372,6 +373,7 @@ def main() -> None:
         # Seen on a shared 2-CPU machine: 2 threads ran up to 10x slower than 1 while tests ran beside.
         say(f"load average {os.getloadavg()[0]:.1f} at start: other processes share these CPUs, and "
             f"{args.threads} torch threads may stall on each other; --threads 1 gives steadier figures")
+    configure_logging("warning")  # the engine's per-request events (info) would bury the table
     logging.getLogger("transformers").setLevel(logging.ERROR)
     dtype = DTYPES[args.dtype]
     with tempfile.TemporaryDirectory(prefix="bench-throughput-") as tmp:

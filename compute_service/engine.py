@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from memory_service.client import MemoryClient
+from pagedserve.log import get_logger
 
 from compute_service.config import EngineConfig
 from compute_service.model import CausalLM
@@ -19,6 +20,8 @@ from compute_service.sampler import sample
 from compute_service.sampling_params import SamplingParams
 from compute_service.scheduler import ScheduledSeq, Scheduler
 from compute_service.sequence import FinishReason, Sequence
+
+log = get_logger("engine")
 
 
 @dataclass
@@ -109,6 +112,7 @@ class Engine:
         request = self.requests.get(request_id)
         if request is None:
             return False
+        log.info("aborted", request_id=request_id)
         for seq in request.seqs:
             if not seq.is_finished:
                 seq.finish_reason = FinishReason.ABORT
@@ -159,6 +163,10 @@ class Engine:
         for out in outputs:
             if out.finished:
                 del self.requests[out.request_id]
+                for c in out.outputs:  # one event per completion (n > 1 has several); no text in logs
+                    log.info("finished", request_id=out.request_id, index=c.index, reason=c.finish_reason,
+                             num_prompt_tokens=len(out.prompt_token_ids), num_completion_tokens=len(c.token_ids),
+                             num_cached_tokens=out.num_cached_tokens)
         return outputs
 
     def _fork_children(self, parent: Sequence, row: torch.Tensor) -> None:

@@ -20,9 +20,12 @@ import bisect
 from dataclasses import dataclass, field
 
 from memory_service.block_manager import AllocateOp, AppendOp, ForkOp, FreeOp, OpResult
+from pagedserve.log import get_logger
 
 from compute_service.config import EngineConfig
 from compute_service.sequence import Sequence
+
+log = get_logger("scheduler")
 
 
 @dataclass
@@ -97,14 +100,16 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._pending_free_ids)
 
-    def _preempt(self, seq: Sequence, plan: StepPlan | None = None) -> None:
+    def _preempt(self, seq: Sequence, reason: str, plan: StepPlan | None = None) -> None:
         """Preemption by recompute: ``seq`` loses its blocks and waits at the front of its priority.
 
         While planning (``plan`` given) its blocks are freed by this step's RPC and counted as
         available at once (an estimate: shared blocks may stay in use). Once the RPC is sent (an op
         failed: no plan), they are freed by the next step's. Never a pending fork: ``schedule()``
-        turns those into ForkOps before it preempts anyone.
+        turns those into ForkOps before it preempts anyone. ``reason`` is for the log.
         """
+        log.info("preempted", request_id=seq.request_id, seq_id=seq.seq_id, reason=reason,
+                 num_computed_tokens=seq.num_computed_tokens, num_preemptions=seq.num_preemptions + 1)
         self.running.remove(seq)
         self.num_preemptions += 1
         if plan is None:
@@ -136,7 +141,7 @@ class Scheduler:
                 return False
             victim = min(candidates, key=lambda s: (s.priority, -s.arrival))
             plan.work = [(op, s) for op, s in plan.work if s is not victim]  # undo its planned op
-            self._preempt(victim, plan)
+            self._preempt(victim, "make_room", plan)
         return True
 
     # --- planning ---------------------------------------------------------------------------
@@ -158,7 +163,7 @@ class Scheduler:
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             needed = _blocks_for(seq.num_computed_tokens + n, self.block_size) - len(seq.block_table)
             if needed > self._available_for(seq.priority) and not self._make_room(needed, seq, plan, strictly_lower=False):
-                self._preempt(seq, plan)  # it is itself the lowest: make way for the others
+                self._preempt(seq, "out_of_blocks", plan)  # it is itself the lowest: make way for the others
                 continue
             self._take(max(needed, 0))
             plan.work.append((AppendOp(seq.seq_id, seq.tokens_to_compute(n)), seq))
@@ -190,7 +195,7 @@ class Scheduler:
         for (op, seq), result in zip(plan.work, results[num_other:]):
             if isinstance(op, AppendOp):
                 if not result.ok:
-                    self._preempt(seq)  # the count it was planned with was stale
+                    self._preempt(seq, "append_failed")  # the count it was planned with was stale
                     continue
                 seq.block_table.extend(result.block_ids)
                 for src, dst in result.copies:
@@ -203,5 +208,7 @@ class Scheduler:
                 self.running.append(seq)
                 seq.block_table = list(result.block_ids)
                 seq.num_cached_tokens = seq.num_computed_tokens = result.num_cached_tokens
+                log.debug("admitted", request_id=seq.request_id, seq_id=seq.seq_id,
+                          num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens)
                 scheduled.append(ScheduledSeq(seq, result.num_new_tokens))
         return scheduled
