@@ -1,7 +1,7 @@
 """Exit 0 when the gRPC server at ADDRESS answers grpc.health.v1 Check with SERVING.
 
 Used as an exec probe for the memory service, whose gRPC server listens only on a Unix socket
-that the kubelet's native gRPC probe cannot reach. Usage: grpc_health.py ADDRESS [SERVICE]
+that the kubelet's native gRPC probe cannot reach. Usage: health_probe.py ADDRESS [SERVICE]
 (ADDRESS like unix:/run/pagedserve/memory.sock or host:port; SERVICE defaults to "").
 """
 
