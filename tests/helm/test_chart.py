@@ -86,12 +86,15 @@ def test_probes_are_grpc_health_with_a_generous_startup(case) -> None:
     # The memory service has only its Unix socket: the same health check, sent over that socket.
     memory = container(pod, "memory")
     assert memory["livenessProbe"]["exec"]["command"][-1] == "unix:" + flag(memory, "--socket")
-    probe_script = mounts(memory)["probe"] + "/grpc_health.py"
+    probe_script = mounts(memory)["probe"] + "/health_probe.py"
     assert memory["livenessProbe"]["exec"]["command"][:2] == ["python", probe_script]
     gateway = container(gateway_pod(rendered), "gateway")
     assert flag(gateway, "--listen") == "0.0.0.0:50051"
-    for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert gateway[kind]["grpc"]["port"] == 50051
+    assert gateway["readinessProbe"]["grpc"] == {"port": 50051, "service": "pagedserve.gateway.v1.Gateway"}
+    # Not SERVING until an engine is ready (minutes): no restart for that, only readiness.
+    for kind in ("startupProbe", "livenessProbe"):
+        assert gateway[kind]["tcpSocket"] == {"port": "grpc"}
+    assert {"name": "grpc", "containerPort": 50051, "protocol": "TCP"} in gateway["ports"]
 
 
 def test_security_context_everywhere(case) -> None:
