@@ -12,13 +12,11 @@ ARG VARIANT=cpu
 
 # ---- CPU: the slim Python image; PyTorch's CPU-only wheels keep it small. -------------------------
 FROM python:3.11-slim-bookworm AS base-cpu
-ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 
 # ---- CUDA: the driver hooks of NVIDIA's base image. PyTorch's wheels bring their own CUDA
 # libraries; Triton compiles a small launcher per kernel at run time, which needs a C compiler
 # and Python's headers in the final image. -------------------------------------------------------
 FROM nvidia/cuda:12.8.1-base-ubuntu24.04 AS base-cuda
-ARG TORCH_INDEX_URL=""
 # Not pinning apt versions (DL3008): the base image's tag fixes the Ubuntu release, and the
 # archive drops superseded point versions, so exact pins would break the build within weeks.
 # hadolint ignore=DL3008
@@ -30,7 +28,10 @@ RUN apt-get update \
 # DL3006 wants a tag on every image; this FROM names one of the stages above, not an image.
 # hadolint ignore=DL3006
 FROM base-${VARIANT}
+# Build arguments are scoped to a stage: everything this stage uses is declared here.
+ARG VARIANT
 ARG TORCH_VERSION=2.13.0
+ARG TORCH_CPU_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG WITH_DEFAULT_MODEL=false
 ARG SMOLLM2_VERSION=0.1.2
 ENV PATH=/opt/venv/bin:$PATH \
@@ -41,10 +42,11 @@ ENV PATH=/opt/venv/bin:$PATH \
     PAGEDSERVE_CACHE_DIR=/var/cache/pagedserve
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 
-# torch first and pinned, from the variant's index: otherwise a dependency pulls another build.
+# torch first and pinned, the CPU-only build for the CPU variant: otherwise a dependency pulls the
+# default (CUDA) build, gigabytes the slim image does not want.
 RUN python3 -m venv /opt/venv \
-    && if [ -n "$TORCH_INDEX_URL" ]; then \
-           pip install --no-cache-dir --index-url "$TORCH_INDEX_URL" "torch==${TORCH_VERSION}"; \
+    && if [ "$VARIANT" = "cpu" ]; then \
+           pip install --no-cache-dir --index-url "$TORCH_CPU_INDEX_URL" "torch==${TORCH_VERSION}"; \
        else \
            pip install --no-cache-dir "torch==${TORCH_VERSION}"; \
        fi

@@ -61,6 +61,27 @@ def test_two_variants_from_build_args() -> None:
     assert ("ARG", "VARIANT=cpu") in instructions  # the slim CPU image unless asked
 
 
+def test_every_build_argument_is_declared_in_the_stage_that_uses_it() -> None:
+    """ARG values do not cross into a stage built FROM another (a CPU build that silently installed
+    the CUDA torch would pass every linter); so each stage declares what its RUN lines use."""
+    stages: list[list[tuple[str, str]]] = []
+    for word, rest in _instructions():
+        if word == "FROM":
+            stages.append([])
+        elif stages:
+            stages[-1].append((word, rest))
+    for stage in stages:
+        declared = {"PATH", "HOME"}
+        for word, rest in stage:
+            if word == "ARG":
+                declared.add(rest.split("=")[0])
+            elif word == "ENV":
+                declared |= {pair.split("=")[0] for pair in rest.split() if "=" in pair}
+            elif word == "RUN":
+                used = set(re.findall(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)", rest))
+                assert used <= declared, f"undeclared in this stage: {sorted(used - declared)}"
+
+
 def test_runs_as_the_non_root_user_the_chart_expects() -> None:
     instructions = _instructions()
     users = [rest for word, rest in instructions if word == "USER"]
