@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 
 import torch
 
@@ -60,3 +61,32 @@ def sample(logits: torch.Tensor, seqs: Seq[Sequence], eos_token_ids: Seq[int]) -
         row = _apply_penalties(row, seq)
         out.append(int(row.argmax()) if seq.params.is_greedy else _sample_row(row, seq))
     return out
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Log-probabilities of one sampled token (log-softmax of the raw logits: before penalties,
+    temperature and truncation, the way OpenAI-style APIs report them)."""
+
+    token_id: int
+    logprob: float
+    top_token_ids: list[int]  # the N most likely, most likely first
+    top_logprobs: list[float]
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: Seq[int], num_top: Seq[int]) -> list[TokenLogprobs]:
+    """Log-probabilities of the sampled tokens.
+
+    Args:
+        logits: (B, V) float32 raw logits.
+        token_ids: B sampled tokens.
+        num_top: per row, how many most-likely tokens to report besides the sampled one.
+    """
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # (B, V)
+    chosen = logprobs.gather(1, torch.tensor(token_ids, dtype=torch.long, device=logits.device)[:, None])[:, 0]
+    k = max(num_top, default=0)
+    top_values, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
+    return [
+        TokenLogprobs(token_id=t, logprob=float(c), top_token_ids=ids[:n].tolist(), top_logprobs=values[:n].tolist())
+        for t, c, ids, values, n in zip(token_ids, chosen, top_ids, top_values, num_top, strict=True)
+    ]

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+# Limits of one request, also advertised by the service's Info: they bound the work and the
+# memory one request can ask for (n forks, a top-N sort per token, a stop scan per token).
+MAX_N = 64
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -23,6 +31,7 @@ class SamplingParams:
             logits, multiplies negative ones); presence_penalty / frequency_penalty subtract a
             constant / a per-occurrence amount for tokens already generated.
         n: completions per prompt (forked sequences share the prompt's blocks).
+        logprobs: None = none; 0 = the sampled token's log-probability; N = also the N most likely.
     """
 
     max_tokens: int = 16
@@ -39,8 +48,12 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     n: int = 1
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.temperature < 0:
@@ -59,10 +72,16 @@ class SamplingParams:
             raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not -2 <= self.frequency_penalty <= 2:
             raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        if not 1 <= self.n <= 64:
-            raise ValueError(f"n must be in [1, 64], got {self.n}")
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop has {len(self.stop)} strings; at most {MAX_STOP_STRINGS}")
+        if any(not s or len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
+            raise ValueError(f"stop strings must have 1 to {MAX_STOP_STRING_CHARS} characters")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be >= 0, got {list(self.stop_token_ids)}")
         object.__setattr__(self, "stop", tuple(self.stop))
