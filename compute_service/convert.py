@@ -10,12 +10,12 @@ from dataclasses import dataclass
 
 from pagedserve.compute.v1 import compute_pb2 as pb
 
+from compute_service.model_info import ModelInfo
 from compute_service.outputs import CompletionOutput, RequestOutput
 from compute_service.request import EngineLoad
 from compute_service.sampler import TokenLogprobs
-from compute_service.sampling_params import SamplingParams
+from compute_service.sampling_params import MAX_LOGPROBS, MAX_N, MAX_STOP_STRINGS, SamplingParams
 
-_DEFAULTS = SamplingParams()
 # Fields copied as they are (proto3 zero = the core default, or "unset" marked by presence).
 _OPTIONAL_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "repetition_penalty", "logprobs")
 _PLAIN_FIELDS = ("top_k", "min_p", "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty")
@@ -108,4 +108,15 @@ def load_to_pb(load: EngineLoad, max_queued_requests: int) -> pb.LoadResponse:
         num_running=load.num_running, num_waiting=load.num_waiting, kv_usage=load.kv_usage,
         prefix_cache_hit_rate=load.prefix_cache_hit_rate, num_pending_tokens=load.num_pending_tokens,
         max_queued_requests=max_queued_requests,
+    )
+
+
+def info_to_pb(info: ModelInfo, *, block_size: int, num_kv_blocks: int) -> pb.InfoResponse:
+    return pb.InfoResponse(
+        model_name=info.model_name, max_model_len=info.max_model_len, block_size=block_size, dtype=info.dtype,
+        device=info.device, vocab_size=info.vocab_size, eos_token_ids=info.eos_token_ids,
+        bos_token_id=info.bos_token_id, pad_token_id=info.pad_token_id, chat_template=info.chat_template,
+        tokenizer_files=[pb.TokenizerFile(name=f.name, size=len(f.data), sha256=f.sha256) for f in info.tokenizer_files],
+        max_n=MAX_N, max_logprobs=MAX_LOGPROBS, max_stop_strings=MAX_STOP_STRINGS,
+        default_params=params_to_pb(SamplingParams()), num_kv_blocks=num_kv_blocks,
     )

@@ -27,6 +27,7 @@ from compute_service.engine import Engine
 from compute_service.outputs import RequestOutput
 from compute_service.request import EngineLoad
 from compute_service.sampling_params import SamplingParams
+from pagedserve.errors import AlreadyExistsError, UnavailableError
 from pagedserve.log import get_logger
 
 log = get_logger("engine_loop")
@@ -36,7 +37,7 @@ _LOST_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND, grpc.Stat
                grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 
 
-class EngineUnavailable(Exception):
+class EngineUnavailable(UnavailableError):
     """The memory service is unreachable: the request cannot run (now)."""
 
 
@@ -45,6 +46,15 @@ class EngineFailed(Exception):
 
 
 Sink = Callable[[RequestOutput | Exception], None]
+
+
+@dataclass
+class LoopTotals:
+    """Counters since the service started (they survive re-attaching), for metrics."""
+
+    num_steps: int = 0
+    num_generated_tokens: int = 0
+    num_finished_requests: int = 0
 
 
 @dataclass(frozen=True)
@@ -89,6 +99,7 @@ class EngineLoop:
         self._sinks: dict[str, Sink] = {}  # loop thread only
         self.engine: Engine | None = None  # loop thread only (tests may read it when idle)
         self.load = EngineLoad(0, 0, 0.0, 0.0, 0)  # replaced (never mutated) after each step
+        self.totals = LoopTotals()  # written by the loop thread only
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
     # --- called from other threads ---------------------------------------------------------
@@ -160,11 +171,15 @@ class EngineLoop:
                 if not self._wake.wait(self.ping_interval_s):
                     engine.memory.ping()  # idle: notice a lost memory service without a request
                 continue
-            for out in engine.step():
+            outputs = engine.step()
+            for out in outputs:
                 sink = self._sinks.pop(out.request_id) if out.finished else self._sinks.get(out.request_id)
                 if sink is not None:
                     sink(out)
             self.load = engine.load()
+            self.totals.num_steps += 1
+            self.totals.num_generated_tokens += sum(len(c.new_token_ids) for o in outputs for c in o.outputs)
+            self.totals.num_finished_requests += sum(o.finished for o in outputs)
 
     def _drain_commands(self, engine: Engine | None) -> None:
         """Apply queued commands; with no engine (detached), requests fail at once."""
@@ -180,10 +195,13 @@ class EngineLoop:
             if engine is None:
                 command.sink(EngineUnavailable("memory service unavailable"))
                 continue
+            if command.request_id in engine.requests:  # the aborted namesake is not freed yet
+                command.sink(AlreadyExistsError(f"request_id {command.request_id!r} is already running"))
+                continue
             try:
                 engine.add_request(command.request_id, command.prompt_token_ids, command.params,
                                    priority=command.priority, cache_salt=command.cache_salt)
-            except ValueError as exc:  # a duplicate id that raced the servicer's own check
+            except ValueError as exc:  # checked by the servicer already; reported, not dropped
                 command.sink(exc)
                 continue
             self._sinks[command.request_id] = command.sink

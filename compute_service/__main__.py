@@ -1,0 +1,82 @@
+"""python -m compute_service: serve a model over gRPC until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import sys
+
+from pagedserve.config import add_config_file_flag, build_config, read_config_file
+from pagedserve.log import configure_logging
+
+from compute_service.config import DEFAULT_LISTEN, ComputeServiceConfig, EngineConfig
+
+# EngineConfig fields that a service sets (the pool's own settings belong to the memory service).
+_ENGINE_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "block_size", "device", "dtype")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m compute_service",
+        description="pagedserve compute service: runs the model with continuous batching over the "
+                    "memory service's paged KV pool; gRPC service pagedserve.compute.v1.Compute.",
+    )
+    add_config_file_flag(p)
+    p.add_argument("--model", help="'default' (SmolLM2-135M-Instruct) or a local Hugging Face Llama-family directory")
+    p.add_argument("--memory-socket", dest="memory_socket",
+                   help="the memory service's Unix socket (default: $XDG_RUNTIME_DIR or /tmp/pagedserve-UID, memory.sock)")
+    p.add_argument("--listen", help=f"host:port or unix:PATH (default {DEFAULT_LISTEN})")
+    p.add_argument("--served-model-name", dest="served_model_name", help="model name reported by Info")
+    p.add_argument("--cache-dir", dest="cache_dir", help="where converted models are cached")
+    p.add_argument("--max-num-seqs", dest="max_num_seqs", type=int, help="sequences running at once (default 64)")
+    p.add_argument("--max-num-batched-tokens", dest="max_num_batched_tokens", type=int,
+                   help="new tokens per engine step (default 2048)")
+    p.add_argument("--max-queued-requests", dest="max_queued_requests", type=int,
+                   help="requests in flight before RESOURCE_EXHAUSTED (default 256)")
+    p.add_argument("--block-size", dest="block_size", type=int,
+                   help="tokens per KV block; must equal the memory service's (default 16)")
+    p.add_argument("--device", help="cpu or cuda[:N] (default: cuda when available)")
+    p.add_argument("--dtype", help="float32, float16 or bfloat16 (default: float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument("--shutdown-grace-s", dest="shutdown_grace_s", type=float,
+                   help="on SIGTERM, seconds running requests may take to finish (default 30)")
+    p.add_argument("--memory-retry-interval-s", dest="memory_retry_interval_s", type=float,
+                   help="pause between attempts to reach the memory service (default 0.5)")
+    p.add_argument("--memory-ping-interval-s", dest="memory_ping_interval_s", type=float,
+                   help="how often an idle engine checks the memory service (default 1)")
+    p.add_argument("--metrics-port", dest="metrics_port", type=int, help="serve Prometheus metrics on this port")
+    p.add_argument("--metrics-host", dest="metrics_host", help="address of the metrics endpoint (default 127.0.0.1)")
+    p.add_argument("--log-level", dest="log_level", help="debug, info, warning, error")
+    return p
+
+
+def configs_from_args(args: argparse.Namespace) -> tuple[ComputeServiceConfig, EngineConfig]:
+    """Both configs from ``--config`` (keys of either) overridden by the flags given."""
+    file_values = read_config_file(args.config) if args.config else {}
+    service_names = {f.name for f in dataclasses.fields(ComputeServiceConfig)}
+    unknown = sorted(set(file_values) - service_names - set(_ENGINE_FIELDS))
+    if unknown:
+        raise ValueError(f"unknown config key(s) {unknown}; known keys: {sorted(service_names | set(_ENGINE_FIELDS))}")
+    flags = vars(args)
+    service = build_config(ComputeServiceConfig, {k: v for k, v in file_values.items() if k in service_names}, flags)
+    engine_values = {k: v for k, v in file_values.items() if k in _ENGINE_FIELDS}
+    engine = build_config(EngineConfig, engine_values, {k: flags.get(k) for k in _ENGINE_FIELDS})
+    engine = dataclasses.replace(engine, memory_socket=service.memory_socket)
+    return service, engine
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        service, engine = configs_from_args(args)
+        configure_logging(service.log_level)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    from compute_service.server import serve  # torch and the model code load only to serve
+
+    return asyncio.run(serve(service, engine))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
