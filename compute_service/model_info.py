@@ -9,6 +9,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
 
+from pagedserve.dtypes import dtype_name
+
 from compute_service.model_loader import LoadedModel
 
 # Everything AutoTokenizer.from_pretrained may read (fast or slow tokenizer, chat template files of
@@ -62,7 +64,7 @@ def model_info(loaded: LoadedModel, served_model_name: str | None = None) -> Mod
     return ModelInfo(
         model_name=served_model_name or config.name,
         max_model_len=config.max_position,
-        dtype=str(loaded.model.dtype).removeprefix("torch."),
+        dtype=dtype_name(loaded.model.dtype),
         device=str(loaded.model.device),
         vocab_size=config.vocab_size,
         eos_token_ids=tuple(config.eos_token_ids),

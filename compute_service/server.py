@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2
 
 from pagedserve import rpc
 from pagedserve.compute.v1 import compute_pb2, compute_pb2_grpc
+from pagedserve.dtypes import dtype_name
 from pagedserve.errors import UnavailableError
 from pagedserve.log import get_logger
 from pagedserve.process import check_health
@@ -47,7 +48,7 @@ def make_attach(loaded: LoadedModel, target: str, engine_config: EngineConfig, t
     """The engine loop's way to (re)attach: a fresh lease, pool mapping and Engine per call."""
     layout = KvLayout(
         num_layers=loaded.config.num_layers, num_kv_heads=loaded.config.num_kv_heads,
-        head_dim=loaded.config.head_dim, dtype=str(loaded.model.dtype).removeprefix("torch."),
+        head_dim=loaded.config.head_dim, dtype=dtype_name(loaded.model.dtype),
         block_size=engine_config.block_size,
     )
 
