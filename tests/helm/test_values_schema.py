@@ -40,3 +40,14 @@ def test_good_edge_values_pass() -> None:
     assert engine["spec"]["replicas"] == 0
     [memory] = [c for c in engine["spec"]["template"]["spec"]["containers"] if c["name"] == "memory"]
     assert "--kv-cache-bytes" not in memory["args"]  # sized by memory_utilization_threshold instead
+
+
+def test_cpu_pool_larger_than_dev_shm_fails_at_install() -> None:
+    """On CPU the pool is a /dev/shm file: a pool beyond the emptyDir's size would be an eviction
+    at run time, so the chart refuses it up front, naming both values."""
+    too_big = {"gpu": {"mode": "none"}, "engine": {"shmSizeLimit": "512Mi", "memory": {"kvCacheBytes": 1 << 30}}}
+    with pytest.raises(helm.HelmRenderError) as info:
+        render(too_big)
+    assert "engine.shmSizeLimit (512Mi) must be at least engine.memory.kvCacheBytes (1073741824)" in str(info.value)
+    render({"gpu": {"mode": "none"}, "engine": {"shmSizeLimit": "1Gi", "memory": {"kvCacheBytes": 1 << 30}}})
+    render({"gpu": {"mode": "dra"}, "engine": {"shmSizeLimit": "64Mi", "memory": {"kvCacheBytes": 1 << 30}}})

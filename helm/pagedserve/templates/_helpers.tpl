@@ -117,3 +117,16 @@ device-plugin: only the memory container (which allocates the KV pool) requests 
 {{- end -}}
 {{- toYaml $res }}
 {{- end }}
+
+{{/* A resource quantity ("2Gi", "512Mi", "1G", "1073741824") in bytes, for the checks below. */}}
+{{- define "pagedserve.bytes" -}}
+{{- $q := toString . -}}
+{{- $units := dict "Ki" 1024 "Mi" 1048576 "Gi" 1073741824 "Ti" 1099511627776 "k" 1000 "M" 1000000 "G" 1000000000 "T" 1000000000000 -}}
+{{- $suffix := regexFind "[A-Za-z]+$" $q -}}
+{{- $number := trimSuffix $suffix $q -}}
+{{- if $suffix -}}
+{{- mulf (float64 $number) (get $units $suffix | default 0) | int64 -}}
+{{- else -}}
+{{- float64 $number | int64 -}}
+{{- end -}}
+{{- end }}
