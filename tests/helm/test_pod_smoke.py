@@ -5,7 +5,6 @@ and serve a request end to end."""
 from __future__ import annotations
 
 import importlib.util
-import os
 import socket
 import tempfile
 from collections.abc import Iterator
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.compute_service.service_fixtures import shm_segments
 from tests.helm.chart import render
 from tests.helm.local_pod import LocalPod
 
@@ -57,10 +57,6 @@ def _pods(values: dict, root: Path, overrides: dict[str, Path] | None = None) ->
     return engine, gateway
 
 
-def _shm_segments(pid: int) -> list[str]:
-    return [n for n in os.listdir("/dev/shm") if n.startswith(f"pagedserve-kv-{pid}-")]
-
-
 def test_memory_container_answers_its_probes(volume_root: Path) -> None:
     """The memory container as rendered: its exec probes (grpc.health.v1 over the socket) pass while
     it runs and fail once it is gone; it leaves no socket or shared-memory segment behind."""
@@ -74,24 +70,22 @@ def test_memory_container_answers_its_probes(volume_root: Path) -> None:
     finally:
         assert memory.stop() == 0
     assert not engine.probe("memory", "livenessProbe")
-    assert _shm_segments(memory.pid) == []
+    assert shm_segments(memory.pid) == []
 
 
 @pytest.mark.skipif(bool(_missing_services()), reason=f"not on this branch yet: {', '.join(_missing_services())} "
                     "(the compute and gateway services land on main during this session)")
-def test_engine_and_gateway_pods_serve_a_request(volume_root: Path, make_tiny_model) -> None:
+def test_engine_and_gateway_pods_serve_a_request(volume_root: Path) -> None:
     """Engine pod (memory + compute, model from the "PVC") and gateway pod as rendered: every declared
     probe passes, and a request through the gateway's dns: discovery returns the reference tokens."""
     import grpc
 
     from pagedserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+    from tests.compute_service.service_fixtures import build_service_model, hf_greedy
 
-    tiny = make_tiny_model("llama")
-    model_dir = volume_root / "model"
+    model_dir = volume_root / "model"  # the claim's contents: a tiny Llama with its byte tokenizer
     model_dir.mkdir()
-    for item in tiny.path.iterdir():
-        (model_dir / item.name).symlink_to(item)
-    tokenizer = _save_tiny_tokenizer(model_dir)
+    model = build_service_model(model_dir)
     values = _cpu_values({"source": "pvc", "pvc": {"claimName": "models", "path": ""}})
     engine, gateway = _pods(values, volume_root, overrides={"model": model_dir})
     assert engine.argv("compute")[engine.argv("compute").index("--model") + 1] == str(model_dir)
@@ -109,48 +103,21 @@ def test_engine_and_gateway_pods_serve_a_request(volume_root: Path, make_tiny_mo
             for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
                 if kind in pod.container(name):
                     assert pod.probe(name, kind), f"{pod.name}/{name} {kind}"
-        assert _shm_segments(started[0].pid)  # the CPU pool lives in the pod's /dev/shm
+        assert shm_segments(started[0].pid)  # the CPU pool lives in the pod's /dev/shm
 
         prompt = "the quick brown fox jumps over"
-        prompt_ids = tokenizer.encode(prompt)
+        prompt_ids = model.tokenizer.encode(prompt)
         with grpc.insecure_channel(f"127.0.0.1:{gateway_port}") as channel:
             reply = gateway_pb2_grpc.GatewayStub(channel).Generate(gateway_pb2.GenerateRequest(
                 prompt=prompt, params=gateway_pb2.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
             ), timeout=60)
         [choice] = reply.choices
         assert reply.usage.prompt_tokens == len(prompt_ids)
-        assert list(choice.token_ids) == _greedy(tiny.hf_model, prompt_ids, 6)
+        assert list(choice.token_ids) == hf_greedy(model.hf_model, prompt_ids, 6)
         assert choice.finish_reason == "length"
     finally:
-        for service in reversed(started):
-            assert service.stop() == 0, f"{service.module} exit status"
+        statuses = {service.module: service.stop() for service in reversed(started)}
+    assert statuses == {"gateway": 0, "compute_service": 0, "memory_service": 0}
     assert not engine.probe("memory", "livenessProbe")
     assert not gateway.probe("gateway", "livenessProbe")
-    assert _shm_segments(started[0].pid) == []
-
-
-def _save_tiny_tokenizer(model_dir: Path):
-    """A word-level tokenizer inside the tiny model's 128-token vocabulary, saved beside its weights
-    (the gateway fetches it from the compute service, as it does from a real model directory)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    words = "the quick brown fox jumps over lazy dog a cat sat on mat and ran far".split()
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{w: i + 3 for i, w in enumerate(words)}}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-    tokenizer.save_pretrained(model_dir)
-    return tokenizer
-
-
-def _greedy(hf_model, prompt_ids: list[int], num_tokens: int) -> list[int]:
-    """The reference: transformers' model, greedy, EOS ignored."""
-    import torch
-
-    ids = torch.tensor([prompt_ids])
-    with torch.no_grad():
-        for _ in range(num_tokens):
-            next_id = hf_model(ids).logits[0, -1].argmax()
-            ids = torch.cat([ids, next_id.view(1, 1)], dim=1)
-    return ids[0, len(prompt_ids):].tolist()
+    assert shm_segments(started[0].pid) == []
