@@ -54,6 +54,11 @@ def test_engine_containers_share_socket_shm_and_cache(case) -> None:
     pod = engine_pod(rendered)
     memory, compute = container(pod, "memory"), container(pod, "compute")
     assert pod["shareProcessNamespace"] is True
+    # Memory is a native sidecar: up before compute starts, stopped after compute has drained.
+    assert [c["name"] for c in pod["containers"]] == ["compute"]
+    assert pod["initContainers"][-1]["name"] == "memory"
+    assert memory["restartPolicy"] == "Always"
+    assert pod["terminationGracePeriodSeconds"] > 30  # the compute service's drain, then the sidecar
     # The one socket path, on both sides, inside the directory both mount from one emptyDir.
     socket = flag(memory, "--socket")
     assert socket == flag(compute, "--memory-socket") == "/run/pagedserve/memory.sock"
@@ -173,7 +178,7 @@ def test_cpu_mode_has_no_gpu_at_all() -> None:
     assert "ResourceClaimTemplate" not in rendered.kinds()
     pod = engine_pod(rendered)
     assert "resourceClaims" not in pod
-    for c in pod["containers"]:
+    for c in pod["containers"] + pod["initContainers"]:
         assert c["image"] == "pagedserve:0.1.0-cpu"
         assert "claims" not in c["resources"]
         assert not [k for k in c["resources"].get("limits", {}) if "gpu" in k]
@@ -184,7 +189,7 @@ def test_cpu_mode_has_no_gpu_at_all() -> None:
 def test_model_sources() -> None:
     default = engine_pod(render({}))
     assert flag(container(default, "compute"), "--model") == "default"
-    assert "initContainers" not in default
+    assert [c["name"] for c in default["initContainers"]] == ["memory"]
 
     pvc = engine_pod(render(VALUE_SETS["gpu-dra-pvc"]))
     compute = container(pvc, "compute")
@@ -194,7 +199,9 @@ def test_model_sources() -> None:
     assert {"name": "model", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}} in pvc["volumes"]
 
     download = engine_pod(render(VALUE_SETS["cpu-download"]))
+    assert [c["name"] for c in download["initContainers"]] == ["download-model", "memory"]
     init = container(download, "download-model")
+    assert "restartPolicy" not in init  # a plain init container: done before the engine starts
     model_dir = flag(container(download, "compute"), "--model")
     assert model_dir == "/var/cache/pagedserve/models/HuggingFaceTB--SmolLM2-360M-Instruct"
     assert init["command"] == ["hf", "download", "HuggingFaceTB/SmolLM2-360M-Instruct"]

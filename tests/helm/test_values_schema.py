@@ -38,7 +38,7 @@ def test_good_edge_values_pass() -> None:
     rendered = render({"engine": {"replicas": 0, "memory": {"kvCacheBytes": None}}, "gateway": {"replicas": 1}})
     engine = rendered.one("Deployment", "-engine")
     assert engine["spec"]["replicas"] == 0
-    [memory] = [c for c in engine["spec"]["template"]["spec"]["containers"] if c["name"] == "memory"]
+    [memory] = [c for c in engine["spec"]["template"]["spec"]["initContainers"] if c["name"] == "memory"]
     assert "--kv-cache-bytes" not in memory["args"]  # sized by memory_utilization_threshold instead
 
 
