@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import socket
 import tempfile
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -104,6 +105,12 @@ def test_engine_and_gateway_pods_serve_a_request(volume_root: Path) -> None:
                 if kind in pod.container(name):
                     assert pod.probe(name, kind), f"{pod.name}/{name} {kind}"
         assert shm_segments(started[0].pid)  # the CPU pool lives in the pod's /dev/shm
+        # Every metrics port the chart declares (and its ServiceMonitor scrapes) serves Prometheus text.
+        for pod, name in ((engine, "memory"), (engine, "compute"), (gateway, "gateway")):
+            for port in pod.container(name)["ports"]:
+                if port["name"].endswith("metrics"):
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port['containerPort']}/metrics", timeout=10) as r:
+                        assert r.status == 200 and b"# TYPE " in r.read(), f"{name} {port['name']}"
 
         prompt = "the quick brown fox jumps over"
         prompt_ids = model.tokenizer.encode(prompt)
