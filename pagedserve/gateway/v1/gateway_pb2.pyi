@@ -64,17 +64,33 @@ class GenerateRequest(_message.Message):
     cache_salt: str
     def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., request_id: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
+class TokenLogprobs(_message.Message):
+    __slots__ = ("token_id", "logprob", "top_token_ids", "top_logprobs")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    top_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+
 class Completion(_message.Message):
-    __slots__ = ("index", "text", "token_ids", "finish_reason")
+    __slots__ = ("index", "text", "token_ids", "finish_reason", "logprobs", "stop_string")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    STOP_STRING_FIELD_NUMBER: _ClassVar[int]
     index: int
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: str
-    def __init__(self, index: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
+    stop_string: str
+    def __init__(self, index: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., stop_string: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens")
@@ -97,17 +113,71 @@ class GenerateResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., choices: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
 
 class GenerateStreamResponse(_message.Message):
-    __slots__ = ("request_id", "index", "text", "token_ids", "finish_reason", "usage")
+    __slots__ = ("request_id", "index", "text", "token_ids", "finish_reason", "usage", "logprobs", "stop_string")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    STOP_STRING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     index: int
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: str
     usage: Usage
-    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
+    stop_string: str
+    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., stop_string: _Optional[str] = ...) -> None: ...
+
+class TokenizeRequest(_message.Message):
+    __slots__ = ("prompt", "messages")
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    prompt: str
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
+
+class TokenizeResponse(_message.Message):
+    __slots__ = ("token_ids", "tokens")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    tokens: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ListModelsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("name", "max_model_len", "vocab_size", "block_size", "has_chat_template", "num_healthy_backends", "num_backends", "max_n", "max_logprobs", "max_stop_strings")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    NUM_HEALTHY_BACKENDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BACKENDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_N_FIELD_NUMBER: _ClassVar[int]
+    MAX_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    MAX_STOP_STRINGS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    has_chat_template: bool
+    num_healthy_backends: int
+    num_backends: int
+    max_n: int
+    max_logprobs: int
+    max_stop_strings: int
+    def __init__(self, name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., num_healthy_backends: _Optional[int] = ..., num_backends: _Optional[int] = ..., max_n: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., max_stop_strings: _Optional[int] = ...) -> None: ...
+
+class ListModelsResponse(_message.Message):
+    __slots__ = ("models",)
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
+    def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...

@@ -44,6 +44,16 @@ class GatewayStub:
                 request_serializer=pagedserve_dot_gateway_dot_v1_dot_gateway__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=pagedserve_dot_gateway_dot_v1_dot_gateway__pb2.GenerateStreamResponse.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/pagedserve.gateway.v1.Gateway/Tokenize',
+                request_serializer=pagedserve_dot_gateway_dot_v1_dot_gateway__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_gateway_dot_v1_dot_gateway__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
+        self.ListModels = channel.unary_unary(
+                '/pagedserve.gateway.v1.Gateway/ListModels',
+                request_serializer=pagedserve_dot_gateway_dot_v1_dot_gateway__pb2.ListModelsRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_gateway_dot_v1_dot_gateway__pb2.ListModelsResponse.FromString,
+                _registered_method=True)
 
 
 class GatewayServicer:
@@ -57,7 +67,22 @@ class GatewayServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GenerateStream(self, request, context):
-        """Streams the completion as it is produced, one message per new piece of text.
+        """Streams the completion as it is produced, one message per new piece of text: never a broken
+        UTF-8 character, and the pieces of a completion concatenate to exactly its full text.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Tokenize(self, request, context):
+        """The token ids the model would see for a prompt (chat template applied for messages).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListModels(self, request, context):
+        """The model served behind this gateway and its limits.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -75,6 +100,16 @@ def add_GatewayServicer_to_server(servicer, server):
                     servicer.GenerateStream,
                     request_deserializer=pagedserve_dot_gateway_dot_v1_dot_gateway__pb2.GenerateRequest.FromString,
                     response_serializer=pagedserve_dot_gateway_dot_v1_dot_gateway__pb2.GenerateStreamResponse.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=pagedserve_dot_gateway_dot_v1_dot_gateway__pb2.TokenizeRequest.FromString,
+                    response_serializer=pagedserve_dot_gateway_dot_v1_dot_gateway__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'ListModels': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListModels,
+                    request_deserializer=pagedserve_dot_gateway_dot_v1_dot_gateway__pb2.ListModelsRequest.FromString,
+                    response_serializer=pagedserve_dot_gateway_dot_v1_dot_gateway__pb2.ListModelsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -131,6 +166,60 @@ class Gateway:
             '/pagedserve.gateway.v1.Gateway/GenerateStream',
             pagedserve_dot_gateway_dot_v1_dot_gateway__pb2.GenerateRequest.SerializeToString,
             pagedserve_dot_gateway_dot_v1_dot_gateway__pb2.GenerateStreamResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.gateway.v1.Gateway/Tokenize',
+            pagedserve_dot_gateway_dot_v1_dot_gateway__pb2.TokenizeRequest.SerializeToString,
+            pagedserve_dot_gateway_dot_v1_dot_gateway__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListModels(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.gateway.v1.Gateway/ListModels',
+            pagedserve_dot_gateway_dot_v1_dot_gateway__pb2.ListModelsRequest.SerializeToString,
+            pagedserve_dot_gateway_dot_v1_dot_gateway__pb2.ListModelsResponse.FromString,
             options,
             channel_credentials,
             insecure,
