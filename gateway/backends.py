@@ -1,0 +1,200 @@
+"""The compute services behind a gateway: health, load accounting, DNS discovery.
+
+A backend is in rotation while its last health poll said SERVING and its model matches the one the
+gateway serves. A failed request marks it out at once (passive check); the next poll that
+succeeds brings it back, so a restarted compute service rejoins without anyone's help.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import Callable
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from gateway.config import GatewayConfig, parse_backend
+from gateway.routing import AffinityIndex
+from pagedserve.compute.v1 import compute_pb2, compute_pb2_grpc
+from pagedserve.log import get_logger
+
+log = get_logger("gateway.backends")
+
+# Index size before a backend has told its block count.
+_DEFAULT_INDEX_CAPACITY = 4096
+
+
+class Ticket:
+    """One request's share of a backend's outstanding work, returned exactly once.
+
+    Taken by ``Backend.acquire`` when the request is routed (synchronously, before any await);
+    shrinks as the backend reports progress; ``release`` gives back the rest, on finish, abort or
+    error alike (it is idempotent, so every exit path may call it).
+    """
+
+    def __init__(self, backend: Backend, num_tokens: int) -> None:
+        self.backend = backend
+        self.num_tokens = num_tokens
+        self.is_released = False
+
+    def consume(self, num_tokens: int) -> None:
+        """The backend finished ``num_tokens`` of this request's work."""
+        num_tokens = min(num_tokens, self.num_tokens)
+        self.num_tokens -= num_tokens
+        self.backend.outstanding_tokens -= num_tokens
+
+    def release(self) -> None:
+        if not self.is_released:
+            self.is_released = True
+            self.backend.outstanding_tokens -= self.num_tokens
+            self.backend.num_outstanding -= 1
+            self.num_tokens = 0
+
+
+class Backend:
+    """One compute service: its channel, health, reported load and this gateway's work on it."""
+
+    def __init__(self, address: str, options: list[tuple[str, int]]) -> None:
+        self.address = address
+        self.channel = grpc.aio.insecure_channel(address, options=options)
+        self.stub = compute_pb2_grpc.ComputeStub(self.channel)
+        self._health = health_pb2_grpc.HealthStub(self.channel)
+        self.is_healthy = False
+        self.info: compute_pb2.InfoResponse | None = None
+        self.load: compute_pb2.LoadResponse | None = None
+        self.affinity = AffinityIndex(_DEFAULT_INDEX_CAPACITY)
+        self.num_outstanding = 0  # requests routed here by this gateway, not yet finished
+        self.outstanding_tokens = 0  # their prompts not yet prefilled plus tokens not yet generated
+        self._other_tokens = 0  # reported pending tokens that are not this gateway's
+
+    def work(self) -> int:
+        """Outstanding tokens of every gateway on this backend (the router's load measure)."""
+        return self.outstanding_tokens + self._other_tokens
+
+    def acquire(self, num_tokens: int) -> Ticket:
+        """Counts a request routed here (call in the same event-loop step as routing)."""
+        self.num_outstanding += 1
+        self.outstanding_tokens += num_tokens
+        return Ticket(self, num_tokens)
+
+    def mark_failed(self, reason: str) -> None:
+        """Takes the backend out of rotation until a health poll succeeds again."""
+        if self.is_healthy:
+            log.warning("backend_out_of_rotation", backend=self.address, reason=reason)
+        self.is_healthy = False
+        self.affinity.clear()  # its cache may be gone (restart); stale affinity would only mislead
+
+    async def poll(self, timeout_s: float) -> None:
+        """Health check + Load (+ Info once); updates ``is_healthy`` and the reported load."""
+        try:
+            health, load = await asyncio.gather(
+                self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s),
+                self.stub.Load(compute_pb2.LoadRequest(), timeout=timeout_s),
+            )
+            if self.info is None:
+                self.info = await self.stub.Info(compute_pb2.InfoRequest(), timeout=timeout_s)
+                self.affinity.resize(self.info.num_kv_blocks or _DEFAULT_INDEX_CAPACITY)
+        except grpc.aio.AioRpcError as exc:
+            self.mark_failed(f"{exc.code().name}: {exc.details()}")
+            return
+        if health.status != health_pb2.HealthCheckResponse.SERVING:
+            self.mark_failed("NOT_SERVING")
+            return
+        self.load = load
+        # The engine's pending tokens include this gateway's requests (counted in our own counter).
+        self._other_tokens = max(0, load.num_pending_tokens - self.outstanding_tokens)
+        if not self.is_healthy:
+            log.info("backend_in_rotation", backend=self.address, model=self.info.model_name)
+        self.is_healthy = True
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+class BackendPool:
+    """Every backend of the gateway, kept up to date by a poll loop and (for dns:) a resolve loop.
+
+    Args:
+        config: the gateway's config (addresses, intervals, message limits).
+        on_poll: called after every round of health polls (metrics, readiness).
+    """
+
+    def __init__(self, config: GatewayConfig, on_poll: Callable[[BackendPool], None]) -> None:
+        self.config = config
+        self.backends: dict[str, Backend] = {}
+        self._on_poll = on_poll
+        self._options = [("grpc.max_receive_message_length", 64 << 20),
+                         ("grpc.max_send_message_length", config.max_message_bytes)]
+        self._dns_names: list[tuple[str, int]] = []
+        for address in config.backends:
+            kind, host, port = parse_backend(address)
+            if kind == "dns":
+                self._dns_names.append((host, port))
+            else:
+                self._add(address)
+        self._tasks: list[asyncio.Task] = []
+
+    def _add(self, address: str) -> None:
+        if address not in self.backends:
+            self.backends[address] = Backend(address, self._options)
+
+    def in_rotation(self, model_name: str | None) -> list[Backend]:
+        """Healthy backends that serve ``model_name`` (any model when None)."""
+        return [b for b in self.backends.values()
+                if b.is_healthy and (model_name is None or (b.info is not None and b.info.model_name == model_name))]
+
+    async def start(self) -> None:
+        if self._dns_names:
+            await self.resolve()
+        await self.poll_all()
+        self._tasks = [asyncio.create_task(self._poll_loop())]
+        if self._dns_names:
+            self._tasks.append(asyncio.create_task(self._resolve_loop()))
+
+    async def poll_all(self) -> None:
+        timeout = min(self.config.health_interval_s, 2.0)
+        await asyncio.gather(*(b.poll(timeout) for b in list(self.backends.values())))
+        self._on_poll(self)
+
+    async def _poll_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.health_interval_s)
+            await self.poll_all()
+
+    async def resolve(self) -> None:
+        """Resolve every dns: name; add new addresses, drop those gone (finishing their streams)."""
+        loop = asyncio.get_running_loop()
+        found: set[str] = set()
+        for name, port in self._dns_names:
+            try:
+                infos = await loop.getaddrinfo(name, port, type=socket.SOCK_STREAM)
+            except socket.gaierror as exc:
+                log.warning("dns_resolve_failed", name=name, error=str(exc))
+                return  # keep the current set rather than dropping every backend on a DNS blip
+            for family, _, _, _, sockaddr in infos:
+                host = f"[{sockaddr[0]}]" if family == socket.AF_INET6 else sockaddr[0]
+                found.add(f"{host}:{sockaddr[1]}")
+        static = {a for a in self.config.backends if not a.startswith("dns:")}
+        for address in found - self.backends.keys():
+            log.info("backend_discovered", backend=address)
+            self._add(address)
+        for address in set(self.backends) - found - static:
+            backend = self.backends.pop(address)
+            log.info("backend_removed", backend=address)
+            # Streams still running on it keep their channel until they end.
+            asyncio.get_running_loop().call_later(self.config.grace_period_s, asyncio.ensure_future, backend.close())
+
+    async def _resolve_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.dns_refresh_s)
+            await self.resolve()
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await asyncio.gather(*(b.close() for b in self.backends.values()))

@@ -1,0 +1,139 @@
+"""Runs one request on a backend: route, count its load, stream, retry once, abort on cancel.
+
+The failure rules of the public API live here:
+
+- before the backend's first message, a failure is retried once on another backend (nothing has
+  reached the client yet, so the retry is invisible to it);
+- after the first message, a backend failure ends the stream UNAVAILABLE: the tokens already sent
+  cannot be taken back, and replaying the request elsewhere would sample a different continuation;
+- a client that cancels, or whose deadline passes, cancels the backend call (which aborts the
+  request there) and also sends an explicit Abort, so the blocks are freed even if the backend
+  notices the cancellation late.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from gateway.backends import Backend, BackendPool
+from gateway.routing import Router, block_hashes
+from pagedserve.compute.v1 import compute_pb2
+from pagedserve.log import get_logger
+
+log = get_logger("gateway.dispatch")
+
+# Failures before the first token that another backend may not share.
+_RETRYABLE = {
+    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ALREADY_EXISTS,
+    grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED,
+}
+# Backend codes that reach the client as they are; every other failure is UNAVAILABLE.
+_PASSED_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                   grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.FAILED_PRECONDITION}
+
+
+class DispatchError(Exception):
+    """The request failed; ``code`` and ``details`` are what the client gets."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
+@dataclass
+class Route:
+    """Where a request ran (for the access log)."""
+
+    backend: str = ""
+    num_attempts: int = 0
+
+
+class Dispatcher:
+    """Sends requests to the pool's backends.
+
+    Args:
+        pool: the backends.
+        router: the routing policy.
+        affinity_max_blocks: leading prompt blocks hashed for affinity.
+    """
+
+    def __init__(self, pool: BackendPool, router: Router, affinity_max_blocks: int) -> None:
+        self.pool = pool
+        self.router = router
+        self.affinity_max_blocks = affinity_max_blocks
+
+    async def run(self, request: compute_pb2.GenerateRequest, model_name: str, route: Route,
+                  timeout_s: float | None) -> AsyncIterator[compute_pb2.GenerateResponse]:
+        """Streams the backend's messages for ``request``.
+
+        Args:
+            request: the compute request (its request_id is replaced per attempt).
+            model_name: only backends serving this model are used.
+            route: filled with the backend used.
+            timeout_s: the client's remaining time (None = no deadline).
+        Raises:
+            DispatchError: no backend could serve it, or the backend failed.
+        """
+        tried: set[str] = set()
+        first_error: DispatchError | None = None
+        for attempt in range(2):
+            candidates = [b for b in self.pool.in_rotation(model_name) if b.address not in tried]
+            if not candidates:
+                break
+            block_size = candidates[0].info.block_size if candidates[0].info else 16
+            hashes = block_hashes(request.prompt_token_ids, block_size or 16,
+                                  f"{model_name}|{request.cache_salt}", self.affinity_max_blocks)
+            backend = self.router.choose(candidates, hashes)
+            assert isinstance(backend, Backend)
+            # Counted now, before the first await: concurrent requests see this one's load.
+            n = max(request.params.n, 1)
+            ticket = backend.acquire(len(request.prompt_token_ids) + n * request.params.max_tokens)
+            tried.add(backend.address)
+            route.backend, route.num_attempts = backend.address, attempt + 1
+            request.request_id = f"gw-{uuid.uuid4().hex}"
+            call = backend.stub.Generate(request, timeout=timeout_s)
+            has_first = False
+            try:
+                async for message in call:
+                    if not has_first:
+                        ticket.consume(len(request.prompt_token_ids))  # the prompt is prefilled
+                        has_first = True
+                    ticket.consume(len(message.token_ids))
+                    yield message
+                return
+            except grpc.aio.AioRpcError as exc:
+                code = exc.code()
+                if code == grpc.StatusCode.UNAVAILABLE:
+                    backend.mark_failed(f"request failed: {exc.details()}")
+                if has_first:
+                    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                        raise DispatchError(code, "deadline exceeded") from None
+                    raise DispatchError(grpc.StatusCode.UNAVAILABLE,
+                                        f"backend failed mid-stream ({code.name}: {exc.details()})") from None
+                error = DispatchError(code if code in _PASSED_THROUGH else grpc.StatusCode.UNAVAILABLE,
+                                      f"{exc.details()}" if code in _PASSED_THROUGH else
+                                      f"backend unavailable ({code.name}: {exc.details()})")
+                first_error = first_error or error
+                if code not in _RETRYABLE:
+                    raise error from None
+                log.info("retrying", request_id=request.request_id, backend=backend.address, code=code.name)
+            finally:
+                ticket.release()
+                if not call.done():  # the client went away (cancel, deadline) or the consumer stopped
+                    call.cancel()
+                    asyncio.ensure_future(_abort(backend, request.request_id))
+        raise first_error or DispatchError(grpc.StatusCode.UNAVAILABLE, "no healthy backend")
+
+
+async def _abort(backend: Backend, request_id: str) -> None:
+    """Best effort: the cancelled call already aborts the request; this covers a late notice."""
+    try:
+        await backend.stub.Abort(compute_pb2.AbortRequest(request_id=request_id), timeout=5.0)
+    except grpc.aio.AioRpcError:
+        pass  # the backend is gone or the request already ended: nothing left to free

@@ -1,0 +1,38 @@
+"""Prometheus metrics of the gateway, in a registry of its own, served over HTTP on request."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+# Latencies of an LLM: first tokens in tens of ms to seconds; tokens in a few to hundreds of ms.
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
+
+
+class GatewayMetrics:
+    """Requests by method and status, TTFT and time per output token, queue length, backend health."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("pagedserve_gateway_requests", "Requests answered, by method and gRPC status.",
+                                ["method", "status"], registry=self.registry)
+        self.ttft = Histogram("pagedserve_gateway_time_to_first_token_seconds",
+                              "From a request's arrival to its first generated token.",
+                              buckets=_TTFT_BUCKETS, registry=self.registry)
+        self.tpot = Histogram("pagedserve_gateway_time_per_output_token_seconds",
+                              "Mean time between generated tokens after the first, per request.",
+                              buckets=_TPOT_BUCKETS, registry=self.registry)
+        self.queue_length = Gauge("pagedserve_gateway_queue_length",
+                                  "Requests held by this gateway now (waiting for or streaming from a backend).",
+                                  registry=self.registry)
+        self.backend_healthy = Gauge("pagedserve_gateway_backend_healthy",
+                                     "1 while a backend is in rotation, 0 while it is out.",
+                                     ["backend"], registry=self.registry)
+        self.backend_outstanding = Gauge("pagedserve_gateway_backend_outstanding_requests",
+                                         "This gateway's requests on each backend.",
+                                         ["backend"], registry=self.registry)
+
+    def serve(self, host: str, port: int) -> int:
+        """Starts the HTTP endpoint (a daemon thread); returns the bound port."""
+        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        return server.server_port

@@ -1,0 +1,207 @@
+"""``pagedserve.gateway.v1.Gateway``: validate, tokenize, dispatch, and convert at the edge.
+
+Thin by design: validation rules live in ``validation``, routing and retries in ``dispatch``; this
+module admits a request (backpressure), records its access line and metrics, and turns the compute
+service's messages into the public ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from gateway.config import GatewayConfig
+from gateway.dispatch import Dispatcher, DispatchError, Route
+from gateway.metrics import GatewayMetrics
+from gateway.tokenizer import ModelTokenizer
+from gateway.validation import check_length, check_prompt_input, check_request, to_compute_request
+from pagedserve.compute.v1 import compute_pb2
+from pagedserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from pagedserve.log import get_logger
+
+log = get_logger("gateway.access")
+
+
+@dataclass
+class _Record:
+    """What the access line and the metrics say about one request."""
+
+    method: str
+    request_id: str
+    started: float = field(default_factory=time.perf_counter)
+    status: str = "OK"
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    usage: compute_pb2.Usage = field(default_factory=compute_pb2.Usage)
+    route: Route = field(default_factory=Route)
+
+
+def _stop_string(message: compute_pb2.GenerateResponse) -> str:
+    return message.stop_string if message.WhichOneof("matched_stop") == "stop_string" else ""
+
+
+def _logprobs(items: list[compute_pb2.TokenLogprobs]) -> list[gateway_pb2.TokenLogprobs]:
+    # The two TokenLogprobs messages have the same fields and numbers: a wire-level copy.
+    return [gateway_pb2.TokenLogprobs.FromString(item.SerializeToString()) for item in items]
+
+
+def _usage(usage: compute_pb2.Usage) -> gateway_pb2.Usage:
+    return gateway_pb2.Usage(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
+                             cached_prompt_tokens=usage.cached_prompt_tokens)
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
+    """The public service.
+
+    Args:
+        config: limits and logging choices.
+        dispatcher: sends requests to backends.
+        metrics: where requests are counted.
+    """
+
+    def __init__(self, config: GatewayConfig, dispatcher: Dispatcher, metrics: GatewayMetrics) -> None:
+        self.config = config
+        self.dispatcher = dispatcher
+        self.metrics = metrics
+        self.model: ModelTokenizer | None = None  # set once a backend's tokenizer is loaded
+        self.num_in_flight = 0
+
+    def _model(self) -> ModelTokenizer:
+        if self.model is None:
+            raise DispatchError(grpc.StatusCode.UNAVAILABLE, "no backend has been reached yet")
+        return self.model
+
+    async def _encode(self, request: gateway_pb2.GenerateRequest | gateway_pb2.TokenizeRequest) -> list[int]:
+        given = check_prompt_input(request, self.config)
+        model = self._model()
+        # Long prompts take milliseconds to tokenize: off the event loop, which serves every stream.
+        if given.prompt is not None:
+            return await asyncio.to_thread(model.encode_prompt, given.prompt)
+        return await asyncio.to_thread(model.encode_chat, given.messages)
+
+    async def _run(self, method: str, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext,
+                   record: _Record) -> AsyncIterator[compute_pb2.GenerateResponse]:
+        """Admits, validates and dispatches one request; yields the backend's messages."""
+        if self.num_in_flight >= self.config.max_queued_requests:
+            record.status = "RESOURCE_EXHAUSTED"
+            self._finish(record, request)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"the gateway holds {self.num_in_flight} requests (max_queued_requests); retry later")
+        self.num_in_flight += 1
+        self.metrics.queue_length.set(self.num_in_flight)
+        try:
+            model = self._model()
+            check_request(request, model.info)  # cheap checks first: a bad field costs no tokenizing
+            token_ids = await self._encode(request)
+            check_length(len(token_ids), request, model.info)
+            backend_request = to_compute_request(request, token_ids, "")
+            messages = self.dispatcher.run(backend_request, model.info.model_name, record.route,
+                                           context.time_remaining())
+            # aclosing: a client that goes away closes the backend call now, not at garbage collection.
+            async with contextlib.aclosing(messages):
+                async for message in messages:
+                    if message.token_ids:
+                        record.last_token_at = time.perf_counter()
+                        record.first_token_at = record.first_token_at or record.last_token_at
+                    if message.HasField("usage"):
+                        record.usage = message.usage
+                    yield message
+        except ValueError:
+            record.status = "INVALID_ARGUMENT"
+            raise
+        except DispatchError as exc:
+            record.status = exc.code.name
+            await context.abort(exc.code, exc.details)
+        except (asyncio.CancelledError, GeneratorExit):  # the client cancelled, or its deadline passed
+            remaining = context.time_remaining()
+            record.status = "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
+            raise
+        except BaseException as exc:
+            if record.status == "OK":  # context.abort's own exception keeps the status set above
+                record.status = "INTERNAL" if not isinstance(exc, grpc.aio.AbortError) else record.status
+            raise
+        finally:
+            self.num_in_flight -= 1
+            self.metrics.queue_length.set(self.num_in_flight)
+            self._finish(record, request)
+
+    def _finish(self, record: _Record, request: gateway_pb2.GenerateRequest) -> None:
+        """Metrics and the access line (no prompt text unless the config asks for it)."""
+        now = time.perf_counter()
+        self.metrics.requests.labels(record.method, record.status).inc()
+        ttft = None
+        if record.first_token_at is not None:
+            ttft = record.first_token_at - record.started
+            self.metrics.ttft.observe(ttft)
+            if record.usage.completion_tokens > 1 and record.last_token_at is not None:
+                self.metrics.tpot.observe((record.last_token_at - record.first_token_at) / (record.usage.completion_tokens - 1))
+        extra = {"prompt": request.prompt, "messages": [m.content for m in request.messages]} if self.config.log_prompts else {}
+        log.info("request", request_id=record.request_id, method=record.method, status=record.status,
+                 backend=record.route.backend, attempts=record.route.num_attempts,
+                 prompt_tokens=record.usage.prompt_tokens, completion_tokens=record.usage.completion_tokens,
+                 cached_prompt_tokens=record.usage.cached_prompt_tokens,
+                 ttft_s=None if ttft is None else round(ttft, 4), total_s=round(now - record.started, 4), **extra)
+
+    async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> gateway_pb2.GenerateResponse:
+        record = _Record("Generate", request.request_id or uuid.uuid4().hex)
+        choices: dict[int, gateway_pb2.Completion] = {}
+        usage = gateway_pb2.Usage()
+        async with contextlib.aclosing(self._run("Generate", request, context, record)) as messages:
+            async for message in messages:
+                choice = choices.setdefault(message.index, gateway_pb2.Completion(index=message.index))
+                choice.text += message.text
+                choice.token_ids.extend(message.token_ids)
+                choice.logprobs.extend(_logprobs(message.logprobs))
+                if message.finish_reason:
+                    choice.finish_reason = message.finish_reason
+                    choice.stop_string = _stop_string(message)
+                if message.HasField("usage"):
+                    usage = _usage(message.usage)
+        return gateway_pb2.GenerateResponse(request_id=record.request_id,
+                                            choices=[choices[i] for i in sorted(choices)], usage=usage)
+
+    async def GenerateStream(self, request: gateway_pb2.GenerateRequest,
+                             context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
+        record = _Record("GenerateStream", request.request_id or uuid.uuid4().hex)
+        # Tokens whose text is not complete yet (half a UTF-8 character) wait for the next piece.
+        held_ids: dict[int, list[int]] = {}
+        held_logprobs: dict[int, list[compute_pb2.TokenLogprobs]] = {}
+        async with contextlib.aclosing(self._run("GenerateStream", request, context, record)) as messages:
+            async for message in messages:
+                ids = held_ids.setdefault(message.index, [])
+                logprobs = held_logprobs.setdefault(message.index, [])
+                ids.extend(message.token_ids)
+                logprobs.extend(message.logprobs)
+                if not (message.text or message.finish_reason or message.HasField("usage")):
+                    continue
+                piece = gateway_pb2.GenerateStreamResponse(
+                    request_id=record.request_id, index=message.index, text=message.text, token_ids=ids,
+                    finish_reason=message.finish_reason, logprobs=_logprobs(logprobs), stop_string=_stop_string(message))
+                if message.HasField("usage"):
+                    piece.usage.CopyFrom(_usage(message.usage))
+                held_ids[message.index], held_logprobs[message.index] = [], []
+                yield piece
+
+    async def Tokenize(self, request: gateway_pb2.TokenizeRequest, context: grpc.aio.ServicerContext) -> gateway_pb2.TokenizeResponse:
+        try:
+            token_ids = await self._encode(request)
+        except DispatchError as exc:
+            await context.abort(exc.code, exc.details)
+        return gateway_pb2.TokenizeResponse(token_ids=token_ids, tokens=self._model().tokens(token_ids))
+
+    async def ListModels(self, request: gateway_pb2.ListModelsRequest, context: grpc.aio.ServicerContext) -> gateway_pb2.ListModelsResponse:
+        if self.model is None:
+            return gateway_pb2.ListModelsResponse()
+        info = self.model.info
+        pool = self.dispatcher.pool
+        return gateway_pb2.ListModelsResponse(models=[gateway_pb2.ModelInfo(
+            name=info.model_name, max_model_len=info.max_model_len, vocab_size=info.vocab_size,
+            block_size=info.block_size, has_chat_template=self.model.has_chat_template,
+            num_healthy_backends=len(pool.in_rotation(info.model_name)), num_backends=len(pool.backends),
+            max_n=info.max_n, max_logprobs=info.max_logprobs, max_stop_strings=info.max_stop_strings)])
