@@ -48,10 +48,24 @@ class DispatchError(Exception):
 
 @dataclass
 class Route:
-    """Where a request ran (for the access log)."""
+    """Where a request runs: the access log reads it, and ``cancel`` ends it from outside.
+
+    grpc.aio cancels a handler task when its client goes away, and that unwinds the generators
+    below; but a cancellation that lands while grpc itself is writing a message does not pass
+    through them, so the servicer also calls ``cancel`` from the RPC's done callback.
+    """
 
     backend: str = ""
     num_attempts: int = 0
+    call: grpc.aio.UnaryStreamCall | None = None
+    target: Backend | None = None
+    backend_request_id: str = ""
+
+    def cancel(self) -> None:
+        """Cancels the backend call (which aborts the request there) if it is still running."""
+        if self.call is not None and not self.call.done() and self.target is not None:
+            self.call.cancel()
+            asyncio.ensure_future(_abort(self.target, self.backend_request_id))
 
 
 class Dispatcher:
@@ -98,6 +112,7 @@ class Dispatcher:
             route.backend, route.num_attempts = backend.address, attempt + 1
             request.request_id = f"gw-{uuid.uuid4().hex}"
             call = backend.stub.Generate(request, timeout=timeout_s)
+            route.call, route.target, route.backend_request_id = call, backend, request.request_id
             has_first = False
             try:
                 async for message in call:
@@ -125,9 +140,7 @@ class Dispatcher:
                 log.info("retrying", request_id=request.request_id, backend=backend.address, code=code.name)
             finally:
                 ticket.release()
-                if not call.done():  # the client went away (cancel, deadline) or the consumer stopped
-                    call.cancel()
-                    asyncio.ensure_future(_abort(backend, request.request_id))
+                route.cancel()  # a no-op unless the client went away (cancel, deadline) mid-call
         raise first_error or DispatchError(grpc.StatusCode.UNAVAILABLE, "no healthy backend")
 
 

@@ -95,11 +95,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                                 f"the gateway holds {self.num_in_flight} requests (max_queued_requests); retry later")
         self.num_in_flight += 1
         self.metrics.queue_length.set(self.num_in_flight)
+        context.add_done_callback(lambda _: record.route.cancel())
         try:
             model = self._model()
             check_request(request, model.info)  # cheap checks first: a bad field costs no tokenizing
             token_ids = await self._encode(request)
             check_length(len(token_ids), request, model.info)
+            record.usage.prompt_tokens = len(token_ids)  # until the backend's usage arrives
             backend_request = to_compute_request(request, token_ids, "")
             messages = self.dispatcher.run(backend_request, model.info.model_name, record.route,
                                            context.time_remaining())
@@ -107,10 +109,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             async with contextlib.aclosing(messages):
                 async for message in messages:
                     if message.token_ids:
+                        record.usage.completion_tokens += len(message.token_ids)
                         record.last_token_at = time.perf_counter()
                         record.first_token_at = record.first_token_at or record.last_token_at
                     if message.HasField("usage"):
-                        record.usage = message.usage
+                        record.usage.CopyFrom(message.usage)
                     yield message
         except ValueError:
             record.status = "INVALID_ARGUMENT"

@@ -1,113 +1,133 @@
-"""The ``pagedserve`` command: ``up`` starts the local stack, ``generate`` sends a prompt."""
+"""The ``pagedserve`` command: ``up`` starts the local stack; ``generate`` and ``chat`` talk to a gateway.
+
+``generate`` and ``chat`` are plain gRPC clients of ``pagedserve.gateway.v1.Gateway``: they need no
+model files and never import the compute service.
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
-import signal
-import subprocess
 import sys
-import time
-from pathlib import Path
+from collections.abc import Iterator
 
-from pagedserve.rpc import default_socket_path
+import grpc
 
+from pagedserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
-def _wait_for_socket(path: str, proc: subprocess.Popen, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not Path(path).exists():
-        if proc.poll() is not None:
-            raise RuntimeError(f"memory service exited with status {proc.returncode} before listening")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"memory service did not create {path} within {timeout_s:.0f} s")
-        time.sleep(0.05)
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+API_KEY_ENV = "PAGEDSERVE_API_KEY"
 
 
-def cmd_up(args: argparse.Namespace) -> int:
-    """Start the services as child processes and supervise them until Ctrl-C or SIGTERM."""
-    socket = args.socket or default_socket_path()
-    memory_cmd = [sys.executable, "-m", "memory_service", "--socket", socket]
-    if args.config:
-        memory_cmd += ["--config", args.config]
-    if args.kv_cache_bytes:
-        memory_cmd += ["--kv-cache-bytes", str(args.kv_cache_bytes)]
-    stop = False
+class NotListening(Exception):
+    """Nothing answers at the gateway address."""
 
-    def on_signal(*_: object) -> None:
-        nonlocal stop
-        stop = True
 
-    # Installed before anything starts, so an early SIGTERM still stops the children cleanly.
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    children = [subprocess.Popen(memory_cmd)]
+def _stub(args: argparse.Namespace) -> tuple[gateway_pb2_grpc.GatewayStub, list[tuple[str, str]]]:
+    channel = grpc.insecure_channel(args.address)
     try:
-        _wait_for_socket(socket, children[0], timeout_s=60)
-        print(f"pagedserve: memory service on unix:{socket}", flush=True)
-        while not stop:
-            for child in children:
-                if child.poll() is not None:
-                    print(f"pagedserve: {child.args[2]} exited with status {child.returncode}", file=sys.stderr)
-                    return 1
-            time.sleep(0.2)
-        return 0
-    finally:
-        for child in children:
-            if child.poll() is None:
-                child.send_signal(signal.SIGTERM)
-        for child in children:
-            try:
-                child.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                child.kill()
+        grpc.channel_ready_future(channel).result(timeout=args.connect_timeout)
+    except grpc.FutureTimeoutError:
+        raise NotListening(args.address) from None
+    metadata = [("authorization", f"Bearer {args.api_key}")] if args.api_key else []
+    return gateway_pb2_grpc.GatewayStub(channel), metadata
+
+
+def _request(args: argparse.Namespace, messages: list[gateway_pb2.ChatMessage] | None) -> gateway_pb2.GenerateRequest:
+    params = gateway_pb2.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    if args.seed is not None:
+        params.seed = args.seed
+    if messages is None:
+        return gateway_pb2.GenerateRequest(prompt=args.prompt, params=params)
+    return gateway_pb2.GenerateRequest(messages=messages, params=params)
+
+
+def _stream(stub: gateway_pb2_grpc.GatewayStub, request: gateway_pb2.GenerateRequest,
+            metadata: list[tuple[str, str]], timeout: float | None) -> Iterator[gateway_pb2.GenerateStreamResponse]:
+    """Prints each piece as it arrives; yields every message."""
+    for piece in stub.GenerateStream(request, metadata=metadata, timeout=timeout):
+        print(piece.text, end="", flush=True)
+        yield piece
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    """Generate in this process, attached to the running memory service when there is one.
-
-    The KV pool (and its prefix cache) lives in the memory service, so a second call with the same
-    prompt prefix reuses the first call's blocks even though this process is new.
-    """
-    from compute_service import LLM, SamplingParams
-
-    socket = args.socket or default_socket_path()
-    attach = Path(socket).exists()
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
-    with LLM(args.model, memory_socket=socket if attach else None) as llm:
-        if args.raw:
-            out = llm.generate([args.prompt], params)[0]
-        else:
-            out = llm.chat([{"role": "user", "content": args.prompt}], sampling_params=params)
-    print(out.text)
-    print(
-        f"[{len(out.prompt_token_ids)} prompt tokens ({out.num_cached_tokens} from the prefix cache), "
-        f"{len(out.token_ids)} generated, finish_reason={out.finish_reason}, "
-        f"memory service: {'attached at ' + socket if attach else 'private'}]",
-        file=sys.stderr,
-    )
+    """One prompt (through the chat template unless --raw), streamed to the terminal by default."""
+    stub, metadata = _stub(args)
+    messages = None if args.raw else [gateway_pb2.ChatMessage(role="user", content=args.prompt)]
+    request = _request(args, messages)
+    if args.no_stream:
+        reply = stub.Generate(request, metadata=metadata, timeout=args.timeout)
+        print(reply.choices[0].text)
+        usage, finish_reason = reply.usage, reply.choices[0].finish_reason
+    else:
+        pieces = list(_stream(stub, request, metadata, args.timeout))
+        print()
+        usage, finish_reason = pieces[-1].usage, pieces[-1].finish_reason
+    print(f"[{usage.prompt_tokens} prompt tokens ({usage.cached_prompt_tokens} from the prefix cache), "
+          f"{usage.completion_tokens} generated, finish_reason={finish_reason}]", file=sys.stderr)
     return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    """An interactive chat: each line you type is a user turn; the history is kept (Ctrl-D ends)."""
+    stub, metadata = _stub(args)
+    history: list[gateway_pb2.ChatMessage] = []
+    if args.system:
+        history.append(gateway_pb2.ChatMessage(role="system", content=args.system))
+    while True:
+        try:
+            line = input("you> ")
+        except EOFError:
+            print()
+            return 0
+        if not line.strip():
+            continue
+        history.append(gateway_pb2.ChatMessage(role="user", content=line))
+        print("assistant> ", end="", flush=True)
+        text = "".join(p.text for p in _stream(stub, _request(args, history), metadata, args.timeout))
+        print()
+        history.append(gateway_pb2.ChatMessage(role="assistant", content=text))
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from pagedserve.up import UpConfig, run_up
+
+    return run_up(UpConfig(model=args.model, host=args.host, port=args.port,
+                           kv_cache_bytes=args.kv_cache_bytes, config_file=args.config))
+
+
+def _client_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--address", default=DEFAULT_ADDRESS, help=f"gateway address (default {DEFAULT_ADDRESS})")
+    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV), help=f"API key (default ${API_KEY_ENV})")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    parser.add_argument("--connect-timeout", type=float, default=5.0, help=argparse.SUPPRESS)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description="PagedAttention LLM inference server.")
     sub = parser.add_subparsers(dest="command", required=True)
-    up = sub.add_parser("up", help="start the whole stack locally with the default model")
-    up.add_argument("--config", help="JSON config file shared by the services")
-    up.add_argument("--socket", help="memory service Unix socket path")
-    up.add_argument(
-        "--kv-cache-bytes", type=int, default=int(os.environ.get("PAGEDSERVE_KV_CACHE_BYTES", 512 << 20)),
-        help="KV pool size in bytes (default 512 MiB)",
-    )
+    up = sub.add_parser("up", help="start memory, compute and gateway locally (Ctrl-C stops them)")
+    up.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct) or a local Hugging Face model directory")
+    up.add_argument("--port", type=int, default=50051, help="gateway port (default 50051)")
+    up.add_argument("--host", default="127.0.0.1", help="gateway bind host (default 127.0.0.1)")
+    up.add_argument("--config", help="JSON config file for the memory and compute services")
+    up.add_argument("--kv-cache-bytes", type=int,
+                    default=int(os.environ["PAGEDSERVE_KV_CACHE_BYTES"]) if "PAGEDSERVE_KV_CACHE_BYTES" in os.environ else None,
+                    help="KV pool size in bytes")
     up.set_defaults(func=cmd_up)
-    gen = sub.add_parser("generate", help="send one prompt (chat template applied unless --raw)")
+    gen = sub.add_parser("generate", help="send one prompt to the gateway and stream the answer")
     gen.add_argument("prompt")
-    gen.add_argument("--model", default="default", help="'default' or a local Hugging Face model directory")
-    gen.add_argument("--socket", help="memory service socket to attach to (default: the one `pagedserve up` uses)")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    gen.add_argument("--no-stream", action="store_true", help="wait for the whole answer (unary Generate)")
+    _client_flags(gen)
     gen.set_defaults(func=cmd_generate)
+    chat = sub.add_parser("chat", help="chat with the model through the gateway (Ctrl-D ends)")
+    chat.add_argument("--system", help="system message")
+    _client_flags(chat)
+    chat.set_defaults(func=cmd_chat)
     return parser
 
 
@@ -118,6 +138,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except NotListening as exc:
+        print(f"error: no gateway is listening at {exc}; start one with `pagedserve up` (or pass --address)",
+              file=sys.stderr)
+        return 1
+    except grpc.RpcError as exc:
+        print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -1,0 +1,55 @@
+"""python -m gateway: serve the public API in front of one or more compute services."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from pagedserve.config import add_config_file_flag, config_from_args
+from pagedserve.log import configure_logging
+
+from gateway.config import API_KEYS_ENV, GatewayConfig
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m gateway",
+        description="pagedserve gateway: the public gRPC API (pagedserve.gateway.v1.Gateway) in front of compute services.",
+    )
+    add_config_file_flag(p)
+    p.add_argument("--backend", dest="backends", action="append",
+                   help="compute service: host:port, unix:PATH, or dns:NAME:PORT (every address NAME resolves to); repeat for more")
+    p.add_argument("--listen", help="public address host:port (default 127.0.0.1:50051)")
+    p.add_argument("--metrics-port", dest="metrics_port", type=int, help="serve Prometheus metrics over HTTP on this port")
+    p.add_argument("--metrics-host", dest="metrics_host", help="bind address of the metrics server (default 127.0.0.1)")
+    p.add_argument("--api-keys-file", dest="api_keys_file",
+                   help=f"require one of these API keys (one per line) as 'authorization: Bearer KEY'; also ${API_KEYS_ENV} (comma-separated)")
+    p.add_argument("--max-queued-requests", dest="max_queued_requests", type=int,
+                   help="requests held at once; more are answered RESOURCE_EXHAUSTED (default 1024)")
+    p.add_argument("--health-interval-s", dest="health_interval_s", type=float, help="backend health/load poll interval (default 1)")
+    p.add_argument("--dns-refresh-s", dest="dns_refresh_s", type=float, help="re-resolve dns: backends this often (default 10)")
+    p.add_argument("--grace-period-s", dest="grace_period_s", type=float, help="after SIGTERM, time for in-flight streams (default 30)")
+    p.add_argument("--log-prompts", dest="log_prompts", action="store_const", const=True, help="put prompt text in access logs")
+    p.add_argument("--log-level", dest="log_level", default="info", help="debug, info, warning, error")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        configure_logging(args.log_level)
+        if args.backends is not None:
+            args.backends = tuple(args.backends)
+        config = config_from_args(GatewayConfig, args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    from gateway.server import serve
+
+    asyncio.run(serve(config))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""Runs the gateway: the grpc.aio server, the backend pool, the tokenizer, metrics and shutdown.
+
+Readiness: the gateway is SERVING once it has its model's tokenizer and at least one backend in
+rotation, and NOT_SERVING while no backend is; a load balancer (or ``pagedserve up``) waits on it.
+SIGTERM: NOT_SERVING for good first (load balancers stop sending), then the server stops taking
+new calls and in-flight streams get ``grace_period_s`` to finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import grpc
+
+from gateway.auth import ApiKeyInterceptor
+from gateway.backends import Backend, BackendPool
+from gateway.config import GatewayConfig
+from gateway.dispatch import Dispatcher
+from gateway.metrics import GatewayMetrics
+from gateway.routing import Router
+from gateway.servicer import GatewayServicer
+from gateway.tokenizer import fetch_tokenizer
+from pagedserve import rpc
+from pagedserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from pagedserve.log import get_logger
+
+log = get_logger("gateway")
+SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
+
+
+class Gateway:
+    """One gateway, built and started inside a running event loop (``await Gateway(config).start()``)."""
+
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        self.metrics = GatewayMetrics()
+        self.pool = BackendPool(config, self._after_poll)
+        self.servicer = GatewayServicer(
+            config,
+            Dispatcher(self.pool, Router(config.affinity_max_load_gap, config.affinity_max_load_ratio),
+                       config.affinity_max_blocks),
+            self.metrics,
+        )
+        interceptors = [ApiKeyInterceptor(config.api_keys)] if config.api_keys else []
+        self.server, self.health = rpc.create_aio_server(
+            [lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(self.servicer, s)], [SERVICE_NAME],
+            serving=False, max_message_bytes=config.max_message_bytes, extra_interceptors=interceptors)
+        self.address = ""
+        self.metrics_port: int | None = None
+        self._tokenizer_task: asyncio.Task | None = None
+        self._stopping = False
+
+    def _after_poll(self, pool: BackendPool) -> None:
+        """After each round of health polls: metrics, tokenizer fetch, readiness."""
+        for backend in pool.backends.values():
+            self.metrics.backend_healthy.labels(backend.address).set(1 if backend.is_healthy else 0)
+            self.metrics.backend_outstanding.labels(backend.address).set(backend.num_outstanding)
+        if self.servicer.model is None:
+            if self._tokenizer_task is None or self._tokenizer_task.done():
+                ready = pool.in_rotation(None)
+                if ready:
+                    self._tokenizer_task = asyncio.create_task(self._load_tokenizer(ready[0]))
+            return
+        serving = bool(pool.in_rotation(self.servicer.model.info.model_name))
+        if serving != self.health.is_serving and not self._stopping:
+            log.info("gateway_serving" if serving else "gateway_not_serving")
+            asyncio.create_task(self.health.set_serving(serving))
+
+    async def _load_tokenizer(self, backend: Backend) -> None:
+        try:
+            model = await fetch_tokenizer(backend.stub, backend.info)
+        except (grpc.aio.AioRpcError, RuntimeError, OSError) as exc:  # the next poll round tries again
+            log.warning("tokenizer_fetch_failed", backend=backend.address, error=repr(exc))
+            return
+        self.servicer.model = model
+        log.info("model_ready", model=model.info.model_name, backend=backend.address)
+        self._after_poll(self.pool)
+
+    async def start(self) -> None:
+        self.address = rpc.bind(self.server, self.config.listen)
+        if self.config.metrics_port is not None:
+            self.metrics_port = self.metrics.serve(self.config.metrics_host, self.config.metrics_port)
+        await self.server.start()
+        await self.pool.start()
+        log.info("gateway_listening", address=self.address, metrics_port=self.metrics_port,
+                 backends=list(self.config.backends), auth=bool(self.config.api_keys))
+
+    async def stop(self) -> None:
+        """NOT_SERVING, then let in-flight calls finish within the grace period."""
+        self._stopping = True
+        await self.health.shut_down()
+        await self.server.stop(self.config.grace_period_s)
+        await self.pool.close()
+
+
+async def serve(config: GatewayConfig) -> None:
+    """Runs a gateway until SIGTERM or SIGINT."""
+    gateway = Gateway(config)
+    await gateway.start()
+    print(f"gateway listening on {gateway.address}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("gateway_stopping", grace_period_s=config.grace_period_s, in_flight=gateway.servicer.num_in_flight)
+    await gateway.stop()

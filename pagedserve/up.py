@@ -1,0 +1,143 @@
+"""``pagedserve up``: memory, compute and gateway as three supervised processes on one machine.
+
+The memory and compute services talk over Unix sockets in a private (0700) runtime directory made
+for this run and removed at the end; only the gateway listens on TCP. ``up`` stops all three when
+it is interrupted (Ctrl-C, SIGTERM) or when any one of them dies, gateway first (no new requests),
+memory service last (it owns the KV pool's shared memory, which it unlinks as it exits).
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from grpc_health.v1 import health_pb2
+
+from pagedserve.process import ServiceProcess, check_health
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+@dataclass(frozen=True)
+class UpConfig:
+    """What ``pagedserve up`` starts.
+
+    Args:
+        model: "default" or a local Hugging Face model directory.
+        host: the gateway's bind host.
+        port: the gateway's port (0 = any free port).
+        kv_cache_bytes: the KV pool's size (None = the memory service's default).
+        config_file: JSON config passed to the memory and compute services.
+        ready_timeout_s: how long each service may take to become SERVING (model conversion included).
+    """
+
+    model: str = "default"
+    host: str = "127.0.0.1"
+    port: int = 50051
+    kv_cache_bytes: int | None = None
+    config_file: str | None = None
+    ready_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65536), got {self.port}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
+            raise ValueError(f"kv_cache_bytes must be > 0, got {self.kv_cache_bytes}")
+
+
+def _say(text: str, *, end: str = "\n") -> None:
+    print(f"pagedserve: {text}", end=end, file=sys.stderr, flush=True)
+
+
+def _wait_serving(service: ServiceProcess, what: str, timeout_s: float, stop: list[bool]) -> None:
+    """Waits for SERVING, showing the elapsed time (the compute service loads a model meanwhile)."""
+    started = time.monotonic()
+    shown = -1
+    while check_health(service.address, timeout_s=1.0) != SERVING:
+        if not service.is_running():
+            raise RuntimeError(f"{service.module} exited with status {service.returncode} while {what}")
+        if stop[0]:
+            raise KeyboardInterrupt
+        elapsed = int(time.monotonic() - started)
+        if elapsed > timeout_s:
+            raise RuntimeError(f"{service.module} was not ready after {timeout_s:.0f} s")
+        if elapsed >= 2 and elapsed % 5 == 0 and elapsed != shown:
+            _say(f"{what} ... {elapsed} s")
+            shown = elapsed
+        time.sleep(0.1)
+
+
+def grpcurl_hint(address: str) -> str:
+    """A ready-to-paste grpcurl command for the gateway at ``address``."""
+    body = '{"messages":[{"role":"user","content":"What is the capital of France?"}],"params":{"max_tokens":32,"temperature":0}}'
+    return f"grpcurl -plaintext -d '{body}' {address} pagedserve.gateway.v1.Gateway/Generate"
+
+
+def run_up(config: UpConfig) -> int:
+    """Starts the stack and supervises it; returns 0 after a requested stop, 1 when a service died."""
+    stop = [False]
+
+    def on_signal(*_: object) -> None:
+        stop[0] = True
+
+    # Installed before anything starts, so an early Ctrl-C still stops what was started.
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    runtime = Path(tempfile.mkdtemp(prefix="pagedserve-"))  # 0700: only this user reaches the sockets
+    memory_socket, compute_socket = runtime / "memory.sock", runtime / "compute.sock"
+    shared = ["--config", config.config_file] if config.config_file else []
+    services: list[ServiceProcess] = []
+    status = 0
+    try:
+        memory_args = ["--socket", str(memory_socket), *shared]
+        if config.kv_cache_bytes:
+            memory_args += ["--kv-cache-bytes", str(config.kv_cache_bytes)]
+        services.append(ServiceProcess("memory_service", memory_args, address=f"unix:{memory_socket}"))
+        _wait_serving(services[-1], "starting the memory service", config.ready_timeout_s, stop)
+        _say(f"memory service ready (unix:{memory_socket})")
+        services.append(ServiceProcess(
+            "compute_service", ["--memory-socket", str(memory_socket), "--model", config.model,
+                                "--listen", f"unix:{compute_socket}", *shared],
+            address=f"unix:{compute_socket}"))
+        _wait_serving(services[-1], f"loading model {config.model!r} in the compute service", config.ready_timeout_s, stop)
+        _say("compute service ready")
+        port = config.port or _free_port(config.host)
+        address = f"{config.host}:{port}"
+        services.append(ServiceProcess("gateway", ["--backend", f"unix:{compute_socket}", "--listen", address],
+                                       address=address))
+        _wait_serving(services[-1], "starting the gateway", config.ready_timeout_s, stop)
+        print(f"\npagedserve is up: gateway on {address} (model {config.model})\n"
+              f"  pagedserve generate --address {address} \"What is the capital of France?\"\n"
+              f"  {grpcurl_hint(address)}\n"
+              f"Ctrl-C stops all three services.\n", flush=True)
+        while not stop[0]:
+            dead = [s for s in services if not s.is_running()]
+            if dead:
+                _say(f"{dead[0].module} exited with status {dead[0].returncode}; stopping the others")
+                status = 1
+                break
+            time.sleep(0.2)
+    except RuntimeError as exc:
+        _say(f"error: {exc}")
+        status = 1
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for service in reversed(services):
+            service.stop(timeout_s=15)
+        shutil.rmtree(runtime, ignore_errors=True)
+        _say("stopped")
+    return status
+
+
+def _free_port(host: str) -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
