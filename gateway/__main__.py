@@ -30,6 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--health-interval-s", dest="health_interval_s", type=float, help="backend health/load poll interval (default 1)")
     p.add_argument("--dns-refresh-s", dest="dns_refresh_s", type=float, help="re-resolve dns: backends this often (default 10)")
     p.add_argument("--grace-period-s", dest="grace_period_s", type=float, help="after SIGTERM, time for in-flight streams (default 30)")
+    p.add_argument("--drain-delay-s", dest="drain_delay_s", type=float,
+                   help="after SIGTERM, keep taking requests this long while NOT_SERVING (default 0)")
     p.add_argument("--log-prompts", dest="log_prompts", action="store_const", const=True, help="put prompt text in access logs")
     p.add_argument("--log-level", dest="log_level", default="info", help="debug, info, warning, error")
     return p

@@ -31,6 +31,8 @@ class GatewayConfig:
         health_interval_s: how often each backend's health and load are polled.
         dns_refresh_s: how often ``dns:`` backends are resolved again.
         grace_period_s: after SIGTERM, how long in-flight streams may take to finish.
+        drain_delay_s: after SIGTERM, how long the gateway still takes new requests while it
+            reports NOT_SERVING (the time load balancers need to notice and stop sending).
         max_prompt_chars: longest prompt (or sum of message contents) accepted.
         max_messages: most chat messages accepted.
         max_message_bytes: largest gRPC request accepted (grpc answers RESOURCE_EXHAUSTED beyond).
@@ -51,6 +53,7 @@ class GatewayConfig:
     health_interval_s: float = 1.0
     dns_refresh_s: float = 10.0
     grace_period_s: float = 30.0
+    drain_delay_s: float = 0.0
     max_prompt_chars: int = 1 << 20
     max_messages: int = 1024
     max_message_bytes: int = 4 << 20
@@ -73,8 +76,9 @@ class GatewayConfig:
         for name in ("max_queued_requests", "max_prompt_chars", "max_messages", "max_message_bytes",
                      "affinity_max_blocks", "health_interval_s", "dns_refresh_s", "affinity_max_load_ratio"):
             _positive(name, getattr(self, name))
-        if self.grace_period_s < 0 or self.affinity_max_load_gap < 0:
-            raise ValueError("grace_period_s and affinity_max_load_gap must be >= 0")
+        for name in ("grace_period_s", "drain_delay_s", "affinity_max_load_gap"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         object.__setattr__(self, "api_keys", tuple(self.api_keys) + tuple(load_api_keys(self.api_keys_file)))
 
 

@@ -2,8 +2,9 @@
 
 Readiness: the gateway is SERVING once it has its model's tokenizer and at least one backend in
 rotation, and NOT_SERVING while no backend is; a load balancer (or ``pagedserve up``) waits on it.
-SIGTERM: NOT_SERVING for good first (load balancers stop sending), then the server stops taking
-new calls and in-flight streams get ``grace_period_s`` to finish.
+SIGTERM: NOT_SERVING for good first; new requests are still served for ``drain_delay_s`` (while
+load balancers notice), then the server stops taking new calls and in-flight streams get
+``grace_period_s`` to finish.
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ class Gateway:
         """NOT_SERVING, then let in-flight calls finish within the grace period."""
         self._stopping = True
         await self.health.shut_down()
+        await asyncio.sleep(self.config.drain_delay_s)
         await self.server.stop(self.config.grace_period_s)
         await self.pool.close()
 
