@@ -1,0 +1,145 @@
+"""Follows the README with the real default model: ``pagedserve up``, the README's ``pagedserve
+generate`` and ``grpcurl`` lines, greedy output equal to transformers, then Ctrl-C leaves nothing.
+
+One ``pagedserve up`` serves the whole module (the model loads once); the last test interrupts it.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from pagedserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from tests.e2e.conftest import free_port, shm_segments
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+QUESTION = "What is the capital of France?"
+
+pytestmark = pytest.mark.slow
+
+
+def _readme_lines(prefix: str) -> list[str]:
+    """Command lines of the README's first code block that start with ``prefix``."""
+    block = re.search(r"```\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
+    return [line.split("  #")[0].strip() for line in block.splitlines() if line.startswith(prefix)]
+
+
+def _command(name: str) -> list[str]:
+    """The installed console script, as the README runs it (``python -m`` when not installed)."""
+    script = BIN / name
+    return [str(script)] if script.exists() else [sys.executable, "-m", "pagedserve.cli"]
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.append(int(stat.parent.name))
+    return found
+
+
+@dataclass
+class Up:
+    proc: subprocess.Popen
+    address: str
+    output: list[str] = field(default_factory=list)
+    shm_before: set[str] = field(default_factory=set)
+
+
+@pytest.fixture(scope="module")
+def up() -> Iterator[Up]:
+    # The README's first command is `bash scripts/up.sh`: install, then `pagedserve up`. The
+    # install already happened (this test runs from it), so run what it ends with.
+    assert _readme_lines("bash scripts/up.sh"), "the README's first command is no longer scripts/up.sh"
+    assert "exec pagedserve up" in (ROOT / "scripts" / "up.sh").read_text()
+    port = free_port()
+    shm_before = shm_segments()
+    proc = subprocess.Popen([*_command("pagedserve"), "up", "--port", str(port)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    started = Up(proc, f"127.0.0.1:{port}", shm_before=shm_before)
+    reader = threading.Thread(target=lambda: started.output.extend(proc.stdout), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 300  # a first run converts the default model (~20 s on 2 cores)
+    while not any("pagedserve is up" in line for line in started.output):
+        assert proc.poll() is None, "".join(started.output)
+        assert time.monotonic() < deadline, "".join(started.output[-30:])
+        time.sleep(0.2)
+    yield started
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+
+
+def test_up_prints_the_address_and_a_grpcurl_command_that_works(up: Up) -> None:
+    text = "".join(up.output)
+    assert f"gateway on {up.address}" in text
+    [hint] = [line.strip() for line in up.output if line.strip().startswith("grpcurl ")]
+    argv = shlex.split(hint)
+    out = subprocess.run([str(BIN / "grpcurl"), *argv[1:]], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "Paris" in out.stdout
+
+
+def test_readme_generate_line(up: Up) -> None:
+    [line] = _readme_lines(".venv/bin/pagedserve generate")
+    argv = shlex.split(line)[2:]  # after ".venv/bin/pagedserve generate"
+    out = subprocess.run([*_command("pagedserve"), "generate", "--address", up.address, *argv],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "Paris" in out.stdout and "finish_reason=" in out.stderr
+
+
+def test_greedy_default_model_through_the_gateway_equals_transformers(up: Up) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from compute_service.model_loader import resolve_model
+
+    path = resolve_model("default").path  # the converted copy `up` loaded
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    messages = [{"role": "user", "content": QUESTION}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        expected = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                  max_new_tokens=20, do_sample=False)[0, len(ids):].tolist()
+    with grpc.insecure_channel(up.address) as channel:
+        reply = gateway_pb2_grpc.GatewayStub(channel).Generate(gateway_pb2.GenerateRequest(
+            messages=[gateway_pb2.ChatMessage(**m) for m in messages],
+            params=gateway_pb2.SamplingParams(max_tokens=20, temperature=0.0)), timeout=120)
+    assert reply.usage.prompt_tokens == len(ids)
+    assert list(reply.choices[0].token_ids) == expected
+    assert reply.choices[0].text.startswith("The capital of France is Paris")
+
+
+def test_ctrl_c_stops_everything_and_leaves_nothing(up: Up) -> None:
+    children = _children(up.proc.pid)
+    assert len(children) == 3  # memory, compute, gateway
+    runtime = re.search(r"unix:(\S+)/memory\.sock", "".join(up.output)).group(1)
+    assert Path(runtime).is_dir() and (Path(runtime).stat().st_mode & 0o777) == 0o700
+    up.proc.send_signal(signal.SIGINT)
+    assert up.proc.wait(timeout=60) == 0
+    for pid in children:
+        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1][:3]
+    assert not Path(runtime).exists()
+    assert shm_segments() <= up.shm_before
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", int(up.address.rsplit(":", 1)[1])), timeout=2).close()
