@@ -1,42 +1,57 @@
-"""Entry points answer --help, and `pagedserve up` serves until SIGTERM."""
+"""Entry points answer --help and reject bad flags clearly; the client commands say when nothing is
+listening; ``pagedserve up`` stops everything when a service fails to start.
 
-import os
-import signal
+(``up`` serving the default model end to end is tests/e2e/test_readme.py; the client commands
+against a live gateway are tests/e2e/test_cli_client.py.)
+"""
+
+import re
 import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
-import grpc
 import pytest
 
-from pagedserve.memory.v1 import memory_pb2, memory_pb2_grpc
+from tests.e2e.conftest import free_port
+
+CLI = [sys.executable, "-m", "pagedserve.cli"]
 
 
-@pytest.mark.parametrize("cmd", [["-m", "memory_service"], ["-m", "pagedserve.cli"], ["-m", "pagedserve.cli", "up"],
-                                 ["-m", "pagedserve.cli", "generate"]])
+@pytest.mark.parametrize("cmd", [["-m", "memory_service"], ["-m", "gateway"], ["-m", "pagedserve.cli"],
+                                 ["-m", "pagedserve.cli", "up"], ["-m", "pagedserve.cli", "generate"],
+                                 ["-m", "pagedserve.cli", "chat"]])
 def test_help(cmd: list[str]) -> None:
     out = subprocess.run([sys.executable, *cmd, "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "usage:" in out.stdout
 
 
-def test_bad_flag_value_is_a_clear_error() -> None:
-    out = subprocess.run([sys.executable, "-m", "memory_service", "--block-size", "0"], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2 and "block_size" in out.stderr
+@pytest.mark.parametrize(("cmd", "named"), [
+    (["-m", "memory_service", "--block-size", "0"], "block_size"),
+    (["-m", "gateway"], "backends"),
+    (["-m", "gateway", "--backend", "nohost"], "backend 'nohost'"),
+    (["-m", "gateway", "--backend", "h:1", "--max-queued-requests", "0"], "max_queued_requests"),
+    (["-m", "gateway", "--backend", "h:1", "--api-keys-file", "/nonexistent/keys"], "api_keys_file"),
+    (["-m", "pagedserve.cli", "up", "--port", "70000"], "port"),
+])
+def test_bad_flag_value_is_a_clear_error(cmd: list[str], named: str) -> None:
+    out = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and named in out.stderr, out.stderr
 
 
-def test_up_serves_the_memory_service_until_sigterm() -> None:
-    socket = os.path.join(tempfile.mkdtemp(prefix="psup-"), "memory.sock")
-    proc = subprocess.Popen([sys.executable, "-m", "pagedserve.cli", "up", "--socket", socket],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    try:
-        deadline = time.monotonic() + 60
-        while not Path(socket).exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        stub = memory_pb2_grpc.MemoryManagerStub(grpc.insecure_channel(f"unix:{socket}"))
-        assert stub.Ping(memory_pb2.PingRequest(), timeout=10) == memory_pb2.PingResponse()
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0
+@pytest.mark.parametrize("command", [["generate", "hi"], ["chat"]])
+def test_client_commands_say_when_nothing_is_listening(command: list[str]) -> None:
+    address = f"127.0.0.1:{free_port()}"
+    out = subprocess.run([*CLI, *command, "--address", address, "--connect-timeout", "1"],
+                         capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert out.returncode == 1
+    assert f"no gateway is listening at {address}" in out.stderr and "pagedserve up" in out.stderr
+
+
+def test_up_stops_everything_when_a_service_fails_to_start(tmp_path: Path) -> None:
+    out = subprocess.run([*CLI, "up", "--model", str(tmp_path / "no-such-model"), "--port", "0"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    assert "compute_service exited with status" in out.stderr and "stopped" in out.stderr
+    runtime = re.search(r"unix:(\S+)/memory\.sock", out.stderr).group(1)
+    assert not Path(runtime).exists()  # sockets and the private directory are gone

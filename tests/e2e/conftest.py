@@ -37,9 +37,9 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def shm_segments() -> set[str]:
-    """The KV pools' shared-memory segments that exist now."""
-    return {p.name for p in Path("/dev/shm").glob("pagedserve-*")} if Path("/dev/shm").exists() else set()
+def shm_segments(pid: int) -> list[str]:
+    """The shared-memory KV pool segments of the memory service with this process id."""
+    return [p.name for p in Path("/dev/shm").glob(f"pagedserve-kv-{pid}-*")]
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0, what: str = "condition") -> None:
@@ -158,14 +158,13 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def engines(service_model: ServiceModel, run_dir: Path) -> Iterator[list[Engine]]:
     """Two engine pods, each with its own memory service (so each has its own prefix cache)."""
-    segments_before = shm_segments()
     started = start_engines(service_model.path, run_dir, ["a", "b"])
     yield started
     for engine in started:
         engine.compute.stop()
         assert engine.memory.stop() == 0
+        assert not shm_segments(engine.memory.pid), "a memory service left its shared memory behind"
     assert not list(run_dir.glob("*.sock")), "a service left its socket behind"
-    assert shm_segments() <= segments_before, "a memory service left its shared memory behind"
 
 
 @pytest.fixture(scope="session")

@@ -120,7 +120,8 @@ def _wait_idle(engines: list[Engine]) -> None:
 def test_client_cancel_aborts_the_request_and_frees_its_blocks(gateway: Gateway, engines: list[Engine]) -> None:
     stream = gateway.stub.GenerateStream(_long("cancel me please"), timeout=60)
     next(stream)
-    assert sum(e.load().num_running for e in engines) == 1
+    # The engine publishes its load after each step, just after it sent the step's tokens.
+    wait_until(lambda: sum(e.load().num_running for e in engines) == 1, what="the stream running")
     assert sum(e.num_used_blocks() for e in engines) > 0
     stream.cancel()
     _wait_idle(engines)
@@ -180,6 +181,7 @@ def test_killing_a_backend_mid_stream_is_unavailable_then_others_serve_then_it_r
         gateway: Gateway, engines: list[Engine]) -> None:
     stream = gateway.stub.GenerateStream(_long("die mid-stream"), timeout=60)
     next(stream)
+    wait_until(lambda: sum(e.load().num_running for e in engines) == 1, what="the stream running")
     [victim] = [e for e in engines if e.load().num_running == 1]
     victim.compute.kill()
     with pytest.raises(grpc.RpcError) as info:

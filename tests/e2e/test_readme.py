@@ -61,7 +61,6 @@ class Up:
     proc: subprocess.Popen
     address: str
     output: list[str] = field(default_factory=list)
-    shm_before: set[str] = field(default_factory=set)
 
 
 @pytest.fixture(scope="module")
@@ -71,10 +70,9 @@ def up() -> Iterator[Up]:
     assert _readme_lines("bash scripts/up.sh"), "the README's first command is no longer scripts/up.sh"
     assert "exec pagedserve up" in (ROOT / "scripts" / "up.sh").read_text()
     port = free_port()
-    shm_before = shm_segments()
     proc = subprocess.Popen([*_command("pagedserve"), "up", "--port", str(port)], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, cwd=ROOT)
-    started = Up(proc, f"127.0.0.1:{port}", shm_before=shm_before)
+    started = Up(proc, f"127.0.0.1:{port}")
     reader = threading.Thread(target=lambda: started.output.extend(proc.stdout), daemon=True)
     reader.start()
     deadline = time.monotonic() + 300  # a first run converts the default model (~20 s on 2 cores)
@@ -140,6 +138,6 @@ def test_ctrl_c_stops_everything_and_leaves_nothing(up: Up) -> None:
     for pid in children:
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1][:3]
     assert not Path(runtime).exists()
-    assert shm_segments() <= up.shm_before
+    assert not [name for pid in children for name in shm_segments(pid)]
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", int(up.address.rsplit(":", 1)[1])), timeout=2).close()
