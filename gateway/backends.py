@@ -24,6 +24,9 @@ log = get_logger("gateway.backends")
 
 # Index size before a backend has told its block count.
 _DEFAULT_INDEX_CAPACITY = 4096
+# A backend that refuses connections or says NOT_SERVING leaves the rotation at once; one that is
+# merely slow to answer a poll (a busy machine) only after this many slow polls in a row.
+_MAX_SLOW_POLLS = 3
 
 
 class Ticket:
@@ -68,6 +71,7 @@ class Backend:
         self.num_outstanding = 0  # requests routed here by this gateway, not yet finished
         self.outstanding_tokens = 0  # their prompts not yet prefilled plus tokens not yet generated
         self._other_tokens = 0  # reported pending tokens that are not this gateway's
+        self._num_slow_polls = 0
 
     def work(self) -> int:
         """Outstanding tokens of every gateway on this backend (the router's load measure)."""
@@ -97,8 +101,13 @@ class Backend:
                 self.info = await self.stub.Info(compute_pb2.InfoRequest(), timeout=timeout_s)
                 self.affinity.resize(self.info.num_kv_blocks or _DEFAULT_INDEX_CAPACITY)
         except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                self._num_slow_polls += 1
+                if self._num_slow_polls < _MAX_SLOW_POLLS:
+                    return  # keep its last known state
             self.mark_failed(f"{exc.code().name}: {exc.details()}")
             return
+        self._num_slow_polls = 0
         if health.status != health_pb2.HealthCheckResponse.SERVING:
             self.mark_failed("NOT_SERVING")
             return
@@ -154,7 +163,7 @@ class BackendPool:
             self._tasks.append(asyncio.create_task(self._resolve_loop()))
 
     async def poll_all(self) -> None:
-        timeout = min(self.config.health_interval_s, 2.0)
+        timeout = max(self.config.health_interval_s, 1.0)
         await asyncio.gather(*(b.poll(timeout) for b in list(self.backends.values())))
         self._on_poll(self)
 
