@@ -5,7 +5,10 @@ and serve a request end to end."""
 from __future__ import annotations
 
 import importlib.util
+import json
+import shlex
 import socket
+import subprocess
 import tempfile
 import urllib.request
 from collections.abc import Iterator
@@ -14,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.compute_service.service_fixtures import shm_segments
+from tests.e2e.test_grpcurl import _grpcurl
 from tests.helm.chart import render
 from tests.helm.local_pod import LocalPod
 
@@ -30,13 +34,15 @@ def _missing_services() -> list[str]:
 
 
 def _cpu_values(model_source: dict) -> dict:
-    """CPU mode, free local ports, a small KV pool."""
+    """CPU mode, free local ports, a small KV pool. The gateway's Service port is its container
+    port, as `kubectl port-forward svc/... P:P` makes it on the user's machine."""
+    port = _free_port()
     return {
         "gpu": {"mode": "none"},
         "model": model_source,
         "engine": {"port": _free_port(), "memory": {"kvCacheBytes": 8 << 20, "metricsPort": _free_port()},
                    "compute": {"metricsPort": _free_port()}},
-        "gateway": {"port": _free_port(), "metricsPort": _free_port()},
+        "gateway": {"port": port, "metricsPort": _free_port(), "service": {"port": port}},
     }
 
 
@@ -47,7 +53,8 @@ def volume_root() -> Iterator[Path]:
         yield Path(root)
 
 
-def _pods(values: dict, root: Path, overrides: dict[str, Path] | None = None) -> tuple[LocalPod, LocalPod]:
+def _pods(values: dict, root: Path, overrides: dict[str, Path] | None = None) -> tuple[LocalPod, LocalPod, str]:
+    """The engine and gateway pods of one rendering, and its NOTES.txt."""
     rendered = render(values)
     config_maps = {o["metadata"]["name"]: o["data"] for o in rendered.objects if o["kind"] == "ConfigMap"}
     engine_service = rendered.one("Service", "-engine")["metadata"]["name"]
@@ -55,13 +62,19 @@ def _pods(values: dict, root: Path, overrides: dict[str, Path] | None = None) ->
                       config_maps=config_maps, overrides=overrides or {})
     gateway = LocalPod("gateway", rendered.one("Deployment", "-gateway")["spec"]["template"]["spec"], root,
                        hosts={f"{engine_service}.llm.svc": "localhost"})
-    return engine, gateway
+    return engine, gateway, rendered.notes
+
+
+def _notes_grpcurl_commands(notes: str) -> list[list[str]]:
+    """The grpcurl commands NOTES.txt tells the user to run, as argument lists."""
+    lines = notes.replace("\\\n", " ").splitlines()
+    return [shlex.split(line) for line in lines if line.strip().startswith("grpcurl ")]
 
 
 def test_memory_container_answers_its_probes(volume_root: Path) -> None:
     """The memory container as rendered: its exec probes (grpc.health.v1 over the socket) pass while
     it runs and fail once it is gone; it leaves no socket or shared-memory segment behind."""
-    engine, _ = _pods(_cpu_values({"source": "default"}), volume_root)
+    engine, _, _ = _pods(_cpu_values({"source": "default"}), volume_root)
     socket_path = engine.local_path(engine.container("memory"), "/run/pagedserve/memory.sock")
     assert socket_path == str(volume_root / "engine" / "socket" / "memory.sock")
     memory = engine.start("memory", "unix:" + socket_path, log_dir=volume_root)
@@ -88,7 +101,7 @@ def test_engine_and_gateway_pods_serve_a_request(volume_root: Path) -> None:
     model_dir.mkdir()
     model = build_service_model(model_dir)
     values = _cpu_values({"source": "pvc", "pvc": {"claimName": "models", "path": ""}})
-    engine, gateway = _pods(values, volume_root, overrides={"model": model_dir})
+    engine, gateway, notes = _pods(values, volume_root, overrides={"model": model_dir})
     assert engine.argv("compute")[engine.argv("compute").index("--model") + 1] == str(model_dir)
 
     engine_port, gateway_port = values["engine"]["port"], values["gateway"]["port"]
@@ -122,6 +135,15 @@ def test_engine_and_gateway_pods_serve_a_request(volume_root: Path) -> None:
         assert reply.usage.prompt_tokens == len(prompt_ids)
         assert list(choice.token_ids) == hf_greedy(model.hf_model, prompt_ids, 6)
         assert choice.finish_reason == "length"
+
+        # What NOTES.txt tells the user to run after the port-forward, with the real grpcurl.
+        [list_services, generate] = _notes_grpcurl_commands(notes)
+        listed = subprocess.run([_grpcurl(), *list_services[1:]], capture_output=True, text=True, timeout=60)
+        assert "pagedserve.gateway.v1.Gateway" in listed.stdout.split(), listed.stderr
+        answered = subprocess.run([_grpcurl(), *generate[1:]], capture_output=True, text=True, timeout=120)
+        assert answered.returncode == 0, answered.stderr
+        [completion] = json.loads(answered.stdout)["choices"]
+        assert completion["finish_reason"] in ("length", "eos", "stop") and completion["token_ids"]
     finally:
         statuses = {service.module: service.stop() for service in reversed(started)}
     assert statuses == {"gateway": 0, "compute_service": 0, "memory_service": 0}
