@@ -75,9 +75,9 @@ class IncrementalDetokenizer:
         """The text not handed out yet that is settled (all of it once the completion finished)."""
         end = len(self.text)
         if not is_finished and self.stop_match is None:
-            end -= self._holdback
-            while end > self.num_emitted_chars and self.text[end - 1] == _REPLACEMENT:
-                end -= 1  # an incomplete character: the next token may complete it
+            # An incomplete character (the next token may complete it) is not a character yet:
+            # drop it first, then keep back what may start a stop string.
+            end = len(self.text.rstrip(_REPLACEMENT)) - self._holdback
         if end <= self.num_emitted_chars:
             return ""
         piece = self.text[self.num_emitted_chars : end]

@@ -73,7 +73,7 @@ def build_service_model(directory: Path) -> ServiceModel:
     torch.manual_seed(1234)
     config = LlamaConfig(
         vocab_size=258, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, bos_token_id=256, eos_token_id=257,
+        num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=256, eos_token_id=257,
     )
     config._attn_implementation = "eager"
     model = LlamaForCausalLM(config).eval()

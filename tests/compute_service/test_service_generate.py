@@ -18,15 +18,15 @@ import torch
 from pagedserve.compute.v1 import compute_pb2 as cpb
 
 from tests.compute_service.service_fixtures import (
-    EOS_PROMPT, ServiceModel, Services, build_service_model, hf_greedy, running_services,
+    EOS_PROMPT, ServiceModel, Services, hf_greedy, running_services,
 )
 
 PROMPTS = [EOS_PROMPT, [40, 97, 109, 32, 97, 32, 116, 105, 110, 121], list(range(33, 33 + 21))]
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> ServiceModel:
-    return build_service_model(tmp_path_factory.mktemp("service-model"))
+def model(service_model: ServiceModel) -> ServiceModel:
+    return service_model
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +163,7 @@ def test_info_and_tokenizer_files_rebuild_the_tokenizer(services: Services, mode
     from transformers import AutoTokenizer
 
     info = services.stub.Info(cpb.InfoRequest())
-    assert (info.vocab_size, info.max_model_len, info.block_size, info.dtype, info.device) == (258, 256, 4, "float32", "cpu")
+    assert (info.vocab_size, info.max_model_len, info.block_size, info.dtype, info.device) == (258, 1024, 4, "float32", "cpu")
     assert list(info.eos_token_ids) == [model.eos_token_id, 257] and info.bos_token_id == 256
     assert info.num_kv_blocks == 128 and info.max_n == 64 and info.default_params.temperature == 1.0
     assert info.chat_template == model.tokenizer.chat_template
@@ -191,8 +191,8 @@ def test_priority_is_accepted(services: Services, model: ServiceModel) -> None:
     assert tokens_of(messages) == hf_greedy(model.hf_model, PROMPTS[0], 4)
 
 
-def test_unknown_abort_is_not_found(services: Services) -> None:
+def test_a_request_that_can_never_fit_the_pool_is_rejected_up_front(services: Services) -> None:
     assert services.stub.Abort(cpb.AbortRequest(request_id="nobody")).found is False
-    with pytest.raises(grpc.RpcError) as err:
-        services.generate([], max_tokens=2)
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.RpcError) as err:  # 128 blocks of 4 = 512 tokens < 10 + 600 <= 1024
+        services.generate(PROMPTS[1], max_tokens=600)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "KV pool" in err.value.details()

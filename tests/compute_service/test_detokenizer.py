@@ -1,0 +1,69 @@
+"""Incremental detokenization with a byte-level tokenizer: characters of 2-4 bytes arrive one byte
+(token) at a time, so every piece boundary and every stop string straddles tokens."""
+
+from __future__ import annotations
+
+import pytest
+
+from compute_service.detokenizer import IncrementalDetokenizer
+from tests.compute_service.service_fixtures import build_byte_tokenizer
+
+TEXT = "héllo wörld € 😀 done"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_byte_tokenizer()
+
+
+def feed(detok: IncrementalDetokenizer, token_ids: list[int], min_tokens: int = 0) -> list[str]:
+    pieces = []
+    for i, token in enumerate(token_ids):
+        match = detok.add_tokens([token], check_stop=i + 1 >= min_tokens)
+        pieces.append(detok.next_piece(is_finished=match is not None))
+        if match is not None:
+            break
+    else:
+        pieces.append(detok.next_piece(is_finished=True))
+    return pieces
+
+
+def test_pieces_are_whole_characters_and_concatenate_to_the_decode(tokenizer) -> None:
+    ids = tokenizer.encode(TEXT)
+    assert len(ids) > len(TEXT)  # multi-byte characters span several tokens
+    detok = IncrementalDetokenizer(tokenizer)
+    pieces = feed(detok, ids)
+    assert "".join(pieces) == TEXT == detok.emitted_text
+    assert not any("\ufffd" in p for p in pieces)
+    assert pieces.count("") >= 3 + 2 + 3  # the bytes held back inside é, ö, € and 😀
+
+
+def test_stop_string_across_tokens_is_cut_and_never_emitted(tokenizer) -> None:
+    ids = tokenizer.encode(TEXT)
+    detok = IncrementalDetokenizer(tokenizer, stop=("ld €", "zzz"))
+    pieces = feed(detok, ids)
+    # Pieces are never taken back: the "l" that starts the stop string was never handed out.
+    assert "".join(pieces) == "héllo wör"
+    assert detok.stop_match is not None and detok.stop_match.stop == "ld €"
+    # Generation stopped on the token that completed the stop string (the last byte of €).
+    assert len(detok.token_ids) == len(tokenizer.encode("héllo wörld €"))
+
+
+def test_the_earliest_of_several_stop_strings_wins(tokenizer) -> None:
+    detok = IncrementalDetokenizer(tokenizer, stop=("done", "o w"))
+    assert "".join(feed(detok, tokenizer.encode(TEXT))) == "héll"
+    assert detok.stop_match.stop == "o w"
+
+
+def test_stop_strings_before_min_tokens_do_not_count(tokenizer) -> None:
+    ids = tokenizer.encode(TEXT)
+    detok = IncrementalDetokenizer(tokenizer, stop=("l",))
+    # The first "l"s fall under min_tokens; the one in "wörld" ends the completion.
+    pieces = feed(detok, ids, min_tokens=len(tokenizer.encode("héllo")))
+    assert "".join(pieces) == "héllo wör"
+
+
+def test_without_a_tokenizer_there_is_no_text() -> None:
+    detok = IncrementalDetokenizer(None)
+    assert detok.add_tokens([1, 2, 3]) is None
+    assert detok.next_piece(is_finished=True) == "" and detok.token_ids == [1, 2, 3]

