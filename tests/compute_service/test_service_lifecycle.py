@@ -7,10 +7,12 @@ from __future__ import annotations
 import json
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,8 +32,16 @@ SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.Health
 
 
 @pytest.fixture(scope="module")
-def services(service_model: ServiceModel) -> Iterator[Services]:
-    with running_services(service_model.path, memory_args=("--max-num-blocks", "300")) as services:
+def metrics_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def services(service_model: ServiceModel, metrics_port: int) -> Iterator[Services]:
+    with running_services(service_model.path, memory_args=("--max-num-blocks", "300"),
+                          compute_args=("--metrics-port", str(metrics_port))) as services:
         yield services
 
 
@@ -74,6 +84,17 @@ def test_grpcurl_lists_through_reflection_and_generates(services: Services, serv
     assert messages, out
     assert [t for m in messages for t in m.get("token_ids", [])] == hf_greedy(service_model.hf_model, PROMPT, 5)
     assert messages[-1]["finish_reason"] == "length" and messages[-1]["usage"]["completion_tokens"] == 5
+
+
+def test_metrics_endpoint(services: Services, metrics_port: int) -> None:
+    services.generate(PROMPT, max_tokens=3, temperature=0.0, ignore_eos=True)
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and not line.startswith("#")}
+    assert values["pagedserve_compute_ready"] == 1.0
+    assert values["pagedserve_compute_generated_tokens_total"] >= 3
+    assert values["pagedserve_compute_finished_requests_total"] >= 1
+    assert values["pagedserve_compute_requests_running"] == 0
 
 
 def test_memory_service_loss_and_return(services: Services, service_model: ServiceModel) -> None:
