@@ -172,11 +172,11 @@ class EngineLoop:
                     engine.memory.ping()  # idle: notice a lost memory service without a request
                 continue
             outputs = engine.step()
+            self.load = engine.load()  # before the outputs: a client that saw them sees this load
             for out in outputs:
                 sink = self._sinks.pop(out.request_id) if out.finished else self._sinks.get(out.request_id)
                 if sink is not None:
                     sink(out)
-            self.load = engine.load()
             self.totals.num_steps += 1
             self.totals.num_generated_tokens += sum(len(c.new_token_ids) for o in outputs for c in o.outputs)
             self.totals.num_finished_requests += sum(o.finished for o in outputs)

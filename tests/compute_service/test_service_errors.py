@@ -4,6 +4,7 @@ blocks back to the memory service (its stats prove it)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -88,6 +89,9 @@ def test_client_cancel_frees_the_blocks(services: Services) -> None:
     call = start(services)
     call.cancel()
     services.wait_released(timeout_s=1.0)
+    deadline = time.monotonic() + 1.0  # the engine publishes its load right after the freeing step
+    while services.stub.Load(cpb.LoadRequest()).num_running and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert services.stub.Load(cpb.LoadRequest()).num_running == 0
 
 
