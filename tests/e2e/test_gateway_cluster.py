@@ -63,6 +63,26 @@ def test_stream_pieces_concatenate_to_the_unary_text(gateway: Gateway) -> None:
     assert pieces[-1].finish_reason == "length" and pieces[-1].usage.completion_tokens == 40
 
 
+def test_n_completions_logprobs_and_stop_tokens_pass_through(gateway: Gateway) -> None:
+    params = gateway_pb2.SamplingParams(max_tokens=8, temperature=1.0, seed=7, n=2, logprobs=2, ignore_eos=True)
+    request = gateway_pb2.GenerateRequest(prompt="sample me", params=params)
+    reply = gateway.stub.Generate(request, timeout=60)
+    assert [c.index for c in reply.choices] == [0, 1] and reply.usage.completion_tokens == 16
+    for choice in reply.choices:
+        assert [lp.token_id for lp in choice.logprobs] == list(choice.token_ids) and len(choice.token_ids) == 8
+        assert all(len(lp.top_token_ids) == 2 and lp.logprob <= 0 for lp in choice.logprobs)
+    pieces = list(gateway.stub.GenerateStream(request, timeout=60))  # the same seed: the same samples
+    for choice in reply.choices:
+        mine = [p for p in pieces if p.index == choice.index]
+        assert [t for p in mine for t in p.token_ids] == list(choice.token_ids)
+        assert "".join(p.text for p in mine) == choice.text and mine[-1].finish_reason == "length"
+    greedy = gateway_pb2.GenerateRequest(prompt="stop me", params=_params(8, ignore_eos=True))
+    stop_id = gateway.stub.Generate(greedy, timeout=60).choices[0].token_ids[3]
+    greedy.params.stop_token_ids.append(stop_id)
+    stopped = gateway.stub.Generate(greedy, timeout=60).choices[0]
+    assert stopped.finish_reason == "stop" and len(stopped.token_ids) <= 4
+
+
 def test_concurrent_requests_use_both_backends(gateway: Gateway, engines: list[Engine]) -> None:
     before = _queries(engines)
     with ThreadPoolExecutor(8) as pool:

@@ -1,0 +1,117 @@
+"""The gateway's edge, without processes: request validation and conversion, API-key checks, config
+and backend address parsing, DNS discovery (a real lookup of localhost)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gateway.auth import is_authorized
+from gateway.backends import BackendPool
+from gateway.config import API_KEYS_ENV, GatewayConfig, parse_backend
+from gateway.validation import check_length, check_prompt_input, check_request, to_compute_request
+from pagedserve.compute.v1 import compute_pb2
+from pagedserve.gateway.v1 import gateway_pb2
+
+INFO = compute_pb2.InfoResponse(model_name="m", max_model_len=64, vocab_size=100, max_n=4, max_logprobs=5,
+                                max_stop_strings=2)
+CONFIG = GatewayConfig(backends=("127.0.0.1:1",), max_prompt_chars=50, max_messages=3)
+
+
+def _request(**params: object) -> gateway_pb2.GenerateRequest:
+    return gateway_pb2.GenerateRequest(prompt="hi", params=gateway_pb2.SamplingParams(**params))
+
+
+@pytest.mark.parametrize(("params", "named"), [
+    ({"temperature": float("nan")}, "params.temperature"),
+    ({"top_p": 1.5}, "params.top_p"),
+    ({"top_k": -1}, "params.top_k"),
+    ({"min_p": 2.0}, "params.min_p"),
+    ({"presence_penalty": 3.0}, "params.presence_penalty"),
+    ({"n": 5}, "params.n"),
+    ({"logprobs": 6}, "params.logprobs"),
+    ({"stop": ["a", "b", "c"]}, "params.stop"),
+    ({"stop": [""]}, "params.stop[0]"),
+    ({"stop_token_ids": [100]}, "params.stop_token_ids[0]"),
+    ({"min_tokens": 20, "max_tokens": 10}, "params.min_tokens"),
+    ({"max_tokens": -1}, "params.max_tokens"),
+])
+def test_each_bad_field_is_named(params: dict, named: str) -> None:
+    with pytest.raises(ValueError, match=named.replace("[", r"\[").replace("]", r"\]")):
+        check_request(_request(**params), INFO)
+
+
+def test_prompt_input_rules() -> None:
+    with pytest.raises(ValueError, match="exactly one"):
+        check_prompt_input(gateway_pb2.GenerateRequest(), CONFIG)
+    with pytest.raises(ValueError, match="exactly one"):
+        check_prompt_input(gateway_pb2.GenerateRequest(prompt="x", messages=[gateway_pb2.ChatMessage(role="user")]), CONFIG)
+    with pytest.raises(ValueError, match="prompt: at most 50"):
+        check_prompt_input(gateway_pb2.GenerateRequest(prompt="x" * 51), CONFIG)
+    with pytest.raises(ValueError, match="messages: at most 3"):
+        check_prompt_input(gateway_pb2.GenerateRequest(messages=[gateway_pb2.ChatMessage(role="user")] * 4), CONFIG)
+    given = check_prompt_input(gateway_pb2.GenerateRequest(messages=[gateway_pb2.ChatMessage(role="user", content="yo")]), CONFIG)
+    assert given.prompt is None and given.messages == [{"role": "user", "content": "yo"}]
+    with pytest.raises(ValueError, match="request_id"):
+        check_request(gateway_pb2.GenerateRequest(prompt="x", request_id="a\nb"), INFO)
+
+
+def test_length_is_checked_after_tokenizing() -> None:
+    check_length(48, _request(max_tokens=16), INFO)
+    with pytest.raises(ValueError, match=r"params.max_tokens: the prompt \(49 tokens\)"):
+        check_length(49, _request(max_tokens=16), INFO)
+    with pytest.raises(ValueError, match="prompt: tokenizes to no tokens"):
+        check_length(0, _request(), INFO)
+
+
+def test_conversion_keeps_unset_apart_from_zero() -> None:
+    default = to_compute_request(_request(), [1, 2], "id").params
+    assert default.max_tokens == 16 and not default.HasField("temperature") and not default.HasField("top_p")
+    assert not default.HasField("logprobs") and not default.HasField("seed")
+    greedy = to_compute_request(_request(temperature=0.0, logprobs=0, seed=0, top_p=0.5), [1], "id")
+    assert greedy.params.HasField("temperature") and greedy.params.temperature == 0.0
+    assert greedy.params.HasField("logprobs") and greedy.params.HasField("seed") and greedy.params.top_p == 0.5
+    assert list(greedy.prompt_token_ids) == [1] and greedy.request_id == "id"
+
+
+def test_api_keys_bearer_only_exact_match() -> None:
+    keys = [b"k1-secret", b"k2-secret"]
+    assert is_authorized([("authorization", "Bearer k2-secret")], keys)
+    assert is_authorized([("authorization", "bearer  k1-secret ")], keys)
+    for metadata in ([], [("authorization", "k1-secret")], [("authorization", "Bearer k1-secre")],
+                     [("authorization", "Bearer ")], [("x-api-key", "k1-secret")]):
+        assert not is_authorized(metadata, keys)
+
+
+def test_config_reads_keys_from_file_and_environment(tmp_path, monkeypatch) -> None:
+    path = tmp_path / "keys"
+    path.write_text("# comment\n\nfile-key\n")
+    monkeypatch.setenv(API_KEYS_ENV, "env-a, env-b")
+    assert GatewayConfig(backends=("h:1",), api_keys_file=str(path)).api_keys == ("env-a", "env-b", "file-key")
+    path.write_text("# nothing\n")
+    monkeypatch.delenv(API_KEYS_ENV)
+    with pytest.raises(ValueError, match="holds no key"):
+        GatewayConfig(backends=("h:1",), api_keys_file=str(path))
+
+
+def test_backend_addresses() -> None:
+    assert parse_backend("unix:/run/c.sock") == ("unix", "/run/c.sock", 0)
+    assert parse_backend("dns:engine.llm.svc:50052") == ("dns", "engine.llm.svc", 50052)
+    assert parse_backend("[::1]:50052") == ("static", "[::1]", 50052)
+    for bad in ("unix:", "host", "host:0", "dns:name", "host:port"):
+        with pytest.raises(ValueError, match="backend"):
+            parse_backend(bad)
+
+
+def test_dns_backends_are_every_address_the_name_resolves_to() -> None:
+    async def resolve() -> set[str]:
+        pool = BackendPool(GatewayConfig(backends=("dns:localhost:50099", "127.0.0.1:50100")), lambda _: None)
+        await pool.resolve()
+        found = set(pool.backends)
+        await pool.close()
+        return found
+
+    found = asyncio.run(resolve())
+    assert "127.0.0.1:50099" in found and "127.0.0.1:50100" in found
+    assert found <= {"127.0.0.1:50099", "[::1]:50099", "127.0.0.1:50100"}
