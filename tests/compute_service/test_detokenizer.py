@@ -67,3 +67,14 @@ def test_without_a_tokenizer_there_is_no_text() -> None:
     detok = IncrementalDetokenizer(None)
     assert detok.add_tokens([1, 2, 3]) is None
     assert detok.next_piece(is_finished=True) == "" and detok.token_ids == [1, 2, 3]
+
+
+@pytest.mark.slow
+def test_default_model_tokenizer_pieces_concatenate_to_the_decode(default_model) -> None:
+    tok = default_model.tokenizer
+    text = "Grüße aus Köln — 東京は晴れ 🌤️; naïve café, x² + y² = z²\n\tdone."
+    ids = tok.encode(text)
+    detok = IncrementalDetokenizer(tok, stop=("never",))
+    pieces = feed(detok, ids)
+    assert "".join(pieces) == tok.decode(ids, skip_special_tokens=True) == text
+    assert not any("\ufffd" in p for p in pieces)
