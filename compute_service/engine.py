@@ -23,6 +23,11 @@ from compute_service.sequence import FinishReason, Sequence
 
 log = get_logger("engine")
 
+# Bounds on a request's strings: ids appear in every log event, the salt in the memory service's
+# prefix-cache namespace (model name + salt), which that service bounds.
+MAX_REQUEST_ID_CHARS = 256
+MAX_CACHE_SALT_CHARS = 256
+
 
 class Engine:
     """Continuous-batching engine over a model and a memory-service client.
@@ -58,8 +63,14 @@ class Engine:
 
     # --- requests ---------------------------------------------------------------------------
 
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams, *, request_id: str = "",
+                      cache_salt: str = "") -> None:
         """Raise ValueError (naming the field) unless this request can run on this model and pool."""
+        if len(request_id) > MAX_REQUEST_ID_CHARS:
+            raise ValueError(f"request_id has {len(request_id)} characters; at most {MAX_REQUEST_ID_CHARS}")
+        if len(cache_salt) > MAX_CACHE_SALT_CHARS:
+            # The salt goes into the memory service's cache namespace, whose length is bounded there.
+            raise ValueError(f"cache_salt has {len(cache_salt)} characters; at most {MAX_CACHE_SALT_CHARS}")
         if not prompt_token_ids:
             raise ValueError("prompt_token_ids must have at least one token")
         vocab = self.model_config.vocab_size
@@ -90,7 +101,7 @@ class Engine:
         """Queue a request. Raises ValueError for a duplicate id or a request that cannot run."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already running")
-        self.check_request(prompt_token_ids, params)
+        self.check_request(prompt_token_ids, params, request_id=request_id, cache_salt=cache_salt)
         request = Request(request_id, list(prompt_token_ids), params, self.tokenizer, priority, cache_salt)
         seq = self._new_seq(request, index=0)
         self.requests[request_id] = request

@@ -73,6 +73,8 @@ class AbortCommand:
 
 
 def _is_memory_lost(exc: BaseException) -> bool:
+    if isinstance(exc, UnavailableError):  # the memory client's own word for it
+        return True
     return isinstance(exc, grpc.RpcError) and exc.code() in _LOST_CODES
 
 
@@ -136,7 +138,7 @@ class EngineLoop:
             except Exception as exc:  # noqa: BLE001 - re-raised as each request's error, never dropped
                 if _is_memory_lost(exc):
                     log.warning("memory_service_lost", error=str(exc))
-                    self._fail_all(EngineUnavailable(f"memory service unavailable: {exc.details()}"))
+                    self._fail_all(EngineUnavailable(f"memory service unavailable: {exc}"))
                 else:
                     log.exception("engine_step_failed")
                     self._fail_all(EngineFailed(f"engine failure: {exc!r}"))

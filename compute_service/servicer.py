@@ -73,7 +73,7 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         engine = self._accepting_engine()
         req = convert.generate_from_pb(request, default_request_id=f"cmpl-{uuid.uuid4().hex}")
-        engine.check_request(req.prompt_token_ids, req.params)
+        engine.check_request(req.prompt_token_ids, req.params, request_id=req.request_id, cache_salt=req.cache_salt)
         if req.request_id in self._streams:
             raise AlreadyExistsError(f"request_id {req.request_id!r} is already running")
         if len(self._streams) >= self._config.max_queued_requests:

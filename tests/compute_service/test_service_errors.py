@@ -59,6 +59,8 @@ BAD = [
     ("too many stop strings", dict(params=cpb.SamplingParams(stop=[f"s{i}" for i in range(17)])), "stop"),
     ("empty stop string", dict(params=cpb.SamplingParams(stop=[""])), "stop"),
     ("stop id outside the vocabulary", dict(params=cpb.SamplingParams(stop_token_ids=[300])), "stop_token_ids"),
+    ("long cache_salt", dict(cache_salt="s" * 257), "cache_salt"),
+    ("long request_id", dict(request_id="r" * 257), "request_id"),
     ("min_tokens above max_tokens", dict(params=cpb.SamplingParams(max_tokens=4, min_tokens=5)), "min_tokens"),
 ]
 
