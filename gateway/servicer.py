@@ -125,9 +125,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             remaining = context.time_remaining()
             record.status = "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
             raise
-        except BaseException as exc:
-            if record.status == "OK":  # context.abort's own exception keeps the status set above
-                record.status = "INTERNAL" if not isinstance(exc, grpc.aio.AbortError) else record.status
+        except Exception:
+            record.status = "INTERNAL"  # a bug: the server's interceptor logs it and answers INTERNAL
             raise
         finally:
             self.num_in_flight -= 1
@@ -142,8 +141,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         if record.first_token_at is not None:
             ttft = record.first_token_at - record.started
             self.metrics.ttft.observe(ttft)
-            if record.usage.completion_tokens > 1 and record.last_token_at is not None:
-                self.metrics.tpot.observe((record.last_token_at - record.first_token_at) / (record.usage.completion_tokens - 1))
+            # Completions of an n > 1 request advance together: time per token of one of them.
+            num_tokens = record.usage.completion_tokens / max(request.params.n, 1)
+            if num_tokens > 1 and record.last_token_at is not None:
+                self.metrics.tpot.observe((record.last_token_at - record.first_token_at) / (num_tokens - 1))
         extra = {"prompt": request.prompt, "messages": [m.content for m in request.messages]} if self.config.log_prompts else {}
         log.info("request", request_id=record.request_id, method=record.method, status=record.status,
                  backend=record.route.backend, attempts=record.route.num_attempts,
