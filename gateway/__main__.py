@@ -49,7 +49,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from gateway.server import serve
 
-    asyncio.run(serve(config))
+    try:
+        asyncio.run(serve(config))
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

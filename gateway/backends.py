@@ -97,7 +97,7 @@ class Backend:
                 self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s),
                 self.stub.Load(compute_pb2.LoadRequest(), timeout=timeout_s),
             )
-            if self.info is None:
+            if self.info is None or not self.is_healthy:  # (re)joining: it may serve another model now
                 self.info = await self.stub.Info(compute_pb2.InfoRequest(), timeout=timeout_s)
                 self.affinity.resize(self.info.num_kv_blocks or _DEFAULT_INDEX_CAPACITY)
         except grpc.aio.AioRpcError as exc:

@@ -10,6 +10,7 @@ load balancers notice), then the server stops taking new calls and in-flight str
 from __future__ import annotations
 
 import asyncio
+import random
 import signal
 
 import grpc
@@ -57,13 +58,13 @@ class Gateway:
         for backend in pool.backends.values():
             self.metrics.backend_healthy.labels(backend.address).set(1 if backend.is_healthy else 0)
             self.metrics.backend_outstanding.labels(backend.address).set(backend.num_outstanding)
-        if self.servicer.model is None:
-            if self._tokenizer_task is None or self._tokenizer_task.done():
-                ready = pool.in_rotation(None)
-                if ready:
-                    self._tokenizer_task = asyncio.create_task(self._load_tokenizer(ready[0]))
-            return
-        serving = bool(pool.in_rotation(self.servicer.model.info.model_name))
+        model = self.servicer.model
+        serving = model is not None and bool(pool.in_rotation(model.info.model_name))
+        # No tokenizer yet, or every backend now serves another model (a redeploy): load theirs.
+        if not serving and (self._tokenizer_task is None or self._tokenizer_task.done()):
+            ready = pool.in_rotation(None)
+            if ready:
+                self._tokenizer_task = asyncio.create_task(self._load_tokenizer(random.choice(ready)))
         if serving != self.health.is_serving and not self._stopping:
             log.info("gateway_serving" if serving else "gateway_not_serving")
             asyncio.create_task(self.health.set_serving(serving))
@@ -79,7 +80,10 @@ class Gateway:
         self._after_poll(self.pool)
 
     async def start(self) -> None:
-        self.address = rpc.bind(self.server, self.config.listen)
+        try:
+            self.address = rpc.bind(self.server, self.config.listen)
+        except RuntimeError:  # grpc's "Failed to bind": the port is taken or the host is not ours
+            raise ValueError(f"listen: cannot bind {self.config.listen} (in use, or not an address of this host)") from None
         if self.config.metrics_port is not None:
             self.metrics_port = self.metrics.serve(self.config.metrics_host, self.config.metrics_port)
         await self.server.start()

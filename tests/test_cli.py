@@ -33,6 +33,7 @@ def test_help(cmd: list[str]) -> None:
     (["-m", "gateway", "--backend", "h:1", "--max-queued-requests", "0"], "max_queued_requests"),
     (["-m", "gateway", "--backend", "h:1", "--api-keys-file", "/nonexistent/keys"], "api_keys_file"),
     (["-m", "pagedserve.cli", "up", "--port", "70000"], "port"),
+    (["-m", "gateway", "--backend", "h:1", "--listen", "192.0.2.1:50051"], "listen: cannot bind"),
 ])
 def test_bad_flag_value_is_a_clear_error(cmd: list[str], named: str) -> None:
     out = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, timeout=60)
