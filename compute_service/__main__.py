@@ -10,6 +10,8 @@ import sys
 from pagedserve.config import add_config_file_flag, build_config, read_config_file
 from pagedserve.log import configure_logging
 
+from memory_service.config import MemoryServiceConfig
+
 from compute_service.config import DEFAULT_LISTEN, ComputeServiceConfig, EngineConfig
 
 # EngineConfig fields that a service sets (the pool's own settings belong to the memory service).
@@ -51,9 +53,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def configs_from_args(args: argparse.Namespace) -> tuple[ComputeServiceConfig, EngineConfig]:
-    """Both configs from ``--config`` (keys of either) overridden by the flags given."""
+    """Both configs from ``--config`` overridden by the flags given.
+
+    One file may configure the memory service too (``pagedserve up --config`` gives both the same
+    file): the memory service's own keys are ignored here, except ``socket``, which is where that
+    service listens and so the default of ``memory_socket``.
+    """
     file_values = read_config_file(args.config) if args.config else {}
     service_names = {f.name for f in dataclasses.fields(ComputeServiceConfig)}
+    memory_only = {f.name for f in dataclasses.fields(MemoryServiceConfig)} - service_names - set(_ENGINE_FIELDS)
+    if "socket" in file_values and "memory_socket" not in file_values:
+        file_values["memory_socket"] = file_values["socket"]
+    file_values = {k: v for k, v in file_values.items() if k not in memory_only}
     unknown = sorted(set(file_values) - service_names - set(_ENGINE_FIELDS))
     if unknown:
         raise ValueError(f"unknown config key(s) {unknown}; known keys: {sorted(service_names | set(_ENGINE_FIELDS))}")

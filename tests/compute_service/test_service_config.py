@@ -30,6 +30,14 @@ def test_file_then_flags(tmp_path: Path) -> None:
     assert (engine.max_num_seqs, engine.block_size, engine.memory_socket) == (4, 32, "/tmp/m.sock")
 
 
+def test_a_file_shared_with_the_memory_service(tmp_path: Path) -> None:
+    path = tmp_path / "pagedserve.json"
+    path.write_text(json.dumps({"block_size": 32, "max_num_blocks": 100, "enable_prefix_caching": True,
+                                "memory_utilization_threshold": 0.9, "socket": "/tmp/m.sock", "max_num_seqs": 8}))
+    service, engine = parse("--config", str(path))
+    assert (engine.block_size, engine.max_num_seqs, service.memory_socket) == (32, 8, "/tmp/m.sock")
+
+
 def test_unknown_key_and_bad_values_are_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "compute.json"
     path.write_text(json.dumps({"max_num_seq": 8}))
