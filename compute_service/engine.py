@@ -173,6 +173,11 @@ class Engine:
     def _schedule(self) -> list[ScheduledSeq]:
         plan = self.scheduler.schedule()
         if not plan.ops:
+            if self.scheduler.waiting:
+                # Nothing fits by the counts of the last step, and without a step they never change:
+                # ask again (another client of the memory service may have freed blocks since).
+                reply = self.memory.step_with_counts([])
+                self.scheduler.apply_results(plan, [], reply.num_available_blocks, reply.num_available_reserved_blocks)
             return []
         reply = self.memory.step_with_counts(plan.ops)  # the step's one memory-service RPC
         self.num_steps += 1

@@ -37,6 +37,10 @@ _LOST_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND, grpc.Stat
                grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 
 
+# How often a loop whose requests all wait for blocks (held by other clients) asks again.
+WAITING_POLL_S = 0.01
+
+
 class EngineUnavailable(UnavailableError):
     """The memory service is unreachable: the request cannot run (now)."""
 
@@ -173,7 +177,10 @@ class EngineLoop:
                 if not self._wake.wait(self.ping_interval_s):
                     engine.memory.ping()  # idle: notice a lost memory service without a request
                 continue
+            num_steps = engine.num_steps
             outputs = engine.step()
+            if not outputs and engine.num_steps == num_steps:
+                self._wake.wait(WAITING_POLL_S)  # requests wait for blocks: poll, do not spin
             self.load = engine.load()  # before the outputs: a client that saw them sees this load
             for out in outputs:
                 sink = self._sinks.pop(out.request_id) if out.finished else self._sinks.get(out.request_id)

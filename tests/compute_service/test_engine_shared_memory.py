@@ -1,0 +1,37 @@
+"""Two engines on one memory service: a request that waits for blocks another client holds is
+admitted once that client frees them (the engine re-reads the counts; it never starves)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from compute_service import LLM, SamplingParams
+from pagedserve.process import ServiceProcess
+from tests.conftest import TinyModel
+
+PARAMS = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+
+def test_waiting_request_is_admitted_when_another_client_frees(make_tiny_model: Callable[[str], TinyModel],
+                                                              tmp_path: Path) -> None:
+    socket = tmp_path / "memory.sock"
+    model = str(make_tiny_model("llama").path)
+    with ServiceProcess.launch("memory_service", ["--socket", socket, "--block-size", "4", "--max-num-blocks", "16",
+                                                  "--enable-prefix-caching", "false", "--log-level", "warning"],
+                               address=f"unix:{socket}", ready_timeout_s=60):
+        with LLM(model, block_size=4, memory_socket=str(socket)) as a, \
+                LLM(model, block_size=4, memory_socket=str(socket)) as b:
+            a.engine.add_request("big", list(range(3, 3 + 52)), PARAMS)  # 13 of the 16 blocks
+            a.engine.step()
+            b.engine.add_request("small", list(range(3, 3 + 20)), PARAMS)  # 5 blocks: waits
+            assert b.engine.step() == [] and b.engine.scheduler.waiting
+            assert a.engine.abort("big")
+            a.engine.step()  # reports the abort
+            a.engine.step()  # frees big's blocks
+            done = {}
+            for _ in range(20):
+                done.update({o.request_id: o for o in b.engine.step() if o.finished})
+                if done:
+                    break
+            assert len(done["small"].token_ids) == 4
