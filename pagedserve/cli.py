@@ -114,9 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=50051, help="gateway port (default 50051)")
     up.add_argument("--host", default="127.0.0.1", help="gateway bind host (default 127.0.0.1)")
     up.add_argument("--config", help="JSON config file for the memory and compute services")
-    up.add_argument("--kv-cache-bytes", type=int,
-                    default=int(os.environ["PAGEDSERVE_KV_CACHE_BYTES"]) if "PAGEDSERVE_KV_CACHE_BYTES" in os.environ else None,
-                    help="KV pool size in bytes")
+    up.add_argument("--kv-cache-bytes", type=int, default=int(os.environ.get("PAGEDSERVE_KV_CACHE_BYTES", 512 << 20)),
+                    help="KV pool size in bytes (default 512 MiB, or $PAGEDSERVE_KV_CACHE_BYTES; "
+                         "0 = the memory service's own sizing, a share of the device's free memory)")
     up.set_defaults(func=cmd_up)
     gen = sub.add_parser("generate", help="send one prompt to the gateway and stream the answer")
     gen.add_argument("prompt")

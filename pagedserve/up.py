@@ -31,7 +31,7 @@ class UpConfig:
         model: "default" or a local Hugging Face model directory.
         host: the gateway's bind host.
         port: the gateway's port (0 = any free port).
-        kv_cache_bytes: the KV pool's size (None = the memory service's default).
+        kv_cache_bytes: the KV pool's size (0 = the memory service's own sizing).
         config_file: JSON config passed to the memory and compute services.
         ready_timeout_s: how long each service may take to become SERVING (model conversion included).
     """
@@ -39,15 +39,15 @@ class UpConfig:
     model: str = "default"
     host: str = "127.0.0.1"
     port: int = 50051
-    kv_cache_bytes: int | None = None
+    kv_cache_bytes: int = 512 << 20
     config_file: str | None = None
     ready_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65536), got {self.port}")
-        if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
-            raise ValueError(f"kv_cache_bytes must be > 0, got {self.kv_cache_bytes}")
+        if self.kv_cache_bytes < 0:
+            raise ValueError(f"kv_cache_bytes must be >= 0, got {self.kv_cache_bytes}")
 
 
 def _say(text: str, *, end: str = "\n") -> None:
