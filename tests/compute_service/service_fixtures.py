@@ -118,7 +118,7 @@ class Services:
         with grpc.insecure_channel(f"unix:{self.memory_socket}") as channel:
             return memory_pb2_grpc.MemoryManagerStub(channel).Stats(mpb.StatsRequest(), timeout=10)
 
-    def wait_released(self, timeout_s: float = 2.0) -> mpb.StatsResponse:
+    def wait_released(self, timeout_s: float = 3.0) -> mpb.StatsResponse:
         """Memory stats once no sequence holds blocks (a finished or aborted request's blocks go
         back with the engine's next step); fails after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s

@@ -84,13 +84,13 @@ def test_abort_ends_the_stream_and_frees_the_blocks(services: Services) -> None:
     rest = list(call)
     assert rest[-1].finish_reason == "abort" and rest[-1].usage.prompt_tokens == len(PROMPT)
     assert sum(len(m.token_ids) for m in rest) < 999
-    services.wait_released(timeout_s=1.0)
+    services.wait_released()
 
 
 def test_client_cancel_frees_the_blocks(services: Services) -> None:
     call = start(services)
     call.cancel()
-    services.wait_released(timeout_s=1.0)
+    services.wait_released()
     deadline = time.monotonic() + 1.0  # the engine publishes its load right after the freeing step
     while services.stub.Load(cpb.LoadRequest()).num_running and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -103,7 +103,7 @@ def test_expired_deadline_frees_the_blocks(services: Services) -> None:
     with pytest.raises(grpc.RpcError) as err:
         list(call)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    services.wait_released(timeout_s=1.0)
+    services.wait_released()
 
 
 def test_duplicate_running_request_id_is_already_exists(services: Services) -> None:
