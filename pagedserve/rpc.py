@@ -78,6 +78,22 @@ def _wrap_stream(behavior: Callable, method: str) -> Callable:
     return handler
 
 
+def _parse(deserializer: Callable | None, data: Any) -> Any:
+    """The request message of ``data``; a malformed one is bad input (``ValueError``).
+
+    Why not leave it to grpc: a request that fails to parse (truncated, a wrong wire type, invalid
+    UTF-8 in a string field) is answered UNKNOWN by grpc.aio and INTERNAL by the threaded server,
+    codes that say "the server is broken" when the caller is. So the handlers get the raw bytes and
+    parse them here, inside the error mapping.
+    """
+    if deserializer is None:
+        return data
+    try:
+        return deserializer(data)
+    except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError, or whatever a custom parser raises
+        raise ValueError(f"request: not a valid message ({type(exc).__name__})") from None
+
+
 class ErrorInterceptor(grpc.ServerInterceptor):
     """Maps exceptions to status codes for a synchronous server (see the module docstring)."""
 
@@ -86,10 +102,15 @@ class ErrorInterceptor(grpc.ServerInterceptor):
         if handler is None:
             return None
         method = handler_call_details.method
+        parse = handler.request_deserializer
         if handler.unary_unary:
-            return handler._replace(unary_unary=_wrap_unary(handler.unary_unary, method))
+            behavior = handler.unary_unary
+            return handler._replace(request_deserializer=None, unary_unary=_wrap_unary(
+                lambda data, context: behavior(_parse(parse, data), context), method))
         if handler.unary_stream:
-            return handler._replace(unary_stream=_wrap_stream(handler.unary_stream, method))
+            stream = handler.unary_stream
+            return handler._replace(request_deserializer=None, unary_stream=_wrap_stream(
+                lambda data, context: stream(_parse(parse, data), context), method))
         return handler
 
 
@@ -159,10 +180,15 @@ class AioErrorInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return None
         method = handler_call_details.method
+        parse = handler.request_deserializer  # requests are parsed inside the mapping: see _parse
         if handler.unary_unary:
-            return handler._replace(unary_unary=_wrap_aio_unary(handler.unary_unary, method))
+            behavior = handler.unary_unary
+            return handler._replace(request_deserializer=None, unary_unary=_wrap_aio_unary(
+                lambda data, context: behavior(_parse(parse, data), context), method))
         if handler.unary_stream:
-            return handler._replace(unary_stream=_wrap_aio_stream(handler.unary_stream, method))
+            stream = handler.unary_stream
+            return handler._replace(request_deserializer=None, unary_stream=_wrap_aio_stream(
+                lambda data, context: stream(_parse(parse, data), context), method))
         return handler
 
 
