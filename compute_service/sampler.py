@@ -24,7 +24,8 @@ def _apply_penalties(row: torch.Tensor, seq: Sequence) -> torch.Tensor:
 
 def _sample_row(row: torch.Tensor, seq: Sequence) -> int:
     p = seq.params
-    row = row / p.temperature
+    # float64: a float32 temperature as small as 1e-45 overflows float32 logits to inf (NaN probs).
+    row = row.double() / p.temperature
     if p.top_k and p.top_k < row.shape[0]:
         kth = torch.topk(row, p.top_k).values[-1]
         row = row.masked_fill(row < kth, float("-inf"))
@@ -36,6 +37,9 @@ def _sample_row(row: torch.Tensor, seq: Sequence) -> int:
         # Keep the smallest prefix whose mass reaches top_p (the token crossing it included).
         drop = sorted_probs.cumsum(0) - sorted_probs > p.top_p
         probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
+    if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0:
+        # Every token penalised to -inf: no distribution is left; its limit is the argmax.
+        return int(row.argmax())
     return int(torch.multinomial(probs, 1, generator=seq.generator))
 
 
