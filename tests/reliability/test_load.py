@@ -1,0 +1,59 @@
+"""Load through the gateway: concurrent streaming clients all complete, well-formed, none lost or
+answered twice, blocks back to idle; a burst beyond the gateway's queue is RESOURCE_EXHAUSTED at once.
+
+The benchmark runs 256 clients on the default model; here 24 clients on the tiny model.
+"""
+
+from __future__ import annotations
+
+import time
+
+from tests.reliability import load
+from tests.reliability.conftest import GATEWAY_MAX_QUEUED
+from tests.reliability.stack import Stack
+
+NUM_CLIENTS, MAX_TOKENS = 24, 12
+OK_STREAMS = 'pagedserve_gateway_requests_total{method="GenerateStream",status="OK"}'
+
+
+def test_concurrent_streams_all_complete_once(stack: Stack) -> None:
+    before = load.metric(stack.gateway.metrics_port, OK_STREAMS)
+    report = load.run_streams(stack.gateway.address, NUM_CLIENTS, MAX_TOKENS, timeout_s=60, tag="t-load")
+    assert report.codes == {"OK": NUM_CLIENTS}
+    assert report.num_well_formed(MAX_TOKENS) == NUM_CLIENTS, [r for r in report.results if not r.is_well_formed(MAX_TOKENS)]
+    assert len({r.request_id for r in report.results}) == NUM_CLIENTS
+    # The gateway answered each exactly once (no retry answered a request twice).
+    assert load.metric(stack.gateway.metrics_port, OK_STREAMS) - before == NUM_CLIENTS
+    assert report.ttft_percentiles_ms()["p99"] > 0
+    stack.wait_idle()
+
+
+def test_overload_beyond_the_queue_is_resource_exhausted_quickly(stack: Stack) -> None:
+    num = GATEWAY_MAX_QUEUED + 16
+    report = load.run_streams(stack.gateway.address, num, 60, timeout_s=90, tag="t-over")
+    codes = report.codes
+    assert set(codes) <= {"OK", "RESOURCE_EXHAUSTED"}, codes
+    assert codes.get("RESOURCE_EXHAUSTED", 0) >= 16 and codes.get("OK", 0) >= GATEWAY_MAX_QUEUED - 4, codes
+    refused = [r.elapsed_s for r in report.results if r.code == "RESOURCE_EXHAUSTED"]
+    assert max(refused) < 2.0, f"a refusal took {max(refused):.2f} s"
+    assert report.num_well_formed(60) == codes["OK"]
+    stack.wait_idle()
+
+
+def test_a_client_that_vanishes_with_open_streams_has_them_all_aborted(stack: Stack) -> None:
+    num = 20
+    client = load.vanishing_client(stack.gateway.address, num, 400)
+    try:
+        deadline = time.monotonic() + 20
+        while load.metric(stack.gateway.metrics_port, "pagedserve_gateway_queue_length") < num:
+            assert time.monotonic() < deadline, "the streams never all reached the gateway"
+            time.sleep(0.05)
+        assert stack.engine.num_used_blocks() > 0
+    finally:
+        client.kill()
+        client.wait()
+    started = time.monotonic()
+    stats = stack.wait_idle(timeout_s=15)
+    assert stack.engine.load().num_running == 0 and stats.num_sequences == 0
+    assert load.metric(stack.gateway.metrics_port, "pagedserve_gateway_queue_length") == 0
+    assert time.monotonic() - started < 10
