@@ -115,15 +115,18 @@ def test_second_gateway_sees_load_that_another_client_put_on_an_engine(
         with grpc.insecure_channel(busy.address) as channel:
             stub = compute_pb2_grpc.ComputeStub(channel)
             streams = [stub.Generate(compute_pb2.GenerateRequest(prompt_token_ids=[65 + i] * 20, params=compute_pb2.SamplingParams(
-                max_tokens=220, ignore_eos=True, temperature=0.0))) for i in range(2)]
+                max_tokens=230, ignore_eos=True, temperature=0.0))) for i in range(4)]
             for stream in streams:
                 next(stream)
-            time.sleep(0.6)  # a few health polls: the gateways read the engine's reported load
+            time.sleep(0.5)  # a few health polls: the gateways read the engine's reported load
             before = _queries(engines)
-            for gw in (gateway, second):
-                for i in range(2):
-                    gw.stub.Generate(gateway_pb2.GenerateRequest(prompt=f"fresh {gw.address} {i}", params=_params(4)), timeout=60)
+            requests = [(gw, gateway_pb2.GenerateRequest(prompt=f"fresh {gw.address} {i}", params=_params(4)))
+                        for gw in (gateway, second) for i in range(2)]
+            with ThreadPoolExecutor(4) as pool:  # at once: each gateway also counts its own two
+                list(pool.map(lambda job: job[0].stub.Generate(job[1], timeout=60), requests))
             after = _queries(engines)
+            # The test means something only if the engine was still busy throughout.
+            assert busy.load().num_running == 4, "the long streams ended too early: the test proves nothing"
             for stream in streams:
                 stream.cancel()
         assert after[0] == before[0], "a gateway sent work to the engine that reported itself busy"
