@@ -76,6 +76,13 @@ class AbortCommand:
     request_id: str
 
 
+def _is_unreachable(exc: BaseException) -> bool:
+    """Nobody answers (as opposed to a service that answers but refuses)."""
+    if isinstance(exc, UnavailableError):
+        return True
+    return isinstance(exc, grpc.RpcError) and exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
 def _is_memory_lost(exc: BaseException) -> bool:
     if isinstance(exc, UnavailableError):  # the memory client's own word for it
         return True
@@ -153,11 +160,17 @@ class EngineLoop:
         self._fail_all(EngineUnavailable("the compute service is shutting down"))
 
     def _attach_until_ready(self) -> Engine | None:
+        last_error = ""
         while not self._stopping.is_set():
             try:
                 engine = self._attach()
             except Exception as exc:  # noqa: BLE001 - unreachable memory service: retry until it is back
-                log.debug("memory_service_attach_failed", error=str(exc))
+                # A service that is down is expected (debug); one that refuses us (a layout or block
+                # size that differs from its pool) needs an operator: warn, once per distinct error.
+                level = log.debug if _is_unreachable(exc) else log.warning
+                if str(exc) != last_error:
+                    level("memory_service_attach_failed", error=str(exc))
+                    last_error = str(exc)
                 self._drain_commands(None)
                 self._wake.wait(self.retry_interval_s)
                 self._wake.clear()

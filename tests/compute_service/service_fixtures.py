@@ -95,12 +95,13 @@ def start_memory(socket: Path, *extra: str) -> ServiceProcess:
     )
 
 
-def start_compute(model: Path | str, memory_socket: Path, listen: str, *extra: str) -> ServiceProcess:
+def start_compute(model: Path | str, memory_socket: Path, listen: str, *extra: str,
+                  log_file: Path | None = None) -> ServiceProcess:
     return ServiceProcess.launch(
         "compute_service", ["--model", model, "--memory-socket", memory_socket, "--listen", listen,
                             "--block-size", BLOCK_SIZE, "--memory-retry-interval-s", "0.2",
                             "--memory-ping-interval-s", "0.2", "--log-level", "warning", *extra],
-        address=listen, health_service=COMPUTE_SERVICE, ready_timeout_s=180,
+        address=listen, health_service=COMPUTE_SERVICE, ready_timeout_s=180, log_file=log_file,
     )
 
 
@@ -143,16 +144,17 @@ def shm_segments(pid: int) -> list[Path]:
 
 @contextmanager
 def running_services(model: Path | str, *, memory_args: tuple[str, ...] = ("--max-num-blocks", "128"),
-                     compute_args: tuple[str, ...] = ()) -> Iterator[Services]:
+                     compute_args: tuple[str, ...] = (), compute_log: Path | None = None) -> Iterator[Services]:
     """Start a memory and a compute service in a private directory; stop both by PID and check that
     both exited cleanly and left no socket and no shared-memory segment behind. A test that swaps
-    the memory service (kill, restart) stores the new one in ``services.memory``."""
+    the memory service (kill, restart) stores the new one in ``services.memory``. ``compute_log``
+    collects the compute service's output (else it shows with the test's)."""
     with tempfile.TemporaryDirectory(prefix="pscmp-") as directory:
         memory_socket = Path(directory) / "memory.sock"
         listen = f"unix:{directory}/compute.sock"
         memory = start_memory(memory_socket, *memory_args)
         try:
-            compute = start_compute(model, memory_socket, listen, *compute_args)
+            compute = start_compute(model, memory_socket, listen, *compute_args, log_file=compute_log)
         except BaseException:
             memory.stop()
             raise

@@ -39,9 +39,14 @@ def metrics_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def services(service_model: ServiceModel, metrics_port: int) -> Iterator[Services]:
+def compute_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("compute-log") / "compute.log"
+
+
+@pytest.fixture(scope="module")
+def services(service_model: ServiceModel, metrics_port: int, compute_log: Path) -> Iterator[Services]:
     with running_services(service_model.path, memory_args=("--max-num-blocks", "300"),
-                          compute_args=("--metrics-port", str(metrics_port))) as services:
+                          compute_args=("--metrics-port", str(metrics_port)), compute_log=compute_log) as services:
         yield services
 
 
@@ -97,7 +102,7 @@ def test_metrics_endpoint(services: Services, metrics_port: int) -> None:
     assert values["pagedserve_compute_requests_running"] == 0
 
 
-def test_memory_service_loss_and_return(services: Services, service_model: ServiceModel) -> None:
+def test_memory_service_loss_and_return(services: Services, service_model: ServiceModel, compute_log: Path) -> None:
     address = services.compute.address
     call = services.stub.Generate(cpb.GenerateRequest(
         prompt_token_ids=PROMPT, params=cpb.SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)), timeout=60)
@@ -113,7 +118,17 @@ def test_memory_service_loss_and_return(services: Services, service_model: Servi
     with pytest.raises(grpc.RpcError) as err:
         services.generate(PROMPT, max_tokens=2)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-    # Back on the same socket: the compute service re-attaches by itself (a new pool mapping).
+    # Back on the same socket, first with a block size that the model's layout does not fit: the
+    # service refuses the attach, and the compute service says why (and stays NOT_SERVING).
+    refusing = start_memory(services.memory_socket, "--max-num-blocks", "300", "--block-size", "8")
+    deadline = time.monotonic() + 30
+    while "block_size" not in compute_log.read_text():
+        assert time.monotonic() < deadline, "the refused attach was not reported"
+        time.sleep(0.05)
+    assert "memory_service_attach_failed" in compute_log.read_text()
+    assert check_health(address, COMPUTE_SERVICE) == NOT_SERVING
+    assert refusing.stop() == 0
+    # Then as it was: the compute service re-attaches by itself (a new pool mapping).
     services.memory = start_memory(services.memory_socket, "--max-num-blocks", "300")
     wait_health(address, SERVING)
     tokens = [t for m in services.generate(PROMPT, max_tokens=8, temperature=0.0, ignore_eos=True) for t in m.token_ids]
@@ -123,7 +138,7 @@ def test_memory_service_loss_and_return(services: Services, service_model: Servi
 
 def test_sigterm_drains_running_requests_then_exits(services: Services) -> None:
     call = services.stub.Generate(cpb.GenerateRequest(
-        prompt_token_ids=PROMPT, params=cpb.SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)), timeout=60)
+        prompt_token_ids=PROMPT, params=cpb.SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)), timeout=60)
     messages = [next(call)]
     reader = threading.Thread(target=lambda: messages.extend(call))
     reader.start()
@@ -133,7 +148,8 @@ def test_sigterm_drains_running_requests_then_exits(services: Services) -> None:
         services.generate(PROMPT, max_tokens=2)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     reader.join(timeout=60)
-    assert sum(len(m.token_ids) for m in messages) == 300 and messages[-1].finish_reason == "length"
+    assert sum(len(m.token_ids) for m in messages) == 120 and messages[-1].finish_reason == "length"
     assert services.compute.proc.wait(timeout=30) == 0
     stats = services.memory_stats()
     assert (stats.num_clients, stats.num_sequences) == (0, 0)  # its lease was released
+
