@@ -14,6 +14,7 @@ The failure rules of the public API live here:
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -94,6 +95,7 @@ class Dispatcher:
         Raises:
             DispatchError: no backend could serve it, or the backend failed.
         """
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         tried: set[str] = set()
         first_error: DispatchError | None = None
         for attempt in range(2):
@@ -111,7 +113,9 @@ class Dispatcher:
             tried.add(backend.address)
             route.backend, route.num_attempts = backend.address, attempt + 1
             request.request_id = f"gw-{uuid.uuid4().hex}"
-            call = backend.stub.Generate(request, timeout=timeout_s)
+            # A retry gets what is left of the client's time, not the whole of it again.
+            remaining = None if deadline is None else max(deadline - time.monotonic(), 0.001)
+            call = backend.stub.Generate(request, timeout=remaining)
             route.call, route.target, route.backend_request_id = call, backend, request.request_id
             has_first = False
             try:
