@@ -21,8 +21,8 @@ class ModelTokenizer:
     """Turns prompts and chats into token ids, the way the compute service's own ``LLM`` does.
 
     Args:
-        hf_tokenizer: a ``transformers`` tokenizer, or None for a model without one (then only
-            nothing can be tokenized and every text request is INVALID_ARGUMENT).
+        hf_tokenizer: a ``transformers`` tokenizer, or None for a model without one (then
+            text cannot be tokenized: every prompt or chat is INVALID_ARGUMENT).
         info: the backend's Info (model name, limits, chat template).
     """
 
