@@ -7,6 +7,7 @@ with its traceback and answered INTERNAL, and the server keeps serving.
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent import futures
@@ -160,6 +161,11 @@ def _wrap_aio_unary(behavior: Callable, method: str) -> Callable:
 
 
 def _wrap_aio_stream(behavior: Callable, method: str) -> Callable:
+    if not inspect.isasyncgenfunction(behavior):
+        # A streaming handler may also be a coroutine that sends with ``context.write`` (the
+        # health service's Watch does): await it rather than iterate it.
+        return _wrap_aio_unary(behavior, method)
+
     async def handler(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         try:
             async for reply in behavior(request, context):

@@ -99,3 +99,30 @@ def test_aio_server_maps_exceptions_and_keeps_serving() -> None:
 ])
 def test_status_for(exc: Exception, code: grpc.StatusCode) -> None:
     assert rpc.status_for(exc) == code
+
+
+async def _watch_scenario() -> list[int]:
+    server, health = rpc.create_aio_server([_register], ["test.Echo"], serving=True)
+    address = rpc.bind(server, "127.0.0.1:0")
+    await server.start()
+    statuses: list[int] = []
+    try:
+        async with grpc.aio.insecure_channel(address) as channel:
+            watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service="test.Echo"))
+            async for reply in watch:
+                statuses.append(reply.status)
+                if len(statuses) == 1:
+                    await health.set_serving(False)
+                else:
+                    break
+            watch.cancel()
+    finally:
+        await server.stop(None)
+    return statuses
+
+
+def test_health_watch_streams_status_changes() -> None:
+    """Watch is a coroutine handler that writes with context.write: the interceptor must await it."""
+    assert asyncio.run(_watch_scenario()) == [
+        health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING,
+    ]
