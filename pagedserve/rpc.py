@@ -7,7 +7,6 @@ with its traceback and answered INTERNAL, and the server keeps serving.
 
 from __future__ import annotations
 
-import inspect
 import os
 from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent import futures
@@ -161,15 +160,16 @@ def _wrap_aio_unary(behavior: Callable, method: str) -> Callable:
 
 
 def _wrap_aio_stream(behavior: Callable, method: str) -> Callable:
-    if not inspect.isasyncgenfunction(behavior):
-        # A streaming handler may also be a coroutine that sends with ``context.write`` (the
-        # health service's Watch does): await it rather than iterate it.
-        return _wrap_aio_unary(behavior, method)
-
     async def handler(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         try:
-            async for reply in behavior(request, context):
-                yield reply
+            replies = behavior(request, context)
+            if hasattr(replies, "__aiter__"):
+                async for reply in replies:
+                    yield reply
+            else:
+                # A streaming handler may also be a coroutine that sends with ``context.write``
+                # (the health service's Watch does): await it rather than iterate it.
+                await replies
         except grpc.aio.AbortError:
             raise
         except Exception as exc:  # noqa: BLE001
