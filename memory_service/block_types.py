@@ -1,7 +1,7 @@
 """Plain data of the block manager: its config, the ops a client sends, their results and stats.
 
-Kept apart from ``block_manager`` so that the logic module stays short; import these names from
-``memory_service.block_manager``, which re-exports them.
+Kept apart from ``block_manager`` so that a client (``memory_service.api``) gets them without the
+block manager's logic, and the logic module stays short.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class AllocateOp:
     """Create a sequence: share its cached prefix, then take blocks for its next tokens.
 
     Args:
-        seq_id: new sequence id (unique across all clients).
+        seq_id: new sequence id (unique among the client's live sequences; ids are per client).
         prompt_token_ids: the whole prompt (non-empty, ints in [0, 2**32)).
         max_num_new_tokens: token budget of this step (>= 1); blocks are taken for
             ``min(len(prompt) - num_cached_tokens, max_num_new_tokens)`` tokens, the rest of the
@@ -175,6 +175,8 @@ class BlockManagerStats:
         num_evictions: cached blocks evicted so far.
         num_copy_on_writes: blocks copied on write so far.
         num_sequences: live sequences.
+        num_clients: attached clients.
+        block_size: tokens per block.
     """
 
     pools: tuple[PoolStats, ...]
@@ -185,6 +187,14 @@ class BlockManagerStats:
     num_evictions: int
     num_copy_on_writes: int
     num_sequences: int
+    num_clients: int = 0
+    block_size: int = 0
+
+    @classmethod
+    def empty(cls, block_size: int, num_clients: int = 0) -> BlockManagerStats:
+        """Stats of a service that has no pool yet (before its first attach): all zeros."""
+        pools = tuple(PoolStats(name, 0, 0, 0, 0) for name in ("general", "reserved"))
+        return cls(pools, 0.0, 0.0, 0, 0, 0, 0, 0, num_clients, block_size)
 
     @property
     def general(self) -> PoolStats:

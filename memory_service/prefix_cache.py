@@ -1,13 +1,15 @@
 """Prefix cache: a content-addressed index of full KV blocks, so equal prompt prefixes share blocks.
 
-A full block's content is its key ``(parent_entry_id, token_bytes, namespace)``:
+A full block's content is its key ``(parent_entry_id, token_bytes, namespace_key)``:
 
-- ``token_bytes``: the block's own ``block_size`` token ids, encoded by ``encode_token_ids``
-  (``TOKEN_WIDTH`` = 4 bytes each). Bytes rather than a tuple of ints: a bytes object hashes and
-  compares as one buffer and caches its hash, and freeing it touches no int objects;
+- ``token_bytes``: the block's own ``block_size`` token ids, encoded by
+  ``token_encoding.encode_token_ids`` (``TOKEN_WIDTH`` = 4 bytes each). Bytes rather than a tuple of
+  ints: a bytes object hashes and compares as one buffer and caches its hash, and freeing it touches
+  no int objects;
 - ``parent_entry_id``: the cache entry of the block before it in the sequence (``ROOT_ENTRY_ID``
   for a first block). Each registration gets a new entry id, never reused;
-- ``namespace``: model name + cache_salt, so tenants never share.
+- ``namespace_key``: a 16-byte digest of the namespace (model name + cache_salt), so tenants never
+  share, and a client's long namespace costs the cache 16 bytes per block, not its length.
 
 The hash of the key is the chained hash of (parent, token ids, namespace) of docs/design.md. The
 index is a dict keyed by the whole key, and a dict compares keys on lookup: the token ids are stored
@@ -17,48 +19,42 @@ from the root, exactly one prefix (a parent named by its hash would let two pref
 collide adopt each other's children). The price: when a parent is evicted, its cached children can
 no longer be reached; they are harmless and leave in LRU order like any other evictable block.
 
+Commit before share. A block is registered when it fills, but its K/V is written afterwards, by the
+client's forward pass. Until the client acknowledges that write, the entry is *pending*: owned by
+that client, found by that client's own lookups (its engine orders its own writes and reads), and
+invisible to every other client. ``commit`` publishes a client's pending entries; ``unregister``
+drops those whose writer went away before committing, so unwritten bytes are never shared.
+
 The cache only indexes blocks. Reference counts, the LRU of evictable blocks and the free lists live
-in the BlockManager, which has ``evict`` take blocks off an LRU when it needs them.
+in ``block_pool.BlockPool``, which has ``evict`` take blocks off an LRU when it needs them.
 """
 
 from __future__ import annotations
 
-from array import array
+import hashlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+
+from memory_service.token_encoding import TOKEN_WIDTH
 
 # Parent entry id of a sequence's first block.
 ROOT_ENTRY_ID = 0
 
-CacheKey = tuple[int, bytes, str]  # (parent_entry_id, token_bytes of the block, namespace)
+CacheKey = tuple[int, bytes, bytes]  # (parent_entry_id, token_bytes of the block, namespace_key)
 
-# Token ids are unsigned 32-bit: an id that does not fit (negative, >= 2**32, not an int) cannot be
-# encoded, which is how the block manager validates them in one pass in C.
-_TOKEN_TYPECODE = "I"
-TOKEN_WIDTH = array(_TOKEN_TYPECODE).itemsize  # bytes per token id
+NAMESPACE_KEY_SIZE = 16  # bytes of the namespace digest in each key
 
 
-def encode_token_ids(token_ids: Sequence[int]) -> bytes:
-    """Encodes token ids for cache keys.
+def namespace_key(namespace: str) -> bytes:
+    """Digest of a namespace for cache keys: fixed size whatever the namespace's length.
 
     Args:
-        token_ids: ints in ``[0, 2**32)``.
+        namespace: model name + cache_salt (any string).
 
     Returns:
-        ``TOKEN_WIDTH`` bytes per token.
-
-    Raises:
-        OverflowError: an id is negative or too large.
-        TypeError: an id is not an int.
+        ``NAMESPACE_KEY_SIZE`` bytes; equal namespaces give equal keys, others differ (BLAKE2b).
     """
-    return array(_TOKEN_TYPECODE, token_ids).tobytes()
-
-
-def decode_token_ids(token_bytes: bytes) -> list[int]:
-    """Inverse of ``encode_token_ids`` (debugging and tests)."""
-    token_ids = array(_TOKEN_TYPECODE)
-    token_ids.frombytes(token_bytes)
-    return token_ids.tolist()
+    return hashlib.blake2b(namespace.encode("utf-8", "surrogatepass"), digest_size=NAMESPACE_KEY_SIZE).digest()
 
 
 class PrefixCache:
@@ -66,7 +62,8 @@ class PrefixCache:
 
     Invariants (``check_integrity``): a block has a key iff the index maps that key to it; the entry
     ids of blocks with a key are unique; a parent entry id is smaller than its child's (the parent
-    registered first). A block without a key has a stale entry id, never read.
+    registered first); only a block with a key may be pending. A block without a key has a stale
+    entry id, never read.
 
     Args:
         num_blocks: number of block ids, ``[0, num_blocks)``.
@@ -79,18 +76,21 @@ class PrefixCache:
         # Per block id; plain lists keep the hot path free of per-block objects.
         self.block_keys: list[CacheKey | None] = [None] * num_blocks
         self.entry_ids: list[int] = [ROOT_ENTRY_ID] * num_blocks  # meaningful while the block has a key
+        # The client whose write of the block is not acknowledged yet; None once committed.
+        self.pending_owners: list[str | None] = [None] * num_blocks
         self._next_entry_id = ROOT_ENTRY_ID + 1
 
     def __len__(self) -> int:
         return len(self._block_ids)
 
-    def match(self, token_bytes: bytes, namespace: str, max_num_blocks: int) -> tuple[list[int], int]:
+    def match(self, token_bytes: bytes, ns_key: bytes, max_num_blocks: int, client_id: str) -> tuple[list[int], int]:
         """Finds the longest cached prefix of a prompt, block by block. Changes nothing.
 
         Args:
             token_bytes: the prompt, encoded.
-            namespace: the prompt's namespace.
+            ns_key: the prompt's ``namespace_key``.
             max_num_blocks: look at most this many leading full blocks.
+            client_id: who asks; another client's pending blocks end the match.
 
         Returns:
             The cached block ids of the prefix, in order, and the entry id of the last one
@@ -98,21 +98,31 @@ class PrefixCache:
         """
         block_width = self.block_size * TOKEN_WIDTH
         get = self._block_ids.get
-        entry_ids = self.entry_ids
+        entry_ids, owners = self.entry_ids, self.pending_owners
         block_ids: list[int] = []
         parent_entry_id = ROOT_ENTRY_ID
         for start in range(0, max_num_blocks * block_width, block_width):
-            block_id = get((parent_entry_id, token_bytes[start : start + block_width], namespace))
+            block_id = get((parent_entry_id, token_bytes[start : start + block_width], ns_key))
             if block_id is None:
                 break
+            owner = owners[block_id]
+            if owner is not None and owner != client_id:
+                break  # written (maybe) by another client that has not committed it: not shareable yet
             block_ids.append(block_id)
             parent_entry_id = entry_ids[block_id]
         return block_ids, parent_entry_id
 
     def register(
-        self, block_ids: Sequence[int], token_bytes: bytes, start: int, namespace: str, parent_entry_id: int
+        self,
+        block_ids: Sequence[int],
+        token_bytes: bytes,
+        start: int,
+        ns_key: bytes,
+        parent_entry_id: int,
+        owner: str,
+        pending: dict[int, None],
     ) -> int:
-        """Registers blocks of one sequence that just became full.
+        """Registers blocks of one sequence that just became full, pending until ``owner`` commits.
 
         When an identical block is already cached (two sequences generated the same tokens), the
         sequence keeps its own block and it is not registered: no de-duplication, so block tables
@@ -122,8 +132,10 @@ class PrefixCache:
             block_ids: consecutive blocks of one sequence, now full, not cached.
             token_bytes: encoded tokens of the sequence (or of a tail of it) holding their contents.
             start: the token index in ``token_bytes`` where ``block_ids[0]`` begins; the blocks follow.
-            namespace: the sequence's namespace.
+            ns_key: the sequence's ``namespace_key``.
             parent_entry_id: entry id of the content of the block before ``block_ids[0]``.
+            owner: the client that writes the blocks' K/V.
+            pending: the owner's pending blocks (an ordered set); the newly registered ones join it.
 
         Returns:
             The entry id of the last block's content: the parent of the sequence's next block.
@@ -131,14 +143,16 @@ class PrefixCache:
         block_width = self.block_size * TOKEN_WIDTH
         start *= TOKEN_WIDTH
         setdefault = self._block_ids.setdefault
-        block_keys, entry_ids = self.block_keys, self.entry_ids
+        block_keys, entry_ids, owners = self.block_keys, self.entry_ids, self.pending_owners
         next_entry_id = self._next_entry_id
         for block_id in block_ids:
-            key = (parent_entry_id, token_bytes[start : start + block_width], namespace)
+            key = (parent_entry_id, token_bytes[start : start + block_width], ns_key)
             start += block_width
             cached_block_id = setdefault(key, block_id)
             if cached_block_id == block_id:
                 block_keys[block_id] = key
+                owners[block_id] = owner
+                pending[block_id] = None
                 parent_entry_id = entry_ids[block_id] = next_entry_id
                 next_entry_id += 1
             else:
@@ -146,11 +160,31 @@ class PrefixCache:
         self._next_entry_id = next_entry_id
         return parent_entry_id
 
+    def commit(self, block_ids: Iterable[int]) -> None:
+        """Publishes pending blocks: their K/V is written, every client of the namespace may share them.
+
+        Args:
+            block_ids: pending blocks of one client.
+        """
+        owners = self.pending_owners
+        for block_id in block_ids:
+            owners[block_id] = None
+
+    def unregister(self, block_id: int) -> None:
+        """Forgets a pending block whose writer went away before committing (its bytes are not valid).
+
+        Args:
+            block_id: a pending block; it keeps its references and becomes an uncached block.
+        """
+        del self._block_ids[self.block_keys[block_id]]
+        self.block_keys[block_id] = None
+        self.pending_owners[block_id] = None
+
     def evict(self, lru: OrderedDict[int, None], num_blocks: int) -> list[int]:
         """Takes the least recently used blocks off an LRU and forgets them, for reuse.
 
         Args:
-            lru: cached, unreferenced blocks, least recently used first (owned by the BlockManager).
+            lru: cached, unreferenced (so committed) blocks, least recently used first (``BlockPool``'s).
             num_blocks: how many to evict (at most ``len(lru)``).
 
         Returns:
@@ -166,17 +200,19 @@ class PrefixCache:
         return evicted
 
     def check_integrity(self) -> None:
-        """Raises AssertionError if the index and the per-block keys and entry ids disagree."""
+        """Raises AssertionError if the index and the per-block keys, entry ids and owners disagree."""
         num_cached = 0
         seen_entry_ids: set[int] = set()
         block_width = self.block_size * TOKEN_WIDTH
         for block_id, key in enumerate(self.block_keys):
             if key is None:
+                if self.pending_owners[block_id] is not None:
+                    raise AssertionError(f"block {block_id} is pending but has no key")
                 continue
             entry_id = self.entry_ids[block_id]
             num_cached += 1
-            parent_entry_id, token_bytes, namespace = key
-            if type(token_bytes) is not bytes or len(token_bytes) != block_width or type(namespace) is not str:
+            parent_entry_id, token_bytes, ns_key = key
+            if type(token_bytes) is not bytes or len(token_bytes) != block_width or len(ns_key) != NAMESPACE_KEY_SIZE:
                 raise AssertionError(f"block {block_id} has a malformed key {key!r}")
             if self._block_ids.get(key) != block_id:
                 raise AssertionError(f"block {block_id}: its key maps to block {self._block_ids.get(key)}")

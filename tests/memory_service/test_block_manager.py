@@ -67,7 +67,7 @@ def refs(manager: BlockManager) -> list[int]:
 def snapshot(manager: BlockManager) -> tuple:
     """Everything an op that changed nothing must leave as it was."""
     names = ("a", "b", "keep", "fill", "high", "high2", "low", "other", "x", "y")
-    tables = {s: manager.block_table(s) for s in names if manager.has_sequence(s)}
+    tables = {s: manager.block_table("c", s) for s in names if manager.has_sequence("c", s)}
     return manager.stats(), tables, refs(manager), manager.num_available_blocks()
 
 
@@ -106,7 +106,7 @@ def test_fresh_manager_hands_out_increasing_ids(make: MakeManager) -> None:
     a = alloc(manager, "a", tokens(0, 10))
     assert a == OpResult(True, [0, 1, 2], num_cached_tokens=0, num_new_tokens=10)
     assert alloc(manager, "b", tokens(100, 5)).block_ids == [3, 4]
-    assert manager.block_table("a") == [0, 1, 2]
+    assert manager.block_table("c", "a") == [0, 1, 2]
     assert refs(manager) == [1, 1, 1, 1, 1, 0, 0, 0]
 
 
@@ -139,7 +139,7 @@ def test_out_of_blocks_changes_nothing(make: MakeManager) -> None:
     alloc(manager, "keep", tokens(50, 4))  # [3]
     before = snapshot(manager)
     assert alloc(manager, "b", tokens(100, 8)) == OpResult(False, [])
-    assert not manager.has_sequence("b")
+    assert not manager.has_sequence("c", "b")
     assert run(manager, AppendOp("a", tokens(9, 8))) == [OpResult(False, [])]
     assert snapshot(manager) == before
     assert alloc(manager, "b", tokens(100, 4)).block_ids == [4]
@@ -209,7 +209,7 @@ def test_identical_blocks_of_two_sequences_chain_through_the_cached_twin(make: M
     run(manager, AppendOp("a", [50, 51, 52]))  # fills a's block 1: registered
     run(manager, AppendOp("b", [50, 51, 52]))  # fills b's block 2: a twin of block 1, not registered
     run(manager, AppendOp("b", [53, 54, 55, 56, 57]))  # fills b's block 3, chained after block 1's entry
-    assert manager.block_table("b") == [0, 2, 3, 4]
+    assert manager.block_table("c", "b") == [0, 2, 3, 4]
     c = alloc(manager, "c", [*prompt, 50, 51, 52, 53, 54, 55, 56, 99])
     assert (c.block_ids[:3], c.num_cached_tokens) == ([0, 1, 3], 12)
 
@@ -261,19 +261,74 @@ def test_cached_children_of_an_evicted_parent_are_unreachable(make: MakeManager)
     alloc(manager, "a", prompt)  # [0, 1]
     alloc(manager, "b", prompt)  # [0, 2]
     run(manager, AppendOp("a", [50, 51, 52]), AppendOp("b", [50, 51, 52, 53, 54, 55, 56, 57]))
-    assert manager.block_table("b") == [0, 2, 3, 4]  # 2: unregistered twin of 1; 3: child of 1's entry
+    assert manager.block_table("c", "b") == [0, 2, 3, 4]  # 2: unregistered twin of 1; 3: child of 1's entry
     run(manager, FreeOp("a"))  # LRU: 1
     run(manager, FreeOp("b"))  # LRU: 1, 3, 0; free: 5, 4, 2 (4 is partial, 2 has no key)
     assert manager.stats().general == PoolStats("general", 6, 3, 3, 0)
     # 4 blocks: the 3 free ones, then block 1 is evicted; 3 stays cached under 1's old entry.
     alloc(manager, "x", tokens(100, 16))
-    assert manager.block_table("x") == [2, 4, 5, 1]
+    assert manager.block_table("c", "x") == [2, 4, 5, 1]
     run(manager, FreeOp("x"))  # LRU: 3, 0, 1, 5, 4, 2
     # The same 12 tokens again: block 0 hits; block 1's content is gone, and block 3 must not be
     # found through it even though it holds the right tokens after the right tokens. Unreachable,
     # it is simply the oldest in the LRU and the first to be evicted.
     c = alloc(manager, "c", [*prompt, 50, 51, 52, 53, 54, 55, 56, 99])
     assert (c.block_ids, c.num_cached_tokens) == ([0, 3, 1, 5], 4)
+
+
+# Issue 7, item 2: commit before share. Client "c" fills blocks; "d" shares them only once a later
+# batch of "c" (or a commit) acknowledges that their K/V is written.
+
+
+def test_another_client_does_not_share_blocks_before_their_writer_commits(make: MakeManager) -> None:
+    manager = make()
+    manager.add_client("d")
+    alloc(manager, "a", tokens(0, 9))  # [0, 1, 2]: blocks 0 and 1 fill, pending
+    [early] = run(manager, AllocateOp("b", tokens(0, 9), 9), client="d")
+    assert (early.num_cached_tokens, early.block_ids) == (0, [3, 4, 5])
+    run(manager)  # c's next step: its earlier writes are done
+    [late] = run(manager, AllocateOp("b2", tokens(0, 9), 9), client="d")
+    assert (late.num_cached_tokens, late.block_ids) == (8, [0, 1, 6])
+
+
+def test_a_client_shares_its_own_pending_blocks_at_once(make: MakeManager) -> None:
+    manager = make()
+    a, b = run(manager, AllocateOp("a", tokens(0, 9), 9), AllocateOp("b", tokens(0, 9), 9))
+    assert (b.num_cached_tokens, b.block_ids[:2]) == (8, a.block_ids[:2])
+
+
+def test_blocks_of_a_client_released_before_committing_are_never_shared(make: MakeManager) -> None:
+    """The writer died before writing: its blocks go back to the free list, not to the cache."""
+    manager = make()
+    manager.add_client("d")
+    manager.apply("d", [AllocateOp("w", tokens(0, 9), 9, namespace="m|public")])  # [0, 1, 2]
+    manager.release_client("d")
+    assert manager.stats().general == PoolStats("general", 8, 8, 0, 0)
+    [r] = run(manager, AllocateOp("r", tokens(0, 9), 9, namespace="m|public"))
+    assert (r.num_cached_tokens, r.block_ids) == (0, [0, 1, 2])
+
+
+def test_blocks_filled_by_a_sequence_freed_in_the_same_batch_are_never_shared(make: MakeManager) -> None:
+    manager = make()
+    manager.add_client("d")
+    run(manager, AllocateOp("a", tokens(0, 9), 9), FreeOp("a"))
+    run(manager)  # commits nothing: a's blocks were dropped from the cache with it
+    assert manager.stats().general == PoolStats("general", 8, 8, 0, 0)
+    [r] = run(manager, AllocateOp("r", tokens(0, 9), 9), client="d")
+    assert r.num_cached_tokens == 0
+
+
+def test_commit_publishes_and_keeps_working_after_free(make: MakeManager) -> None:
+    manager = make()
+    manager.add_client("d")
+    alloc(manager, "a", tokens(0, 9))
+    manager.commit("c")
+    manager.check_integrity()
+    run(manager, FreeOp("a"))  # committed blocks stay cached when freed
+    [r] = run(manager, AllocateOp("r", tokens(0, 9), 9), client="d")
+    assert r.num_cached_tokens == 8
+    with pytest.raises(ValueError, match="who"):
+        manager.commit("who")
 
 
 def test_prefix_caching_disabled(make: MakeManager) -> None:
@@ -297,7 +352,7 @@ def test_fork_shares_and_append_copies_the_shared_partial_block(make: MakeManage
     # a writes into block 1, which b also holds: a gets a copy, b keeps the original.
     assert run(manager, AppendOp("a", [6])) == [OpResult(True, [], copies=[(1, 2)])]
     assert copies == [(1, 2)]
-    assert manager.block_table("a") == [0, 2] and manager.block_table("b") == [0, 1]
+    assert manager.block_table("c", "a") == [0, 2] and manager.block_table("c", "b") == [0, 1]
     assert refs(manager)[:3] == [2, 1, 1]
     # b is now alone in block 1: no copy. Crossing into a new block appends one.
     assert run(manager, AppendOp("b", [7, 8, 9])) == [OpResult(True, [3])]
@@ -309,7 +364,7 @@ def test_copy_on_write_comes_before_the_appended_blocks(make: MakeManager) -> No
     alloc(manager, "a", tokens(0, 5))  # [0, 1]
     run(manager, ForkOp("a", "b"))
     assert run(manager, AppendOp("a", tokens(5, 8))) == [OpResult(True, [3, 4], copies=[(1, 2)])]
-    assert manager.block_table("a") == [0, 2, 3, 4]
+    assert manager.block_table("c", "a") == [0, 2, 3, 4]
 
 
 def test_fork_of_full_blocks_needs_no_copy(make: MakeManager) -> None:
@@ -347,7 +402,7 @@ def test_freeing_a_fork_keeps_the_parent_blocks(make: MakeManager) -> None:
     manager = make()
     alloc(manager, "a", tokens(0, 6))
     run(manager, ForkOp("a", "b"), FreeOp("a"))
-    assert manager.block_table("b") == [0, 1] and refs(manager)[:2] == [1, 1]
+    assert manager.block_table("c", "b") == [0, 1] and refs(manager)[:2] == [1, 1]
     assert run(manager, AppendOp("b", [6])) == [OpResult(True, [])]  # alone in block 1 now: no copy
 
 
@@ -413,7 +468,7 @@ def test_batch_with_a_failing_op_applies_the_others(make: MakeManager) -> None:
         AllocateOp("b", tokens(200, 5), 5),
     )
     assert results == [OpResult(True, [0], 0, 4), OpResult(False, []), OpResult(True, [1, 2], 0, 5)]
-    assert not manager.has_sequence("big")
+    assert not manager.has_sequence("c", "big")
 
 
 def test_ops_on_a_sequence_whose_creation_failed_fail_too(make: MakeManager) -> None:
@@ -429,7 +484,7 @@ def test_ops_on_a_sequence_whose_creation_failed_fail_too(make: MakeManager) -> 
         AppendOp("big", [1]),
     ]
     assert [r.ok for r in run(manager, *ops)] == [False, False, False, False, False, True, True]
-    assert manager.block_table("big") == [1] and not manager.has_sequence("child")
+    assert manager.block_table("c", "big") == [1] and not manager.has_sequence("c", "child")
 
 
 def test_batch_is_validated_against_its_own_earlier_ops(make: MakeManager) -> None:
@@ -447,7 +502,7 @@ def test_batch_is_validated_against_its_own_earlier_ops(make: MakeManager) -> No
     results = run(manager, *ops)
     assert [r.ok for r in results] == [True] * 7
     assert results[1].copies == [(0, 1)] and results[1].block_ids == [2]
-    assert manager.block_table("y") == [0] and not manager.has_sequence("a") and not manager.has_sequence("x")
+    assert manager.block_table("c", "y") == [0] and not manager.has_sequence("c", "a") and not manager.has_sequence("c", "x")
 
 
 def test_fork_after_append_in_one_batch_shares_the_pending_tokens(make: MakeManager) -> None:
@@ -456,7 +511,7 @@ def test_fork_after_append_in_one_batch_shares_the_pending_tokens(make: MakeMana
     results = run(manager, AppendOp("a", [6]), ForkOp("a", "b"), FreeOp("a"))
     assert [r.ok for r in results] == [True, True, True]
     # Appending to b now must wait for the next batch, when token 6's K/V is in block 1.
-    assert manager.block_table("b") == [0, 1] and run(manager, AppendOp("b", [7])) == [OpResult(True, [])]
+    assert manager.block_table("c", "b") == [0, 1] and run(manager, AppendOp("b", [7])) == [OpResult(True, [])]
 
 
 def test_blocks_freed_with_pending_tokens_serve_no_later_op_of_the_batch(make: MakeManager) -> None:
@@ -472,7 +527,7 @@ def test_blocks_freed_with_pending_tokens_serve_no_later_op_of_the_batch(make: M
         OpResult(True, [1]),
         OpResult(True, [], copies=[(0, 2)]),  # not block 1
     ]
-    assert copies == [(0, 2)] and manager.block_table("b") == [2]
+    assert copies == [(0, 2)] and manager.block_table("c", "b") == [2]
     assert refs(manager) == [1, 0, 1]  # block 1 comes back when the batch ends
     assert alloc(manager, "y", [5]).block_ids == [1]
 
@@ -496,7 +551,7 @@ def test_a_failing_copy_block_still_releases_the_blocks_freed_earlier_in_the_bat
     with pytest.raises(OSError, match="device lost"):
         manager.apply("c", [AllocateOp("x", [9], 1), FreeOp("x"), AppendOp("b", [7])])
     manager.check_integrity()
-    assert not manager.has_sequence("x") and refs(manager) == [2, 0, 0]
+    assert not manager.has_sequence("c", "x") and refs(manager) == [2, 0, 0]
 
 
 def test_fork_then_append_in_one_batch(make: MakeManager) -> None:
@@ -509,7 +564,7 @@ def test_fork_then_append_in_one_batch(make: MakeManager) -> None:
     )
     assert [r.copies for r in results] == [[], [], [(1, 2)], [(1, 3)], []]
     assert copies == [(1, 2), (1, 3)]
-    assert [manager.block_table(s) for s in "abc"] == [[0, 2], [0, 3], [0, 1]]
+    assert [manager.block_table("c", s) for s in "abc"] == [[0, 2], [0, 3], [0, 1]]
 
 
 BAD_BATCHES = [
@@ -520,10 +575,11 @@ BAD_BATCHES = [
     ([AllocateOp("keep", [1], 1)], "already"),
     ([AllocateOp("x", [1], 1), AllocateOp("x", [2], 1)], "already"),
     ([FreeOp("keep"), AppendOp("keep", [1])], "freed"),
-    ([AllocateOp("other", [1], 1)], "already"),  # another client's sequence: ids are global
-    ([AppendOp("other", [1])], "another client"),
-    ([FreeOp("other")], "another client"),
-    ([ForkOp("other", "mine")], "another client"),
+    # Another client's sequence: to this client it is simply not live (ids are per client).
+    ([AppendOp("other", [1])], "'other' is not a live sequence of this client"),
+    ([FreeOp("other")], "'other' is not a live sequence of this client"),
+    ([ForkOp("other", "mine")], "'other' is not a live sequence of this client"),
+    ([AllocateOp("x", [1], 1, namespace="n" * 1025)], "namespace has 1025 characters"),
     ([AllocateOp("x", [], 1)], "empty"),
     ([AllocateOp("x", [1, -1], 1)], "token"),
     ([AllocateOp("x", [1, 2**32], 1)], "token"),
@@ -558,7 +614,7 @@ def test_bad_batches_raise_and_change_nothing(make: MakeManager, bad_ops: list, 
     with pytest.raises(ValueError, match=needle):
         manager.apply("c", [AllocateOp("a", tokens(100, 6), 6), *bad_ops])
     assert snapshot(manager) == before
-    assert not manager.has_sequence("a")
+    assert not manager.has_sequence("c", "a")
 
 
 def test_unknown_client_raises(make: MakeManager) -> None:
@@ -584,15 +640,34 @@ def test_single_op_methods(make: MakeManager) -> None:
 def test_block_table_is_a_copy_and_checks_its_argument(make: MakeManager) -> None:
     manager = make()
     alloc(manager, "a", tokens(0, 5))
-    manager.block_table("a").append(99)
-    assert manager.block_table("a") == [0, 1]
+    manager.block_table("c", "a").append(99)
+    assert manager.block_table("c", "a") == [0, 1]
     with pytest.raises(ValueError, match="zzz"):
-        manager.block_table("zzz")
+        manager.block_table("c", "zzz")
     with pytest.raises(ValueError, match="block_id"):
         manager.ref_count(8)
 
 
 # --- clients ------------------------------------------------------------------------------------
+
+
+def test_sequence_ids_are_per_client_and_reveal_nothing(make: MakeManager) -> None:
+    """Issue 7, item 6: another client's sequence reads exactly like an absent one."""
+    manager = make()
+    manager.add_client("d")
+    [theirs] = manager.apply("d", [AllocateOp("s", tokens(100, 4), 4)])
+    with pytest.raises(ValueError) as not_yours:
+        manager.apply("c", [FreeOp("s")])
+    with pytest.raises(ValueError) as absent:
+        manager.apply("c", [FreeOp("t")])
+    assert str(not_yours.value).replace("'s'", "'t'") == str(absent.value)
+    with pytest.raises(ValueError, match="not a live sequence of this client"):
+        manager.block_table("c", "s")
+    # The same id is free for this client, and names its own sequence from then on.
+    [mine] = run(manager, AllocateOp("s", tokens(200, 4), 4))
+    assert manager.block_table("c", "s") == mine.block_ids != theirs.block_ids == manager.block_table("d", "s")
+    run(manager, FreeOp("s"))
+    assert manager.block_table("d", "s") == theirs.block_ids
 
 
 def test_release_client_frees_its_sequences_and_keeps_the_cache(make: MakeManager) -> None:
@@ -603,7 +678,7 @@ def test_release_client_frees_its_sequences_and_keeps_the_cache(make: MakeManage
     manager.apply("d", [AllocateOp("other", tokens(100, 4), 4)])  # [3]
     assert manager.release_client("c") == 2
     assert not manager.has_client("c") and manager.has_client("d")
-    assert not manager.has_sequence("a") and not manager.has_sequence("a2") and manager.has_sequence("other")
+    assert not manager.has_sequence("c", "a") and not manager.has_sequence("c", "a2") and manager.has_sequence("d", "other")
     assert manager.stats().general == PoolStats("general", 8, 5, 2, 1)
     [hit] = manager.apply("d", [AllocateOp("again", tokens(0, 9), 9)])
     assert hit.num_cached_tokens == 8

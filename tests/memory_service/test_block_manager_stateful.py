@@ -15,7 +15,10 @@ before any of the batch's writes. Invariants:
 - every slot a live sequence covers holds that sequence's own token: prefix sharing and
   copy-on-write never hand a sequence somebody else's data;
 - a low-priority sequence never takes (as opposed to shares) a reserved block;
-- an op that fails (out of blocks, or a bad batch) changes nothing.
+- an op that fails (out of blocks, or a bad batch) changes nothing;
+- commit before share: a block written in a client's last batch (not yet acknowledged by its next
+  one) is never a prefix hit of another client, and one written in the last batch of a client that
+  was then released is never a prefix hit of anybody until it is taken anew.
 """
 
 from __future__ import annotations
@@ -51,6 +54,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.slots: dict[int, list[tuple[str, int] | None]] = {}
         self.copies_made: list[tuple[int, int]] = []
         self.next_id = 0
+        self.unacked: dict[str, set[int]] = {}  # client -> blocks written in its last batch
+        self.poisoned: set[int] = set()  # written in the last batch of a released client
 
     # --- setup ----------------------------------------------------------------------------
 
@@ -94,6 +99,21 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for pos in range(start, len(seq.token_ids)):
             block_id = seq.block_table[pos // self.block_size]
             self.slots[block_id][pos % self.block_size] = (seq.namespace, seq.token_ids[pos])
+            self.unacked[seq.client_id].add(block_id)
+
+    def apply(self, client_id: str, ops: list) -> list:
+        """The client's next batch: it acknowledges the writes of its previous one."""
+        results = self.manager.apply(client_id, ops)
+        self.unacked[client_id] = set()
+        return results
+
+    def check_shared_prefix(self, client_id: str, block_ids: list[int], num_cached_blocks: int) -> None:
+        """Blocks shared from the cache were committed; the others are newly taken."""
+        for block_id in block_ids[:num_cached_blocks]:
+            assert block_id not in self.poisoned, f"block {block_id} of a dead writer was shared"
+            for other, unacked in self.unacked.items():
+                assert other == client_id or block_id not in unacked, f"uncommitted block {block_id} was shared"
+        self.poisoned.difference_update(block_ids[num_cached_blocks:])
 
     def check_new_blocks_pool(self, seq: ModelSequence, block_ids: list[int]) -> None:
         """Blocks a low-priority sequence takes (not shares) come from the general pool."""
@@ -103,7 +123,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def snapshot(self) -> tuple:
         return (
             self.manager.stats(),
-            {s: self.manager.block_table(s) for s in self.seqs},
+            {s: self.manager.block_table(q.client_id, s) for s, q in self.seqs.items()},
             [self.manager.ref_count(b) for b in range(self.manager.config.num_blocks)],
         )
 
@@ -128,6 +148,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         client_id = self.new_id("client")
         self.manager.add_client(client_id)
         self.clients.append(client_id)
+        self.unacked[client_id] = set()
 
     @rule(data=st.data(), priority=st.sampled_from([0, 1]), namespace=st.sampled_from(["", "salt"]))
     def allocate(self, data: st.DataObject, priority: int, namespace: str) -> None:
@@ -136,10 +157,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
         max_new = data.draw(st.integers(1, len(prompt) + 2))
         seq_id = self.new_id("s")
         before = self.snapshot()
-        [result] = self.manager.apply(client_id, [AllocateOp(seq_id, prompt, max_new, priority, namespace)])
+        [result] = self.apply(client_id, [AllocateOp(seq_id, prompt, max_new, priority, namespace)])
         if not result.ok:
             event("allocate: out of blocks")
-            assert self.snapshot() == before and not self.manager.has_sequence(seq_id)
+            assert self.snapshot() == before and not self.manager.has_sequence(client_id, seq_id)
             return
         event(f"allocate: {'prefix hit' if result.num_cached_tokens else 'no hit'}")
         if max(result.block_ids) >= self.manager.config.num_general_blocks:
@@ -151,6 +172,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if not self.manager.config.enable_prefix_caching:
             assert num_cached == 0
         seq = ModelSequence(client_id, namespace, prompt[: num_cached + num_new], list(result.block_ids), priority)
+        self.check_shared_prefix(client_id, seq.block_table, num_cached // bs)
         assert len(seq.block_table) == -(-len(seq.token_ids) // bs)
         self.check_new_blocks_pool(seq, seq.block_table[num_cached // bs :])
         # The shared prefix must already hold exactly these tokens, in this namespace.
@@ -169,7 +191,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return
         before = self.snapshot()
         self.copies_made.clear()
-        [result] = self.manager.apply(seq.client_id, [AppendOp(seq_id, new_tokens)])
+        [result] = self.apply(seq.client_id, [AppendOp(seq_id, new_tokens)])
         if not result.ok:
             event("append: out of blocks")
             assert self.snapshot() == before and not self.copies_made
@@ -178,6 +200,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             event("append: copy-on-write")
         assert result.copies == self.copies_made
         self.check_new_blocks_pool(seq, result.block_ids + [dst for _, dst in result.copies])
+        self.poisoned.difference_update(result.block_ids + [dst for _, dst in result.copies])
         for src, dst in result.copies:
             position = seq.block_table.index(src)
             assert position == len(seq.block_table) - 1, "only the partial last block is copied"
@@ -195,7 +218,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         parent_id = self.live_seq(data)
         parent = self.seqs[parent_id]
         child_id = self.new_id("f")
-        [result] = self.manager.apply(parent.client_id, [ForkOp(parent_id, child_id)])
+        [result] = self.apply(parent.client_id, [ForkOp(parent_id, child_id)])
         assert result.ok and result.block_ids == parent.block_table
         self.seqs[child_id] = ModelSequence(
             parent.client_id, parent.namespace, list(parent.token_ids), list(parent.block_table), parent.priority
@@ -207,7 +230,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return
         seq_id = self.live_seq(data)
         seq = self.seqs.pop(seq_id)
-        [result] = self.manager.apply(seq.client_id, [FreeOp(seq_id)])
+        [result] = self.apply(seq.client_id, [FreeOp(seq_id)])
         assert result.ok and result.block_ids == seq.block_table
 
     @rule(data=st.data())
@@ -220,6 +243,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for seq_id in owned:
             del self.seqs[seq_id]
         self.clients.remove(client_id)
+        self.poisoned |= self.unacked.pop(client_id)
         assert not self.manager.has_client(client_id)
 
     @rule(data=st.data())
@@ -262,7 +286,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 frozen.discard(seq_id)
 
         self.copies_made.clear()
-        results = self.manager.apply(client_id, ops)
+        results = self.apply(client_id, ops)
         assert len(results) == len(ops)
         # Replay the results on the model, in order; the step's K/V is written in the same order.
         failed: set[str] = set()
@@ -279,6 +303,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
                     client_id, "", prompt[: num_cached + result.num_new_tokens], list(result.block_ids), op.priority
                 )
                 self.check_new_blocks_pool(seq, seq.block_table[num_cached // self.block_size :])
+                self.check_shared_prefix(client_id, seq.block_table, num_cached // self.block_size)
                 for pos in range(num_cached):
                     assert self.slots[seq.block_table[pos // self.block_size]][pos % self.block_size] == (
                         "",
@@ -295,6 +320,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
                     seq.block_table[seq.block_table.index(src)] = dst
                 all_copies += result.copies
                 self.check_new_blocks_pool(seq, result.block_ids + [dst for _, dst in result.copies])
+                self.poisoned.difference_update(result.block_ids + [dst for _, dst in result.copies])
                 seq.block_table += result.block_ids
                 start = len(seq.token_ids)
                 seq.token_ids += op.token_ids
@@ -361,7 +387,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return
         expected = [0] * self.manager.config.num_blocks
         for seq_id, seq in self.seqs.items():
-            assert self.manager.block_table(seq_id) == seq.block_table
+            assert self.manager.block_table(seq.client_id, seq_id) == seq.block_table
             for block_id in seq.block_table:
                 expected[block_id] += 1
         assert [self.manager.ref_count(b) for b in range(len(expected))] == expected
