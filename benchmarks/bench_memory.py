@@ -3,7 +3,9 @@
 Prints a table, then as its last line one JSON object with ``alloc_free_blocks_per_s``,
 ``rpc_step_p50_us``, ``rpc_step_p99_us``, ``noop_rpc_p50_us`` and ``step_vs_noop_p50``.
 
-    python benchmarks/bench_memory.py [--num-sequences 20000] [--num-seqs 64] [--iters 2000]
+    python -m benchmarks.bench_memory [--num-sequences 20000] [--num-seqs 64] [--iters 2000]
+
+(from the repository root). The numbers are noisy on a shared machine: compare runs of one machine.
 """
 
 from __future__ import annotations
@@ -12,19 +14,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from memory_service.block_manager import AllocateOp, AppendOp, FreeOp  # noqa: E402
-from memory_service.block_manager_bench import run_inprocess_benchmark  # noqa: E402
-from memory_service.client import MemoryClient  # noqa: E402
-from memory_service.pool import KvLayout  # noqa: E402
+from benchmarks.block_manager_bench import run_inprocess_benchmark
+from memory_service.api import AllocateOp, AppendOp, FreeOp, KvLayout, MemoryClient
+from pagedserve.process import ServiceProcess
 
 
 def percentile(samples: list[float], q: float) -> float:
@@ -33,18 +28,9 @@ def percentile(samples: list[float], q: float) -> float:
 
 
 def bench_rpc(num_seqs: int, iters: int) -> dict[str, float]:
-    directory = tempfile.mkdtemp(prefix="psbench-")
-    socket = os.path.join(directory, "memory.sock")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "memory_service", "--socket", socket, "--block-size", "16",
-         "--max-num-blocks", "65536", "--log-level", "warning"],
-        cwd=ROOT, stdout=subprocess.DEVNULL,
-    )
-    try:
-        while not Path(socket).exists():
-            if proc.poll() is not None:
-                raise RuntimeError("memory service failed to start")
-            time.sleep(0.02)
+    socket = os.path.join(tempfile.mkdtemp(prefix="psbench-"), "memory.sock")
+    args = ["--socket", socket, "--block-size", "16", "--max-num-blocks", "65536", "--log-level", "warning"]
+    with ServiceProcess.launch("memory_service", args, address=f"unix:{socket}", ready_timeout_s=60):
         layout = KvLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32", block_size=16)
         with MemoryClient(f"unix:{socket}", layout, "bench") as client:
             client.step([AllocateOp(f"s{i}", list(range(100 + i)), 1 << 20) for i in range(num_seqs)])
@@ -60,9 +46,6 @@ def bench_rpc(num_seqs: int, iters: int) -> dict[str, float]:
                     step_us.append((t1 - t0) * 1e6)
                     noop_us.append((t2 - t1) * 1e6)
             client.step([FreeOp(f"s{i}") for i in range(num_seqs)])
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
     return {
         "rpc_step_p50_us": statistics.median(step_us),
         "rpc_step_p99_us": percentile(step_us, 0.99),

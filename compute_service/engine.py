@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from memory_service.client import MemoryClient
+from memory_service.api import MemoryClient, cache_namespace
 from pagedserve.log import get_logger
 
 from compute_service.config import EngineConfig
@@ -122,7 +122,7 @@ class Engine:
             prompt_token_ids=request.prompt_token_ids,
             params=request.params,
             priority=request.priority,
-            cache_namespace=f"{self.model_config.name}|{request.cache_salt}",
+            cache_namespace=cache_namespace(self.model_config.name, request.cache_salt),
             index=index,
             generator=generator,
         )

@@ -5,19 +5,16 @@ from __future__ import annotations
 import itertools
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
-import time
 from collections.abc import Sequence as Seq
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from memory_service.client import MemoryClient
-from memory_service.pool import KvLayout
+from memory_service.api import BlockManagerStats, KvLayout, MemoryClient
 from pagedserve.dtypes import dtype_name
+from pagedserve.process import ServiceProcess
 
 from compute_service.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from compute_service.engine import Engine
@@ -28,40 +25,40 @@ from compute_service.sampling_params import SamplingParams
 
 
 class MemoryServiceProcess:
-    """A private ``python -m memory_service`` child on a socket in a fresh 0700 directory."""
+    """A private ``python -m memory_service`` child on a socket in a fresh 0700 directory.
+
+    Leaves nothing behind: a start that fails (or is interrupted, KeyboardInterrupt included)
+    stops the child and removes the directory before raising, and the child gets SIGTERM when
+    this process dies, even by SIGKILL (``--parent-pid``: the service sets its parent-death signal).
+    """
 
     def __init__(self, config: EngineConfig, device: str) -> None:
         self.directory = tempfile.mkdtemp(prefix="pagedserve-")
         self.socket = os.path.join(self.directory, "memory.sock")
-        cmd = [sys.executable, "-m", "memory_service", "--socket", self.socket, "--device", device,
-               "--block-size", str(config.block_size),
-               "--enable-prefix-caching", str(config.enable_prefix_caching).lower(),
-               "--memory-utilization-threshold", str(config.memory_utilization_threshold),
-               "--reserved-fraction", str(config.reserved_fraction),
-               "--reserved-min-priority", str(config.reserved_min_priority), "--log-level", "warning"]
+        args = ["--socket", self.socket, "--device", device,
+                "--block-size", str(config.block_size),
+                "--enable-prefix-caching", str(config.enable_prefix_caching).lower(),
+                "--memory-utilization-threshold", str(config.memory_utilization_threshold),
+                "--reserved-fraction", str(config.reserved_fraction),
+                "--reserved-min-priority", str(config.reserved_min_priority), "--log-level", "warning",
+                "--parent-pid", str(os.getpid())]  # the service ties itself to us (see its --help)
         if config.max_num_blocks is not None:
-            cmd += ["--max-num-blocks", str(config.max_num_blocks)]
+            args += ["--max-num-blocks", str(config.max_num_blocks)]
         kv_bytes = config.kv_cache_bytes or (DEFAULT_CPU_KV_CACHE_BYTES if device == "cpu" else None)
         if kv_bytes is not None and config.max_num_blocks is None:
-            cmd += ["--kv-cache-bytes", str(kv_bytes)]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
-        deadline = time.monotonic() + 60
-        while not Path(self.socket).exists():
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"memory service exited with status {self.proc.returncode} at start")
-            if time.monotonic() > deadline:
-                self.close()
-                raise RuntimeError("memory service did not start within 60 s")
-            time.sleep(0.02)
+            args += ["--kv-cache-bytes", str(kv_bytes)]
+        try:
+            # Its output goes to a log beside the socket (quoted when the start fails), not to the
+            # owner's stdout.
+            self.process = ServiceProcess.launch("memory_service", args, address=f"unix:{self.socket}",
+                                                 ready_timeout_s=60, die_with_parent=False,
+                                                 log_file=os.path.join(self.directory, "memory_service.log"))
+        except BaseException:
+            shutil.rmtree(self.directory, ignore_errors=True)
+            raise
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        self.process.stop()
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
@@ -158,8 +155,8 @@ class LLM:
             ids = ids["input_ids"]
         return self.generate([list(ids)], sampling_params, **kwargs)[0]
 
-    def memory_stats(self) -> Any:
-        """The memory service's Stats reply (blocks per pool, utilisation, prefix-cache hits, ...)."""
+    def memory_stats(self) -> BlockManagerStats:
+        """The memory service's statistics (blocks per pool, utilisation, prefix-cache hits, ...)."""
         return self._memory.stats()
 
     def close(self) -> None:

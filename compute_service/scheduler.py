@@ -19,7 +19,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from memory_service.block_manager import AllocateOp, AppendOp, ForkOp, FreeOp, OpResult
+from memory_service.api import AllocateOp, AppendOp, ForkOp, FreeOp, OpResult
 from pagedserve.log import get_logger
 
 from compute_service.config import EngineConfig

@@ -25,8 +25,7 @@ from pagedserve.errors import UnavailableError
 from pagedserve.log import get_logger
 from pagedserve.process import check_health
 
-from memory_service.client import MemoryClient
-from memory_service.pool import KvLayout
+from memory_service.api import KvLayout, MemoryClient
 
 from compute_service.config import ComputeServiceConfig, EngineConfig
 from compute_service.engine import Engine

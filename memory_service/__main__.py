@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import signal
 import sys
-import threading
 
 from pagedserve.config import add_config_file_flag, config_from_args
+from pagedserve.errors import PreconditionError
 from pagedserve.log import configure_logging
+from pagedserve.process import _die_with_parent
 
 from memory_service.config import MemoryServiceConfig
 
@@ -42,27 +44,50 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", help="cpu or cuda[:N] (default cpu)")
     p.add_argument("--lease-ttl-s", dest="lease_ttl_s", type=float, help="seconds of silence before a client's lease expires")
     p.add_argument("--metrics-port", dest="metrics_port", type=int, help="serve Prometheus metrics on this port")
+    p.add_argument(
+        "--metrics-host", dest="metrics_host",
+        help="bind address of the metrics server (default 127.0.0.1; it has no authentication)",
+    )
+    p.add_argument("--max-clients", dest="max_clients", type=int, help="clients attached at once (default 64)")
     p.add_argument("--log-level", dest="log_level", help="debug, info, warning, error")
+    p.add_argument(
+        "--parent-pid", dest="parent_pid", type=int,
+        help="exit (SIGTERM) when this process dies, even by SIGKILL: for a private service of one owner",
+    )
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.parent_pid is not None:
+        # Set here, in the service itself, rather than by a preexec_fn in the parent: a preexec_fn
+        # forces a plain fork(), and gRPC's fork handlers in a parent with live channels then
+        # start a poller thread in the pre-exec child that aborts it now and then (SIGABRT).
+        _die_with_parent(args.parent_pid)
     try:
         config = config_from_args(MemoryServiceConfig, args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     configure_logging(config.log_level)
+    try:
+        return asyncio.run(_serve(config))
+    except PreconditionError as exc:  # an unsafe or taken socket path, found before serving
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+async def _serve(config: MemoryServiceConfig) -> int:
     from memory_service.server import start
 
-    service = start(config)
-    stop = threading.Event()
+    service = await start(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        loop.add_signal_handler(sig, stop.set)
     print(f"memory service listening on {', '.join(service.addresses)}", flush=True)
-    stop.wait()
-    service.stop()
+    await stop.wait()
+    await service.stop()
     return 0
 
 

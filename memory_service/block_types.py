@@ -6,6 +6,7 @@ block manager's logic, and the logic module stays short.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -118,6 +119,24 @@ class ForkOp:
 
 
 Op = AllocateOp | AppendOp | FreeOp | ForkOp
+
+
+def cache_namespace(model_name: str, cache_salt: str = "") -> str:
+    """The prefix-cache namespace of a model and a request's cache_salt, for ``AllocateOp.namespace``.
+
+    Unambiguous: the model name is length-prefixed, so no ``(model, salt)`` pair reads as another
+    (``"m|a" + "b"`` vs ``"m" + "a|b"``). Bounded: the salt, which users choose, is hashed, so a long
+    one costs the memory service nothing.
+
+    Args:
+        model_name: the served model's name.
+        cache_salt: the request's salt ("" = none).
+
+    Returns:
+        ``"<len>:<model_name>|<salt digest or empty>"``.
+    """
+    salt = hashlib.sha256(cache_salt.encode("utf-8", "surrogatepass")).hexdigest()[:32] if cache_salt else ""
+    return f"{len(model_name)}:{model_name}|{salt}"
 
 
 # Not frozen, unlike the ops: one is built per op on the hot path and a frozen dataclass takes ~3x

@@ -12,12 +12,22 @@ from typing import NamedTuple
 
 import grpc
 
+from pagedserve.errors import UnavailableError
 from pagedserve.memory.v1 import memory_pb2 as pb
 from pagedserve.memory.v1 import memory_pb2_grpc
 
 from memory_service import convert
-from memory_service.block_manager import AppendOp, OpResult
-from memory_service.pool import KvLayout, MappedPool
+from memory_service.block_types import AppendOp, BlockManagerStats, Op, OpResult
+from memory_service.mapped_pool import MappedPool
+from memory_service.pool import KvLayout
+
+# Status codes that mean "the service (or this client's lease there) is gone", not "bad request".
+_GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.FAILED_PRECONDITION)
+
+
+class MemoryServiceUnavailable(UnavailableError):
+    """The memory service cannot be reached, or no longer knows this client (it restarted, or the
+    lease expired). The client is unusable: close it and attach a new one when the service is back."""
 
 
 class StepResult(NamedTuple):
@@ -36,45 +46,112 @@ def channel_target(socket: str | None = None, address: str | None = None) -> str
 
 
 class MemoryClient:
-    """One attached client: ``step(ops)`` per scheduler step, ``pool`` is the mapped KV tensor.
+    """One attached client: ``step_with_counts(ops)`` per scheduler step; ``pool`` is the mapped KV tensor.
+
+    Synchronous and meant for one owner thread (the engine loop); a background thread holds the
+    KeepAlive stream and reopens it when it ends for a transient reason.
+
+    Losing the memory service: ``step``/``step_with_counts`` raise ``MemoryServiceUnavailable`` when
+    the service does not answer within ``step_timeout_s``, is down, or no longer knows this client
+    (it restarted with a new pool, or the lease expired after the KeepAlive stream was down for
+    longer than the lease TTL). ``is_connected`` turns False as soon as the KeepAlive thread sees the
+    stream fail, so an owner can also poll it between steps. Either way the owner should report
+    itself unhealthy, fail its in-flight requests, ``close()`` this client and attach a new one (a
+    new pool mapping) once the service answers again; a client whose lease is lost never recovers.
+
+    Every step also tells the service that the K/V of the previous step's tokens is written (commit
+    before share; ``commit()`` when there is no next step).
 
     Args:
         target: gRPC target ("unix:/path" or "host:port").
         layout: the KV layout the model needs.
         client_name: name for the service's logs and stats.
         connect_timeout_s: how long to wait for the service to answer.
+        step_timeout_s: deadline of each Step call.
     """
 
-    def __init__(self, target: str, layout: KvLayout, client_name: str = "compute", connect_timeout_s: float = 30.0) -> None:
+    def __init__(self, target: str, layout: KvLayout, client_name: str = "compute", connect_timeout_s: float = 30.0,
+                 step_timeout_s: float = 30.0) -> None:
         self._channel = grpc.insecure_channel(target)
-        grpc.channel_ready_future(self._channel).result(timeout=connect_timeout_s)
-        self._stub = memory_pb2_grpc.MemoryManagerStub(self._channel)
-        reply = self._stub.Attach(pb.AttachRequest(client_name=client_name, layout=convert.layout_to_pb(layout)))
+        self._closed = threading.Event()
+        self._lease_lost = False
+        self._stream_ok = True
+        self._step_timeout_s = step_timeout_s
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=connect_timeout_s)
+            self._stub = memory_pb2_grpc.MemoryManagerStub(self._channel)
+            reply = self._stub.Attach(
+                pb.AttachRequest(client_name=client_name, layout=convert.layout_to_pb(layout)), timeout=connect_timeout_s
+            )
+        except BaseException:
+            self._channel.close()
+            raise
         self.client_id = reply.client_id
         self.num_blocks = reply.num_blocks
         self.block_size = reply.block_size
         self.num_reserved_blocks = reply.num_reserved_blocks
         self.reserved_min_priority = reply.reserved_min_priority
-        self._mapped = MappedPool(convert.descriptor_from_pb(reply.pool))
-        self.pool = self._mapped.tensor  # (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
-        self._keepalive = self._stub.KeepAlive(pb.KeepAliveRequest(client_id=self.client_id))
-        self._keepalive_thread = threading.Thread(target=self._drain_keepalive, name="memory-keepalive", daemon=True)
-        self._keepalive_thread.start()
-        self._closed = False
-
-    def _drain_keepalive(self) -> None:
+        self.lease_ttl_s = reply.lease_ttl_s
         try:
-            for _ in self._keepalive:
-                pass
-        except grpc.RpcError:
-            pass  # cancelled on close, or the service went away; the next step() reports the latter
+            self._mapped = MappedPool(convert.descriptor_from_pb(reply.pool), layout, reply.num_blocks)
+        except BaseException:
+            self._detach()
+            self._channel.close()
+            raise
+        self.pool = self._mapped.tensor  # (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+        self._keepalive_call: grpc.Future | None = None
+        self._keepalive_lock = threading.Lock()
+        self._keepalive_thread = threading.Thread(target=self._keep_alive, name="memory-keepalive", daemon=True)
+        self._keepalive_thread.start()
 
-    def step(self, ops: Sequence) -> list[OpResult]:
+    # --- lease ------------------------------------------------------------------------------
+
+    @property
+    def is_connected(self) -> bool:
+        """False once the KeepAlive stream has failed (until it reopens), or for good once the lease
+        is lost or the client closed. A step may still raise ``MemoryServiceUnavailable`` while True."""
+        return self._stream_ok and not self._lease_lost and not self._closed.is_set()
+
+    def _keep_alive(self) -> None:
+        """Holds a KeepAlive stream open; reopens it after a transient end, with backoff."""
+        backoff_s = 0.05
+        while not self._closed.is_set():
+            with self._keepalive_lock:
+                if self._closed.is_set():
+                    return
+                call = self._stub.KeepAlive(pb.KeepAliveRequest(client_id=self.client_id))
+                self._keepalive_call = call
+            try:
+                for _ in call:
+                    self._stream_ok = True
+                    backoff_s = 0.05
+            except grpc.RpcError as exc:
+                if self._closed.is_set():
+                    return
+                if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    self._lease_lost = True  # the service no longer knows us: only a new attach helps
+                    return
+                self._stream_ok = exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+            # Ended (the server stopping, a proxy, a cancelled call): reopen unless closing.
+            if self._closed.wait(backoff_s):
+                return
+            backoff_s = min(backoff_s * 2, 1.0)
+
+    # --- steps ------------------------------------------------------------------------------
+
+    def step(self, ops: Sequence[Op]) -> list[OpResult]:
         """Apply ops in one RPC; one result per op (``ok=False`` = out of blocks for that op)."""
         return self.step_with_counts(ops).results
 
-    def step_with_counts(self, ops: Sequence) -> StepResult:
-        """Like ``step``, plus the available block counts after it (what the scheduler plans with)."""
+    def step_with_counts(self, ops: Sequence[Op]) -> StepResult:
+        """Like ``step``, plus the available block counts after it (what the scheduler plans with).
+
+        Raises:
+            MemoryServiceUnavailable: see the class docstring.
+            grpc.RpcError: INVALID_ARGUMENT for a bad batch (a caller bug; nothing was applied).
+        """
+        if self._lease_lost:
+            raise MemoryServiceUnavailable(f"the memory service no longer knows client {self.client_id}: attach again")
         # Pack the longest run of appends (the running sequences' growth) into an AppendBatch;
         # the ops before it travel as ops, those after it as late_ops, so the order is kept.
         first = next((i for i, op in enumerate(ops) if isinstance(op, AppendOp)), len(ops))
@@ -87,30 +164,57 @@ class MemoryClient:
             appends=convert.appends_to_pb(list(ops[first:end])),
             late_ops=[convert.op_to_pb(op) for op in ops[end:]],
         )
-        reply = self._stub.Step(request)
+        reply = self._call(self._stub.Step, request)
         results = [convert.result_from_pb(r) for r in reply.results]
         results[first:first] = convert.append_results_from_pb(reply.append_results)
         return StepResult(results, reply.num_available_blocks, reply.num_available_reserved_blocks)
 
-    def block_table(self, seq_id: str) -> list[int]:
-        return list(self._stub.GetBlockTable(pb.GetBlockTableRequest(client_id=self.client_id, seq_id=seq_id)).block_ids)
+    def commit(self) -> None:
+        """Tells the service that the K/V of the last step is written (an empty Step), so other
+        clients may share the blocks it filled. Steps do this by themselves for the step before."""
+        self.step_with_counts([])
 
-    def stats(self) -> pb.StatsResponse:
-        return self._stub.Stats(pb.StatsRequest())
+    def block_table(self, seq_id: str) -> list[int]:
+        """The whole block table of one of this client's sequences."""
+        request = pb.GetBlockTableRequest(client_id=self.client_id, seq_id=seq_id)
+        return list(self._call(self._stub.GetBlockTable, request).block_ids)
+
+    def stats(self) -> BlockManagerStats:
+        """The service's block, cache and client statistics."""
+        return convert.stats_from_pb(self._call(self._stub.Stats, pb.StatsRequest()))
 
     def ping(self) -> None:
         self._stub.Ping(pb.PingRequest())
 
-    def close(self) -> None:
-        """Detach (freeing this client's sequences) and drop the mapping."""
-        if self._closed:
-            return
-        self._closed = True
+    def _call(self, method: grpc.UnaryUnaryMultiCallable, request: object) -> object:
+        try:
+            return method(request, timeout=self._step_timeout_s)
+        except grpc.RpcError as exc:
+            if exc.code() not in _GONE:
+                raise
+            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                self._lease_lost = True
+            raise MemoryServiceUnavailable(f"memory service: {exc.code().name}: {exc.details()}") from exc
+
+    # --- end --------------------------------------------------------------------------------
+
+    def _detach(self) -> None:
         try:
             self._stub.Detach(pb.DetachRequest(client_id=self.client_id), timeout=5)
         except grpc.RpcError:
             pass  # the service is gone or already expired the lease: nothing left to free
-        self._keepalive.cancel()
+
+    def close(self) -> None:
+        """Detach (freeing this client's sequences) and drop the mapping."""
+        if self._closed.is_set():
+            return
+        with self._keepalive_lock:
+            self._closed.set()
+            if self._keepalive_call is not None:
+                self._keepalive_call.cancel()
+        if not self._lease_lost:
+            self._detach()
+        self._keepalive_thread.join(timeout=5)
         self._mapped.close()
         self.pool = None
         self._channel.close()

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+# Most blocks a pool may have. Every block costs the service metadata (~100 bytes) whatever its
+# size, so a layout of tiny blocks must not turn a byte budget into millions of records; 2**20
+# blocks of 16 tokens hold 16M tokens, beyond any single device's KV cache today.
+MAX_NUM_BLOCKS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -26,13 +32,15 @@ class MemoryServiceConfig:
     device: str = "cpu"  # "cpu" or "cuda" / "cuda:N"
     lease_ttl_s: float = 30.0
     metrics_port: int | None = None  # Prometheus /metrics over HTTP when set
+    metrics_host: str = "127.0.0.1"  # the metrics server's bind address (no auth: keep it local)
+    max_clients: int = 64  # attached clients at once (each compute service is one)
     log_level: str = "info"
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size > 1024:
             raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
-        if self.max_num_blocks is not None and self.max_num_blocks < 1:
-            raise ValueError(f"max_num_blocks must be >= 1, got {self.max_num_blocks}")
+        if self.max_num_blocks is not None and not 1 <= self.max_num_blocks <= MAX_NUM_BLOCKS:
+            raise ValueError(f"max_num_blocks must be in [1, {MAX_NUM_BLOCKS}], got {self.max_num_blocks}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
             raise ValueError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
         if not 0.0 < self.memory_utilization_threshold <= 1.0:
@@ -41,9 +49,11 @@ class MemoryServiceConfig:
             )
         if not 0.0 <= self.reserved_fraction < 1.0:
             raise ValueError(f"reserved_fraction must be in [0, 1), got {self.reserved_fraction}")
-        if self.lease_ttl_s <= 0:
-            raise ValueError(f"lease_ttl_s must be > 0, got {self.lease_ttl_s}")
+        if not (math.isfinite(self.lease_ttl_s) and self.lease_ttl_s > 0):
+            raise ValueError(f"lease_ttl_s must be a finite number > 0, got {self.lease_ttl_s}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.max_clients < 1:
+            raise ValueError(f"max_clients must be >= 1, got {self.max_clients}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be a TCP port, got {self.metrics_port}")

@@ -4,10 +4,17 @@ from __future__ import annotations
 
 from pagedserve.memory.v1 import memory_pb2 as pb
 
-from memory_service.block_manager import AllocateOp, AppendOp, ForkOp, FreeOp, OpResult
-from memory_service.pool import KvLayout, PoolDescriptor
-
-Op = AllocateOp | AppendOp | FreeOp | ForkOp
+from memory_service.block_types import (
+    AllocateOp,
+    AppendOp,
+    BlockManagerStats,
+    ForkOp,
+    FreeOp,
+    Op,
+    OpResult,
+    PoolStats,
+)
+from memory_service.pool import CudaIpcHandle, KvLayout, PoolDescriptor
 
 
 def layout_from_pb(msg: pb.KvLayout, default_block_size: int) -> KvLayout:
@@ -35,18 +42,87 @@ def descriptor_to_pb(desc: PoolDescriptor) -> pb.PoolDescriptor:
     if desc.shm_name is not None:
         msg.shm_name = desc.shm_name
     else:
-        msg.cuda_ipc_handle = desc.cuda_ipc_handle
+        ipc = desc.cuda_ipc
+        msg.cuda_ipc.CopyFrom(
+            pb.CudaIpcHandle(
+                device_index=ipc.device_index,
+                storage_handle=ipc.storage_handle,
+                storage_size_bytes=ipc.storage_size_bytes,
+                storage_offset_bytes=ipc.storage_offset_bytes,
+                ref_counter_handle=ipc.ref_counter_handle,
+                ref_counter_offset=ipc.ref_counter_offset,
+                event_handle=ipc.event_handle,
+                event_sync_required=ipc.event_sync_required,
+            )
+        )
     return msg
 
 
 def descriptor_from_pb(msg: pb.PoolDescriptor) -> PoolDescriptor:
+    """The descriptor as sent; ``mapped_pool.check_descriptor`` decides whether to trust it."""
     which = msg.WhichOneof("handle")
+    ipc = None
+    if which == "cuda_ipc":
+        c = msg.cuda_ipc
+        ipc = CudaIpcHandle(
+            device_index=c.device_index,
+            storage_handle=c.storage_handle,
+            storage_size_bytes=c.storage_size_bytes,
+            storage_offset_bytes=c.storage_offset_bytes,
+            ref_counter_handle=c.ref_counter_handle,
+            ref_counter_offset=c.ref_counter_offset,
+            event_handle=c.event_handle,
+            event_sync_required=c.event_sync_required,
+        )
     return PoolDescriptor(
         shape=tuple(msg.shape),
         dtype=msg.dtype,
         device=msg.device,
         shm_name=msg.shm_name if which == "shm_name" else None,
-        cuda_ipc_handle=msg.cuda_ipc_handle if which == "cuda_ipc_handle" else None,
+        cuda_ipc=ipc,
+    )
+
+
+def stats_to_pb(stats: BlockManagerStats) -> pb.StatsResponse:
+    return pb.StatsResponse(
+        pools=[
+            pb.PoolStats(
+                name=p.name,
+                num_total_blocks=p.num_total_blocks,
+                num_free_blocks=p.num_free_blocks,
+                num_cached_blocks=p.num_cached_blocks,
+                num_used_blocks=p.num_used_blocks,
+            )
+            for p in stats.pools
+        ],
+        kv_utilization=stats.kv_utilization,
+        fragmentation=stats.fragmentation,
+        prefix_cache_queries=stats.prefix_cache_queries,
+        prefix_cache_hits=stats.prefix_cache_hits,
+        num_evictions=stats.num_evictions,
+        num_copy_on_writes=stats.num_copy_on_writes,
+        num_sequences=stats.num_sequences,
+        num_clients=stats.num_clients,
+        block_size=stats.block_size,
+    )
+
+
+def stats_from_pb(msg: pb.StatsResponse) -> BlockManagerStats:
+    pools = tuple(
+        PoolStats(p.name, p.num_total_blocks, p.num_free_blocks, p.num_cached_blocks, p.num_used_blocks)
+        for p in msg.pools
+    )
+    return BlockManagerStats(
+        pools=pools,
+        kv_utilization=msg.kv_utilization,
+        fragmentation=msg.fragmentation,
+        prefix_cache_queries=msg.prefix_cache_queries,
+        prefix_cache_hits=msg.prefix_cache_hits,
+        num_evictions=msg.num_evictions,
+        num_copy_on_writes=msg.num_copy_on_writes,
+        num_sequences=msg.num_sequences,
+        num_clients=msg.num_clients,
+        block_size=msg.block_size,
     )
 
 

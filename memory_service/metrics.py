@@ -2,23 +2,26 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from memory_service.servicer import MemoryManagerServicer
+from memory_service.block_types import BlockManagerStats
 
 
 class MemoryStatsCollector(Collector):
-    """Exposes the same figures as the Stats RPC under ``pagedserve_memory_*``."""
+    """Exposes the same figures as the Stats RPC under ``pagedserve_memory_*``.
 
-    def __init__(self, servicer: MemoryManagerServicer) -> None:
-        self._servicer = servicer
+    Args:
+        stats: returns a snapshot; called from the metrics server's thread at each scrape.
+    """
+
+    def __init__(self, stats: Callable[[], BlockManagerStats]) -> None:
+        self._stats = stats
 
     def collect(self) -> Iterator:
-        with self._servicer._lock:
-            s = self._servicer.stats_pb()
+        s = self._stats()
         blocks = GaugeMetricFamily("pagedserve_memory_blocks", "KV blocks by pool and state", labels=["pool", "state"])
         for p in s.pools:
             blocks.add_metric([p.name, "total"], p.num_total_blocks)

@@ -1,25 +1,40 @@
 """The KV pool: one allocation holding every layer's K and V blocks, shared with the compute side.
 
 Layout (fixed, see docs/design.md): ``(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)``.
-CPU: POSIX shared memory that the compute process maps by name. CUDA: one device allocation whose
-torch CUDA IPC handle the compute process opens (same device). Either way both processes index the
-very same bytes, and the pool outlives any compute service that attached to it.
+CPU: POSIX shared memory (``/dev/shm/pagedserve-kv-<pid>-<random>``) that the compute process maps
+by name. CUDA: one device allocation whose CUDA IPC handle the compute process opens (same device).
+Either way both processes index the very same bytes, and the pool outlives any compute service
+that attached to it.
+
+This module is the service's side; ``mapped_pool`` is the client's, which trusts nothing it is sent.
+
+Stale segments. The service unlinks its segment when it stops. Killed (SIGKILL, or its whole
+process group), it cannot, so it holds a shared ``flock`` on the segment for its life: the kernel
+drops the lock when the process dies, however it dies. At start, ``remove_stale_segments`` unlinks
+this user's segments that nobody holds locked (and whose creator pid is not running).
 """
 
 from __future__ import annotations
 
+import fcntl
 import math
+import mmap
 import os
-import pickle
+import re
 import secrets
 from dataclasses import dataclass
-from multiprocessing import shared_memory
 from pathlib import Path
 from typing import Protocol
 
 import torch
 
 from pagedserve.dtypes import DTYPES
+from pagedserve.errors import PreconditionError
+
+SHM_DIR = Path("/dev/shm")
+SHM_PREFIX = "pagedserve-kv-"
+# <prefix><creator pid>-<16 hex digits>: nothing else is ever mapped (no slashes, no dots).
+SHM_NAME_PATTERN = re.compile(re.escape(SHM_PREFIX) + r"[0-9]{1,10}-[0-9a-f]{16}")
 
 
 @dataclass(frozen=True)
@@ -50,6 +65,23 @@ class KvLayout:
 
 
 @dataclass(frozen=True)
+class CudaIpcHandle:
+    """The fields of a torch CUDA IPC export of one allocation (mirrors memory.v1.CudaIpcHandle).
+
+    Sent as plain fields, never pickled: a pickle from the wire would run the sender's code.
+    """
+
+    device_index: int
+    storage_handle: bytes
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+
+
+@dataclass(frozen=True)
 class PoolDescriptor:
     """Everything another process needs to map the pool (mirrors memory.v1.PoolDescriptor)."""
 
@@ -57,7 +89,7 @@ class PoolDescriptor:
     dtype: str
     device: str
     shm_name: str | None = None
-    cuda_ipc_handle: bytes | None = None
+    cuda_ipc: CudaIpcHandle | None = None
 
     @property
     def num_bytes(self) -> int:
@@ -77,19 +109,32 @@ class KvPool(Protocol):
 
 
 class SharedMemoryPool:
-    """POSIX shared memory (``/dev/shm/<name>``) viewed as a torch tensor; the service owns and unlinks it."""
+    """POSIX shared memory viewed as a torch tensor; the service owns it, holds its lock, unlinks it.
+
+    Not ``multiprocessing.shared_memory``: its resource tracker is a second process that unlinks
+    the segment only if it outlives the service, and the segment's lock (module docstring) needs
+    the file descriptor.
+    """
 
     def __init__(self, shape: tuple[int, ...], dtype: str) -> None:
         self._dtype = dtype
         num_bytes = math.prod(shape) * torch.empty((), dtype=DTYPES[dtype]).element_size()
-        self._shm = shared_memory.SharedMemory(
-            name=f"pagedserve-kv-{os.getpid()}-{secrets.token_hex(4)}", create=True, size=num_bytes
-        )
+        self.name = f"{SHM_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+        self._path = SHM_DIR / self.name
+        self._fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_SH)  # held for life: marks the segment as not stale
+            os.ftruncate(self._fd, num_bytes)
+            self._mmap = mmap.mmap(self._fd, num_bytes)
+        except BaseException:
+            os.close(self._fd)
+            self._path.unlink()
+            raise
         # Pages are untouched until written: creating a large pool costs no RAM up front.
-        self.tensor = torch.frombuffer(self._shm.buf, dtype=DTYPES[dtype], count=math.prod(shape)).view(shape)
+        self.tensor = torch.frombuffer(self._mmap, dtype=DTYPES[dtype], count=math.prod(shape)).view(shape)
 
     def descriptor(self) -> PoolDescriptor:
-        return PoolDescriptor(shape=tuple(self.tensor.shape), dtype=self._dtype, device="cpu", shm_name=self._shm.name)
+        return PoolDescriptor(shape=tuple(self.tensor.shape), dtype=self._dtype, device="cpu", shm_name=self.name)
 
     def copy_block(self, src: int, dst: int) -> None:
         self.tensor[:, :, dst].copy_(self.tensor[:, :, src])
@@ -97,10 +142,11 @@ class SharedMemoryPool:
     def close(self) -> None:
         del self.tensor  # release the exported buffer before closing the mapping
         try:
-            self._shm.close()
+            self._mmap.close()
         except BufferError:
             pass  # a view is still alive somewhere in this process; the unlink below still frees the name
-        self._shm.unlink()
+        self._path.unlink(missing_ok=True)
+        os.close(self._fd)
 
 
 class CudaPool:
@@ -111,15 +157,21 @@ class CudaPool:
         self.tensor = torch.zeros(shape, dtype=DTYPES[dtype], device=device)
 
     def descriptor(self) -> PoolDescriptor:
-        from torch.multiprocessing.reductions import reduce_tensor
-
-        rebuild, args = reduce_tensor(self.tensor)
-        return PoolDescriptor(
-            shape=tuple(self.tensor.shape),
-            dtype=self._dtype,
-            device=str(self.tensor.device),
-            cuda_ipc_handle=pickle.dumps((rebuild, args)),
+        storage = self.tensor._typed_storage()
+        (device_index, handle, size_bytes, offset_bytes, ref_handle, ref_offset, event_handle, event_sync) = (
+            storage._share_cuda_()
         )
+        ipc = CudaIpcHandle(
+            device_index=int(device_index),
+            storage_handle=bytes(handle),
+            storage_size_bytes=int(size_bytes),
+            storage_offset_bytes=int(offset_bytes),
+            ref_counter_handle=bytes(ref_handle),
+            ref_counter_offset=int(ref_offset),
+            event_handle=bytes(event_handle) if event_handle else b"",
+            event_sync_required=bool(event_sync),
+        )
+        return PoolDescriptor(shape=tuple(self.tensor.shape), dtype=self._dtype, device=str(self.tensor.device), cuda_ipc=ipc)
 
     def copy_block(self, src: int, dst: int) -> None:
         self.tensor[:, :, dst].copy_(self.tensor[:, :, src])
@@ -145,27 +197,65 @@ def free_device_bytes(device: str) -> int:
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemAvailable:"):
             available = int(line.split()[1]) * 1024
-    stat = os.statvfs("/dev/shm")
-    return min(available, stat.f_bavail * stat.f_frsize)
+    return min(available, shm_free_bytes())
 
 
-class MappedPool:
-    """The compute side's view of a pool: maps a descriptor, unmaps on close."""
+def shm_free_bytes() -> int:
+    """Bytes still free in /dev/shm (a tmpfs: a segment larger than this SIGBUSes when written)."""
+    stat = os.statvfs(SHM_DIR)
+    return stat.f_bavail * stat.f_frsize
 
-    def __init__(self, descriptor: PoolDescriptor) -> None:
-        dtype = DTYPES[descriptor.dtype]
-        numel = math.prod(descriptor.shape)
-        if descriptor.shm_name is not None:
-            # torch maps the shm file MAP_SHARED; unlike multiprocessing.SharedMemory it does not
-            # register the name with a resource tracker that would unlink the service's pool when
-            # this process exits.
-            path = f"/dev/shm/{descriptor.shm_name.lstrip('/')}"
-            self.tensor = torch.from_file(path, shared=True, size=numel, dtype=dtype).view(descriptor.shape)
-        elif descriptor.cuda_ipc_handle is not None:
-            rebuild, args = pickle.loads(descriptor.cuda_ipc_handle)
-            self.tensor = rebuild(*args)
-        else:
-            raise ValueError("pool descriptor has neither shm_name nor cuda_ipc_handle")
 
-    def close(self) -> None:
-        self.tensor = None  # type: ignore[assignment]
+def check_shm_space(num_bytes: int) -> None:
+    """Refuses a pool that /dev/shm cannot hold: its pages are only claimed when first written.
+
+    Raises:
+        PreconditionError: naming both sizes and the flags that change them.
+    """
+    free = shm_free_bytes()
+    if num_bytes > free:
+        raise PreconditionError(
+            f"the KV pool needs {num_bytes} bytes of /dev/shm but only {free} are free: "
+            "lower --max-num-blocks or --kv-cache-bytes, or enlarge /dev/shm"
+        )
+
+
+def _pid_is_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
+def remove_stale_segments() -> int:
+    """Unlinks this user's pool segments whose service is gone (module docstring).
+
+    Returns:
+        How many segments were removed.
+    """
+    num_removed = 0
+    for path in SHM_DIR.glob(f"{SHM_PREFIX}*"):
+        if not SHM_NAME_PATTERN.fullmatch(path.name):
+            continue
+        pid = int(path.name[len(SHM_PREFIX) :].split("-")[0])
+        if pid == os.getpid() or _pid_is_running(pid):
+            continue  # also covers a live service between creating its segment and locking it
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue  # gone meanwhile, or not ours to open
+        try:
+            if os.fstat(fd).st_uid != os.getuid():
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # a live service (in another pid namespace) holds it
+            path.unlink(missing_ok=True)
+            num_removed += 1
+        finally:
+            os.close(fd)
+    return num_removed

@@ -1,4 +1,4 @@
-"""Start the memory service: gRPC over a Unix socket (TCP only when asked), health, reflection, metrics."""
+"""Start the memory service: grpc.aio over a Unix socket (TCP only when asked), health, reflection, metrics."""
 
 from __future__ import annotations
 
@@ -7,12 +7,13 @@ from dataclasses import dataclass
 import grpc
 from prometheus_client import CollectorRegistry, start_http_server
 
-from pagedserve import rpc
+from pagedserve import rpc, sockets
 from pagedserve.log import get_logger
 from pagedserve.memory.v1 import memory_pb2, memory_pb2_grpc
 
 from memory_service.config import MemoryServiceConfig
 from memory_service.metrics import MemoryStatsCollector
+from memory_service.pool import remove_stale_segments
 from memory_service.servicer import MemoryManagerServicer
 
 log = get_logger("memory_service")
@@ -22,33 +23,45 @@ SERVICE_NAME = memory_pb2.DESCRIPTOR.services_by_name["MemoryManager"].full_name
 
 @dataclass
 class RunningMemoryService:
-    server: grpc.Server
+    server: grpc.aio.Server
     servicer: MemoryManagerServicer
     addresses: list[str]
+    health: rpc.AioHealth
 
-    def stop(self, grace: float | None = 1.0) -> None:
-        self.server.stop(grace).wait()
-        self.servicer.close()
+    async def stop(self, grace: float | None = 1.0) -> None:
+        """NOT_SERVING, end the streams, stop the server, free the pool."""
+        await self.health.shut_down()
+        await self.servicer.close()  # ends KeepAlive streams, so the grace period is not spent on them
+        await self.server.stop(grace)
 
 
-def start(config: MemoryServiceConfig) -> RunningMemoryService:
-    """Start serving; returns at once. The caller stops it with ``.stop()``."""
+async def start(config: MemoryServiceConfig) -> RunningMemoryService:
+    """Starts serving on the running event loop; returns at once. The caller stops it with ``await .stop()``.
+
+    Raises:
+        PreconditionError: the socket path is unsafe or a live service answers there.
+    """
+    num_removed = remove_stale_segments()
+    if num_removed:
+        log.info("stale_segments_removed", num_segments=num_removed)
     servicer = MemoryManagerServicer(config)
-    server, _health = rpc.create_server(
+    server, health = rpc.create_aio_server(
         [lambda s: memory_pb2_grpc.add_MemoryManagerServicer_to_server(servicer, s)], [SERVICE_NAME]
     )
     addresses = []
-    socket = config.socket if config.socket is not None or config.address is not None else rpc.default_socket_path()
+    socket = config.socket if config.socket is not None or config.address is not None else sockets.default_socket_path()
     if socket is not None:
-        addresses.append(rpc.bind(server, f"unix:{socket}"))
+        addresses.append(sockets.bind(server, f"unix:{socket}"))
     if config.address is not None:
-        addresses.append(rpc.bind(server, config.address))
-    server.start()
+        addresses.append(sockets.bind(server, config.address))
+    with sockets.owner_only_umask():
+        await server.start()
     for address in addresses:
-        rpc.secure_socket(address)
+        sockets.secure_socket(address)
+    servicer.start()
     if config.metrics_port is not None:
         registry = CollectorRegistry()
-        registry.register(MemoryStatsCollector(servicer))
-        start_http_server(config.metrics_port, registry=registry)
+        registry.register(MemoryStatsCollector(servicer.stats))
+        start_http_server(config.metrics_port, addr=config.metrics_host, registry=registry)
     log.info("memory_service_started", addresses=addresses, metrics_port=config.metrics_port)
-    return RunningMemoryService(server=server, servicer=servicer, addresses=addresses)
+    return RunningMemoryService(server=server, servicer=servicer, addresses=addresses, health=health)

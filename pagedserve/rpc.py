@@ -7,10 +7,8 @@ with its traceback and answered INTERNAL, and the server keeps serving.
 
 from __future__ import annotations
 
-import os
 from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent import futures
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -264,38 +262,6 @@ def _message_options(max_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]
     return [("grpc.max_receive_message_length", max_bytes), ("grpc.max_send_message_length", max_bytes)]
 
 
-# --- addresses ------------------------------------------------------------------------------------
+# --- addresses: moved to pagedserve.sockets (kept importable from here) --------------------------
 
-
-def bind(server: grpc.Server | grpc.aio.Server, address: str) -> str:
-    """Bind ``address`` ("unix:/path/to.sock" or "host:port") and return the bound address.
-
-    A Unix socket's directory is created private to the owner (0700) when it does not exist, and
-    the socket file itself is made 0600 once the server has started (see ``secure_socket``).
-    A TCP port of 0 picks a free port; the returned address names it.
-    """
-    if address.startswith("unix:"):
-        path = Path(address[len("unix:"):])
-        if path.parent != Path("/") and not path.parent.exists():
-            path.parent.mkdir(parents=True, mode=0o700)
-        if path.exists():
-            path.unlink()  # a stale socket of a previous run; binding would fail otherwise
-        server.add_insecure_port(address)
-        return address
-    port = server.add_insecure_port(address)
-    if port == 0:
-        raise ValueError(f"cannot bind address {address!r}")
-    host = address.rsplit(":", 1)[0]
-    return f"{host}:{port}"
-
-
-def secure_socket(address: str) -> None:
-    """chmod 0600 the socket file of a started server bound to a unix: address."""
-    if address.startswith("unix:"):
-        os.chmod(address[len("unix:"):], 0o600)
-
-
-def default_socket_path() -> str:
-    """Per-user private directory for the memory service's socket."""
-    runtime = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/pagedserve-{os.getuid()}"
-    return str(Path(runtime) / "memory.sock")
+from pagedserve.sockets import bind, default_socket_path, secure_socket  # noqa: E402, F401

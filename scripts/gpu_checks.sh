@@ -13,5 +13,5 @@ python -m pytest -q -p no:cacheprovider tests/kernels 2>&1 | tee "$OUT/kernel_te
 python -m benchmarks.bench_kernels 2>&1 | tee "$OUT/bench_kernels.txt" || status=1
 python -m benchmarks.bench_throughput --random-model-config 1b --device cuda --dtype bfloat16 --quick \
     2>&1 | tee "$OUT/bench_throughput.txt" || status=1
-python benchmarks/bench_memory.py 2>&1 | tee "$OUT/bench_memory.txt" || status=1
+python -m benchmarks.bench_memory 2>&1 | tee "$OUT/bench_memory.txt" || status=1
 exit $status

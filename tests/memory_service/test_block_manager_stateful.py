@@ -113,7 +113,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert block_id not in self.poisoned, f"block {block_id} of a dead writer was shared"
             for other, unacked in self.unacked.items():
                 assert other == client_id or block_id not in unacked, f"uncommitted block {block_id} was shared"
-        self.poisoned.difference_update(block_ids[num_cached_blocks:])
+        self.taken(block_ids[num_cached_blocks:])
+
+    def taken(self, block_ids: list[int]) -> None:
+        """Blocks newly taken: whatever an earlier writer left in them is overwritten."""
+        self.poisoned.difference_update(block_ids)
+        for unacked in self.unacked.values():
+            unacked.difference_update(block_ids)
 
     def check_new_blocks_pool(self, seq: ModelSequence, block_ids: list[int]) -> None:
         """Blocks a low-priority sequence takes (not shares) come from the general pool."""
@@ -200,7 +206,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             event("append: copy-on-write")
         assert result.copies == self.copies_made
         self.check_new_blocks_pool(seq, result.block_ids + [dst for _, dst in result.copies])
-        self.poisoned.difference_update(result.block_ids + [dst for _, dst in result.copies])
+        self.taken(result.block_ids + [dst for _, dst in result.copies])
         for src, dst in result.copies:
             position = seq.block_table.index(src)
             assert position == len(seq.block_table) - 1, "only the partial last block is copied"
@@ -320,7 +326,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
                     seq.block_table[seq.block_table.index(src)] = dst
                 all_copies += result.copies
                 self.check_new_blocks_pool(seq, result.block_ids + [dst for _, dst in result.copies])
-                self.poisoned.difference_update(result.block_ids + [dst for _, dst in result.copies])
+                self.taken(result.block_ids + [dst for _, dst in result.copies])
                 seq.block_table += result.block_ids
                 start = len(seq.token_ids)
                 seq.token_ids += op.token_ids

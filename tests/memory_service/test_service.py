@@ -16,11 +16,10 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from memory_service.block_manager import AllocateOp, AppendOp, ForkOp, FreeOp
-from memory_service.client import MemoryClient
+from memory_service.api import AllocateOp, AppendOp, ForkOp, FreeOp, MemoryClient
 from pagedserve.memory.v1 import memory_pb2 as pb
 from pagedserve.memory.v1 import memory_pb2_grpc
-from tests.memory_service.conftest import TINY_LAYOUT
+from tests.memory_service.conftest import TINY_LAYOUT, start_memory_service
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -112,7 +111,8 @@ def test_unknown_client_and_bad_layout(memory_service: str) -> None:
     stub = stub_for(memory_service)
     with pytest.raises(grpc.RpcError) as info:
         stub.Step(pb.StepRequest(client_id="who", ops=[]))
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "who" in info.value.details()
+    # Not attached (never, or the lease is gone): the client must attach again.
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "who" in info.value.details()
     with MemoryClient(f"unix:{memory_service}", TINY_LAYOUT, "t"):
         other = pb.KvLayout(num_layers=3, num_kv_heads=2, head_dim=4, dtype="float32", block_size=4)
         with pytest.raises(grpc.RpcError) as info:
@@ -126,16 +126,16 @@ def test_unknown_client_and_bad_layout(memory_service: str) -> None:
 
 WRITER = """
 import sys, torch
-from memory_service.block_manager import AllocateOp
-from memory_service.client import MemoryClient
-from memory_service.pool import KvLayout
+from memory_service.api import AllocateOp, KvLayout, MemoryClient
 layout = KvLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype="float32", block_size=4)
 client = MemoryClient("unix:" + sys.argv[1], layout, "writer")
-[r] = client.step([AllocateOp("w", list(range(8)), 8)])
+[r] = client.step([AllocateOp("w", list(range(8)), 8, namespace=sys.argv[3] if len(sys.argv) > 3 else "")])
 block = r.block_ids[1]
 client.pool[1, 0, block] = torch.arange(32, dtype=torch.float32).view(4, 2, 4)  # layer 1, K
+if "uncommitted" not in sys.argv[2]:
+    client.commit()
 print(block, flush=True)
-if sys.argv[2] == "hang":
+if sys.argv[2].startswith("hang"):
     sys.stdin.read()
 client.close() if sys.argv[2] == "close" else None
 """
@@ -165,9 +165,30 @@ def test_killed_client_gets_its_blocks_reclaimed(memory_service: str) -> None:
             time.sleep(0.05)
         assert used_blocks(observer) == 0
         assert observer.stats().num_clients == 1
-        # The writer's first block was full: it stays cached for the next identical prompt.
+        # The writer committed its full blocks: they stay cached for the next identical prompt.
         [r] = observer.step([AllocateOp("again", list(range(8)) + [99], 9)])
         assert r.num_cached_tokens == 8
+
+
+def test_blocks_of_a_writer_killed_before_committing_are_never_shared(memory_service: str) -> None:
+    """Issue 7, item 2, over the wire: the writer dies before its next step, so its blocks never
+    become cache hits, in its namespace or any other."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WRITER, memory_service, "hang-uncommitted", "m|public"],
+        stdout=subprocess.PIPE, stdin=subprocess.PIPE, text=True, cwd=ROOT,
+    )
+    int(proc.stdout.readline())
+    with MemoryClient(f"unix:{memory_service}", TINY_LAYOUT, "reader") as reader:
+        [early] = reader.step([AllocateOp("r1", list(range(8)) + [99], 9, namespace="m|public")])
+        assert early.num_cached_tokens == 0  # not committed yet: not shared
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        deadline = time.monotonic() + 10
+        while reader.stats().num_clients != 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert reader.stats().num_clients == 1
+        [late] = reader.step([AllocateOp("r2", list(range(8)) + [99], 9, namespace="m|public")])
+        assert late.num_cached_tokens == 0
 
 
 def test_lease_expires_without_keepalive(memory_service: str) -> None:
@@ -179,19 +200,17 @@ def test_lease_expires_without_keepalive(memory_service: str) -> None:
     assert sum(p.num_used_blocks for p in stub.Stats(pb.StatsRequest()).pools) == 0
     with pytest.raises(grpc.RpcError) as info:
         stub.Step(pb.StepRequest(client_id=reply.client_id, ops=[]))
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
 
 
 def test_prometheus_metrics() -> None:
     import socket as socketlib
     import urllib.request
 
-    from tests.memory_service.conftest import start_memory_service
-
     with socketlib.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc, sock = start_memory_service("--max-num-blocks", "16", "--metrics-port", str(port))
+    service, sock = start_memory_service("--max-num-blocks", "16", "--metrics-port", str(port))
     try:
         with MemoryClient(f"unix:{sock}", TINY_LAYOUT, "m") as client:
             client.step([AllocateOp("a", list(range(9)), 9)])
@@ -207,6 +226,9 @@ def test_prometheus_metrics() -> None:
         assert 'pagedserve_memory_blocks{pool="general",state="used"} 3.0' in body
         assert 'pagedserve_memory_blocks{pool="general",state="total"} 16.0' in body
         assert "pagedserve_memory_kv_utilization 0.75" in body
+        # Issue 7, item 11: no authentication, so it listens on loopback only (before: 0.0.0.0).
+        listening = [line.split()[1] for line in Path("/proc/net/tcp").read_text().splitlines()[1:]
+                     if line.split()[3] == "0A"]
+        assert f"0100007F:{port:04X}" in listening and f"00000000:{port:04X}" not in listening
     finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+        service.stop()

@@ -78,13 +78,14 @@ class MemoryManagerServicer:
         """Registers a client (one compute service), creating the KV pool on the first attach from the
         client's layout. Returns the client's id and the descriptor through which it maps the pool.
         A layout that does not match an existing pool is FAILED_PRECONDITION.
+        At most max_clients (a flag) at once: more is RESOURCE_EXHAUSTED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Detach(self, request, context):
-        """Ends a client's lease now: frees all of its sequences (their cached blocks stay cached).
+        """Ends a client's lease now: frees all of its sequences (their committed cached blocks stay cached).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -92,7 +93,11 @@ class MemoryManagerServicer:
 
     def KeepAlive(self, request, context):
         """Held open by a client for as long as it lives; the server sends a heartbeat every interval.
-        When the stream ends (the client exited or crashed) the client's sequences are freed.
+        The lease does not expire while a stream is open. When the last stream ends, the lease
+        expires lease_ttl_s later unless the client calls or reopens a stream (a stream may end for
+        a transient reason); then its sequences are freed. At most 4 streams per client
+        (RESOURCE_EXHAUSTED). A client whose lease is gone gets FAILED_PRECONDITION on every call:
+        it must attach again (the service may have restarted, with a new pool).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -102,13 +107,16 @@ class MemoryManagerServicer:
         """One scheduler step: many sequence operations in one call, applied in order. Bad input fails
         the whole call with INVALID_ARGUMENT and changes nothing; running out of blocks is a normal
         per-operation result (ok = false) that changed nothing for that operation.
+        A Step also acknowledges that the K/V of every token of the client's previous Step is
+        written: only then are the blocks it filled shared with other clients through the prefix
+        cache (commit before share). An empty Step commits without doing anything else.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetBlockTable(self, request, context):
-        """The whole block table of one sequence (for debugging and for clients that lost track).
+        """The whole block table of one of the client's own sequences (debugging, clients that lost track).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

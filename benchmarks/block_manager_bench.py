@@ -1,7 +1,7 @@
 """In-process throughput of the block manager on a realistic mix (no gRPC, no pool bytes).
 
 ``benchmarks/bench_memory.py`` calls ``run_inprocess_benchmark``; ``python -m
-memory_service.block_manager_bench`` prints the figures by itself.
+benchmarks.block_manager_bench`` (from the repository root) prints the figures by itself.
 
 The mix is what a compute service sends: one ``apply`` per scheduler step holding the AllocateOps
 of newly admitted requests (prompts of 4-32 blocks, half of them opening with one of 8 shared

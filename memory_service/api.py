@@ -1,0 +1,39 @@
+"""What a client of the memory service needs, and nothing more: import from here.
+
+The compute service (and tests, benchmarks) use the client, the ops it sends, the results and
+statistics it gets, and the KV layout it attaches with. None of these loads the block manager,
+its block pool or its prefix cache: those are the service's own.
+"""
+
+from __future__ import annotations
+
+from memory_service.block_types import (
+    AllocateOp,
+    AppendOp,
+    BlockManagerStats,
+    ForkOp,
+    FreeOp,
+    Op,
+    OpResult,
+    PoolStats,
+    cache_namespace,
+)
+from memory_service.client import MemoryClient, MemoryServiceUnavailable, StepResult, channel_target
+from memory_service.pool import KvLayout
+
+__all__ = [
+    "AllocateOp",
+    "AppendOp",
+    "BlockManagerStats",
+    "ForkOp",
+    "FreeOp",
+    "KvLayout",
+    "MemoryClient",
+    "MemoryServiceUnavailable",
+    "Op",
+    "OpResult",
+    "PoolStats",
+    "StepResult",
+    "cache_namespace",
+    "channel_target",
+]

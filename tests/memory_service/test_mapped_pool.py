@@ -1,0 +1,77 @@
+"""Issue 7, item 4: the client maps only the pool its own layout needs, from a name of ours.
+
+Before: a crafted ``shm_name`` such as ``../../some/file`` was mapped, grown and overwritten, and the
+CUDA handle was unpickled (running whatever the sender put in it).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from memory_service.mapped_pool import MappedPool, check_descriptor
+from memory_service.pool import CudaIpcHandle, PoolDescriptor, SharedMemoryPool
+from pagedserve.memory.v1 import memory_pb2 as pb
+from tests.memory_service.conftest import TINY_LAYOUT
+
+SHAPE = TINY_LAYOUT.shape(4)
+
+
+@pytest.fixture
+def pool() -> SharedMemoryPool:
+    pool = SharedMemoryPool(SHAPE, "float32")
+    yield pool
+    pool.close()
+
+
+def test_a_good_descriptor_maps_the_same_bytes(pool: SharedMemoryPool) -> None:
+    mapped = MappedPool(pool.descriptor(), TINY_LAYOUT, 4)
+    mapped.tensor[1, 0, 3] = 7.0
+    assert float(pool.tensor[1, 0, 3, 0, 0, 0]) == 7.0
+    mapped.close()
+
+
+@pytest.mark.parametrize(
+    "name", ["../../etc/passwd", "pagedserve-kv-1-0123456789abcdef/../x", "other-segment", "pagedserve-kv-1-XYZ"]
+)
+def test_foreign_segment_names_are_refused(tmp_path: Path, name: str) -> None:
+    target = tmp_path / "victim"
+    target.write_bytes(b"x" * 10)
+    with pytest.raises(ValueError, match="shm_name"):
+        MappedPool(PoolDescriptor(SHAPE, "float32", "cpu", shm_name=name), TINY_LAYOUT, 4)
+    assert target.read_bytes() == b"x" * 10
+
+
+def test_a_segment_of_the_wrong_size_is_refused_and_not_grown(pool: SharedMemoryPool) -> None:
+    small = TINY_LAYOUT.shape(2)  # the service claims 2 blocks; our file holds 4: refuse, do not grow
+    with pytest.raises(ValueError, match="holds"):
+        MappedPool(PoolDescriptor(small, "float32", "cpu", shm_name=pool.name), TINY_LAYOUT, 2)
+    size = os.stat(f"/dev/shm/{pool.name}").st_size
+    assert size == pool.descriptor().num_bytes
+
+
+@pytest.mark.parametrize(
+    ("descriptor", "needle"),
+    [
+        (PoolDescriptor(TINY_LAYOUT.shape(5), "float32", "cpu", shm_name="pagedserve-kv-1-0123456789abcdef"), "shape"),
+        (PoolDescriptor(SHAPE, "float16", "cpu", shm_name="pagedserve-kv-1-0123456789abcdef"), "dtype"),
+        (PoolDescriptor(SHAPE, "float32", "cpu"), "exactly one"),
+        (PoolDescriptor(SHAPE, "float32", "cuda:0", shm_name="pagedserve-kv-1-0123456789abcdef"), "cpu"),
+        (PoolDescriptor(SHAPE, "float32", "cuda:1", cuda_ipc=CudaIpcHandle(0, b"h", 1 << 20, 0, b"r", 0, b"", False)),
+         "does not match"),
+        (PoolDescriptor(SHAPE, "float32", "cuda:0", cuda_ipc=CudaIpcHandle(0, b"h", 16, 0, b"r", 0, b"", False)),
+         "smaller"),
+    ],
+)
+def test_descriptors_that_are_not_our_pool_are_refused(descriptor: PoolDescriptor, needle: str) -> None:
+    with pytest.raises(ValueError, match=needle):
+        check_descriptor(descriptor, TINY_LAYOUT, 4)
+
+
+def test_the_wire_carries_no_pickle() -> None:
+    fields = pb.PoolDescriptor.DESCRIPTOR.fields_by_name
+    assert "cuda_ipc_handle" not in fields
+    assert fields["cuda_ipc"].message_type.name == "CudaIpcHandle"
+    assert all(f.type != f.TYPE_BYTES or f.name.endswith("handle") for f in pb.CudaIpcHandle.DESCRIPTOR.fields)
