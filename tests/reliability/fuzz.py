@@ -5,7 +5,8 @@ Why our own generator rather than hypothesis: the target is a live stack, and wh
 fixed number of cases per service with a tally of status codes (the benchmark reports it), not
 shrinking. Each case starts as a message of random boundary values (NaN, inf, denormals, huge and
 negative numbers, empty and oversize strings, NUL and astral characters, unknown roles, thousands of
-stop strings or messages), and one case in four is then damaged on the wire: truncated, a byte
+stop strings or messages); three cases in ten draw only in-range values instead, and one in
+four of the others is then damaged on the wire: truncated, a byte
 flipped, a string field holding invalid UTF-8 (protobuf refuses to build that, so it is spliced in as
 raw bytes), or a field sent with the wrong wire type.
 
@@ -45,7 +46,16 @@ class Case(NamedTuple):
     streaming: bool
 
 
+class FuzzRandom(random.Random):
+    """A seeded source whose ``clean`` cases draw only in-range values, so that the paths behind
+    validation (generation, allocation, sharing, forks) get their share of hostile traffic too."""
+
+    clean = False
+
+
 def _text(rng: random.Random, *, oversize: int = 0) -> str:
+    if getattr(rng, "clean", False):
+        return rng.choice(("hi", "héllo wörld €", "a b c", "\U0001f600 ok"))
     pick = rng.random()
     if oversize and pick < 0.02:
         return "x" * oversize
@@ -61,10 +71,14 @@ def _valid_text(rng: random.Random) -> str:
 
 
 def _int(rng: random.Random) -> int:
+    if getattr(rng, "clean", False):
+        return rng.choice((1, 2, 3))
     return rng.choice(INTS) if rng.random() < 0.8 else rng.randint(-1000, 1000)
 
 
 def _float(rng: random.Random) -> float:
+    if getattr(rng, "clean", False):
+        return rng.uniform(0.1, 1.0)
     return rng.choice(FLOATS) if rng.random() < 0.8 else rng.uniform(-3.0, 3.0)
 
 
@@ -83,6 +97,8 @@ def _sampling_fields(rng: random.Random) -> dict[str, object]:
             fields[name] = _float(rng)
     # Small max_tokens keeps the valid cases cheap; the boundary values are rejected up front.
     fields["max_tokens"] = rng.choice((1, 2, 3, 4, 0, -1, 2**31 - 1, 100_000)) if _maybe(rng, 0.9) else _int(rng)
+    if getattr(rng, "clean", False):
+        fields["max_tokens"] = rng.randint(1, 4)
     if _maybe(rng, 0.2):
         fields["seed"] = rng.choice((0, 1, 2**64 - 1, rng.getrandbits(64)))
     if _maybe(rng, 0.2):
@@ -93,6 +109,9 @@ def _sampling_fields(rng: random.Random) -> dict[str, object]:
         fields["stop"] = [_text(rng) for _ in range(rng.choice((1, 2, 16, 17, 5000)))]
     if _maybe(rng, 0.15):
         fields["stop_token_ids"] = [_int(rng) for _ in range(rng.choice((1, 3, 2000)))]
+    if getattr(rng, "clean", False):
+        fields["stop"] = fields.get("stop", [])[:2]
+        fields["stop_token_ids"] = fields.get("stop_token_ids", [])[:2]
     if fields.get("n", 1) not in (0, 1) and "temperature" not in fields:
         fields["temperature"] = 1.0  # n > 1 is refused when greedy: exercise the real path too
     return fields
@@ -105,6 +124,14 @@ def gateway_request(rng: random.Random) -> gpb.GenerateRequest:
     if _maybe(rng, 0.5):
         num = rng.choice((1, 2, 3, 1025)) if _maybe(rng, 0.9) else 5000
         request.messages.extend(gpb.ChatMessage(role=rng.choice(ROLES), content=_text(rng)) for _ in range(num))
+    if getattr(rng, "clean", False):  # exactly one of prompt or a few messages, known roles
+        if request.prompt or not request.messages:
+            del request.messages[:]
+            request.prompt = request.prompt or "hi"
+        else:
+            for message in request.messages[:3]:
+                message.role = rng.choice(ROLES[:4])
+            del request.messages[3:]
     for name in ("request_id", "cache_salt"):
         if _maybe(rng, 0.2):
             setattr(request, name, _text(rng))
@@ -114,10 +141,11 @@ def gateway_request(rng: random.Random) -> gpb.GenerateRequest:
 
 
 def compute_request(rng: random.Random, vocab_size: int) -> cpb.GenerateRequest:
-    ids = [rng.randrange(vocab_size) for _ in range(rng.choice((0, 1, 5, 40)))]
-    if _maybe(rng, 0.2):
+    clean = getattr(rng, "clean", False)
+    ids = [rng.randrange(vocab_size) for _ in range(rng.choice((1, 5, 40) if clean else (0, 1, 5, 40)))]
+    if not clean and _maybe(rng, 0.2):
         ids += [rng.choice((-1, vocab_size, 2**31 - 1, -(2**31)))]
-    if _maybe(rng, 0.03):
+    if not clean and _maybe(rng, 0.03):
         ids = [1] * rng.choice((1024, 100_000))
     request = cpb.GenerateRequest(prompt_token_ids=ids, params=cpb.SamplingParams(**_sampling_fields(rng)))
     for name in ("request_id", "cache_salt"):
@@ -139,6 +167,8 @@ def memory_request(rng: random.Random, client_id: str) -> tuple[str, Message]:
         return "GetBlockTable", mpb.GetBlockTableRequest(client_id=client_id, seq_id=_seq_id(rng))
     if pick < 0.13:
         return "Stats", mpb.StatsRequest()
+    if getattr(rng, "clean", False):
+        return "Step", mpb.StepRequest(client_id=client_id, ops=[_clean_memory_op(rng)])
     who = client_id if _maybe(rng, 0.9) else _text(rng)
     step = mpb.StepRequest(client_id=who)
     for section in (step.ops, step.late_ops):
@@ -146,8 +176,8 @@ def memory_request(rng: random.Random, client_id: str) -> tuple[str, Message]:
             section.append(_memory_op(rng))
     if _maybe(rng, 0.3):
         seq_ids = [_seq_id(rng) for _ in range(rng.choice((1, 2, 3)))]
-        counts = [rng.choice((0, 1, 2, 17, -1)) for _ in seq_ids]
-        if _maybe(rng, 0.2):
+        counts = [rng.choice((1, 2) if getattr(rng, "clean", False) else (0, 1, 2, 17, -1)) for _ in seq_ids]
+        if not getattr(rng, "clean", False) and _maybe(rng, 0.2):
             counts.append(1)  # lengths that disagree
         step.appends.CopyFrom(mpb.AppendBatch(seq_ids=seq_ids, num_tokens=counts,
                                               token_ids=[_int(rng) for _ in range(max(0, sum(counts)))]))
@@ -155,7 +185,31 @@ def memory_request(rng: random.Random, client_id: str) -> tuple[str, Message]:
 
 
 def _seq_id(rng: random.Random) -> str:
+    if getattr(rng, "clean", False):
+        return rng.choice(("s0", "s1", "s2", "s3"))
     return rng.choice(("s0", "s1", "s2", "s3", "", "s0/1", _text(rng)))
+
+
+def _clean_memory_op(rng: random.Random) -> mpb.SequenceOp:
+    """A plausible op of a well-behaved client: the generator tracks the sequences it believes are
+    live (a guess: an op that ran out of blocks did not create its sequence), so allocations, growth,
+    forks and frees, prefix sharing and eviction all run."""
+    live: list[str] = rng.__dict__.setdefault("live_seq_ids", [])
+    pick = rng.random()
+    if not live or pick < 0.35:
+        live.append(f"c{rng.getrandbits(32)}")
+        prefix = [7] * 16 * rng.randint(0, 3)  # shared full blocks: the prefix cache hits
+        return mpb.SequenceOp(allocate=mpb.AllocateOp(
+            seq_id=live[-1], prompt_token_ids=prefix + [rng.randrange(50) for _ in range(rng.randint(1, 40))],
+            max_num_new_tokens=rng.choice((1, 16, 64)), namespace=rng.choice(("", "tenant-a"))))
+    seq_id = rng.choice(live)
+    if pick < 0.6:
+        return mpb.SequenceOp(append=mpb.AppendOp(seq_id=seq_id, token_ids=[rng.randrange(50) for _ in range(rng.randint(1, 3))]))
+    if pick < 0.85:
+        live.remove(seq_id)
+        return mpb.SequenceOp(free=mpb.FreeOp(seq_id=seq_id))
+    live.append(f"c{rng.getrandbits(32)}")
+    return mpb.SequenceOp(fork=mpb.ForkOp(parent_seq_id=seq_id, child_seq_id=live[-1]))
 
 
 def _memory_op(rng: random.Random) -> mpb.SequenceOp:
@@ -165,7 +219,8 @@ def _memory_op(rng: random.Random) -> mpb.SequenceOp:
         if _maybe(rng, 0.1):
             tokens.append(_int(rng))
         return mpb.SequenceOp(allocate=mpb.AllocateOp(
-            seq_id=_seq_id(rng), prompt_token_ids=tokens, max_num_new_tokens=rng.choice((1, 4, 16, 0, -1, 2**31 - 1)),
+            seq_id=_seq_id(rng), prompt_token_ids=tokens or [1],
+            max_num_new_tokens=rng.choice((1, 4, 16) if getattr(rng, "clean", False) else (1, 4, 16, 0, -1, 2**31 - 1)),
             priority=_int(rng) if _maybe(rng, 0.2) else 0, namespace=_text(rng) if _maybe(rng, 0.2) else ""))
     if kind == "append":
         return mpb.SequenceOp(append=mpb.AppendOp(seq_id=_seq_id(rng), token_ids=[_int(rng) for _ in range(rng.choice((0, 1, 3, 33)))]))
@@ -210,12 +265,13 @@ def damage(rng: random.Random, data: bytes, string_fields: tuple[int, ...]) -> b
 
 def cases(make: Callable[[random.Random], tuple[str, Message, bool]], string_fields: tuple[int, ...],
           num_cases: int, seed: int) -> Iterator[Case]:
-    """``num_cases`` cases from ``make`` (method, message, streaming), one in four damaged."""
-    rng = random.Random(seed)
+    """``num_cases`` cases from ``make`` (method, message, streaming), 30% clean, the rest hostile."""
+    rng = FuzzRandom(seed)
     for _ in range(num_cases):
+        rng.clean = _maybe(rng, 0.3)
         method, message, streaming = make(rng)
         data = message.SerializeToString()
-        if _maybe(rng, 0.25):
+        if not rng.clean and _maybe(rng, 0.25):
             data = damage(rng, data, string_fields)
         yield Case(method, data, streaming)
 

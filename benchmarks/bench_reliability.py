@@ -1,0 +1,270 @@
+"""Reliability benchmark: what the whole stack survives, measured on real processes.
+
+One stack (memory service, compute service, gateway; ``ServiceProcess`` via the test helpers in
+``tests/reliability``) serves the default model on the CPU, and the same scenarios as the
+``tests/reliability`` suite run at full size:
+
+1. fuzzing: ``--fuzz-cases`` hostile requests per service (gateway, compute, memory), status codes
+   tallied; INTERNAL, UNKNOWN and DEADLINE_EXCEEDED count as failures;
+2. load: ``--clients`` concurrent streaming clients through the gateway (greedy, EOS ignored),
+   TTFT p50/p99, streams lost or answered twice, the gateway's peak of requests held; then an
+   overload burst against a gateway with a small queue (RESOURCE_EXHAUSTED, how fast);
+3. churn: ``--churn`` mixed requests, open descriptors and threads of every process before and after;
+4. faults: a client that opens 100 streams and is SIGKILLed; SIGSTOP/SIGCONT of the compute
+   service; SIGKILL of the compute service mid-stream (then restarted: is the prefix cache warm?);
+   SIGKILL of the memory service (both recover; no /dev/shm segment left);
+5. security: socket and segment modes, no prompt text in any log, cache_salt isolation.
+
+Blocks are checked after every phase: no sequence left, free + cached + used == total.
+Prints a table, then as its last line one JSON object. From the repository root:
+
+    python -m benchmarks.bench_reliability                # default model, 10,000 cases, 256 clients
+    python -m benchmarks.bench_reliability --quick        # tiny random model, small numbers
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import stat
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: the repository root on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import grpc  # noqa: E402
+
+from pagedserve.gateway.v1 import gateway_pb2  # noqa: E402
+from tests.e2e.conftest import shm_segments, start_gateway, wait_until  # noqa: E402
+from tests.reliability import fuzz, load  # noqa: E402
+from tests.reliability.stack import NOT_SERVING, SERVING, Stack, StackConfig, kv_layout, start_stack  # noqa: E402
+
+SECRET = "reliability-secret-prompt-4417"
+
+
+def _request(prompt: str, max_tokens: int, **fields: object) -> gateway_pb2.GenerateRequest:
+    return gateway_pb2.GenerateRequest(prompt=prompt, params=gateway_pb2.SamplingParams(
+        max_tokens=max_tokens, ignore_eos=True, temperature=0.0), **fields)
+
+
+def _timed(predicate: Callable[[], bool], timeout_s: float, what: str) -> float:
+    started = time.monotonic()
+    wait_until(predicate, timeout_s, what)
+    return round(time.monotonic() - started, 2)
+
+
+def _stream_fails(stream) -> tuple[str, float]:  # noqa: ANN001 - a grpc streaming call
+    started = time.monotonic()
+    try:
+        for _ in stream:
+            pass
+    except grpc.RpcError as exc:
+        return exc.code().name, round(time.monotonic() - started, 2)
+    return "OK", round(time.monotonic() - started, 2)
+
+
+def run_fuzz(stack: Stack, num_cases: int, vocab_size: int) -> dict[str, dict]:
+    out = {}
+    targets = {
+        "gateway": lambda: fuzz.run_cases(stack.gateway.address, fuzz.gateway_cases(num_cases, 11), concurrency=8),
+        "compute": lambda: fuzz.run_cases(stack.compute.address, fuzz.compute_cases(num_cases, vocab_size, 12), concurrency=8),
+        "memory": lambda: fuzz.run_memory_fuzz(stack.memory.address, kv_layout(stack.config.model, stack.config.block_size),
+                                               num_cases, 13, concurrency=4),
+    }
+    for name, run in targets.items():
+        started = time.monotonic()
+        tally = run()
+        stack.wait_idle(60)
+        out[name] = {"cases": sum(tally.values()), "codes": dict(sorted(tally.items())),
+                     "bad": sum(tally[c] for c in fuzz.BAD_CODES), "serving_after": stack.all_serving(),
+                     "seconds": round(time.monotonic() - started, 1)}
+        print(f"fuzz {name:8s} {out[name]}", flush=True)
+    return out
+
+
+def run_load(stack: Stack, num_clients: int, max_tokens: int) -> dict:
+    ok_metric = 'pagedserve_gateway_requests_total{method="GenerateStream",status="OK"}'
+    before_ok = load.metric(stack.gateway.metrics_port, ok_metric)
+    peak, done = [0.0], threading.Event()
+
+    def sample() -> None:  # the gateway's own count of requests it holds, sampled during the run
+        while not done.wait(0.05):
+            peak[0] = max(peak[0], load.metric(stack.gateway.metrics_port, "pagedserve_gateway_queue_length"))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    report = load.run_streams(stack.gateway.address, num_clients, max_tokens, timeout_s=900, tag="bench")
+    done.set()
+    sampler.join()
+    answered = load.metric(stack.gateway.metrics_port, ok_metric) - before_ok
+    well_formed = report.num_well_formed(max_tokens)
+    stack.wait_idle(60)
+    return {"clients": num_clients, "max_tokens": max_tokens, "codes": report.codes, "held_peak": int(peak[0]),
+            "well_formed": well_formed, "lost": num_clients - well_formed, "answered_twice": int(answered) - well_formed,
+            **{f"ttft_{k}_ms": v for k, v in report.ttft_percentiles_ms().items()},
+            "wall_s": round(report.wall_s, 1),
+            "tokens_per_s": round(sum(r.num_tokens for r in report.results) / report.wall_s, 1)}
+
+
+def run_overload(stack: Stack, queue: int) -> dict:
+    small = start_gateway([stack.compute.address], stack.run_dir, "--max-queued-requests", str(queue))
+    try:
+        report = load.run_streams(small.address, queue * 2, 16, timeout_s=600, tag="over")
+    finally:
+        small.stop()
+    refused = [r.elapsed_s for r in report.results if r.code == "RESOURCE_EXHAUSTED"]
+    stack.wait_idle(60)
+    return {"queue": queue, "sent": queue * 2, "codes": report.codes,
+            "max_refusal_ms": round(max(refused, default=0.0) * 1000, 1)}
+
+
+def run_churn(stack: Stack, num_requests: int) -> dict:
+    load.churn(stack.gateway.address, 200, concurrency=16)  # warm-up: pools and connections at size
+    stack.wait_idle(60)
+    before, started = stack.resources(), time.monotonic()
+    tally = load.churn(stack.gateway.address, num_requests, concurrency=16)
+    stack.wait_idle(60)
+    return {"requests": num_requests, "codes": tally, "seconds": round(time.monotonic() - started, 1),
+            "before": before, "after": stack.resources()}
+
+
+def run_faults(stack: Stack, num_vanishing: int) -> dict:
+    faults: dict[str, dict] = {}
+    # Streams that outlast each fault: most of the model's context.
+    long = min(2000, stack.gateway.stub.ListModels(gateway_pb2.ListModelsRequest(), timeout=10).models[0].max_model_len - 500)
+    client = load.vanishing_client(stack.gateway.address, num_vanishing, long)
+    wait_until(lambda: load.metric(stack.gateway.metrics_port, "pagedserve_gateway_queue_length") >= num_vanishing,
+               120, "every stream of the vanishing client held")
+    client.kill()
+    client.wait()
+    faults["vanishing_client"] = {"streams": num_vanishing, "reclaimed_s": _timed(
+        lambda: stack.memory_stats().num_sequences == 0 and stack.engine.load().num_running == 0, 60, "aborted"),
+        "survived": True}  # a timeout above raises instead
+    stack.wait_idle(10)
+
+    stack.compute.send_signal(signal.SIGSTOP)
+    out_s = _timed(lambda: stack.gateway.num_healthy_backends() == 0, 60, "the hung backend out of rotation")
+    stack.compute.send_signal(signal.SIGCONT)
+    faults["sigstop_compute"] = {"out_of_rotation_s": out_s, "back_s": _timed(
+        lambda: stack.gateway.num_healthy_backends() == 1, 60, "back in rotation"), "survived": True}
+
+    cached_prompt = f"{SECRET}: a prompt whose prefix the memory service keeps across compute restarts. " * 2
+    stack.gateway.stub.Generate(_request(cached_prompt, 2), timeout=120)
+    stream = stack.gateway.stub.GenerateStream(_request(cached_prompt + " more", long), timeout=600)
+    next(stream)
+    stack.compute.kill()
+    code, failed_s = _stream_fails(stream)
+    reclaimed_s = _timed(lambda: stack.memory_stats().num_sequences == 0 and stack.memory_stats().num_clients == 0,
+                         60, "the dead client's blocks reclaimed")
+    stack.engine.restart_compute()
+    wait_until(lambda: stack.gateway.num_healthy_backends() == 1, 60, "the restarted compute in rotation")
+    again = stack.gateway.stub.Generate(_request(cached_prompt, 2), timeout=120)
+    faults["sigkill_compute"] = {"client_code": code, "client_failed_s": failed_s, "blocks_reclaimed_s": reclaimed_s,
+                                 "cached_tokens_after_restart": again.usage.cached_prompt_tokens,
+                                 "survived": code == "UNAVAILABLE" and again.usage.cached_prompt_tokens > 0}
+
+    stream = stack.gateway.stub.GenerateStream(_request("in flight when memory dies", long), timeout=600)
+    next(stream)
+    killed = stack.memory.pid
+    stack.memory.kill()
+    code, failed_s = _stream_fails(stream)
+    not_serving_s = _timed(lambda: stack.compute_health() == NOT_SERVING, 30, "compute NOT_SERVING")
+    stack.restart_memory()
+    recovered_s = _timed(lambda: stack.compute_health() == SERVING and stack.gateway.num_healthy_backends() == 1,
+                         60, "compute and gateway serving again")
+    served = stack.gateway.stub.Generate(_request("after the memory restart", 4), timeout=120).usage.completion_tokens
+    faults["sigkill_memory"] = {"client_code": code, "client_failed_s": failed_s, "compute_not_serving_s": not_serving_s,
+                                "recovered_s": recovered_s, "served_after": served == 4,
+                                "segments_left": 0 if _wait_gone(killed) else len(shm_segments(killed))}
+    faults["sigkill_memory"]["survived"] = (code == "UNAVAILABLE" and served == 4
+                                            and faults["sigkill_memory"]["segments_left"] == 0)
+    stack.wait_idle(30)
+    return faults
+
+
+def _wait_gone(pid: int) -> bool:
+    try:
+        wait_until(lambda: not shm_segments(pid), 15, "segments of the killed memory service gone")
+        return True
+    except AssertionError:
+        return False
+
+
+def run_security(stack: Stack) -> dict:
+    sockets = [a.removeprefix("unix:") for a in (stack.memory.address, stack.compute.address)]
+    segments = [Path("/dev/shm", s) for s in shm_segments(stack.memory.pid)]
+    prompt = f"{SECRET} shared prefix for the salt check, long enough for several blocks of tokens. " * 2
+    cached = {salt: [stack.gateway.stub.Generate(_request(prompt, 2, cache_salt=salt), timeout=120).usage.cached_prompt_tokens
+                     for _ in range(2)] for salt in ("tenant-a", "tenant-b")}
+    logs = {p.name: SECRET in p.read_text(errors="replace") for p in stack.run_dir.glob("*.log")}
+    return {"socket_modes": sorted({oct(stat.S_IMODE(os.stat(s).st_mode)) for s in sockets}),
+            "segment_modes": sorted({oct(stat.S_IMODE(os.stat(s).st_mode)) for s in segments}),
+            "logs_with_prompt_text": sorted(name for name, found in logs.items() if found), "num_logs": len(logs),
+            "salt_cached_tokens": cached, "salt_isolated": cached["tenant-b"][0] == 0 and cached["tenant-a"][1] > 0}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="default", help="'default', 'tiny' (random byte-tokenizer Llama) or a directory")
+    p.add_argument("--fuzz-cases", type=int, default=10_000)
+    p.add_argument("--clients", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--churn", type=int, default=10_000)
+    p.add_argument("--vanishing-streams", type=int, default=100)
+    p.add_argument("--quick", action="store_true", help="tiny model, 300 cases, 32 clients, 1,000 requests")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.model, args.fuzz_cases, args.clients, args.churn, args.vanishing_streams = "tiny", 300, 32, 1000, 40
+    with tempfile.TemporaryDirectory(prefix="bench-rel-") as directory:
+        model = args.model
+        if model == "tiny":
+            from tests.compute_service.service_fixtures import build_service_model
+
+            model = str(build_service_model(Path(directory, "model")).path)
+        from compute_service.model_config import ModelConfig
+        from compute_service.model_loader import resolve_model
+
+        vocab_size = ModelConfig.from_dir(resolve_model(model).path, name=model).vocab_size
+        run_dir = Path(directory, "run")
+        run_dir.mkdir()
+        config = StackConfig(model, max_num_blocks=2048, max_num_seqs=64, compute_max_queued=512,
+                             gateway_max_queued=max(512, args.clients + 16))
+        started = time.monotonic()
+        stack = start_stack(config, run_dir)
+        print(f"stack up in {time.monotonic() - started:.0f} s: {stack.pids()}", flush=True)
+        baseline = stack.resources()
+        result: dict = {"model": args.model}
+        try:
+            result["fuzz"] = run_fuzz(stack, args.fuzz_cases, vocab_size)
+            result["load"] = run_load(stack, args.clients, args.max_tokens)
+            print(f"load {result['load']}", flush=True)
+            result["overload"] = run_overload(stack, 32)
+            print(f"overload {result['overload']}", flush=True)
+            result["churn"] = run_churn(stack, args.churn)
+            print(f"churn {result['churn']}", flush=True)
+            result["faults"] = run_faults(stack, args.vanishing_streams)
+            print(f"faults {result['faults']}", flush=True)
+            result["security"] = run_security(stack)
+            print(f"security {result['security']}", flush=True)
+            final = stack.wait_idle(60)
+            result["blocks_leaked"] = final.pools[0].num_used_blocks + final.num_sequences
+            result["all_serving"] = stack.all_serving()
+        finally:
+            result["exit_statuses"] = stack.stop()
+    result["baseline_resources"] = baseline
+    result["fuzz_bad_codes"] = sum(f["bad"] for f in result["fuzz"].values())
+    result["faults_survived"] = sum(f["survived"] for f in result["faults"].values())
+    print(f"\n{'phase':10s} figures\n" + "\n".join(f"{k:10s} {v}" for k, v in result.items() if k != "fuzz"))
+    print(json.dumps(result, separators=(",", ":")))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
