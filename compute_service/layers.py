@@ -4,10 +4,20 @@ Weights are plain `nn.Parameter`s created with `torch.empty` (no initialisation 
 overwrites every one of them and checks that it did). Projections that read the same input are
 fused into one matrix: q/k/v into `qkv_weight` rows [q | k | v], gate/up into `gate_up_weight`
 rows [gate | up], so each is one GEMM.
+
+On a float32 CPU model with the fused CPU kernels available (`kernels.cpu_ops`), a step carries a
+`CpuAttentionPlan` and the layers run the fused path: rotary in place on the QKV output, K/V
+written with one `index_copy_`, paged attention reading blocks in place, SiLU-mul in one op, and
+each residual add fused with the RMSNorm that follows it (`DecoderLayer.forward_fused`). Otherwise
+(CUDA, other dtypes, no compiler) the plain PyTorch ops below run; both give the same tokens.
+
+`profile_scope(name)` labels the parts of a step for `torch.profiler` (bench_throughput.py
+--profile); it costs nothing unless `PROFILE_SCOPES` is switched on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -17,6 +27,14 @@ from torch import nn
 from compute_service.forward_batch import ForwardBatch
 from compute_service.model_config import ModelConfig, RopeConfig
 from kernels import paged_attention, write_kv
+from kernels.cpu_attention import CpuAttentionPlan
+
+PROFILE_SCOPES = False  # bench_throughput.py --profile switches it on
+
+
+def profile_scope(name: str) -> contextlib.AbstractContextManager:
+    """A `torch.profiler.record_function(name)` while profiling, else a no-op."""
+    return torch.profiler.record_function(name) if PROFILE_SCOPES else contextlib.nullcontext()
 
 
 def empty_parameter(*shape: int, device: torch.device | str, dtype: torch.dtype) -> nn.Parameter:
@@ -34,6 +52,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(N, H) -> (N, H)"""
+        with profile_scope("norm"):
+            return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
@@ -108,19 +130,35 @@ class Attention(nn.Module):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         batch: ForwardBatch,
+        plan: CpuAttentionPlan | None = None,
     ) -> torch.Tensor:
         """x (T, hidden) -> (T, hidden); writes the new tokens' K/V into k_cache/v_cache first."""
         num_tokens = x.shape[0]
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # (T, (H_q + 2 H_kv) D)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(num_tokens, self.num_q_heads, self.head_dim), cos, sin)  # (T, H_q, D)
-        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)  # (T, H_kv, D)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, H_kv, D), strided rows
-        write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
-        out = paged_attention(
-            q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.cu_seqlens_q, scale=self.scale
-        )  # (T, H_q, D)
-        return F.linear(out.reshape(num_tokens, self.q_size), self.o_weight, self.o_bias)
+        with profile_scope("qkv_proj"):
+            qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # (T, (H_q + 2 H_kv) D)
+        if plan is not None:  # fused CPU path
+            with profile_scope("rotary"):
+                plan.ops.rotary_(qkv, cos, sin, self.num_q_heads + self.num_kv_heads, self.head_dim)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            with profile_scope("attention"):
+                out = plan.write_and_attend(
+                    q.view(num_tokens, self.num_q_heads, self.head_dim),
+                    k.view(num_tokens, self.num_kv_heads, self.head_dim),
+                    v.view(num_tokens, self.num_kv_heads, self.head_dim), k_cache, v_cache, self.scale,
+                )  # (T, H_q, D)
+        else:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            with profile_scope("rotary"):
+                q = apply_rotary(q.view(num_tokens, self.num_q_heads, self.head_dim), cos, sin)  # (T, H_q, D)
+                k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)  # (T, H_kv, D)
+            v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, H_kv, D), strided rows
+            with profile_scope("attention"):
+                write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+                out = paged_attention(
+                    q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.cu_seqlens_q, scale=self.scale
+                )  # (T, H_q, D)
+        with profile_scope("o_proj"):
+            return F.linear(out.reshape(num_tokens, self.q_size), self.o_weight, self.o_bias)
 
 
 class MLP(nn.Module):
@@ -134,10 +172,18 @@ class MLP(nn.Module):
         self.down_weight = empty_parameter(hidden, inter, device=device, dtype=dtype)
         self.down_bias = empty_parameter(hidden, device=device, dtype=dtype) if config.mlp_bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, plan: CpuAttentionPlan | None = None) -> torch.Tensor:
         """(T, hidden) -> (T, hidden)"""
-        gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)  # (T, I) each
-        return F.linear(F.silu(gate) * up, self.down_weight, self.down_bias)
+        with profile_scope("mlp_gate_up"):
+            gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)  # (T, 2I) rows [gate | up]
+        with profile_scope("silu_mul"):
+            if plan is not None:
+                act = plan.ops.silu_mul(gate_up)  # (T, I)
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)  # (T, I) each
+                act = F.silu(gate) * up
+        with profile_scope("mlp_down"):
+            return F.linear(act, self.down_weight, self.down_bias)
 
 
 class DecoderLayer(nn.Module):
@@ -162,3 +208,34 @@ class DecoderLayer(nn.Module):
         """x (T, hidden) -> (T, hidden)"""
         h = x + self.attn(self.input_norm(x), cos, sin, k_cache, v_cache, batch)
         return h + self.mlp(self.post_attn_norm(h))
+
+    def forward_fused(
+        self,
+        residual: torch.Tensor,
+        pending: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        batch: ForwardBatch,
+        plan: CpuAttentionPlan,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fused CPU path: the layer's input is ``residual + pending`` (the previous layer's MLP
+        output, not added yet, so that the add runs inside this layer's first RMSNorm).
+
+        Args:
+            residual: (T, hidden) contiguous float32, updated in place.
+            pending: (T, hidden) or None (first layer).
+        Returns:
+            (residual, mlp_out): the layer's output is their sum.
+        """
+        eps = self.input_norm.eps
+        with profile_scope("norm"):
+            if pending is None:
+                normed = plan.ops.rms_norm(residual, self.input_norm.weight, eps)
+            else:
+                normed = plan.ops.add_rms_norm(residual, pending, self.input_norm.weight, eps)
+        attn_out = self.attn(normed, cos, sin, k_cache, v_cache, batch, plan)
+        with profile_scope("norm"):
+            normed = plan.ops.add_rms_norm(residual, attn_out, self.post_attn_norm.weight, self.post_attn_norm.eps)
+        return residual, self.mlp(normed, plan)

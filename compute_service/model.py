@@ -18,8 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from compute_service.forward_batch import ForwardBatch
-from compute_service.layers import DecoderLayer, RMSNorm, RotaryEmbedding, empty_parameter
+from compute_service.layers import DecoderLayer, RMSNorm, RotaryEmbedding, empty_parameter, profile_scope
 from compute_service.model_config import ModelConfig
+from kernels.cpu_attention import CpuAttentionPlan
 
 # Buffers that some checkpoints carry but that we recompute.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -67,11 +68,23 @@ class CausalLM(nn.Module):
         """
         self.check_kv_pool(kv_pool)
         hidden = F.embedding(batch.input_ids, self.embed_tokens)  # (T, hidden)
-        cos, sin = self.rotary(batch.positions)  # (T, D) each
-        for layer_id, layer in enumerate(self.layers):
-            hidden = layer(hidden, cos, sin, kv_pool[layer_id, 0], kv_pool[layer_id, 1], batch)
-        last = hidden[batch.cu_seqlens_q[1:].long() - 1]  # (B, hidden): only last tokens need logits
-        return F.linear(self.norm(last), self.lm_head).float()  # (B, vocab)
+        with profile_scope("rotary"):
+            cos, sin = self.rotary(batch.positions)  # (T, D) each
+        last_rows = batch.cu_seqlens_q[1:].long() - 1  # (B,): only last tokens need logits
+        plan = CpuAttentionPlan.build(batch.slot_mapping, batch.block_tables, batch.seq_lens, batch.cu_seqlens_q,
+                                      dtype=self.dtype, head_dim=self.config.head_dim)
+        if plan is not None:  # fused CPU path: residual adds run inside the next RMSNorm
+            pending = None
+            for layer_id, layer in enumerate(self.layers):
+                hidden, pending = layer.forward_fused(hidden, pending, cos, sin, kv_pool[layer_id, 0],
+                                                      kv_pool[layer_id, 1], batch, plan)
+            last = hidden[last_rows] + pending[last_rows]  # (B, hidden)
+        else:
+            for layer_id, layer in enumerate(self.layers):
+                hidden = layer(hidden, cos, sin, kv_pool[layer_id, 0], kv_pool[layer_id, 1], batch)
+            last = hidden[last_rows]  # (B, hidden)
+        with profile_scope("lm_head"):
+            return F.linear(self.norm(last), self.lm_head).float()  # (B, vocab)
 
     def check_kv_pool(self, kv_pool: torch.Tensor) -> None:
         """Raise ValueError unless `kv_pool` has this model's layout, dtype and device."""

@@ -1,0 +1,106 @@
+"""The fused CPU attention path: write the step's K/V, then attend, without gathering the context.
+
+Per step, `CpuAttentionPlan.build` reads the batch's lengths once (on the host) and splits the
+sequences in two groups that every layer then reuses:
+
+- fresh prompts (no cached context, several new tokens): their whole context is this step's K/V,
+  already at hand, so they attend to it directly with PyTorch's causal SDPA (its flash CPU kernel
+  is the fastest thing for long prompts; K/V are expanded per query head, since `enable_gqa=True`
+  sends CPU SDPA down a slow generic path);
+- everything else (decodes, prompt chunks over cached context, prefix-cache hits): the C++
+  `paged_attention` op reads their K/V blocks in place through the block table (no copy, no
+  padding to the longest sequence), all query heads of a KV group sharing each block read.
+
+Results equal `paged_attention_reference` up to float rounding (tests/kernels/test_cpu_attention.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_ops
+
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)  # instantiated in csrc/cpu_ops.cpp
+
+
+@dataclass(frozen=True)
+class CpuAttentionPlan:
+    """One step's index tensors for the fused CPU path (built once, used by every layer).
+
+    Attributes:
+        slots: (T',) int64 pool slot of each written token.
+        write_rows: (T',) int64 rows of the step's K/V that are written; None = all T rows, in order.
+        block_tables: (B, max_blocks) int32; seq_lens: (B,) int32; cu_seqlens_q: (B + 1,) int32.
+        paged_seq_ids: (N,) int64 the sequences whose context is read from the pool.
+        fresh: (first row, number of tokens) of each fresh prompt (attends to this step's K/V).
+    """
+
+    ops: Any
+    slots: torch.Tensor
+    write_rows: torch.Tensor | None
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    paged_seq_ids: torch.Tensor
+    fresh: list[tuple[int, int]]
+
+    @classmethod
+    def build(cls, slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+              cu_seqlens_q: torch.Tensor, *, dtype: torch.dtype, head_dim: int) -> CpuAttentionPlan | None:
+        """The plan, or None where the fused path does not apply (not a float32 CPU model, an
+        unsupported head size, or the extension unavailable): then run the PyTorch path."""
+        if slot_mapping.device.type != "cpu" or dtype != torch.float32 or head_dim not in SUPPORTED_HEAD_DIMS:
+            return None
+        ops = cpu_ops.load()
+        if ops is None:
+            return None
+        lens, cu = seq_lens.tolist(), cu_seqlens_q.tolist()
+        fresh, paged = [], []
+        for b, seq_len in enumerate(lens):
+            q_len = cu[b + 1] - cu[b]
+            if q_len == seq_len and q_len > 1:
+                fresh.append((cu[b], q_len))
+            else:
+                paged.append(b)
+        slots = slot_mapping.long()
+        is_written = slots >= 0  # (T,)
+        write_rows = None
+        if not bool(is_written.all()):
+            write_rows = is_written.nonzero().flatten()
+            slots = slots[write_rows]
+        return cls(ops=ops, slots=slots.contiguous(), write_rows=write_rows,
+                   block_tables=block_tables.to(torch.int32).contiguous(), seq_lens=seq_lens.to(torch.int32),
+                   cu_seqlens_q=cu_seqlens_q.to(torch.int32), paged_seq_ids=torch.tensor(paged, dtype=torch.int64),
+                   fresh=fresh)
+
+    def write_and_attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                         v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        """Write the step's K/V into the layer's caches, then attend.
+
+        Args:
+            query: (T, H_q, D); key, value: (T, H_kv, D), any row stride (views into the fused QKV).
+            k_cache, v_cache: (num_blocks, block_size, H_kv, D) contiguous, the layer's caches.
+        Returns:
+            (T, H_q, D) contiguous.
+        """
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        for cache, new in ((k_cache, key), (v_cache, value)):
+            rows = new if self.write_rows is None else new[self.write_rows]
+            cache.view(-1, num_kv_heads, head_dim).index_copy_(0, self.slots, rows)
+        query = query.contiguous()
+        out = torch.empty_like(query)
+        if self.paged_seq_ids.numel():
+            self.ops.paged_attention(out, query, k_cache, v_cache, self.block_tables, self.seq_lens,
+                                     self.cu_seqlens_q, self.paged_seq_ids, scale)
+        group = query.shape[1] // num_kv_heads
+        for start, num in self.fresh:
+            rows = slice(start, start + num)
+            q = query[rows].transpose(0, 1)  # (H_q, n, D)
+            k = key[rows].repeat_interleave(group, dim=1).transpose(0, 1)  # (H_q, n, D)
+            v = value[rows].repeat_interleave(group, dim=1).transpose(0, 1)
+            out[rows] = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale).transpose(0, 1)
+        return out

@@ -1,0 +1,310 @@
+// Fused CPU kernels of the engine's hot path (float32), registered as torch ops `pagedserve_cpu::*`
+// so that they show up by name in torch.profiler.
+//
+// paged_attention reads K/V blocks in place through the block table: no gathered copy of the
+// context, no padding to the longest sequence. One work item is (sequence, KV head, tile of query
+// rows); all G query heads that share a KV head are rows of the same item, so each K/V block row
+// is read once per group. Softmax is online (running max and sum per row), block by block, like
+// FlashAttention. rms_norm, silu_mul and rotary fuse what PyTorch runs as 3-6 separate ops.
+//
+// Inner loops run over a contiguous last dimension so that the compiler vectorises them (-O3
+// -march=native; `omp simd` lets it reorder the reductions); exp is a Cephes-style polynomial
+// (relative error ~1e-7, like the SLEEF exp of PyTorch's vectorised kernels) so it vectorises too.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kQueryTile = 16;  // query positions per work item (times G heads = rows)
+
+inline float exp_approx(float x) {
+  // exp(x) = 2^n * exp(r), r = x - n ln2 in [-ln2/2, ln2/2]; degree-6 polynomial for exp(r).
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  float fx = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - fx * 0.693359375f + fx * 2.12194440e-4f;
+  float z = r * r;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * z + r + 1.0f;
+  int32_t n = static_cast<int32_t>(fx);
+  int32_t bits = (n + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return y * scale;
+}
+
+void check_f32(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, " must be a float32 CPU tensor");
+}
+
+// out[rows of seq] = attention of query rows over the sequence's paged context.
+//   query, out: (T, H_q, D) contiguous; k_cache, v_cache: (num_blocks, block_size, H_kv, D) contiguous.
+//   block_tables: (B, max_blocks) int32; seq_lens: (B,) int32 incl. new tokens;
+//   cu_seqlens_q: (B + 1,) int32; seq_ids: (N,) int64, the sequences to compute (others untouched).
+
+// One K/V block for every row of a work item: scores, online-softmax update, P @ V.
+//   q: (rows, D) pre-scaled; k, v: this head's first token of the block, `token_stride` apart;
+//   row r sees min(block_size, first_row_visible + r / group) tokens of the block (causal).
+template <int64_t D>
+inline void attend_block(const float* q, const float* k, const float* v, int64_t token_stride, int64_t block_size,
+                         int64_t num_rows, int64_t group, int64_t first_row_visible, float* scores, float* row_max,
+                         float* row_sum, float* acc) {
+  const int64_t n_all = std::min(block_size, first_row_visible + (num_rows - 1) / group);
+  for (int64_t t = 0; t < n_all; ++t) {  // K row t once, for every row (reused from L1)
+    const float* k_row = k + t * token_stride;
+    for (int64_t r = 0; r < num_rows; ++r) {
+      const float* q_row = q + r * D;
+      float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t d = 0; d < D; ++d) dot += q_row[d] * k_row[d];
+      scores[r * block_size + t] = dot;
+    }
+  }
+  for (int64_t r = 0; r < num_rows; ++r) {
+    const int64_t n = std::min(block_size, first_row_visible + r / group);
+    float* s = scores + r * block_size;
+    float* acc_row = acc + r * D;
+    if (n <= 0) {  // this row sees nothing of the block (causal): no weight, nothing to update
+      std::fill(s, s + block_size, 0.0f);
+      continue;
+    }
+    float block_max = s[0];
+    for (int64_t t = 1; t < n; ++t) block_max = std::max(block_max, s[t]);
+    const float new_max = std::max(row_max[r], block_max);
+    const float correction = exp_approx(row_max[r] - new_max);  // ~0 on the first block (-inf)
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < n; ++t) {
+      s[t] = exp_approx(s[t] - new_max);
+      sum += s[t];
+    }
+    for (int64_t t = n; t < block_size; ++t) s[t] = 0.0f;  // masked: no weight in P @ V below
+    row_sum[r] = row_sum[r] * correction + sum;
+    row_max[r] = new_max;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) acc_row[d] *= correction;
+  }
+  for (int64_t t = 0; t < n_all; ++t) {
+    const float* v_row = v + t * token_stride;
+    for (int64_t r = 0; r < num_rows; ++r) {
+      const float p = scores[r * block_size + t];
+      float* acc_row = acc + r * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) acc_row[d] += p * v_row[d];
+    }
+  }
+}
+
+template <int64_t D>
+void paged_attention_impl(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& cu_seqlens_q,
+                     const at::Tensor& seq_ids, double scale) {
+  check_f32(query, "query");
+  check_f32(out, "out");
+  check_f32(k_cache, "k_cache");
+  check_f32(v_cache, "v_cache");
+  TORCH_CHECK(query.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "query, out and the caches must be contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  cu_seqlens_q.scalar_type() == at::kInt && seq_ids.scalar_type() == at::kLong,
+              "block_tables, seq_lens, cu_seqlens_q must be int32 and seq_ids int64");
+  TORCH_CHECK(block_tables.is_contiguous() && seq_lens.is_contiguous() && cu_seqlens_q.is_contiguous() &&
+                  seq_ids.is_contiguous(), "index tensors must be contiguous");
+  const int64_t num_q_heads = query.size(1), head_dim = query.size(2);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2), num_blocks = k_cache.size(0);
+  const int64_t group = num_q_heads / num_kv_heads, max_blocks = block_tables.size(1);
+  TORCH_CHECK(k_cache.size(3) == head_dim && num_q_heads % num_kv_heads == 0, "head shapes do not match");
+  const float* q_ptr = query.data_ptr<float>();
+  float* o_ptr = out.data_ptr<float>();
+  const float* k_ptr = k_cache.data_ptr<float>();
+  const float* v_ptr = v_cache.data_ptr<float>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* cu = cu_seqlens_q.data_ptr<int32_t>();
+  const int64_t* ids = seq_ids.data_ptr<int64_t>();
+
+  // Work items: (sequence, KV head, query tile), flattened with a prefix sum over sequences.
+  const int64_t num_seqs = seq_ids.numel();
+  std::vector<int64_t> item_start(num_seqs + 1, 0);
+  for (int64_t i = 0; i < num_seqs; ++i) {
+    const int64_t b = ids[i];
+    TORCH_CHECK(b >= 0 && b < seq_lens.numel(), "seq_ids out of range");
+    const int64_t q_len = cu[b + 1] - cu[b];
+    TORCH_CHECK(q_len >= 1 && lens[b] >= q_len, "sequence ", b, ": bad q_len/seq_len");
+    TORCH_CHECK((lens[b] + block_size - 1) / block_size <= max_blocks, "sequence ", b, ": block table too short");
+    item_start[i + 1] = item_start[i] + num_kv_heads * ((q_len + kQueryTile - 1) / kQueryTile);
+  }
+  const int64_t token_stride = num_kv_heads * head_dim;  // between consecutive slots of one head
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, item_start[num_seqs], 1, [&](int64_t begin, int64_t end) {
+    const int64_t max_rows = kQueryTile * group;
+    std::vector<float> q_buf(max_rows * head_dim), acc(max_rows * head_dim), row_max(max_rows), row_sum(max_rows);
+    std::vector<float> scores(max_rows * block_size);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t i = std::upper_bound(item_start.begin(), item_start.end(), item) - item_start.begin() - 1;
+      const int64_t b = ids[i];
+      const int64_t local = item - item_start[i];
+      const int64_t kv_head = local % num_kv_heads, tile = local / num_kv_heads;
+      const int64_t q_len = cu[b + 1] - cu[b], seq_len = lens[b];
+      const int64_t first_q = tile * kQueryTile, num_q = std::min(kQueryTile, q_len - first_q);
+      const int64_t context = seq_len - q_len;  // absolute position of query 0 of the sequence
+      const int64_t num_rows = num_q * group;  // row r: query position first_q + r / group, head r % group
+      for (int64_t r = 0; r < num_rows; ++r) {
+        const float* src = q_ptr + ((cu[b] + first_q + r / group) * num_q_heads + kv_head * group + r % group) * head_dim;
+        float* dst = q_buf.data() + r * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) dst[d] = src[d] * fscale;
+      }
+      std::fill(acc.begin(), acc.begin() + num_rows * head_dim, 0.0f);
+      std::fill(row_max.begin(), row_max.begin() + num_rows, -std::numeric_limits<float>::infinity());
+      std::fill(row_sum.begin(), row_sum.begin() + num_rows, 0.0f);
+      const int64_t last_visible = context + first_q + num_q - 1;  // highest position any row sees
+      const int32_t* table = tables + b * max_blocks;
+      for (int64_t blk = 0; blk * block_size <= last_visible; ++blk) {
+        const int64_t physical = table[blk];
+        TORCH_CHECK(physical >= 0 && physical < num_blocks, "block id out of range");
+        const int64_t base = physical * block_size * token_stride + kv_head * head_dim;
+        const int64_t first_row_visible = context + first_q - blk * block_size + 1;  // tokens row 0 sees
+        attend_block<D>(q_buf.data(), k_ptr + base, v_ptr + base, token_stride, block_size, num_rows, group,
+                        first_row_visible, scores.data(), row_max.data(), row_sum.data(), acc.data());
+      }
+      for (int64_t r = 0; r < num_rows; ++r) {
+        float* dst = o_ptr + ((cu[b] + first_q + r / group) * num_q_heads + kv_head * group + r % group) * head_dim;
+        const float inv = 1.0f / row_sum[r];
+        const float* acc_row = acc.data() + r * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) dst[d] = acc_row[d] * inv;
+      }
+    }
+  });
+}
+
+void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& cu_seqlens_q,
+                     const at::Tensor& seq_ids, double scale) {
+  switch (query.size(-1)) {  // head_dim as a constant: unrolled rows, accumulators in registers
+    case 16: return paged_attention_impl<16>(out, query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, seq_ids, scale);
+    case 32: return paged_attention_impl<32>(out, query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, seq_ids, scale);
+    case 64: return paged_attention_impl<64>(out, query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, seq_ids, scale);
+    case 128: return paged_attention_impl<128>(out, query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, seq_ids, scale);
+    default: TORCH_CHECK(false, "paged_attention supports head_dim 16, 32, 64 and 128, got ", query.size(-1));
+  }
+}
+
+// x (N, H) -> x / rms(x) * weight; with `residual`, first residual += x and normalise the sum
+// (the pre-norm block's "h = x + attn(x); norm(h)" in one pass).
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_f32(x, "x");
+  check_f32(weight, "weight");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.numel() == x.size(1), "x must be (N, H) contiguous");
+  at::Tensor out = at::empty_like(x);
+  const int64_t rows = x.size(0), hidden = x.size(1);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float feps = static_cast<float>(eps);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* row = xp + i * hidden;
+      float sq = 0.0f;
+#pragma omp simd reduction(+ : sq)
+      for (int64_t j = 0; j < hidden; ++j) sq += row[j] * row[j];
+      const float inv = 1.0f / std::sqrt(sq / static_cast<float>(hidden) + feps);
+      float* o = op + i * hidden;
+      for (int64_t j = 0; j < hidden; ++j) o[j] = wp[j] * (row[j] * inv);
+    }
+  });
+  return out;
+}
+
+at::Tensor add_rms_norm(at::Tensor residual, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_f32(residual, "residual");
+  check_f32(x, "x");
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.is_contiguous() && x.is_contiguous(), "shape mismatch");
+  const int64_t n = residual.numel();
+  float* rp = residual.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  at::parallel_for(0, n, 4096, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) rp[i] += xp[i];
+  });
+  return rms_norm(residual, weight, eps);
+}
+
+// gate_up (N, 2I) rows [gate | up] -> (N, I) silu(gate) * up
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  check_f32(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0, "gate_up must be (N, 2I)");
+  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({rows, inter}, gate_up.options());
+  const float* gp = gate_up.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* gate = gp + i * 2 * inter;
+      const float* up = gate + inter;
+      float* o = op + i * inter;
+      for (int64_t j = 0; j < inter; ++j) o[j] = gate[j] / (1.0f + exp_approx(-gate[j])) * up[j];
+    }
+  });
+  return out;
+}
+
+// In place on the q and k heads of qkv (T, (H_q + 2 H_kv) D): rotate pairs (x[i], x[i + D/2]) by
+// the angles whose cos/sin (T, D) rows are [f | f]: x * cos + rotate_half(x) * sin.
+void rotary_(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads, int64_t head_dim) {
+  check_f32(qkv, "qkv");
+  check_f32(cos, "cos");
+  check_f32(sin, "sin");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && cos.is_contiguous() && sin.is_contiguous(), "bad layout");
+  TORCH_CHECK(cos.size(0) == qkv.size(0) && cos.size(1) == head_dim && qkv.size(1) >= num_heads * head_dim,
+              "cos/sin must be (T, D)");
+  const int64_t tokens = qkv.size(0), width = qkv.size(1), half = head_dim / 2;
+  float* xp = qkv.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cp + t * head_dim;
+      const float* s = sp + t * head_dim;
+      for (int64_t h = 0; h < num_heads; ++h) {
+        float* x = xp + t * width + h * head_dim;
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = x[i], x2 = x[i + half];
+          x[i] = x1 * c[i] - x2 * s[i];
+          x[i + half] = x2 * c[i + half] + x1 * s[i + half];
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pagedserve_cpu, m) {
+  m.def("paged_attention(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor seq_lens, Tensor cu_seqlens_q, Tensor seq_ids, float scale) -> ()");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor(a!) residual, Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("rotary_(Tensor(a!) qkv, Tensor cos, Tensor sin, int num_heads, int head_dim) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("silu_mul", &silu_mul);
+  m.impl("rotary_", &rotary_);
+}
