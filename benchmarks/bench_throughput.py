@@ -1,28 +1,31 @@
-"""Throughput benchmark: the paged engine vs transformers static batching vs transformers continuous batching.
+"""Throughput benchmark: the paged engine vs transformers' generate and continuous batching.
 
 One seeded heterogeneous workload (random token-id prompts avoiding special ids, ``ignore_eos``,
-greedy) runs, in this process and this run, through three systems that get the same KV byte budget:
+greedy) runs, in this process and this run, through the engine and the baselines (``--baselines``,
+each on the same seeded subset of ``--baseline-requests`` requests; see hf_baselines.py):
 
-1. the engine (``compute_service.LLM``), its pool sized by ``--kv-cache-bytes``, driven step by step
-   so that the scheduler state can be sampled after every step;
-2. ``transformers`` ``generate`` on static batches (left padding, attention mask, greedy,
-   ``min_new_tokens = max_new_tokens``), as many requests per batch as fit the budget when each
-   pre-allocates the model's maximum length (the source document's contiguous allocation):
-   ``naive_concurrent_seqs = max(1, budget // (max_position * bytes_per_token))``;
-3. ``transformers`` continuous batching (the manager behind ``model.generate_batch``), its paged
-   cache holding ``num_blocks * page_size`` tokens = the same budget.
+- ``engine``: ``compute_service.LLM``, its pool sized by ``--kv-cache-bytes`` (512 MiB), driven step
+  by step so that the scheduler state can be sampled after every step;
+- ``hf_static_best`` (default): ``generate`` on static batches without a memory cap, left padding,
+  the best of ``--static-batch-sizes`` (8, 16, 32); useful tokens only;
+- ``hf_cb_default`` (default): transformers' continuous batching with its own defaults;
+- ``hf_static``: static batches of as many requests as fit the KV budget when each pre-allocates
+  the model's maximum length (the source document's contiguous allocation);
+- ``hf_cb``: transformers' continuous batching with the same KV budget and page size.
 
 Metrics: tokens/s = generated tokens / wall seconds (model loading excluded, every system warmed up
 by one tiny request); the engine's peak concurrent sequences; KV utilisation = live tokens stored /
 token capacity of the whole pool, averaged over the steps after which requests were waiting (the
 pool is the bottleneck); fragmentation = unused slots in allocated blocks / slots of allocated
-blocks, averaged over steps. Prints a table, then as its last line one JSON object.
+blocks, averaged over steps; preemptions and the tokens they made the engine recompute.
+``--profile`` adds the per-component time of a decode and a prefill step (step_profile.py).
+Prints a table, then as its last line one JSON object.
 
 From the repository root (``python benchmarks/bench_throughput.py ...`` also works where the
 package is installed, e.g. ``pip install -e .``):
 
-    python -m benchmarks.bench_throughput --quick [--threads 1]
-    python -m benchmarks.bench_throughput [--kv-cache-bytes 512MiB] [--baseline-requests 16]
+    python -m benchmarks.bench_throughput --quick [--profile] [--threads 1]
+    python -m benchmarks.bench_throughput [--kv-cache-bytes 512MiB] [--baseline-requests 32]
     python -m benchmarks.bench_throughput --random-model-config 1b --device cuda --kv-cache-bytes 8GiB
 """
 
@@ -44,12 +47,17 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import hf_baselines, step_profile
+from benchmarks.throughput_workload import (
+    Request, RunResult, kv_bytes_per_token, make_workload, seeded_subset, warmup_prompt,
+)
 from compute_service import LLM, SamplingParams
 from compute_service.model_config import ModelConfig
 from compute_service.model_loader import load_tokenizer, resolve_model
 from pagedserve.dtypes import DTYPES
 from pagedserve.log import configure_logging
 
+_BASELINES = ("hf_static_best", "hf_cb_default", "hf_static", "hf_cb")
 # Random-weight Llama shapes (no tokenizer: prompts are token ids). "1b" is Llama-3.2-1B's shape
 # with an 8k context; "tiny" checks the plumbing on a CPU in seconds.
 _RANDOM_SHAPES = {
@@ -60,60 +68,6 @@ _RANDOM_SHAPES = {
                  num_key_value_heads=2, head_dim=32, vocab_size=4096, max_position_embeddings=2048,
                  tie_word_embeddings=True),
 }
-
-
-# --- workload ------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Request:
-    prompt_token_ids: list[int]
-    max_tokens: int  # generated exactly (ignore_eos)
-
-
-def make_workload(num_requests: int, prompt_lens: tuple[int, int], output_lens: tuple[int, int],
-                  vocab_size: int, special_ids: set[int], seed: int) -> list[Request]:
-    """Uniform prompt and output lengths (inclusive ranges); prompt tokens avoid ``special_ids``."""
-    rng = random.Random(seed)
-    allowed = [t for t in range(vocab_size) if t not in special_ids]
-    return [
-        Request([rng.choice(allowed) for _ in range(rng.randint(*prompt_lens))], rng.randint(*output_lens))
-        for _ in range(num_requests)
-    ]
-
-
-def seeded_subset(workload: list[Request], num: int | None, seed: int) -> list[Request]:
-    """A seeded sample of ``num`` requests (all when None), in arrival order."""
-    if num is None or num >= len(workload):
-        return list(workload)
-    keep = sorted(random.Random(seed + 1).sample(range(len(workload)), num))
-    return [workload[i] for i in keep]
-
-
-def warmup_prompt(workload: list[Request]) -> list[int]:
-    """8 copies of one token: warms a system up without sharing a prefix with any request."""
-    return [workload[0].prompt_token_ids[0]] * 8
-
-
-def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
-    """K and V of one token in every layer."""
-    return config.num_layers * 2 * config.num_kv_heads * config.head_dim * dtype.itemsize
-
-
-@dataclass
-class RunResult:
-    """One system's run: ``outputs[i]`` are the tokens generated for its i-th request."""
-
-    name: str
-    num_requests: int
-    generated_tokens: int
-    wall_s: float
-    outputs: list[list[int]]
-    extra: dict = field(default_factory=dict)
-
-    @property
-    def tok_s(self) -> float:
-        return self.generated_tokens / self.wall_s
 
 
 # --- 1. the engine -------------------------------------------------------------------------------
@@ -151,6 +105,19 @@ class PoolSampler:
         self.seconds += time.perf_counter() - started
 
 
+def count_computed_tokens(engine) -> list[int]:
+    """From now on, count the tokens the engine's model runs (a one-element list, updated in place)."""
+    counter = [0]
+    run = engine.runner.run
+
+    def counting_run(scheduled):
+        counter[0] += sum(item.num_new_tokens for item in scheduled)
+        return run(scheduled)
+
+    engine.runner.run = counting_run
+    return counter
+
+
 def run_engine(model: str, workload: list[Request], args: argparse.Namespace) -> RunResult:
     llm = LLM(model=model, kv_cache_bytes=args.kv_cache_bytes, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
@@ -160,6 +127,7 @@ def run_engine(model: str, workload: list[Request], args: argparse.Namespace) ->
         llm.generate([warmup_prompt(workload)], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
         sampler = PoolSampler(engine.memory.num_blocks, engine.memory.block_size)
         preemptions_before = engine.scheduler.num_preemptions
+        computed = count_computed_tokens(engine)
         outputs: dict[str, list[int]] = {}
         num_steps = 0
         started = time.perf_counter()
@@ -183,114 +151,13 @@ def run_engine(model: str, workload: list[Request], args: argparse.Namespace) ->
             "engine_steps": num_steps,
             "engine_waiting_steps": len(waiting),
             "preemptions": engine.scheduler.num_preemptions - preemptions_before,
+            # Tokens run through the model beyond each request's prompt + output - 1 (the last output
+            # token is never fed back): the work that preemption by recompute repeated.
+            "recomputed_tokens": computed[0] - sum(len(r.prompt_token_ids) + r.max_tokens - 1 for r in workload),
             "pool_tokens": engine.memory.num_blocks * engine.memory.block_size,
         })
     finally:
         llm.close()
-
-
-# --- 2. transformers, static batches ---------------------------------------------------------------
-
-
-def run_hf_static(model, workload: list[Request], batch_size: int, eos_ids: list[int], pad_id: int) -> RunResult:
-    """Batches in arrival order; each runs until its longest output (min_new_tokens = max_new_tokens
-    keeps EOS away, like ignore_eos); only each request's own tokens count as generated."""
-    from transformers import GenerationConfig
-
-    def generate(batch: list[Request]) -> list[list[int]]:
-        width = max(len(r.prompt_token_ids) for r in batch)
-        input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)  # (B, L), left padded
-        attention_mask = torch.zeros((len(batch), width), dtype=torch.long)  # (B, L)
-        for row, req in enumerate(batch):
-            input_ids[row, width - len(req.prompt_token_ids):] = torch.tensor(req.prompt_token_ids)
-            attention_mask[row, width - len(req.prompt_token_ids):] = 1
-        steps = max(r.max_tokens for r in batch)
-        config = GenerationConfig(max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
-                                  eos_token_id=eos_ids or None, pad_token_id=pad_id)
-        with torch.inference_mode():
-            out = model.generate(input_ids=input_ids.to(model.device), attention_mask=attention_mask.to(model.device),
-                                 generation_config=config)  # (B, L + steps)
-        return [out[row, width:width + req.max_tokens].tolist() for row, req in enumerate(batch)]
-
-    generate([Request(warmup_prompt(workload), 2)])
-    started = time.perf_counter()
-    outputs: list[list[int]] = []
-    for first in range(0, len(workload), batch_size):
-        outputs += generate(workload[first:first + batch_size])
-    wall = time.perf_counter() - started
-    return RunResult("hf_static", len(workload), sum(map(len, outputs)), wall, outputs)
-
-
-# --- 3. transformers, continuous batching ----------------------------------------------------------
-
-
-def run_hf_cb(model, workload: list[Request], args: argparse.Namespace, bytes_per_token: int) -> RunResult:
-    """The continuous-batching manager that ``model.generate_batch`` wraps. generate_batch takes one
-    ``max_new_tokens`` for all prompts, so each request is added with its own to the same manager
-    (exactly what generate_batch does otherwise); EOS id -1 disables stopping (ignore_eos)."""
-    from transformers import ContinuousBatchingConfig, GenerationConfig
-    from transformers.generation.continuous_batching.utils import WorkloadHints
-
-    _ensure_cpu_memory_probe()
-    page_size = args.hf_cb_page_size or args.block_size
-    num_blocks = args.kv_cache_bytes // (page_size * bytes_per_token)  # num_blocks * page_size tokens = budget
-    cb_config = ContinuousBatchingConfig(page_size=page_size, num_blocks=num_blocks,
-                                         max_batch_tokens=args.max_num_batched_tokens,
-                                         max_requests_per_batch=args.max_num_seqs)
-    max_new = max(r.max_tokens for r in workload)
-    gen_config = GenerationConfig(do_sample=False, eos_token_id=-1, max_new_tokens=max_new)
-    hints = WorkloadHints(max_prompt_length=max(len(r.prompt_token_ids) for r in workload),
-                          max_generated_length=max_new, num_requests=len(workload))
-    outputs: dict[str, list[int]] = {}
-    with model.continuous_batching_context_manager(generation_config=gen_config, continuous_batching_config=cb_config,
-                                                   block=True, timeout=30, warmup=model.device.type == "cuda",
-                                                   workload_hints=hints) as manager:
-        def drain(request_ids: set[str]) -> None:
-            while not request_ids <= outputs.keys():
-                result = manager.get_result(timeout=1)
-                if result is not None and result.is_finished():
-                    if result.error is not None:
-                        raise RuntimeError(f"transformers CB request {result.request_id} failed: {result.error}")
-                    outputs[result.request_id] = list(result.generated_tokens)
-                elif result is None and not manager.is_running():
-                    raise RuntimeError("the transformers CB generation thread died")
-
-        manager.add_request(warmup_prompt(workload), "warmup", max_new_tokens=2, eos_token_id=-1)
-        drain({"warmup"})
-        cache_tokens = manager.batch_processor.cache.num_blocks * page_size  # exists once a batch ran
-        started = time.perf_counter()
-        ids = [manager.add_request(r.prompt_token_ids, f"cb-{i}", max_new_tokens=r.max_tokens, eos_token_id=-1)
-               for i, r in enumerate(workload)]
-        drain(set(ids))
-        wall = time.perf_counter() - started
-    tokens = [outputs[i] for i in ids]
-    return RunResult("hf_cb", len(workload), sum(map(len, tokens)), wall, tokens,
-                     {"hf_cb_page_size": page_size, "hf_cb_cache_tokens": cache_tokens})
-
-
-def _ensure_cpu_memory_probe() -> None:
-    """transformers CB checks its cache footprint against free memory, which on a CPU it reads with
-    psutil (not a dependency of ours); without it it sees 0 bytes and refuses to start. Give it the
-    same numbers from /proc."""
-    try:
-        import psutil  # noqa: F401
-        return
-    except ImportError:
-        pass
-    from transformers.generation.continuous_batching import cache as cb_cache
-
-    original = cb_cache.get_device_and_memory_breakdown
-
-    def breakdown() -> tuple[torch.device, int, int, int]:
-        device, total, reserved, allocated = original()
-        if device.type != "cpu" or total:
-            return device, total, reserved, allocated
-        meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
-        total = int(meminfo["MemTotal"].split()[0]) * 1024
-        rss = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        return device, total, rss, rss
-
-    cb_cache.get_device_and_memory_breakdown = breakdown
 
 
 # --- main ------------------------------------------------------------------------------------------
@@ -340,13 +207,19 @@ def parse_args() -> argparse.Namespace:
                         help="default 16 512 (--quick 16 128)")
     parser.add_argument("--output-len", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
                         help="default 16 256 (--quick 16 64)")
+    parser.add_argument("--baselines", default="hf_static_best,hf_cb_default",
+                        help="comma-separated, of: hf_static_best (generate, static batches without a memory cap, "
+                             "best of --static-batch-sizes), hf_cb_default (transformers CB, its own defaults), "
+                             "hf_static (static batches that fit the KV budget), hf_cb (CB with the KV budget); "
+                             "'none' for the engine alone")
     parser.add_argument("--baseline-requests", type=int, default=None,
-                        help="run the transformers static baseline on a seeded subset of this many requests "
-                             "(default: max(16, 2 batches); --quick max(4, 1 batch))")
-    parser.add_argument("--cb-baseline-requests", type=int, default=None,
-                        help="the same for the transformers continuous-batching baseline (default: all)")
-    parser.add_argument("--skip-hf-static", action="store_true")
-    parser.add_argument("--skip-hf-cb", action="store_true")
+                        help="run the baselines on a seeded subset of this many requests (default 32; --quick 16)")
+    parser.add_argument("--static-batch-sizes", type=int, nargs="+", default=[8, 16, 32],
+                        help="batch sizes hf_static_best tries (default 8 16 32)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also time one prefill and a few decode steps of the engine by component")
+    parser.add_argument("--profile-seqs", type=int, default=48, help="at most this many decoding sequences")
+    parser.add_argument("--profile-steps", type=int, default=3, help="decode steps timed by --profile")
     parser.add_argument("--max-num-seqs", type=int, default=256, help="engine max_num_seqs, HF CB max requests")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step of both")
     parser.add_argument("--block-size", type=int, default=16)
@@ -363,6 +236,11 @@ def parse_args() -> argparse.Namespace:
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     args.threads = args.threads or len(os.sched_getaffinity(0))
+    args.baseline_requests = args.baseline_requests or (16 if quick else 32)
+    args.baselines = [] if args.baselines == "none" else args.baselines.split(",")
+    unknown = set(args.baselines) - set(_BASELINES)
+    if unknown:
+        parser.error(f"unknown baselines {sorted(unknown)}; choose from {list(_BASELINES)}")
     return args
 
 
@@ -389,27 +267,30 @@ def main() -> None:
                                  args.seed)
         bytes_per_token = kv_bytes_per_token(config, dtype)
         naive_seqs = max(1, args.kv_cache_bytes // (config.max_position * bytes_per_token))
-        if args.baseline_requests is None:
-            args.baseline_requests = max(4, naive_seqs) if args.quick else max(16, 2 * naive_seqs)
 
+        profile = step_profile.profile_steps(model_arg, workload, args) if args.profile else None
         results = [progress(run_engine(model_arg, workload, args))]
         gc.collect()
-        if not (args.skip_hf_static and args.skip_hf_cb):
+        if args.baselines:
             from transformers import AutoModelForCausalLM
 
             hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa",
                                                             local_files_only=True).to(args.device).eval()
-            if not args.skip_hf_static:
-                subset = seeded_subset(workload, args.baseline_requests, args.seed)
-                pad_id = config.eos_token_ids[0] if config.eos_token_ids else 0
-                results.append(progress(run_hf_static(hf_model, subset, naive_seqs, list(config.eos_token_ids),
-                                                      pad_id)))
-            if not args.skip_hf_cb:
-                subset = seeded_subset(workload, args.cb_baseline_requests, args.seed)
-                results.append(progress(run_hf_cb(hf_model, subset, args, bytes_per_token)))
+            subset = seeded_subset(workload, args.baseline_requests, args.seed)
+            eos_ids, pad_id = list(config.eos_token_ids), (config.eos_token_ids[0] if config.eos_token_ids else 0)
+            for name in args.baselines:
+                if name == "hf_static_best":
+                    result = hf_baselines.run_hf_static_best(hf_model, subset, args.static_batch_sizes, eos_ids,
+                                                             pad_id, say)
+                elif name == "hf_static":
+                    result = hf_baselines.run_hf_static(hf_model, subset, naive_seqs, eos_ids, pad_id)
+                else:
+                    result = hf_baselines.run_hf_cb(hf_model, subset, args, bytes_per_token, budget=name == "hf_cb")
+                results.append(progress(result))
+                gc.collect()
             del hf_model
             gc.collect()
-    report(args, workload, results, naive_seqs, bytes_per_token, config)
+    report(args, workload, results, naive_seqs, bytes_per_token, config, profile)
 
 
 def say(message: str) -> None:
@@ -430,14 +311,13 @@ def agreement(engine: RunResult, other: RunResult, workload: list[Request], subs
 
 
 def report(args: argparse.Namespace, workload: list[Request], results: list[RunResult], naive_seqs: int,
-           bytes_per_token: int, config: ModelConfig) -> None:
-    engine, by_name = results[0], {r.name: r for r in results}
-    subsets = {"hf_static": args.baseline_requests, "hf_cb": args.cb_baseline_requests}
+           bytes_per_token: int, config: ModelConfig, profile: dict | None) -> None:
+    engine, baselines = results[0], results[1:]
     summary: dict = {"engine_tok_s": round(engine.tok_s, 2)}
-    for name in subsets:
-        summary[f"{name}_tok_s"] = round(by_name[name].tok_s, 2) if name in by_name else None
-    for name in subsets:
-        summary[f"ratio_vs_{name}"] = round(engine.tok_s / by_name[name].tok_s, 3) if name in by_name else None
+    for r in baselines:
+        summary[f"{r.name}_tok_s"] = round(r.tok_s, 2)
+    for r in baselines:
+        summary[f"ratio_vs_{r.name}"] = round(engine.tok_s / r.tok_s, 3)
     summary |= {
         "peak_concurrent_seqs": engine.extra["peak_concurrent_seqs"],
         "naive_concurrent_seqs": naive_seqs,
@@ -452,7 +332,7 @@ def report(args: argparse.Namespace, workload: list[Request], results: list[RunR
                     f"{r.name}_generated_tokens": r.generated_tokens}
         if r is not engine:
             summary |= r.extra
-            subset = seeded_subset(workload, subsets[r.name], args.seed)
+            subset = seeded_subset(workload, args.baseline_requests, args.seed)
             summary[f"{r.name}_token_agreement"] = round(agreement(engine, r, workload, subset), 3)
     peak_rss = max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
     summary |= {
@@ -471,14 +351,17 @@ def report(args: argparse.Namespace, workload: list[Request], results: list[RunR
     if any(r.num_requests < len(workload) for r in results):
         print("baselines on a seeded subset of the requests: "
               + ", ".join(f"{r.name} {r.num_requests}" for r in results[1:]))
-    print(f"\n{'system':<12}{'requests':>10}{'gen tokens':>12}{'wall s':>10}{'tok/s':>10}{'engine x':>10}")
+    print(f"\n{'system':<16}{'requests':>10}{'gen tokens':>12}{'wall s':>10}{'tok/s':>10}{'engine x':>10}")
     for r in results:
-        print(f"{r.name:<12}{r.num_requests:>10}{r.generated_tokens:>12}{r.wall_s:>10.2f}{r.tok_s:>10.2f}"
+        print(f"{r.name:<16}{r.num_requests:>10}{r.generated_tokens:>12}{r.wall_s:>10.2f}{r.tok_s:>10.2f}"
               f"{engine.tok_s / r.tok_s:>10.2f}")
     print(f"\n{'engine metric':<28}{'value':>12}")
     for key in ("peak_concurrent_seqs", "naive_concurrent_seqs", "kv_utilization", "fragmentation", "preemptions",
-                "engine_steps", "engine_waiting_steps", "pool_tokens"):
+                "recomputed_tokens", "engine_steps", "engine_waiting_steps", "pool_tokens"):
         print(f"{key:<28}{str(summary[key]):>12}")
+    if profile is not None:
+        step_profile.print_profile(profile)
+        summary["profile"] = profile
     print(json.dumps(summary))
 
 

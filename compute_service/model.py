@@ -83,8 +83,9 @@ class CausalLM(nn.Module):
             for layer_id, layer in enumerate(self.layers):
                 hidden = layer(hidden, cos, sin, kv_pool[layer_id, 0], kv_pool[layer_id, 1], batch)
             last = hidden[last_rows]  # (B, hidden)
+        last = self.norm(last)
         with profile_scope("lm_head"):
-            return F.linear(self.norm(last), self.lm_head).float()  # (B, vocab)
+            return F.linear(last, self.lm_head).float()  # (B, vocab)
 
     def check_kv_pool(self, kv_pool: torch.Tensor) -> None:
         """Raise ValueError unless `kv_pool` has this model's layout, dtype and device."""

@@ -1,0 +1,135 @@
+"""The fused CPU kernels (kernels/csrc/cpu_ops.cpp) against the naive oracle and PyTorch ops.
+
+Paged attention is checked on shuffled block tables (blocks handed out in random order), lengths at
+block boundaries, GQA groups of 1, 3 and 4, prompt chunks longer than one query tile over cached
+context, and mixed batches in which fresh prompts take the SDPA route of the plan.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_ops
+from kernels.cpu_attention import CpuAttentionPlan
+from kernels.reference import paged_attention_naive, paged_attention_reference
+from kernels.testing import make_paged_batch
+
+ops = cpu_ops.load()
+pytestmark = pytest.mark.skipif(ops is None, reason="the fused CPU kernels could not be built here")
+
+
+def run_op(batch, seq_ids: list[int], scale: float) -> torch.Tensor:
+    out = torch.full_like(batch.query, float("nan"))
+    ops.paged_attention(out, batch.query, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
+                        batch.cu_seqlens_q, torch.tensor(seq_ids, dtype=torch.int64), scale)
+    return out
+
+
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(4, 4), (9, 3), (8, 2)])
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_decode_and_chunks_match_the_oracle(num_q_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    block_size = 4
+    # Boundary lengths (1, bs - 1, bs, bs + 1, 2 bs), a 1-token prompt, chunks of 1, 5 and 37 new
+    # tokens over cached context (37 > one 16-row query tile), and a fresh prompt of 6 tokens.
+    seq_lens = [1, 3, 4, 5, 8, 9, 40, 50, 6]
+    q_lens = [1, 1, 1, 1, 1, 5, 37, 1, 6]
+    batch = make_paged_batch(seq_lens, q_lens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                             head_dim=head_dim, block_size=block_size, generator=torch.Generator().manual_seed(1))
+    scale = head_dim**-0.5
+    want = paged_attention_naive(*batch.args(), scale=scale)
+    got = run_op(batch, list(range(len(seq_lens))), scale)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_only_the_given_sequences_are_written() -> None:
+    batch = make_paged_batch([10, 7, 12], [1, 7, 2], num_q_heads=6, num_kv_heads=2, head_dim=32, block_size=4)
+    got = run_op(batch, [0, 2], 0.2)
+    want = paged_attention_naive(*batch.args(), scale=0.2)
+    torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(got[8:], want[8:])
+    assert got[1:8].isnan().all()  # sequence 1 was not asked for
+
+
+def test_plan_splits_fresh_prompts_and_matches_the_reference() -> None:
+    """The whole fused path (write K/V, fresh prompts through SDPA, the rest through the op)."""
+    gen = torch.Generator().manual_seed(2)
+    num_q_heads, num_kv_heads, head_dim, block_size = 6, 2, 16, 4
+    seq_lens, q_lens = [9, 1, 13, 22], [9, 1, 4, 1]  # fresh prompt, 1-token prompt, chunk, decode
+    batch = make_paged_batch(seq_lens, q_lens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                             head_dim=head_dim, block_size=block_size, generator=gen)
+    # The new tokens' K/V, as the model would produce them: taken from the cache, then wiped there
+    # so that the plan must write them back.
+    tables, cu = batch.block_tables.tolist(), batch.cu_seqlens_q.tolist()
+    slots = torch.tensor([tables[b][p // block_size] * block_size + p % block_size
+                          for b, (s, q) in enumerate(zip(seq_lens, q_lens)) for p in range(s - q, s)])
+    flat_k = batch.k_cache.view(-1, num_kv_heads, head_dim)
+    flat_v = batch.v_cache.view(-1, num_kv_heads, head_dim)
+    key, value = flat_k[slots].clone(), flat_v[slots].clone()
+    want = paged_attention_reference(*batch.args(), scale=0.3)
+    flat_k[slots] = 0.0
+    flat_v[slots] = 0.0
+    plan = CpuAttentionPlan.build(slots, batch.block_tables, batch.seq_lens, batch.cu_seqlens_q,
+                                  dtype=torch.float32, head_dim=head_dim)
+    assert plan is not None and plan.fresh == [(0, 9)] and plan.paged_seq_ids.tolist() == [1, 2, 3]
+    got = plan.write_and_attend(batch.query, key, value, batch.k_cache, batch.v_cache, 0.3)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(flat_k[slots], key)
+    torch.testing.assert_close(flat_v[slots], value)
+    assert cu[-1] == got.shape[0]
+
+
+def test_plan_is_none_where_the_fused_path_does_not_apply() -> None:
+    args = (torch.zeros(2, dtype=torch.int64), torch.zeros(1, 1, dtype=torch.int32),
+            torch.tensor([2], dtype=torch.int32), torch.tensor([0, 2], dtype=torch.int32))
+    assert CpuAttentionPlan.build(*args, dtype=torch.bfloat16, head_dim=64) is None
+    assert CpuAttentionPlan.build(*args, dtype=torch.float32, head_dim=80) is None
+    assert CpuAttentionPlan.build(*args, dtype=torch.float32, head_dim=64) is not None
+
+
+def test_fused_elementwise_ops_match_pytorch() -> None:
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(7, 96, generator=gen)
+    weight = 1.0 + 0.1 * torch.randn(96, generator=gen)
+    eps = 1e-5
+    rms = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+    torch.testing.assert_close(ops.rms_norm(x, weight, eps), rms)
+
+    residual, delta = torch.randn(7, 96, generator=gen), torch.randn(7, 96, generator=gen)
+    total = residual + delta
+    normed = ops.add_rms_norm(residual, delta, weight, eps)
+    torch.testing.assert_close(residual, total)  # updated in place
+    torch.testing.assert_close(normed, total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + eps) * weight)
+
+    gate_up = 4 * torch.randn(5, 2 * 48, generator=gen)
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(ops.silu_mul(gate_up), F.silu(gate) * up)
+
+    num_tokens, num_heads, head_dim = 5, 3, 16
+    qkv = torch.randn(num_tokens, (num_heads + 1) * head_dim, generator=gen)  # last head is not rotated ("v")
+    angles = torch.randn(num_tokens, head_dim // 2, generator=gen).repeat(1, 2)  # (T, D) as [f | f]
+    cos, sin = angles.cos(), angles.sin()
+    heads = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
+    x1, x2 = heads.chunk(2, dim=-1)
+    want = heads * cos[:, None] + torch.cat((-x2, x1), dim=-1) * sin[:, None]
+    untouched = qkv[:, num_heads * head_dim:].clone()
+    ops.rotary_(qkv, cos, sin, num_heads, head_dim)
+    torch.testing.assert_close(qkv[:, : num_heads * head_dim].view_as(want), want)
+    assert torch.equal(qkv[:, num_heads * head_dim:], untouched)
+
+
+def test_unbuildable_extension_falls_back_with_a_warning(tmp_path, monkeypatch, caplog) -> None:
+    broken = tmp_path / "cpu_ops.cpp"
+    broken.write_text("#error this source does not compile\n")
+    monkeypatch.setattr(cpu_ops, "_SOURCE", broken)
+    monkeypatch.setattr(cpu_ops, "_state", {})
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    with caplog.at_level(logging.WARNING, logger="kernels.cpu_ops"):
+        assert cpu_ops.load() is None
+    assert "PyTorch path" in caplog.text
+    monkeypatch.setattr(cpu_ops, "_state", {})
+    monkeypatch.setenv("PAGEDSERVE_CPU_KERNELS", "0")
+    assert cpu_ops.load() is None
