@@ -218,6 +218,7 @@ def parse_args() -> argparse.Namespace:
                         help="batch sizes hf_static_best tries (default 8 16 32)")
     parser.add_argument("--profile", action="store_true",
                         help="also time one prefill and a few decode steps of the engine by component")
+    parser.add_argument("--profile-only", action="store_true", help="--profile without the throughput runs")
     parser.add_argument("--profile-seqs", type=int, default=48, help="at most this many decoding sequences")
     parser.add_argument("--profile-steps", type=int, default=3, help="decode steps timed by --profile")
     parser.add_argument("--max-num-seqs", type=int, default=256, help="engine max_num_seqs, HF CB max requests")
@@ -268,7 +269,11 @@ def main() -> None:
         bytes_per_token = kv_bytes_per_token(config, dtype)
         naive_seqs = max(1, args.kv_cache_bytes // (config.max_position * bytes_per_token))
 
-        profile = step_profile.profile_steps(model_arg, workload, args) if args.profile else None
+        profile = step_profile.profile_steps(model_arg, workload, args) if args.profile or args.profile_only else None
+        if args.profile_only:
+            step_profile.print_profile(profile)
+            print(json.dumps({"profile": profile, "model": config.name, "threads": args.threads}))
+            return
         results = [progress(run_engine(model_arg, workload, args))]
         gc.collect()
         if args.baselines:

@@ -63,11 +63,13 @@ def profile_steps(model: str, workload: list[Request], args: argparse.Namespace)
         pool_tokens = engine.memory.num_blocks * engine.memory.block_size
         num_decode_steps = args.profile_steps
         seqs, used = 0, 0
+        # Sequences prefilled early decode while later ones prefill: room for 32 tokens of that.
+        max_tokens = num_decode_steps + 32
         for i, req in enumerate(workload):
-            need = len(req.prompt_token_ids) + num_decode_steps + 2
+            need = len(req.prompt_token_ids) + max_tokens
             if seqs >= args.profile_seqs or used + need > 0.8 * pool_tokens:
                 break
-            params = SamplingParams(max_tokens=num_decode_steps + 2, temperature=0.0, ignore_eos=True)
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
             engine.add_request(f"decode-{i}", req.prompt_token_ids, params)
             seqs, used = seqs + 1, used + need
         while engine.scheduler.waiting or any(not s.output_token_ids for s in engine.scheduler.running):

@@ -16,6 +16,8 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -67,6 +69,8 @@ def _load_uncached() -> Any | None:
     try:
         from torch.utils.cpp_extension import load as load_extension
 
+        if shutil.which("ninja") is None:  # pip's ninja sits beside this interpreter, maybe off PATH
+            os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
         directory = build_dir()
         directory.mkdir(parents=True, exist_ok=True)
         # is_python_module=False: the library registers torch ops (visible to the profiler by name).

