@@ -215,7 +215,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const float* wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float feps = static_cast<float>(eps);
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, 16, [=](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const float* row = xp + i * hidden;
       float sq = 0.0f;
@@ -236,7 +236,7 @@ at::Tensor add_rms_norm(at::Tensor residual, const at::Tensor& x, const at::Tens
   const int64_t n = residual.numel();
   float* rp = residual.data_ptr<float>();
   const float* xp = x.data_ptr<float>();
-  at::parallel_for(0, n, 4096, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n, 4096, [=](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) rp[i] += xp[i];
   });
   return rms_norm(residual, weight, eps);
@@ -250,12 +250,15 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   at::Tensor out = at::empty({rows, inter}, gate_up.options());
   const float* gp = gate_up.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, 8, [=](int64_t begin, int64_t end) {  // by value: a local bound vectorises
     for (int64_t i = begin; i < end; ++i) {
-      const float* gate = gp + i * 2 * inter;
-      const float* up = gate + inter;
-      float* o = op + i * inter;
-      for (int64_t j = 0; j < inter; ++j) o[j] = gate[j] / (1.0f + exp_approx(-gate[j])) * up[j];
+      const float* __restrict__ gate = gp + i * 2 * inter;
+      const float* __restrict__ up = gate + inter;
+      float* __restrict__ o = op + i * inter;
+      for (int64_t j = 0; j < inter; ++j) {
+        const float g = gate[j];
+        o[j] = g / (1.0f + exp_approx(-g)) * up[j];
+      }
     }
   });
   return out;
@@ -274,7 +277,7 @@ void rotary_(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, int64
   float* xp = qkv.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
-  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, tokens, 16, [=](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* c = cp + t * head_dim;
       const float* s = sp + t * head_dim;

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from kernels import cpu_ops
 from kernels.cpu_attention import CpuAttentionPlan
 from kernels.reference import paged_attention_naive, paged_attention_reference
-from kernels.testing import make_paged_batch
+from tests.kernels.helpers import make_paged_batch
 
 ops = cpu_ops.load()
 pytestmark = pytest.mark.skipif(ops is None, reason="the fused CPU kernels could not be built here")
