@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 from grpc_health.v1 import health_pb2
@@ -43,7 +44,8 @@ def memory_target(config: ComputeServiceConfig) -> str:
     return f"unix:{config.memory_socket or rpc.default_socket_path()}"
 
 
-def make_attach(loaded: LoadedModel, target: str, engine_config: EngineConfig, timeout_s: float):
+def make_attach(loaded: LoadedModel, target: str, engine_config: EngineConfig,
+                timeout_s: float) -> Callable[[], Engine]:
     """The engine loop's way to (re)attach: a fresh lease, pool mapping and Engine per call."""
     layout = KvLayout(
         num_layers=loaded.config.num_layers, num_kv_heads=loaded.config.num_kv_heads,
