@@ -23,8 +23,8 @@ from compute_service.sequence import FinishReason, Sequence
 
 log = get_logger("engine")
 
-# Bounds on a request's strings: ids appear in every log event, the salt in the memory service's
-# prefix-cache namespace (model name + salt), which that service bounds.
+# Bounds on a request's strings: ids appear in every log event; the salt is hashed into every
+# prompt's prefix-cache namespace (a cost per request, so not unbounded either).
 MAX_REQUEST_ID_CHARS = 256
 MAX_CACHE_SALT_CHARS = 256
 

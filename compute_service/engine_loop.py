@@ -23,12 +23,15 @@ from dataclasses import dataclass
 
 import grpc
 
+from pagedserve.errors import AlreadyExistsError, UnavailableError
+from pagedserve.log import get_logger
+
+from memory_service.api import MemoryServiceUnavailable
+
 from compute_service.engine import Engine
 from compute_service.outputs import RequestOutput
 from compute_service.request import EngineLoad
 from compute_service.sampling_params import SamplingParams
-from pagedserve.errors import AlreadyExistsError, UnavailableError
-from pagedserve.log import get_logger
 
 log = get_logger("engine_loop")
 
@@ -188,7 +191,7 @@ class EngineLoop:
             self._drain_commands(engine)
             if not engine.has_unfinished():
                 if not self._wake.wait(self.ping_interval_s):
-                    engine.memory.ping()  # idle: notice a lost memory service without a request
+                    self._check_memory(engine)  # idle: notice a lost memory service without a request
                 continue
             num_steps = engine.num_steps
             outputs = engine.step()
@@ -202,6 +205,13 @@ class EngineLoop:
             self.totals.num_steps += 1
             self.totals.num_generated_tokens += sum(len(c.new_token_ids) for o in outputs for c in o.outputs)
             self.totals.num_finished_requests += sum(o.finished for o in outputs)
+
+    @staticmethod
+    def _check_memory(engine: Engine) -> None:
+        """Raise MemoryServiceUnavailable if the memory service is gone or forgot our lease."""
+        if not engine.memory.is_connected:  # its KeepAlive stream failed, or the lease is lost
+            raise MemoryServiceUnavailable("memory service: the KeepAlive stream is down or the lease is lost")
+        engine.memory.ping()
 
     def _drain_commands(self, engine: Engine | None) -> None:
         """Apply queued commands; with no engine (detached), requests fail at once."""
