@@ -233,3 +233,12 @@ def test_optional_objects_follow_values() -> None:
     gateway = container(gateway_pod(full), "gateway")
     assert flag(gateway, "--api-keys-file") == "/etc/pagedserve/api-keys/api-keys"
     assert mounts(gateway)["api-keys"] == "/etc/pagedserve/api-keys"
+
+
+def test_every_metrics_server_listens_on_the_pod_ip(case) -> None:
+    """The services bind metrics to 127.0.0.1 by default; the ServiceMonitor scrapes the pod IP."""
+    _, _, rendered = case
+    pod = engine_pod(rendered)
+    for name in ("memory", "compute"):
+        assert flag(container(pod, name), "--metrics-host") == "0.0.0.0"
+    assert flag(container(gateway_pod(rendered), "gateway"), "--metrics-host") == "0.0.0.0"
