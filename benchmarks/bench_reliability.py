@@ -210,9 +210,38 @@ def run_security(stack: Stack) -> dict:
             "salt_cached_tokens": cached, "salt_isolated": cached["tenant-b"][0] == 0 and cached["tenant-a"][1] > 0}
 
 
+def _start(model: str, directory: Path, name: str, num_clients: int) -> tuple[Stack, int]:
+    """A stack serving ``model`` ('tiny' is built here) in ``directory/name``; and the vocabulary size."""
+    from compute_service.model_config import ModelConfig
+    from compute_service.model_loader import resolve_model
+
+    if model == "tiny":
+        from tests.compute_service.service_fixtures import build_service_model
+
+        model = str(build_service_model(directory / "tiny-model").path)
+    vocab_size = ModelConfig.from_dir(resolve_model(model).path, name=model).vocab_size
+    run_dir = directory / name
+    run_dir.mkdir()
+    config = StackConfig(model, max_num_blocks=2048, max_num_seqs=64, compute_max_queued=512,
+                         gateway_max_queued=max(512, num_clients + 16))
+    started = time.monotonic()
+    stack = start_stack(config, run_dir)
+    print(f"{name} stack ({model}) up in {time.monotonic() - started:.0f} s: {stack.pids()}", flush=True)
+    return stack, vocab_size
+
+
+def _finish(stack: Stack, result: dict) -> None:
+    """Final checks of one stack: nothing held, every block accounted for, clean exits."""
+    final = stack.wait_idle(60)
+    result["blocks_leaked"] = result.get("blocks_leaked", 0) + sum(p.num_used_blocks for p in final.pools) + final.num_sequences
+    result["all_serving"] = result.get("all_serving", True) and stack.all_serving()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="default", help="'default', 'tiny' (random byte-tokenizer Llama) or a directory")
+    p.add_argument("--fuzz-model", default="tiny", help="the model of the fuzzing stack (default tiny: validation, "
+                                                        "not the model, is under test, and 30,000 cases stay bounded)")
     p.add_argument("--fuzz-cases", type=int, default=10_000)
     p.add_argument("--clients", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=32)
@@ -222,43 +251,28 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.model, args.fuzz_cases, args.clients, args.churn, args.vanishing_streams = "tiny", 300, 32, 1000, 40
-    with tempfile.TemporaryDirectory(prefix="bench-rel-") as directory:
-        model = args.model
-        if model == "tiny":
-            from tests.compute_service.service_fixtures import build_service_model
-
-            model = str(build_service_model(Path(directory, "model")).path)
-        from compute_service.model_config import ModelConfig
-        from compute_service.model_loader import resolve_model
-
-        vocab_size = ModelConfig.from_dir(resolve_model(model).path, name=model).vocab_size
-        run_dir = Path(directory, "run")
-        run_dir.mkdir()
-        config = StackConfig(model, max_num_blocks=2048, max_num_seqs=64, compute_max_queued=512,
-                             gateway_max_queued=max(512, args.clients + 16))
-        started = time.monotonic()
-        stack = start_stack(config, run_dir)
-        print(f"stack up in {time.monotonic() - started:.0f} s: {stack.pids()}", flush=True)
-        baseline = stack.resources()
-        result: dict = {"model": args.model}
+    result: dict = {"model": args.model, "fuzz_model": args.fuzz_model}
+    with tempfile.TemporaryDirectory(prefix="bench-rel-") as name:
+        directory = Path(name)
+        stack, vocab_size = _start(args.fuzz_model, directory, "fuzz", 0)
         try:
             result["fuzz"] = run_fuzz(stack, args.fuzz_cases, vocab_size)
-            result["load"] = run_load(stack, args.clients, args.max_tokens)
-            print(f"load {result['load']}", flush=True)
-            result["overload"] = run_overload(stack, 32)
-            print(f"overload {result['overload']}", flush=True)
-            result["churn"] = run_churn(stack, args.churn)
-            print(f"churn {result['churn']}", flush=True)
-            result["faults"] = run_faults(stack, args.vanishing_streams)
-            print(f"faults {result['faults']}", flush=True)
-            result["security"] = run_security(stack)
-            print(f"security {result['security']}", flush=True)
-            final = stack.wait_idle(60)
-            result["blocks_leaked"] = final.pools[0].num_used_blocks + final.num_sequences
-            result["all_serving"] = stack.all_serving()
+            _finish(stack, result)
         finally:
-            result["exit_statuses"] = stack.stop()
-    result["baseline_resources"] = baseline
+            result["exit_statuses"] = {"fuzz": stack.stop()}
+        stack, _ = _start(args.model, directory, "main", args.clients)
+        result["baseline_resources"] = stack.resources()
+        try:
+            for phase, run in (("load", lambda: run_load(stack, args.clients, args.max_tokens)),
+                               ("overload", lambda: run_overload(stack, 32)),
+                               ("churn", lambda: run_churn(stack, args.churn)),
+                               ("faults", lambda: run_faults(stack, args.vanishing_streams)),
+                               ("security", lambda: run_security(stack))):
+                result[phase] = run()
+                print(f"{phase} {result[phase]}", flush=True)
+            _finish(stack, result)
+        finally:
+            result["exit_statuses"]["main"] = stack.stop()
     result["fuzz_bad_codes"] = sum(f["bad"] for f in result["fuzz"].values())
     result["faults_survived"] = sum(f["survived"] for f in result["faults"].values())
     print(f"\n{'phase':10s} figures\n" + "\n".join(f"{k:10s} {v}" for k, v in result.items() if k != "fuzz"))
