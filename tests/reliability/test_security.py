@@ -115,3 +115,18 @@ def test_cache_salt_isolates_the_prefix_cache(stack: Stack) -> None:
     assert cached("tenant-b") == 0
     assert cached("") == 0
     stack.wait_idle()
+
+
+def _listen_hosts(port: int) -> set[str]:
+    """Local addresses with a TCP socket listening on ``port`` (Linux /proc/net/tcp, IPv4)."""
+    hosts = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        host_hex, port_hex = local.split(":")
+        if state == "0A" and int(port_hex, 16) == port:  # 0A: LISTEN
+            hosts.add(".".join(str(b) for b in reversed(bytes.fromhex(host_hex))))
+    return hosts
+
+
+def test_metrics_listen_on_loopback_only(stack: Stack) -> None:
+    assert _listen_hosts(stack.gateway.metrics_port) == {"127.0.0.1"}
