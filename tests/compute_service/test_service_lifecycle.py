@@ -5,6 +5,7 @@ last one stops the compute service."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import socket
@@ -72,6 +73,19 @@ def test_help_lists_every_flag() -> None:
     for flag in ("--memory-socket", "--model", "--listen", "--config", "--metrics-port", "--max-num-seqs",
                  "--max-num-batched-tokens", "--max-queued-requests", "--block-size", "--shutdown-grace-s"):
         assert flag in out
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_idle_service_sleeps(services: Services) -> None:
+    services.generate(PROMPT, max_tokens=2, temperature=0.0)
+    before = cpu_seconds(services.compute.pid)
+    time.sleep(2.0)
+    assert cpu_seconds(services.compute.pid) - before < 0.2  # no busy loop: < 10% of one core (0.02 s seen)
 
 
 def test_grpcurl_lists_through_reflection_and_generates(services: Services, service_model: ServiceModel) -> None:
