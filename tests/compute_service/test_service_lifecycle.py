@@ -1,6 +1,7 @@
-"""The compute service's life: reflection with a real grpcurl, losing and regaining its memory
-service, and draining on SIGTERM. The tests share one pair of services and run in file order: the
-last one stops the compute service."""
+"""The compute service's life: sleeping when idle, reflection with a real grpcurl, metrics, priority
+scheduling, losing and regaining its memory service (and a memory service that refuses it), and
+draining on SIGTERM. The tests share one pair of services (one sequence at a time) and run in file
+order: the last one stops the compute service."""
 
 from __future__ import annotations
 
@@ -47,7 +48,8 @@ def compute_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def services(service_model: ServiceModel, metrics_port: int, compute_log: Path) -> Iterator[Services]:
     with running_services(service_model.path, memory_args=("--max-num-blocks", "300"),
-                          compute_args=("--metrics-port", str(metrics_port)), compute_log=compute_log) as services:
+                          compute_args=("--metrics-port", str(metrics_port), "--max-num-seqs", "1"),
+                          compute_log=compute_log) as services:
         yield services
 
 
@@ -114,6 +116,31 @@ def test_metrics_endpoint(services: Services, metrics_port: int) -> None:
     assert values["pagedserve_compute_generated_tokens_total"] >= 3
     assert values["pagedserve_compute_finished_requests_total"] >= 1
     assert values["pagedserve_compute_requests_running"] == 0
+
+
+def test_priority_jumps_the_queue(services: Services) -> None:
+    # One sequence at a time (--max-num-seqs 1): "low" and then "high" wait behind "first".
+    first = services.stub.Generate(cpb.GenerateRequest(
+        request_id="first", prompt_token_ids=PROMPT, params=cpb.SamplingParams(max_tokens=500, ignore_eos=True)))
+    next(first)
+    ended: list[str] = []
+
+    def run(request_id: str, priority: int) -> None:
+        services.generate(PROMPT, request_id=request_id, priority=priority, max_tokens=3, ignore_eos=True)
+        ended.append(request_id)
+
+    threads = [threading.Thread(target=run, args=("low", 0)), threading.Thread(target=run, args=("high", 5))]
+    for t in threads:
+        t.start()
+        deadline = time.monotonic() + 10
+        while services.stub.Load(cpb.LoadRequest()).num_waiting < threads.index(t) + 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    assert services.stub.Abort(cpb.AbortRequest(request_id="first")).found
+    for t in threads:
+        t.join(timeout=30)
+    assert list(first)[-1].finish_reason == "abort"
+    assert ended == ["high", "low"]
 
 
 def test_memory_service_loss_and_return(services: Services, service_model: ServiceModel, compute_log: Path) -> None:
