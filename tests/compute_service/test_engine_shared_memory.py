@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from compute_service import LLM, SamplingParams
-from pagedserve.process import ServiceProcess
+from tests.compute_service.service_fixtures import start_memory
 from tests.conftest import TinyModel
 
 PARAMS = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -17,9 +17,7 @@ def test_waiting_request_is_admitted_when_another_client_frees(make_tiny_model: 
                                                               tmp_path: Path) -> None:
     socket = tmp_path / "memory.sock"
     model = str(make_tiny_model("llama").path)
-    with ServiceProcess.launch("memory_service", ["--socket", socket, "--block-size", "4", "--max-num-blocks", "16",
-                                                  "--enable-prefix-caching", "false", "--log-level", "warning"],
-                               address=f"unix:{socket}", ready_timeout_s=60):
+    with start_memory(socket, "--max-num-blocks", "16", "--enable-prefix-caching", "false"):
         with LLM(model, block_size=4, memory_socket=str(socket)) as a, \
                 LLM(model, block_size=4, memory_socket=str(socket)) as b:
             a.engine.add_request("big", list(range(3, 3 + 52)), PARAMS)  # 13 of the 16 blocks

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -49,3 +51,10 @@ def test_unknown_key_and_bad_values_are_named(tmp_path: Path, capsys: pytest.Cap
         ComputeServiceConfig(listen="nowhere")
     assert main(["--max-num-seqs", "0"]) == 2
     assert "max_num_seqs" in capsys.readouterr().err
+
+
+def test_parent_pid_ties_the_service_to_its_owner() -> None:
+    # An owner that is not our parent (gone already): the service exits at once, before serving.
+    done = subprocess.run([sys.executable, "-m", "compute_service", "--parent-pid", "1", "--listen", "127.0.0.1:0"],
+                          capture_output=True, timeout=60)
+    assert done.returncode == 1
