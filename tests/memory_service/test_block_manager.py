@@ -716,3 +716,18 @@ def test_utilization_and_fragmentation_count_shared_blocks_once(make: MakeManage
     stats = manager.stats()
     assert (stats.kv_utilization, stats.fragmentation, stats.num_sequences) == (12 / 16, 4 / 16, 3)
     assert stats.general == PoolStats("general", 8, 4, 0, 4)
+
+
+def test_cache_namespace_is_unambiguous_and_bounded(make: MakeManager) -> None:
+    """Issue 7, item 8 and "also close": ``model|salt`` was ambiguous and kept the salt in full."""
+    from memory_service.api import cache_namespace
+    from memory_service.prefix_cache import NAMESPACE_KEY_SIZE
+
+    assert cache_namespace("m|a", "b") != cache_namespace("m", "a|b")
+    assert cache_namespace("m", "") != cache_namespace("m", "x") == cache_namespace("m", "x")
+    huge = cache_namespace("model", "s" * (8 << 20))
+    assert len(huge) < 64
+    manager = make()
+    run(manager, AllocateOp("a", tokens(0, 9), 9, namespace=huge))
+    keys = [key for key in manager._prefix_cache.block_keys if key is not None]
+    assert len(keys) == 2 and all(len(key[2]) == NAMESPACE_KEY_SIZE for key in keys)
