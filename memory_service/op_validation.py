@@ -2,8 +2,9 @@
 
 A bad op is a caller bug: it raises ``ValueError`` naming the op and the problem, and because the
 whole batch is checked first, nothing of the batch has been applied. Token ids are checked by
-encoding them for the prefix cache (one pass in C), and the encodings are handed on to the manager,
-with the FreeOps whose blocks must wait for the end of the batch (``ValidatedBatch``).
+encoding them (``token_encoding``: one pass in C), and the encodings are handed on to the manager
+(cache keys, token counts), with the FreeOps whose blocks must wait for the end of the batch
+(``ValidatedBatch``). One check method per op type reads and updates the batch's running state.
 """
 
 from __future__ import annotations
