@@ -186,6 +186,9 @@ def test_items9_10_pool_size_is_checked_against_dev_shm_and_bounded() -> None:
     service, socket = start_memory_service("--kv-cache-bytes", str(shm_free_bytes() + (1 << 30)))
     try:
         stub = stub_for(socket)
+        before = stub.Stats(pb.StatsRequest())  # no pool yet: all zeros, both pools named
+        assert [(p.name, p.num_total_blocks) for p in before.pools] == [("general", 0), ("reserved", 0)]
+        assert (before.num_clients, before.block_size) == (0, 4)
         huge = pb.KvLayout(num_layers=64, num_kv_heads=64, head_dim=256, dtype="float32", block_size=4)
         with pytest.raises(grpc.RpcError) as info:
             stub.Attach(pb.AttachRequest(client_name="huge", layout=huge))
