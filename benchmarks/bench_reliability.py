@@ -247,38 +247,47 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--churn", type=int, default=10_000)
     p.add_argument("--vanishing-streams", type=int, default=100)
+    p.add_argument("--phases", default="fuzz,main", help="fuzz (its own stack), main (load, overload, churn, "
+                                                         "faults, security), or both")
     p.add_argument("--quick", action="store_true", help="tiny model, 300 cases, 32 clients, 1,000 requests")
     args = p.parse_args(argv)
     if args.quick:
         args.model, args.fuzz_cases, args.clients, args.churn, args.vanishing_streams = "tiny", 300, 32, 1000, 40
-    result: dict = {"model": args.model, "fuzz_model": args.fuzz_model}
+    result: dict = {"model": args.model, "fuzz_model": args.fuzz_model, "exit_statuses": {}}
+    phases = set(args.phases.split(","))
     with tempfile.TemporaryDirectory(prefix="bench-rel-") as name:
         directory = Path(name)
-        stack, vocab_size = _start(args.fuzz_model, directory, "fuzz", 0)
-        try:
-            result["fuzz"] = run_fuzz(stack, args.fuzz_cases, vocab_size)
-            _finish(stack, result)
-        finally:
-            result["exit_statuses"] = {"fuzz": stack.stop()}
-        stack, _ = _start(args.model, directory, "main", args.clients)
-        result["baseline_resources"] = stack.resources()
-        try:
-            for phase, run in (("load", lambda: run_load(stack, args.clients, args.max_tokens)),
-                               ("overload", lambda: run_overload(stack, 32)),
-                               ("churn", lambda: run_churn(stack, args.churn)),
-                               ("faults", lambda: run_faults(stack, args.vanishing_streams)),
-                               ("security", lambda: run_security(stack))):
-                result[phase] = run()
-                print(f"{phase} {result[phase]}", flush=True)
-            _finish(stack, result)
-        finally:
-            result["exit_statuses"]["main"] = stack.stop()
-    result["fuzz_bad_codes"] = sum(f["bad"] for f in result["fuzz"].values())
-    result["faults_survived"] = sum(f["survived"] for f in result["faults"].values())
+        if "fuzz" in phases:
+            stack, vocab_size = _start(args.fuzz_model, directory, "fuzz", 0)
+            try:
+                result["fuzz"] = run_fuzz(stack, args.fuzz_cases, vocab_size)
+                _finish(stack, result)
+            finally:
+                result["exit_statuses"]["fuzz"] = stack.stop()
+            result["fuzz_bad_codes"] = sum(f["bad"] for f in result["fuzz"].values())
+        if "main" in phases:
+            _run_main(args, directory, result)
     print(f"\n{'phase':10s} figures\n" + "\n".join(f"{k:10s} {v}" for k, v in result.items() if k != "fuzz"))
     print(json.dumps(result, separators=(",", ":")))
     return 0
 
+
+def _run_main(args: argparse.Namespace, directory: Path, result: dict) -> None:
+    """Load, overload, churn, faults and security on one stack serving ``args.model``."""
+    stack, _ = _start(args.model, directory, "main", args.clients)
+    result["baseline_resources"] = stack.resources()
+    try:
+        for phase, run in (("load", lambda: run_load(stack, args.clients, args.max_tokens)),
+                           ("overload", lambda: run_overload(stack, 32)),
+                           ("churn", lambda: run_churn(stack, args.churn)),
+                           ("faults", lambda: run_faults(stack, args.vanishing_streams)),
+                           ("security", lambda: run_security(stack))):
+            result[phase] = run()
+            print(f"{phase} {result[phase]}", flush=True)
+        _finish(stack, result)
+    finally:
+        result["exit_statuses"]["main"] = stack.stop()
+    result["faults_survived"] = sum(f["survived"] for f in result["faults"].values())
 
 if __name__ == "__main__":
     sys.exit(main())

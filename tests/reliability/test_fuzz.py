@@ -27,7 +27,8 @@ def _check(tally: Counter[str], stack: Stack) -> None:
 
 
 def test_gateway_fuzz(stack: Stack) -> None:
-    tally = fuzz.run_cases(stack.gateway.address, fuzz.gateway_cases(NUM_CASES, seed=1), concurrency=4)
+    tally = fuzz.run_cases(stack.gateway.address, fuzz.gateway_cases(NUM_CASES, seed=1), concurrency=4,
+                           timeout_s=60)
     _check(tally, stack)
     reply = stack.gateway.stub.Generate(gateway_pb2.GenerateRequest(
         prompt="still here", params=gateway_pb2.SamplingParams(max_tokens=3, ignore_eos=True)), timeout=30)
@@ -36,7 +37,7 @@ def test_gateway_fuzz(stack: Stack) -> None:
 
 def test_compute_fuzz(stack: Stack, service_model) -> None:
     tally = fuzz.run_cases(stack.compute.address, fuzz.compute_cases(NUM_CASES, service_model.vocab_size, seed=2),
-                           concurrency=4)
+                           concurrency=4, timeout_s=60)
     _check(tally, stack)
     assert stack.engine.load().num_running == 0
 
