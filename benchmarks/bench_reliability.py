@@ -165,8 +165,10 @@ def run_faults(stack: Stack, num_vanishing: int) -> dict:
                          60, "the dead client's blocks reclaimed")
     stack.engine.restart_compute()
     wait_until(lambda: stack.gateway.num_healthy_backends() == 1, 60, "the restarted compute in rotation")
-    again = stack.gateway.stub.Generate(_request(cached_prompt, 2), timeout=120)
+    first = time.monotonic()
+    again = stack.gateway.stub.Generate(_request(cached_prompt, 2), timeout=300)
     faults["sigkill_compute"] = {"client_code": code, "client_failed_s": failed_s, "blocks_reclaimed_s": reclaimed_s,
+                                 "first_request_after_restart_s": round(time.monotonic() - first, 2),
                                  "cached_tokens_after_restart": again.usage.cached_prompt_tokens,
                                  "survived": code == "UNAVAILABLE" and again.usage.cached_prompt_tokens > 0}
 

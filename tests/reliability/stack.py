@@ -17,6 +17,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2
 
+from pagedserve.gateway.v1 import gateway_pb2
 from pagedserve.memory.v1 import memory_pb2
 from pagedserve.process import ServiceProcess, check_health
 from tests.e2e.conftest import (
@@ -101,6 +102,13 @@ class Stack:
         return statuses
 
 
+def warm_up(gateway: Gateway, timeout_s: float = 300.0) -> None:
+    """One request, with all the time it needs: a fresh compute service's first step may load the
+    fused CPU kernels (seconds on a busy machine), which no scenario is about."""
+    gateway.stub.Generate(gateway_pb2.GenerateRequest(prompt="warm up", params=gateway_pb2.SamplingParams(
+        max_tokens=1)), timeout=timeout_s)
+
+
 def used_blocks(stats: memory_pb2.StatsResponse) -> int:
     return sum(pool.num_used_blocks for pool in stats.pools)
 
@@ -159,6 +167,7 @@ def start_stack(config: StackConfig, run_dir: Path, *gateway_extra: str) -> Stac
         gateway = start_gateway([compute_address], run_dir, "--max-queued-requests", str(config.gateway_max_queued),
                                 *config.gateway_args, *gateway_extra)
         wait_until(lambda: gateway.num_healthy_backends() == 1, 30, "the backend in rotation")
+        warm_up(gateway)
     except BaseException:
         compute.stop()
         memory.stop()
