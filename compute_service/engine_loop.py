@@ -116,6 +116,7 @@ class EngineLoop:
         self.engine: Engine | None = None  # loop thread only (tests may read it when idle)
         self.load = EngineLoad(0, 0, 0.0, 0.0, 0)  # replaced (never mutated) after each step
         self.totals = LoopTotals()  # written by the loop thread only
+        self._is_warm = False
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
     # --- called from other threads ---------------------------------------------------------
@@ -167,6 +168,11 @@ class EngineLoop:
         while not self._stopping.is_set():
             try:
                 engine = self._attach()
+                try:
+                    self._warm_up(engine)
+                except BaseException:
+                    engine.memory.close()
+                    raise
             except Exception as exc:  # noqa: BLE001 - unreachable memory service: retry until it is back
                 # A service that is down is expected (debug); one that refuses us (a layout or block
                 # size that differs from its pool) needs an operator: warn, once per distinct error.
@@ -184,6 +190,16 @@ class EngineLoop:
             self._on_ready(True)
             return engine
         return None
+
+    def _warm_up(self, engine: Engine) -> None:
+        """A one-token request before the first SERVING: the first forward loads the CPU kernels
+        (10-20 s on a busy machine), and no client's first request should wait for that."""
+        if self._is_warm:
+            return
+        engine.add_request("warm-up", [0], SamplingParams(max_tokens=1, temperature=0.0))
+        while engine.has_unfinished():
+            engine.step()
+        self._is_warm = True
 
     def _serve(self, engine: Engine) -> None:
         while not self._stopping.is_set():
