@@ -10,7 +10,7 @@ import sys
 from pagedserve.config import add_config_file_flag, build_config, read_config_file
 from pagedserve.errors import PreconditionError
 from pagedserve.log import configure_logging
-from pagedserve.process import _die_with_parent
+from pagedserve.process import add_parent_pid_flag, die_with_parent
 
 from memory_service.config import MemoryServiceConfig
 
@@ -51,8 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", dest="metrics_port", type=int, help="serve Prometheus metrics on this port")
     p.add_argument("--metrics-host", dest="metrics_host", help="address of the metrics endpoint (default 127.0.0.1)")
     p.add_argument("--log-level", dest="log_level", help="debug, info, warning, error")
-    p.add_argument("--parent-pid", dest="parent_pid", type=int,
-                   help="exit (SIGTERM) when this process dies, even by SIGKILL: for a service owned by one process")
+    add_parent_pid_flag(p)
     return p
 
 
@@ -83,8 +82,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ComputeServiceConfig, E
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.parent_pid is not None:
-        # Set by the service itself, not by a preexec_fn in the parent: see memory_service's main.
-        _die_with_parent(args.parent_pid)
+        die_with_parent(args.parent_pid)  # first: see pagedserve.process
     try:
         service, engine = configs_from_args(args)
         configure_logging(service.log_level)

@@ -29,7 +29,7 @@ class MemoryServiceProcess:
 
     Leaves nothing behind: a start that fails (or is interrupted, KeyboardInterrupt included)
     stops the child and removes the directory before raising, and the child gets SIGTERM when
-    this process dies, even by SIGKILL (``--parent-pid``: the service sets its parent-death signal).
+    this process dies, even by SIGKILL (ServiceProcess passes ``--parent-pid``).
     """
 
     def __init__(self, config: EngineConfig, device: str) -> None:
@@ -40,8 +40,7 @@ class MemoryServiceProcess:
                 "--enable-prefix-caching", str(config.enable_prefix_caching).lower(),
                 "--memory-utilization-threshold", str(config.memory_utilization_threshold),
                 "--reserved-fraction", str(config.reserved_fraction),
-                "--reserved-min-priority", str(config.reserved_min_priority), "--log-level", "warning",
-                "--parent-pid", str(os.getpid())]  # the service ties itself to us (see its --help)
+                "--reserved-min-priority", str(config.reserved_min_priority), "--log-level", "warning"]
         if config.max_num_blocks is not None:
             args += ["--max-num-blocks", str(config.max_num_blocks)]
         kv_bytes = config.kv_cache_bytes or (DEFAULT_CPU_KV_CACHE_BYTES if device == "cpu" else None)
@@ -51,7 +50,7 @@ class MemoryServiceProcess:
             # Its output goes to a log beside the socket (quoted when the start fails), not to the
             # owner's stdout.
             self.process = ServiceProcess.launch("memory_service", args, address=f"unix:{self.socket}",
-                                                 ready_timeout_s=60, die_with_parent=False,
+                                                 ready_timeout_s=60,
                                                  log_file=os.path.join(self.directory, "memory_service.log"))
         except BaseException:
             shutil.rmtree(self.directory, ignore_errors=True)

@@ -8,6 +8,7 @@ import sys
 
 from pagedserve.config import add_config_file_flag, config_from_args
 from pagedserve.log import configure_logging
+from pagedserve.process import add_parent_pid_flag, die_with_parent
 
 from gateway.config import API_KEYS_ENV, GatewayConfig
 
@@ -34,11 +35,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="after SIGTERM, keep taking requests this long while NOT_SERVING (default 0)")
     p.add_argument("--log-prompts", dest="log_prompts", action="store_const", const=True, help="put prompt text in access logs")
     p.add_argument("--log-level", dest="log_level", default="info", help="debug, info, warning, error")
+    add_parent_pid_flag(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.parent_pid is not None:
+        die_with_parent(args.parent_pid)  # first: see pagedserve.process
     try:
         configure_logging(args.log_level)
         if args.backends is not None:

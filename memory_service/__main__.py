@@ -10,7 +10,7 @@ import sys
 from pagedserve.config import add_config_file_flag, config_from_args
 from pagedserve.errors import PreconditionError
 from pagedserve.log import configure_logging
-from pagedserve.process import _die_with_parent
+from pagedserve.process import add_parent_pid_flag, die_with_parent
 
 from memory_service.config import MemoryServiceConfig
 
@@ -50,20 +50,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-clients", dest="max_clients", type=int, help="clients attached at once (default 64)")
     p.add_argument("--log-level", dest="log_level", help="debug, info, warning, error")
-    p.add_argument(
-        "--parent-pid", dest="parent_pid", type=int,
-        help="exit (SIGTERM) when this process dies, even by SIGKILL: for a private service of one owner",
-    )
+    add_parent_pid_flag(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.parent_pid is not None:
-        # Set here, in the service itself, rather than by a preexec_fn in the parent: a preexec_fn
-        # forces a plain fork(), and gRPC's fork handlers in a parent with live channels then
-        # start a poller thread in the pre-exec child that aborts it now and then (SIGABRT).
-        _die_with_parent(args.parent_pid)
+        die_with_parent(args.parent_pid)  # first: see pagedserve.process
     try:
         config = config_from_args(MemoryServiceConfig, args)
     except ValueError as exc:

@@ -5,14 +5,18 @@ its ``grpc.health.v1`` check says SERVING at its address, and is stopped by PID:
 service drains and releases what it holds), SIGKILL after a timeout.
 
 Why the child is tied to its parent: a service started by a test, by ``LLM`` or by ``pagedserve up``
-must not outlive its owner, even when the owner is SIGKILLed and cannot clean up. On Linux the
-child asks the kernel for SIGTERM when its parent dies (``PR_SET_PDEATHSIG``). The kernel sends it
-when the *thread* that started the child exits, so start services from a long-lived thread (the
-main thread, or the thread that also stops them).
+must not outlive its owner, even when the owner is SIGKILLed and cannot clean up. Every service
+takes ``--parent-pid PID`` and, first thing in its ``main``, asks the kernel for SIGTERM when that
+process dies (``PR_SET_PDEATHSIG``, Linux). It is set by the service itself rather than by a
+``preexec_fn`` in the parent: a preexec_fn forces a plain fork(), and gRPC's fork handlers in a
+parent with live channels then start a poller thread in the pre-exec child that aborts it now and
+then (SIGABRT). The kernel sends the signal when the *thread* that started the child exits, so
+start services from a long-lived thread (the main thread, or the thread that also stops them).
 """
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import os
 import signal
@@ -29,12 +33,26 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Runs in the child between fork and exec: SIGTERM when the parent goes."""
+def die_with_parent(parent_pid: int) -> None:
+    """Called by a service's main for ``--parent-pid``: SIGTERM this process when ``parent_pid`` dies.
+
+    Exits at once when the parent is already gone (it died before the request took effect).
+    A no-op off Linux.
+    """
+    if sys.platform != "linux":
+        return
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(1)
+    if os.getppid() != parent_pid:
+        sys.exit(1)
+
+
+def add_parent_pid_flag(parser: argparse.ArgumentParser) -> None:
+    """The ``--parent-pid`` flag every service takes (see the module docstring)."""
+    parser.add_argument(
+        "--parent-pid", dest="parent_pid", type=int,
+        help="exit (SIGTERM) when this process dies, even by SIGKILL: for a service private to one owner",
+    )
 
 
 def check_health(address: str, service: str = "", timeout_s: float = 1.0) -> int | None:
@@ -60,7 +78,8 @@ class ServiceProcess:
         env: environment for the child (default: this process's).
         log_file: when given, the child's stdout and stderr go there (a failed start quotes its
             tail); otherwise they are inherited, so its logs appear with this process's.
-        die_with_parent: SIGTERM the child when this process dies (Linux).
+        die_with_parent: the child exits when this process dies, even by SIGKILL (it is passed
+            ``--parent-pid``, which every pagedserve service takes).
     """
 
     def __init__(self, module: str, args: Sequence[str] = (), *, address: str, health_service: str = "",
@@ -74,12 +93,10 @@ class ServiceProcess:
         self._log: IO[bytes] | None = None
         if self.log_file is not None:
             self._log = open(self.log_file, "ab")
-        parent = os.getpid()
-        preexec = (lambda: _die_with_parent(parent)) if die_with_parent and sys.platform == "linux" else None
+        tie = ["--parent-pid", str(os.getpid())] if die_with_parent else []
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", module, *self.args],
-            env=env, stdout=self._log, stderr=subprocess.STDOUT if self._log else None,
-            stdin=subprocess.DEVNULL, preexec_fn=preexec,
+            [sys.executable, "-m", module, *self.args, *tie],
+            env=env, stdout=self._log, stderr=subprocess.STDOUT if self._log else None, stdin=subprocess.DEVNULL,
         )
 
     @classmethod

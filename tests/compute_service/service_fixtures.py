@@ -88,13 +88,11 @@ def build_service_model(directory: Path) -> ServiceModel:
     return ServiceModel(directory, model, tokenizer, eos, 258)
 
 
-# Each service ties itself to this process (--parent-pid) instead of a preexec_fn: gRPC's fork
-# handlers in a parent with live channels make a pre-exec child abort now and then.
 def start_memory(socket: Path, *extra: str) -> ServiceProcess:
     return ServiceProcess.launch(
         "memory_service", ["--socket", socket, "--block-size", BLOCK_SIZE, "--lease-ttl-s", "2",
-                           "--log-level", "warning", "--parent-pid", os.getpid(), *extra],
-        address=f"unix:{socket}", health_service=MEMORY_SERVICE, ready_timeout_s=60, die_with_parent=False,
+                           "--log-level", "warning", *extra],
+        address=f"unix:{socket}", health_service=MEMORY_SERVICE, ready_timeout_s=60,
     )
 
 
@@ -103,9 +101,9 @@ def start_compute(model: Path | str, memory_socket: Path, listen: str, *extra: s
     return ServiceProcess.launch(
         "compute_service", ["--model", model, "--memory-socket", memory_socket, "--listen", listen,
                             "--block-size", BLOCK_SIZE, "--memory-retry-interval-s", "0.2",
-                            "--memory-ping-interval-s", "0.2", "--log-level", "warning", "--parent-pid", os.getpid(),
+                            "--memory-ping-interval-s", "0.2", "--log-level", "warning",
                             *extra],
-        address=listen, health_service=COMPUTE_SERVICE, ready_timeout_s=180, log_file=log_file, die_with_parent=False,
+        address=listen, health_service=COMPUTE_SERVICE, ready_timeout_s=180, log_file=log_file,
     )
 
 

@@ -23,10 +23,9 @@ def start_memory_service(*extra: str, socket: str | None = None) -> tuple[Servic
         socket = os.path.join(directory, "run", "memory.sock")
     service = ServiceProcess.launch(
         "memory_service",
-        ["--socket", socket, "--block-size", "4", "--log-level", "warning", "--parent-pid", str(os.getpid()), *extra],
+        ["--socket", socket, "--block-size", "4", "--log-level", "warning", *extra],
         address=f"unix:{socket}",
         ready_timeout_s=30,
-        die_with_parent=False,  # --parent-pid instead: see memory_service/__main__.py
         log_file=os.path.join(directory, "memory_service.log"),  # a failed start quotes its tail
     )
     return service, socket
