@@ -7,6 +7,7 @@ import torch
 from compute_service.forward_batch import ForwardBatch
 from compute_service.model import CausalLM
 from compute_service.scheduler import ScheduledSeq
+from kernels import cpu_ops
 
 
 class ModelRunner:
@@ -21,6 +22,10 @@ class ModelRunner:
 
     def __init__(self, model: CausalLM, kv_pool: torch.Tensor, block_size: int) -> None:
         model.check_kv_pool(kv_pool)
+        if kv_pool.device.type == "cpu":
+            # Build (first run on a machine, ~1 min) or load the fused CPU kernels now, while the
+            # service is still starting, rather than inside the first request's step.
+            cpu_ops.load()
         self.model = model
         self.kv_pool = kv_pool
         self.block_size = block_size
