@@ -118,10 +118,15 @@ def count_computed_tokens(engine) -> list[int]:
     return counter
 
 
+def watermark_kwargs(args: argparse.Namespace) -> dict:
+    """The engine's admission watermark, when the command line sets one (else its default)."""
+    return {} if args.admission_watermark is None else {"admission_watermark": args.admission_watermark}
+
+
 def run_engine(model: str, workload: list[Request], args: argparse.Namespace) -> RunResult:
     llm = LLM(model=model, kv_cache_bytes=args.kv_cache_bytes, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-              device=args.device, dtype=args.dtype)
+              device=args.device, dtype=args.dtype, **watermark_kwargs(args))
     try:
         engine = llm.engine
         llm.generate([warmup_prompt(workload)], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
@@ -150,6 +155,7 @@ def run_engine(model: str, workload: list[Request], args: argparse.Namespace) ->
             "fragmentation": round(statistics.fmean(sampler.fragmentation), 4) if sampler.fragmentation else 0.0,
             "engine_steps": num_steps,
             "engine_waiting_steps": len(waiting),
+            "admission_watermark": engine.config.admission_watermark,
             "preemptions": engine.scheduler.num_preemptions - preemptions_before,
             # Tokens run through the model beyond each request's prompt + output - 1 (the last output
             # token is never fed back): the work that preemption by recompute repeated.
@@ -224,6 +230,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-num-seqs", type=int, default=256, help="engine max_num_seqs, HF CB max requests")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step of both")
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--admission-watermark", type=float, default=None,
+                        help="share of the pool kept free when admitting (default: EngineConfig's)")
     parser.add_argument("--hf-cb-page-size", type=int, default=None, help="default: --block-size")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: every CPU this process may run on)")

@@ -26,6 +26,9 @@ class EngineConfig:
     memory_utilization_threshold: float = 0.9
     reserved_fraction: float = 0.0
     reserved_min_priority: int = 1
+    # Admissions leave this fraction of the (unreserved) pool free for running sequences to grow
+    # into, so that a saturated engine seldom preempts (and recomputes); see scheduler.py.
+    admission_watermark: float = 0.05
     memory_socket: str | None = None
     device: str | None = None  # default: cuda when available, else cpu
     dtype: str | None = None  # default: float32 on CPU, bfloat16 on CUDA
@@ -40,6 +43,8 @@ class EngineConfig:
             )
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if not 0.0 <= self.admission_watermark < 1.0:
+            raise ValueError(f"admission_watermark must be in [0, 1), got {self.admission_watermark}")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.device is not None and not (self.device == "cpu" or self.device.startswith("cuda")):
