@@ -50,6 +50,8 @@ class LocalPod:
             else:
                 path = self.root / self.name / name
                 path.mkdir(parents=True, exist_ok=True)
+                if "emptyDir" in volume:
+                    path.chmod(0o777)  # as the kubelet makes an emptyDir: world-writable
                 if "configMap" in volume:
                     for key, text in self.config_maps[volume["configMap"]["name"]].items():
                         (path / key).write_text(text)

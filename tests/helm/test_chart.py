@@ -61,9 +61,11 @@ def test_engine_containers_share_socket_shm_and_cache(case) -> None:
     assert pod["terminationGracePeriodSeconds"] > 30  # the compute service's drain, then the sidecar
     # The one socket path, on both sides, inside the directory both mount from one emptyDir.
     socket = flag(memory, "--socket")
-    assert socket == flag(compute, "--memory-socket") == "/run/pagedserve/memory.sock"
+    assert socket == flag(compute, "--memory-socket") == "/run/pagedserve/memory/memory.sock"
     for c in (memory, compute):
-        assert mounts(c)["socket"] == posixpath.dirname(socket)
+        # A private subdirectory of the mount (the memory service creates it 0700): the emptyDir
+        # itself is world-writable, which the memory service refuses for its socket.
+        assert mounts(c)["socket"] == posixpath.dirname(posixpath.dirname(socket))
         assert mounts(c)["dshm"] == "/dev/shm"
         assert mounts(c)["cache"] == env(c)["PAGEDSERVE_CACHE_DIR"]
         assert mounts(c)["tmp"] == "/tmp"

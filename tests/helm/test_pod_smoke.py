@@ -75,8 +75,8 @@ def test_memory_container_answers_its_probes(volume_root: Path) -> None:
     """The memory container as rendered: its exec probes (grpc.health.v1 over the socket) pass while
     it runs and fail once it is gone; it leaves no socket or shared-memory segment behind."""
     engine, _, _ = _pods(_cpu_values({"source": "default"}), volume_root)
-    socket_path = engine.local_path(engine.container("memory"), "/run/pagedserve/memory.sock")
-    assert socket_path == str(volume_root / "engine" / "socket" / "memory.sock")
+    socket_path = engine.local_path(engine.container("memory"), "/run/pagedserve/memory/memory.sock")
+    assert socket_path == str(volume_root / "engine" / "socket" / "memory" / "memory.sock")
     memory = engine.start("memory", "unix:" + socket_path, log_dir=volume_root)
     try:
         assert engine.probe("memory", "startupProbe")
@@ -105,7 +105,7 @@ def test_engine_and_gateway_pods_serve_a_request(volume_root: Path) -> None:
     assert engine.argv("compute")[engine.argv("compute").index("--model") + 1] == str(model_dir)
 
     engine_port, gateway_port = values["engine"]["port"], values["gateway"]["port"]
-    socket_path = engine.local_path(engine.container("memory"), "/run/pagedserve/memory.sock")
+    socket_path = engine.local_path(engine.container("memory"), "/run/pagedserve/memory/memory.sock")
     started = []
     try:
         started.append(engine.start("memory", "unix:" + socket_path, log_dir=volume_root))

@@ -2,7 +2,7 @@
 
 Used as an exec probe for the memory service, whose gRPC server listens only on a Unix socket
 that the kubelet's native gRPC probe cannot reach. Usage: health_probe.py ADDRESS [SERVICE]
-(ADDRESS like unix:/run/pagedserve/memory.sock or host:port; SERVICE defaults to "").
+(ADDRESS like unix:/run/pagedserve/memory/memory.sock or host:port; SERVICE defaults to "").
 """
 
 import sys

@@ -56,7 +56,9 @@ explicit image.tag they run the slim CPU variant; engines the CUDA one unless gp
 
 {{/* The memory service's socket: one path, used by both engine containers. */}}
 {{- define "pagedserve.socketPath" -}}
-{{- printf "%s/memory.sock" (trimSuffix "/" .Values.engine.socketDir) }}
+{{- /* A subdirectory the memory service creates 0700: an emptyDir itself is world-writable (0777),
+       and the memory service refuses a socket directory that others could write to. */ -}}
+{{- printf "%s/memory/memory.sock" (trimSuffix "/" .Values.engine.socketDir) }}
 {{- end }}
 
 {{/* What the compute service's --model gets, per model.source. */}}
