@@ -14,7 +14,8 @@ from pagedserve.compute.v1 import compute_pb2 as cpb
 
 from tests.compute_service.service_fixtures import Services, running_services
 
-pytestmark = pytest.mark.slow
+# The real model on a busy 2-core machine can take far longer than the 600 s default.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 MAX_TOKENS = 16
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
