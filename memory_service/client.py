@@ -183,6 +183,11 @@ class MemoryClient:
         """The service's block, cache and client statistics."""
         return convert.stats_from_pb(self._call(self._stub.Stats, pb.StatsRequest()))
 
+    def check_integrity(self) -> str | None:
+        """The service's own integrity check: None when it holds, else the first broken invariant."""
+        reply = self._call(self._stub.CheckIntegrity, pb.CheckIntegrityRequest())
+        return None if reply.ok else reply.problem
+
     def ping(self) -> None:
         self._stub.Ping(pb.PingRequest())
 

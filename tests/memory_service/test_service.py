@@ -232,3 +232,41 @@ def test_prometheus_metrics() -> None:
         assert f"0100007F:{port:04X}" in listening and f"00000000:{port:04X}" not in listening
     finally:
         service.stop()
+
+
+def test_integrity_check_over_the_wire(memory_service: str) -> None:
+    """CheckIntegrity answers ok before any attach, with live sequences, and after they are freed."""
+    stub = stub_for(memory_service)
+    assert stub.CheckIntegrity(pb.CheckIntegrityRequest()).ok
+    with MemoryClient(f"unix:{memory_service}", TINY_LAYOUT, "t") as client:
+        client.step([AllocateOp("a", list(range(10)), max_num_new_tokens=100)])
+        client.step([ForkOp("a", "b"), AppendOp("b", [1, 2, 3])])
+        assert client.check_integrity() is None
+        client.step([FreeOp("a"), FreeOp("b")])
+        assert client.check_integrity() is None
+    reply = stub.CheckIntegrity(pb.CheckIntegrityRequest())
+    assert reply.ok and reply.problem == ""
+
+
+def test_integrity_check_reports_a_broken_invariant() -> None:
+    """A corrupted reference count (a bug) is reported with the invariant it breaks, not hidden."""
+    import asyncio
+
+    from memory_service.config import MemoryServiceConfig
+    from memory_service.servicer import MemoryManagerServicer
+
+    async def scenario() -> tuple[str | None, str | None]:
+        servicer = MemoryManagerServicer(MemoryServiceConfig(max_num_blocks=16, block_size=4))
+        try:
+            attached = await servicer.Attach(pb.AttachRequest(client_name="t", layout=pb.KvLayout(
+                num_layers=2, num_kv_heads=2, head_dim=4, dtype="float32", block_size=4)), None)
+            assert attached.client_id
+            before = servicer.check_integrity()
+            servicer.block_manager._pool.ref_counts[3] += 1  # a block held by no table
+            return before, servicer.check_integrity()
+        finally:
+            await servicer.close()
+
+    before, after = asyncio.run(scenario())
+    assert before is None
+    assert after == "block 3: refcount 1 but 0 tables hold it"

@@ -144,7 +144,10 @@ def run_memory_fuzz(target: str, layout: mpb.KvLayout, num_cases: int, seed: int
         stub = mpb_grpc.MemoryManagerStub(channel)
         client_id = stub.Attach(mpb.AttachRequest(client_name="fuzz", layout=layout), timeout=10).client_id
         try:
-            return run_cases(target, memory_cases(num_cases, client_id, seed), **kwargs)  # type: ignore[arg-type]
+            tally = run_cases(target, memory_cases(num_cases, client_id, seed), **kwargs)  # type: ignore[arg-type]
+            integrity = stub.CheckIntegrity(mpb.CheckIntegrityRequest(), timeout=30)
+            assert integrity.ok, f"memory service integrity check failed after fuzzing: {integrity.problem}"
+            return tally
         finally:
             stub.Detach(mpb.DetachRequest(client_id=client_id), timeout=10)
 

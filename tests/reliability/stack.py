@@ -18,7 +18,7 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from pagedserve.gateway.v1 import gateway_pb2
-from pagedserve.memory.v1 import memory_pb2
+from pagedserve.memory.v1 import memory_pb2, memory_pb2_grpc
 from pagedserve.process import ServiceProcess, check_health
 from tests.e2e.conftest import (
     COMPUTE_SERVICE, MEMORY_SERVICE, Engine, Gateway, shm_segments, start_gateway, wait_until,
@@ -79,6 +79,7 @@ class Stack:
                    timeout_s, "every sequence freed and no block in use")
         stats = self.memory_stats()
         check_accounting(stats)
+        check_integrity(self.memory.address)
         return stats
 
     def pids(self) -> dict[str, int]:
@@ -118,6 +119,13 @@ def check_accounting(stats: memory_pb2.StatsResponse) -> None:
     for pool in stats.pools:
         parts = pool.num_free_blocks + pool.num_cached_blocks + pool.num_used_blocks
         assert parts == pool.num_total_blocks, f"pool {pool.name!r}: {parts} blocks accounted of {pool.num_total_blocks}"
+
+
+def check_integrity(memory_address: str) -> None:
+    """The memory service's own integrity check (every invariant of its block manager) holds."""
+    with grpc.insecure_channel(memory_address) as channel:
+        reply = memory_pb2_grpc.MemoryManagerStub(channel).CheckIntegrity(memory_pb2.CheckIntegrityRequest(), timeout=30)
+    assert reply.ok, f"memory service integrity check failed: {reply.problem}"
 
 
 def kv_layout(model: str, block_size: int, dtype: str = "float32") -> memory_pb2.KvLayout:

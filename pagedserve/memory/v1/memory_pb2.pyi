@@ -289,3 +289,15 @@ class PingRequest(_message.Message):
 class PingResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class CheckIntegrityRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CheckIntegrityResponse(_message.Message):
+    __slots__ = ("ok", "problem")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    PROBLEM_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    problem: str
+    def __init__(self, ok: _Optional[bool] = ..., problem: _Optional[str] = ...) -> None: ...

@@ -69,6 +69,11 @@ class MemoryManagerStub:
                 request_serializer=pagedserve_dot_memory_dot_v1_dot_memory__pb2.PingRequest.SerializeToString,
                 response_deserializer=pagedserve_dot_memory_dot_v1_dot_memory__pb2.PingResponse.FromString,
                 _registered_method=True)
+        self.CheckIntegrity = channel.unary_unary(
+                '/pagedserve.memory.v1.MemoryManager/CheckIntegrity',
+                request_serializer=pagedserve_dot_memory_dot_v1_dot_memory__pb2.CheckIntegrityRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_memory_dot_v1_dot_memory__pb2.CheckIntegrityResponse.FromString,
+                _registered_method=True)
 
 
 class MemoryManagerServicer:
@@ -136,6 +141,16 @@ class MemoryManagerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CheckIntegrity(self, request, context):
+        """Checks every invariant of the block manager, O(pool size): each block free, cached or used
+        exactly once per pool, reference counts equal to the block tables that hold the block, the
+        prefix cache and the pending (uncommitted) blocks consistent. For tests, fuzzing and operators;
+        a failure is a bug of this service, logged and reported, and changes nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MemoryManagerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -173,6 +188,11 @@ def add_MemoryManagerServicer_to_server(servicer, server):
                     servicer.Ping,
                     request_deserializer=pagedserve_dot_memory_dot_v1_dot_memory__pb2.PingRequest.FromString,
                     response_serializer=pagedserve_dot_memory_dot_v1_dot_memory__pb2.PingResponse.SerializeToString,
+            ),
+            'CheckIntegrity': grpc.unary_unary_rpc_method_handler(
+                    servicer.CheckIntegrity,
+                    request_deserializer=pagedserve_dot_memory_dot_v1_dot_memory__pb2.CheckIntegrityRequest.FromString,
+                    response_serializer=pagedserve_dot_memory_dot_v1_dot_memory__pb2.CheckIntegrityResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -364,6 +384,33 @@ class MemoryManager:
             '/pagedserve.memory.v1.MemoryManager/Ping',
             pagedserve_dot_memory_dot_v1_dot_memory__pb2.PingRequest.SerializeToString,
             pagedserve_dot_memory_dot_v1_dot_memory__pb2.PingResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CheckIntegrity(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.memory.v1.MemoryManager/CheckIntegrity',
+            pagedserve_dot_memory_dot_v1_dot_memory__pb2.CheckIntegrityRequest.SerializeToString,
+            pagedserve_dot_memory_dot_v1_dot_memory__pb2.CheckIntegrityResponse.FromString,
             options,
             channel_credentials,
             insecure,
