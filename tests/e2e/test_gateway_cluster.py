@@ -23,13 +23,17 @@ from pagedserve.gateway.v1 import gateway_pb2
 from tests.e2e.conftest import Engine, Gateway, start_gateway, wait_until
 
 
+LONG_MAX_TOKENS = 960
+
+
 def _params(max_tokens: int = 16, **kwargs: object) -> gateway_pb2.SamplingParams:
     return gateway_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, **kwargs)
 
 
 def _long(prompt: str) -> gateway_pb2.GenerateRequest:
-    """A request that streams for seconds: no EOS, most of the tiny model's context."""
-    return gateway_pb2.GenerateRequest(prompt=prompt, params=_params(200, ignore_eos=True))
+    """A request that streams for seconds: no EOS, most of the tiny model's 1024-token context (the
+    fused CPU path runs the tiny model at hundreds of tokens per second: 200 tokens took < 0.5 s)."""
+    return gateway_pb2.GenerateRequest(prompt=prompt, params=_params(LONG_MAX_TOKENS, ignore_eos=True))
 
 
 def _queries(engines: list[Engine]) -> list[int]:
@@ -115,7 +119,7 @@ def test_second_gateway_sees_load_that_another_client_put_on_an_engine(
         with grpc.insecure_channel(busy.address) as channel:
             stub = compute_pb2_grpc.ComputeStub(channel)
             streams = [stub.Generate(compute_pb2.GenerateRequest(prompt_token_ids=[65 + i] * 20, params=compute_pb2.SamplingParams(
-                max_tokens=230, ignore_eos=True, temperature=0.0))) for i in range(4)]
+                max_tokens=LONG_MAX_TOKENS, ignore_eos=True, temperature=0.0))) for i in range(4)]
             for stream in streams:
                 next(stream)
             time.sleep(0.5)  # a few health polls: the gateways read the engine's reported load
