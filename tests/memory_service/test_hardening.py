@@ -6,6 +6,7 @@ Each test names its item; each failed before the fix (noted where the old behavi
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -222,7 +223,7 @@ time.sleep(600)
 def test_item13_private_memory_service_dies_with_its_owner() -> None:
     """Before: when the owner of LLM's private memory service was SIGKILLed, the child ran on."""
     owner = subprocess.Popen([sys.executable, "-c", OWNER], stdout=subprocess.PIPE, text=True)
-    child_pid, _directory = owner.stdout.readline().split()
+    child_pid, directory = owner.stdout.readline().split()
     owner.kill()
     owner.wait()
     deadline = time.monotonic() + 10
@@ -232,6 +233,9 @@ def test_item13_private_memory_service_dies_with_its_owner() -> None:
             break  # a zombie: dead, waiting for init to reap it
         time.sleep(0.05)
     assert not Path(f"/proc/{child_pid}").exists() or ") Z" in Path(f"/proc/{child_pid}/stat").read_text()
+    # The child cleaned up what it owns (its socket); the directory was its SIGKILLed owner's.
+    assert not (Path(directory) / "memory.sock").exists()
+    shutil.rmtree(directory)
 
 
 @pytest.mark.parametrize("failure", ["exit", "interrupt"])
