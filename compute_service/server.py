@@ -19,7 +19,7 @@ from pathlib import Path
 
 from grpc_health.v1 import health_pb2
 
-from pagedserve import rpc
+from pagedserve import rpc, sockets
 from pagedserve.compute.v1 import compute_pb2, compute_pb2_grpc
 from pagedserve.dtypes import dtype_name
 from pagedserve.errors import UnavailableError
@@ -41,7 +41,7 @@ SERVICE_NAME = compute_pb2.DESCRIPTOR.services_by_name["Compute"].full_name
 
 
 def memory_target(config: ComputeServiceConfig) -> str:
-    return f"unix:{config.memory_socket or rpc.default_socket_path()}"
+    return f"unix:{config.memory_socket or sockets.default_socket_path()}"
 
 
 def make_attach(loaded: LoadedModel, target: str, engine_config: EngineConfig,
@@ -78,9 +78,9 @@ async def serve(config: ComputeServiceConfig, engine_config: EngineConfig) -> in
     server, health = rpc.create_aio_server(
         [lambda s: compute_pb2_grpc.add_ComputeServicer_to_server(servicer, s)], [SERVICE_NAME], serving=False
     )
-    address = rpc.bind(server, config.listen)
+    address = sockets.bind(server, config.listen)
     await server.start()
-    rpc.secure_socket(address)
+    sockets.secure_socket(address)
     print(f"compute service listening on {address}", flush=True)
     log.info("compute_service_started", address=address, model=config.model)
 

@@ -23,7 +23,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.routing import Router
 from gateway.servicer import GatewayServicer
 from gateway.tokenizer import fetch_tokenizer
-from pagedserve import rpc
+from pagedserve import rpc, sockets
 from pagedserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from pagedserve.log import get_logger
 
@@ -81,7 +81,7 @@ class Gateway:
 
     async def start(self) -> None:
         try:
-            self.address = rpc.bind(self.server, self.config.listen)
+            self.address = sockets.bind(self.server, self.config.listen)
         except RuntimeError:  # grpc's "Failed to bind": the port is taken or the host is not ours
             raise ValueError(f"listen: cannot bind {self.config.listen} (in use, or not an address of this host)") from None
         if self.config.metrics_port is not None:

@@ -261,7 +261,3 @@ def create_aio_server(
 def _message_options(max_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
     return [("grpc.max_receive_message_length", max_bytes), ("grpc.max_send_message_length", max_bytes)]
 
-
-# --- addresses: moved to pagedserve.sockets (kept importable from here) --------------------------
-
-from pagedserve.sockets import bind, default_socket_path, secure_socket  # noqa: E402, F401

@@ -8,7 +8,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagedserve import rpc
+from pagedserve import rpc, sockets
 from pagedserve.errors import AlreadyExistsError, PreconditionError, ResourceExhaustedError, UnavailableError
 
 RAISES = {
@@ -46,7 +46,7 @@ def _register(server: grpc.aio.Server) -> None:
 
 async def _scenario() -> dict[str, object]:
     server, health = rpc.create_aio_server([_register], ["test.Echo"], serving=False)
-    address = rpc.bind(server, "127.0.0.1:0")
+    address = sockets.bind(server, "127.0.0.1:0")
     await server.start()
     seen: dict[str, object] = {}
     try:
@@ -103,7 +103,7 @@ def test_status_for(exc: Exception, code: grpc.StatusCode) -> None:
 
 async def _watch_scenario() -> list[int]:
     server, health = rpc.create_aio_server([_register], ["test.Echo"], serving=True)
-    address = rpc.bind(server, "127.0.0.1:0")
+    address = sockets.bind(server, "127.0.0.1:0")
     await server.start()
     statuses: list[int] = []
     try:
