@@ -113,6 +113,13 @@ def bind(server: grpc.Server | grpc.aio.Server, address: str) -> str:
     return f"{host}:{port}"
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``host`` a moment ago (for a child process's --listen)."""
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
 def secure_socket(address: str) -> None:
     """chmod 0600 the socket file of a started server bound to a unix: address (belt and braces)."""
     if address.startswith("unix:"):

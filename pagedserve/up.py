@@ -19,6 +19,7 @@ from pathlib import Path
 from grpc_health.v1 import health_pb2
 
 from pagedserve.process import ServiceProcess, check_health
+from pagedserve.sockets import free_port
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
@@ -106,7 +107,7 @@ def run_up(config: UpConfig) -> int:
             address=f"unix:{compute_socket}"))
         _wait_serving(services[-1], f"loading model {config.model!r} in the compute service", config.ready_timeout_s, stop)
         _say("compute service ready")
-        port = config.port or _free_port(config.host)
+        port = config.port or free_port(config.host)
         address = f"{config.host}:{port}"
         services.append(ServiceProcess("gateway", ["--backend", f"unix:{compute_socket}", "--listen", address],
                                        address=address))
@@ -133,11 +134,3 @@ def run_up(config: UpConfig) -> int:
         shutil.rmtree(runtime, ignore_errors=True)
         _say("stopped")
     return status
-
-
-def _free_port(host: str) -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        return probe.getsockname()[1]

@@ -1,0 +1,231 @@
+"""Serving benchmark through the gateway: Poisson arrivals at several request rates, streaming clients.
+
+Starts memory, compute and gateway as real processes (serving_stack.py), or targets a running
+gateway (``--gateway ADDR``; ``--memory ADDR`` adds the KV usage samples). In order:
+
+1. an unloaded baseline: the workload's requests one at a time (nothing else in the engine);
+2. the rate sweep: the same requests again at each ``--rates`` value (requests/s, Poisson
+   arrivals, ``inf`` = all at once), each rate under its own cache salt so that no rate reuses
+   another's cached prompts;
+3. a shared-prefix workload: a long common system prompt plus short distinct questions, one at a
+   time, TTFT with the prefix cache against without it. Without it means a second stack whose
+   memory service runs with ``--enable-prefix-caching false`` (with ``--gateway``: a distinct
+   cache salt per request, so nothing is shared).
+
+The memory service's pool usage is sampled throughout (serving_client.KvSampler). Per rate it
+reports requests/s, output tokens/s, TTFT, TPOT and end-to-end latency (p50/p90/p99; definitions
+in serving_client.py), errors by status code; then the highest rate whose p99 TTFT stays under
+``--ttft-bound-s`` and the source document's claim (serving_report.py says which latency and why).
+Prints a table, then as its last line one JSON object. ``--plot-dir`` writes the two figures.
+
+    python -m benchmarks.bench_serving [--rates 0.25 0.5 1 1.5 inf] [--plot-dir docs]
+    python -m benchmarks.bench_serving --gateway 127.0.0.1:50051 [--memory unix:/run/.../memory.sock]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks import serving_report as report
+from benchmarks.serving_client import (
+    KvSampler, RequestResult, run_arrivals, run_one_at_a_time, tokens_per_word,
+)
+from benchmarks.serving_stack import StackConfig, start_stacks
+from benchmarks.serving_workload import RequestSpec, make_requests, make_shared_prefix, make_text, poisson_arrivals
+
+WARMUP = RequestSpec("Hello, how are you today?", 4)
+
+
+@dataclass
+class SweepResults:
+    baseline: list[RequestResult]
+    runs: list[tuple[float, list[RequestResult]]]
+    prefix_cached: list[RequestResult]
+    sampler: KvSampler | None
+    tokens_per_word: float
+
+
+async def _phase(sampler: KvSampler | None, label: str, work) -> list[RequestResult]:
+    """Run ``work`` (a coroutine) and mark its span on the KV usage timeline."""
+    start = sampler.now() if sampler else 0.0
+    results = await work
+    if sampler:
+        sampler.marks.append((label, start, sampler.now()))
+    return results
+
+
+async def sweep(address: str, memory_address: str | None, args: argparse.Namespace) -> SweepResults:
+    """Baseline, every rate and the cached shared-prefix run, against one gateway."""
+    tpw = await tokens_per_word(address, make_text(random.Random(args.seed), 200))
+    specs = make_requests(args.num_requests, args.prompt_len, args.output_len, tpw, args.seed)
+    sampler = KvSampler(memory_address, args.kv_sample_interval_s) if memory_address else None
+    stop = asyncio.Event()
+    sampling = asyncio.create_task(sampler.run(stop)) if sampler else None
+    try:
+        await run_one_at_a_time(address, [WARMUP], ["warmup"], args.timeout_s)
+        baseline = await _phase(sampler, "unloaded", run_one_at_a_time(
+            address, specs[: args.baseline_requests], ["baseline"] * args.baseline_requests, args.timeout_s))
+        say(f"unloaded baseline: {len(baseline)} requests done")
+        runs = []
+        for i, rate in enumerate(args.rates):
+            label = report.rate_label(rate)
+            arrivals = poisson_arrivals(len(specs), rate, args.seed + 1 + i)
+            results = await _phase(sampler, label, run_arrivals(address, specs, arrivals, f"rate-{label}",
+                                                                 args.timeout_s))
+            runs.append((rate, results))
+            say(f"rate {label}: {sum(r.ok for r in results)}/{len(results)} ok")
+        prefix = make_shared_prefix(args.prefix_requests + 1, args.prefix_tokens, args.question_tokens,
+                                    args.prefix_max_tokens, tpw, args.seed)
+        # The first request fills the cache; the others find the system prompt there.
+        cached = (await _phase(sampler, "prefix", run_one_at_a_time(
+            address, prefix, ["prefix"] * len(prefix), args.timeout_s)))[1:]
+    finally:
+        stop.set()
+        if sampling:
+            await sampling
+    return SweepResults(baseline, runs, cached, sampler, tpw)
+
+
+async def run_uncached_prefix(address: str, args: argparse.Namespace, tpw: float, distinct_salts: bool
+                              ) -> list[RequestResult]:
+    """The shared-prefix requests (first one excluded, as in the cached run) without prefix reuse."""
+    prefix = make_shared_prefix(args.prefix_requests + 1, args.prefix_tokens, args.question_tokens,
+                                args.prefix_max_tokens, tpw, args.seed)
+    salts = [f"nocache-{i}" if distinct_salts else "prefix" for i in range(len(prefix))]
+    await run_one_at_a_time(address, [WARMUP], ["warmup"], args.timeout_s)
+    return (await run_one_at_a_time(address, prefix, salts, args.timeout_s))[1:]
+
+
+def stack_config(args: argparse.Namespace, enable_prefix_caching: bool) -> StackConfig:
+    return StackConfig(model=args.model, kv_cache_bytes=args.kv_cache_bytes, block_size=args.block_size,
+                       enable_prefix_caching=enable_prefix_caching, max_num_seqs=args.max_num_seqs)
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Everything, stacks started and stopped here when no --gateway is given."""
+    load_start = os.getloadavg()[0]
+    stack_info: dict = {}
+    if args.gateway:
+        results = asyncio.run(sweep(args.gateway, args.memory, args))
+        uncached = asyncio.run(run_uncached_prefix(args.gateway, args, results.tokens_per_word, True))
+        mode = "distinct cache_salt per request"
+    else:
+        started = time.perf_counter()
+        # The stack without a prefix cache starts now too (the model loads overlap) and idles
+        # through the sweep: an idle engine pings its memory service once a second, nothing more.
+        stacks = start_stacks([stack_config(args, True), stack_config(args, False)])
+        try:
+            say(f"stacks up in {time.perf_counter() - started:.0f} s")
+            stack_info |= {"pids": [s.pid for st in stacks for s in st.services],
+                           "runtime_dirs": [str(st.directory) for st in stacks]}
+            results = asyncio.run(sweep(stacks[0].gateway_address, stacks[0].memory_address, args))
+            uncached = asyncio.run(run_uncached_prefix(stacks[1].gateway_address, args, results.tokens_per_word,
+                                                       False))
+        finally:
+            stack_info["exit_statuses"] = [st.stop() for st in stacks]
+        mode = "memory service --enable-prefix-caching false"
+    baseline = report.summarise(results.baseline)
+    runs = [report.summarise(res, rate) for rate, res in results.runs]
+    headline = report.analyse(baseline, runs, args.ttft_bound_s)
+    prefix = report.prefix_summary(results.prefix_cached, uncached, mode)
+    summary = {**headline, "prefix_ttft_speedup": prefix["ttft_speedup"], "baseline": baseline, "rates": runs,
+               "prefix": prefix}
+    sampler = results.sampler
+    if sampler and sampler.samples:
+        summary["kv_peak_used_fraction"] = round(max(s.used_blocks / s.total_blocks for s in sampler.samples), 4)
+        summary["kv_total_blocks"] = sampler.samples[0].total_blocks
+        summary["kv_num_samples"] = len(sampler.samples)
+    summary |= {
+        "model": args.model, "num_requests": args.num_requests, "prompt_len": list(args.prompt_len),
+        "output_len": list(args.output_len), "tokens_per_word": round(results.tokens_per_word, 3),
+        "kv_cache_bytes": args.kv_cache_bytes, "block_size": args.block_size, "seed": args.seed,
+        "load_avg_start": round(load_start, 2), "load_avg_end": round(os.getloadavg()[0], 2),
+    }
+    if stack_info:
+        summary["stack"] = stack_info
+    if args.plot_dir:
+        summary["plots"] = write_plots(args, baseline, runs, sampler)
+    report.print_table(baseline, runs)
+    report.print_headline(headline, prefix)
+    return summary
+
+
+def write_plots(args: argparse.Namespace, baseline: dict, runs: list[dict], sampler: KvSampler | None) -> list[str]:
+    from benchmarks import serving_plots
+
+    directory = Path(args.plot_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    title = (f"{Path(args.model).name}: {args.num_requests} requests per rate, prompts {args.prompt_len[0]}-"
+             f"{args.prompt_len[1]}, outputs {args.output_len[0]}-{args.output_len[1]} tokens")
+    paths = [directory / "serving_latency.png"]
+    serving_plots.plot_latency(baseline, runs, args.ttft_bound_s, paths[0], title)
+    if sampler and sampler.samples:
+        paths.append(directory / "serving_kv_usage.png")
+        serving_plots.plot_kv_usage(sampler, paths[1], f"KV pool usage during the sweep ({title})")
+    return [str(p) for p in paths]
+
+
+def parse_rate(text: str) -> float:
+    rate = float(text)  # "inf" included
+    if not rate > 0:
+        raise argparse.ArgumentTypeError(f"a rate must be > 0 (or inf), got {text!r}")
+    return rate
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--gateway", help="a running gateway's host:port (default: start a stack)")
+    p.add_argument("--memory", help="with --gateway: its memory service's address (unix:PATH), for KV usage")
+    p.add_argument("--model", default="default", help='"default" or a local Hugging Face directory')
+    p.add_argument("--rates", type=parse_rate, nargs="+", default=[0.25, 0.5, 0.75, 1.0, 1.5, float("inf")],
+                   help="request rates (req/s, Poisson arrivals; inf = all at once), increasing")
+    p.add_argument("--num-requests", type=int, default=24, help="requests per rate (default 24)")
+    p.add_argument("--baseline-requests", type=int, default=None, help="of them, one at a time (default: all)")
+    p.add_argument("--prompt-len", type=int, nargs=2, default=(32, 384), metavar=("MIN", "MAX"),
+                   help="prompt tokens, about (default 32 384)")
+    p.add_argument("--output-len", type=int, nargs=2, default=(16, 128), metavar=("MIN", "MAX"),
+                   help="output tokens, exact (default 16 128)")
+    p.add_argument("--ttft-bound-s", type=float, default=2.0,
+                   help="p99 TTFT bound for the highest rate served under it (default 2 s)")
+    p.add_argument("--prefix-tokens", type=int, default=512, help="shared system prompt, tokens (default 512)")
+    p.add_argument("--question-tokens", type=int, default=16, help="each distinct question, tokens (default 16)")
+    p.add_argument("--prefix-requests", type=int, default=12, help="shared-prefix requests timed (default 12)")
+    p.add_argument("--prefix-max-tokens", type=int, default=8, help="their output tokens (default 8)")
+    p.add_argument("--kv-cache-bytes", type=int, default=512 << 20, help="KV pool of a started stack (512 MiB)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=None, help="engine max_num_seqs (default: the engine's)")
+    p.add_argument("--kv-sample-interval-s", type=float, default=0.5)
+    p.add_argument("--timeout-s", type=float, default=600.0, help="deadline of each request")
+    p.add_argument("--plot-dir", help="write serving_latency.png and serving_kv_usage.png here")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.rates != sorted(args.rates):
+        p.error("--rates must be increasing")
+    if args.memory and not args.gateway:
+        p.error("--memory goes with --gateway")
+    args.baseline_requests = args.baseline_requests or args.num_requests
+    if not 1 <= args.baseline_requests <= args.num_requests:
+        p.error("--baseline-requests must be in [1, --num-requests]")
+    return args
+
+
+def say(message: str) -> None:
+    print(f"[bench_serving] {message}", file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    summary = run(args)
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
