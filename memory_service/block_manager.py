@@ -24,8 +24,8 @@ dropped and the blocks go back to the free list, not to the cache.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
+from memory_service import manager_checks
 from memory_service.block_pool import BlockPool
 from memory_service.block_types import (
     AllocateOp,
@@ -38,9 +38,9 @@ from memory_service.block_types import (
     OpResult,
     PoolStats,
 )
+from memory_service.op_apply import BatchState, OpApplier, SequenceState
 from memory_service.op_validation import OpValidator
-from memory_service.prefix_cache import ROOT_ENTRY_ID, PrefixCache, namespace_key
-from memory_service.token_encoding import TOKEN_WIDTH
+from memory_service.prefix_cache import PrefixCache
 
 __all__ = [
     "AllocateOp",
@@ -54,32 +54,6 @@ __all__ = [
     "OpResult",
     "PoolStats",
 ]
-
-
-@dataclass(slots=True)
-class _Sequence:
-    """Book-keeping of one live sequence."""
-
-    block_table: list[int]  # len == ceil(num_tokens / block_size)
-    num_tokens: int
-    may_use_reserved: bool
-    ns_key: bytes  # prefix_cache.namespace_key of its namespace (b"" without prefix caching)
-    # With prefix caching: the (encoded) tokens of the last block while it is partially filled, to
-    # key it once it fills; and the cache entry id of the content of the last full block.
-    partial_token_bytes: bytes
-    last_entry_id: int
-
-
-@dataclass(slots=True)
-class _Batch:
-    """One client's batch while it applies."""
-
-    client_id: str
-    seqs: dict[str, _Sequence]  # the client's live sequences
-    pending: dict[int, None]  # the client's blocks registered but not committed (ordered set)
-    late_free_indices: set[int]
-    failed_seq_ids: set[str] = field(default_factory=set)  # their AllocateOp (or their parent's) failed
-    late_block_tables: list[list[int]] = field(default_factory=list)  # freed with tokens this batch writes
 
 
 class BlockManager:
@@ -99,23 +73,15 @@ class BlockManager:
     def __init__(self, config: BlockManagerConfig, copy_block: Callable[[int, int], None] | None = None) -> None:
         self.config = config
         self._block_size = config.block_size
-        self._reserved_min_priority = config.reserved_min_priority
-        self._copy_block = copy_block
         self._prefix_cache = PrefixCache(config.num_blocks, config.block_size) if config.enable_prefix_caching else None
         self._pool = BlockPool(config.num_blocks, config.num_general_blocks, self._prefix_cache)
         # client_id -> its live sequences, in creation order (release frees them in that order).
-        self._client_seqs: dict[str, dict[str, _Sequence]] = {}
+        self._client_seqs: dict[str, dict[str, SequenceState]] = {}
         self._pending: dict[str, dict[int, None]] = {}  # client_id -> its uncommitted cache blocks
         self._validator = OpValidator(config.num_blocks * config.block_size, self._client_seqs)
-        self._appliers: dict[type, Callable[[_Batch, int, Op, bytes | None], OpResult]] = {
-            AppendOp: self._apply_append,
-            AllocateOp: self._apply_allocate,
-            FreeOp: self._apply_free,
-            ForkOp: self._apply_fork,
-        }
-        self._num_prefix_cache_queries = 0
-        self._num_prefix_cache_hits = 0
-        self._num_copy_on_writes = 0
+        self._applier = OpApplier(
+            self._pool, self._prefix_cache, config.block_size, config.reserved_min_priority, copy_block
+        )
 
     # --- clients ----------------------------------------------------------------------------
 
@@ -151,7 +117,7 @@ class BlockManager:
             self._prefix_cache.unregister(block_id)
         num_freed = len(seqs)
         for seq_id in list(seqs):
-            self._free(seqs, seq_id)
+            self._applier.free_sequence(seqs, seq_id)
         del self._client_seqs[client_id]
         return num_freed
 
@@ -220,16 +186,8 @@ class BlockManager:
         """
         encoded_token_ids, late_free_indices = self._validator.validate(client_id, ops)
         self.commit(client_id)
-        batch = _Batch(client_id, self._client_seqs[client_id], self._pending[client_id], late_free_indices)
-        appliers = self._appliers
-        results: list[OpResult] = []
-        try:
-            for index, (op, token_bytes) in enumerate(zip(ops, encoded_token_ids)):
-                results.append(appliers[type(op)](batch, index, op, token_bytes))
-        finally:  # also when copy_block raised: the freed sequences are gone, their blocks must not leak
-            for block_table in batch.late_block_tables:
-                self._pool.release(reversed(block_table))
-        return results
+        batch = BatchState(client_id, self._client_seqs[client_id], self._pending[client_id], late_free_indices)
+        return self._applier.apply(batch, ops, encoded_token_ids)
 
     def allocate(self, client_id: str, op: AllocateOp) -> OpResult:
         """Creates a sequence: shares its cached prefix, then takes blocks for its next tokens.
@@ -327,163 +285,10 @@ class BlockManager:
         """
         return self._pool.num_available_blocks()
 
-    # --- one applier per op type (validated ops; token_bytes as encoded by the validation) ----
-
     def _apply_one(self, client_id: str, op: Op, op_type: type) -> OpResult:
         if type(op) is not op_type:
             raise ValueError(f"expected an {op_type.__name__}, got {type(op).__name__}")
         return self.apply(client_id, (op,))[0]
-
-    def _apply_append(self, batch: _Batch, index: int, op: AppendOp, token_bytes: bytes) -> OpResult:
-        if op.seq_id in batch.failed_seq_ids:
-            return OpResult(False, [])
-        return self._append(batch, batch.seqs[op.seq_id], token_bytes)
-
-    def _apply_allocate(self, batch: _Batch, index: int, op: AllocateOp, prompt_bytes: bytes) -> OpResult:
-        result = self._allocate(batch, op, prompt_bytes)
-        if result.ok:
-            batch.failed_seq_ids.discard(op.seq_id)
-        else:
-            batch.failed_seq_ids.add(op.seq_id)
-        return result
-
-    def _apply_free(self, batch: _Batch, index: int, op: FreeOp, _: None) -> OpResult:
-        if op.seq_id in batch.failed_seq_ids:
-            return OpResult(False, [])
-        if index not in batch.late_free_indices:
-            return OpResult(True, self._free(batch.seqs, op.seq_id))
-        # Freed in the batch that wrote to it: its blocks outlive the batch, and what it filled in
-        # this batch is never published (no later batch of it will acknowledge the write).
-        block_table = self._free(batch.seqs, op.seq_id, release=False)
-        pending = batch.pending
-        if pending:
-            for block_id in block_table:
-                if block_id in pending:
-                    del pending[block_id]
-                    self._prefix_cache.unregister(block_id)
-        batch.late_block_tables.append(block_table)
-        return OpResult(True, block_table)
-
-    def _apply_fork(self, batch: _Batch, index: int, op: ForkOp, _: None) -> OpResult:
-        if op.parent_seq_id in batch.failed_seq_ids:
-            batch.failed_seq_ids.add(op.child_seq_id)
-            return OpResult(False, [])
-        batch.failed_seq_ids.discard(op.child_seq_id)
-        parent = batch.seqs[op.parent_seq_id]
-        self._pool.share(parent.block_table)
-        batch.seqs[op.child_seq_id] = _Sequence(
-            list(parent.block_table),
-            parent.num_tokens,
-            parent.may_use_reserved,
-            parent.ns_key,
-            parent.partial_token_bytes,  # immutable: shared until either side appends
-            parent.last_entry_id,
-        )
-        return OpResult(True, list(parent.block_table))
-
-    def _allocate(self, batch: _Batch, op: AllocateOp, prompt_bytes: bytes) -> OpResult:
-        block_size = self._block_size
-        num_prompt_tokens = len(prompt_bytes) // TOKEN_WIDTH
-        may_use_reserved = op.priority >= self._reserved_min_priority
-        cache = self._prefix_cache
-        if cache is not None:
-            ns_key = namespace_key(op.namespace)
-            block_table, parent_entry_id = cache.match(
-                prompt_bytes, ns_key, (num_prompt_tokens - 1) // block_size, batch.client_id
-            )
-        else:
-            ns_key, block_table, parent_entry_id = b"", [], ROOT_ENTRY_ID
-        num_cached_blocks = len(block_table)
-        num_cached_tokens = num_cached_blocks * block_size
-        num_new_tokens = min(num_prompt_tokens - num_cached_tokens, op.max_num_new_tokens)
-        num_tokens = num_cached_tokens + num_new_tokens
-        num_new_blocks = -(-num_tokens // block_size) - num_cached_blocks
-
-        pool = self._pool
-        if num_new_blocks > pool.num_available(may_use_reserved, sharing=block_table):
-            return OpResult(False, [])
-        pool.share(block_table)
-        block_table += pool.take(num_new_blocks, may_use_reserved)
-        partial_token_bytes = b""
-        if cache is not None:
-            num_full_blocks = num_tokens // block_size
-            if num_full_blocks > num_cached_blocks:
-                parent_entry_id = cache.register(
-                    block_table[num_cached_blocks:num_full_blocks],
-                    prompt_bytes,
-                    num_cached_tokens,
-                    ns_key,
-                    parent_entry_id,
-                    batch.client_id,
-                    batch.pending,
-                )
-            partial_token_bytes = prompt_bytes[num_full_blocks * block_size * TOKEN_WIDTH : num_tokens * TOKEN_WIDTH]
-            self._num_prefix_cache_queries += num_prompt_tokens
-            self._num_prefix_cache_hits += num_cached_tokens
-        batch.seqs[op.seq_id] = _Sequence(
-            block_table, num_tokens, may_use_reserved, ns_key, partial_token_bytes, parent_entry_id
-        )
-        return OpResult(True, list(block_table), num_cached_tokens, num_new_tokens)
-
-    def _append(self, batch: _Batch, seq: _Sequence, token_bytes: bytes) -> OpResult:
-        block_size = self._block_size
-        block_table = seq.block_table
-        num_tokens = seq.num_tokens
-        new_num_tokens = num_tokens + len(token_bytes) // TOKEN_WIDTH
-        # A partially filled last block shared with a fork would receive this sequence's tokens under
-        # the other sequence's feet: give this sequence its own copy first.
-        pool = self._pool
-        needs_copy = num_tokens % block_size != 0 and pool.ref_counts[block_table[-1]] > 1
-        num_new_blocks = -(-new_num_tokens // block_size) - len(block_table) + needs_copy
-        new_block_ids: list[int] = []
-        copies: list[tuple[int, int]] = []
-        if num_new_blocks:
-            if num_new_blocks > pool.num_available(seq.may_use_reserved):
-                return OpResult(False, [])
-            new_block_ids = pool.take(num_new_blocks, seq.may_use_reserved)
-            if needs_copy:
-                src, dst = block_table[-1], new_block_ids.pop(0)
-                if self._copy_block is not None:
-                    try:
-                        self._copy_block(src, dst)
-                    except BaseException:
-                        # Give the blocks back (entries evicted for them stay dropped), then re-raise.
-                        pool.release(reversed([dst, *new_block_ids]))
-                        raise
-                block_table[-1] = dst
-                pool.release((src,))  # the other sequences keep it: refcount still >= 1
-                copies.append((src, dst))
-                self._num_copy_on_writes += 1
-            block_table += new_block_ids
-        seq.num_tokens = new_num_tokens
-        cache = self._prefix_cache
-        if cache is not None:
-            partial_token_bytes = seq.partial_token_bytes + token_bytes
-            num_filled = len(partial_token_bytes) // (block_size * TOKEN_WIDTH)
-            if num_filled:
-                first = num_tokens // block_size
-                seq.last_entry_id = cache.register(
-                    block_table[first : first + num_filled],
-                    partial_token_bytes,
-                    0,
-                    seq.ns_key,
-                    seq.last_entry_id,
-                    batch.client_id,
-                    batch.pending,
-                )
-                partial_token_bytes = partial_token_bytes[num_filled * block_size * TOKEN_WIDTH :]
-            seq.partial_token_bytes = partial_token_bytes
-        return OpResult(True, new_block_ids, 0, 0, copies)
-
-    def _free(self, seqs: dict[str, _Sequence], seq_id: str, release: bool = True) -> list[int]:
-        """Forgets a sequence and returns its table; its blocks lose their reference now if ``release``,
-        else the caller releases them later."""
-        seq = seqs.pop(seq_id)
-        if release:
-            # Tail first: the tail becomes older in the LRU than the head, and the head ends up on
-            # top of the free stack.
-            self._pool.release(reversed(seq.block_table))
-        return seq.block_table
 
     # --- observability ------------------------------------------------------------------------
 
@@ -493,29 +298,7 @@ class BlockManager:
         Returns:
             The stats; O(blocks in use), not for the hot path.
         """
-        block_size = self._block_size
-        num_filled: dict[int, int] = {}  # used block -> tokens it holds (the most any table stores in it)
-        for seq in (seq for seqs in self._client_seqs.values() for seq in seqs.values()):
-            table = seq.block_table
-            for block_id in table[:-1]:
-                num_filled[block_id] = block_size
-            last = seq.num_tokens - (len(table) - 1) * block_size
-            if num_filled.get(table[-1], 0) < last:
-                num_filled[table[-1]] = last
-        num_slots = len(num_filled) * block_size
-        num_stored = sum(num_filled.values())
-        return BlockManagerStats(
-            pools=self._pool.stats(),
-            kv_utilization=num_stored / num_slots if num_slots else 0.0,
-            fragmentation=(num_slots - num_stored) / num_slots if num_slots else 0.0,
-            prefix_cache_queries=self._num_prefix_cache_queries,
-            prefix_cache_hits=self._num_prefix_cache_hits,
-            num_evictions=self._pool.num_evictions,
-            num_copy_on_writes=self._num_copy_on_writes,
-            num_sequences=sum(map(len, self._client_seqs.values())),
-            num_clients=len(self._client_seqs),
-            block_size=block_size,
-        )
+        return manager_checks.collect_stats(self._client_seqs, self._pool, self._applier, self._block_size)
 
     def check_integrity(self) -> None:
         """Checks every invariant; O(pool size), for tests and debugging.
@@ -529,29 +312,6 @@ class BlockManager:
         Raises:
             AssertionError: naming the first broken invariant (a bug, never bad input).
         """
-        block_size, num_blocks = self._block_size, self.config.num_blocks
-        expected_ref_counts = [0] * num_blocks
-        for client_id, seqs in self._client_seqs.items():
-            for seq_id, seq in seqs.items():
-                table = seq.block_table
-                if seq.num_tokens < 1 or len(table) != -(-seq.num_tokens // block_size):
-                    raise AssertionError(f"seq {seq_id!r}: {len(table)} blocks for {seq.num_tokens} tokens")
-                if len(set(table)) != len(table) or not all(0 <= b < num_blocks for b in table):
-                    raise AssertionError(f"seq {seq_id!r}: bad block table {table}")
-                num_partial = len(seq.partial_token_bytes) // TOKEN_WIDTH
-                if self._prefix_cache is not None and num_partial != seq.num_tokens % block_size:
-                    raise AssertionError(f"seq {seq_id!r}: {num_partial} pending tokens for {seq.num_tokens}")
-                for block_id in table:
-                    expected_ref_counts[block_id] += 1
-        if self._pending.keys() != self._client_seqs.keys():
-            raise AssertionError("the clients with pending blocks are not the attached ones")
-        self._pool.check_integrity(expected_ref_counts)
-        if self._prefix_cache is not None:
-            owners = self._prefix_cache.pending_owners
-            num_pending = sum(map(len, self._pending.values()))
-            if num_pending != sum(owner is not None for owner in owners):
-                raise AssertionError(f"{num_pending} pending blocks listed, but the cache marks others")
-            for client_id, pending in self._pending.items():
-                for block_id in pending:
-                    if owners[block_id] != client_id or not expected_ref_counts[block_id]:
-                        raise AssertionError(f"pending block {block_id} of {client_id!r}: wrong owner or unreferenced")
+        manager_checks.check_integrity(
+            self._client_seqs, self._pending, self._pool, self._prefix_cache, self._block_size
+        )
