@@ -19,10 +19,10 @@ Ordering rules (tests assert exact block ids against them):
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 from memory_service.block_types import PoolStats
+from memory_service.eviction_queue import EvictionQueue
 from memory_service.prefix_cache import PrefixCache
 
 GENERAL, RESERVED = 0, 1  # pool index; a block's pool is `block_id >= num_general_blocks`
@@ -50,10 +50,7 @@ class BlockPool:
             list(range(num_general_blocks - 1, -1, -1)),
             list(range(num_blocks - 1, num_general_blocks - 1, -1)),
         )
-        self._evictable_block_ids: tuple[OrderedDict[int, None], OrderedDict[int, None]] = (
-            OrderedDict(),
-            OrderedDict(),
-        )
+        self._evictable_block_ids = (EvictionQueue(), EvictionQueue())  # the LRUs
         self.num_evictions = 0
 
     def num_available(self, may_use_reserved: bool, sharing: Sequence[int] = ()) -> int:
@@ -86,7 +83,7 @@ class BlockPool:
         ref_counts, num_general, evictable = self.ref_counts, self.num_general_blocks, self._evictable_block_ids
         for block_id in block_ids:
             if ref_counts[block_id] == 0:
-                del evictable[block_id >= num_general][block_id]
+                evictable[block_id >= num_general].remove(block_id)
             ref_counts[block_id] += 1
 
     def take(self, num_blocks: int, may_use_reserved: bool) -> list[int]:
@@ -139,7 +136,7 @@ class BlockPool:
                 if block_keys[block_id] is None:
                     free[block_id >= num_general].append(block_id)
                 else:
-                    evictable[block_id >= num_general][block_id] = None
+                    evictable[block_id >= num_general].append(block_id)
 
     def num_available_blocks(self) -> tuple[int, int]:
         """Tells how many blocks ``take`` could hand out from each pool; O(1).
@@ -174,7 +171,9 @@ class BlockPool:
             ref_count, num_tables = self.ref_counts[block_id], expected_ref_counts[block_id]
             raise AssertionError(f"block {block_id}: refcount {ref_count} but {num_tables} tables hold it")
         for pool, (lo, hi) in enumerate(self._ranges()):
-            free, evictable = self._free_block_ids[pool], self._evictable_block_ids[pool]
+            free, lru = self._free_block_ids[pool], self._evictable_block_ids[pool]
+            lru.check_integrity()
+            evictable = list(lru)
             if len(set(free)) != len(free) or not set(free).isdisjoint(evictable):
                 raise AssertionError(f"{POOL_NAMES[pool]} pool: a block is listed twice in free/evictable")
             for block_id in free:

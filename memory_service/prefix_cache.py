@@ -33,9 +33,9 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
+from memory_service.eviction_queue import EvictionQueue
 from memory_service.token_encoding import TOKEN_WIDTH
 
 # Parent entry id of a sequence's first block.
@@ -185,7 +185,7 @@ class PrefixCache:
         self.block_keys[block_id] = None
         self.pending_owners[block_id] = None
 
-    def evict(self, lru: OrderedDict[int, None], num_blocks: int) -> list[int]:
+    def evict(self, lru: EvictionQueue, num_blocks: int) -> list[int]:
         """Takes the least recently used blocks off an LRU and forgets them, for reuse.
 
         Args:
@@ -195,13 +195,11 @@ class PrefixCache:
         Returns:
             The evicted block ids, least recently used first.
         """
-        index, block_keys, popitem = self._block_ids, self.block_keys, lru.popitem
-        evicted = []
-        for _ in range(num_blocks):
-            block_id = popitem(False)[0]  # last=False: the least recently used; positional is faster
+        index, block_keys = self._block_ids, self.block_keys
+        evicted = lru.pop_oldest(num_blocks)
+        for block_id in evicted:
             del index[block_keys[block_id]]
             block_keys[block_id] = None  # its entry id goes stale: read only while a key is set
-            evicted.append(block_id)
         return evicted
 
     def check_integrity(self) -> None:
