@@ -27,7 +27,11 @@ import torch
 _SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_ops.cpp"
 _ENABLE_ENV = "PAGEDSERVE_CPU_KERNELS"
 # -fno-trapping-math lets float->int conversions (in exp) vectorise; neither flag changes any value.
-_CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-trapping-math", "-fno-math-errno", "-std=c++17"]
+# -fopenmp: at::parallel_for is a header template that runs `#pragma omp parallel`; without the flag
+# the pragma is dropped and every op runs on one thread. The extension links the libgomp.so.1 that
+# torch has already loaded (same soname), so it shares torch's thread pool.
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math", "-fno-math-errno", "-std=c++17"]
+_LDFLAGS = ["-fopenmp"]
 _log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _state: dict[str, Any] = {}  # "ops": the loaded op namespace or None once tried
@@ -47,7 +51,7 @@ def build_dir() -> Path:
     """Where this machine's build lives (created on demand)."""
     root = Path(os.environ.get("PAGEDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pagedserve")
     key = hashlib.sha256(
-        b"\0".join([_SOURCE.read_bytes(), torch.__version__.encode(), _cpu_flags().encode(), " ".join(_CFLAGS).encode()])
+        b"\0".join([_SOURCE.read_bytes(), torch.__version__.encode(), _cpu_flags().encode(), " ".join(_CFLAGS + _LDFLAGS).encode()])
     ).hexdigest()[:16]
     return root / "cpu_ops" / f"{platform.machine()}-{key}"
 
@@ -76,7 +80,7 @@ def _load_uncached() -> Any | None:
         directory.mkdir(parents=True, exist_ok=True)
         # is_python_module=False: the library registers torch ops (visible to the profiler by name).
         load_extension(name="pagedserve_cpu_ops", sources=[str(_SOURCE)], extra_cflags=_CFLAGS,
-                       build_directory=str(directory), is_python_module=False, verbose=False)
+                       extra_ldflags=_LDFLAGS, build_directory=str(directory), is_python_module=False, verbose=False)
         return torch.ops.pagedserve_cpu
     except Exception as error:  # noqa: BLE001 - any build failure means: run the PyTorch path
         _log.warning("fused CPU kernels unavailable (%s: %s); using the slower PyTorch path",

@@ -16,6 +16,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -293,6 +294,17 @@ void rotary_(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, int64
   });
 }
 
+// How many threads at::parallel_for really runs on in this build (one if it was compiled without
+// OpenMP, whatever torch.get_num_threads() says): the check that the ops above run in parallel.
+int64_t parallel_threads() {
+  const int64_t wanted = at::get_num_threads();
+  std::vector<std::atomic<int>> seen(wanted);
+  at::parallel_for(0, wanted, 1, [&](int64_t, int64_t) { seen[at::get_thread_num() % wanted].store(1); });
+  int64_t count = 0;
+  for (const auto& flag : seen) count += flag.load();
+  return count;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pagedserve_cpu, m) {
@@ -302,6 +314,7 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("add_rms_norm(Tensor(a!) residual, Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("rotary_(Tensor(a!) qkv, Tensor cos, Tensor sin, int num_heads, int head_dim) -> ()");
+  m.def("parallel_threads() -> int");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
@@ -311,3 +324,5 @@ TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
   m.impl("silu_mul", &silu_mul);
   m.impl("rotary_", &rotary_);
 }
+
+TORCH_LIBRARY_IMPL(pagedserve_cpu, CatchAll, m) { m.impl("parallel_threads", &parallel_threads); }

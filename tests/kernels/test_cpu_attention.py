@@ -121,6 +121,18 @@ def test_fused_elementwise_ops_match_pytorch() -> None:
     assert torch.equal(qkv[:, num_heads * head_dim:], untouched)
 
 
+def test_ops_run_on_torchs_threads() -> None:
+    """Built without OpenMP, at::parallel_for silently runs every op on one thread."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert ops.parallel_threads() == 2
+        torch.set_num_threads(1)
+        assert ops.parallel_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_unbuildable_extension_falls_back_with_a_warning(tmp_path, monkeypatch, caplog) -> None:
     broken = tmp_path / "cpu_ops.cpp"
     broken.write_text("#error this source does not compile\n")
