@@ -106,7 +106,8 @@ async def run_uncached_prefix(address: str, args: argparse.Namespace, tpw: float
 
 def stack_config(args: argparse.Namespace, enable_prefix_caching: bool) -> StackConfig:
     return StackConfig(model=args.model, kv_cache_bytes=args.kv_cache_bytes, block_size=args.block_size,
-                       enable_prefix_caching=enable_prefix_caching, max_num_seqs=args.max_num_seqs)
+                       enable_prefix_caching=enable_prefix_caching, max_num_seqs=args.max_num_seqs,
+                       max_num_batched_tokens=args.max_num_batched_tokens)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -146,7 +147,8 @@ def run(args: argparse.Namespace) -> dict:
     summary |= {
         "model": args.model, "num_requests": args.num_requests, "prompt_len": list(args.prompt_len),
         "output_len": list(args.output_len), "tokens_per_word": round(results.tokens_per_word, 3),
-        "kv_cache_bytes": args.kv_cache_bytes, "block_size": args.block_size, "seed": args.seed,
+        "kv_cache_bytes": args.kv_cache_bytes, "block_size": args.block_size,
+        "max_num_batched_tokens": args.max_num_batched_tokens, "seed": args.seed,
         "load_avg_start": round(load_start, 2), "load_avg_end": round(os.getloadavg()[0], 2),
     }
     if stack_info:
@@ -202,6 +204,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-cache-bytes", type=int, default=512 << 20, help="KV pool of a started stack (512 MiB)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=None, help="engine max_num_seqs (default: the engine's)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="engine tokens per step, prompt chunks included (default: the engine's, 2048)")
     p.add_argument("--kv-sample-interval-s", type=float, default=0.5)
     p.add_argument("--timeout-s", type=float, default=600.0, help="deadline of each request")
     p.add_argument("--plot-dir", help="write serving_latency.png and serving_kv_usage.png here")

@@ -59,7 +59,7 @@ def plot_kv_usage(sampler: KvSampler, path: Path, title: str) -> None:
                 fontsize=7)
     ax.set_xlabel("time (s)")
     ax.set_ylabel("KV pool blocks (%)")
-    ax.set_ylim(0, min(100.0, max(held) * 1.25 + 1))
+    ax.set_ylim(0, min(105.0, max(held) * 1.25 + 1))  # a full pool's 100% line stays visible
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="upper left")
     fig.suptitle(title, fontsize=9, y=0.99)

@@ -35,6 +35,8 @@ class StackConfig:
         block_size: tokens per KV block (memory and compute must agree).
         enable_prefix_caching: the memory service's prefix cache.
         max_num_seqs: the engine's running sequences at most (None = its default).
+        max_num_batched_tokens: the engine's new tokens per step, prompt chunks included (None = its
+            default): how long one step's prefill may stall the running sequences' next tokens.
         ready_timeout_s: how long each service may take to become SERVING (model loading included).
     """
 
@@ -43,6 +45,7 @@ class StackConfig:
     block_size: int = 16
     enable_prefix_caching: bool = True
     max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
     ready_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
@@ -76,8 +79,10 @@ class ServingStack:
         args = ["--memory-socket", self.directory / "memory.sock", "--model", self.config.model,
                 "--listen", f"unix:{self.directory / 'compute.sock'}", "--block-size", self.config.block_size,
                 "--log-level", "warning"]
-        if self.config.max_num_seqs is not None:
-            args += ["--max-num-seqs", self.config.max_num_seqs]
+        for flag, value in (("--max-num-seqs", self.config.max_num_seqs),
+                            ("--max-num-batched-tokens", self.config.max_num_batched_tokens)):
+            if value is not None:
+                args += [flag, value]
         return self._spawn("compute_service", args, f"unix:{self.directory / 'compute.sock'}", COMPUTE_SERVICE)
 
     def _spawn_gateway(self) -> ServiceProcess:
