@@ -27,6 +27,15 @@ namespace {
 
 constexpr int64_t kQueryTile = 16;  // query positions per work item (times G heads = rows)
 
+// Elements an elementwise op gives each thread at least. A parallel region costs a few microseconds
+// on an idle machine, and a whole time slice when a thread waits for a core another process holds,
+// so decode-sized inputs (tens of rows) run on the calling thread.
+constexpr int64_t kMinElementsPerThread = 1 << 15;
+
+inline int64_t rows_per_thread(int64_t row_elements) {
+  return std::max<int64_t>(1, kMinElementsPerThread / std::max<int64_t>(row_elements, 1));
+}
+
 inline float exp_approx(float x) {
   // exp(x) = 2^n * exp(r), r = x - n ln2 in [-ln2/2, ln2/2]; degree-6 polynomial for exp(r).
   x = std::min(std::max(x, -87.0f), 88.0f);
@@ -216,7 +225,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const float* wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float feps = static_cast<float>(eps);
-  at::parallel_for(0, rows, 16, [=](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, rows_per_thread(hidden), [=](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const float* row = xp + i * hidden;
       float sq = 0.0f;
@@ -237,7 +246,7 @@ at::Tensor add_rms_norm(at::Tensor residual, const at::Tensor& x, const at::Tens
   const int64_t n = residual.numel();
   float* rp = residual.data_ptr<float>();
   const float* xp = x.data_ptr<float>();
-  at::parallel_for(0, n, 4096, [=](int64_t begin, int64_t end) {
+  at::parallel_for(0, n, kMinElementsPerThread, [=](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) rp[i] += xp[i];
   });
   return rms_norm(residual, weight, eps);
@@ -251,7 +260,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   at::Tensor out = at::empty({rows, inter}, gate_up.options());
   const float* gp = gate_up.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, rows, 8, [=](int64_t begin, int64_t end) {  // by value: a local bound vectorises
+  at::parallel_for(0, rows, rows_per_thread(inter), [=](int64_t begin, int64_t end) {  // by value: a local bound vectorises
     for (int64_t i = begin; i < end; ++i) {
       const float* __restrict__ gate = gp + i * 2 * inter;
       const float* __restrict__ up = gate + inter;
@@ -278,7 +287,7 @@ void rotary_(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, int64
   float* xp = qkv.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
-  at::parallel_for(0, tokens, 16, [=](int64_t begin, int64_t end) {
+  at::parallel_for(0, tokens, rows_per_thread(num_heads * head_dim), [=](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* c = cp + t * head_dim;
       const float* s = sp + t * head_dim;

@@ -90,25 +90,26 @@ def test_plan_is_none_where_the_fused_path_does_not_apply() -> None:
     assert CpuAttentionPlan.build(*args, dtype=torch.float32, head_dim=64) is not None
 
 
-def test_fused_elementwise_ops_match_pytorch() -> None:
+@pytest.mark.parametrize("rows", [5, 1500])  # decode-sized (one thread) and split across threads
+def test_fused_elementwise_ops_match_pytorch(rows: int) -> None:
     gen = torch.Generator().manual_seed(3)
-    x = torch.randn(7, 96, generator=gen)
+    x = torch.randn(rows, 96, generator=gen)
     weight = 1.0 + 0.1 * torch.randn(96, generator=gen)
     eps = 1e-5
     rms = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
     torch.testing.assert_close(ops.rms_norm(x, weight, eps), rms)
 
-    residual, delta = torch.randn(7, 96, generator=gen), torch.randn(7, 96, generator=gen)
+    residual, delta = torch.randn(rows, 96, generator=gen), torch.randn(rows, 96, generator=gen)
     total = residual + delta
     normed = ops.add_rms_norm(residual, delta, weight, eps)
     torch.testing.assert_close(residual, total)  # updated in place
     torch.testing.assert_close(normed, total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + eps) * weight)
 
-    gate_up = 4 * torch.randn(5, 2 * 48, generator=gen)
+    gate_up = 4 * torch.randn(rows, 2 * 48, generator=gen)
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(ops.silu_mul(gate_up), F.silu(gate) * up)
 
-    num_tokens, num_heads, head_dim = 5, 3, 16
+    num_tokens, num_heads, head_dim = rows, 3, 16
     qkv = torch.randn(num_tokens, (num_heads + 1) * head_dim, generator=gen)  # last head is not rotated ("v")
     angles = torch.randn(num_tokens, head_dim // 2, generator=gen).repeat(1, 2)  # (T, D) as [f | f]
     cos, sin = angles.cos(), angles.sin()
