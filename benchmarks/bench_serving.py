@@ -144,6 +144,7 @@ def run(args: argparse.Namespace) -> dict:
         summary["kv_peak_used_fraction"] = round(max(s.used_blocks / s.total_blocks for s in sampler.samples), 4)
         summary["kv_total_blocks"] = sampler.samples[0].total_blocks
         summary["kv_num_samples"] = len(sampler.samples)
+        summary["kv_evictions"] = sampler.samples[-1].num_evictions - sampler.samples[0].num_evictions
     summary |= {
         "model": args.model, "num_requests": args.num_requests, "prompt_len": list(args.prompt_len),
         "output_len": list(args.output_len), "tokens_per_word": round(results.tokens_per_word, 3),
@@ -151,7 +152,7 @@ def run(args: argparse.Namespace) -> dict:
         "max_num_batched_tokens": args.max_num_batched_tokens, "seed": args.seed,
         "load_avg_start": round(load_start, 2), "load_avg_end": round(os.getloadavg()[0], 2),
     }
-    if stack_info:
+    if args.report_stack and stack_info:
         summary["stack"] = stack_info
     if args.plot_dir:
         summary["plots"] = write_plots(args, baseline, runs, sampler)
@@ -209,6 +210,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-sample-interval-s", type=float, default=0.5)
     p.add_argument("--timeout-s", type=float, default=600.0, help="deadline of each request")
     p.add_argument("--plot-dir", help="write serving_latency.png and serving_kv_usage.png here")
+    p.add_argument("--report-stack", action="store_true",
+                   help="add the started services' pids, exit statuses and directories to the JSON (for tests)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.rates != sorted(args.rates):

@@ -121,6 +121,7 @@ class KvSample:
     cached_blocks: int  # unreferenced, keeping a cached prefix (evictable)
     total_blocks: int
     num_sequences: int
+    num_evictions: int  # cached blocks reclaimed for new data since the memory service started
 
 
 @dataclass
@@ -148,7 +149,7 @@ class KvSampler:
                 self.samples.append(KvSample(
                     round(self.now(), 3), sum(p.num_used_blocks for p in stats.pools),
                     sum(p.num_cached_blocks for p in stats.pools), sum(p.num_total_blocks for p in stats.pools),
-                    stats.num_sequences))
+                    stats.num_sequences, stats.num_evictions))
                 try:
                     await asyncio.wait_for(stop.wait(), self.interval_s)
                 except TimeoutError:

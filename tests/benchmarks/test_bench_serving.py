@@ -30,7 +30,8 @@ def test_tiny_run_reports_every_rate_prefix_caching_and_cleans_up(tmp_path: Path
     cmd = [sys.executable, "-m", "benchmarks.bench_serving", "--model", str(model.path), "--rates", "4", "inf",
            "--num-requests", str(NUM_REQUESTS), "--prompt-len", "16", "64", "--output-len", "4", "12",
            "--prefix-tokens", "200", "--question-tokens", "8", "--prefix-requests", "3", "--block-size", "4",
-           "--kv-cache-bytes", str(4 << 20), "--kv-sample-interval-s", "0.2", "--plot-dir", str(plots)]
+           "--kv-cache-bytes", str(4 << 20), "--kv-sample-interval-s", "0.2", "--plot-dir", str(plots),
+           "--report-stack"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -61,6 +62,7 @@ def test_tiny_run_reports_every_rate_prefix_caching_and_cleans_up(tmp_path: Path
     assert summary["prefix_ttft_speedup"] == prefix["ttft_speedup"] > 0
 
     assert summary["kv_num_samples"] > 0 and 0 < summary["kv_peak_used_fraction"] <= 1
+    assert summary["kv_evictions"] >= 0
     assert sorted(Path(p).name for p in summary["plots"]) == ["serving_kv_usage.png", "serving_latency.png"]
     for path in summary["plots"]:
         assert 0 < Path(path).stat().st_size < 200_000
