@@ -26,7 +26,7 @@ from torch import nn
 
 from compute_service.forward_batch import ForwardBatch
 from compute_service.model_config import ModelConfig, RopeConfig
-from kernels import paged_attention, write_kv
+from kernels import cpu_linear, paged_attention, write_kv
 from kernels.cpu_attention import CpuAttentionPlan
 
 PROFILE_SCOPES = False  # bench_throughput.py --profile switches it on
@@ -121,6 +121,9 @@ class Attention(nn.Module):
         self.qkv_bias = empty_parameter(qkv_rows, device=device, dtype=dtype) if config.qkv_bias else None
         self.o_weight = empty_parameter(config.hidden_size, config.q_size, device=device, dtype=dtype)
         self.o_bias = empty_parameter(config.hidden_size, device=device, dtype=dtype) if config.o_bias else None
+        # oneDNN copies of the weights (CausalLM.prepack_cpu_weights); None: F.linear on the weights.
+        self.qkv_packed: torch.Tensor | None = None
+        self.o_packed: torch.Tensor | None = None
 
     def forward(
         self,
@@ -135,7 +138,7 @@ class Attention(nn.Module):
         """x (T, hidden) -> (T, hidden); writes the new tokens' K/V into k_cache/v_cache first."""
         num_tokens = x.shape[0]
         with profile_scope("qkv_proj"):
-            qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # (T, (H_q + 2 H_kv) D)
+            qkv = cpu_linear.linear(x, self.qkv_weight, self.qkv_packed, self.qkv_bias)  # (T, (H_q + 2 H_kv) D)
         if plan is not None:  # fused CPU path
             with profile_scope("rotary"):
                 plan.ops.rotary_(qkv, cos, sin, self.num_q_heads + self.num_kv_heads, self.head_dim)
@@ -158,7 +161,7 @@ class Attention(nn.Module):
                     q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.cu_seqlens_q, scale=self.scale
                 )  # (T, H_q, D)
         with profile_scope("o_proj"):
-            return F.linear(out.reshape(num_tokens, self.q_size), self.o_weight, self.o_bias)
+            return cpu_linear.linear(out.reshape(num_tokens, self.q_size), self.o_weight, self.o_packed, self.o_bias)
 
 
 class MLP(nn.Module):
@@ -171,11 +174,13 @@ class MLP(nn.Module):
         self.gate_up_bias = empty_parameter(2 * inter, device=device, dtype=dtype) if config.mlp_bias else None
         self.down_weight = empty_parameter(hidden, inter, device=device, dtype=dtype)
         self.down_bias = empty_parameter(hidden, device=device, dtype=dtype) if config.mlp_bias else None
+        self.gate_up_packed: torch.Tensor | None = None  # see Attention.qkv_packed
+        self.down_packed: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, plan: CpuAttentionPlan | None = None) -> torch.Tensor:
         """(T, hidden) -> (T, hidden)"""
         with profile_scope("mlp_gate_up"):
-            gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)  # (T, 2I) rows [gate | up]
+            gate_up = cpu_linear.linear(x, self.gate_up_weight, self.gate_up_packed, self.gate_up_bias)  # (T, 2I) [gate | up]
         with profile_scope("silu_mul"):
             if plan is not None:
                 act = plan.ops.silu_mul(gate_up)  # (T, I)
@@ -183,7 +188,7 @@ class MLP(nn.Module):
                 gate, up = gate_up.chunk(2, dim=-1)  # (T, I) each
                 act = F.silu(gate) * up
         with profile_scope("mlp_down"):
-            return F.linear(act, self.down_weight, self.down_bias)
+            return cpu_linear.linear(act, self.down_weight, self.down_packed, self.down_bias)
 
 
 class DecoderLayer(nn.Module):

@@ -20,6 +20,7 @@ from torch import nn
 from compute_service.forward_batch import ForwardBatch
 from compute_service.layers import DecoderLayer, RMSNorm, RotaryEmbedding, empty_parameter, profile_scope
 from compute_service.model_config import ModelConfig
+from kernels import cpu_linear
 from kernels.cpu_attention import CpuAttentionPlan
 
 # Buffers that some checkpoints carry but that we recompute.
@@ -45,6 +46,7 @@ class CausalLM(nn.Module):
             if config.tie_word_embeddings
             else empty_parameter(config.vocab_size, config.hidden_size, device=device, dtype=dtype)
         )
+        self.lm_head_packed: torch.Tensor | None = None  # see prepack_cpu_weights
 
     @property
     def dtype(self) -> torch.dtype:
@@ -85,7 +87,7 @@ class CausalLM(nn.Module):
             last = hidden[last_rows]  # (B, hidden)
         last = self.norm(last)
         with profile_scope("lm_head"):
-            return F.linear(last, self.lm_head).float()  # (B, vocab)
+            return cpu_linear.linear(last, self.lm_head, self.lm_head_packed).float()  # (B, vocab)
 
     def check_kv_pool(self, kv_pool: torch.Tensor) -> None:
         """Raise ValueError unless `kv_pool` has this model's layout, dtype and device."""
@@ -103,6 +105,27 @@ class CausalLM(nn.Module):
             )
 
     @torch.no_grad()
+    def prepack_cpu_weights(self) -> bool:
+        """Reorder every projection and the head for oneDNN's matmul (kernels/cpu_linear.py), once,
+        after the weights are loaded; returns False, changing nothing, off a float32 CPU model.
+
+        The plain copies of the layers' projections are released (their packed copies replace them:
+        the weights are not held twice); the head keeps its plain copy, which may be the embedding
+        table. A packed model cannot load weights again: load a new one.
+        """
+        if self.device.type != "cpu" or self.dtype != torch.float32 or not cpu_linear.available():
+            return False
+        for layer in self.layers:
+            for module, name in ((layer.attn, "qkv"), (layer.attn, "o"), (layer.mlp, "gate_up"), (layer.mlp, "down")):
+                weight = getattr(module, f"{name}_weight")
+                packed = cpu_linear.prepack(weight)
+                if packed is not None:
+                    setattr(module, f"{name}_packed", packed)
+                    weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
+        self.lm_head_packed = cpu_linear.prepack(self.lm_head)
+        return True
+
+    @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy a Hugging Face state dict into the fused parameters, casting to the model dtype.
 
@@ -112,6 +135,8 @@ class CausalLM(nn.Module):
             ValueError: an unknown name, a wrong shape, or a parameter that was never loaded (an
                 uninitialised parameter would silently produce garbage).
         """
+        if self.lm_head_packed is not None:
+            raise ValueError("this model's weights are prepacked for the CPU; load a new model instead")
         targets = self._hf_targets()
         loaded: set[str] = set()
         for name, tensor in weights:

@@ -136,8 +136,9 @@ def load_model(
     lm = CausalLM(config, device=device, dtype=dtype)
     lm.load_weights(_iter_weights(source.path))
     lm.eval()
-    log.info("model_loaded", model=source.name, path=str(source.path), device=str(device),
-             dtype=str(dtype), converted=source.was_converted, seconds=round(time.perf_counter() - started, 2))
+    packed = lm.prepack_cpu_weights()
+    log.info("model_loaded", model=source.name, path=str(source.path), device=str(device), dtype=str(dtype),
+             converted=source.was_converted, prepacked=packed, seconds=round(time.perf_counter() - started, 2))
     return LoadedModel(model=lm, tokenizer=tokenizer, config=config, source=source)
 
 

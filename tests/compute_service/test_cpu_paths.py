@@ -1,8 +1,9 @@
-"""The two CPU execution paths of the model, each against transformers.
+"""The CPU execution paths of the model, each against transformers.
 
-The fused path (C++ paged attention, fused rotary / SiLU-mul / add+RMSNorm) runs whenever the
-extension is available, so the rest of the suite exercises it; here the PyTorch fallback path (no
-compiler, other dtypes, unsupported head sizes) is forced and checked too, logits and greedy tokens.
+The fused path (C++ paged attention, fused rotary / SiLU-mul / add+RMSNorm) with oneDNN-prepacked
+weights runs whenever both are available, so the rest of the suite exercises it; here the fused path
+on plain weights (F.linear) and the PyTorch fallback path (no compiler, other dtypes, unsupported
+head sizes; plain weights) are forced and checked too, logits and greedy tokens.
 """
 
 from __future__ import annotations
@@ -12,20 +13,38 @@ import torch
 
 from compute_service import LLM, SamplingParams
 from compute_service.model_loader import load_model
-from kernels import cpu_ops
+from kernels import cpu_linear, cpu_ops
 from kernels.cpu_attention import CpuAttentionPlan
 from tests.compute_service.test_model import ATOL, RTOL, PagedSequences, random_tokens, reference_logits
 
 FUSED_AVAILABLE = cpu_ops.load() is not None
 
 
-@pytest.fixture(params=["fused", "pytorch"])
+@pytest.fixture(params=["fused", "fused-plain-weights", "pytorch"])
 def cpu_path(request, monkeypatch) -> str:
-    if request.param == "fused" and not FUSED_AVAILABLE:
+    if request.param.startswith("fused") and not FUSED_AVAILABLE:
         pytest.skip("the fused CPU kernels could not be built here")
+    if request.param == "fused" and not cpu_linear.available():
+        pytest.skip("this torch has no oneDNN to prepack weights with")
+    if request.param != "fused":
+        monkeypatch.setenv("PAGEDSERVE_CPU_PREPACK", "0")
     if request.param == "pytorch":
         monkeypatch.setattr(cpu_ops, "_state", {"ops": None})  # as if the build had failed
     return request.param
+
+
+def test_weights_are_prepacked_once_and_not_held_twice(make_tiny_model) -> None:
+    if not cpu_linear.available():
+        pytest.skip("this torch has no oneDNN to prepack weights with")
+    tiny = make_tiny_model("llama")
+    model = load_model(str(tiny.path), device="cpu").model
+    attn, mlp = model.layers[0].attn, model.layers[0].mlp
+    for packed, weight in ((attn.qkv_packed, attn.qkv_weight), (attn.o_packed, attn.o_weight),
+                           (mlp.gate_up_packed, mlp.gate_up_weight), (mlp.down_packed, mlp.down_weight)):
+        assert packed is not None and packed.is_mkldnn and weight.numel() == 0
+    assert model.lm_head_packed is not None
+    with pytest.raises(ValueError, match="prepacked"):
+        model.load_weights(tiny.hf_model.state_dict().items())
 
 
 def test_the_fused_path_is_taken_when_available(make_tiny_model) -> None:

@@ -158,7 +158,8 @@ def test_forward_batch_rejects_bad_input():
         )
 
 
-def test_load_weights_rejects_unknown_and_missing_tensors(make_tiny_model):
+def test_load_weights_rejects_unknown_and_missing_tensors(make_tiny_model, monkeypatch):
+    monkeypatch.setenv("PAGEDSERVE_CPU_PREPACK", "0")  # a prepacked model refuses any reload
     tiny = make_tiny_model("llama")
     model = load_model(str(tiny.path), device="cpu").model
     state = tiny.hf_model.state_dict()
