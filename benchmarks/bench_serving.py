@@ -36,7 +36,7 @@ from pathlib import Path
 
 from benchmarks import serving_report as report
 from benchmarks.serving_client import (
-    KvSampler, RequestResult, run_arrivals, run_one_at_a_time, tokens_per_word,
+    KvSampler, RequestResult, describe_gateway, run_arrivals, run_one_at_a_time,
 )
 from benchmarks.serving_stack import StackConfig, start_stacks
 from benchmarks.serving_workload import RequestSpec, make_requests, make_shared_prefix, make_text, poisson_arrivals
@@ -51,6 +51,8 @@ class SweepResults:
     prefix_cached: list[RequestResult]
     sampler: KvSampler | None
     tokens_per_word: float
+    served_model: str
+    block_size: int
 
 
 async def _phase(sampler: KvSampler | None, label: str, work) -> list[RequestResult]:
@@ -64,7 +66,7 @@ async def _phase(sampler: KvSampler | None, label: str, work) -> list[RequestRes
 
 async def sweep(address: str, memory_address: str | None, args: argparse.Namespace) -> SweepResults:
     """Baseline, every rate and the cached shared-prefix run, against one gateway."""
-    tpw = await tokens_per_word(address, make_text(random.Random(args.seed), 200))
+    model, tpw = await describe_gateway(address, make_text(random.Random(args.seed), 200))
     specs = make_requests(args.num_requests, args.prompt_len, args.output_len, tpw, args.seed)
     sampler = KvSampler(memory_address, args.kv_sample_interval_s) if memory_address else None
     stop = asyncio.Event()
@@ -91,7 +93,7 @@ async def sweep(address: str, memory_address: str | None, args: argparse.Namespa
         stop.set()
         if sampling:
             await sampling
-    return SweepResults(baseline, runs, cached, sampler, tpw)
+    return SweepResults(baseline, runs, cached, sampler, tpw, model.name, model.block_size)
 
 
 async def run_uncached_prefix(address: str, args: argparse.Namespace, tpw: float, distinct_salts: bool
@@ -146,10 +148,12 @@ def run(args: argparse.Namespace) -> dict:
         summary["kv_num_samples"] = len(sampler.samples)
         summary["kv_evictions"] = sampler.samples[-1].num_evictions - sampler.samples[0].num_evictions
     summary |= {
-        "model": args.model, "num_requests": args.num_requests, "prompt_len": list(args.prompt_len),
+        "model": results.served_model, "num_requests": args.num_requests, "prompt_len": list(args.prompt_len),
         "output_len": list(args.output_len), "tokens_per_word": round(results.tokens_per_word, 3),
-        "kv_cache_bytes": args.kv_cache_bytes, "block_size": args.block_size,
-        "max_num_batched_tokens": args.max_num_batched_tokens, "seed": args.seed,
+        "block_size": results.block_size, "seed": args.seed,
+        # What this benchmark started; unknown for a gateway it did not start.
+        "kv_cache_bytes": None if args.gateway else args.kv_cache_bytes,
+        "max_num_batched_tokens": None if args.gateway else args.max_num_batched_tokens,
         "load_avg_start": round(load_start, 2), "load_avg_end": round(os.getloadavg()[0], 2),
     }
     if args.report_stack and stack_info:

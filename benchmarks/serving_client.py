@@ -105,11 +105,16 @@ async def run_one_at_a_time(address: str, specs: list[RequestSpec], cache_salts:
         return [await stream_one(stub, spec, salt, timeout_s) for spec, salt in zip(specs, cache_salts)]
 
 
-async def tokens_per_word(address: str, text: str) -> float:
-    """The gateway's tokenizer's tokens per word on ``text`` (prompts are sized by it)."""
+async def describe_gateway(address: str, text: str) -> tuple[gateway_pb2.ModelInfo, float]:
+    """The model the gateway serves, and its tokenizer's tokens per word on ``text`` (prompts are
+    sized by it)."""
     async with grpc.aio.insecure_channel(address) as channel:
-        reply = await gateway_pb2_grpc.GatewayStub(channel).Tokenize(gateway_pb2.TokenizeRequest(prompt=text), timeout=30)
-    return len(reply.token_ids) / len(text.split())
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        models = (await stub.ListModels(gateway_pb2.ListModelsRequest(), timeout=30)).models
+        reply = await stub.Tokenize(gateway_pb2.TokenizeRequest(prompt=text), timeout=30)
+    if not models:
+        raise RuntimeError(f"the gateway at {address} serves no model yet (no backend reached)")
+    return models[0], len(reply.token_ids) / len(text.split())
 
 
 @dataclass

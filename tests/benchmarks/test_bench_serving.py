@@ -37,6 +37,7 @@ def test_tiny_run_reports_every_rate_prefix_caching_and_cleans_up(tmp_path: Path
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
 
+    assert summary["block_size"] == 4 and summary["model"]  # as the gateway reports them
     assert [run["rate"] for run in summary["rates"]] == ["4", "inf"]
     for run in [summary["baseline"], *summary["rates"]]:
         assert run["num_requests"] == run["num_ok"] == NUM_REQUESTS and run["errors"] == {}
