@@ -16,7 +16,9 @@ is evictable. Eviction order is therefore exactly least-recently-joined first, a
 Memory stays bounded: consumed entries are dropped once they are half the list, and stale ones
 once they outnumber the live ones (and the threshold), so the list holds at most about four entries
 per block of the pool; each compaction is one pass over the list, paid for by the appends or shares
-that made the entries it drops.
+that made the entries it drops. Dropping stale entries walks the list in Python (~0.15 s per million
+entries measured here), so at the largest pool (2**20 blocks) the share that triggers it may take
+that long, once per as many shares; dropping consumed entries is one C ``memmove``.
 """
 
 from __future__ import annotations
