@@ -74,7 +74,11 @@ def step_share(batch_sizes: list[int], iters: int, model: str = "default") -> li
 
 
 def bench_rpc(num_seqs: int, iters: int) -> dict[str, float]:
-    socket = os.path.join(tempfile.mkdtemp(prefix="psbench-"), "memory.sock")
+    with tempfile.TemporaryDirectory(prefix="psbench-") as directory:  # removed afterwards, socket and all
+        return _bench_rpc(os.path.join(directory, "memory.sock"), num_seqs, iters)
+
+
+def _bench_rpc(socket: str, num_seqs: int, iters: int) -> dict[str, float]:
     args = ["--socket", socket, "--block-size", "16", "--max-num-blocks", "65536", "--log-level", "warning"]
     with ServiceProcess.launch("memory_service", args, address=f"unix:{socket}", ready_timeout_s=60):
         layout = KvLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32", block_size=16)

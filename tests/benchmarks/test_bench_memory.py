@@ -14,17 +14,18 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _run(*args: str) -> subprocess.CompletedProcess:
+def _run(*args: str, tmp: Path | None = None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "benchmarks.bench_memory", *args]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **({"TMPDIR": str(tmp)} if tmp else {})}
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
-def test_step_batch_sizes_report_the_rpc_share_of_a_decode_step(make_tiny_model) -> None:
+def test_step_batch_sizes_report_the_rpc_share_of_a_decode_step(make_tiny_model, tmp_path) -> None:
     tiny = make_tiny_model("llama")
     done = _run("--skip-inprocess", "--num-seqs", "4", "--iters", "20", "--step-batch-sizes", "2,5",
-                "--model", str(tiny.path))
+                "--model", str(tiny.path), tmp=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
+    assert list(tmp_path.iterdir()) == []  # the memory service's socket directory is removed
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert "alloc_free_blocks_per_s" not in summary and summary["num_seqs"] == 4
     rows = summary["step_share"]
