@@ -43,3 +43,13 @@ def test_bad_step_batch_sizes_are_refused_by_name() -> None:
     for bad in ("0,8", "8,x", ""):
         done = _run("--step-batch-sizes", bad)
         assert done.returncode == 2 and "--step-batch-sizes" in done.stderr, done.stderr
+
+
+def test_inprocess_run_counts_every_block_and_leaves_nothing() -> None:
+    from benchmarks.block_manager_bench import run_benchmark
+
+    result = run_benchmark(num_sequences=300, num_blocks=16_384, repeats=1)
+    # Every op is counted once, every allocated block once, and the run ends with an empty pool
+    # (run_benchmark raises otherwise).
+    assert result.num_ops > 300 and result.num_blocks_allocated > 300 * 4
+    assert result.cpu_s > 0 and result.alloc_free_blocks_per_s == result.num_blocks_allocated / result.cpu_s
