@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,9 +17,21 @@ from pagedserve.process import ServiceProcess
 TINY_LAYOUT = KvLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype="float32", block_size=4)
 
 
+_ROOT: list[str] = []  # one directory for every service of the session, removed at its end
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _remove_service_directories() -> Iterator[None]:
+    yield
+    for root in _ROOT:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def start_memory_service(*extra: str, socket: str | None = None) -> tuple[ServiceProcess, str]:
     """Starts a service (block size 4) on ``socket`` (default: in a fresh private directory), SERVING."""
-    directory = tempfile.mkdtemp(prefix="psmem-")
+    if not _ROOT:
+        _ROOT.append(tempfile.mkdtemp(prefix="psmem-"))
+    directory = tempfile.mkdtemp(dir=_ROOT[0])
     if socket is None:
         socket = os.path.join(directory, "run", "memory.sock")
     service = ServiceProcess.launch(
