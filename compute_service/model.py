@@ -115,15 +115,26 @@ class CausalLM(nn.Module):
         """
         if self.device.type != "cpu" or self.dtype != torch.float32 or not cpu_linear.available():
             return False
-        for layer in self.layers:
-            for module, name in ((layer.attn, "qkv"), (layer.attn, "o"), (layer.mlp, "gate_up"), (layer.mlp, "down")):
-                weight = getattr(module, f"{name}_weight")
-                packed = cpu_linear.prepack(weight)
-                if packed is not None:
-                    setattr(module, f"{name}_packed", packed)
-                    weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
+        for module, name in self._projections():
+            weight = getattr(module, f"{name}_weight")
+            packed = cpu_linear.prepack(weight)
+            if packed is not None:
+                setattr(module, f"{name}_packed", packed)
+                weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
         self.lm_head_packed = cpu_linear.prepack(self.lm_head)
-        return True
+        return self.is_prepacked
+
+    @property
+    def is_prepacked(self) -> bool:
+        """Whether any weight was replaced by its packed copy (then the model cannot load weights)."""
+        return self.lm_head_packed is not None or any(
+            getattr(module, f"{name}_packed") is not None for module, name in self._projections()
+        )
+
+    def _projections(self) -> Iterable[tuple[nn.Module, str]]:
+        """(module, name) of every layer's projection: its weight is ``module.<name>_weight``."""
+        for layer in self.layers:
+            yield from ((layer.attn, "qkv"), (layer.attn, "o"), (layer.mlp, "gate_up"), (layer.mlp, "down"))
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -135,7 +146,7 @@ class CausalLM(nn.Module):
             ValueError: an unknown name, a wrong shape, or a parameter that was never loaded (an
                 uninitialised parameter would silently produce garbage).
         """
-        if self.lm_head_packed is not None:
+        if self.is_prepacked:
             raise ValueError("this model's weights are prepacked for the CPU; load a new model instead")
         targets = self._hf_targets()
         loaded: set[str] = set()

@@ -5,12 +5,15 @@ in-range values, so the paths behind validation get hostile traffic too."""
 from __future__ import annotations
 
 import random
+from typing import TypeVar
 
 from google.protobuf.message import Message
 
 from pagedserve.compute.v1 import compute_pb2 as cpb
 from pagedserve.gateway.v1 import gateway_pb2 as gpb
 from pagedserve.memory.v1 import memory_pb2 as mpb
+
+Request = TypeVar("Request", gpb.GenerateRequest, cpb.GenerateRequest)
 
 INTS = (0, 1, 2, 3, -1, 16, 64, 65, 257, 2**31 - 1, -(2**31), 100_000)
 FLOATS = (0.0, -0.0, 0.5, 1.0, 2.0, -1.0, 1e-45, 1e-30, 3.4e38, -3.4e38, float("nan"), float("inf"), float("-inf"))
@@ -107,6 +110,11 @@ def gateway_request(rng: random.Random) -> gpb.GenerateRequest:
             for message in request.messages[:3]:
                 message.role = rng.choice(ROLES[:4])
             del request.messages[3:]
+    return _with_common_fields(rng, request)
+
+
+def _with_common_fields(rng: random.Random, request: Request) -> Request:
+    """Sometimes a request id, a cache salt and a priority: fields the gateway and compute share."""
     for name in ("request_id", "cache_salt"):
         if maybe(rng, 0.2):
             setattr(request, name, text(rng))
@@ -123,12 +131,7 @@ def compute_request(rng: random.Random, vocab_size: int) -> cpb.GenerateRequest:
     if not clean and maybe(rng, 0.03):
         ids = [1] * rng.choice((1024, 100_000))
     request = cpb.GenerateRequest(prompt_token_ids=ids, params=cpb.SamplingParams(**_sampling_fields(rng)))
-    for name in ("request_id", "cache_salt"):
-        if maybe(rng, 0.2):
-            setattr(request, name, text(rng))
-    if maybe(rng, 0.2):
-        request.priority = _int(rng)
-    return request
+    return _with_common_fields(rng, request)
 
 
 def memory_request(rng: random.Random, client_id: str) -> tuple[str, Message]:
