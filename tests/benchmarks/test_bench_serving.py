@@ -28,9 +28,9 @@ def test_tiny_run_reports_every_rate_prefix_caching_and_cleans_up(tmp_path: Path
     model = build_service_model(tmp_path / "model")
     plots = tmp_path / "plots"
     cmd = [sys.executable, "-m", "benchmarks.bench_serving", "--model", str(model.path), "--rates", "4", "inf",
-           "--num-requests", str(NUM_REQUESTS), "--prompt-len", "16", "64", "--output-len", "4", "12",
+           "--num-requests", str(NUM_REQUESTS), "--prompt-len", "16", "64", "--output-len", "8", "24",
            "--prefix-tokens", "200", "--question-tokens", "8", "--prefix-requests", "3", "--block-size", "4",
-           "--kv-cache-bytes", str(4 << 20), "--kv-sample-interval-s", "0.2", "--plot-dir", str(plots),
+           "--kv-cache-bytes", str(4 << 20), "--kv-sample-interval-s", "0.01", "--plot-dir", str(plots),
            "--report-stack"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
