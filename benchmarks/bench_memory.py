@@ -24,7 +24,7 @@ import statistics
 import tempfile
 import time
 
-from benchmarks.block_manager_bench import run_inprocess_benchmark
+from benchmarks.memory.block_manager_bench import run_inprocess_benchmark
 from memory_service.api import AllocateOp, AppendOp, FreeOp, KvLayout, MemoryClient
 from pagedserve.log import configure_logging
 from pagedserve.process import ServiceProcess
@@ -57,7 +57,7 @@ def step_share(batch_sizes: list[int], iters: int, model: str = "default") -> li
     Returns:
         One row per batch size (see the module docstring).
     """
-    from benchmarks.decode_step_timing import time_decode_steps  # loads torch and the model
+    from benchmarks.throughput.decode_step_timing import time_decode_steps  # loads torch and the model
 
     rpc_p50_us = [bench_rpc(num_seqs, iters)["rpc_step_p50_us"] for num_seqs in batch_sizes]
     rows = []

@@ -214,8 +214,8 @@ def run_security(stack: Stack) -> dict:
 
 def _start(model: str, directory: Path, name: str, num_clients: int) -> tuple[Stack, int]:
     """A stack serving ``model`` ('tiny' is built here) in ``directory/name``; and the vocabulary size."""
-    from compute_service.model_config import ModelConfig
-    from compute_service.model_loader import resolve_model
+    from compute_service.model.model_config import ModelConfig
+    from compute_service.model.model_loader import resolve_model
 
     if model == "tiny":
         from tests.compute_service.service_fixtures import build_service_model

@@ -34,12 +34,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks import serving_report as report
-from benchmarks.serving_client import (
+from benchmarks.serving import report as report
+from benchmarks.serving.client import (
     KvSampler, RequestResult, describe_gateway, run_arrivals, run_one_at_a_time,
 )
-from benchmarks.serving_stack import StackConfig, start_stacks
-from benchmarks.serving_workload import RequestSpec, make_requests, make_shared_prefix, make_text, poisson_arrivals
+from benchmarks.serving.stack import StackConfig, start_stacks
+from benchmarks.serving.workload import RequestSpec, make_requests, make_shared_prefix, make_text, poisson_arrivals
 
 WARMUP = RequestSpec("Hello, how are you today?", 4)
 
@@ -166,7 +166,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def write_plots(args: argparse.Namespace, baseline: dict, runs: list[dict], sampler: KvSampler | None) -> list[str]:
-    from benchmarks import serving_plots
+    from benchmarks.serving import plots as serving_plots
 
     directory = Path(args.plot_dir)
     directory.mkdir(parents=True, exist_ok=True)

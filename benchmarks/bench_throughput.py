@@ -47,13 +47,15 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import hf_baselines, step_profile
-from benchmarks.throughput_workload import (
+from benchmarks.throughput import hf_baselines
+
+from benchmarks.throughput import step_profile
+from benchmarks.throughput.workload import (
     Request, RunResult, kv_bytes_per_token, make_workload, seeded_subset, warmup_prompt,
 )
 from compute_service import LLM, SamplingParams
-from compute_service.model_config import ModelConfig
-from compute_service.model_loader import load_tokenizer, resolve_model
+from compute_service.model.model_config import ModelConfig
+from compute_service.model.model_loader import load_tokenizer, resolve_model
 from pagedserve.dtypes import DTYPES
 from pagedserve.log import configure_logging
 

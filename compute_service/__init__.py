@@ -3,8 +3,8 @@
 ``from compute_service import LLM`` gives the in-process engine.
 """
 
-from compute_service.llm import LLM
-from compute_service.outputs import CompletionOutput, RequestOutput
-from compute_service.sampling_params import SamplingParams
+from compute_service.engine.llm import LLM
+from compute_service.engine.outputs import CompletionOutput, RequestOutput
+from compute_service.engine.sampling_params import SamplingParams
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]

@@ -14,7 +14,9 @@ from pagedserve.process import add_parent_pid_flag, die_with_parent
 
 from memory_service.config import MemoryServiceConfig
 
-from compute_service.config import DEFAULT_LISTEN, ComputeServiceConfig, EngineConfig
+from compute_service.engine.config import EngineConfig
+
+from compute_service.service.config import DEFAULT_LISTEN, ComputeServiceConfig
 
 # EngineConfig fields that a service sets (the pool's own settings belong to the memory service).
 _ENGINE_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "block_size", "device", "dtype")
@@ -89,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    from compute_service.server import serve  # torch and the model code load only to serve
+    from compute_service.service.server import serve  # torch and the model code load only to serve
 
     try:
         return asyncio.run(serve(service, engine))

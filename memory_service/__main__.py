@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 async def _serve(config: MemoryServiceConfig) -> int:
-    from memory_service.server import start
+    from memory_service.service.server import start
 
     service = await start(config)
     stop = asyncio.Event()

@@ -7,7 +7,7 @@ its block pool or its prefix cache: those are the service's own.
 
 from __future__ import annotations
 
-from memory_service.block_types import (
+from memory_service.manager.block_types import (
     AllocateOp,
     AppendOp,
     BlockManagerStats,
@@ -19,7 +19,7 @@ from memory_service.block_types import (
     cache_namespace,
 )
 from memory_service.client import MemoryClient, MemoryServiceUnavailable, StepResult, channel_target
-from memory_service.pool import KvLayout
+from memory_service.pool.kv_pool import KvLayout
 
 __all__ = [
     "AllocateOp",

@@ -17,9 +17,9 @@ from pagedserve.memory.v1 import memory_pb2 as pb
 from pagedserve.memory.v1 import memory_pb2_grpc
 
 from memory_service import convert
-from memory_service.block_types import AppendOp, BlockManagerStats, Op, OpResult
-from memory_service.mapped_pool import MappedPool
-from memory_service.pool import KvLayout
+from memory_service.manager.block_types import AppendOp, BlockManagerStats, Op, OpResult
+from memory_service.pool.mapped_pool import MappedPool
+from memory_service.pool.kv_pool import KvLayout
 
 # Status codes that mean "the service (or this client's lease there) is gone", not "bad request".
 _GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.FAILED_PRECONDITION)

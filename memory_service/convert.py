@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pagedserve.memory.v1 import memory_pb2 as pb
 
-from memory_service.block_types import (
+from memory_service.manager.block_types import (
     AllocateOp,
     AppendOp,
     BlockManagerStats,
@@ -14,7 +14,7 @@ from memory_service.block_types import (
     OpResult,
     PoolStats,
 )
-from memory_service.pool import CudaIpcHandle, KvLayout, PoolDescriptor
+from memory_service.pool.kv_pool import CudaIpcHandle, KvLayout, PoolDescriptor
 
 
 def layout_from_pb(msg: pb.KvLayout, default_block_size: int) -> KvLayout:

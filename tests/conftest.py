@@ -90,7 +90,7 @@ def make_tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str],
 @pytest.fixture(scope="session")
 def default_model():
     """The real default model (SmolLM2-135M-Instruct, float32 on CPU), loaded once via the cache."""
-    from compute_service.model_loader import load_model
+    from compute_service.model.model_loader import load_model
 
     return load_model("default", device="cpu")
 

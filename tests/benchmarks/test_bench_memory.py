@@ -46,7 +46,7 @@ def test_bad_step_batch_sizes_are_refused_by_name() -> None:
 
 
 def test_inprocess_run_counts_every_block_and_leaves_nothing() -> None:
-    from benchmarks.block_manager_bench import run_benchmark
+    from benchmarks.memory.block_manager_bench import run_benchmark
 
     result = run_benchmark(num_sequences=300, num_blocks=16_384, repeats=1)
     # Every op is counted once, every allocated block once, and the run ends with an empty pool

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from compute_service import LLM, SamplingParams
-from compute_service.config import EngineConfig
+from compute_service.engine.config import EngineConfig
 
 
 def run(model_dir: str, watermark: float) -> tuple[list[list[int]], int]:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from compute_service import LLM, SamplingParams
-from compute_service.model_loader import load_model
+from compute_service.model.model_loader import load_model
 from kernels import cpu_linear, cpu_ops
 from kernels.cpu_attention import CpuAttentionPlan
 from tests.compute_service.test_model import ATOL, RTOL, PagedSequences, random_tokens, reference_logits

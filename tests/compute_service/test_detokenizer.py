@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from compute_service.detokenizer import IncrementalDetokenizer
+from compute_service.engine.detokenizer import IncrementalDetokenizer
 from tests.compute_service.service_fixtures import build_byte_tokenizer
 
 TEXT = "héllo wörld € 😀 done"

@@ -55,7 +55,7 @@ def prompts(default_model) -> list[list[int]]:
 def reference(prompts: list[list[int]]) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
-    from compute_service.model_loader import resolve_model
+    from compute_service.model.model_loader import resolve_model
 
     hf = AutoModelForCausalLM.from_pretrained(resolve_model("default").path, torch_dtype=torch.float32).eval()
     outs = []

@@ -12,9 +12,9 @@ import random
 import pytest
 import torch
 
-from compute_service.forward_batch import ForwardBatch
-from compute_service.model import CausalLM
-from compute_service.model_loader import LoadedModel, load_model
+from compute_service.model.forward_batch import ForwardBatch
+from compute_service.model.model import CausalLM
+from compute_service.model.model_loader import LoadedModel, load_model
 from tests.conftest import TINY_VARIANTS, TinyModel
 
 BLOCK_SIZE = 4  # small, so that sequences and chunks cross many block boundaries

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from compute_service import model_loader
-from compute_service.model_config import ModelConfig
-from compute_service.model_loader import (
+from compute_service.model import model_loader
+from compute_service.model.model_config import ModelConfig
+from compute_service.model.model_loader import (
     CACHE_DIR_ENV, DEFAULT_MODEL_NAME, default_cache_dir, load_model, resolve_model,
 )
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from compute_service.__main__ import build_parser, configs_from_args, main
-from compute_service.config import ComputeServiceConfig
+from compute_service.service.config import ComputeServiceConfig
 
 
 def parse(*argv: str):

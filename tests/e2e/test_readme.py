@@ -111,7 +111,7 @@ def test_readme_generate_line(up: Up) -> None:
 def test_greedy_default_model_through_the_gateway_equals_transformers(up: Up) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from compute_service.model_loader import resolve_model
+    from compute_service.model.model_loader import resolve_model
 
     path = resolve_model("default").path  # the converted copy `up` loaded
     tokenizer = AutoTokenizer.from_pretrained(path)

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from memory_service.block_manager import (
+from memory_service.manager.block_manager import (
     AllocateOp,
     AppendOp,
     BlockManager,
@@ -721,7 +721,7 @@ def test_utilization_and_fragmentation_count_shared_blocks_once(make: MakeManage
 def test_cache_namespace_is_unambiguous_and_bounded(make: MakeManager) -> None:
     """Issue 7, item 8 and "also close": ``model|salt`` was ambiguous and kept the salt in full."""
     from memory_service.api import cache_namespace
-    from memory_service.prefix_cache import NAMESPACE_KEY_SIZE
+    from memory_service.manager.prefix_cache import NAMESPACE_KEY_SIZE
 
     assert cache_namespace("m|a", "b") != cache_namespace("m", "a|b")
     assert cache_namespace("m", "") != cache_namespace("m", "x") == cache_namespace("m", "x")

@@ -29,7 +29,7 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from memory_service.block_manager import AllocateOp, AppendOp, BlockManager, BlockManagerConfig, ForkOp, FreeOp
+from memory_service.manager.block_manager import AllocateOp, AppendOp, BlockManager, BlockManagerConfig, ForkOp, FreeOp
 
 # A tiny alphabet and a few shared openings make prefix hits, twins and evictions frequent.
 TOKEN = st.integers(0, 2)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from memory_service.block_manager import AllocateOp
+from memory_service.manager.block_manager import AllocateOp
 from memory_service.client import MemoryClient
 from tests.memory_service.conftest import TINY_LAYOUT, start_memory_service
 
@@ -17,9 +17,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 WRITER = """
 import sys, torch
-from memory_service.block_manager import AllocateOp
+from memory_service.manager.block_manager import AllocateOp
 from memory_service.client import MemoryClient
-from memory_service.pool import KvLayout
+from memory_service.pool.kv_pool import KvLayout
 layout = KvLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype="float32", block_size=4)
 client = MemoryClient("unix:" + sys.argv[1], layout, "writer")
 assert client.pool.is_cuda
@@ -43,7 +43,7 @@ def test_cuda_ipc_pool_is_shared_between_processes() -> None:
             [a] = reader.step([AllocateOp("a", [1, 2, 3], 3)])
             reader.pool[:, :, a.block_ids[0]] = 3.0
             torch.cuda.synchronize()
-            from memory_service.block_manager import AppendOp, ForkOp
+            from memory_service.manager.block_manager import AppendOp, ForkOp
 
             results = reader.step([ForkOp("a", "b"), AppendOp("b", [4])])
             [(src, dst)] = results[1].copies

@@ -7,7 +7,7 @@ from collections import OrderedDict
 
 import pytest
 
-from memory_service.eviction_queue import EvictionQueue
+from memory_service.manager.eviction_queue import EvictionQueue
 
 
 def test_pops_least_recently_joined_first_and_skips_removed_blocks() -> None:

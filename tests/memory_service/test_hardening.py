@@ -182,7 +182,7 @@ def test_items9_10_pool_size_is_checked_against_dev_shm_and_bounded() -> None:
     """Item 9, before: a pool larger than free /dev/shm was handed out (SIGBUS when written).
     Item 10, before: a tiny layout turned the byte budget into millions of block records."""
     from memory_service.config import MAX_NUM_BLOCKS
-    from memory_service.pool import shm_free_bytes
+    from memory_service.pool.kv_pool import shm_free_bytes
 
     service, socket = start_memory_service("--kv-cache-bytes", str(shm_free_bytes() + (1 << 30)))
     try:
@@ -212,8 +212,8 @@ def test_also_close_block_count_cannot_overflow_the_reply() -> None:
 
 OWNER = """
 import sys, time
-from compute_service.config import EngineConfig
-from compute_service.llm import MemoryServiceProcess
+from compute_service.engine.config import EngineConfig
+from compute_service.engine.llm import MemoryServiceProcess
 proc = MemoryServiceProcess(EngineConfig(max_num_blocks=16, block_size=4), "cpu")
 print(proc.process.pid, proc.directory, flush=True)
 time.sleep(600)
@@ -241,8 +241,8 @@ def test_item13_private_memory_service_dies_with_its_owner() -> None:
 @pytest.mark.parametrize("failure", ["exit", "interrupt"])
 def test_item13_failed_or_interrupted_start_leaves_nothing(monkeypatch: pytest.MonkeyPatch, failure: str) -> None:
     """Before: a failed start left the temporary directory; a KeyboardInterrupt orphaned the child."""
-    from compute_service.config import EngineConfig
-    from compute_service.llm import MemoryServiceProcess
+    from compute_service.engine.config import EngineConfig
+    from compute_service.engine.llm import MemoryServiceProcess
     from pagedserve.process import ServiceProcess
 
     made, started = [], []
@@ -281,9 +281,9 @@ def test_item14_a_bug_answers_internal_and_the_service_keeps_serving(tmp_path: P
     import asyncio
     import threading
 
-    from memory_service.block_manager import BlockManager
+    from memory_service.manager.block_manager import BlockManager
     from memory_service.config import MemoryServiceConfig
-    from memory_service.server import start
+    from memory_service.service.server import start
 
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from memory_service.mapped_pool import MappedPool, check_descriptor
-from memory_service.pool import CudaIpcHandle, PoolDescriptor, SharedMemoryPool
+from memory_service.pool.mapped_pool import MappedPool, check_descriptor
+from memory_service.pool.kv_pool import CudaIpcHandle, PoolDescriptor, SharedMemoryPool
 from pagedserve.memory.v1 import memory_pb2 as pb
 from tests.memory_service.conftest import TINY_LAYOUT
 

@@ -253,7 +253,7 @@ def test_integrity_check_reports_a_broken_invariant() -> None:
     import asyncio
 
     from memory_service.config import MemoryServiceConfig
-    from memory_service.servicer import MemoryManagerServicer
+    from memory_service.service.servicer import MemoryManagerServicer
 
     async def scenario() -> tuple[str | None, str | None]:
         servicer = MemoryManagerServicer(MemoryServiceConfig(max_num_blocks=16, block_size=4))

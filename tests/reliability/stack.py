@@ -130,8 +130,8 @@ def check_integrity(memory_address: str) -> None:
 
 def kv_layout(model: str, block_size: int, dtype: str = "float32") -> memory_pb2.KvLayout:
     """The KV layout a compute service serving ``model`` attaches with (CPU: float32)."""
-    from compute_service.model_config import ModelConfig
-    from compute_service.model_loader import resolve_model
+    from compute_service.model.model_config import ModelConfig
+    from compute_service.model.model_loader import resolve_model
 
     config = ModelConfig.from_dir(resolve_model(model).path, name=model)
     return memory_pb2.KvLayout(num_layers=config.num_layers, num_kv_heads=config.num_kv_heads,

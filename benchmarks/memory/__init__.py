@@ -1,0 +1,1 @@
+"""Helpers of bench_memory: the in-process block-manager benchmark."""

@@ -1,0 +1,1 @@
+"""Helpers of bench_serving: workload, client, stacks, report, plots."""

@@ -1,0 +1,1 @@
+"""Helpers of bench_throughput: workload, transformers baselines, step profile, decode-step timing."""

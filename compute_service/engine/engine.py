@@ -1,0 +1,255 @@
+"""The engine loop: schedule, run, postprocess; one memory-service RPC per step."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+
+from memory_service.api import MemoryClient, cache_namespace
+from pagedserve.log import get_logger
+
+from compute_service.engine.config import EngineConfig
+from compute_service.model.model import CausalLM
+from compute_service.model.model_config import ModelConfig
+from compute_service.engine.model_runner import ModelRunner
+from compute_service.engine.outputs import RequestOutput
+from compute_service.engine.request import EngineLoad, Request
+from compute_service.engine.sampler import sample, token_logprobs
+from compute_service.engine.sampling_params import SamplingParams
+from compute_service.engine.scheduler import ScheduledSeq, Scheduler
+from compute_service.engine.sequence import FinishReason, Sequence
+
+log = get_logger("engine")
+
+# Bounds on a request's strings: ids appear in every log event; the salt is hashed into every
+# prompt's prefix-cache namespace (a cost per request, so not unbounded either).
+MAX_REQUEST_ID_CHARS = 256
+MAX_CACHE_SALT_CHARS = 256
+
+
+class Engine:
+    """Continuous-batching engine over a model and a memory-service client.
+
+    Not thread-safe: one thread calls ``add_request``/``abort``/``step`` (the service's engine loop
+    thread, or the caller of ``LLM.generate``). ``check_request`` reads only constants and may be
+    called from any thread.
+
+    Args:
+        model: our model; config: its ModelConfig; tokenizer: for text (None = token ids only).
+        memory: an attached MemoryClient (its pool is what the model reads and writes).
+        config: budgets.
+    """
+
+    def __init__(self, model: CausalLM, model_config: ModelConfig, tokenizer: Any | None,
+                 memory: MemoryClient, config: EngineConfig) -> None:
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.memory = memory
+        self.config = config
+        self.runner = ModelRunner(model, memory.pool, memory.block_size)
+        available = memory.num_blocks - memory.num_reserved_blocks
+        self.scheduler = Scheduler(config, memory.block_size, available, memory.num_reserved_blocks,
+                                   memory.reserved_min_priority)
+        self.requests: dict[str, Request] = {}
+        self._aborted_ids: set[str] = set()
+        self._seq_counter = itertools.count()
+        self.num_steps = 0
+        self._num_available_blocks = memory.num_blocks  # after the last step, both pools
+        # Prefix-cache hit rate as this engine saw it: prompt tokens at admission, and cached ones.
+        self._num_prompt_tokens_admitted = 0
+        self._num_prompt_tokens_cached = 0
+
+    # --- requests ---------------------------------------------------------------------------
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams, *, request_id: str = "",
+                      cache_salt: str = "") -> None:
+        """Raise ValueError (naming the field) unless this request can run on this model and pool."""
+        if len(request_id) > MAX_REQUEST_ID_CHARS:
+            raise ValueError(f"request_id has {len(request_id)} characters; at most {MAX_REQUEST_ID_CHARS}")
+        if len(cache_salt) > MAX_CACHE_SALT_CHARS:
+            # The salt goes into the memory service's cache namespace, whose length is bounded there.
+            raise ValueError(f"cache_salt has {len(cache_salt)} characters; at most {MAX_CACHE_SALT_CHARS}")
+        if not prompt_token_ids:
+            raise ValueError("prompt_token_ids must have at least one token")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt_token_ids: token ids must be in [0, {vocab}), got {bad}")
+        bad = next((t for t in params.stop_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"stop_token_ids: token ids must be in [0, {vocab}), got {bad}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop: this model has no tokenizer, so stop strings cannot match; use stop_token_ids")
+        limit = self.model_config.max_position
+        if len(prompt_token_ids) + params.max_tokens > limit:
+            raise ValueError(
+                f"max_tokens: the prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) "
+                f"exceed the model's length of {limit} tokens"
+            )
+        capacity = (self.memory.num_blocks - self.memory.num_reserved_blocks) * self.memory.block_size
+        if len(prompt_token_ids) + params.max_tokens > capacity:
+            # Rejected up front: waiting for blocks that can never be free would starve it forever.
+            raise ValueError(
+                f"max_tokens: the prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) "
+                f"exceed the KV pool's {capacity} tokens"
+            )
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    *, priority: int = 0, cache_salt: str = "") -> None:
+        """Queue a request. Raises ValueError for a duplicate id or a request that cannot run."""
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already running")
+        self.check_request(prompt_token_ids, params, request_id=request_id, cache_salt=cache_salt)
+        request = Request(request_id, list(prompt_token_ids), params, self.tokenizer, priority, cache_salt)
+        seq = self._new_seq(request, index=0)
+        self.requests[request_id] = request
+        self.scheduler.add(seq)
+        log.debug("queued", request_id=request_id, num_prompt_tokens=len(prompt_token_ids),
+                  max_tokens=params.max_tokens, n=params.n, priority=priority)
+
+    def _new_seq(self, request: Request, index: int) -> Sequence:
+        generator = None
+        if not request.params.is_greedy:
+            generator = torch.Generator()
+            seed = request.params.seed if request.params.seed is not None else torch.seed()
+            generator.manual_seed((seed + index) % 2**64)  # each completion its own stream
+        seq = Sequence(
+            # Sequence ids are unique per memory service: other clients may share it.
+            seq_id=f"{self.memory.client_id}/{next(self._seq_counter)}",
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            params=request.params,
+            priority=request.priority,
+            cache_namespace=cache_namespace(self.model_config.name, request.cache_salt),
+            index=index,
+            generator=generator,
+        )
+        request.add_seq(seq)
+        return seq
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request; returns False when it is unknown or already finished."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        log.info("aborted", request_id=request_id)
+        for seq in request.seqs:
+            if not seq.is_finished:
+                seq.finish_reason = FinishReason.ABORT
+                self.scheduler.finish(seq)
+        self._aborted_ids.add(request_id)  # reported by the next step
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests) or self.scheduler.has_work()
+
+    def load(self) -> EngineLoad:
+        """Queue lengths, outstanding tokens and KV usage, for routing (call from the engine thread)."""
+        running = {s.request_id for s in self.scheduler.running}
+        waiting = {s.request_id for s in self.scheduler.waiting} - running
+        num_pending = sum(
+            (s.num_tokens - s.num_computed_tokens) + (s.params.max_tokens - s.num_output_tokens)
+            for s in itertools.chain(self.scheduler.running, self.scheduler.waiting)
+        )
+        admitted = self._num_prompt_tokens_admitted
+        return EngineLoad(
+            num_running=len(running),
+            num_waiting=len(waiting),
+            kv_usage=1.0 - self._num_available_blocks / self.memory.num_blocks,
+            prefix_cache_hit_rate=self._num_prompt_tokens_cached / admitted if admitted else 0.0,
+            num_pending_tokens=num_pending,
+        )
+
+    # --- the loop ---------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One step; returns the outputs of requests that produced tokens or finished."""
+        scheduled = self._schedule()
+        logits = self.runner.run(scheduled) if scheduled else None
+        return self._postprocess(scheduled, logits)
+
+    def _schedule(self) -> list[ScheduledSeq]:
+        plan = self.scheduler.schedule()
+        if not plan.ops:
+            if self.scheduler.waiting:
+                # Nothing fits by the counts of the last step, and without a step they never change:
+                # ask again (another client of the memory service may have freed blocks since).
+                reply = self.memory.step_with_counts([])
+                self.scheduler.apply_results(plan, [], reply.num_available_blocks, reply.num_available_reserved_blocks)
+            return []
+        reply = self.memory.step_with_counts(plan.ops)  # the step's one memory-service RPC
+        self.num_steps += 1
+        self._num_available_blocks = reply.num_available_blocks + reply.num_available_reserved_blocks
+        return self.scheduler.apply_results(plan, reply.results, reply.num_available_blocks,
+                                            reply.num_available_reserved_blocks)
+
+    def _postprocess(self, scheduled: list[ScheduledSeq], logits: torch.Tensor | None) -> list[RequestOutput]:
+        touched: dict[str, Request] = {}
+        to_sample: list[tuple[int, Sequence]] = []
+        for row, item in enumerate(scheduled):
+            seq = item.seq
+            if seq.num_computed_tokens == seq.num_cached_tokens:
+                # First chunk since (re)admission: the one moment both counters are equal.
+                self._num_prompt_tokens_admitted += seq.num_tokens
+                self._num_prompt_tokens_cached += seq.num_cached_tokens
+            seq.num_computed_tokens += item.num_new_tokens
+            if seq.num_computed_tokens == seq.num_tokens:  # prompt done or a decode step: sample
+                to_sample.append((row, seq))
+        if to_sample:
+            rows = logits[[row for row, _ in to_sample]]  # (B, V) raw logits
+            seqs = [seq for _, seq in to_sample]
+            tokens = sample(rows, seqs, self.model_config.eos_token_ids)
+            for seq, token, row in zip(seqs, tokens, rows):
+                if seq.params.n > 1 and seq.index == 0 and not seq.output_token_ids:
+                    self._fork_children(seq, row)
+                self._append_token(seq, token, row)
+                touched[seq.request_id] = self.requests[seq.request_id]
+        for request_id in self._aborted_ids:
+            touched[request_id] = self.requests[request_id]
+        self._aborted_ids.clear()
+        outputs = [r.output() for r in touched.values()]
+        for out in outputs:
+            if out.finished:
+                self._log_finished(out)
+                del self.requests[out.request_id]
+        return outputs
+
+    def _fork_children(self, parent: Sequence, row: torch.Tensor) -> None:
+        """n > 1: the other completions share the parent's prompt blocks (ForkOp, copy-on-write)."""
+        request = self.requests[parent.request_id]
+        for index in range(1, parent.params.n):
+            child = self._new_seq(request, index)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.num_cached_tokens = parent.num_cached_tokens
+            child.block_table = list(parent.block_table)
+            self.scheduler.add_fork(parent, child)
+            [token] = sample(row[None], [child], self.model_config.eos_token_ids)
+            self._append_token(child, token, row)
+
+    def _append_token(self, seq: Sequence, token: int, logits_row: torch.Tensor) -> None:
+        seq.output_token_ids.append(token)
+        p = seq.params
+        completion = self.requests[seq.request_id].completions[seq.index]
+        if p.logprobs is not None:
+            completion.logprobs.extend(token_logprobs(logits_row[None], [token], [p.logprobs]))
+        stop_match = completion.detokenizer.add_tokens([token], check_stop=seq.num_output_tokens >= p.min_tokens)
+        reason = None
+        if token in self.model_config.eos_token_ids and not p.ignore_eos and seq.num_output_tokens > p.min_tokens:
+            reason = FinishReason.EOS
+        elif token in p.stop_token_ids and seq.num_output_tokens > p.min_tokens:
+            reason, completion.stop_reason = FinishReason.STOP, token
+        elif stop_match is not None:
+            reason, completion.stop_reason = FinishReason.STOP, stop_match.stop
+        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.model_config.max_position:
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            seq.finish_reason = reason
+            self.scheduler.finish(seq)
+
+    def _log_finished(self, out: RequestOutput) -> None:
+        for c in out.outputs:  # one event per completion (n > 1 has several); no text in logs
+            log.info("finished", request_id=out.request_id, index=c.index, reason=c.finish_reason,
+                     num_prompt_tokens=len(out.prompt_token_ids), num_completion_tokens=len(c.token_ids),
+                     num_cached_tokens=out.num_cached_tokens)

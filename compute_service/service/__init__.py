@@ -1,0 +1,1 @@
+"""The gRPC service around the engine: servicer, server, engine loop thread, protobuf conversion, metrics."""

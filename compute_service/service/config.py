@@ -1,0 +1,52 @@
+"""Typed, validated configuration of the compute service around the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_LISTEN = "127.0.0.1:50052"
+
+
+@dataclass(frozen=True)
+class ComputeServiceConfig:
+    """The gRPC service around the engine (``python -m compute_service``); the engine's own budgets
+    stay in EngineConfig.
+
+    Attributes:
+        model: "default" or a local Hugging Face directory.
+        memory_socket: the memory service's Unix socket (None = its default path).
+        listen: "host:port" or "unix:PATH".
+        served_model_name: the name Info reports (default: the model's).
+        cache_dir: where converted models are cached.
+        max_queued_requests: requests in flight (running or waiting) before RESOURCE_EXHAUSTED.
+        shutdown_grace_s: on SIGTERM, how long running requests may finish before they are aborted.
+        memory_retry_interval_s: pause between attempts to (re)attach to the memory service.
+        memory_ping_interval_s: how often an idle engine checks that the memory service is there.
+        metrics_port / metrics_host: Prometheus endpoint (None = no endpoint).
+    """
+
+    model: str = "default"
+    memory_socket: str | None = None
+    listen: str = DEFAULT_LISTEN
+    served_model_name: str | None = None
+    cache_dir: str | None = None
+    max_queued_requests: int = 256
+    shutdown_grace_s: float = 30.0
+    memory_retry_interval_s: float = 0.5
+    memory_ping_interval_s: float = 1.0
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("model must be 'default' or a model directory, got an empty string")
+        if not self.listen.startswith("unix:") and ":" not in self.listen:
+            raise ValueError(f"listen must be host:port or unix:PATH, got {self.listen!r}")
+        if self.max_queued_requests < 1:
+            raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
+        for name in ("shutdown_grace_s", "memory_retry_interval_s", "memory_ping_interval_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")

@@ -1,0 +1,122 @@
+"""Protobuf <-> core types at the service's edge: the engine never sees a protobuf message.
+
+Unset ``optional`` fields take SamplingParams' defaults (proto3 zeros are not the defaults:
+temperature 1.0, top_p 1.0); validation errors name the field as the wire spells it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedserve.compute.v1 import compute_pb2 as pb
+
+from compute_service.model.model_info import ModelInfo
+from compute_service.engine.outputs import CompletionOutput, RequestOutput
+from compute_service.engine.request import EngineLoad
+from compute_service.engine.sampler import TokenLogprobs
+from compute_service.engine.sampling_params import MAX_LOGPROBS, MAX_N, MAX_STOP_STRINGS, SamplingParams
+
+# Fields copied as they are (proto3 zero = the core default, or "unset" marked by presence).
+_OPTIONAL_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "repetition_penalty", "logprobs")
+_PLAIN_FIELDS = ("top_k", "min_p", "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty")
+
+
+@dataclass(frozen=True)
+class GenerateInput:
+    """A Generate request in core types."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int
+    cache_salt: str
+
+
+def params_from_pb(msg: pb.SamplingParams) -> SamplingParams:
+    """SamplingParams from the wire; raises ValueError naming the bad field (``params.<name>``)."""
+    values: dict = {name: getattr(msg, name) for name in _PLAIN_FIELDS}
+    values.update({name: getattr(msg, name) for name in _OPTIONAL_FIELDS if msg.HasField(name)})
+    values["n"] = msg.n or 1
+    values["stop"] = tuple(msg.stop)
+    values["stop_token_ids"] = tuple(msg.stop_token_ids)
+    try:
+        return SamplingParams(**values)
+    except ValueError as exc:
+        raise ValueError(f"params.{exc}") from None
+
+
+def params_to_pb(params: SamplingParams) -> pb.SamplingParams:
+    msg = pb.SamplingParams(
+        max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+        min_p=params.min_p, stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos,
+        min_tokens=params.min_tokens, repetition_penalty=params.repetition_penalty,
+        presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
+        stop=params.stop, n=params.n,
+    )
+    if params.seed is not None:
+        msg.seed = params.seed
+    if params.logprobs is not None:
+        msg.logprobs = params.logprobs
+    return msg
+
+
+def generate_from_pb(msg: pb.GenerateRequest, default_request_id: str) -> GenerateInput:
+    """The request in core types (model-dependent checks are the engine's ``check_request``)."""
+    return GenerateInput(
+        request_id=msg.request_id or default_request_id,
+        prompt_token_ids=list(msg.prompt_token_ids),
+        params=params_from_pb(msg.params),
+        priority=msg.priority,
+        cache_salt=msg.cache_salt,
+    )
+
+
+def _logprobs_to_pb(lp: TokenLogprobs) -> pb.TokenLogprobs:
+    return pb.TokenLogprobs(token_id=lp.token_id, logprob=lp.logprob, top_token_ids=lp.top_token_ids,
+                            top_logprobs=lp.top_logprobs)
+
+
+def completion_to_pb(request_id: str, c: CompletionOutput) -> pb.GenerateResponse:
+    """One stream message: what completion ``c`` produced since its previous message."""
+    msg = pb.GenerateResponse(
+        request_id=request_id, index=c.index, token_ids=c.new_token_ids, text=c.new_text,
+        logprobs=[_logprobs_to_pb(lp) for lp in c.new_logprobs or ()],
+        finish_reason=c.finish_reason if c.is_new_finish else "",
+    )
+    if c.is_new_finish and isinstance(c.stop_reason, str):
+        msg.stop_string = c.stop_reason
+    elif c.is_new_finish and isinstance(c.stop_reason, int):
+        msg.stop_token_id = c.stop_reason
+    return msg
+
+
+def responses_to_pb(out: RequestOutput) -> list[pb.GenerateResponse]:
+    """The stream messages for one step's output; the request's last one carries usage."""
+    messages = [completion_to_pb(out.request_id, c) for c in out.outputs if c.has_news]
+    if out.finished:
+        if not messages:  # nothing new in the last step (cannot happen today; keep usage anyway)
+            messages.append(pb.GenerateResponse(request_id=out.request_id))
+        messages[-1].usage.CopyFrom(pb.Usage(
+            prompt_tokens=len(out.prompt_token_ids), completion_tokens=out.num_completion_tokens,
+            cached_prompt_tokens=out.num_cached_tokens,
+        ))
+    return messages
+
+
+def load_to_pb(load: EngineLoad, max_queued_requests: int) -> pb.LoadResponse:
+    return pb.LoadResponse(
+        num_running=load.num_running, num_waiting=load.num_waiting, kv_usage=load.kv_usage,
+        prefix_cache_hit_rate=load.prefix_cache_hit_rate, num_pending_tokens=load.num_pending_tokens,
+        max_queued_requests=max_queued_requests,
+    )
+
+
+def info_to_pb(info: ModelInfo, *, block_size: int, num_kv_blocks: int) -> pb.InfoResponse:
+    return pb.InfoResponse(
+        model_name=info.model_name, max_model_len=info.max_model_len, block_size=block_size, dtype=info.dtype,
+        device=info.device, vocab_size=info.vocab_size, eos_token_ids=info.eos_token_ids,
+        bos_token_id=info.bos_token_id, pad_token_id=info.pad_token_id, chat_template=info.chat_template,
+        tokenizer_files=[pb.TokenizerFile(name=f.name, size=len(f.data), sha256=f.sha256) for f in info.tokenizer_files],
+        max_n=MAX_N, max_logprobs=MAX_LOGPROBS, max_stop_strings=MAX_STOP_STRINGS,
+        default_params=params_to_pb(SamplingParams()), num_kv_blocks=num_kv_blocks,
+    )

@@ -1,0 +1,262 @@
+"""The engine in its own thread: requests in and outputs out through thread-safe hand-offs.
+
+The gRPC server is asyncio; the model forward is long, blocking work. So one thread owns the
+``Engine`` (nothing else touches it) and the server talks to it only through ``submit``/``abort``
+(a queue of commands) and per-request sinks (callbacks the thread calls with each step's output;
+the servicer's sink hands it to its event loop with ``call_soon_threadsafe``). With nothing to do,
+the thread sleeps on an event instead of spinning, waking for a command or, every
+``ping_interval_s``, to check that the memory service is still there.
+
+Losing the memory service (an RPC fails with UNAVAILABLE, or the service no longer knows our
+lease) ends every request in flight with ``EngineUnavailable``, reports "not ready", and retries
+attaching until the service is back: a new lease, a new pool mapping, a new engine around the same
+model. Any other failure of a step is a bug: it is logged with its traceback, the requests in
+flight end with ``EngineFailed``, and the engine is rebuilt the same way (its state is suspect).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from pagedserve.errors import AlreadyExistsError, UnavailableError
+from pagedserve.log import get_logger
+
+from memory_service.api import MemoryServiceUnavailable
+
+from compute_service.engine.engine import Engine
+from compute_service.engine.outputs import RequestOutput
+from compute_service.engine.request import EngineLoad
+from compute_service.engine.sampling_params import SamplingParams
+
+log = get_logger("engine_loop")
+
+# Status codes from the memory service that mean "it is gone, or it no longer knows us".
+_LOST_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION,
+               grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+
+
+# How often a loop whose requests all wait for blocks (held by other clients) asks again.
+WAITING_POLL_S = 0.01
+
+
+class EngineUnavailable(UnavailableError):
+    """The memory service is unreachable: the request cannot run (now)."""
+
+
+class EngineFailed(Exception):
+    """The engine hit a bug while running this request (logged with its traceback)."""
+
+
+Sink = Callable[[RequestOutput | Exception], None]
+
+
+@dataclass
+class LoopTotals:
+    """Counters since the service started (they survive re-attaching), for metrics."""
+
+    num_steps: int = 0
+    num_generated_tokens: int = 0
+    num_finished_requests: int = 0
+
+
+@dataclass(frozen=True)
+class AddCommand:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int
+    cache_salt: str
+    sink: Sink
+
+
+@dataclass(frozen=True)
+class AbortCommand:
+    request_id: str
+
+
+def _is_unreachable(exc: BaseException) -> bool:
+    """Nobody answers (as opposed to a service that answers but refuses)."""
+    if isinstance(exc, UnavailableError):
+        return True
+    return isinstance(exc, grpc.RpcError) and exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+def _is_memory_lost(exc: BaseException) -> bool:
+    if isinstance(exc, UnavailableError):  # the memory client's own word for it
+        return True
+    return isinstance(exc, grpc.RpcError) and exc.code() in _LOST_CODES
+
+
+class EngineLoop:
+    """Owns an Engine in a thread of its own.
+
+    Args:
+        attach: builds a fresh Engine attached to the memory service (raises when unreachable).
+        on_ready: called from the loop thread with True once attached, False when the memory
+            service is lost (the server's health follows it).
+        retry_interval_s: pause between attach attempts.
+        ping_interval_s: how often an idle loop checks the memory service.
+    """
+
+    def __init__(self, attach: Callable[[], Engine], on_ready: Callable[[bool], None], *,
+                 retry_interval_s: float = 0.5, ping_interval_s: float = 1.0) -> None:
+        self._attach = attach
+        self._on_ready = on_ready
+        self.retry_interval_s = retry_interval_s
+        self.ping_interval_s = ping_interval_s
+        self._commands: queue.SimpleQueue[AddCommand | AbortCommand] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._sinks: dict[str, Sink] = {}  # loop thread only
+        self.engine: Engine | None = None  # loop thread only (tests may read it when idle)
+        self.load = EngineLoad(0, 0, 0.0, 0.0, 0)  # replaced (never mutated) after each step
+        self.totals = LoopTotals()  # written by the loop thread only
+        self._is_warm = False
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    # --- called from other threads ---------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, command: AddCommand) -> None:
+        """Queue a request; its outputs (or an exception) go to ``command.sink``."""
+        self._commands.put(command)
+        self._wake.set()
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request if it is still running (its blocks are freed by the next step)."""
+        self._commands.put(AbortCommand(request_id))
+        self._wake.set()
+
+    def stop(self, timeout: float | None = 30.0) -> None:
+        """Stop the thread (requests still running end with EngineUnavailable) and detach."""
+        self._stopping.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # --- the loop thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            engine = self._attach_until_ready()
+            if engine is None:
+                break
+            try:
+                self._serve(engine)
+            except Exception as exc:  # noqa: BLE001 - re-raised as each request's error, never dropped
+                if _is_memory_lost(exc):
+                    log.warning("memory_service_lost", error=str(exc))
+                    self._fail_all(EngineUnavailable(f"memory service unavailable: {exc}"))
+                else:
+                    log.exception("engine_step_failed")
+                    self._fail_all(EngineFailed(f"engine failure: {exc!r}"))
+                self._on_ready(False)
+            finally:
+                self.engine = None
+                engine.memory.close()  # releases the lease (or notices it is already gone)
+        self._fail_all(EngineUnavailable("the compute service is shutting down"))
+
+    def _attach_until_ready(self) -> Engine | None:
+        last_error = ""
+        while not self._stopping.is_set():
+            try:
+                engine = self._attach()
+                try:
+                    self._warm_up(engine)
+                except BaseException:
+                    engine.memory.close()
+                    raise
+            except Exception as exc:  # noqa: BLE001 - unreachable memory service: retry until it is back
+                # A service that is down is expected (debug); one that refuses us (a layout or block
+                # size that differs from its pool) needs an operator: warn, once per distinct error.
+                level = log.debug if _is_unreachable(exc) else log.warning
+                if str(exc) != last_error:
+                    level("memory_service_attach_failed", error=str(exc))
+                    last_error = str(exc)
+                self._drain_commands(None)
+                self._wake.wait(self.retry_interval_s)
+                self._wake.clear()
+                continue
+            self.engine = engine
+            self.load = engine.load()
+            log.info("engine_attached", client_id=engine.memory.client_id, num_blocks=engine.memory.num_blocks)
+            self._on_ready(True)
+            return engine
+        return None
+
+    def _warm_up(self, engine: Engine) -> None:
+        """A one-token request before the first SERVING: the first forward loads the CPU kernels
+        (10-20 s on a busy machine), and no client's first request should wait for that."""
+        if self._is_warm:
+            return
+        engine.add_request("warm-up", [0], SamplingParams(max_tokens=1, temperature=0.0))
+        while engine.has_unfinished():
+            engine.step()
+        self._is_warm = True
+
+    def _serve(self, engine: Engine) -> None:
+        while not self._stopping.is_set():
+            self._wake.clear()
+            self._drain_commands(engine)
+            if not engine.has_unfinished():
+                if not self._wake.wait(self.ping_interval_s):
+                    self._check_memory(engine)  # idle: notice a lost memory service without a request
+                continue
+            num_steps = engine.num_steps
+            outputs = engine.step()
+            if not outputs and engine.num_steps == num_steps:
+                self._wake.wait(WAITING_POLL_S)  # requests wait for blocks: poll, do not spin
+            self.load = engine.load()  # before the outputs: a client that saw them sees this load
+            for out in outputs:
+                sink = self._sinks.pop(out.request_id) if out.finished else self._sinks.get(out.request_id)
+                if sink is not None:
+                    sink(out)
+            self.totals.num_steps += 1
+            self.totals.num_generated_tokens += sum(len(c.new_token_ids) for o in outputs for c in o.outputs)
+            self.totals.num_finished_requests += sum(o.finished for o in outputs)
+
+    @staticmethod
+    def _check_memory(engine: Engine) -> None:
+        """Raise MemoryServiceUnavailable if the memory service is gone or forgot our lease."""
+        if not engine.memory.is_connected:  # its KeepAlive stream failed, or the lease is lost
+            raise MemoryServiceUnavailable("memory service: the KeepAlive stream is down or the lease is lost")
+        engine.memory.ping()
+
+    def _drain_commands(self, engine: Engine | None) -> None:
+        """Apply queued commands; with no engine (detached), requests fail at once."""
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, AbortCommand):
+                if engine is not None:
+                    engine.abort(command.request_id)
+                continue
+            if engine is None:
+                command.sink(EngineUnavailable("memory service unavailable"))
+                continue
+            if command.request_id in engine.requests:  # the aborted namesake is not freed yet
+                command.sink(AlreadyExistsError(f"request_id {command.request_id!r} is already running"))
+                continue
+            try:
+                engine.add_request(command.request_id, command.prompt_token_ids, command.params,
+                                   priority=command.priority, cache_salt=command.cache_salt)
+            except ValueError as exc:  # checked by the servicer already; reported, not dropped
+                command.sink(exc)
+                continue
+            self._sinks[command.request_id] = command.sink
+
+    def _fail_all(self, exc: Exception) -> None:
+        sinks, self._sinks = self._sinks, {}
+        for sink in sinks.values():
+            sink(exc)
+        self._drain_commands(None)
+        self.load = EngineLoad(0, 0, 0.0, 0.0, 0)

@@ -1,0 +1,42 @@
+"""Prometheus metrics of the compute service, read from the engine loop's snapshot at scrape time."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from compute_service.service.engine_loop import EngineLoop
+from compute_service.service.servicer import ComputeServicer
+
+
+class ComputeCollector(Collector):
+    """``pagedserve_compute_*``: the Load RPC's figures, open streams, and totals since start."""
+
+    def __init__(self, loop: EngineLoop, servicer: ComputeServicer) -> None:
+        self._loop = loop
+        self._servicer = servicer
+
+    def collect(self) -> Iterator:
+        load, totals = self._loop.load, self._loop.totals
+        yield GaugeMetricFamily("pagedserve_compute_ready", "1 when attached to the memory service and serving",
+                                value=float(self._servicer.is_ready and not self._servicer.is_draining))
+        yield GaugeMetricFamily("pagedserve_compute_streams", "Open Generate streams", value=self._servicer.num_streams)
+        yield GaugeMetricFamily("pagedserve_compute_requests_running", "Requests generating", value=load.num_running)
+        yield GaugeMetricFamily("pagedserve_compute_requests_waiting", "Requests queued", value=load.num_waiting)
+        yield GaugeMetricFamily("pagedserve_compute_kv_usage", "Share of KV blocks in use", value=load.kv_usage)
+        yield GaugeMetricFamily("pagedserve_compute_pending_tokens", "Tokens still to compute", value=load.num_pending_tokens)
+        yield GaugeMetricFamily("pagedserve_compute_prefix_cache_hit_rate", "Prompt tokens served from cache / admitted",
+                                value=load.prefix_cache_hit_rate)
+        yield CounterMetricFamily("pagedserve_compute_generated_tokens", "Tokens generated", value=totals.num_generated_tokens)
+        yield CounterMetricFamily("pagedserve_compute_finished_requests", "Requests finished (any reason)",
+                                  value=totals.num_finished_requests)
+        yield CounterMetricFamily("pagedserve_compute_steps", "Engine steps", value=totals.num_steps)
+
+
+def start_metrics_server(host: str, port: int, loop: EngineLoop, servicer: ComputeServicer) -> None:
+    registry = CollectorRegistry()
+    registry.register(ComputeCollector(loop, servicer))
+    start_http_server(port, addr=host, registry=registry)

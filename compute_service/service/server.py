@@ -1,0 +1,143 @@
+"""Run the compute service: a grpc.aio server in front of the engine loop thread.
+
+Life cycle:
+1. The server starts at once, NOT_SERVING (a probe gets an answer while the model loads).
+2. The model loads in a worker thread; the engine loop thread then attaches to the memory service
+   (retrying until it answers) and the health turns SERVING.
+3. Memory service lost: NOT_SERVING, requests in flight end UNAVAILABLE, the loop re-attaches by
+   itself (new lease, new pool mapping) and the health turns SERVING again.
+4. SIGTERM/SIGINT: NOT_SERVING for good, new requests UNAVAILABLE, running ones get
+   ``shutdown_grace_s`` to finish (then they are cancelled), the loop detaches (lease released).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Callable
+from pathlib import Path
+
+from grpc_health.v1 import health_pb2
+
+from pagedserve import rpc, sockets
+from pagedserve.compute.v1 import compute_pb2, compute_pb2_grpc
+from pagedserve.dtypes import dtype_name
+from pagedserve.errors import UnavailableError
+from pagedserve.log import get_logger
+from pagedserve.process import check_health
+
+from memory_service.api import KvLayout, MemoryClient
+
+from compute_service.engine.config import EngineConfig
+
+from compute_service.service.config import ComputeServiceConfig
+from compute_service.engine.engine import Engine
+from compute_service.service.engine_loop import EngineLoop
+from compute_service.model.model_info import model_info
+from compute_service.model.model_loader import LoadedModel, load_model
+from compute_service.service.servicer import ComputeServicer
+
+log = get_logger("compute_service")
+
+SERVICE_NAME = compute_pb2.DESCRIPTOR.services_by_name["Compute"].full_name
+
+
+def memory_target(config: ComputeServiceConfig) -> str:
+    return f"unix:{config.memory_socket or sockets.default_socket_path()}"
+
+
+def make_attach(loaded: LoadedModel, target: str, engine_config: EngineConfig,
+                timeout_s: float) -> Callable[[], Engine]:
+    """The engine loop's way to (re)attach: a fresh lease, pool mapping and Engine per call."""
+    layout = KvLayout(
+        num_layers=loaded.config.num_layers, num_kv_heads=loaded.config.num_kv_heads,
+        head_dim=loaded.config.head_dim, dtype=dtype_name(loaded.model.dtype),
+        block_size=engine_config.block_size,
+    )
+
+    def attach() -> Engine:
+        # Probe first (the probe closes its channel): a dead service costs no half-open client.
+        if check_health(target, timeout_s=max(timeout_s, 0.2)) != health_pb2.HealthCheckResponse.SERVING:
+            raise UnavailableError(f"memory service at {target} is not serving")
+        memory = MemoryClient(target, layout, client_name="compute", connect_timeout_s=max(timeout_s, 1.0))
+        try:
+            return Engine(loaded.model, loaded.config, loaded.tokenizer, memory, engine_config)
+        except BaseException:
+            memory.close()
+            raise
+
+    return attach
+
+
+async def serve(config: ComputeServiceConfig, engine_config: EngineConfig) -> int:
+    """Serve until SIGTERM/SIGINT; returns the exit status."""
+    event_loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        event_loop.add_signal_handler(sig, stop.set)
+
+    servicer = ComputeServicer(config, engine_config)
+    server, health = rpc.create_aio_server(
+        [lambda s: compute_pb2_grpc.add_ComputeServicer_to_server(servicer, s)], [SERVICE_NAME], serving=False
+    )
+    address = sockets.bind(server, config.listen)
+    await server.start()
+    sockets.secure_socket(address)
+    print(f"compute service listening on {address}", flush=True)
+    log.info("compute_service_started", address=address, model=config.model)
+
+    loading = asyncio.ensure_future(asyncio.to_thread(
+        load_model, config.model, cache_dir=Path(config.cache_dir) if config.cache_dir else None,
+        device=engine_config.device, dtype=engine_config.dtype,
+    ))
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([loading, stopping], return_when=asyncio.FIRST_COMPLETED)
+    if stop.is_set():
+        await server.stop(0)
+        _remove_socket(address)
+        return 0
+    loaded = loading.result()
+
+    async def set_ready(ready: bool) -> None:
+        servicer.is_ready = ready
+        if not servicer.is_draining:
+            await health.set_serving(ready)
+        log.info("compute_service_ready" if ready else "compute_service_not_ready")
+
+    def on_ready(ready: bool) -> None:  # engine thread
+        asyncio.run_coroutine_threadsafe(set_ready(ready), event_loop)
+
+    loop = EngineLoop(
+        make_attach(loaded, memory_target(config), engine_config, config.memory_retry_interval_s),
+        on_ready, retry_interval_s=config.memory_retry_interval_s, ping_interval_s=config.memory_ping_interval_s,
+    )
+    servicer.start(loop, model_info(loaded, config.served_model_name))
+    loop.start()
+    if config.metrics_port is not None:
+        from compute_service.service.metrics import start_metrics_server
+
+        start_metrics_server(config.metrics_host, config.metrics_port, loop, servicer)
+
+    await stopping
+    await drain(servicer, health, config.shutdown_grace_s)
+    await server.stop(1.0)  # streams still open are cancelled: their requests are aborted
+    await asyncio.to_thread(loop.stop)  # detaches: the memory service frees what is left
+    _remove_socket(address)
+    log.info("compute_service_stopped")
+    return 0
+
+
+async def drain(servicer: ComputeServicer, health: rpc.AioHealth, grace_s: float) -> None:
+    """Stop taking requests and give the running ones up to ``grace_s`` to finish."""
+    servicer.is_draining = True
+    await health.shut_down()
+    log.info("compute_service_draining", num_streams=servicer.num_streams, grace_s=grace_s)
+    deadline = asyncio.get_running_loop().time() + grace_s
+    while servicer.num_streams and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.05)
+
+
+def _remove_socket(address: str) -> None:
+    """A stopped server leaves its Unix socket file behind: remove it."""
+    if address.startswith("unix:"):
+        Path(address.removeprefix("unix:")).unlink(missing_ok=True)

@@ -1,0 +1,317 @@
+"""Block manager: which KV blocks each sequence holds (docs/design.md, "Block manager").
+
+Pure Python and single-threaded (the servicer holds a lock around every call). The sequences,
+their owners and the ops live here; the state of each block in ``block_pool``, the content index
+of full blocks in ``prefix_cache``, the checks of a batch in ``op_validation``.
+
+Ordering rules (tests assert exact block ids against them), on top of ``block_pool``'s:
+
+- A freed sequence releases its blocks tail first: its head is handed out again first, and its
+  tail is evicted first.
+- A FreeOp of a sequence that an earlier op of the same batch allocated or appended to releases its
+  blocks after the batch's last op (in FreeOp order): the K/V of those tokens is written after the
+  batch, so its blocks must not serve a later op of the batch.
+- Copy-on-write takes its destination before the blocks that the same AppendOp appends.
+- ``release_client`` frees the client's sequences in creation order.
+
+Commit before share: blocks that fill in a client's batch are registered in the prefix cache as
+*pending* (``prefix_cache``): that client's later ops may share them at once, other clients only
+once the client's next batch (or ``commit``) acknowledges that their K/V is written. A client that
+frees such a sequence in the same batch, or is released, never publishes them: their entries are
+dropped and the blocks go back to the free list, not to the cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from memory_service.manager import manager_checks
+from memory_service.manager.block_pool import BlockPool
+from memory_service.manager.block_types import (
+    AllocateOp,
+    AppendOp,
+    BlockManagerConfig,
+    BlockManagerStats,
+    ForkOp,
+    FreeOp,
+    Op,
+    OpResult,
+    PoolStats,
+)
+from memory_service.manager.op_apply import BatchState, OpApplier, SequenceState
+from memory_service.manager.op_validation import OpValidator
+from memory_service.manager.prefix_cache import PrefixCache
+
+__all__ = [
+    "AllocateOp",
+    "AppendOp",
+    "BlockManager",
+    "BlockManagerConfig",
+    "BlockManagerStats",
+    "ForkOp",
+    "FreeOp",
+    "Op",
+    "OpResult",
+    "PoolStats",
+]
+
+
+class BlockManager:
+    """Allocates, shares, caches and frees the blocks of a paged KV pool.
+
+    Out of blocks is a normal result (``OpResult.ok == False``, and that op changed nothing); bad
+    input raises ``ValueError`` and changes nothing; a broken invariant raises ``AssertionError``.
+    Sequence ids are per client: two clients may use the same id for different sequences.
+
+    Args:
+        config: pool geometry and policies.
+        copy_block: ``copy_block(src, dst)`` copies a block's bytes in the pool, in every layer
+            (copy-on-write). None when there are no bytes to copy (tests, benchmarks); copies are
+            reported all the same.
+    """
+
+    def __init__(self, config: BlockManagerConfig, copy_block: Callable[[int, int], None] | None = None) -> None:
+        self.config = config
+        self._block_size = config.block_size
+        self._prefix_cache = PrefixCache(config.num_blocks, config.block_size) if config.enable_prefix_caching else None
+        self._pool = BlockPool(config.num_blocks, config.num_general_blocks, self._prefix_cache)
+        # client_id -> its live sequences, in creation order (release frees them in that order).
+        self._client_seqs: dict[str, dict[str, SequenceState]] = {}
+        self._pending: dict[str, dict[int, None]] = {}  # client_id -> its uncommitted cache blocks
+        self._validator = OpValidator(config.num_blocks * config.block_size, self._client_seqs)
+        self._applier = OpApplier(
+            self._pool, self._prefix_cache, config.block_size, config.reserved_min_priority, copy_block
+        )
+
+    # --- clients ----------------------------------------------------------------------------
+
+    def add_client(self, client_id: str) -> None:
+        """Registers a client (a lease) that may own sequences.
+
+        Args:
+            client_id: a new, non-empty id.
+        """
+        if type(client_id) is not str or not client_id:
+            raise ValueError(f"client_id must be a non-empty string, got {client_id!r}")
+        if client_id in self._client_seqs:
+            raise ValueError(f"client_id {client_id!r} is already attached")
+        self._client_seqs[client_id] = {}
+        self._pending[client_id] = {}
+
+    def release_client(self, client_id: str) -> int:
+        """Ends a client's lease: frees all its sequences and forgets it.
+
+        Committed cached blocks stay cached; blocks it never committed are dropped from the cache
+        (their K/V may never have been written).
+
+        Args:
+            client_id: an attached client.
+
+        Returns:
+            The number of sequences freed.
+        """
+        seqs = self._client_seqs.get(client_id)
+        if seqs is None:
+            raise ValueError(f"client_id {client_id!r} is not attached")
+        for block_id in self._pending.pop(client_id):
+            self._prefix_cache.unregister(block_id)
+        num_freed = len(seqs)
+        for seq_id in list(seqs):
+            self._applier.free_sequence(seqs, seq_id)
+        del self._client_seqs[client_id]
+        return num_freed
+
+    def commit(self, client_id: str) -> None:
+        """Publishes the blocks a client filled so far: their K/V is written, other clients may share them.
+
+        Every ``apply`` of the client commits its earlier batches first; this is for a client that
+        has nothing more to send.
+
+        Args:
+            client_id: an attached client.
+        """
+        pending = self._pending.get(client_id)
+        if pending is None:
+            raise ValueError(f"client_id {client_id!r} is not attached")
+        if pending:
+            self._prefix_cache.commit(pending)
+            pending.clear()
+
+    def has_client(self, client_id: str) -> bool:
+        """Tells whether a client is attached.
+
+        Args:
+            client_id: any id.
+
+        Returns:
+            True between ``add_client`` and ``release_client``.
+        """
+        return client_id in self._client_seqs
+
+    def has_sequence(self, client_id: str, seq_id: str) -> bool:
+        """Tells whether a client has a live sequence of this id.
+
+        Args:
+            client_id: any id.
+            seq_id: any id.
+
+        Returns:
+            True between its AllocateOp or ForkOp and its FreeOp (or its client's release).
+        """
+        return seq_id in self._client_seqs.get(client_id, ())
+
+    # --- ops ----------------------------------------------------------------------------------
+
+    def apply(self, client_id: str, ops: Sequence[Op]) -> list[OpResult]:
+        """Applies a batch of ops of one client (one scheduler step), in order.
+
+        All ops are validated first, against the state as the earlier ops would leave it; a bad one
+        raises ``ValueError`` and nothing is applied. A valid batch first commits the client's
+        earlier batches (it acknowledges that their K/V is written). Then each op applies
+        atomically: one that finds too few blocks returns ``ok=False`` having changed nothing, and
+        the others still apply. Ops on a sequence whose AllocateOp failed earlier in the batch (or
+        a fork of it) fail the same way. A sequence forked after its AllocateOp/AppendOp in the
+        batch takes no more AppendOps in that batch, nor does its child (see ``OpValidator``). A
+        sequence freed after its AllocateOp/AppendOp in the batch keeps its blocks until the batch
+        ends: the K/V of its new tokens is written after the batch all the same, and would
+        overwrite whatever a later op put in them (a copy-on-write destination is copied when its
+        op applies); the blocks it filled in the batch are never published.
+
+        Args:
+            client_id: an attached client.
+            ops: AllocateOp, AppendOp, FreeOp and ForkOp, in any mix.
+
+        Returns:
+            One result per op, in order.
+        """
+        encoded_token_ids, late_free_indices = self._validator.validate(client_id, ops)
+        self.commit(client_id)
+        batch = BatchState(client_id, self._client_seqs[client_id], self._pending[client_id], late_free_indices)
+        return self._applier.apply(batch, ops, encoded_token_ids)
+
+    def allocate(self, client_id: str, op: AllocateOp) -> OpResult:
+        """Creates a sequence: shares its cached prefix, then takes blocks for its next tokens.
+
+        The prefix match takes full cached blocks only (committed ones, or this client's own) and
+        always leaves at least one prompt token to compute (the model must run the last prompt
+        token to sample), so it covers at most ``(len(prompt) - 1) // block_size`` blocks. New
+        blocks then cover ``min(len(prompt) - num_cached_tokens, max_num_new_tokens)`` more tokens;
+        the ones that are full get registered in the prefix cache, pending.
+
+        Args:
+            client_id: the owner.
+            op: the allocation.
+
+        Returns:
+            ``block_ids`` = the whole table, ``num_cached_tokens``, ``num_new_tokens``; or ``ok=False``.
+        """
+        return self._apply_one(client_id, op, AllocateOp)
+
+    def append(self, client_id: str, op: AppendOp) -> OpResult:
+        """Grows a sequence by tokens whose K/V is written in this step.
+
+        Takes blocks as needed. When the last block is partially filled and shared (after a fork),
+        this sequence first gets a copy of it (copy-on-write), since the new tokens go into it.
+        Blocks that become full get registered in the prefix cache, pending.
+
+        Args:
+            client_id: the owner.
+            op: the sequence and its new tokens.
+
+        Returns:
+            ``block_ids`` = the blocks appended to the table, ``copies`` = ``[(src, dst)]`` when a
+            copy replaced the last block; or ``ok=False``.
+        """
+        return self._apply_one(client_id, op, AppendOp)
+
+    def free(self, client_id: str, op: FreeOp) -> OpResult:
+        """Ends a sequence. Its blocks lose a reference; unreferenced ones that hold a cache key become
+        evictable (LRU, tail first), the others free.
+
+        Args:
+            client_id: the owner.
+            op: the sequence.
+
+        Returns:
+            ``block_ids`` = the table the sequence held.
+        """
+        return self._apply_one(client_id, op, FreeOp)
+
+    def fork(self, client_id: str, op: ForkOp) -> OpResult:
+        """Creates a child sequence sharing every block of its parent (no copy until one appends).
+
+        Args:
+            client_id: the owner of the parent, and of the child.
+            op: parent and child ids.
+
+        Returns:
+            ``block_ids`` = the child's table.
+        """
+        return self._apply_one(client_id, op, ForkOp)
+
+    def block_table(self, client_id: str, seq_id: str) -> list[int]:
+        """Returns a copy of a live sequence's block table.
+
+        Args:
+            client_id: the owner.
+            seq_id: a live sequence of that client.
+
+        Returns:
+            Block ids; token ``p`` lives in block ``table[p // block_size]``.
+        """
+        seq = self._client_seqs.get(client_id, {}).get(seq_id)
+        if seq is None:
+            raise ValueError(f"seq_id {seq_id!r} is not a live sequence of this client")
+        return list(seq.block_table)
+
+    def ref_count(self, block_id: int) -> int:
+        """Tells how many block tables hold a block.
+
+        Args:
+            block_id: a block id in ``[0, num_blocks)``.
+
+        Returns:
+            The block's reference count; 0 when it is free or evictable.
+        """
+        if type(block_id) is not int or not 0 <= block_id < self.config.num_blocks:
+            raise ValueError(f"block_id must be an int in [0, {self.config.num_blocks}), got {block_id!r}")
+        return self._pool.ref_counts[block_id]
+
+    def num_available_blocks(self) -> tuple[int, int]:
+        """Tells how many blocks allocation can still take, per pool: free plus evictable cached ones.
+
+        Returns:
+            (general pool, reserved pool); O(1), cheap enough to answer every step.
+        """
+        return self._pool.num_available_blocks()
+
+    def _apply_one(self, client_id: str, op: Op, op_type: type) -> OpResult:
+        if type(op) is not op_type:
+            raise ValueError(f"expected an {op_type.__name__}, got {type(op).__name__}")
+        return self.apply(client_id, (op,))[0]
+
+    # --- observability ------------------------------------------------------------------------
+
+    def stats(self) -> BlockManagerStats:
+        """Returns a snapshot: block counts per pool, utilization, prefix-cache and event counters.
+
+        Returns:
+            The stats; O(blocks in use), not for the hot path.
+        """
+        return manager_checks.collect_stats(self._client_seqs, self._pool, self._applier, self._block_size)
+
+    def check_integrity(self) -> None:
+        """Checks every invariant; O(pool size), for tests and debugging.
+
+        Checked: each block is free, cached or used; per pool ``free + cached + used == total``;
+        refcount == number of block tables holding the block; free blocks have no cache key,
+        evictable ones have one; the prefix cache's keys are unique and consistent; each table
+        fits its sequence's token count; a pending block is referenced, and listed by exactly the client
+        that owns it.
+
+        Raises:
+            AssertionError: naming the first broken invariant (a bug, never bad input).
+        """
+        manager_checks.check_integrity(
+            self._client_seqs, self._pending, self._pool, self._prefix_cache, self._block_size
+        )

@@ -1,0 +1,271 @@
+"""Applying a validated batch of ops: how each op changes a sequence's blocks.
+
+``op_validation`` checks a batch; ``OpApplier`` applies it, one op at a time, against the block
+pool and the prefix cache; ``block_manager`` owns the clients and their sequences and calls both.
+The ordering rules that tests assert (which block ids an op gets) are in ``block_manager``'s and
+``block_pool``'s docstrings.
+
+The hot path of the service: each op's applier is one flat method (no helper calls on the common
+path: in CPython a call costs as much as several lines), and what the pool and the cache keep per
+block is read through plain lists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from memory_service.manager.block_pool import BlockPool
+from memory_service.manager.block_types import AllocateOp, AppendOp, ForkOp, FreeOp, Op, OpResult
+from memory_service.manager.prefix_cache import ROOT_ENTRY_ID, PrefixCache, namespace_key
+from memory_service.token_encoding import TOKEN_WIDTH
+
+
+@dataclass(slots=True)
+class SequenceState:
+    """Book-keeping of one live sequence."""
+
+    block_table: list[int]  # len == ceil(num_tokens / block_size)
+    num_tokens: int
+    may_use_reserved: bool
+    ns_key: bytes  # prefix_cache.namespace_key of its namespace (b"" without prefix caching)
+    # With prefix caching: the (encoded) tokens of the last block while it is partially filled, to
+    # key it once it fills; and the cache entry id of the content of the last full block.
+    partial_token_bytes: bytes
+    last_entry_id: int
+
+
+@dataclass(slots=True)
+class BatchState:
+    """One client's batch while it applies."""
+
+    client_id: str
+    seqs: dict[str, SequenceState]  # the client's live sequences
+    pending: dict[int, None]  # the client's blocks registered but not committed (ordered set)
+    late_free_indices: set[int]
+    failed_seq_ids: set[str] = field(default_factory=set)  # their AllocateOp (or their parent's) failed
+    late_block_tables: list[list[int]] = field(default_factory=list)  # freed with tokens this batch writes
+
+
+class OpApplier:
+    """Applies validated ops to the pool and the prefix cache; counts cache queries and copies.
+
+    Args:
+        pool: the block pool (refcounts, free lists, LRUs).
+        prefix_cache: the content index of full blocks (None: prefix caching disabled).
+        block_size: tokens per block.
+        reserved_min_priority: lowest AllocateOp priority that may use the reserved pool.
+        copy_block: ``copy_block(src, dst)`` copies a block's bytes (copy-on-write), or None.
+    """
+
+    def __init__(
+        self,
+        pool: BlockPool,
+        prefix_cache: PrefixCache | None,
+        block_size: int,
+        reserved_min_priority: int,
+        copy_block: Callable[[int, int], None] | None,
+    ) -> None:
+        self._pool = pool
+        self._ref_counts = pool.ref_counts  # the pool's own list: read here, changed only by the pool
+        self._prefix_cache = prefix_cache
+        self._block_size = block_size
+        self._reserved_min_priority = reserved_min_priority
+        self._copy_block = copy_block
+        self._appliers: dict[type, Callable[[BatchState, int, Op, bytes | None], OpResult]] = {
+            AppendOp: self._append,
+            AllocateOp: self._allocate,
+            FreeOp: self._free,
+            ForkOp: self._fork,
+        }
+        self.num_prefix_cache_queries = 0
+        self.num_prefix_cache_hits = 0
+        self.num_copy_on_writes = 0
+
+    def apply(self, batch: BatchState, ops: Sequence[Op], encoded_token_ids: list[bytes | None]) -> list[OpResult]:
+        """Applies a validated batch in order, then releases the blocks of its late FreeOps.
+
+        Args:
+            batch: the client's state for this batch.
+            ops: the ops, validated.
+            encoded_token_ids: per op, what the validation encoded (tokens, or None).
+
+        Returns:
+            One result per op.
+        """
+        appliers = self._appliers
+        results: list[OpResult] = []
+        try:
+            for index, (op, token_bytes) in enumerate(zip(ops, encoded_token_ids)):
+                results.append(appliers[type(op)](batch, index, op, token_bytes))
+        finally:  # also when copy_block raised: the freed sequences are gone, their blocks must not leak
+            for block_table in batch.late_block_tables:
+                self._pool.release(reversed(block_table))
+        return results
+
+    def free_sequence(self, seqs: dict[str, SequenceState], seq_id: str) -> None:
+        """Forgets a sequence; its blocks lose their reference, tail first.
+
+        Tail first: the tail becomes older in the LRU than the head, and the head ends up on top of
+        the free stack.
+        """
+        self._pool.release(reversed(seqs.pop(seq_id).block_table))
+
+    # --- one applier per op type (validated ops; token_bytes as encoded by the validation) ----
+
+    def _allocate(self, batch: BatchState, index: int, op: AllocateOp, prompt_bytes: bytes) -> OpResult:
+        block_size = self._block_size
+        num_prompt_tokens = len(prompt_bytes) // TOKEN_WIDTH
+        may_use_reserved = op.priority >= self._reserved_min_priority
+        cache = self._prefix_cache
+        if cache is not None:
+            ns_key = namespace_key(op.namespace)
+            block_table, parent_entry_id = cache.match(
+                prompt_bytes, ns_key, (num_prompt_tokens - 1) // block_size, batch.client_id
+            )
+        else:
+            ns_key, block_table, parent_entry_id = b"", [], ROOT_ENTRY_ID
+        num_cached_blocks = len(block_table)
+        num_cached_tokens = num_cached_blocks * block_size
+        num_new_tokens = min(num_prompt_tokens - num_cached_tokens, op.max_num_new_tokens)
+        num_tokens = num_cached_tokens + num_new_tokens
+        num_new_blocks = -(-num_tokens // block_size) - num_cached_blocks
+
+        pool = self._pool
+        if num_new_blocks > pool.num_available(may_use_reserved, sharing=block_table):
+            batch.failed_seq_ids.add(op.seq_id)
+            return OpResult(False, [])
+        batch.failed_seq_ids.discard(op.seq_id)
+        pool.share(block_table)
+        block_table += pool.take(num_new_blocks, may_use_reserved)
+        partial_token_bytes = b""
+        if cache is not None:
+            num_full_blocks = num_tokens // block_size
+            if num_full_blocks > num_cached_blocks:
+                parent_entry_id = cache.register(
+                    block_table[num_cached_blocks:num_full_blocks],
+                    prompt_bytes,
+                    num_cached_tokens,
+                    ns_key,
+                    parent_entry_id,
+                    batch.client_id,
+                    batch.pending,
+                )
+            partial_token_bytes = prompt_bytes[num_full_blocks * block_size * TOKEN_WIDTH : num_tokens * TOKEN_WIDTH]
+            self.num_prefix_cache_queries += num_prompt_tokens
+            self.num_prefix_cache_hits += num_cached_tokens
+        batch.seqs[op.seq_id] = SequenceState(
+            block_table, num_tokens, may_use_reserved, ns_key, partial_token_bytes, parent_entry_id
+        )
+        return OpResult(True, list(block_table), num_cached_tokens, num_new_tokens)
+
+    def _append(self, batch: BatchState, index: int, op: AppendOp, token_bytes: bytes) -> OpResult:
+        failed = batch.failed_seq_ids
+        if failed and op.seq_id in failed:
+            return OpResult(False, [])
+        seq = batch.seqs[op.seq_id]
+        block_size = self._block_size
+        block_table = seq.block_table
+        num_tokens = seq.num_tokens
+        new_num_tokens = num_tokens + len(token_bytes) // TOKEN_WIDTH
+        num_new_blocks = -(-new_num_tokens // block_size) - len(block_table)
+        copies: list[tuple[int, int]] = []
+        if num_tokens % block_size and self._ref_counts[block_table[-1]] > 1:
+            # A partially filled last block shared with a fork would receive this sequence's tokens
+            # under the other sequence's feet: give this sequence its own copy first.
+            copied = self._copy_on_write(seq, num_new_blocks)
+            if copied is None:
+                return OpResult(False, [])
+            copy, new_block_ids = copied
+            copies.append(copy)
+        elif num_new_blocks:
+            pool = self._pool
+            if num_new_blocks > pool.num_available(seq.may_use_reserved):
+                return OpResult(False, [])
+            new_block_ids = pool.take(num_new_blocks, seq.may_use_reserved)
+            block_table += new_block_ids
+        else:  # the common decode step: the token fits in the last block
+            new_block_ids = []
+        seq.num_tokens = new_num_tokens
+        cache = self._prefix_cache
+        if cache is not None:
+            partial_token_bytes = seq.partial_token_bytes + token_bytes
+            num_filled = len(partial_token_bytes) // (block_size * TOKEN_WIDTH)
+            if num_filled:
+                first = num_tokens // block_size
+                seq.last_entry_id = cache.register(
+                    block_table[first : first + num_filled],
+                    partial_token_bytes,
+                    0,
+                    seq.ns_key,
+                    seq.last_entry_id,
+                    batch.client_id,
+                    batch.pending,
+                )
+                partial_token_bytes = partial_token_bytes[num_filled * block_size * TOKEN_WIDTH :]
+            seq.partial_token_bytes = partial_token_bytes
+        return OpResult(True, new_block_ids, 0, 0, copies)
+
+    def _copy_on_write(self, seq: SequenceState, num_new_blocks: int) -> tuple[tuple[int, int], list[int]] | None:
+        """Replaces the sequence's shared last block by a copy (taken before the new blocks), then
+        appends ``num_new_blocks`` blocks to its table.
+
+        Returns:
+            ``(src, dst)``: the shared block given up and its copy, then the blocks appended; None
+            when the pool has too few blocks (nothing changed).
+        """
+        pool = self._pool
+        if num_new_blocks + 1 > pool.num_available(seq.may_use_reserved):
+            return None
+        new_block_ids = pool.take(num_new_blocks + 1, seq.may_use_reserved)
+        block_table = seq.block_table
+        src, dst = block_table[-1], new_block_ids.pop(0)
+        if self._copy_block is not None:
+            try:
+                self._copy_block(src, dst)
+            except BaseException:
+                # Give the blocks back (entries evicted for them stay dropped), then re-raise.
+                pool.release(reversed([dst, *new_block_ids]))
+                raise
+        block_table[-1] = dst
+        pool.release((src,))  # the other sequences keep it: refcount still >= 1
+        self.num_copy_on_writes += 1
+        block_table += new_block_ids
+        return (src, dst), new_block_ids
+
+    def _free(self, batch: BatchState, index: int, op: FreeOp, _: None) -> OpResult:
+        failed = batch.failed_seq_ids
+        if failed and op.seq_id in failed:
+            return OpResult(False, [])
+        if index not in batch.late_free_indices:
+            block_table = batch.seqs[op.seq_id].block_table
+            self.free_sequence(batch.seqs, op.seq_id)
+            return OpResult(True, block_table)
+        # Freed in the batch that wrote to it: its blocks outlive the batch, and what it filled in
+        # this batch is never published (no later batch of it will acknowledge the write).
+        block_table = batch.seqs.pop(op.seq_id).block_table
+        pending = batch.pending
+        if pending:
+            for block_id in block_table:
+                if block_id in pending:
+                    del pending[block_id]
+                    self._prefix_cache.unregister(block_id)
+        batch.late_block_tables.append(block_table)
+        return OpResult(True, block_table)
+
+    def _fork(self, batch: BatchState, index: int, op: ForkOp, _: None) -> OpResult:
+        if op.parent_seq_id in batch.failed_seq_ids:
+            batch.failed_seq_ids.add(op.child_seq_id)
+            return OpResult(False, [])
+        batch.failed_seq_ids.discard(op.child_seq_id)
+        parent = batch.seqs[op.parent_seq_id]
+        self._pool.share(parent.block_table)
+        batch.seqs[op.child_seq_id] = SequenceState(
+            list(parent.block_table),
+            parent.num_tokens,
+            parent.may_use_reserved,
+            parent.ns_key,
+            parent.partial_token_bytes,  # immutable: shared until either side appends
+            parent.last_entry_id,
+        )
+        return OpResult(True, list(parent.block_table))

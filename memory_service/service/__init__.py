@@ -1,0 +1,1 @@
+"""The gRPC service around the block manager: servicer, server, metrics."""

@@ -1,0 +1,67 @@
+"""Start the memory service: grpc.aio over a Unix socket (TCP only when asked), health, reflection, metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+from prometheus_client import CollectorRegistry, start_http_server
+
+from pagedserve import rpc, sockets
+from pagedserve.log import get_logger
+from pagedserve.memory.v1 import memory_pb2, memory_pb2_grpc
+
+from memory_service.config import MemoryServiceConfig
+from memory_service.service.metrics import MemoryStatsCollector
+from memory_service.pool.kv_pool import remove_stale_segments
+from memory_service.service.servicer import MemoryManagerServicer
+
+log = get_logger("memory_service")
+
+SERVICE_NAME = memory_pb2.DESCRIPTOR.services_by_name["MemoryManager"].full_name
+
+
+@dataclass
+class RunningMemoryService:
+    server: grpc.aio.Server
+    servicer: MemoryManagerServicer
+    addresses: list[str]
+    health: rpc.AioHealth
+
+    async def stop(self, grace: float | None = 1.0) -> None:
+        """NOT_SERVING, end the streams, stop the server, free the pool."""
+        await self.health.shut_down()
+        await self.servicer.close()  # ends KeepAlive streams, so the grace period is not spent on them
+        await self.server.stop(grace)
+
+
+async def start(config: MemoryServiceConfig) -> RunningMemoryService:
+    """Starts serving on the running event loop; returns at once. The caller stops it with ``await .stop()``.
+
+    Raises:
+        PreconditionError: the socket path is unsafe or a live service answers there.
+    """
+    num_removed = remove_stale_segments()
+    if num_removed:
+        log.info("stale_segments_removed", num_segments=num_removed)
+    servicer = MemoryManagerServicer(config)
+    server, health = rpc.create_aio_server(
+        [lambda s: memory_pb2_grpc.add_MemoryManagerServicer_to_server(servicer, s)], [SERVICE_NAME]
+    )
+    addresses = []
+    socket = config.socket if config.socket is not None or config.address is not None else sockets.default_socket_path()
+    if socket is not None:
+        addresses.append(sockets.bind(server, f"unix:{socket}"))
+    if config.address is not None:
+        addresses.append(sockets.bind(server, config.address))
+    with sockets.owner_only_umask():
+        await server.start()
+    for address in addresses:
+        sockets.secure_socket(address)
+    servicer.start()
+    if config.metrics_port is not None:
+        registry = CollectorRegistry()
+        registry.register(MemoryStatsCollector(servicer.stats))
+        start_http_server(config.metrics_port, addr=config.metrics_host, registry=registry)
+    log.info("memory_service_started", addresses=addresses, metrics_port=config.metrics_port)
+    return RunningMemoryService(server=server, servicer=servicer, addresses=addresses, health=health)

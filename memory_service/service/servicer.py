@@ -1,0 +1,286 @@
+"""The MemoryManager gRPC servicer (grpc.aio): the pool, the block manager and client leases.
+
+Every RPC runs on the server's event loop, so a KeepAlive stream is a suspended coroutine, not a
+thread: thousands of leases cost no worker. The block manager is single-threaded by design; the
+loop already serialises the RPCs, and ``_lock`` only keeps the metrics thread's ``stats()`` out of
+a half-applied step (each block-manager call is short and never awaits).
+
+Leases: a client's lease lives while it has a KeepAlive stream open or has called within
+``lease_ttl_s``. When the last stream ends the lease is NOT released at once: a stream may end for
+a transient reason (a proxy, a broken connection that the client reopens), so the TTL starts then,
+and a client that is really gone loses its sequences ``lease_ttl_s`` later. Detach releases at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import secrets
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from pagedserve.errors import PreconditionError, ResourceExhaustedError
+from pagedserve.log import get_logger
+from pagedserve.memory.v1 import memory_pb2 as pb
+from pagedserve.memory.v1 import memory_pb2_grpc
+
+from memory_service import convert
+from memory_service.manager.block_manager import BlockManager, BlockManagerConfig, BlockManagerStats
+from memory_service.config import MAX_NUM_BLOCKS, MemoryServiceConfig
+from memory_service.pool.kv_pool import KvLayout, KvPool, check_shm_space, create_pool, free_device_bytes
+
+log = get_logger("memory_service")
+
+# A single Step may not carry more ops than this (a guard against absurd requests).
+MAX_OPS_PER_STEP = 65536
+# KeepAlive streams one client may hold at once: one, plus room for a reopened stream while the
+# server has not yet noticed that the old one ended. More is a client bug or an attack.
+MAX_STREAMS_PER_CLIENT = 4
+# Accepted KeepAlive heartbeat intervals (0 = the server's default, lease_ttl_s / 3).
+MIN_KEEPALIVE_INTERVAL_S, MAX_KEEPALIVE_INTERVAL_S = 0.05, 3600.0
+
+
+@dataclass
+class Lease:
+    name: str
+    last_seen: float
+    num_streams: int = 0  # open KeepAlive streams; a lease with one never expires by time
+
+
+class MemoryManagerServicer(memory_pb2_grpc.MemoryManagerServicer):
+    """Owns the KV pool (created at the first attach), the block manager and the leases.
+
+    Args:
+        config: the service's configuration.
+    """
+
+    def __init__(self, config: MemoryServiceConfig) -> None:
+        self.config = config
+        self._lock = threading.Lock()
+        self._leases: dict[str, Lease] = {}
+        self.layout: KvLayout | None = None
+        self.pool: KvPool | None = None
+        self.block_manager: BlockManager | None = None
+        self._stopping = asyncio.Event()
+        self._reaper: asyncio.Task | None = None
+
+    def start(self) -> None:
+        """Starts the lease reaper; call on the server's event loop."""
+        self._reaper = asyncio.get_running_loop().create_task(self._reap_expired_leases())
+
+    # --- pool -------------------------------------------------------------------------------
+
+    def _num_blocks_for(self, layout: KvLayout) -> int:
+        cfg = self.config
+        if cfg.max_num_blocks is not None:
+            return cfg.max_num_blocks
+        budget = cfg.kv_cache_bytes
+        if budget is None:
+            budget = int(free_device_bytes(cfg.device) * cfg.memory_utilization_threshold)
+        num_blocks = budget // layout.bytes_per_block
+        if num_blocks < 1:
+            raise PreconditionError(
+                f"a KV budget of {budget} bytes holds no block of {layout.bytes_per_block} bytes for this layout"
+            )
+        if num_blocks > MAX_NUM_BLOCKS:
+            # Each block costs the service ~100 bytes of metadata whatever its size: a tiny layout
+            # must not turn a byte budget into millions of block records.
+            log.warning("num_blocks_capped", num_blocks=num_blocks, max_num_blocks=MAX_NUM_BLOCKS)
+            num_blocks = MAX_NUM_BLOCKS
+        return num_blocks
+
+    def _ensure_pool(self, layout: KvLayout) -> None:
+        if self.pool is not None:
+            if layout != self.layout:
+                raise PreconditionError(f"layout {layout} does not fit the existing pool's layout {self.layout}")
+            return
+        if layout.block_size != self.config.block_size:
+            raise PreconditionError(
+                f"layout.block_size {layout.block_size} differs from the service's block_size {self.config.block_size}"
+            )
+        num_blocks = self._num_blocks_for(layout)
+        if self.config.device == "cpu":
+            check_shm_space(layout.bytes_per_block * num_blocks)
+        reserved = int(num_blocks * self.config.reserved_fraction)
+        bm_config = BlockManagerConfig(
+            num_blocks=num_blocks,
+            block_size=layout.block_size,
+            enable_prefix_caching=self.config.enable_prefix_caching,
+            reserved_blocks=reserved,
+            reserved_min_priority=self.config.reserved_min_priority,
+        )
+        self.pool = create_pool(layout, num_blocks, self.config.device)
+        self.layout = layout
+        self.block_manager = BlockManager(bm_config, copy_block=self.pool.copy_block)
+        log.info(
+            "pool_created",
+            num_blocks=num_blocks,
+            reserved_blocks=reserved,
+            num_bytes=self.pool.descriptor().num_bytes,
+            layout=str(layout),
+        )
+
+    # --- leases -----------------------------------------------------------------------------
+
+    def _lease(self, client_id: str) -> Lease:
+        lease = self._leases.get(client_id)
+        if lease is None:
+            raise PreconditionError(
+                f"client_id {client_id!r} is not attached (never attached, detached, or its lease expired): attach again"
+            )
+        lease.last_seen = time.monotonic()
+        return lease
+
+    def _release(self, client_id: str, reason: str) -> int:
+        lease = self._leases.pop(client_id, None)
+        if lease is None or self.block_manager is None:
+            return 0
+        with self._lock:
+            num_freed = self.block_manager.release_client(client_id)
+        log.info("client_released", client_id=client_id, client_name=lease.name, reason=reason, num_freed=num_freed)
+        return num_freed
+
+    async def _reap_expired_leases(self) -> None:
+        ttl = self.config.lease_ttl_s
+        while not self._stopping.is_set():
+            try:
+                await asyncio.wait_for(self._stopping.wait(), timeout=min(1.0, ttl / 4))
+            except TimeoutError:
+                pass
+            now = time.monotonic()
+            expired = [c for c, lease in self._leases.items() if lease.num_streams == 0 and now - lease.last_seen > ttl]
+            for client_id in expired:
+                self._release(client_id, "lease_expired")
+
+    # --- RPCs -------------------------------------------------------------------------------
+
+    async def Attach(self, request: pb.AttachRequest, context: grpc.aio.ServicerContext) -> pb.AttachResponse:
+        layout = convert.layout_from_pb(request.layout, self.config.block_size)
+        if len(request.client_name) > 128:
+            raise ValueError(f"client_name has {len(request.client_name)} characters, at most 128")
+        if len(self._leases) >= self.config.max_clients:
+            raise ResourceExhaustedError(f"{len(self._leases)} clients are attached, the most this service takes")
+        self._ensure_pool(layout)
+        client_id = f"{request.client_name or 'client'}-{secrets.token_hex(6)}"
+        bm_config = self.block_manager.config
+        # Built before the client is added: a reply that cannot be built must not leave a lease behind.
+        reply = pb.AttachResponse(
+            client_id=client_id,
+            pool=convert.descriptor_to_pb(self.pool.descriptor()),
+            num_blocks=bm_config.num_blocks,
+            block_size=bm_config.block_size,
+            lease_ttl_s=self.config.lease_ttl_s,
+            num_reserved_blocks=bm_config.reserved_blocks,
+            reserved_min_priority=bm_config.reserved_min_priority,
+        )
+        with self._lock:
+            self.block_manager.add_client(client_id)
+        self._leases[client_id] = Lease(name=request.client_name, last_seen=time.monotonic())
+        log.info("client_attached", client_id=client_id)
+        return reply
+
+    async def Detach(self, request: pb.DetachRequest, context: grpc.aio.ServicerContext) -> pb.DetachResponse:
+        self._lease(request.client_id)
+        return pb.DetachResponse(num_freed_sequences=self._release(request.client_id, "detach"))
+
+    async def KeepAlive(
+        self, request: pb.KeepAliveRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.KeepAliveResponse]:
+        interval = request.interval_s
+        if interval == 0:
+            interval = max(MIN_KEEPALIVE_INTERVAL_S, self.config.lease_ttl_s / 3)
+        elif not (math.isfinite(interval) and MIN_KEEPALIVE_INTERVAL_S <= interval <= MAX_KEEPALIVE_INTERVAL_S):
+            raise ValueError(
+                f"interval_s must be 0 (the default) or in [{MIN_KEEPALIVE_INTERVAL_S}, {MAX_KEEPALIVE_INTERVAL_S}], "
+                f"got {interval}"
+            )
+        lease = self._lease(request.client_id)
+        if lease.num_streams >= MAX_STREAMS_PER_CLIENT:
+            raise ResourceExhaustedError(f"client_id {request.client_id!r} already holds {lease.num_streams} KeepAlive streams")
+        lease.num_streams += 1
+        try:
+            # Ends when the lease does (detach) or the server stops; a client that goes away
+            # cancels this coroutine at its await.
+            while self._leases.get(request.client_id) is lease and not self._stopping.is_set():
+                yield pb.KeepAliveResponse(server_time=time.time())
+                try:
+                    await asyncio.wait_for(self._stopping.wait(), timeout=interval)
+                except TimeoutError:
+                    pass
+        finally:
+            lease.num_streams -= 1
+            lease.last_seen = time.monotonic()  # the TTL runs from here (see the module docstring)
+
+    async def Step(self, request: pb.StepRequest, context: grpc.aio.ServicerContext) -> pb.StepResponse:
+        num_ops = len(request.ops) + len(request.appends.seq_ids) + len(request.late_ops)
+        if num_ops > MAX_OPS_PER_STEP:
+            raise ValueError(f"the step has {num_ops} ops; at most {MAX_OPS_PER_STEP} per step")
+        self._lease(request.client_id)
+        early = [convert.op_from_pb(op) for op in request.ops]
+        appends = convert.appends_from_pb(request.appends)
+        late = [convert.op_from_pb(op) for op in request.late_ops]
+        with self._lock:
+            # One apply() so that validation covers the whole step before anything changes.
+            results = self.block_manager.apply(request.client_id, [*early, *appends, *late])
+            num_available, num_available_reserved = self.block_manager.num_available_blocks()
+        num_early = len(early)
+        return pb.StepResponse(
+            results=[convert.result_to_pb(r) for r in results[:num_early] + results[num_early + len(appends) :]],
+            append_results=convert.append_results_to_pb(results[num_early : num_early + len(appends)]),
+            num_available_blocks=num_available,
+            num_available_reserved_blocks=num_available_reserved,
+        )
+
+    async def GetBlockTable(
+        self, request: pb.GetBlockTableRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetBlockTableResponse:
+        self._lease(request.client_id)
+        with self._lock:
+            return pb.GetBlockTableResponse(block_ids=self.block_manager.block_table(request.client_id, request.seq_id))
+
+    async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
+        return convert.stats_to_pb(self.stats())
+
+    async def Ping(self, request: pb.PingRequest, context: grpc.aio.ServicerContext) -> pb.PingResponse:
+        return pb.PingResponse()
+
+    async def CheckIntegrity(
+        self, request: pb.CheckIntegrityRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CheckIntegrityResponse:
+        problem = self.check_integrity()
+        return pb.CheckIntegrityResponse(ok=problem is None, problem=problem or "")
+
+    # --- for the server and the metrics -----------------------------------------------------
+
+    def stats(self) -> BlockManagerStats:
+        """A snapshot of blocks, cache and clients; safe to call from any thread."""
+        with self._lock:
+            if self.block_manager is None:  # before the first attach there is no pool
+                return BlockManagerStats.empty(self.config.block_size, num_clients=len(self._leases))
+            return self.block_manager.stats()
+
+    def check_integrity(self) -> str | None:
+        """None when every block-manager invariant holds, else the first broken one (logged as an error)."""
+        with self._lock:
+            if self.block_manager is None:
+                return None
+            try:
+                self.block_manager.check_integrity()
+            except AssertionError as exc:  # a bug of this service: reported to the caller, not hidden
+                log.error("integrity_check_failed", problem=str(exc))
+                return str(exc)
+        return None
+
+    async def close(self) -> None:
+        """Ends the streams and the reaper, and frees the pool (the shared-memory name is unlinked)."""
+        self._stopping.set()
+        if self._reaper is not None:
+            await self._reaper
+        with self._lock:
+            if self.pool is not None:
+                self.pool.close()
+                self.pool = None
