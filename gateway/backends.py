@@ -17,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.config import GatewayConfig, parse_backend
 from gateway.routing import AffinityIndex
+from pagedserve import sampling_rules
 from pagedserve.compute.v1 import compute_pb2, compute_pb2_grpc
 from pagedserve.log import get_logger
 
@@ -134,8 +135,10 @@ class BackendPool:
         self.config = config
         self.backends: dict[str, Backend] = {}
         self._on_poll = on_poll
-        self._options = [("grpc.max_receive_message_length", 64 << 20),
-                         ("grpc.max_send_message_length", config.max_message_bytes)]
+        # The compute service's own wire limit, both ways (sized from the request limits).
+        wire_bytes = sampling_rules.max_message_bytes()
+        self._options = [("grpc.max_receive_message_length", wire_bytes),
+                         ("grpc.max_send_message_length", wire_bytes)]
         self._dns_names: list[tuple[str, int]] = []
         for address in config.backends:
             kind, host, port = parse_backend(address)

@@ -6,6 +6,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pagedserve import sampling_rules
+
 # Where API keys come from besides --api-keys-file: comma-separated keys.
 API_KEYS_ENV = "PAGEDSERVE_API_KEYS"
 
@@ -54,8 +56,8 @@ class GatewayConfig:
     dns_refresh_s: float = 10.0
     grace_period_s: float = 30.0
     drain_delay_s: float = 0.0
-    max_prompt_chars: int = 1 << 20
-    max_messages: int = 1024
+    max_prompt_chars: int = sampling_rules.MAX_PROMPT_CHARS
+    max_messages: int = sampling_rules.MAX_MESSAGES
     max_message_bytes: int = 4 << 20
     affinity_max_blocks: int = 32
     affinity_max_load_gap: int = 4096

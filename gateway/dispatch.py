@@ -24,6 +24,13 @@ import grpc
 from gateway.backends import Backend, BackendPool
 from gateway.routing import Router, block_hashes
 from pagedserve.compute.v1 import compute_pb2
+from pagedserve.errors import (
+    DeadlineExceededError,
+    InvalidArgument,
+    PreconditionError,
+    ResourceExhaustedError,
+    UnavailableError,
+)
 from pagedserve.log import get_logger
 
 log = get_logger("gateway.dispatch")
@@ -33,18 +40,22 @@ _RETRYABLE = {
     grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ALREADY_EXISTS,
     grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED,
 }
-# Backend codes that reach the client as they are; every other failure is UNAVAILABLE.
-_PASSED_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                   grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.FAILED_PRECONDITION}
+# Backend codes that reach the client as they are (as the shared error types, which the server's
+# interceptor maps back to the same codes); every other failure is UNAVAILABLE.
+_PASSED_THROUGH: dict[grpc.StatusCode, type[Exception]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhaustedError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
+    grpc.StatusCode.FAILED_PRECONDITION: PreconditionError,
+}
 
 
-class DispatchError(Exception):
-    """The request failed; ``code`` and ``details`` are what the client gets."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self.code = code
-        self.details = details
+def _client_error(exc: grpc.aio.AioRpcError) -> Exception:
+    """What the client gets for a backend's failure before its first message."""
+    kind = _PASSED_THROUGH.get(exc.code())
+    if kind is not None:
+        return kind(exc.details())
+    return UnavailableError(f"backend unavailable ({exc.code().name}: {exc.details()})")
 
 
 @dataclass
@@ -93,11 +104,13 @@ class Dispatcher:
             route: filled with the backend used.
             timeout_s: the client's remaining time (None = no deadline).
         Raises:
-            DispatchError: no backend could serve it, or the backend failed.
+            UnavailableError: no backend could serve it, or the backend failed mid-stream.
+            DeadlineExceededError: the client's deadline passed mid-stream.
+            InvalidArgument, ResourceExhaustedError, PreconditionError: the backend's own answer.
         """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         tried: set[str] = set()
-        first_error: DispatchError | None = None
+        first_error: Exception | None = None
         for attempt in range(2):
             candidates = [b for b in self.pool.in_rotation(model_name) if b.address not in tried]
             if not candidates:
@@ -132,12 +145,9 @@ class Dispatcher:
                     backend.mark_failed(f"request failed: {exc.details()}")
                 if has_first:
                     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                        raise DispatchError(code, "deadline exceeded") from None
-                    raise DispatchError(grpc.StatusCode.UNAVAILABLE,
-                                        f"backend failed mid-stream ({code.name}: {exc.details()})") from None
-                error = DispatchError(code if code in _PASSED_THROUGH else grpc.StatusCode.UNAVAILABLE,
-                                      f"{exc.details()}" if code in _PASSED_THROUGH else
-                                      f"backend unavailable ({code.name}: {exc.details()})")
+                        raise DeadlineExceededError("deadline exceeded") from None
+                    raise UnavailableError(f"backend failed mid-stream ({code.name}: {exc.details()})") from None
+                error = _client_error(exc)
                 first_error = first_error or error
                 if code not in _RETRYABLE:
                     raise error from None
@@ -145,7 +155,7 @@ class Dispatcher:
             finally:
                 ticket.release()
                 route.cancel()  # a no-op unless the client went away (cancel, deadline) mid-call
-        raise first_error or DispatchError(grpc.StatusCode.UNAVAILABLE, "no healthy backend")
+        raise first_error or UnavailableError("no healthy backend")
 
 
 async def _abort(backend: Backend, request_id: str) -> None:

@@ -17,13 +17,15 @@ from dataclasses import dataclass, field
 import grpc
 
 from gateway.config import GatewayConfig
-from gateway.dispatch import Dispatcher, DispatchError, Route
+from gateway.dispatch import Dispatcher, Route
 from gateway.metrics import GatewayMetrics
 from gateway.tokenizer import ModelTokenizer
-from gateway.validation import check_length, check_prompt_input, check_request, to_compute_request
+from gateway.validation import check_length, check_prompt_input, check_request, check_unary_reply, to_compute_request
 from pagedserve.compute.v1 import compute_pb2
+from pagedserve.errors import ResourceExhaustedError, UnavailableError
 from pagedserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from pagedserve.log import get_logger
+from pagedserve.rpc import status_for
 
 log = get_logger("gateway.access")
 
@@ -74,7 +76,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     def _model(self) -> ModelTokenizer:
         if self.model is None:
-            raise DispatchError(grpc.StatusCode.UNAVAILABLE, "no backend has been reached yet")
+            raise UnavailableError("no backend has been reached yet")
         return self.model
 
     async def _encode(self, request: gateway_pb2.GenerateRequest | gateway_pb2.TokenizeRequest) -> list[int]:
@@ -87,18 +89,23 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def _run(self, method: str, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext,
                    record: _Record) -> AsyncIterator[compute_pb2.GenerateResponse]:
-        """Admits, validates and dispatches one request; yields the backend's messages."""
+        """Admits, validates and dispatches one request; yields the backend's messages.
+
+        Failures are raised as ``pagedserve.errors`` types; the server's interceptor answers them.
+        """
         if self.num_in_flight >= self.config.max_queued_requests:
             record.status = "RESOURCE_EXHAUSTED"
             self._finish(record, request)
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"the gateway holds {self.num_in_flight} requests (max_queued_requests); retry later")
+            raise ResourceExhaustedError(
+                f"the gateway holds {self.num_in_flight} requests (max_queued_requests); retry later")
         self.num_in_flight += 1
         self.metrics.queue_length.set(self.num_in_flight)
         context.add_done_callback(lambda _: record.route.cancel())
         try:
             model = self._model()
             check_request(request, model.info)  # cheap checks first: a bad field costs no tokenizing
+            if method == "Generate":  # one reply holds everything: refuse one that cannot be sent
+                check_unary_reply(request, model.info, self.config.max_message_bytes)
             token_ids = await self._encode(request)
             check_length(len(token_ids), request, model.info)
             record.usage.prompt_tokens = len(token_ids)  # until the backend's usage arrives
@@ -115,18 +122,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     if message.HasField("usage"):
                         record.usage.CopyFrom(message.usage)
                     yield message
-        except ValueError:
-            record.status = "INVALID_ARGUMENT"
-            raise
-        except DispatchError as exc:
-            record.status = exc.code.name
-            await context.abort(exc.code, exc.details)
         except (asyncio.CancelledError, GeneratorExit):  # the client cancelled, or its deadline passed
             remaining = context.time_remaining()
             record.status = "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
             raise
-        except Exception:
-            record.status = "INTERNAL"  # a bug: the server's interceptor logs it and answers INTERNAL
+        except Exception as exc:  # the interceptor answers it (a bug: INTERNAL, logged with its traceback)
+            record.status = status_for(exc).name
             raise
         finally:
             self.num_in_flight -= 1
@@ -193,10 +194,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 yield piece
 
     async def Tokenize(self, request: gateway_pb2.TokenizeRequest, context: grpc.aio.ServicerContext) -> gateway_pb2.TokenizeResponse:
-        try:
-            token_ids = await self._encode(request)
-        except DispatchError as exc:
-            await context.abort(exc.code, exc.details)
+        token_ids = await self._encode(request)
         return gateway_pb2.TokenizeResponse(token_ids=token_ids, tokens=self._model().tokens(token_ids))
 
     async def ListModels(self, request: gateway_pb2.ListModelsRequest, context: grpc.aio.ServicerContext) -> gateway_pb2.ListModelsResponse:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedserve.compute.v1 import compute_pb2, compute_pb2_grpc
+from pagedserve.errors import InvalidArgument, echo
 
 
 class ModelTokenizer:
@@ -39,17 +40,18 @@ class ModelTokenizer:
     def encode_prompt(self, prompt: str) -> list[int]:
         """Token ids of a plain prompt (special tokens such as BOS added as the model expects)."""
         if self.hf_tokenizer is None:
-            raise ValueError(f"prompt: model {self.info.model_name!r} has no tokenizer")
+            raise InvalidArgument(f"prompt: model {self.info.model_name!r} has no tokenizer")
         return list(self.hf_tokenizer.encode(prompt, add_special_tokens=True))
 
     def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
         """Token ids of a chat through the chat template, with the generation prompt appended."""
         if not self.has_chat_template:
-            raise ValueError(f"messages: model {self.info.model_name!r} has no chat template; send a prompt")
+            raise InvalidArgument(f"messages: model {self.info.model_name!r} has no chat template; send a prompt")
         try:
             ids = self.hf_tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
         except Exception as exc:  # the template itself raised (jinja's raise_exception: bad roles/order)
-            raise ValueError(f"messages: the chat template rejected them: {exc}") from None
+            # The template's message may quote the caller's content: echoed, cut short.
+            raise InvalidArgument(f"messages: the chat template rejected them: {echo(str(exc), 200)}") from None
         if hasattr(ids, "keys"):  # newer transformers return a BatchEncoding
             ids = ids["input_ids"]
         return [int(t) for t in ids]

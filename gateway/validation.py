@@ -1,22 +1,22 @@
 """Checks a public request before any backend work and converts it to the compute service's request.
 
 Everything that can be checked here is: a bad request costs the backends nothing, and the error
-names the field (``ValueError``, mapped to INVALID_ARGUMENT by the server's interceptor). The
-limits come from the backend's ``Info``, so they are the model's own.
+names the field (``InvalidArgument``, mapped to INVALID_ARGUMENT by the server's interceptor). The
+rules themselves are ``pagedserve.sampling_rules``, the very functions the compute service checks
+its requests with; the limits are the ones the backend reports in ``Info`` (the shared defaults
+where it reports none). Public zeros mean "unset" and are resolved to the defaults first, so the
+checks see what the engine would run.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from gateway.config import GatewayConfig
+from pagedserve import sampling_rules as rules
 from pagedserve.compute.v1 import compute_pb2
+from pagedserve.errors import InvalidArgument
 from pagedserve.gateway.v1 import gateway_pb2
-
-_ROLES = ("system", "user", "assistant", "tool")
-_MAX_ID_CHARS = 256
-DEFAULT_MAX_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -26,73 +26,65 @@ class PromptInput:
     prompt: str | None
     messages: list[dict[str, str]] | None
 
-    @property
-    def num_chars(self) -> int:
-        if self.prompt is not None:
-            return len(self.prompt)
-        return sum(len(m["content"]) for m in self.messages or ())
+
+def limits_of(info: compute_pb2.InfoResponse) -> rules.RequestLimits:
+    """The backend's reported limits; the shared defaults for those it does not report."""
+    default = rules.DEFAULT_LIMITS
+    return rules.RequestLimits(max_n=info.max_n or default.max_n,
+                               max_logprobs=info.max_logprobs or default.max_logprobs,
+                               max_stop_strings=info.max_stop_strings or default.max_stop_strings)
 
 
 def check_prompt_input(request: gateway_pb2.GenerateRequest | gateway_pb2.TokenizeRequest,
                        config: GatewayConfig) -> PromptInput:
-    """Exactly one of prompt or messages, within the size limits, roles known."""
+    """Exactly one of prompt or messages, within the size limits (counts first), roles known."""
     if bool(request.prompt) == bool(request.messages):
-        raise ValueError("prompt, messages: give exactly one of them")
+        raise InvalidArgument("prompt, messages: give exactly one of them")
     if request.messages:
-        if len(request.messages) > config.max_messages:
-            raise ValueError(f"messages: at most {config.max_messages} messages, got {len(request.messages)}")
-        for i, message in enumerate(request.messages):
-            if message.role not in _ROLES:
-                raise ValueError(f"messages[{i}].role must be one of {', '.join(_ROLES)}, got {message.role!r}")
-        given = PromptInput(None, [{"role": m.role, "content": m.content} for m in request.messages])
-    else:
-        given = PromptInput(request.prompt, None)
-    if given.num_chars > config.max_prompt_chars:
-        field = "prompt" if given.prompt is not None else "messages"
-        raise ValueError(f"{field}: at most {config.max_prompt_chars} characters, got {given.num_chars}")
-    return given
+        if len(request.messages) > config.max_messages:  # before anything is copied
+            raise InvalidArgument(f"messages: at most {config.max_messages} messages, got {len(request.messages)}")
+        pairs = [(m.role, m.content) for m in request.messages]
+        rules.check_messages(pairs, max_messages=config.max_messages, max_chars=config.max_prompt_chars)
+        return PromptInput(None, [{"role": role, "content": content} for role, content in pairs])
+    rules.check_prompt_chars(request.prompt, config.max_prompt_chars)
+    return PromptInput(request.prompt, None)
+
+
+def resolved_params(p: gateway_pb2.SamplingParams) -> dict[str, object]:
+    """The public sampling fields with their defaults applied (a public zero means "unset")."""
+    default = rules.DEFAULT_MAX_TOKENS
+    return {
+        "max_tokens": p.max_tokens or default, "temperature": p.temperature if p.HasField("temperature") else 1.0,
+        "top_p": p.top_p or 1.0, "top_k": p.top_k, "min_p": p.min_p, "seed": p.seed if p.HasField("seed") else None,
+        "stop": p.stop, "stop_token_ids": p.stop_token_ids, "min_tokens": p.min_tokens,
+        "repetition_penalty": p.repetition_penalty or 1.0, "presence_penalty": p.presence_penalty,
+        "frequency_penalty": p.frequency_penalty, "n": p.n or 1,
+        "logprobs": p.logprobs if p.HasField("logprobs") else None,
+    }
 
 
 def check_request(request: gateway_pb2.GenerateRequest, info: compute_pb2.InfoResponse) -> None:
     """Every field of the request besides the prompt, against the model's limits."""
-    for name in ("request_id", "cache_salt"):
-        value = getattr(request, name)
-        if len(value) > _MAX_ID_CHARS or not value.isprintable():
-            raise ValueError(f"{name}: at most {_MAX_ID_CHARS} printable characters")
-    p = request.params
-    _check_range("params.max_tokens", p.max_tokens, 0, None)
-    if p.HasField("temperature"):
-        _check_range("params.temperature", p.temperature, 0.0, None)
-    _check_range("params.top_p", p.top_p, 0.0, 1.0)
-    _check_range("params.top_k", p.top_k, 0, None)
-    _check_range("params.min_p", p.min_p, 0.0, 1.0)
-    _check_range("params.repetition_penalty", p.repetition_penalty, 0.0, None)
-    _check_range("params.presence_penalty", p.presence_penalty, -2.0, 2.0)
-    _check_range("params.frequency_penalty", p.frequency_penalty, -2.0, 2.0)
-    _check_range("params.n", p.n, 0, info.max_n or None)
-    _check_range("params.min_tokens", p.min_tokens, 0, p.max_tokens or DEFAULT_MAX_TOKENS)
-    if p.HasField("logprobs"):
-        _check_range("params.logprobs", p.logprobs, 0, info.max_logprobs or None)
-    if info.max_stop_strings and len(p.stop) > info.max_stop_strings:
-        raise ValueError(f"params.stop: at most {info.max_stop_strings} strings, got {len(p.stop)}")
-    for i, stop in enumerate(p.stop):
-        if not stop:
-            raise ValueError(f"params.stop[{i}] must not be empty")
-    for i, token_id in enumerate(p.stop_token_ids):
-        _check_range(f"params.stop_token_ids[{i}]", token_id, 0, info.vocab_size - 1)
+    rules.check_ids(request.request_id, request.cache_salt)
+    if request.params.max_tokens < 0:  # 0 is "unset"; a negative one is named as the client sent it
+        raise InvalidArgument(f"params.max_tokens must be >= 0, got {request.params.max_tokens}")
+    rules.check_sampling(resolved_params(request.params), limits=limits_of(info), vocab_size=info.vocab_size or None)
+
+
+def check_unary_reply(request: gateway_pb2.GenerateRequest, info: compute_pb2.InfoResponse, max_bytes: int) -> None:
+    """A unary Generate whose reply cannot fit the send limit is refused before any work."""
+    p = resolved_params(request.params)
+    rules.check_reply_fits(p["n"], p["max_tokens"], p["logprobs"], info.vocab_size or 1 << 17, max_bytes)
 
 
 def check_length(num_prompt_tokens: int, request: gateway_pb2.GenerateRequest, info: compute_pb2.InfoResponse) -> None:
     """The tokenized prompt is non-empty and, with max_tokens, fits the model."""
     field = "prompt" if request.prompt else "messages"
     if num_prompt_tokens == 0:
-        raise ValueError(f"{field}: tokenizes to no tokens")
-    max_tokens = request.params.max_tokens or DEFAULT_MAX_TOKENS
-    if info.max_model_len and num_prompt_tokens + max_tokens > info.max_model_len:
-        raise ValueError(
-            f"params.max_tokens: the prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) "
-            f"exceeds the model's maximum length ({info.max_model_len})"
-        )
+        raise InvalidArgument(f"{field}: tokenizes to no tokens")
+    max_model_len = info.max_model_len or rules.MAX_PROMPT_TOKENS
+    rules.check_prompt_length(num_prompt_tokens, request.params.max_tokens or rules.DEFAULT_MAX_TOKENS,
+                              max_model_len, field=field)
 
 
 def to_compute_request(request: gateway_pb2.GenerateRequest, prompt_token_ids: list[int],
@@ -100,7 +92,7 @@ def to_compute_request(request: gateway_pb2.GenerateRequest, prompt_token_ids: l
     """The compute service's request; public zeros become "unset" so the model's defaults apply."""
     p = request.params
     params = compute_pb2.SamplingParams(
-        max_tokens=p.max_tokens or DEFAULT_MAX_TOKENS,
+        max_tokens=p.max_tokens or rules.DEFAULT_MAX_TOKENS,
         top_k=p.top_k,
         min_p=p.min_p,
         stop_token_ids=p.stop_token_ids,
@@ -128,11 +120,3 @@ def to_compute_request(request: gateway_pb2.GenerateRequest, prompt_token_ids: l
         priority=request.priority,
         cache_salt=request.cache_salt,
     )
-
-
-def _check_range(name: str, value: float, low: float | None, high: float | None) -> None:
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
-    if (low is not None and value < low) or (high is not None and value > high):
-        bounds = f"[{low}, {high}]" if high is not None else f">= {low}"
-        raise ValueError(f"{name} must be {bounds}, got {value}")

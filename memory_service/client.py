@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import grpc
 
-from pagedserve.errors import UnavailableError
+from pagedserve.errors import PreconditionError, UnavailableError
 from pagedserve.memory.v1 import memory_pb2 as pb
 from pagedserve.memory.v1 import memory_pb2_grpc
 
@@ -21,8 +21,11 @@ from memory_service.manager.block_types import AppendOp, BlockManagerStats, Op, 
 from memory_service.pool.mapped_pool import MappedPool
 from memory_service.pool.kv_pool import KvLayout
 
-# Status codes that mean "the service (or this client's lease there) is gone", not "bad request".
-_GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.FAILED_PRECONDITION)
+# The one definition of "the memory service is gone": nobody answers in time (or the call was
+# cut off by the channel closing) ...
+_UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+# ... or, once attached, it answers that it no longer knows this client (restarted, lease expired).
+_GONE = (*_UNREACHABLE, grpc.StatusCode.FAILED_PRECONDITION)
 
 
 class MemoryServiceUnavailable(UnavailableError):
@@ -78,11 +81,14 @@ class MemoryClient:
         self._stream_ok = True
         self._step_timeout_s = step_timeout_s
         try:
-            grpc.channel_ready_future(self._channel).result(timeout=connect_timeout_s)
+            try:
+                grpc.channel_ready_future(self._channel).result(timeout=connect_timeout_s)
+            except grpc.FutureTimeoutError:
+                raise MemoryServiceUnavailable(
+                    f"memory service at {target}: no answer in {connect_timeout_s} s") from None
             self._stub = memory_pb2_grpc.MemoryManagerStub(self._channel)
-            reply = self._stub.Attach(
-                pb.AttachRequest(client_name=client_name, layout=convert.layout_to_pb(layout)), timeout=connect_timeout_s
-            )
+            reply = self._attach(pb.AttachRequest(client_name=client_name, layout=convert.layout_to_pb(layout)),
+                                 connect_timeout_s)
         except BaseException:
             self._channel.close()
             raise
@@ -189,9 +195,11 @@ class MemoryClient:
         return None if reply.ok else reply.problem
 
     def ping(self) -> None:
-        self._stub.Ping(pb.PingRequest())
+        """Raises ``MemoryServiceUnavailable`` unless the service answers (the idle owner's check)."""
+        self._call(self._stub.Ping, pb.PingRequest())
 
     def _call(self, method: grpc.UnaryUnaryMultiCallable, request: object) -> object:
+        """Every RPC after Attach: the codes of ``_GONE`` become ``MemoryServiceUnavailable``."""
         try:
             return method(request, timeout=self._step_timeout_s)
         except grpc.RpcError as exc:
@@ -200,6 +208,18 @@ class MemoryClient:
             if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                 self._lease_lost = True
             raise MemoryServiceUnavailable(f"memory service: {exc.code().name}: {exc.details()}") from exc
+
+    def _attach(self, request: pb.AttachRequest, timeout_s: float) -> pb.AttachResponse:
+        """Attach, whose FAILED_PRECONDITION is a refusal (a layout that differs from the pool's),
+        not a lost lease: an operator must act, so it is a ``PreconditionError``, not "gone"."""
+        try:
+            return self._stub.Attach(request, timeout=timeout_s)
+        except grpc.RpcError as exc:
+            if exc.code() in _UNREACHABLE:
+                raise MemoryServiceUnavailable(f"memory service: {exc.code().name}: {exc.details()}") from exc
+            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                raise PreconditionError(f"memory service refused to attach: {exc.details()}") from exc
+            raise
 
     # --- end --------------------------------------------------------------------------------
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pagedserve.errors import InvalidArgument
 from pagedserve.memory.v1 import memory_pb2 as pb
 
 from memory_service.manager.block_types import (
@@ -18,13 +19,17 @@ from memory_service.pool.kv_pool import CudaIpcHandle, KvLayout, PoolDescriptor
 
 
 def layout_from_pb(msg: pb.KvLayout, default_block_size: int) -> KvLayout:
-    return KvLayout(
-        num_layers=msg.num_layers,
-        num_kv_heads=msg.num_kv_heads,
-        head_dim=msg.head_dim,
-        dtype=msg.dtype,
-        block_size=msg.block_size or default_block_size,
-    )
+    """The caller's layout; one that KvLayout rejects is bad input (InvalidArgument)."""
+    try:
+        return KvLayout(
+            num_layers=msg.num_layers,
+            num_kv_heads=msg.num_kv_heads,
+            head_dim=msg.head_dim,
+            dtype=msg.dtype,
+            block_size=msg.block_size or default_block_size,
+        )
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from None
 
 
 def layout_to_pb(layout: KvLayout) -> pb.KvLayout:
@@ -137,7 +142,7 @@ def op_from_pb(msg: pb.SequenceOp) -> Op:
         return FreeOp(msg.free.seq_id)
     if which == "fork":
         return ForkOp(msg.fork.parent_seq_id, msg.fork.child_seq_id)
-    raise ValueError("ops[]: a SequenceOp must set one of allocate, append, free, fork")
+    raise InvalidArgument("ops[]: a SequenceOp must set one of allocate, append, free, fork")
 
 
 def op_to_pb(op: Op) -> pb.SequenceOp:
@@ -179,12 +184,12 @@ def result_from_pb(msg: pb.OpResult) -> OpResult:
 
 
 def appends_from_pb(batch: pb.AppendBatch) -> list[AppendOp]:
-    """Unpack an AppendBatch into one AppendOp per sequence (ValueError on inconsistent arrays)."""
+    """Unpack an AppendBatch into one AppendOp per sequence (InvalidArgument on inconsistent arrays)."""
     seq_ids, counts, tokens = batch.seq_ids, batch.num_tokens, batch.token_ids
     if len(seq_ids) != len(counts):
-        raise ValueError(f"appends: {len(seq_ids)} seq_ids but {len(counts)} num_tokens")
+        raise InvalidArgument(f"appends: {len(seq_ids)} seq_ids but {len(counts)} num_tokens")
     if sum(counts) != len(tokens) or any(n < 1 for n in counts):
-        raise ValueError(f"appends: num_tokens must be >= 1 each and sum to len(token_ids) = {len(tokens)}")
+        raise InvalidArgument(f"appends: num_tokens must be >= 1 each and sum to len(token_ids) = {len(tokens)}")
     if all(n == 1 for n in counts):  # the decode step: one token each
         return [AppendOp(seq_id, [token]) for seq_id, token in zip(seq_ids, tokens)]
     ops, start = [], 0

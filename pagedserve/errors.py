@@ -1,14 +1,31 @@
 """The one error scheme of the services.
 
-- bad input from a caller: ``ValueError`` (mapped to INVALID_ARGUMENT by the server interceptor);
+- bad input from a caller: ``InvalidArgument`` (INVALID_ARGUMENT), its message naming the field;
+  it is the only type mapped to INVALID_ARGUMENT: a bare ``ValueError`` escaping a handler is a
+  bug like any other exception and surfaces as INTERNAL;
 - a request that is well-formed but does not fit the current state: ``PreconditionError``
   (FAILED_PRECONDITION), e.g. attaching a model whose layout differs from the existing pool;
 - a request id that is already running: ``AlreadyExistsError`` (ALREADY_EXISTS);
 - a full queue: ``ResourceExhaustedError`` (RESOURCE_EXHAUSTED), answered at once;
 - a dependency that is down (the memory service, every backend): ``UnavailableError`` (UNAVAILABLE);
+- the caller's deadline passed while a dependency worked: ``DeadlineExceededError``;
+- a caller that is known but not allowed what it asks: ``PermissionDeniedError``;
 - running out of KV blocks is not an error at all but a normal result;
 - anything else is a bug and surfaces as INTERNAL with the exception logged with its traceback.
+
+The mapping to status codes lives once, in ``pagedserve.rpc``. Messages echo what the caller sent
+through ``echo``, which keeps them short whatever the caller sent (gRPC carries the message in a
+metadata header, and a header beyond the limit turns the answer into RESOURCE_EXHAUSTED).
 """
+
+from __future__ import annotations
+
+# Characters of a caller's value that an error message repeats; the rest becomes "...".
+ECHO_CHARS = 64
+
+
+class InvalidArgument(ValueError):
+    """The caller sent bad input; the message names the field as the wire spells it."""
 
 
 class PreconditionError(Exception):
@@ -25,3 +42,22 @@ class ResourceExhaustedError(Exception):
 
 class UnavailableError(Exception):
     """A service this one depends on cannot be reached; retry, possibly elsewhere."""
+
+
+class DeadlineExceededError(Exception):
+    """The caller's deadline passed before the answer was complete."""
+
+
+class PermissionDeniedError(Exception):
+    """The caller is who it says, but may not do what it asks (a limit its operator set)."""
+
+
+def echo(value: object, limit: int = ECHO_CHARS) -> str:
+    """``repr(value)`` cut to about ``limit`` characters (plus "..."), for error messages.
+
+    A string is cut before ``repr`` so that a megabyte-long value costs nothing to echo.
+    """
+    if isinstance(value, str | bytes) and len(value) > limit:
+        return repr(value[:limit]) + "..."
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."

@@ -1,21 +1,29 @@
-"""gRPC plumbing shared by the servers: error mapping, health, reflection, server creation.
+"""gRPC plumbing shared by the servers (all grpc.aio): error mapping, health, reflection, creation.
 
-Servicers raise the exceptions of ``pagedserve.errors`` (and ``ValueError`` for bad input); the
-interceptors below turn them into status codes in one place. Anything else is a bug: it is logged
-with its traceback and answered INTERNAL, and the server keeps serving.
+Servicers raise the exceptions of ``pagedserve.errors`` (``InvalidArgument`` for bad input); the
+interceptor below turns them into status codes in one place. Anything else, a bare ``ValueError``
+included, is a bug: it is logged with its traceback and answered INTERNAL, and the server keeps
+serving.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Iterable
-from concurrent import futures
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pagedserve.errors import AlreadyExistsError, PreconditionError, ResourceExhaustedError, UnavailableError
+from pagedserve.errors import (
+    AlreadyExistsError,
+    DeadlineExceededError,
+    InvalidArgument,
+    PermissionDeniedError,
+    PreconditionError,
+    ResourceExhaustedError,
+    UnavailableError,
+)
 from pagedserve.log import get_logger
 
 log = get_logger("rpc")
@@ -24,13 +32,18 @@ log = get_logger("rpc")
 MAX_MESSAGE_BYTES = 64 << 20
 
 _STATUS_FOR_EXCEPTION: dict[type[Exception], grpc.StatusCode] = {
-    ValueError: grpc.StatusCode.INVALID_ARGUMENT,
+    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
     PreconditionError: grpc.StatusCode.FAILED_PRECONDITION,
     AlreadyExistsError: grpc.StatusCode.ALREADY_EXISTS,
     ResourceExhaustedError: grpc.StatusCode.RESOURCE_EXHAUSTED,
     UnavailableError: grpc.StatusCode.UNAVAILABLE,
+    DeadlineExceededError: grpc.StatusCode.DEADLINE_EXCEEDED,
+    PermissionDeniedError: grpc.StatusCode.PERMISSION_DENIED,
 }
-_EXPECTED = tuple(_STATUS_FOR_EXCEPTION)
+# Longest status message sent. gRPC carries it in a header (8 KiB of metadata by default); one
+# beyond the limit reaches the client as RESOURCE_EXHAUSTED instead of the real status. Messages
+# echo values through ``errors.echo`` already; this is the backstop for the rest.
+MAX_DETAILS_CHARS = 1024
 
 
 def status_for(exc: BaseException) -> grpc.StatusCode:
@@ -46,103 +59,26 @@ def _describe(exc: BaseException, method: str) -> tuple[grpc.StatusCode, str]:
     if code == grpc.StatusCode.INTERNAL:
         log.error("rpc_internal_error", method=method, error=repr(exc), exc_info=exc)
         return code, f"internal error in {method}: {type(exc).__name__}"
-    return code, str(exc)
-
-
-# --- synchronous servers ------------------------------------------------------------------------
-
-
-def _wrap_unary(behavior: Callable, method: str) -> Callable:
-    def handler(request: Any, context: grpc.ServicerContext) -> Any:
-        try:
-            return behavior(request, context)
-        except Exception as exc:  # noqa: BLE001 - mapped, and bugs are logged with a traceback
-            if context.code() is not None and not isinstance(exc, _EXPECTED):
-                raise  # context.abort() already chose the status
-            context.abort(*_describe(exc, method))
-
-    return handler
-
-
-def _wrap_stream(behavior: Callable, method: str) -> Callable:
-    def handler(request: Any, context: grpc.ServicerContext) -> Any:
-        try:
-            yield from behavior(request, context)
-        except Exception as exc:  # noqa: BLE001
-            if context.code() is not None and not isinstance(exc, _EXPECTED):
-                raise
-            context.abort(*_describe(exc, method))
-
-    return handler
+    details = str(exc)
+    if len(details) > MAX_DETAILS_CHARS:
+        details = details[:MAX_DETAILS_CHARS] + "..."
+    return code, details
 
 
 def _parse(deserializer: Callable | None, data: Any) -> Any:
-    """The request message of ``data``; a malformed one is bad input (``ValueError``).
+    """The request message of ``data``; a malformed one is bad input (``InvalidArgument``).
 
     Why not leave it to grpc: a request that fails to parse (truncated, a wrong wire type, invalid
-    UTF-8 in a string field) is answered UNKNOWN by grpc.aio and INTERNAL by the threaded server,
-    codes that say "the server is broken" when the caller is. So the handlers get the raw bytes and
-    parse them here, inside the error mapping.
+    UTF-8 in a string field) is answered UNKNOWN by grpc.aio, a code that says "the server is
+    broken" when the caller is. So the handlers get the raw bytes and parse them here, inside the
+    error mapping.
     """
     if deserializer is None:
         return data
     try:
         return deserializer(data)
     except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError, or whatever a custom parser raises
-        raise ValueError(f"request: not a valid message ({type(exc).__name__})") from None
-
-
-class ErrorInterceptor(grpc.ServerInterceptor):
-    """Maps exceptions to status codes for a synchronous server (see the module docstring)."""
-
-    def intercept_service(self, continuation: Callable, handler_call_details: Any) -> Any:
-        handler = continuation(handler_call_details)
-        if handler is None:
-            return None
-        method = handler_call_details.method
-        parse = handler.request_deserializer
-        if handler.unary_unary:
-            behavior = handler.unary_unary
-            return handler._replace(request_deserializer=None, unary_unary=_wrap_unary(
-                lambda data, context: behavior(_parse(parse, data), context), method))
-        if handler.unary_stream:
-            stream = handler.unary_stream
-            return handler._replace(request_deserializer=None, unary_stream=_wrap_stream(
-                lambda data, context: stream(_parse(parse, data), context), method))
-        return handler
-
-
-def create_server(
-    register: Iterable[Callable[[grpc.Server], None]],
-    service_names: Iterable[str],
-    *,
-    max_workers: int = 16,
-) -> tuple[grpc.Server, health.HealthServicer]:
-    """A thread-pool gRPC server with our servicers, the error interceptor, health and reflection.
-
-    Args:
-        register: callables that add one servicer each (``lambda s: add_XServicer_to_server(x, s)``).
-        service_names: full names of those services, for health and reflection.
-    Returns:
-        The (not yet started) server and its health servicer, set to SERVING for every service.
-    """
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers),
-        interceptors=[ErrorInterceptor()],
-        options=_message_options(),
-    )
-    for add in register:
-        add(server)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    names = list(service_names)
-    for name in [*names, ""]:
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    return server, health_servicer
-
-
-# --- asyncio servers (the ones that stream: a stream never pins a thread) ---------------------
+        raise InvalidArgument(f"request: not a valid message ({type(exc).__name__})") from None
 
 
 def _wrap_aio_unary(behavior: Callable, method: str) -> Callable:

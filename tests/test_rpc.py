@@ -1,4 +1,4 @@
-"""The shared error interceptors and the asyncio server helper: status codes, and serving goes on."""
+"""The shared error interceptor and the asyncio server helper: status codes, and serving goes on."""
 
 from __future__ import annotations
 
@@ -9,10 +9,23 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedserve import rpc, sockets
-from pagedserve.errors import AlreadyExistsError, PreconditionError, ResourceExhaustedError, UnavailableError
+from pagedserve.errors import (
+    AlreadyExistsError,
+    DeadlineExceededError,
+    InvalidArgument,
+    PermissionDeniedError,
+    PreconditionError,
+    ResourceExhaustedError,
+    UnavailableError,
+    echo,
+)
 
 RAISES = {
-    b"value": ValueError("params.top_p must be in (0, 1], got 2.0"),
+    b"value": InvalidArgument("params.top_p must be in (0, 1], got 2.0"),
+    b"bare_value": ValueError("a bug that happens to be a ValueError"),
+    b"huge": InvalidArgument("x" * 100_000),
+    b"late": DeadlineExceededError("deadline exceeded"),
+    b"denied": PermissionDeniedError("priority above the tenant's maximum"),
     b"precondition": PreconditionError("layout differs"),
     b"exists": AlreadyExistsError("request_id 'a' is already running"),
     b"full": ResourceExhaustedError("queue is full (8 requests)"),
@@ -80,6 +93,12 @@ def test_aio_server_maps_exceptions_and_keeps_serving() -> None:
     assert seen["health_before"] == health_pb2.HealthCheckResponse.NOT_SERVING
     assert seen["health_after"] == health_pb2.HealthCheckResponse.SERVING
     assert seen["value"] == (grpc.StatusCode.INVALID_ARGUMENT, "params.top_p must be in (0, 1], got 2.0")
+    # Only InvalidArgument is bad input: a bare ValueError is a bug like any other.
+    assert seen["bare_value"] == (grpc.StatusCode.INTERNAL, "internal error in /test.Echo/Unary: ValueError")
+    # A huge message is cut (gRPC carries it in a header), so the real status still arrives.
+    assert seen["huge"][0] == grpc.StatusCode.INVALID_ARGUMENT and len(seen["huge"][1]) == rpc.MAX_DETAILS_CHARS + 3
+    assert seen["late"][0] == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert seen["denied"][0] == grpc.StatusCode.PERMISSION_DENIED
     assert seen["precondition"][0] == grpc.StatusCode.FAILED_PRECONDITION
     assert seen["exists"][0] == grpc.StatusCode.ALREADY_EXISTS
     assert seen["full"][0] == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -93,12 +112,20 @@ def test_aio_server_maps_exceptions_and_keeps_serving() -> None:
 
 
 @pytest.mark.parametrize(("exc", "code"), [
-    (ValueError("x"), grpc.StatusCode.INVALID_ARGUMENT),
+    (InvalidArgument("x"), grpc.StatusCode.INVALID_ARGUMENT),
+    (ValueError("x"), grpc.StatusCode.INTERNAL),
     (UnavailableError("x"), grpc.StatusCode.UNAVAILABLE),
     (RuntimeError("x"), grpc.StatusCode.INTERNAL),
 ])
 def test_status_for(exc: Exception, code: grpc.StatusCode) -> None:
     assert rpc.status_for(exc) == code
+
+
+def test_echo_cuts_long_values() -> None:
+    assert echo("user") == "'user'"
+    cut = echo("r" * 1_000_000)
+    assert cut == repr("r" * 64) + "..." and len(cut) == 69
+    assert echo(list(range(1000))).endswith("...") and len(echo(list(range(1000)))) == 67
 
 
 async def _watch_scenario() -> list[int]:

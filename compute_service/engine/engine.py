@@ -8,6 +8,8 @@ from typing import Any
 import torch
 
 from memory_service.api import MemoryClient, cache_namespace
+from pagedserve import sampling_rules as rules
+from pagedserve.errors import AlreadyExistsError, InvalidArgument, echo
 from pagedserve.log import get_logger
 
 from compute_service.engine.config import EngineConfig
@@ -22,12 +24,6 @@ from compute_service.engine.scheduler import ScheduledSeq, Scheduler
 from compute_service.engine.sequence import FinishReason, Sequence
 
 log = get_logger("engine")
-
-# Bounds on a request's strings: ids appear in every log event; the salt is hashed into every
-# prompt's prefix-cache namespace (a cost per request, so not unbounded either).
-MAX_REQUEST_ID_CHARS = 256
-MAX_CACHE_SALT_CHARS = 256
-
 
 class Engine:
     """Continuous-batching engine over a model and a memory-service client.
@@ -65,42 +61,31 @@ class Engine:
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams, *, request_id: str = "",
                       cache_salt: str = "") -> None:
-        """Raise ValueError (naming the field) unless this request can run on this model and pool."""
-        if len(request_id) > MAX_REQUEST_ID_CHARS:
-            raise ValueError(f"request_id has {len(request_id)} characters; at most {MAX_REQUEST_ID_CHARS}")
-        if len(cache_salt) > MAX_CACHE_SALT_CHARS:
-            # The salt goes into the memory service's cache namespace, whose length is bounded there.
-            raise ValueError(f"cache_salt has {len(cache_salt)} characters; at most {MAX_CACHE_SALT_CHARS}")
-        if not prompt_token_ids:
-            raise ValueError("prompt_token_ids must have at least one token")
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt_token_ids: token ids must be in [0, {vocab}), got {bad}")
-        bad = next((t for t in params.stop_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"stop_token_ids: token ids must be in [0, {vocab}), got {bad}")
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop: this model has no tokenizer, so stop strings cannot match; use stop_token_ids")
+        """Raise InvalidArgument (naming the field) unless this request can run on this model and pool.
+
+        Lengths before contents: the prompt's length is compared with the model's before any id is
+        read, and the ids are then checked in one pass (``check_token_ids``).
+        """
+        rules.check_ids(request_id, cache_salt)
         limit = self.model_config.max_position
-        if len(prompt_token_ids) + params.max_tokens > limit:
-            raise ValueError(
-                f"max_tokens: the prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) "
-                f"exceed the model's length of {limit} tokens"
-            )
-        capacity = (self.memory.num_blocks - self.memory.num_reserved_blocks) * self.memory.block_size
-        if len(prompt_token_ids) + params.max_tokens > capacity:
-            # Rejected up front: waiting for blocks that can never be free would starve it forever.
-            raise ValueError(
-                f"max_tokens: the prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) "
-                f"exceed the KV pool's {capacity} tokens"
-            )
+        rules.check_prompt_length(len(prompt_token_ids), params.max_tokens, limit)
+        vocab = self.model_config.vocab_size
+        rules.check_token_ids("prompt_token_ids", prompt_token_ids, vocab)
+        rules.check_token_ids("params.stop_token_ids", params.stop_token_ids, vocab)
+        if params.stop and self.tokenizer is None:
+            raise InvalidArgument("params.stop: this model has no tokenizer, so stop strings cannot match; "
+                                  "use stop_token_ids")
+        # Rejected up front: waiting for blocks that can never be free at once would starve it
+        # (or preempt its own completions) forever. n completions hold n copies of max_tokens.
+        rules.check_capacity(len(prompt_token_ids), params.max_tokens, params.n, self.memory.block_size,
+                             self.memory.num_blocks - self.memory.num_reserved_blocks)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     *, priority: int = 0, cache_salt: str = "") -> None:
-        """Queue a request. Raises ValueError for a duplicate id or a request that cannot run."""
+        """Queue a request. Raises AlreadyExistsError for a duplicate id, InvalidArgument for a
+        request that cannot run."""
         if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already running")
+            raise AlreadyExistsError(f"request_id {echo(request_id)} is already running")
         self.check_request(prompt_token_ids, params, request_id=request_id, cache_salt=cache_salt)
         request = Request(request_id, list(prompt_token_ids), params, self.tokenizer, priority, cache_salt)
         seq = self._new_seq(request, index=0)
@@ -238,7 +223,7 @@ class Engine:
         reason = None
         if token in self.model_config.eos_token_ids and not p.ignore_eos and seq.num_output_tokens > p.min_tokens:
             reason = FinishReason.EOS
-        elif token in p.stop_token_ids and seq.num_output_tokens > p.min_tokens:
+        elif token in p.stop_token_id_set and seq.num_output_tokens > p.min_tokens:
             reason, completion.stop_reason = FinishReason.STOP, token
         elif stop_match is not None:
             reason, completion.stop_reason = FinishReason.STOP, stop_match.stop

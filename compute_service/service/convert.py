@@ -8,13 +8,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagedserve import sampling_rules as rules
 from pagedserve.compute.v1 import compute_pb2 as pb
+from pagedserve.errors import InvalidArgument
 
 from compute_service.model.model_info import ModelInfo
 from compute_service.engine.outputs import CompletionOutput, RequestOutput
 from compute_service.engine.request import EngineLoad
 from compute_service.engine.sampler import TokenLogprobs
-from compute_service.engine.sampling_params import MAX_LOGPROBS, MAX_N, MAX_STOP_STRINGS, SamplingParams
+from compute_service.engine.sampling_params import SamplingParams
 
 # Fields copied as they are (proto3 zero = the core default, or "unset" marked by presence).
 _OPTIONAL_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "repetition_penalty", "logprobs")
@@ -33,7 +35,8 @@ class GenerateInput:
 
 
 def params_from_pb(msg: pb.SamplingParams) -> SamplingParams:
-    """SamplingParams from the wire; raises ValueError naming the bad field (``params.<name>``)."""
+    """SamplingParams from the wire; raises InvalidArgument naming the bad field (``params.<name>``)."""
+    rules.check_counts(len(msg.stop), len(msg.stop_token_ids))  # before the repeated fields are copied
     values: dict = {name: getattr(msg, name) for name in _PLAIN_FIELDS}
     values.update({name: getattr(msg, name) for name in _OPTIONAL_FIELDS if msg.HasField(name)})
     values["n"] = msg.n or 1
@@ -41,8 +44,8 @@ def params_from_pb(msg: pb.SamplingParams) -> SamplingParams:
     values["stop_token_ids"] = tuple(msg.stop_token_ids)
     try:
         return SamplingParams(**values)
-    except ValueError as exc:
-        raise ValueError(f"params.{exc}") from None
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"params.{exc}") from None
 
 
 def params_to_pb(params: SamplingParams) -> pb.SamplingParams:
@@ -60,8 +63,14 @@ def params_to_pb(params: SamplingParams) -> pb.SamplingParams:
     return msg
 
 
-def generate_from_pb(msg: pb.GenerateRequest, default_request_id: str) -> GenerateInput:
-    """The request in core types (model-dependent checks are the engine's ``check_request``)."""
+def generate_from_pb(msg: pb.GenerateRequest, default_request_id: str, max_model_len: int) -> GenerateInput:
+    """The request in core types (model-dependent checks are the engine's ``check_request``).
+
+    Sizes come first: the prompt's length is checked against the model before its ids are copied
+    or read one by one (a prompt far beyond the model costs a length comparison, nothing more).
+    """
+    max_tokens = msg.params.max_tokens if msg.params.HasField("max_tokens") else rules.DEFAULT_MAX_TOKENS
+    rules.check_prompt_length(len(msg.prompt_token_ids), max_tokens, max_model_len)
     return GenerateInput(
         request_id=msg.request_id or default_request_id,
         prompt_token_ids=list(msg.prompt_token_ids),
@@ -117,6 +126,6 @@ def info_to_pb(info: ModelInfo, *, block_size: int, num_kv_blocks: int) -> pb.In
         device=info.device, vocab_size=info.vocab_size, eos_token_ids=info.eos_token_ids,
         bos_token_id=info.bos_token_id, pad_token_id=info.pad_token_id, chat_template=info.chat_template,
         tokenizer_files=[pb.TokenizerFile(name=f.name, size=len(f.data), sha256=f.sha256) for f in info.tokenizer_files],
-        max_n=MAX_N, max_logprobs=MAX_LOGPROBS, max_stop_strings=MAX_STOP_STRINGS,
+        max_n=rules.MAX_N, max_logprobs=rules.MAX_LOGPROBS, max_stop_strings=rules.MAX_STOP_STRINGS,
         default_params=params_to_pb(SamplingParams()), num_kv_blocks=num_kv_blocks,
     )

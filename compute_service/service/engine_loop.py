@@ -7,8 +7,9 @@ the servicer's sink hands it to its event loop with ``call_soon_threadsafe``). W
 the thread sleeps on an event instead of spinning, waking for a command or, every
 ``ping_interval_s``, to check that the memory service is still there.
 
-Losing the memory service (an RPC fails with UNAVAILABLE, or the service no longer knows our
-lease) ends every request in flight with ``EngineUnavailable``, reports "not ready", and retries
+Losing the memory service (the memory client raises ``MemoryServiceUnavailable``, its one word for
+"the service is gone, or no longer knows our lease") ends every request in flight with
+``EngineUnavailable``, reports "not ready", and retries
 attaching until the service is back: a new lease, a new pool mapping, a new engine around the same
 model. Any other failure of a step is a bug: it is logged with its traceback, the requests in
 flight end with ``EngineFailed``, and the engine is rebuilt the same way (its state is suspect).
@@ -21,9 +22,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import grpc
-
-from pagedserve.errors import AlreadyExistsError, UnavailableError
+from pagedserve.errors import AlreadyExistsError, InvalidArgument, UnavailableError, echo
 from pagedserve.log import get_logger
 
 from memory_service.api import MemoryServiceUnavailable
@@ -34,11 +33,6 @@ from compute_service.engine.request import EngineLoad
 from compute_service.engine.sampling_params import SamplingParams
 
 log = get_logger("engine_loop")
-
-# Status codes from the memory service that mean "it is gone, or it no longer knows us".
-_LOST_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION,
-               grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
-
 
 # How often a loop whose requests all wait for blocks (held by other clients) asks again.
 WAITING_POLL_S = 0.01
@@ -77,19 +71,6 @@ class AddCommand:
 @dataclass(frozen=True)
 class AbortCommand:
     request_id: str
-
-
-def _is_unreachable(exc: BaseException) -> bool:
-    """Nobody answers (as opposed to a service that answers but refuses)."""
-    if isinstance(exc, UnavailableError):
-        return True
-    return isinstance(exc, grpc.RpcError) and exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-
-
-def _is_memory_lost(exc: BaseException) -> bool:
-    if isinstance(exc, UnavailableError):  # the memory client's own word for it
-        return True
-    return isinstance(exc, grpc.RpcError) and exc.code() in _LOST_CODES
 
 
 class EngineLoop:
@@ -151,7 +132,7 @@ class EngineLoop:
             try:
                 self._serve(engine)
             except Exception as exc:  # noqa: BLE001 - re-raised as each request's error, never dropped
-                if _is_memory_lost(exc):
+                if isinstance(exc, UnavailableError):  # the memory client's one word for "gone"
                     log.warning("memory_service_lost", error=str(exc))
                     self._fail_all(EngineUnavailable(f"memory service unavailable: {exc}"))
                 else:
@@ -176,7 +157,7 @@ class EngineLoop:
             except Exception as exc:  # noqa: BLE001 - unreachable memory service: retry until it is back
                 # A service that is down is expected (debug); one that refuses us (a layout or block
                 # size that differs from its pool) needs an operator: warn, once per distinct error.
-                level = log.debug if _is_unreachable(exc) else log.warning
+                level = log.debug if isinstance(exc, UnavailableError) else log.warning
                 if str(exc) != last_error:
                     level("memory_service_attach_failed", error=str(exc))
                     last_error = str(exc)
@@ -244,12 +225,12 @@ class EngineLoop:
                 command.sink(EngineUnavailable("memory service unavailable"))
                 continue
             if command.request_id in engine.requests:  # the aborted namesake is not freed yet
-                command.sink(AlreadyExistsError(f"request_id {command.request_id!r} is already running"))
+                command.sink(AlreadyExistsError(f"request_id {echo(command.request_id)} is already running"))
                 continue
             try:
                 engine.add_request(command.request_id, command.prompt_token_ids, command.params,
                                    priority=command.priority, cache_salt=command.cache_salt)
-            except ValueError as exc:  # checked by the servicer already; reported, not dropped
+            except (InvalidArgument, AlreadyExistsError) as exc:  # checked by the servicer already; reported
                 command.sink(exc)
                 continue
             self._sinks[command.request_id] = command.sink

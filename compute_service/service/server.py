@@ -19,7 +19,7 @@ from pathlib import Path
 
 from grpc_health.v1 import health_pb2
 
-from pagedserve import rpc, sockets
+from pagedserve import rpc, sampling_rules, sockets
 from pagedserve.compute.v1 import compute_pb2, compute_pb2_grpc
 from pagedserve.dtypes import dtype_name
 from pagedserve.errors import UnavailableError
@@ -77,8 +77,11 @@ async def serve(config: ComputeServiceConfig, engine_config: EngineConfig) -> in
         event_loop.add_signal_handler(sig, stop.set)
 
     servicer = ComputeServicer(config, engine_config)
+    # Sized from the limits of a request (its prompt at most MAX_PROMPT_TOKENS ids, every repeated
+    # field bounded), not a flat 64 MiB: a request far beyond any model's is refused before parsing.
     server, health = rpc.create_aio_server(
-        [lambda s: compute_pb2_grpc.add_ComputeServicer_to_server(servicer, s)], [SERVICE_NAME], serving=False
+        [lambda s: compute_pb2_grpc.add_ComputeServicer_to_server(servicer, s)], [SERVICE_NAME], serving=False,
+        max_message_bytes=sampling_rules.max_message_bytes(),
     )
     address = sockets.bind(server, config.listen)
     await server.start()

@@ -1,8 +1,9 @@
 """``pagedserve.compute.v1.Compute``: thin asyncio handlers over the engine loop.
 
 Each handler converts at the edge (``convert``), calls the core, converts back. Errors are raised,
-never turned into status codes here: the server's interceptor maps ValueError to INVALID_ARGUMENT,
-AlreadyExistsError, ResourceExhaustedError and UnavailableError to theirs, anything else to INTERNAL.
+never turned into status codes here: the server's interceptor maps InvalidArgument to
+INVALID_ARGUMENT, AlreadyExistsError, ResourceExhaustedError and UnavailableError to theirs,
+anything else to INTERNAL.
 
 A Generate stream is an asyncio task waiting on its own asyncio.Queue; the engine thread feeds
 that queue through ``call_soon_threadsafe``. When the stream ends early (the client cancels,
@@ -20,7 +21,7 @@ import grpc
 
 from pagedserve.compute.v1 import compute_pb2 as pb
 from pagedserve.compute.v1 import compute_pb2_grpc
-from pagedserve.errors import AlreadyExistsError, ResourceExhaustedError, UnavailableError
+from pagedserve.errors import AlreadyExistsError, ResourceExhaustedError, UnavailableError, echo
 
 from compute_service.service import convert
 from compute_service.engine.config import EngineConfig
@@ -29,6 +30,10 @@ from compute_service.engine.engine import Engine
 from compute_service.service.engine_loop import AddCommand, EngineLoop
 from compute_service.model.model_info import ModelInfo
 from compute_service.engine.outputs import RequestOutput
+
+
+# Prompts longer than this are converted and checked in a worker thread.
+_OFF_LOOP_PROMPT_TOKENS = 1 << 14
 
 
 class ComputeServicer(compute_pb2_grpc.ComputeServicer):
@@ -73,10 +78,15 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         engine = self._accepting_engine()
-        req = convert.generate_from_pb(request, default_request_id=f"cmpl-{uuid.uuid4().hex}")
-        engine.check_request(req.prompt_token_ids, req.params, request_id=req.request_id, cache_salt=req.cache_salt)
+        _, info = self._started()
+        if len(request.prompt_token_ids) > _OFF_LOOP_PROMPT_TOKENS:
+            # Converting and checking a long prompt takes milliseconds: off the event loop, which
+            # serves every other stream (the length itself is checked first, in the thread too).
+            req = await asyncio.to_thread(self._checked_request, engine, request, info.max_model_len)
+        else:
+            req = self._checked_request(engine, request, info.max_model_len)
         if req.request_id in self._streams:
-            raise AlreadyExistsError(f"request_id {req.request_id!r} is already running")
+            raise AlreadyExistsError(f"request_id {echo(req.request_id)} is already running")
         if len(self._streams) >= self._config.max_queued_requests:
             raise ResourceExhaustedError(
                 f"{len(self._streams)} requests in flight: the limit (max_queued_requests) is reached; retry later"
@@ -107,6 +117,14 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
             self._streams.discard(req.request_id)
             if not finished:
                 self._loop.abort(req.request_id)  # cancelled, disconnected or past its deadline
+
+    @staticmethod
+    def _checked_request(engine: Engine, request: pb.GenerateRequest, max_model_len: int) -> convert.GenerateInput:
+        """The request in core types, every field checked: sizes first, then each id (InvalidArgument)."""
+        req = convert.generate_from_pb(request, default_request_id=f"cmpl-{uuid.uuid4().hex}",
+                                       max_model_len=max_model_len)
+        engine.check_request(req.prompt_token_ids, req.params, request_id=req.request_id, cache_salt=req.cache_salt)
+        return req
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         found = request.request_id in self._streams

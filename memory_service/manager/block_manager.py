@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from pagedserve.errors import InvalidArgument, echo
+
 from memory_service.manager import manager_checks
 from memory_service.manager.block_pool import BlockPool
 from memory_service.manager.block_types import (
@@ -60,7 +62,7 @@ class BlockManager:
     """Allocates, shares, caches and frees the blocks of a paged KV pool.
 
     Out of blocks is a normal result (``OpResult.ok == False``, and that op changed nothing); bad
-    input raises ``ValueError`` and changes nothing; a broken invariant raises ``AssertionError``.
+    input raises ``InvalidArgument`` and changes nothing; a broken invariant raises ``AssertionError``.
     Sequence ids are per client: two clients may use the same id for different sequences.
 
     Args:
@@ -92,9 +94,9 @@ class BlockManager:
             client_id: a new, non-empty id.
         """
         if type(client_id) is not str or not client_id:
-            raise ValueError(f"client_id must be a non-empty string, got {client_id!r}")
+            raise InvalidArgument(f"client_id must be a non-empty string, got {echo(client_id)}")
         if client_id in self._client_seqs:
-            raise ValueError(f"client_id {client_id!r} is already attached")
+            raise InvalidArgument(f"client_id {echo(client_id)} is already attached")
         self._client_seqs[client_id] = {}
         self._pending[client_id] = {}
 
@@ -112,7 +114,7 @@ class BlockManager:
         """
         seqs = self._client_seqs.get(client_id)
         if seqs is None:
-            raise ValueError(f"client_id {client_id!r} is not attached")
+            raise InvalidArgument(f"client_id {echo(client_id)} is not attached")
         for block_id in self._pending.pop(client_id):
             self._prefix_cache.unregister(block_id)
         num_freed = len(seqs)
@@ -132,7 +134,7 @@ class BlockManager:
         """
         pending = self._pending.get(client_id)
         if pending is None:
-            raise ValueError(f"client_id {client_id!r} is not attached")
+            raise InvalidArgument(f"client_id {echo(client_id)} is not attached")
         if pending:
             self._prefix_cache.commit(pending)
             pending.clear()
@@ -166,7 +168,7 @@ class BlockManager:
         """Applies a batch of ops of one client (one scheduler step), in order.
 
         All ops are validated first, against the state as the earlier ops would leave it; a bad one
-        raises ``ValueError`` and nothing is applied. A valid batch first commits the client's
+        raises ``InvalidArgument`` and nothing is applied. A valid batch first commits the client's
         earlier batches (it acknowledges that their K/V is written). Then each op applies
         atomically: one that finds too few blocks returns ``ok=False`` having changed nothing, and
         the others still apply. Ops on a sequence whose AllocateOp failed earlier in the batch (or
@@ -261,7 +263,7 @@ class BlockManager:
         """
         seq = self._client_seqs.get(client_id, {}).get(seq_id)
         if seq is None:
-            raise ValueError(f"seq_id {seq_id!r} is not a live sequence of this client")
+            raise InvalidArgument(f"seq_id {echo(seq_id)} is not a live sequence of this client")
         return list(seq.block_table)
 
     def ref_count(self, block_id: int) -> int:
@@ -274,7 +276,7 @@ class BlockManager:
             The block's reference count; 0 when it is free or evictable.
         """
         if type(block_id) is not int or not 0 <= block_id < self.config.num_blocks:
-            raise ValueError(f"block_id must be an int in [0, {self.config.num_blocks}), got {block_id!r}")
+            raise InvalidArgument(f"block_id must be an int in [0, {self.config.num_blocks}), got {echo(block_id)}")
         return self._pool.ref_counts[block_id]
 
     def num_available_blocks(self) -> tuple[int, int]:
@@ -287,7 +289,7 @@ class BlockManager:
 
     def _apply_one(self, client_id: str, op: Op, op_type: type) -> OpResult:
         if type(op) is not op_type:
-            raise ValueError(f"expected an {op_type.__name__}, got {type(op).__name__}")
+            raise InvalidArgument(f"expected an {op_type.__name__}, got {type(op).__name__}")
         return self.apply(client_id, (op,))[0]
 
     # --- observability ------------------------------------------------------------------------

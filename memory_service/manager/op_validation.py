@@ -1,6 +1,6 @@
 """Validation of a client's batch of ops, before the block manager applies any of it.
 
-A bad op is a caller bug: it raises ``ValueError`` naming the op and the problem, and because the
+A bad op is a caller bug: it raises ``InvalidArgument`` naming the op and the problem, and because the
 whole batch is checked first, nothing of the batch has been applied. Token ids are checked by
 encoding them (``token_encoding``: one pass in C), and the encodings are handed on to the manager
 (cache keys, token counts), with the FreeOps whose blocks must wait for the end of the batch
@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
+
+from pagedserve.errors import InvalidArgument, echo
 
 from memory_service.manager.block_types import AllocateOp, AppendOp, ForkOp, FreeOp, Op
 from memory_service.token_encoding import TOKEN_WIDTH, encode_token_ids
@@ -33,17 +35,17 @@ def _encode_token_ids(index: int, op: object, name: str, token_ids: object) -> b
     """Returns the encoded ids; raises unless ``token_ids`` is a non-empty sequence of ints in [0, 2**32)."""
     # bytes and str would be taken as raw machine words and characters. (A list is the common case.)
     if type(token_ids) is not list and isinstance(token_ids, (str, bytes, bytearray, memoryview)):
-        raise ValueError(
+        raise InvalidArgument(
             f"{_where(index, op)}: {name} must be a sequence of int token ids, got {type(token_ids).__name__}"
         )
     try:
         token_bytes = encode_token_ids(token_ids)
     except OverflowError as exc:
-        raise ValueError(f"{_where(index, op)}: {name} holds a token id < 0 or >= 2**32 ({exc})") from exc
+        raise InvalidArgument(f"{_where(index, op)}: {name} holds a token id < 0 or >= 2**32 ({exc})") from exc
     except TypeError as exc:
-        raise ValueError(f"{_where(index, op)}: {name} must be a sequence of int token ids ({exc})") from exc
+        raise InvalidArgument(f"{_where(index, op)}: {name} must be a sequence of int token ids ({exc})") from exc
     if not token_bytes:
-        raise ValueError(f"{_where(index, op)}: {name} is empty")
+        raise InvalidArgument(f"{_where(index, op)}: {name} is empty")
     return token_bytes
 
 
@@ -99,7 +101,7 @@ class OpValidator:
         }
 
     def validate(self, client_id: str, ops: Sequence[Op], expected_type: type | None = None) -> ValidatedBatch:
-        """Raises ``ValueError`` for the first bad op. Changes nothing.
+        """Raises ``InvalidArgument`` for the first bad op. Changes nothing.
 
         Checked: the client is attached; each op is one of the four op types (``expected_type``
         when given); seq ids are non-empty strings; new ones are not live, the others are live
@@ -125,16 +127,16 @@ class OpValidator:
         """
         seqs = self._client_seqs.get(client_id)
         if seqs is None:
-            raise ValueError(f"client_id {client_id!r} is not attached")
+            raise InvalidArgument(f"client_id {echo(client_id)} is not attached")
         batch = _Batch(seqs)
         checks = self._checks
         for index, op in enumerate(ops):
             op_type = type(op)
             if expected_type is not None and op_type is not expected_type:
-                raise ValueError(f"expected an {expected_type.__name__}, got {op_type.__name__}")
+                raise InvalidArgument(f"expected an {expected_type.__name__}, got {op_type.__name__}")
             check = checks.get(op_type)
             if check is None:
-                raise ValueError(
+                raise InvalidArgument(
                     f"ops[{index}]: expected an AllocateOp, AppendOp, FreeOp or ForkOp, got {op_type.__name__}"
                 )
             check(batch, index, op)
@@ -150,16 +152,16 @@ class OpValidator:
         else:
             num_tokens = self._live_num_tokens(batch, index, op, "seq_id", seq_id)
         if seq_id in batch.unwritten_shared_seq_ids:
-            raise ValueError(
-                f"{_where(index, op)}: seq_id {seq_id!r} shares blocks (by a ForkOp earlier in this batch) "
+            raise InvalidArgument(
+                f"{_where(index, op)}: seq_id {echo(seq_id)} shares blocks (by a ForkOp earlier in this batch) "
                 "holding tokens whose K/V this batch has not written yet, so copy-on-write could copy them "
                 "without it; fork before the AllocateOp/AppendOp, or append in a later batch"
             )
         token_bytes = _encode_token_ids(index, op, "token_ids", op.token_ids)
         num_tokens += len(token_bytes) // TOKEN_WIDTH
         if num_tokens > self._max_num_tokens:
-            raise ValueError(
-                f"{_where(index, op)}: seq_id {seq_id!r} would grow to {num_tokens} tokens, "
+            raise InvalidArgument(
+                f"{_where(index, op)}: seq_id {echo(seq_id)} would grow to {num_tokens} tokens, "
                 f"more than the whole pool holds ({self._max_num_tokens})"
             )
         batch.num_tokens[seq_id] = num_tokens
@@ -171,20 +173,20 @@ class OpValidator:
         token_bytes = _encode_token_ids(index, op, "prompt_token_ids", op.prompt_token_ids)
         num_prompt_tokens = len(token_bytes) // TOKEN_WIDTH
         if num_prompt_tokens > self._max_num_tokens:
-            raise ValueError(
+            raise InvalidArgument(
                 f"{_where(index, op)}: prompt_token_ids has {num_prompt_tokens} tokens, "
                 f"more than the whole pool holds ({self._max_num_tokens})"
             )
         if type(op.max_num_new_tokens) is not int or op.max_num_new_tokens < 1:
-            raise ValueError(
-                f"{_where(index, op)}: max_num_new_tokens must be an int >= 1, got {op.max_num_new_tokens!r}"
+            raise InvalidArgument(
+                f"{_where(index, op)}: max_num_new_tokens must be an int >= 1, got {echo(op.max_num_new_tokens)}"
             )
         if type(op.priority) is not int:
-            raise ValueError(f"{_where(index, op)}: priority must be an int, got {op.priority!r}")
+            raise InvalidArgument(f"{_where(index, op)}: priority must be an int, got {echo(op.priority)}")
         if type(op.namespace) is not str:
-            raise ValueError(f"{_where(index, op)}: namespace must be a string, got {op.namespace!r}")
+            raise InvalidArgument(f"{_where(index, op)}: namespace must be a string, got {echo(op.namespace)}")
         if len(op.namespace) > MAX_NAMESPACE_LENGTH:
-            raise ValueError(
+            raise InvalidArgument(
                 f"{_where(index, op)}: namespace has {len(op.namespace)} characters, "
                 f"at most {MAX_NAMESPACE_LENGTH} (hash a long cache_salt)"
             )
@@ -216,22 +218,24 @@ class OpValidator:
     @staticmethod
     def _live_num_tokens(batch: _Batch, index: int, op: Op, name: str, seq_id: object) -> int:
         if type(seq_id) is not str:
-            raise ValueError(f"{_where(index, op)}: {name} must be a string, got {seq_id!r}")
+            raise InvalidArgument(f"{_where(index, op)}: {name} must be a string, got {echo(seq_id)}")
         if seq_id in batch.num_tokens:
             num_tokens = batch.num_tokens[seq_id]
             if num_tokens is None:
-                raise ValueError(f"{_where(index, op)}: {name} {seq_id!r} was freed by an earlier op of this batch")
+                raise InvalidArgument(
+                    f"{_where(index, op)}: {name} {echo(seq_id)} was freed by an earlier op of this batch")
             return num_tokens
         seq = batch.seqs.get(seq_id)
         if seq is None:
             # The same words whether the id is unknown or another client's: ids are per client.
-            raise ValueError(f"{_where(index, op)}: {name} {seq_id!r} is not a live sequence of this client")
+            raise InvalidArgument(f"{_where(index, op)}: {name} {echo(seq_id)} is not a live sequence of this client")
         return seq.num_tokens
 
     @staticmethod
     def _check_new_seq_id(batch: _Batch, index: int, op: Op, name: str, seq_id: object) -> None:
         if type(seq_id) is not str or not seq_id:
-            raise ValueError(f"{_where(index, op)}: {name} must be a non-empty string, got {seq_id!r}")
+            raise InvalidArgument(f"{_where(index, op)}: {name} must be a non-empty string, got {echo(seq_id)}")
         is_live = batch.num_tokens[seq_id] is not None if seq_id in batch.num_tokens else seq_id in batch.seqs
         if is_live:
-            raise ValueError(f"{_where(index, op)}: {name} {seq_id!r} is already a live sequence of this client")
+            raise InvalidArgument(
+                f"{_where(index, op)}: {name} {echo(seq_id)} is already a live sequence of this client")

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from pagedserve.errors import PreconditionError, ResourceExhaustedError
+from pagedserve.errors import InvalidArgument, PreconditionError, ResourceExhaustedError, echo
 from pagedserve.log import get_logger
 from pagedserve.memory.v1 import memory_pb2 as pb
 from pagedserve.memory.v1 import memory_pb2_grpc
@@ -130,7 +130,8 @@ class MemoryManagerServicer(memory_pb2_grpc.MemoryManagerServicer):
         lease = self._leases.get(client_id)
         if lease is None:
             raise PreconditionError(
-                f"client_id {client_id!r} is not attached (never attached, detached, or its lease expired): attach again"
+                f"client_id {echo(client_id)} is not attached (never attached, detached, or its lease expired): "
+                "attach again"
             )
         lease.last_seen = time.monotonic()
         return lease
@@ -161,7 +162,7 @@ class MemoryManagerServicer(memory_pb2_grpc.MemoryManagerServicer):
     async def Attach(self, request: pb.AttachRequest, context: grpc.aio.ServicerContext) -> pb.AttachResponse:
         layout = convert.layout_from_pb(request.layout, self.config.block_size)
         if len(request.client_name) > 128:
-            raise ValueError(f"client_name has {len(request.client_name)} characters, at most 128")
+            raise InvalidArgument(f"client_name has {len(request.client_name)} characters, at most 128")
         if len(self._leases) >= self.config.max_clients:
             raise ResourceExhaustedError(f"{len(self._leases)} clients are attached, the most this service takes")
         self._ensure_pool(layout)
@@ -194,13 +195,14 @@ class MemoryManagerServicer(memory_pb2_grpc.MemoryManagerServicer):
         if interval == 0:
             interval = max(MIN_KEEPALIVE_INTERVAL_S, self.config.lease_ttl_s / 3)
         elif not (math.isfinite(interval) and MIN_KEEPALIVE_INTERVAL_S <= interval <= MAX_KEEPALIVE_INTERVAL_S):
-            raise ValueError(
+            raise InvalidArgument(
                 f"interval_s must be 0 (the default) or in [{MIN_KEEPALIVE_INTERVAL_S}, {MAX_KEEPALIVE_INTERVAL_S}], "
                 f"got {interval}"
             )
         lease = self._lease(request.client_id)
         if lease.num_streams >= MAX_STREAMS_PER_CLIENT:
-            raise ResourceExhaustedError(f"client_id {request.client_id!r} already holds {lease.num_streams} KeepAlive streams")
+            raise ResourceExhaustedError(
+                f"client_id {echo(request.client_id)} already holds {lease.num_streams} KeepAlive streams")
         lease.num_streams += 1
         try:
             # Ends when the lease does (detach) or the server stops; a client that goes away
@@ -218,7 +220,7 @@ class MemoryManagerServicer(memory_pb2_grpc.MemoryManagerServicer):
     async def Step(self, request: pb.StepRequest, context: grpc.aio.ServicerContext) -> pb.StepResponse:
         num_ops = len(request.ops) + len(request.appends.seq_ids) + len(request.late_ops)
         if num_ops > MAX_OPS_PER_STEP:
-            raise ValueError(f"the step has {num_ops} ops; at most {MAX_OPS_PER_STEP} per step")
+            raise InvalidArgument(f"the step has {num_ops} ops; at most {MAX_OPS_PER_STEP} per step")
         self._lease(request.client_id)
         early = [convert.op_from_pb(op) for op in request.ops]
         appends = convert.appends_from_pb(request.appends)

@@ -167,7 +167,7 @@ def test_abort_and_bad_input(tiny_dir: Path) -> None:
         assert [(o.request_id, o.finished, o.finish_reason) for o in outs] == [("a", True, "abort")]
         engine.step()  # frees the aborted sequence's blocks
         assert llm.memory_stats().num_sequences == 0
-        with pytest.raises(ValueError, match="token ids"):
+        with pytest.raises(ValueError, match="prompt_token_ids"):
             llm.generate([[VOCAB + 5]], max_tokens=2)
         with pytest.raises(ValueError, match="max_tokens"):
             llm.generate([[3, 4]], max_tokens=0)
