@@ -66,7 +66,7 @@ RUN apt-get update \
 # Every pip run may reach PyPI through a TLS proxy whose CA the base image does not know: a build
 # secret `ca-bundle` (a CA bundle file) is then used for that run only and stays out of every layer.
 # torch first and pinned, the CPU-only build for the CPU variant: otherwise a dependency pulls the
-# default (CUDA) build, gigabytes the slim image does not want. A wheel staged in ./wheels/ wins
+# default (CUDA) build, gigabytes the slim image does not want. A CPU wheel staged in ./wheels/ wins
 # over any index (scripts/image.sh stages this machine's CPU wheel there); BuildKit lets the glob
 # match nothing.
 COPY wheel[s] /build/
@@ -76,7 +76,7 @@ RUN --mount=type=secret,id=ca-bundle \
     if [ -s /run/secrets/ca-bundle ]; then export PIP_CERT=/run/secrets/ca-bundle; fi \
     && python3 -m venv /opt/venv \
     && staged=(/build/torch-"${TORCH_VERSION}"*.whl) \
-    && if [ -e "${staged[0]}" ]; then \
+    && if [ "$VARIANT" = "cpu" ] && [ -e "${staged[0]}" ]; then \
            pip install "${staged[0]}"; \
        elif [ "$VARIANT" = "cpu" ]; then \
            pip install --index-url "$TORCH_CPU_INDEX_URL" "torch==${TORCH_VERSION}"; \

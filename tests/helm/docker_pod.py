@@ -15,6 +15,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -200,8 +201,18 @@ class DockerPod:
         waiter = subprocess.Popen(["docker", "wait", container], stdout=subprocess.PIPE, text=True)
         docker("stop", "-t", str(timeout_s), container, timeout=timeout_s + 60)
         status = waiter.communicate(timeout=60)[0].strip()
+        _wait_removed(container)
         return int(status) if status.lstrip("-").isdigit() else -1
 
     def stop_sandbox(self) -> None:
         docker("stop", "-t", "10", self.sandbox, check=False, timeout=90)
+        _wait_removed(self.sandbox)
         subprocess.run(["rm", "-rf", str(self._config_dir)], check=False)
+
+
+def _wait_removed(container: str, timeout_s: float = 60) -> None:
+    """`--rm` removes a stopped container (and its anonymous volumes) just after `docker stop` returns."""
+    deadline = time.monotonic() + timeout_s
+    while docker("container", "inspect", container, check=False).returncode == 0:
+        assert time.monotonic() < deadline, f"{container}: stopped but not removed within {timeout_s} s"
+        time.sleep(0.2)

@@ -110,11 +110,13 @@ def test_engine_and_gateway_pods_in_docker(image: str) -> None:
         engine.start("memory")  # a native sidecar: the compute container starts once its startup probe passes
         _wait("memory startup probe", lambda: engine.probe("memory", "startupProbe"), 120,
               lambda: engine.running("memory"))
+        memory_ready_s = time.monotonic() - started
         engine.start("compute")
         gateway.start_sandbox()
         gateway.start("gateway")
         _wait("compute startup probe", lambda: engine.probe("compute", "startupProbe"), 900,
               lambda: engine.running("compute"))
+        compute_ready_s = time.monotonic() - started
         _wait("gateway readiness", lambda: gateway.probe("gateway", "readinessProbe"), 120,
               lambda: gateway.running("gateway"))
         ready_s = time.monotonic() - started
@@ -183,5 +185,7 @@ def test_engine_and_gateway_pods_in_docker(image: str) -> None:
         for name in docker("ps", "-a", "-q", "--filter", f"label={LABEL}={run_label}").stdout.split():
             docker("rm", "-f", "-v", name, check=False)
         docker("network", "rm", run_label, check=False)
-    print(json.dumps({"bench": "image_cold_start", "image": image, "ready_s": round(ready_s, 1),
-                      "first_token_s": round(first_token_s or -1, 1)}))
+    size = int(docker("image", "inspect", "-f", "{{.Size}}", image).stdout)
+    print(json.dumps({"bench": "image_cold_start", "image": image, "image_bytes": size,
+                      "memory_ready_s": round(memory_ready_s, 1), "compute_ready_s": round(compute_ready_s, 1),
+                      "gateway_ready_s": round(ready_s, 1), "first_token_s": round(first_token_s or -1, 1)}))
