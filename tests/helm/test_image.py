@@ -86,8 +86,10 @@ def test_image_is_slim_unprivileged_and_carries_the_prebuilt_kernels(image: str)
 
 @pytest.mark.timeout(1200)
 def test_engine_and_gateway_pods_in_docker(image: str) -> None:
-    from pagedserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
     import grpc
+
+    from kernels import cpu_ops
+    from pagedserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
     run_label = f"pstest-{os.getpid()}-{int(time.time())}"
     gateway_port = _free_port()  # as `kubectl port-forward svc/... P:P` makes it on the user's machine
@@ -142,6 +144,9 @@ def test_engine_and_gateway_pods_in_docker(image: str) -> None:
         # The running compute service uses the image's prebuilt kernels (nothing compiled, no fallback).
         maps = engine.exec("compute", ["sh", "-c", "cat /proc/[0-9]*/maps 2>/dev/null"]).stdout
         assert "/opt/pagedserve/cpu_ops/" in maps and "pagedserve_cpu_ops.so" in maps
+        compute_log = engine.logs("compute")
+        assert f"fused CPU kernels: prebuilt {cpu_ops.supported_levels()[0]} in " in compute_log
+        assert "no prebuilt fused CPU kernels" not in compute_log and "slower PyTorch path" not in compute_log
 
         # What NOTES.txt tells the user to run after the port-forward, with the real grpcurl.
         [list_services, generate] = _notes_grpcurl_commands(rendered.notes)
