@@ -1,10 +1,11 @@
 # One image for all three services (memory_service, compute_service, gateway); the command picks
 # the service, e.g. `python -m gateway --help`. Two variants from this one file, built with BuildKit
 # (DOCKER_BUILDKIT=1: it builds only the stages the variant needs; the legacy builder would pull the
-# CUDA base for a CPU build too):
+# CUDA base for a CPU build too, and has no RUN --mount). No `# syntax=` line: BuildKit's built-in
+# frontend reads this file, where that line would fetch a frontend image from a registry:
 #
-#   docker build -t pagedserve:0.1.0-cpu .                              # slim, CPU-only PyTorch
-#   docker build --build-arg VARIANT=cuda -t pagedserve:0.1.0-cuda .    # CUDA base, Triton kernels
+#   DOCKER_BUILDKIT=1 docker build -t pagedserve:0.1.0-cpu .                            # slim, CPU-only PyTorch
+#   DOCKER_BUILDKIT=1 docker build --build-arg VARIANT=cuda -t pagedserve:0.1.0-cuda .  # CUDA, Triton kernels
 #
 # scripts/image.sh builds the CPU variant where no image registry is reachable (a local base image
 # from debootstrap, the CPU torch wheel staged in ./wheels/). No model is baked in: the Helm chart
@@ -39,11 +40,16 @@ RUN apt-get update \
 FROM base-${VARIANT} AS requirements
 ARG VARIANT
 COPY pyproject.toml /build/
-RUN python3 -c 'import sys, tomllib; deps = tomllib.load(open("/build/pyproject.toml", "rb"))["project"]["dependencies"]; print("\n".join(d for d in deps if not (sys.argv[1] == "cpu" and d.startswith("triton"))))' "$VARIANT" > /build/requirements.txt
+RUN python3 -c 'import sys, tomllib; \
+        deps = tomllib.load(open("/build/pyproject.toml", "rb"))["project"]["dependencies"]; \
+        cuda_only = ("triton",) if sys.argv[1] == "cpu" else (); \
+        print("\n".join(d for d in deps if not d.startswith(cuda_only)))' \
+    "$VARIANT" > /build/requirements.txt
 
 # ---- build: the virtual environment, and (CPU) the fused CPU kernels compiled ahead of time, so the
 # final image carries no C++ compiler and no pod compiles anything. Layers go from what changes
-# least (compiler, torch, dependencies, model) to what changes most (pagedserve's own code). --------
+# least (compiler, torch, dependencies, model) to what changes more (the kernels); pagedserve's own
+# code comes in the wheel stage below. ---------------------------------------------------------------
 # DL3006 wants a tag on every image; this FROM names one of the stages above, not an image.
 # hadolint ignore=DL3006
 FROM base-${VARIANT} AS build
