@@ -25,7 +25,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", dest="metrics_port", type=int, help="serve Prometheus metrics over HTTP on this port")
     p.add_argument("--metrics-host", dest="metrics_host", help="bind address of the metrics server (default 127.0.0.1)")
     p.add_argument("--api-keys-file", dest="api_keys_file",
-                   help=f"require one of these API keys (one per line) as 'authorization: Bearer KEY'; also ${API_KEYS_ENV} (comma-separated)")
+                   help="tenants and their keys, sent as 'authorization: Bearer KEY': a JSON file "
+                        '{"tenants": {"NAME": {"keys": [...], "max_priority": 0, "max_concurrent": N}}} or one key '
+                        f"per line (tenants key-1, key-2, ...); also ${API_KEYS_ENV} (comma-separated)")
+    p.add_argument("--write-stall-timeout-s", dest="write_stall_timeout_s", type=float,
+                   help="end a stream whose client reads nothing for this long, aborting its backend request "
+                        "(default 30)")
+    p.add_argument("--tokenize-threads", dest="tokenize_threads", type=int,
+                   help="threads that tokenize prompts (default 2)")
+    p.add_argument("--tls-cert", dest="tls_cert_file", help="PEM certificate chain: serve TLS (with --tls-key)")
+    p.add_argument("--tls-key", dest="tls_key_file", help="PEM private key of --tls-cert")
     p.add_argument("--max-queued-requests", dest="max_queued_requests", type=int,
                    help="requests held at once; more are answered RESOURCE_EXHAUSTED (default 1024)")
     p.add_argument("--health-interval-s", dest="health_interval_s", type=float, help="backend health/load poll interval (default 1)")

@@ -1,47 +1,42 @@
-"""Optional API-key auth: ``authorization: Bearer KEY`` metadata, compared in constant time.
+"""API-key auth for the gRPC front: ``authorization: Bearer KEY`` metadata names the tenant.
 
-Health checks and reflection stay open, so load balancers, Kubernetes probes and ``grpcurl list``
-work without a key.
+Which tenant a key is, and the constant-time match, live in ``gateway.tenants`` (shared with every
+front); this interceptor only refuses calls whose key is no tenant's. Health checks and reflection
+stay open, so load balancers, Kubernetes probes and ``grpcurl list`` work without a key.
 """
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 
+from gateway.tenants import Tenants
+
 _OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
 
-def is_authorized(metadata: Sequence[tuple[str, str | bytes]], keys: Sequence[bytes]) -> bool:
-    """Whether the call's metadata carries one of ``keys`` as a Bearer token.
-
-    Every key is compared (no early exit), each with ``hmac.compare_digest``, so the time taken
-    does not tell how much of a guess was right nor which key it was close to.
-    """
+def bearer_token(metadata: Sequence[tuple[str, str | bytes]] | None) -> bytes:
+    """The token of the call's ``authorization: Bearer TOKEN`` metadata (empty when none)."""
     token = b""
-    for name, value in metadata:
+    for name, value in metadata or ():
         if name.lower() == "authorization":
             text = value.decode("latin-1") if isinstance(value, bytes) else value
             scheme, _, rest = text.partition(" ")
             if scheme.lower() == "bearer":
-                token = rest.strip().encode()
-    matched = False
-    for key in keys:
-        matched |= hmac.compare_digest(token, key)
-    return matched and bool(token)
+                token = rest.strip().encode("latin-1", "replace")
+    return token
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
-    """Rejects calls without a valid key with UNAUTHENTICATED (health and reflection exempt).
+    """Rejects calls without a tenant's key with UNAUTHENTICATED (health and reflection exempt).
 
     Args:
-        keys: the accepted API keys (non-empty).
+        tenants: the gateway's tenants (with keys).
     """
 
-    def __init__(self, keys: Sequence[str]) -> None:
-        self._keys = [k.encode() for k in keys]
+    def __init__(self, tenants: Tenants) -> None:
+        self._tenants = tenants
 
     async def intercept_service(
         self,
@@ -49,7 +44,8 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         method = handler_call_details.method or ""
-        if method.startswith(_OPEN_PREFIXES) or is_authorized(handler_call_details.invocation_metadata or (), self._keys):
+        if method.startswith(_OPEN_PREFIXES) or self._tenants.identify(
+                bearer_token(handler_call_details.invocation_metadata)) is not None:
             return await continuation(handler_call_details)
         handler = await continuation(handler_call_details)
         if handler is None:

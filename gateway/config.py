@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gateway.tenants import Tenant, load_tenants
 from pagedserve import sampling_rules
 
 # Where API keys come from besides --api-keys-file: comma-separated keys.
@@ -27,7 +28,18 @@ class GatewayConfig:
         listen: the public address, ``host:port``.
         metrics_port: Prometheus HTTP port (None = no metrics server; 0 = any free port).
         metrics_host: the metrics server's bind address.
-        api_keys_file: one key per line (blank lines and ``#`` comments ignored).
+        api_keys_file: the tenants and their keys: a JSON object ``{"tenants": {"NAME": {"keys":
+            [...], "max_priority": P, "max_concurrent": C}}}``, or one key per line (blank lines and
+            ``#`` comments ignored; each key a tenant of its own, ``key-1``, ``key-2``, ...); see
+            ``gateway.tenants``.
+        api_keys: more keys, each a tenant of its own (a JSON config's list); with the keys of
+            ``PAGEDSERVE_API_KEYS`` and a plain key file they are named ``key-1``, ``key-2``, ...
+        write_stall_timeout_s: a stream whose client reads nothing for this long (its messages
+            back up to the flow-control window) is ended DEADLINE_EXCEEDED and its backend request
+            aborted.
+        tokenize_threads: threads of the tokenizer's own executor (tokenizing a long prompt takes
+            milliseconds: off the event loop, and bounded so it cannot take every core).
+        tls_cert_file, tls_key_file: PEM certificate chain and private key: serve TLS (both or neither).
         max_queued_requests: requests this gateway holds at once (waiting for or streaming from a
             backend); one more is answered RESOURCE_EXHAUSTED at once.
         health_interval_s: how often each backend's health and load are polled.
@@ -63,6 +75,10 @@ class GatewayConfig:
     affinity_max_load_gap: int = 4096
     affinity_max_load_ratio: float = 2.0
     log_prompts: bool = False
+    write_stall_timeout_s: float = 30.0
+    tokenize_threads: int = 2
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
     api_keys: tuple[str, ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
@@ -76,12 +92,28 @@ class GatewayConfig:
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be in [0, 65536), got {self.metrics_port}")
         for name in ("max_queued_requests", "max_prompt_chars", "max_messages", "max_message_bytes",
-                     "affinity_max_blocks", "health_interval_s", "dns_refresh_s", "affinity_max_load_ratio"):
+                     "affinity_max_blocks", "health_interval_s", "dns_refresh_s", "affinity_max_load_ratio",
+                     "write_stall_timeout_s", "tokenize_threads"):
             _positive(name, getattr(self, name))
         for name in ("grace_period_s", "drain_delay_s", "affinity_max_load_gap"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        object.__setattr__(self, "api_keys", tuple(self.api_keys) + tuple(load_api_keys(self.api_keys_file)))
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file, tls_key_file: give both (or neither)")
+        for name in ("tls_cert_file", "tls_key_file"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"{name} {path!r} is not a readable file")
+        # A string where a list belongs would otherwise become one key per character.
+        if not isinstance(self.api_keys, list | tuple) or not all(isinstance(k, str) for k in self.api_keys):
+            raise ValueError(f"api_keys must be a list of strings, got {type(self.api_keys).__name__}")
+        object.__setattr__(self, "api_keys", tuple(self.api_keys))
+        object.__setattr__(self, "_tenants", load_configured_tenants(self))
+
+    @property
+    def tenants(self) -> tuple[Tenant, ...]:
+        """The configured tenants (empty: no keys, local use); read when the config is built."""
+        return self._tenants  # type: ignore[attr-defined]
 
 
 def parse_backend(address: str) -> tuple[str, str, int]:
@@ -103,18 +135,16 @@ def parse_backend(address: str) -> tuple[str, str, int]:
     return kind, host, int(port)
 
 
-def load_api_keys(path: str | None) -> list[str]:
-    """Keys from ``path`` (one per line) and from the ``PAGEDSERVE_API_KEYS`` environment variable.
+def load_configured_tenants(config: GatewayConfig) -> tuple[Tenant, ...]:
+    """Tenants from ``api_keys``, ``PAGEDSERVE_API_KEYS`` and ``api_keys_file``, in that order.
 
     Read when the config is built (at start), never at import time.
     """
-    keys = [k.strip() for k in os.environ.get(API_KEYS_ENV, "").split(",") if k.strip()]
-    if path is not None:
+    keys = [*config.api_keys, *(k.strip() for k in os.environ.get(API_KEYS_ENV, "").split(",") if k.strip())]
+    text = None
+    if config.api_keys_file is not None:
         try:
-            lines = Path(path).read_text().splitlines()
+            text = Path(config.api_keys_file).read_text()
         except OSError as exc:
-            raise ValueError(f"api_keys_file {path!r}: {exc.strerror}") from None
-        keys += [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
-        if not keys:
-            raise ValueError(f"api_keys_file {path!r} holds no key")
-    return keys
+            raise ValueError(f"api_keys_file {config.api_keys_file!r}: {exc.strerror}") from None
+    return load_tenants(keys, text, f"api_keys_file {config.api_keys_file!r}", config.max_queued_requests)

@@ -25,12 +25,22 @@ class GatewayMetrics:
         self.queue_length = Gauge("pagedserve_gateway_queue_length",
                                   "Requests held by this gateway now (waiting for or streaming from a backend).",
                                   registry=self.registry)
+        self.tenant_in_flight = Gauge("pagedserve_gateway_tenant_requests",
+                                      "Requests each tenant holds in this gateway now (named, never keyed).",
+                                      ["tenant"], registry=self.registry)
+        self.write_stalls = Counter("pagedserve_gateway_write_stalls",
+                                    "Streams ended because their client read nothing for write_stall_timeout_s.",
+                                    registry=self.registry)
         self.backend_healthy = Gauge("pagedserve_gateway_backend_healthy",
                                      "1 while a backend is in rotation, 0 while it is out.",
                                      ["backend"], registry=self.registry)
         self.backend_outstanding = Gauge("pagedserve_gateway_backend_outstanding_requests",
                                          "This gateway's requests on each backend.",
                                          ["backend"], registry=self.registry)
+
+    def tenant_changed(self, tenant: str, num_requests: int) -> None:
+        """``Tenants``' callback: a tenant's requests in flight changed."""
+        self.tenant_in_flight.labels(tenant).set(num_requests)
 
     def serve(self, host: str, port: int) -> int:
         """Starts the HTTP endpoint (a daemon thread); returns the bound port."""

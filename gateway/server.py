@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import random
 import signal
+from pathlib import Path
 
 import grpc
 
@@ -22,7 +23,8 @@ from gateway.dispatch import Dispatcher
 from gateway.metrics import GatewayMetrics
 from gateway.routing import Router
 from gateway.servicer import GatewayServicer
-from gateway.tokenizer import fetch_tokenizer
+from gateway.tenants import Tenants
+from gateway.tokenizer import TokenizerFetchError, fetch_tokenizer
 from pagedserve import rpc, sockets
 from pagedserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from pagedserve.log import get_logger
@@ -38,13 +40,16 @@ class Gateway:
         self.config = config
         self.metrics = GatewayMetrics()
         self.pool = BackendPool(config, self._after_poll)
+        # One tenant model for every front of this gateway (see gateway.tenants).
+        self.tenants = Tenants(config.tenants, config.max_queued_requests, self.metrics.tenant_changed)
         self.servicer = GatewayServicer(
             config,
             Dispatcher(self.pool, Router(config.affinity_max_load_gap, config.affinity_max_load_ratio),
                        config.affinity_max_blocks),
             self.metrics,
+            self.tenants,
         )
-        interceptors = [ApiKeyInterceptor(config.api_keys)] if config.api_keys else []
+        interceptors = [ApiKeyInterceptor(self.tenants)] if self.tenants.requires_key else []
         self.server, self.health = rpc.create_aio_server(
             [lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(self.servicer, s)], [SERVICE_NAME],
             serving=False, max_message_bytes=config.max_message_bytes, extra_interceptors=interceptors)
@@ -72,7 +77,7 @@ class Gateway:
     async def _load_tokenizer(self, backend: Backend) -> None:
         try:
             model = await fetch_tokenizer(backend.stub, backend.info)
-        except (grpc.aio.AioRpcError, RuntimeError, OSError) as exc:  # the next poll round tries again
+        except (grpc.aio.AioRpcError, TokenizerFetchError, OSError) as exc:  # the next poll round tries again
             log.warning("tokenizer_fetch_failed", backend=backend.address, error=repr(exc))
             return
         self.servicer.model = model
@@ -81,7 +86,7 @@ class Gateway:
 
     async def start(self) -> None:
         try:
-            self.address = sockets.bind(self.server, self.config.listen)
+            self.address = sockets.bind(self.server, self.config.listen, self._tls_credentials())
         except RuntimeError:  # grpc's "Failed to bind": the port is taken or the host is not ours
             raise ValueError(f"listen: cannot bind {self.config.listen} (in use, or not an address of this host)") from None
         if self.config.metrics_port is not None:
@@ -89,7 +94,18 @@ class Gateway:
         await self.server.start()
         await self.pool.start()
         log.info("gateway_listening", address=self.address, metrics_port=self.metrics_port,
-                 backends=list(self.config.backends), auth=bool(self.config.api_keys))
+                 backends=list(self.config.backends), tls=self.config.tls_cert_file is not None,
+                 tenants=[t.name for t in self.tenants.tenants] if self.tenants.requires_key else None)
+
+    def _tls_credentials(self) -> grpc.ServerCredentials | None:
+        """TLS from the configured PEM files (read at start: a renewed certificate needs a restart)."""
+        if self.config.tls_cert_file is None or self.config.tls_key_file is None:
+            return None
+        try:
+            chain, key = Path(self.config.tls_cert_file).read_bytes(), Path(self.config.tls_key_file).read_bytes()
+        except OSError as exc:
+            raise ValueError(f"tls: cannot read {exc.filename}: {exc.strerror}") from None
+        return grpc.ssl_server_credentials([(key, chain)])
 
     async def stop(self) -> None:
         """NOT_SERVING, then let in-flight calls finish within the grace period."""
@@ -98,6 +114,7 @@ class Gateway:
         await asyncio.sleep(self.config.drain_delay_s)
         await self.server.stop(self.config.grace_period_s)
         await self.pool.close()
+        self.servicer.close()
 
 
 async def serve(config: GatewayConfig) -> None:

@@ -1,8 +1,11 @@
 """``pagedserve.gateway.v1.Gateway``: validate, tokenize, dispatch, and convert at the edge.
 
-Thin by design: validation rules live in ``validation``, routing and retries in ``dispatch``; this
-module admits a request (backpressure), records its access line and metrics, and turns the compute
-service's messages into the public ones.
+Thin by design: validation rules live in ``validation``, routing and retries in ``dispatch``, the
+tenant model in ``tenants``; this module admits a request for its tenant (backpressure, priority),
+records its access line and metrics, and turns the compute service's messages into the public ones.
+
+Every RPC that does work (Generate, GenerateStream, Tokenize) is admitted synchronously when it
+arrives, before its first await, and released on finish, abort and error alike.
 """
 
 from __future__ import annotations
@@ -12,17 +15,20 @@ import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
 
+from gateway.auth import bearer_token
 from gateway.config import GatewayConfig
 from gateway.dispatch import Dispatcher, Route
 from gateway.metrics import GatewayMetrics
+from gateway.tenants import Admission, Tenant, Tenants
 from gateway.tokenizer import ModelTokenizer
 from gateway.validation import check_length, check_prompt_input, check_request, check_unary_reply, to_compute_request
 from pagedserve.compute.v1 import compute_pb2
-from pagedserve.errors import ResourceExhaustedError, UnavailableError
+from pagedserve.errors import DeadlineExceededError, UnavailableError
 from pagedserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from pagedserve.log import get_logger
 from pagedserve.rpc import status_for
@@ -36,6 +42,7 @@ class _Record:
 
     method: str
     request_id: str
+    tenant: str = ""
     started: float = field(default_factory=time.perf_counter)
     status: str = "OK"
     first_token_at: float | None = None
@@ -65,27 +72,66 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         config: limits and logging choices.
         dispatcher: sends requests to backends.
         metrics: where requests are counted.
+        tenants: who each key is, and admission (its own when None: the config's tenants).
     """
 
-    def __init__(self, config: GatewayConfig, dispatcher: Dispatcher, metrics: GatewayMetrics) -> None:
+    def __init__(self, config: GatewayConfig, dispatcher: Dispatcher, metrics: GatewayMetrics,
+                 tenants: Tenants | None = None) -> None:
         self.config = config
         self.dispatcher = dispatcher
         self.metrics = metrics
+        self.tenants = tenants or Tenants(config.tenants, config.max_queued_requests, metrics.tenant_changed)
         self.model: ModelTokenizer | None = None  # set once a backend's tokenizer is loaded
-        self.num_in_flight = 0
+        # Tokenizing a long prompt takes milliseconds to seconds of CPU: on threads of its own, few
+        # of them, so neither the event loop nor the default executor's other work waits on it.
+        self.tokenize_executor = ThreadPoolExecutor(config.tokenize_threads, thread_name_prefix="gateway-tokenize")
+
+    @property
+    def num_in_flight(self) -> int:
+        return self.tenants.num_in_flight
+
+    def close(self) -> None:
+        self.tokenize_executor.shutdown(wait=False, cancel_futures=True)
 
     def _model(self) -> ModelTokenizer:
         if self.model is None:
             raise UnavailableError("no backend has been reached yet")
         return self.model
 
+    async def _tenant(self, context: grpc.aio.ServicerContext) -> Tenant:
+        tenant = self.tenants.identify(bearer_token(context.invocation_metadata()))
+        if tenant is None:  # the interceptor refuses these first; here for a server built without it
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                "missing or invalid API key (authorization: Bearer KEY)")
+        return tenant
+
+    def _admit(self, tenant: Tenant, record: _Record,
+               request: gateway_pb2.GenerateRequest | gateway_pb2.TokenizeRequest,
+               priority: int | None = None) -> Admission:
+        """The tenant's priority check and a slot, both before any await (see the module docstring)."""
+        record.tenant = tenant.name
+        try:
+            if priority is not None:
+                tenant.check_priority(priority)
+            admission = self.tenants.admit(tenant)
+        except Exception as exc:  # PermissionDenied, ResourceExhausted: the interceptor maps them
+            record.status = status_for(exc).name
+            self._finish(record, request)
+            raise
+        self.metrics.queue_length.set(self.tenants.num_in_flight)
+        return admission
+
+    def _release(self, admission: Admission) -> None:
+        admission.release()
+        self.metrics.queue_length.set(self.tenants.num_in_flight)
+
     async def _encode(self, request: gateway_pb2.GenerateRequest | gateway_pb2.TokenizeRequest) -> list[int]:
         given = check_prompt_input(request, self.config)
         model = self._model()
-        # Long prompts take milliseconds to tokenize: off the event loop, which serves every stream.
+        loop = asyncio.get_running_loop()
         if given.prompt is not None:
-            return await asyncio.to_thread(model.encode_prompt, given.prompt)
-        return await asyncio.to_thread(model.encode_chat, given.messages)
+            return await loop.run_in_executor(self.tokenize_executor, model.encode_prompt, given.prompt)
+        return await loop.run_in_executor(self.tokenize_executor, model.encode_chat, given.messages)
 
     async def _run(self, method: str, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext,
                    record: _Record) -> AsyncIterator[compute_pb2.GenerateResponse]:
@@ -93,13 +139,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
         Failures are raised as ``pagedserve.errors`` types; the server's interceptor answers them.
         """
-        if self.num_in_flight >= self.config.max_queued_requests:
-            record.status = "RESOURCE_EXHAUSTED"
-            self._finish(record, request)
-            raise ResourceExhaustedError(
-                f"the gateway holds {self.num_in_flight} requests (max_queued_requests); retry later")
-        self.num_in_flight += 1
-        self.metrics.queue_length.set(self.num_in_flight)
+        tenant = await self._tenant(context)
+        admission = self._admit(tenant, record, request, request.priority)
         context.add_done_callback(lambda _: record.route.cancel())
         try:
             model = self._model()
@@ -110,6 +151,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             check_length(len(token_ids), request, model.info)
             record.usage.prompt_tokens = len(token_ids)  # until the backend's usage arrives
             backend_request = to_compute_request(request, token_ids, "")
+            # The cache namespace is the tenant's: its hits are on its own prompts only.
+            backend_request.cache_salt = tenant.cache_salt(request.cache_salt)
             messages = self.dispatcher.run(backend_request, model.info.model_name, record.route,
                                            context.time_remaining())
             # aclosing: a client that goes away closes the backend call now, not at garbage collection.
@@ -122,24 +165,24 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     if message.HasField("usage"):
                         record.usage.CopyFrom(message.usage)
                     yield message
-        except (asyncio.CancelledError, GeneratorExit):  # the client cancelled, or its deadline passed
+        except (asyncio.CancelledError, GeneratorExit):  # the client cancelled, its deadline passed, or it stalled
             remaining = context.time_remaining()
-            record.status = "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
+            if record.status == "OK":
+                record.status = "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
             raise
         except Exception as exc:  # the interceptor answers it (a bug: INTERNAL, logged with its traceback)
             record.status = status_for(exc).name
             raise
         finally:
-            self.num_in_flight -= 1
-            self.metrics.queue_length.set(self.num_in_flight)
+            self._release(admission)
             self._finish(record, request)
 
-    def _finish(self, record: _Record, request: gateway_pb2.GenerateRequest) -> None:
+    def _finish(self, record: _Record, request: gateway_pb2.GenerateRequest | gateway_pb2.TokenizeRequest) -> None:
         """Metrics and the access line (no prompt text unless the config asks for it)."""
         now = time.perf_counter()
         self.metrics.requests.labels(record.method, record.status).inc()
         ttft = None
-        if record.first_token_at is not None:
+        if record.first_token_at is not None and isinstance(request, gateway_pb2.GenerateRequest):
             ttft = record.first_token_at - record.started
             self.metrics.ttft.observe(ttft)
             # Completions of an n > 1 request advance together: time per token of one of them.
@@ -147,7 +190,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             if num_tokens > 1 and record.last_token_at is not None:
                 self.metrics.tpot.observe((record.last_token_at - record.first_token_at) / (num_tokens - 1))
         extra = {"prompt": request.prompt, "messages": [m.content for m in request.messages]} if self.config.log_prompts else {}
-        log.info("request", request_id=record.request_id, method=record.method, status=record.status,
+        log.info("request", request_id=record.request_id, method=record.method, tenant=record.tenant,
+                 status=record.status,
                  backend=record.route.backend, attempts=record.route.num_attempts,
                  prompt_tokens=record.usage.prompt_tokens, completion_tokens=record.usage.completion_tokens,
                  cached_prompt_tokens=record.usage.cached_prompt_tokens,
@@ -171,9 +215,28 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return gateway_pb2.GenerateResponse(request_id=record.request_id,
                                             choices=[choices[i] for i in sorted(choices)], usage=usage)
 
-    async def GenerateStream(self, request: gateway_pb2.GenerateRequest,
-                             context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
+    async def GenerateStream(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         record = _Record("GenerateStream", request.request_id or uuid.uuid4().hex)
+        timeout_s = self.config.write_stall_timeout_s
+        async with contextlib.aclosing(self._pieces(request, context, record)) as pieces:
+            async for piece in pieces:
+                # A write waits while the client's flow-control window is full: a client that reads
+                # nothing for timeout_s holds a slot, a backend sequence and its blocks for nothing.
+                try:
+                    async with asyncio.timeout(timeout_s):  # no task per write, unlike wait_for
+                        await context.write(piece)
+                except TimeoutError:
+                    record.status = "DEADLINE_EXCEEDED"
+                    self.metrics.write_stalls.inc()
+                    break
+            else:
+                return
+        # The pieces are closed (the backend call cancelled and aborted, the slot released): tell the client.
+        raise DeadlineExceededError(f"the client read nothing for {timeout_s} s (write_stall_timeout_s): stream ended")
+
+    async def _pieces(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext,
+                      record: _Record) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
+        """The stream's messages: the backend's, with half UTF-8 characters held back."""
         # Tokens whose text is not complete yet (half a UTF-8 character) wait for the next piece.
         held_ids: dict[int, list[int]] = {}
         held_logprobs: dict[int, list[compute_pb2.TokenLogprobs]] = {}
@@ -187,15 +250,28 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     continue
                 piece = gateway_pb2.GenerateStreamResponse(
                     request_id=record.request_id, index=message.index, text=message.text, token_ids=ids,
-                    finish_reason=message.finish_reason, logprobs=_logprobs(logprobs), stop_string=_stop_string(message))
+                    finish_reason=message.finish_reason, logprobs=_logprobs(logprobs),
+                    stop_string=_stop_string(message))
                 if message.HasField("usage"):
                     piece.usage.CopyFrom(_usage(message.usage))
                 held_ids[message.index], held_logprobs[message.index] = [], []
                 yield piece
 
-    async def Tokenize(self, request: gateway_pb2.TokenizeRequest, context: grpc.aio.ServicerContext) -> gateway_pb2.TokenizeResponse:
-        token_ids = await self._encode(request)
-        return gateway_pb2.TokenizeResponse(token_ids=token_ids, tokens=self._model().tokens(token_ids))
+    async def Tokenize(self, request: gateway_pb2.TokenizeRequest,
+                       context: grpc.aio.ServicerContext) -> gateway_pb2.TokenizeResponse:
+        # Admitted like Generate: tokenizing a megabyte costs a backend nothing but this gateway a lot.
+        record = _Record("Tokenize", uuid.uuid4().hex)
+        admission = self._admit(await self._tenant(context), record, request)
+        try:
+            token_ids = await self._encode(request)
+            record.usage.prompt_tokens = len(token_ids)
+            return gateway_pb2.TokenizeResponse(token_ids=token_ids, tokens=self._model().tokens(token_ids))
+        except Exception as exc:  # the interceptor answers it
+            record.status = status_for(exc).name
+            raise
+        finally:
+            self._release(admission)
+            self._finish(record, request)
 
     async def ListModels(self, request: gateway_pb2.ListModelsRequest, context: grpc.aio.ServicerContext) -> gateway_pb2.ListModelsResponse:
         if self.model is None:

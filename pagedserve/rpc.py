@@ -24,6 +24,7 @@ from pagedserve.errors import (
     ResourceExhaustedError,
     UnavailableError,
 )
+from pagedserve.health import HealthServicer, is_ended_call_error
 from pagedserve.log import get_logger
 
 log = get_logger("rpc")
@@ -107,6 +108,9 @@ def _wrap_aio_stream(behavior: Callable, method: str) -> Callable:
         except grpc.aio.AbortError:
             raise
         except Exception as exc:  # noqa: BLE001
+            if is_ended_call_error(exc, context):  # a write that the client's cancel interrupted: no one to answer
+                log.debug("rpc_cancelled_during_write", method=method, error=type(exc).__name__)
+                return
             await context.abort(*_describe(exc, method))
 
     return handler
@@ -135,7 +139,7 @@ class AioErrorInterceptor(grpc.aio.ServerInterceptor):
 class AioHealth:
     """The grpc.health.v1 state of an asyncio server: one switch for every service it serves."""
 
-    def __init__(self, servicer: health.aio.HealthServicer, service_names: list[str]) -> None:
+    def __init__(self, servicer: HealthServicer, service_names: list[str]) -> None:
         self.servicer = servicer
         self.service_names = service_names
         self.is_serving = False
@@ -182,7 +186,7 @@ def create_aio_server(
     )
     for add in register:
         add(server)
-    servicer = health.aio.HealthServicer()
+    servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     names = list(service_names)
     status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING

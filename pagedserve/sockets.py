@@ -91,8 +91,11 @@ def owner_only_umask() -> Iterator[None]:
         os.umask(previous)
 
 
-def bind(server: grpc.Server | grpc.aio.Server, address: str) -> str:
+def bind(server: grpc.Server | grpc.aio.Server, address: str,
+         credentials: grpc.ServerCredentials | None = None) -> str:
     """Binds ``address`` ("unix:/path/to.sock" or "host:port") and returns the bound address.
+
+    With ``credentials`` (``grpc.ssl_server_credentials``) a TCP port serves TLS only.
 
     A Unix socket goes through ``prepare_unix_socket`` and is created owner-only (module
     docstring). A TCP port of 0 picks a free port; the returned address names it.
@@ -106,7 +109,7 @@ def bind(server: grpc.Server | grpc.aio.Server, address: str) -> str:
         with owner_only_umask():
             server.add_insecure_port(address)
         return address
-    port = server.add_insecure_port(address)
+    port = server.add_insecure_port(address) if credentials is None else server.add_secure_port(address, credentials)
     if port == 0:
         raise ValueError(f"cannot bind address {address!r}")
     host = address.rsplit(":", 1)[0]

@@ -7,9 +7,10 @@ import asyncio
 
 import pytest
 
-from gateway.auth import is_authorized
+from gateway.auth import bearer_token
 from gateway.backends import BackendPool
 from gateway.config import API_KEYS_ENV, GatewayConfig, parse_backend
+from gateway.tenants import Tenant, Tenants
 from gateway.validation import check_length, check_prompt_input, check_request, to_compute_request
 from pagedserve.compute.v1 import compute_pb2
 from pagedserve.gateway.v1 import gateway_pb2
@@ -76,19 +77,22 @@ def test_conversion_keeps_unset_apart_from_zero() -> None:
 
 
 def test_api_keys_bearer_only_exact_match() -> None:
-    keys = [b"k1-secret", b"k2-secret"]
-    assert is_authorized([("authorization", "Bearer k2-secret")], keys)
-    assert is_authorized([("authorization", "bearer  k1-secret ")], keys)
+    one, two = Tenant("one", keys=("k1-secret",)), Tenant("two", keys=("k2-secret",))
+    tenants = Tenants([one, two], 8)
+    assert tenants.identify(bearer_token([("authorization", "Bearer k2-secret")])) is two
+    assert tenants.identify(bearer_token([("authorization", "bearer  k1-secret ")])) is one
     for metadata in ([], [("authorization", "k1-secret")], [("authorization", "Bearer k1-secre")],
                      [("authorization", "Bearer ")], [("x-api-key", "k1-secret")]):
-        assert not is_authorized(metadata, keys)
+        assert tenants.identify(bearer_token(metadata)) is None
 
 
 def test_config_reads_keys_from_file_and_environment(tmp_path, monkeypatch) -> None:
     path = tmp_path / "keys"
     path.write_text("# comment\n\nfile-key\n")
     monkeypatch.setenv(API_KEYS_ENV, "env-a, env-b")
-    assert GatewayConfig(backends=("h:1",), api_keys_file=str(path)).api_keys == ("env-a", "env-b", "file-key")
+    tenants = GatewayConfig(backends=("h:1",), api_keys_file=str(path)).tenants
+    assert [(t.name, t.keys) for t in tenants] == [("key-1", ("env-a",)), ("key-2", ("env-b",)),
+                                                   ("key-3", ("file-key",))]
     path.write_text("# nothing\n")
     monkeypatch.delenv(API_KEYS_ENV)
     with pytest.raises(ValueError, match="holds no key"):

@@ -216,7 +216,7 @@ def test_model_sources() -> None:
 def test_optional_objects_follow_values() -> None:
     plain = render({})
     assert sorted(plain.kinds()) == [
-        "ConfigMap", "Deployment", "Deployment", "ResourceClaimTemplate", "Service", "Service"]
+        "ConfigMap", "Deployment", "Deployment", "ResourceClaimTemplate", "Service", "Service", "Service"]
     assert container(gateway_pod(plain), "gateway")["args"].count("--api-keys-file") == 0
 
     full = render(VALUE_SETS["multi-replica"])
@@ -244,3 +244,41 @@ def test_every_metrics_server_listens_on_the_pod_ip(case) -> None:
     for name in ("memory", "compute"):
         assert flag(container(pod, name), "--metrics-host") == "0.0.0.0"
     assert flag(container(gateway_pod(rendered), "gateway"), "--metrics-host") == "0.0.0.0"
+
+
+def test_metrics_have_their_own_service_never_the_public_one() -> None:
+    """Issue 17 item 9: with type LoadBalancer the public Service used to publish the metrics port."""
+    rendered = render({"gateway": {"service": {"type": "LoadBalancer"}}})
+    public = rendered.one("Service", "-gateway")
+    assert public["spec"]["type"] == "LoadBalancer"
+    assert [p["name"] for p in public["spec"]["ports"]] == ["grpc"]
+    metrics = rendered.one("Service", "-gateway-metrics")
+    assert metrics["spec"]["type"] == "ClusterIP"
+    assert metrics["spec"]["ports"] == [{"name": "metrics", "port": 9090, "targetPort": "metrics", "protocol": "TCP"}]
+    assert metrics["spec"]["selector"] == public["spec"]["selector"]
+    gateway = container(gateway_pod(rendered), "gateway")
+    assert flag(gateway, "--write-stall-timeout-s") == "30" and "--tls-cert" not in gateway["args"]
+
+
+def test_gateway_tls_from_an_existing_secret_or_from_values() -> None:
+    """Issue 17 item 9: the certificate is mounted, passed as flags, and readiness is checked over TLS."""
+    existing = render({"gateway": {"tls": {"enabled": True, "secretName": "gw-cert", "serverName": "llm.example.com"}}})
+    pod = gateway_pod(existing)
+    gateway = container(pod, "gateway")
+    assert flag(gateway, "--tls-cert") == "/etc/pagedserve/tls/tls.crt"
+    assert flag(gateway, "--tls-key") == "/etc/pagedserve/tls/tls.key"
+    assert mounts(gateway)["tls"] == "/etc/pagedserve/tls"
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["tls"]["secret"]["secretName"] == "gw-cert"
+    assert volumes["probe"]["configMap"]["name"] == "demo-pagedserve-engine-probe"
+    command = gateway["readinessProbe"]["exec"]["command"]
+    assert command[-2:] == ["127.0.0.1:50051", "pagedserve.gateway.v1.Gateway"]
+    assert command[command.index("--tls-server-name") + 1] == "llm.example.com"
+    assert "Secret" not in existing.kinds()
+
+    inline = render({"gateway": {"tls": {"enabled": True, "certificate": "CERT PEM", "privateKey": "KEY PEM",
+                                         "serverName": "llm.example.com"}}})
+    secret = inline.one("Secret", "-gateway-tls")
+    assert secret["type"] == "kubernetes.io/tls" and set(secret["data"]) == {"tls.crt", "tls.key"}
+    volumes = {v["name"]: v for v in gateway_pod(inline)["volumes"]}
+    assert volumes["tls"]["secret"]["secretName"] == "demo-pagedserve-gateway-tls"

@@ -20,6 +20,10 @@ BAD_VALUES = {
     "port out of range": ({"gateway": {"port": 70000}}, "/gateway/port"),
     "relative socket dir": ({"engine": {"socketDir": "run/pagedserve"}}, "/engine/socketDir"),
     "bad shm size": ({"engine": {"shmSizeLimit": "lots"}}, "/engine/shmSizeLimit"),
+    "tls without a server name": ({"gateway": {"tls": {"enabled": True, "secretName": "c"}}},
+                                  "/gateway/tls/serverName"),
+    "tls without a certificate": ({"gateway": {"tls": {"enabled": True, "serverName": "n"}}}, "/gateway/tls"),
+    "zero write-stall timeout": ({"gateway": {"writeStallTimeoutSeconds": 0}}, "/gateway/writeStallTimeoutSeconds"),
 }
 
 

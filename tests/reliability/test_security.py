@@ -12,7 +12,7 @@ from unittest import mock
 import grpc
 import pytest
 
-from gateway import auth
+from gateway import auth, tenants
 from pagedserve.compute.v1 import compute_pb2, compute_pb2_grpc
 from pagedserve.gateway.v1 import gateway_pb2
 from tests.e2e.conftest import shm_segments, start_gateway
@@ -60,10 +60,11 @@ def test_api_keys_work_and_never_reach_the_log(stack: Stack) -> None:
 def test_key_comparison_is_constant_time() -> None:
     """Every configured key is compared with hmac.compare_digest, whichever one matches (no early
     exit that would tell which key a guess is close to)."""
-    keys = [b"first-key-aaaa", b"second-key-bbbb", b"third-key-cccc"]
+    keys = ["first-key-aaaa", "second-key-bbbb", "third-key-cccc"]
+    registry = tenants.Tenants([tenants.Tenant(f"t{i}", keys=(key,)) for i, key in enumerate(keys)], 8)
     for token in (b"first-key-aaaa", b"nothing-like-it", b""):
-        with mock.patch.object(auth.hmac, "compare_digest", wraps=hmac.compare_digest) as compare:
-            auth.is_authorized([("authorization", f"Bearer {token.decode()}")], keys)
+        with mock.patch.object(tenants.hmac, "compare_digest", wraps=hmac.compare_digest) as compare:
+            registry.identify(auth.bearer_token([("authorization", f"Bearer {token.decode()}")]))
         assert compare.call_count == len(keys)
 
 

@@ -1,0 +1,270 @@
+"""Tenants: who an API key says the caller is, and what its operator lets it do.
+
+A tenant is who the key says it is. Everything security-relevant is derived from the tenant, never
+from what a request claims: its concurrency share, the highest priority it may ask for, and the
+prefix-cache namespace its prompts live in. Logs, metrics and cache namespaces name the tenant,
+never its key.
+
+This module knows nothing of gRPC or HTTP, so every front (the gRPC servicer, an OpenAI HTTP front)
+shares one model through two calls: ``Tenants.identify(bearer_token)`` (which tenant is it; None:
+not a key of ours) and ``Tenants.admit(tenant)`` (hold a slot until ``Admission.release``).
+
+Where tenants come from (``load_tenants``): ``--api-keys-file`` holds either a JSON object,
+``{"tenants": {"team-a": {"keys": ["..."], "max_priority": 5, "max_concurrent": 64}}}``, or one
+key per line; keys given one per line, in ``PAGEDSERVE_API_KEYS`` (comma-separated) or in a JSON
+config's ``api_keys`` list are tenants of their own, named ``key-1``, ``key-2``, ... in that order.
+Defaults: ``max_priority`` 0 (the operator grants more), ``max_concurrent`` a fair share of the
+gateway, ``max(1, max_queued_requests // number of tenants)``. Without any key there is one
+tenant, ``local``, with no limits beyond the gateway's own (priorities and the reserved pool work
+as for a single user).
+
+Why keys are matched through an HMAC: the token's digest (under a key drawn at start) is compared
+with every key's digest by ``hmac.compare_digest``, with no early exit. Equal-length digests mean
+the comparison time says neither how much of a guess was right, which key it was close to, nor how
+long the keys are.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import re
+import secrets
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from pagedserve.errors import PermissionDeniedError, ResourceExhaustedError
+
+LOCAL_TENANT = "local"
+# Tenant names appear in logs, metric labels and error messages: short, plain, unambiguous.
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+# A key travels as "authorization: Bearer KEY": printable ASCII without spaces.
+_KEY = re.compile(r"[\x21-\x7e]{1,256}")
+_TENANT_FIELDS = {"keys", "max_priority", "max_concurrent"}
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """One tenant and the operator's limits on it.
+
+    Args:
+        name: what logs, metrics and cache namespaces see.
+        max_priority: the highest request priority it may ask for (None: any).
+        max_concurrent: requests it may hold in the gateway at once (None: the gateway's limit only).
+        keys: its API keys (never printed: not in repr).
+    """
+
+    name: str
+    max_priority: int | None = 0
+    max_concurrent: int | None = None
+    keys: tuple[str, ...] = field(default=(), repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not _NAME.fullmatch(self.name):
+            raise ValueError(f"tenant name {self.name[:80]!r}: 1-64 characters of A-Z a-z 0-9 . _ -, "
+                             "starting with a letter or digit")
+        if self.max_concurrent is not None and self.max_concurrent < 1:
+            raise ValueError(f"tenant {self.name!r}: max_concurrent must be >= 1, got {self.max_concurrent}")
+
+    def check_priority(self, priority: int) -> None:
+        """Refuses a priority above the tenant's maximum (never clamps it silently).
+
+        Raises:
+            PermissionDeniedError: ``priority`` exceeds ``max_priority``.
+        """
+        if self.max_priority is not None and priority > self.max_priority:
+            raise PermissionDeniedError(f"priority {priority} is above the max_priority of tenant {self.name!r} "
+                                        f"({self.max_priority}); ask the operator for more")
+
+    def cache_salt(self, client_salt: str) -> str:
+        """The prefix-cache namespace of a request: the tenant's, narrowed by the client's salt.
+
+        A digest, so no client salt of one tenant can name another tenant's namespace; the
+        newline cannot occur in a tenant name, so (tenant, salt) pairs never collide.
+        """
+        digest = hashlib.sha256(f"{self.name}\n{client_salt}".encode()).hexdigest()
+        return f"tenant-{digest}"
+
+
+def _plain_name(i: int) -> str:
+    return f"key-{i}"
+
+
+def _check_key(key: object, where: str) -> str:
+    if not isinstance(key, str) or not _KEY.fullmatch(key):
+        raise ValueError(f"{where}: each key must be a string of 1-256 printable ASCII characters without spaces")
+    return key
+
+
+def _int_field(spec: dict, name: str, tenant: str, where: str) -> int | None:
+    if name not in spec:
+        return None
+    value = spec[name]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{where}: tenant {tenant!r}: {name} must be an integer, got {type(value).__name__}")
+    return value
+
+
+def parse_tenants_json(data: object, where: str) -> list[tuple[str, list[str], int | None, int | None]]:
+    """(name, keys, max_priority, max_concurrent) of each tenant of a JSON tenants file.
+
+    Raises:
+        ValueError: the shape is wrong; the message names the tenant and field, never a key.
+    """
+    if not isinstance(data, dict) or set(data) != {"tenants"} or not isinstance(data["tenants"], dict):
+        raise ValueError(f'{where}: a JSON key file must be {{"tenants": {{"NAME": {{"keys": [...], ...}}}}}}')
+    found = []
+    for name, spec in data["tenants"].items():
+        if not isinstance(spec, dict):
+            raise ValueError(f"{where}: tenant {name!r} must be an object")
+        unknown = sorted(set(spec) - _TENANT_FIELDS)
+        if unknown:
+            raise ValueError(f"{where}: tenant {name!r} has unknown field(s) {unknown}; "
+                             f"known: {sorted(_TENANT_FIELDS)}")
+        keys = spec.get("keys")
+        if not isinstance(keys, list) or not keys:
+            raise ValueError(f"{where}: tenant {name!r}: keys must be a non-empty list of strings")
+        found.append((name, [_check_key(k, f"{where}: tenant {name!r}") for k in keys],
+                      _int_field(spec, "max_priority", name, where), _int_field(spec, "max_concurrent", name, where)))
+    if not found:
+        raise ValueError(f"{where}: names no tenant")
+    return found
+
+
+def load_tenants(plain_keys: Sequence[str], file_text: str | None, where: str,
+                 max_queued_requests: int) -> tuple[Tenant, ...]:
+    """The tenants of a gateway (empty: no key configured, local use).
+
+    Args:
+        plain_keys: keys that are tenants of their own (config ``api_keys``, the environment).
+        file_text: the ``--api-keys-file`` contents (JSON object, or one key per line), or None.
+        where: how error messages name the file.
+        max_queued_requests: the gateway's limit, shared out as the default ``max_concurrent``.
+    Raises:
+        ValueError: a malformed file, a bad key, a name or a key given twice.
+    """
+    specs: list[tuple[str, list[str], int | None, int | None]] = []
+    plain = [_check_key(k, "api_keys or PAGEDSERVE_API_KEYS") for k in plain_keys]
+    if file_text is not None:
+        if file_text.lstrip().startswith("{"):
+            try:
+                data = json.loads(file_text)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{where}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+            specs += parse_tenants_json(data, where)
+        else:
+            lines = [line.strip() for line in file_text.splitlines()]
+            from_file = [_check_key(k, where) for k in lines if k and not k.startswith("#")]
+            if not from_file:
+                raise ValueError(f"{where} holds no key")
+            plain += from_file
+    specs += [(_plain_name(i), [key], None, None) for i, key in enumerate(plain, start=1)]
+    if not specs:
+        return ()
+    share = max(1, max_queued_requests // len(specs))
+    tenants, names, keys = [], set(), set()
+    for name, tenant_keys, max_priority, max_concurrent in specs:
+        if name in names:
+            raise ValueError(f"{where}: tenant {name!r} is named twice")
+        for key in tenant_keys:
+            if key in keys:
+                raise ValueError(f"{where}: a key of tenant {name!r} is given twice")
+            keys.add(key)
+        names.add(name)
+        try:
+            tenants.append(Tenant(name, 0 if max_priority is None else max_priority,
+                                  share if max_concurrent is None else max_concurrent, tuple(tenant_keys)))
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
+    return tuple(tenants)
+
+
+class Admission:
+    """One admitted request's hold on a gateway slot and on its tenant's; released exactly once.
+
+    ``release`` is idempotent, so every exit path (finish, abort, error) may call it.
+    """
+
+    def __init__(self, tenants: Tenants, tenant: Tenant) -> None:
+        self.tenant = tenant
+        self._tenants = tenants
+        self.is_released = False
+
+    def release(self) -> None:
+        if not self.is_released:
+            self.is_released = True
+            self._tenants._release(self.tenant)
+
+    def __enter__(self) -> Admission:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class Tenants:
+    """Key lookup and admission for every front of one gateway.
+
+    Args:
+        tenants: the configured tenants (empty: no keys, one ``local`` tenant, no key needed).
+        max_in_flight: requests the gateway holds at once, whatever the tenant.
+        on_change: called with (tenant name, its requests now) after every admit and release
+            (metrics).
+    """
+
+    def __init__(self, tenants: Sequence[Tenant], max_in_flight: int,
+                 on_change: Callable[[str, int], None] | None = None) -> None:
+        self.requires_key = bool(tenants)
+        self.local = Tenant(LOCAL_TENANT, max_priority=None, max_concurrent=None)
+        self.tenants = tuple(tenants) or (self.local,)
+        self.max_in_flight = max_in_flight
+        self.num_in_flight = 0
+        self.num_active = {t.name: 0 for t in self.tenants}
+        self._on_change = on_change or (lambda _name, _count: None)
+        self._hmac_key = secrets.token_bytes(32)
+        self._digests = [(self._digest(k.encode()), t) for t in tenants for k in t.keys]
+
+    def _digest(self, token: bytes) -> bytes:
+        return hmac.new(self._hmac_key, token, hashlib.sha256).digest()
+
+    def identify(self, token: str | bytes | None) -> Tenant | None:
+        """The tenant whose key ``token`` is (the local tenant when no keys are configured).
+
+        Every key's digest is compared, in constant time each, whichever matches.
+        Returns:
+            The tenant, or None when keys are required and ``token`` is none of them.
+        """
+        if not self.requires_key:
+            return self.local
+        if not token:
+            token = b""
+        digest = self._digest(token.encode("latin-1", "replace") if isinstance(token, str) else token)
+        found = None
+        for key_digest, tenant in self._digests:
+            if hmac.compare_digest(digest, key_digest):
+                found = tenant
+        return found if token else None
+
+    def admit(self, tenant: Tenant) -> Admission:
+        """Holds a slot for one request of ``tenant`` (synchronously: call before any await).
+
+        Raises:
+            ResourceExhaustedError: the gateway, or the tenant, is at its limit.
+        """
+        if self.num_in_flight >= self.max_in_flight:
+            raise ResourceExhaustedError(f"the gateway holds {self.num_in_flight} requests "
+                                         "(max_queued_requests); retry later")
+        active = self.num_active.get(tenant.name, 0)
+        if tenant.max_concurrent is not None and active >= tenant.max_concurrent:
+            raise ResourceExhaustedError(f"tenant {tenant.name!r} holds {active} requests, its max_concurrent "
+                                         f"({tenant.max_concurrent}); retry later")
+        self.num_in_flight += 1
+        self.num_active[tenant.name] = active + 1
+        self._on_change(tenant.name, active + 1)
+        return Admission(self, tenant)
+
+    def _release(self, tenant: Tenant) -> None:
+        self.num_in_flight -= 1
+        self.num_active[tenant.name] -= 1
+        self._on_change(tenant.name, self.num_active[tenant.name])

@@ -1,0 +1,129 @@
+"""Tenants on a live gateway (issue 17 items 4-7): each key is a tenant with its own concurrency
+share, priority cap and prefix-cache namespace; a stream whose client stops reading is ended and
+its backend request aborted. One gateway with a JSON tenants file, in front of one of the session's
+engines (one prefix cache, so cache hits are deterministic)."""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from pagedserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from tests.e2e.conftest import Engine, Gateway, start_gateway, wait_until
+
+KEY_A, KEY_B = "tenant-a-key-7f3c91d2", "tenant-b-key-0a6e4b58"
+TENANTS = {"tenants": {"team-a": {"keys": [KEY_A], "max_priority": 5, "max_concurrent": 1},
+                       "team-b": {"keys": [KEY_B]}}}
+STALL_S = 1.0
+
+
+@pytest.fixture(scope="module")
+def tenanted(engines: list[Engine], run_dir: Path) -> Iterator[Gateway]:
+    keys = run_dir / "tenants.json"
+    keys.write_text(json.dumps(TENANTS))
+    started = start_gateway([engines[0].address], run_dir, "--api-keys-file", str(keys),
+                            "--max-queued-requests", "8", "--write-stall-timeout-s", str(STALL_S))
+    yield started
+    assert started.stop() == 0
+    log = started.log_file.read_text()
+    assert '"tenant": "team-a"' in log and '"tenant": "team-b"' in log  # logs name the tenant ...
+    assert KEY_A not in log and KEY_B not in log  # ... never its key
+
+
+def _auth(key: str) -> list[tuple[str, str]]:
+    return [("authorization", f"Bearer {key}")]
+
+
+def _request(prompt: str = "tenant", max_tokens: int = 2, **fields: object) -> gateway_pb2.GenerateRequest:
+    params = {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+    params.update(fields.pop("params", {}))
+    return gateway_pb2.GenerateRequest(prompt=prompt, params=gateway_pb2.SamplingParams(**params), **fields)
+
+
+def _metric(gateway: Gateway, name: str, labels: str = "") -> float:
+    """One sample of the gateway's Prometheus text (0.0 when absent)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{gateway.metrics_port}/metrics", timeout=10).read().decode()
+    match = re.search(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", text, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
+
+
+def _code(call, *args, **kwargs) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as info:
+        call(*args, **kwargs)
+    return info.value.code(), info.value.details()
+
+
+def test_one_tenant_at_its_limit_leaves_the_others_their_share(tenanted: Gateway, engines: list[Engine]) -> None:
+    """Item 4 (and 7: Tokenize is admitted like Generate)."""
+    stream = tenanted.stub.GenerateStream(_request(max_tokens=300), metadata=_auth(KEY_A), timeout=60)
+    next(stream)
+    for call, request in ((tenanted.stub.Generate, _request()), (tenanted.stub.Tokenize,
+                                                                   gateway_pb2.TokenizeRequest(prompt="tok"))):
+        code, details = _code(call, request, metadata=_auth(KEY_A), timeout=30)
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "tenant 'team-a' holds 1 requests, its max_concurrent (1)" in details
+    assert _metric(tenanted, "pagedserve_gateway_tenant_requests", '{tenant="team-a"}') == 1
+    assert tenanted.stub.Generate(_request(), metadata=_auth(KEY_B), timeout=30).usage.completion_tokens == 2
+    reply = tenanted.stub.Tokenize(gateway_pb2.TokenizeRequest(prompt="tok"), metadata=_auth(KEY_B), timeout=30)
+    assert "".join(reply.tokens) == "tok" and len(reply.token_ids) == 3  # a byte tokenizer
+    stream.cancel()
+    wait_until(lambda: _metric(tenanted, "pagedserve_gateway_tenant_requests", '{tenant="team-a"}') == 0,
+               what="team-a's slot released")
+    wait_until(lambda: engines[0].load().num_running == 0, what="the cancelled stream aborted")
+    assert tenanted.stub.Generate(_request(), metadata=_auth(KEY_A), timeout=30).usage.completion_tokens == 2
+    assert _metric(tenanted, "pagedserve_gateway_queue_length") == 0
+
+
+def test_priority_above_the_tenants_maximum_is_permission_denied(tenanted: Gateway) -> None:
+    """Item 5: team-b has the default max_priority 0, team-a was granted 5."""
+    code, details = _code(tenanted.stub.Generate, _request(priority=1), metadata=_auth(KEY_B), timeout=30)
+    assert code == grpc.StatusCode.PERMISSION_DENIED and "max_priority of tenant 'team-b' (0)" in details
+    code, _ = _code(lambda *a, **k: list(tenanted.stub.GenerateStream(*a, **k)), _request(priority=2147483647),
+                    metadata=_auth(KEY_A), timeout=30)
+    assert code == grpc.StatusCode.PERMISSION_DENIED
+    assert tenanted.stub.Generate(_request(priority=0), metadata=_auth(KEY_B), timeout=30).usage.completion_tokens == 2
+    assert tenanted.stub.Generate(_request(priority=5), metadata=_auth(KEY_A), timeout=30).usage.completion_tokens == 2
+    assert _metric(tenanted, "pagedserve_gateway_tenant_requests", '{tenant="team-a"}') == 0
+
+
+def test_the_prefix_cache_is_per_tenant(tenanted: Gateway) -> None:
+    """Item 6: B gets no hit on A's prompt; A's repeat does; A's cache_salt narrows within A."""
+    prompt = "PIN 4 of tenant A, several blocks long so that the prefix cache holds some of it. " * 2
+
+    def cached(key: str, salt: str = "") -> int:
+        reply = tenanted.stub.Generate(_request(prompt, cache_salt=salt), metadata=_auth(key), timeout=30)
+        return reply.usage.cached_prompt_tokens
+
+    assert cached(KEY_A) == 0
+    tenanted.stub.Generate(_request("commit the previous step's blocks"), metadata=_auth(KEY_A), timeout=30)
+    assert cached(KEY_B) == 0
+    assert cached(KEY_A) > 0
+    assert cached(KEY_A, salt="narrower") == 0
+    assert cached(KEY_B) > 0  # B's own first request is now B's to reuse
+
+
+def test_a_stream_whose_client_stops_reading_is_ended_and_aborted(tenanted: Gateway, engines: list[Engine]) -> None:
+    """Item 4's write-stall timeout: a client with a ~1 KiB window reads one message, then nothing."""
+    channel = grpc.insecure_channel(tenanted.address, options=[("grpc.http2.lookahead_bytes", 1024),
+                                                               ("grpc.http2.bdp_probe", 0)])
+    stub = gateway_pb2_grpc.GatewayStub(channel)
+    stalls = _metric(tenanted, "pagedserve_gateway_write_stalls_total")
+    stream = stub.GenerateStream(_request(max_tokens=900, params={"logprobs": 5}), metadata=_auth(KEY_B), timeout=60)
+    first = next(stream)
+    wait_until(lambda: _metric(tenanted, "pagedserve_gateway_write_stalls_total") == stalls + 1, timeout_s=30,
+               what="the stalled stream ended")
+    wait_until(lambda: _metric(tenanted, "pagedserve_gateway_tenant_requests", '{tenant="team-b"}') == 0,
+               what="its slot released")
+    wait_until(lambda: engines[0].load().num_running == 0, what="its backend request aborted")
+    pieces = [first]
+    with pytest.raises(grpc.RpcError) as info:
+        pieces += list(stream)
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "write_stall_timeout_s" in info.value.details()
+    assert sum(len(p.token_ids) for p in pieces) < 900 and not any(p.finish_reason for p in pieces)
+    channel.close()
