@@ -157,6 +157,24 @@ def test_parallel_sampling_forks_share_the_prompt(tiny_dir: Path, hf_model: Llam
     assert len({tuple(c.token_ids) for c in sampled.outputs}) > 1
 
 
+def test_stop_token_ids_at_their_limit_stop_at_the_right_token(tiny_dir: Path, hf_model: LlamaForCausalLM) -> None:
+    """1,024 stop ids (the limit) are looked up in a set built once per request, and stop exactly
+    where the one that the model generates first appears."""
+    prompt = make_prompts(1, seed=8)[0]
+    want = hf_greedy(hf_model, prompt, 12)
+    stop_id = want[5]
+    others = [t for t in range(VOCAB) if t not in want]  # never generated: repeated up to the limit
+    stop_ids = [*(others * (1023 // len(others) + 1))[:1023], stop_id]
+    params = SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=stop_ids)
+    assert params.stop_token_id_set == frozenset([*others, stop_id]) and len(params.stop_token_ids) == 1024
+    with LLM(str(tiny_dir), block_size=4, max_num_blocks=128) as llm:
+        [out] = llm.generate([prompt], params)
+    first = want.index(stop_id)
+    assert out.outputs[0].token_ids == want[:first + 1] and out.outputs[0].finish_reason == "stop"
+    with pytest.raises(ValueError, match="stop_token_ids: at most 1024 ids, got 1025"):
+        SamplingParams(stop_token_ids=[1] * 1025)
+
+
 def test_abort_and_bad_input(tiny_dir: Path) -> None:
     with LLM(str(tiny_dir), block_size=4, max_num_blocks=64) as llm:
         engine = llm.engine
