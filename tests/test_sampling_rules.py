@@ -25,13 +25,13 @@ def test_capacity_counts_every_completion() -> None:
         rules.check_capacity(10, 1191, 1, 4, 300)
 
 
-def test_reply_estimate_refuses_only_what_cannot_be_sent() -> None:
-    # The review's case: n=40 x 900 tokens with logprobs=20 over a 4 MiB limit.
-    assert rules.estimate_reply_bytes(40, 900, 20, 49152) > 4 << 20
+def test_reply_bound_refuses_only_what_cannot_be_sent() -> None:
+    # At least 1 + 2 + 22 + 82 = 107 bytes per token with logprobs=20 (a lower bound).
+    assert rules.min_reply_bytes(1, 1, 20) == 107 and rules.min_reply_bytes(3, 10, None) == 30
     with pytest.raises(InvalidArgument, match="use GenerateStream"):
-        rules.check_reply_fits(40, 900, 20, 49152, 4 << 20)
-    rules.check_reply_fits(1, 4096, None, 49152, 4 << 20)  # a long plain answer still fits
-    rules.check_reply_fits(64, 256, 5, 49152, 4 << 20)
+        rules.check_reply_fits(64, 900, 20, 4 << 20)  # 6.2 MB at the least
+    rules.check_reply_fits(40, 900, 20, 4 << 20)  # 3.9 MB at the least: might fit, so not refused
+    rules.check_reply_fits(1, 4096, None, 4 << 20)  # a long plain answer
 
 
 def test_counts_are_checked_before_contents() -> None:

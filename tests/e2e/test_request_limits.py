@@ -13,8 +13,9 @@ import pytest
 from pagedserve.gateway.v1 import gateway_pb2
 from tests.e2e.conftest import Engine, Gateway, start_gateway, wait_until
 
-# A gateway whose replies may hold 16 KiB: n=2 x 60 tokens with logprobs=20 (about 140 bytes per
-# token with this vocabulary) does not fit; a short answer does.
+# A gateway whose replies may hold 16 KiB: n=2 x 80 tokens with logprobs=20 need at least 107 bytes
+# a token (17,120 bytes), so they are refused up front; 1 x 150 need at least 16,050, so they are
+# started, and stopped once the reply being built passes the limit.
 SMALL_REPLY_BYTES = 16 << 10
 
 
@@ -67,12 +68,19 @@ def test_messages_are_bounded_in_total_size(gateway: Gateway) -> None:
 
 def test_a_unary_reply_too_large_to_send_is_refused_up_front(small_replies: Gateway, engines: list[Engine]) -> None:
     """Before: the backends generated all of it, then the reply failed RESOURCE_EXHAUSTED."""
-    big = _request(n=2, max_tokens=60, logprobs=20, ignore_eos=True)
+    big = _request(n=2, max_tokens=80, logprobs=20, ignore_eos=True)
     error = _refused(small_replies.stub.Generate, big)
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "use GenerateStream" in error.details()
-    assert all(e.load().num_running + e.load().num_waiting == 0 for e in engines)  # nothing was started
     # The same request streamed is served whole; a short unary one still fits.
     pieces = list(small_replies.stub.GenerateStream(big, timeout=60))
-    assert sum(len(p.token_ids) for p in pieces) == 120 and sum(len(p.logprobs) for p in pieces) == 120
+    assert sum(len(p.token_ids) for p in pieces) == 160 and sum(len(p.logprobs) for p in pieces) == 160
     short = small_replies.stub.Generate(_request(max_tokens=4, logprobs=2, ignore_eos=True), timeout=30)
     assert short.usage.completion_tokens == 4 and len(short.choices[0].logprobs) == 4
+
+
+def test_a_unary_reply_that_outgrows_the_limit_is_stopped(small_replies: Gateway, engines: list[Engine]) -> None:
+    """Not refusable up front (it might have fit): stopped, and aborted on its backend, once the reply
+    being built passes the limit, with the same advice."""
+    error = _refused(small_replies.stub.Generate, _request(max_tokens=150, logprobs=20, ignore_eos=True))
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "use GenerateStream" in error.details()
+    wait_until(lambda: all(e.load().num_running + e.load().num_waiting == 0 for e in engines), what="aborted")
