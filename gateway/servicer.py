@@ -60,6 +60,16 @@ def _logprobs(items: list[compute_pb2.TokenLogprobs]) -> list[gateway_pb2.TokenL
     return [gateway_pb2.TokenLogprobs.FromString(item.SerializeToString()) for item in items]
 
 
+def _varint_bytes(value: int) -> int:
+    return max(1, (value.bit_length() + 6) // 7) if value >= 0 else 10
+
+
+def _reply_bytes(message: compute_pb2.GenerateResponse) -> int:
+    """What ``message`` adds to a unary reply on the wire (its ids, text and logprobs entries)."""
+    entries = (size + 1 + _varint_bytes(size) for size in (lp.ByteSize() for lp in message.logprobs))
+    return sum(map(_varint_bytes, message.token_ids)) + len(message.text.encode()) + sum(entries)
+
+
 def _usage(usage: compute_pb2.Usage) -> gateway_pb2.Usage:
     return gateway_pb2.Usage(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
                              cached_prompt_tokens=usage.cached_prompt_tokens)
@@ -145,8 +155,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         try:
             model = self._model()
             check_request(request, model.info)  # cheap checks first: a bad field costs no tokenizing
+            reply_limit = None
             if method == "Generate":  # one reply holds everything: refuse one that cannot be sent
-                check_unary_reply(request, model.info, self.config.max_message_bytes)
+                reply_limit = self.config.max_message_bytes
+                check_unary_reply(request, reply_limit)
             token_ids = await self._encode(request)
             check_length(len(token_ids), request, model.info)
             record.usage.prompt_tokens = len(token_ids)  # until the backend's usage arrives
@@ -156,8 +168,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             messages = self.dispatcher.run(backend_request, model.info.model_name, record.route,
                                            context.time_remaining())
             # aclosing: a client that goes away closes the backend call now, not at garbage collection.
+            reply_bytes = 0
             async with contextlib.aclosing(messages):
                 async for message in messages:
+                    if reply_limit is not None:
+                        reply_bytes += _reply_bytes(message)
+                        if reply_bytes > reply_limit:  # closing the backend call aborts the request there
+                            raise ResourceExhaustedError(
+                                f"the reply has grown past the {reply_limit} bytes one unary reply may carry; "
+                                f"use GenerateStream")
                     if message.token_ids:
                         record.usage.completion_tokens += len(message.token_ids)
                         record.last_token_at = time.perf_counter()

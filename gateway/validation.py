@@ -71,10 +71,10 @@ def check_request(request: gateway_pb2.GenerateRequest, info: compute_pb2.InfoRe
     rules.check_sampling(resolved_params(request.params), limits=limits_of(info), vocab_size=info.vocab_size or None)
 
 
-def check_unary_reply(request: gateway_pb2.GenerateRequest, info: compute_pb2.InfoResponse, max_bytes: int) -> None:
+def check_unary_reply(request: gateway_pb2.GenerateRequest, max_bytes: int) -> None:
     """A unary Generate whose reply cannot fit the send limit is refused before any work."""
     p = resolved_params(request.params)
-    rules.check_reply_fits(p["n"], p["max_tokens"], p["logprobs"], info.vocab_size or 1 << 17, max_bytes)
+    rules.check_reply_fits(p["n"], p["max_tokens"], p["logprobs"], max_bytes)
 
 
 def check_length(num_prompt_tokens: int, request: gateway_pb2.GenerateRequest, info: compute_pb2.InfoResponse) -> None:

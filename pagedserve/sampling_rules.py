@@ -230,29 +230,25 @@ def check_capacity(num_prompt_tokens: int, max_tokens: int, n: int, block_size: 
     )
 
 
-# Text of one token in a reply: an estimate (English averages about four bytes).
-_TEXT_BYTES_PER_TOKEN = 4
-
-
-def estimate_reply_bytes(n: int, max_tokens: int, logprobs: int | None, vocab_size: int) -> int:
-    """Size of a unary reply holding ``n`` completions of ``max_tokens`` tokens (an estimate from
-    below, so that only a reply that will not fit is refused): per token its id and text, and with
-    logprobs one entry of the token's and the ``logprobs`` best ids and values."""
-    id_bytes = max(1, (max(vocab_size - 1, 1).bit_length() + 6) // 7)  # a varint
-    per_token = id_bytes + _TEXT_BYTES_PER_TOKEN
+def min_reply_bytes(n: int, max_tokens: int, logprobs: int | None) -> int:
+    """The smallest a unary reply of ``n`` completions of ``max_tokens`` tokens can be on the wire:
+    per token at least one byte of id (its text may be empty), and with logprobs an entry of at
+    least its header and the packed top ids (a byte each) and values (four bytes each). A bound from
+    below, so that what is refused up front could never have been sent."""
+    per_token = 1
     if logprobs is not None:
-        per_token += 2 + (1 + id_bytes) + 5  # the entry's header, token_id, logprob
+        per_token += 2  # the entry's tag and length (token_id and logprob may be zeros, left out)
         if logprobs:
-            per_token += (2 + logprobs * id_bytes) + (2 + 4 * logprobs)  # packed top ids and values
+            per_token += (2 + logprobs) + (2 + 4 * logprobs)
     return n * max_tokens * per_token
 
 
-def check_reply_fits(n: int, max_tokens: int, logprobs: int | None, vocab_size: int, max_bytes: int) -> None:
-    """A unary reply that would exceed the send limit is refused before any work: stream it."""
-    size = estimate_reply_bytes(n, max_tokens, logprobs, vocab_size)
+def check_reply_fits(n: int, max_tokens: int, logprobs: int | None, max_bytes: int) -> None:
+    """A unary reply that cannot fit the send limit is refused before any work: stream it."""
+    size = min_reply_bytes(n, max_tokens, logprobs)
     if size > max_bytes:
         raise InvalidArgument(
             f"params.n, params.max_tokens, params.logprobs: a reply of n ({n}) x max_tokens ({max_tokens}) tokens "
-            f"with logprobs ({logprobs}) is about {size} bytes, more than the {max_bytes} one unary reply may carry; "
-            f"use GenerateStream, or lower them"
+            f"with logprobs ({logprobs}) takes at least {size} bytes, more than the {max_bytes} one unary reply may "
+            f"carry; use GenerateStream, or lower them"
         )

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from compute_service.engine.sampling_params import SamplingParams
 from compute_service.engine.sequence import Sequence
 
 
@@ -20,6 +21,16 @@ def _apply_penalties(row: torch.Tensor, seq: Sequence) -> torch.Tensor:
         ids, counts = torch.tensor(seq.output_token_ids, device=row.device).unique(return_counts=True)
         row[ids] -= p.presence_penalty + p.frequency_penalty * counts.to(row.dtype)
     return row
+
+
+def _min_tokens_banned(params: SamplingParams, eos_token_ids: Seq[int], device: torch.device) -> torch.Tensor:
+    """The ids masked while a completion is under min_tokens (EOS and the stop ids), built once per
+    request: each step's cost does not grow with the number of stop ids."""
+    banned = params.derived.get("min_tokens_banned")
+    if not isinstance(banned, torch.Tensor) or banned.device != device:
+        ids = sorted({*eos_token_ids, *params.stop_token_id_set})
+        banned = params.derived["min_tokens_banned"] = torch.tensor(ids, dtype=torch.long, device=device)
+    return banned
 
 
 def _sample_row(row: torch.Tensor, seq: Sequence) -> int:
@@ -60,8 +71,7 @@ def sample(logits: torch.Tensor, seqs: Seq[Sequence], eos_token_ids: Seq[int]) -
     for row, seq in zip(logits, seqs, strict=True):
         row = row.clone()
         if seq.num_output_tokens < seq.params.min_tokens:
-            banned = [*eos_token_ids, *seq.params.stop_token_ids]
-            row[torch.tensor(banned, dtype=torch.long, device=row.device)] = float("-inf")
+            row[_min_tokens_banned(seq.params, eos_token_ids, row.device)] = float("-inf")
         row = _apply_penalties(row, seq)
         out.append(int(row.argmax()) if seq.params.is_greedy else _sample_row(row, seq))
     return out

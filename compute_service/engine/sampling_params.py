@@ -46,13 +46,16 @@ class SamplingParams:
     n: int = 1
     logprobs: int | None = None
     stop_token_id_set: frozenset[int] = field(default=frozenset(), init=False, repr=False, compare=False)
+    # What the engine derives from these fields once per request rather than once per step (the
+    # sampler's tensor of ids masked under min_tokens); not part of the request's value.
+    derived: dict[str, object] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         # Raises InvalidArgument naming the field (without the wire's "params." prefix: the
         # service's edge adds it). Counts are checked before any element.
-        check_sampling(self.__dict__, prefix="")
+        check_sampling(vars(self), prefix="")
         # Built once: the engine asks "is this token a stop token?" for every token it samples,
         # and a set answers in constant time whatever the number of stop ids.
         object.__setattr__(self, "stop_token_id_set", frozenset(self.stop_token_ids))

@@ -157,6 +157,30 @@ def test_parallel_sampling_forks_share_the_prompt(tiny_dir: Path, hf_model: Llam
     assert len({tuple(c.token_ids) for c in sampled.outputs}) > 1
 
 
+def test_stop_token_ids_at_their_limit_stop_at_the_right_token(tiny_dir: Path, hf_model: LlamaForCausalLM) -> None:
+    """1,024 stop ids (the limit) are looked up in a set built once per request, and stop exactly
+    where the one that the model generates first appears."""
+    prompt = make_prompts(1, seed=8)[0]
+    want = hf_greedy(hf_model, prompt, 12)
+    stop_id = want[5]
+    others = [t for t in range(VOCAB) if t not in want]  # never generated: repeated up to the limit
+    stop_ids = [*(others * (1023 // len(others) + 1))[:1023], stop_id]
+    params = SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=stop_ids)
+    assert params.stop_token_id_set == frozenset([*others, stop_id]) and len(params.stop_token_ids) == 1024
+    first = want.index(stop_id)
+    held_back = SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=stop_ids, min_tokens=first + 2)
+    with LLM(str(tiny_dir), block_size=4, max_num_blocks=128) as llm:
+        [out] = llm.generate([prompt], params)
+        [masked] = llm.generate([prompt], held_back)  # the stop ids are masked under min_tokens
+    assert out.outputs[0].token_ids == want[:first + 1] and out.outputs[0].finish_reason == "stop"
+    tokens = masked.outputs[0].token_ids
+    assert tokens[:first] == want[:first] and stop_id not in tokens[:first + 2] and len(tokens) >= first + 2
+    # Built once for the request: EOS and the stop ids, whatever the number of steps.
+    assert set(held_back.derived["min_tokens_banned"].tolist()) == {*held_back.stop_token_id_set, EOS}
+    with pytest.raises(ValueError, match="stop_token_ids: at most 1024 ids, got 1025"):
+        SamplingParams(stop_token_ids=[1] * 1025)
+
+
 def test_abort_and_bad_input(tiny_dir: Path) -> None:
     with LLM(str(tiny_dir), block_size=4, max_num_blocks=64) as llm:
         engine = llm.engine

@@ -62,6 +62,14 @@ BAD = [
     ("long cache_salt", dict(cache_salt="s" * 257), "cache_salt"),
     ("long request_id", dict(request_id="r" * 257), "request_id"),
     ("min_tokens above max_tokens", dict(params=cpb.SamplingParams(max_tokens=4, min_tokens=5)), "min_tokens"),
+    # Counts are bounded (they were not: two million stop ids stalled the engine), and named as such.
+    ("one stop id over the limit", dict(params=cpb.SamplingParams(stop_token_ids=[1] * 1025)),
+     "params.stop_token_ids: at most 1024 ids, got 1025"),
+    ("stop string over its length", dict(params=cpb.SamplingParams(stop=["x" * 257])), "params.stop[0]"),
+    # The length is checked before any id: the out-of-vocabulary ids are never looked at.
+    ("prompt over the model's length", dict(prompt_token_ids=[300] * 1025), "prompt_token_ids: at most 1024 tokens"),
+    # n completions hold n copies of max_tokens: 2 + 2 x 176 blocks of 4 > 300, though 10 + 700 < 1200.
+    ("n copies beyond the pool", dict(params=cpb.SamplingParams(n=2, max_tokens=700)), "params.n"),
 ]
 
 
@@ -74,6 +82,30 @@ def test_bad_input_is_invalid_argument_and_the_next_request_is_served(
         list(services.stub.Generate(request, timeout=30))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, case
     assert field_name in err.value.details(), err.value.details()
+    assert services.generate(PROMPT, max_tokens=2, temperature=0.0)[-1].usage.completion_tokens == 2
+
+
+def test_limits_hold_exactly_at_the_limit(services: Services) -> None:
+    """Well-behaved requests at each bound are served as before."""
+    at_limit = cpb.GenerateRequest(prompt_token_ids=PROMPT, params=cpb.SamplingParams(
+        max_tokens=2, temperature=0.0, stop_token_ids=[1] * 1024, stop=["x" * 256]))
+    assert sum(len(m.token_ids) for m in services.stub.Generate(at_limit, timeout=60)) <= 2
+    # 2 + 2 x 126 = 254 blocks of 300: two completions of 500 tokens fit at once.
+    fits = cpb.GenerateRequest(prompt_token_ids=PROMPT, params=cpb.SamplingParams(n=2, max_tokens=500, temperature=0.0))
+    call = services.stub.Generate(fits, timeout=60)
+    assert len(next(call).token_ids) == 1
+    call.cancel()
+    services.wait_released()
+
+
+def test_a_message_beyond_the_wire_limit_is_refused_before_parsing(services: Services) -> None:
+    """The receive limit is sized from the request limits (about 2.4 MB), not a flat 64 MiB: a 2.6 MB
+    prompt is refused by gRPC itself (RESOURCE_EXHAUSTED), never parsed or walked on the event loop."""
+    huge = cpb.GenerateRequest(prompt_token_ids=[200] * 1_300_000)  # 2 bytes per id on the wire
+    assert huge.ByteSize() > 2_500_000
+    with pytest.raises(grpc.RpcError) as err:
+        list(services.stub.Generate(huge, timeout=30))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert services.generate(PROMPT, max_tokens=2, temperature=0.0)[-1].usage.completion_tokens == 2
 
 

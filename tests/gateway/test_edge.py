@@ -12,7 +12,9 @@ from gateway.backends import BackendPool
 from gateway.config import API_KEYS_ENV, GatewayConfig, parse_backend
 from gateway.tenants import Tenant, Tenants
 from gateway.validation import check_length, check_prompt_input, check_request, to_compute_request
+from compute_service.service.convert import params_from_pb
 from pagedserve.compute.v1 import compute_pb2
+from pagedserve.errors import InvalidArgument
 from pagedserve.gateway.v1 import gateway_pb2
 
 INFO = compute_pb2.InfoResponse(model_name="m", max_model_len=64, vocab_size=100, max_n=4, max_logprobs=5,
@@ -37,10 +39,47 @@ def _request(**params: object) -> gateway_pb2.GenerateRequest:
     ({"stop_token_ids": [100]}, "params.stop_token_ids[0]"),
     ({"min_tokens": 20, "max_tokens": 10}, "params.min_tokens"),
     ({"max_tokens": -1}, "params.max_tokens"),
+    # Counts before contents: one over the limit is refused without a look at the ids.
+    ({"stop_token_ids": [1] * 1025}, "params.stop_token_ids: at most 1024 ids, got 1025"),
+    ({"stop": ["x" * 257]}, "params.stop[0]"),
+    ({"repetition_penalty": -1.0}, "params.repetition_penalty"),
 ])
 def test_each_bad_field_is_named(params: dict, named: str) -> None:
     with pytest.raises(ValueError, match=named.replace("[", r"\[").replace("]", r"\]")):
         check_request(_request(**params), INFO)
+
+
+@pytest.mark.parametrize("params", [
+    {}, {"temperature": 0.0}, {"top_p": 0.5}, {"top_p": 1.5}, {"top_k": -1}, {"min_p": 1.5}, {"n": 0}, {"n": 64},
+    {"n": 65}, {"n": -1}, {"logprobs": 20}, {"logprobs": 21}, {"stop": ["a"] * 16}, {"stop": ["a"] * 17},
+    {"stop": ["x" * 256]}, {"stop": ["x" * 257]}, {"stop_token_ids": [1] * 1024}, {"stop_token_ids": [1] * 1025},
+    {"stop_token_ids": [-1]}, {"max_tokens": 8, "min_tokens": 9}, {"presence_penalty": 2.5},
+    {"frequency_penalty": -2.0}, {"repetition_penalty": 0.5}, {"temperature": -1.0}, {"seed": 2**64 - 1},
+])
+def test_gateway_and_compute_service_agree(params: dict) -> None:
+    """One set of rules: whatever the gateway accepts, the compute service accepts (and the other way
+    round), because both check with pagedserve.sampling_rules (they had drifted apart before)."""
+    info = compute_pb2.InfoResponse(max_model_len=4096, vocab_size=1000)  # no limits reported: the defaults
+
+    def verdict(check) -> bool:
+        try:
+            check()
+        except InvalidArgument:
+            return False
+        return True
+
+    request = _request(**params)
+    at_gateway = verdict(lambda: check_request(request, info))
+    at_compute = verdict(lambda: params_from_pb(to_compute_request(request, [1], "id").params))
+    assert at_gateway == at_compute, params
+
+
+def test_long_role_is_echoed_short() -> None:
+    role = "r" * 1_000_000
+    with pytest.raises(InvalidArgument) as info:
+        check_prompt_input(gateway_pb2.GenerateRequest(messages=[gateway_pb2.ChatMessage(role=role)]), CONFIG)
+    assert str(info.value).startswith("messages[0].role must be one of") and len(str(info.value)) < 160
+    assert str(info.value).endswith("...")
 
 
 def test_prompt_input_rules() -> None:

@@ -305,3 +305,21 @@ def test_item14_a_bug_answers_internal_and_the_service_keeps_serving(tmp_path: P
         asyncio.run_coroutine_threadsafe(service.stop(), loop).result(30)
         loop.call_soon_threadsafe(loop.stop)
     assert not socket.exists()
+
+
+def test_a_huge_id_is_echoed_in_a_short_message(memory_service: str) -> None:
+    """Before: a 1e6-character seq_id (or client_id) was echoed whole, and the message overflowed
+    gRPC's metadata limit, so the client saw RESOURCE_EXHAUSTED instead of the real status."""
+    stub = stub_for(memory_service)
+    with MemoryClient(f"unix:{memory_service}", TINY_LAYOUT, "t") as client:
+        free = pb.SequenceOp(free=pb.FreeOp(seq_id="s" * 1_000_000))
+        for request in (pb.GetBlockTableRequest(client_id=client.client_id, seq_id="s" * 1_000_000),
+                        pb.StepRequest(client_id=client.client_id, ops=[free])):
+            call = stub.GetBlockTable if isinstance(request, pb.GetBlockTableRequest) else stub.Step
+            with pytest.raises(grpc.RpcError) as info:
+                call(request, timeout=10)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "..." in info.value.details() and len(info.value.details()) < 200
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Step(pb.StepRequest(client_id="c" * 1_000_000), timeout=10)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and len(info.value.details()) < 200
