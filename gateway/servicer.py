@@ -26,9 +26,10 @@ from gateway.dispatch import Dispatcher, Route
 from gateway.metrics import GatewayMetrics
 from gateway.tenants import Admission, Tenant, Tenants
 from gateway.tokenizer import ModelTokenizer
-from gateway.validation import check_length, check_prompt_input, check_request, check_unary_reply, to_compute_request
+from gateway.validation import (check_length, check_prompt_input, check_prompt_token_ids, check_request,
+                                check_unary_reply, to_compute_request)
 from pagedserve.compute.v1 import compute_pb2
-from pagedserve.errors import DeadlineExceededError, UnavailableError
+from pagedserve.errors import DeadlineExceededError, ResourceExhaustedError, UnavailableError
 from pagedserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from pagedserve.log import get_logger
 from pagedserve.rpc import status_for
@@ -37,7 +38,7 @@ log = get_logger("gateway.access")
 
 
 @dataclass
-class _Record:
+class RequestRecord:
     """What the access line and the metrics say about one request."""
 
     method: str
@@ -49,6 +50,9 @@ class _Record:
     last_token_at: float | None = None
     usage: compute_pb2.Usage = field(default_factory=compute_pb2.Usage)
     route: Route = field(default_factory=Route)
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
 
 
 def _stop_string(message: compute_pb2.GenerateResponse) -> str:
@@ -115,7 +119,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                                 "missing or invalid API key (authorization: Bearer KEY)")
         return tenant
 
-    def _admit(self, tenant: Tenant, record: _Record,
+    def _admit(self, tenant: Tenant, record: RequestRecord,
                request: gateway_pb2.GenerateRequest | gateway_pb2.TokenizeRequest,
                priority: int | None = None) -> Admission:
         """The tenant's priority check and a slot, both before any await (see the module docstring)."""
@@ -143,30 +147,50 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             return await loop.run_in_executor(self.tokenize_executor, model.encode_prompt, given.prompt)
         return await loop.run_in_executor(self.tokenize_executor, model.encode_chat, given.messages)
 
-    async def _run(self, method: str, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext,
-                   record: _Record) -> AsyncIterator[compute_pb2.GenerateResponse]:
+    async def run(self, request: gateway_pb2.GenerateRequest, record: RequestRecord, tenant: Tenant,
+                  timeout_s: float | None, prompt_token_ids: list[int] | None = None,
+                  max_tokens_to_context: bool = False) -> AsyncIterator[compute_pb2.GenerateResponse]:
         """Admits, validates and dispatches one request; yields the backend's messages.
 
-        Failures are raised as ``pagedserve.errors`` types; the server's interceptor answers them.
+        The one path of every front (gRPC here, HTTP in ``gateway.openai_api``): the tenant's
+        admission, validation, tokenizing, routing, metrics and the access line all happen here, so
+        the fronts only convert. Admission is the first thing the first ``anext`` does (no await
+        before it).
+
+        Args:
+            request: the public request.
+            record: filled for the access line; ``record.route.cancel()`` ends the request.
+            tenant: who sent it (``Tenants.identify`` of its key).
+            timeout_s: the client's remaining time (None = no deadline).
+            prompt_token_ids: a prompt given as token ids (an in-process front's; then the request
+                carries neither prompt nor messages).
+            max_tokens_to_context: a request without max_tokens may generate up to the model's length
+                (OpenAI's chat default) instead of the API's default of 16 tokens.
+        Raises:
+            InvalidArgument, ResourceExhaustedError, PermissionDeniedError, UnavailableError, ...:
+            every failure is a ``pagedserve.errors`` type; the gRPC interceptor answers it with its
+            code, the HTTP front with the matching status.
         """
-        tenant = await self._tenant(context)
         admission = self._admit(tenant, record, request, request.priority)
-        context.add_done_callback(lambda _: record.route.cancel())
         try:
             model = self._model()
             check_request(request, model.info)  # cheap checks first: a bad field costs no tokenizing
             reply_limit = None
-            if method == "Generate":  # one reply holds everything: refuse one that cannot be sent
+            if record.method == "Generate":  # one reply holds everything: refuse one that cannot be sent
                 reply_limit = self.config.max_message_bytes
                 check_unary_reply(request, reply_limit)
-            token_ids = await self._encode(request)
+            if prompt_token_ids is None:
+                token_ids = await self._encode(request)
+            else:
+                token_ids = check_prompt_token_ids(prompt_token_ids, request, model.info)
+            if max_tokens_to_context and not request.params.max_tokens and model.info.max_model_len:
+                request.params.max_tokens = max(model.info.max_model_len - len(token_ids), 1)
             check_length(len(token_ids), request, model.info)
             record.usage.prompt_tokens = len(token_ids)  # until the backend's usage arrives
             backend_request = to_compute_request(request, token_ids, "")
             # The cache namespace is the tenant's: its hits are on its own prompts only.
             backend_request.cache_salt = tenant.cache_salt(request.cache_salt)
-            messages = self.dispatcher.run(backend_request, model.info.model_name, record.route,
-                                           context.time_remaining())
+            messages = self.dispatcher.run(backend_request, model.info.model_name, record.route, timeout_s)
             # aclosing: a client that goes away closes the backend call now, not at garbage collection.
             reply_bytes = 0
             async with contextlib.aclosing(messages):
@@ -185,18 +209,27 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                         record.usage.CopyFrom(message.usage)
                     yield message
         except (asyncio.CancelledError, GeneratorExit):  # the client cancelled, its deadline passed, or it stalled
-            remaining = context.time_remaining()
             if record.status == "OK":
-                record.status = "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
+                expired = timeout_s is not None and record.elapsed() >= timeout_s
+                record.status = "DEADLINE_EXCEEDED" if expired else "CANCELLED"
             raise
-        except Exception as exc:  # the interceptor answers it (a bug: INTERNAL, logged with its traceback)
+        except Exception as exc:  # the front answers it (a bug: INTERNAL, logged with its traceback)
             record.status = status_for(exc).name
             raise
         finally:
             self._release(admission)
             self._finish(record, request)
 
-    def _finish(self, record: _Record, request: gateway_pb2.GenerateRequest | gateway_pb2.TokenizeRequest) -> None:
+    async def _run(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext,
+                   record: RequestRecord) -> AsyncIterator[compute_pb2.GenerateResponse]:
+        """``run`` for a gRPC call: its tenant, deadline and cancellation (the interceptor answers errors)."""
+        tenant = await self._tenant(context)
+        context.add_done_callback(lambda _: record.route.cancel())
+        async with contextlib.aclosing(self.run(request, record, tenant, context.time_remaining())) as messages:
+            async for message in messages:
+                yield message
+
+    def _finish(self, record: RequestRecord, request: gateway_pb2.GenerateRequest | gateway_pb2.TokenizeRequest) -> None:
         """Metrics and the access line (no prompt text unless the config asks for it)."""
         now = time.perf_counter()
         self.metrics.requests.labels(record.method, record.status).inc()
@@ -217,28 +250,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                  ttft_s=None if ttft is None else round(ttft, 4), total_s=round(now - record.started, 4), **extra)
 
     async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> gateway_pb2.GenerateResponse:
-        record = _Record("Generate", request.request_id or uuid.uuid4().hex)
-        choices: dict[int, gateway_pb2.Completion] = {}
-        usage = gateway_pb2.Usage()
-        async with contextlib.aclosing(self._run("Generate", request, context, record)) as messages:
-            async for message in messages:
-                choice = choices.setdefault(message.index, gateway_pb2.Completion(index=message.index))
-                choice.text += message.text
-                choice.token_ids.extend(message.token_ids)
-                choice.logprobs.extend(_logprobs(message.logprobs))
-                if message.finish_reason:
-                    choice.finish_reason = message.finish_reason
-                    choice.stop_string = _stop_string(message)
-                if message.HasField("usage"):
-                    usage = _usage(message.usage)
-        return gateway_pb2.GenerateResponse(request_id=record.request_id,
-                                            choices=[choices[i] for i in sorted(choices)], usage=usage)
+        record = RequestRecord("Generate", request.request_id or uuid.uuid4().hex)
+        return await collect(record.request_id, self._run(request, context, record))
 
     async def GenerateStream(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
-        record = _Record("GenerateStream", request.request_id or uuid.uuid4().hex)
+        record = RequestRecord("GenerateStream", request.request_id or uuid.uuid4().hex)
         timeout_s = self.config.write_stall_timeout_s
-        async with contextlib.aclosing(self._pieces(request, context, record)) as pieces:
-            async for piece in pieces:
+        async with contextlib.aclosing(pieces(record.request_id, self._run(request, context, record))) as stream:
+            async for piece in stream:
                 # A write waits while the client's flow-control window is full: a client that reads
                 # nothing for timeout_s holds a slot, a backend sequence and its blocks for nothing.
                 try:
@@ -253,33 +272,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         # The pieces are closed (the backend call cancelled and aborted, the slot released): tell the client.
         raise DeadlineExceededError(f"the client read nothing for {timeout_s} s (write_stall_timeout_s): stream ended")
 
-    async def _pieces(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext,
-                      record: _Record) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
-        """The stream's messages: the backend's, with half UTF-8 characters held back."""
-        # Tokens whose text is not complete yet (half a UTF-8 character) wait for the next piece.
-        held_ids: dict[int, list[int]] = {}
-        held_logprobs: dict[int, list[compute_pb2.TokenLogprobs]] = {}
-        async with contextlib.aclosing(self._run("GenerateStream", request, context, record)) as messages:
-            async for message in messages:
-                ids = held_ids.setdefault(message.index, [])
-                logprobs = held_logprobs.setdefault(message.index, [])
-                ids.extend(message.token_ids)
-                logprobs.extend(message.logprobs)
-                if not (message.text or message.finish_reason or message.HasField("usage")):
-                    continue
-                piece = gateway_pb2.GenerateStreamResponse(
-                    request_id=record.request_id, index=message.index, text=message.text, token_ids=ids,
-                    finish_reason=message.finish_reason, logprobs=_logprobs(logprobs),
-                    stop_string=_stop_string(message))
-                if message.HasField("usage"):
-                    piece.usage.CopyFrom(_usage(message.usage))
-                held_ids[message.index], held_logprobs[message.index] = [], []
-                yield piece
-
     async def Tokenize(self, request: gateway_pb2.TokenizeRequest,
                        context: grpc.aio.ServicerContext) -> gateway_pb2.TokenizeResponse:
         # Admitted like Generate: tokenizing a megabyte costs a backend nothing but this gateway a lot.
-        record = _Record("Tokenize", uuid.uuid4().hex)
+        record = RequestRecord("Tokenize", uuid.uuid4().hex)
         admission = self._admit(await self._tenant(context), record, request)
         try:
             token_ids = await self._encode(request)
@@ -302,3 +298,47 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             block_size=info.block_size, has_chat_template=self.model.has_chat_template,
             num_healthy_backends=len(pool.in_rotation(info.model_name)), num_backends=len(pool.backends),
             max_n=info.max_n, max_logprobs=info.max_logprobs, max_stop_strings=info.max_stop_strings)])
+
+
+async def collect(request_id: str,
+                  messages: AsyncIterator[compute_pb2.GenerateResponse]) -> gateway_pb2.GenerateResponse:
+    """The whole answer from a backend's messages: one Completion per index, in index order."""
+    choices: dict[int, gateway_pb2.Completion] = {}
+    usage = gateway_pb2.Usage()
+    async with contextlib.aclosing(messages):
+        async for message in messages:
+            choice = choices.setdefault(message.index, gateway_pb2.Completion(index=message.index))
+            choice.text += message.text
+            choice.token_ids.extend(message.token_ids)
+            choice.logprobs.extend(_logprobs(message.logprobs))
+            if message.finish_reason:
+                choice.finish_reason = message.finish_reason
+                choice.stop_string = _stop_string(message)
+            if message.HasField("usage"):
+                usage = _usage(message.usage)
+    return gateway_pb2.GenerateResponse(request_id=request_id, choices=[choices[i] for i in sorted(choices)],
+                                        usage=usage)
+
+
+async def pieces(request_id: str, messages: AsyncIterator[compute_pb2.GenerateResponse]
+                 ) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
+    """The public stream from a backend's messages: a piece whenever there is text, an end or usage."""
+    # Tokens whose text is not complete yet (half a UTF-8 character) wait for the next piece.
+    held_ids: dict[int, list[int]] = {}
+    held_logprobs: dict[int, list[compute_pb2.TokenLogprobs]] = {}
+    # aclosing: a closed stream (a client gone) closes the backend call at once, not at garbage collection.
+    async with contextlib.aclosing(messages):
+        async for message in messages:
+            ids = held_ids.setdefault(message.index, [])
+            logprobs = held_logprobs.setdefault(message.index, [])
+            ids.extend(message.token_ids)
+            logprobs.extend(message.logprobs)
+            if not (message.text or message.finish_reason or message.HasField("usage")):
+                continue
+            piece = gateway_pb2.GenerateStreamResponse(
+                request_id=request_id, index=message.index, text=message.text, token_ids=ids,
+                finish_reason=message.finish_reason, logprobs=_logprobs(logprobs), stop_string=_stop_string(message))
+            if message.HasField("usage"):
+                piece.usage.CopyFrom(_usage(message.usage))
+            held_ids[message.index], held_logprobs[message.index] = [], []
+            yield piece

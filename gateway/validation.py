@@ -77,9 +77,20 @@ def check_unary_reply(request: gateway_pb2.GenerateRequest, max_bytes: int) -> N
     rules.check_reply_fits(p["n"], p["max_tokens"], p["logprobs"], max_bytes)
 
 
+def check_prompt_token_ids(token_ids: list[int], request: gateway_pb2.GenerateRequest,
+                           info: compute_pb2.InfoResponse) -> list[int]:
+    """A prompt given as token ids (instead of prompt or messages): each id in the vocabulary."""
+    if request.prompt or request.messages:
+        raise InvalidArgument("prompt, messages: give exactly one of them")
+    for i, token_id in enumerate(token_ids):
+        if not isinstance(token_id, int) or isinstance(token_id, bool) or not 0 <= token_id < info.vocab_size:
+            raise InvalidArgument(f"prompt[{i}] must be a token id in [0, {info.vocab_size - 1}], got {token_id!r}")
+    return list(token_ids)
+
+
 def check_length(num_prompt_tokens: int, request: gateway_pb2.GenerateRequest, info: compute_pb2.InfoResponse) -> None:
     """The tokenized prompt is non-empty and, with max_tokens, fits the model."""
-    field = "prompt" if request.prompt else "messages"
+    field = "messages" if request.messages else "prompt"
     if num_prompt_tokens == 0:
         raise InvalidArgument(f"{field}: tokenizes to no tokens")
     max_model_len = info.max_model_len or rules.MAX_PROMPT_TOKENS
