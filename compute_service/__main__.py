@@ -9,7 +9,7 @@ import sys
 
 from pagedserve.config import add_config_file_flag, build_config, read_config_file
 from pagedserve.errors import PreconditionError
-from pagedserve.log import configure_logging
+from pagedserve.log import add_log_format_flag, configure_logging
 from pagedserve.process import add_parent_pid_flag, die_with_parent
 
 from memory_service.config import MemoryServiceConfig
@@ -53,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", dest="metrics_port", type=int, help="serve Prometheus metrics on this port")
     p.add_argument("--metrics-host", dest="metrics_host", help="address of the metrics endpoint (default 127.0.0.1)")
     p.add_argument("--log-level", dest="log_level", help="debug, info, warning, error")
+    add_log_format_flag(p)
     add_parent_pid_flag(p)
     return p
 
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         die_with_parent(args.parent_pid)  # first: see pagedserve.process
     try:
         service, engine = configs_from_args(args)
-        configure_logging(service.log_level)
+        configure_logging(service.log_level, log_format=args.log_format)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -7,7 +7,7 @@ import asyncio
 import sys
 
 from pagedserve.config import add_config_file_flag, config_from_args
-from pagedserve.log import configure_logging
+from pagedserve.log import add_log_format_flag, configure_logging
 from pagedserve.process import add_parent_pid_flag, die_with_parent
 
 from gateway.config import API_KEYS_ENV, GatewayConfig
@@ -16,12 +16,17 @@ from gateway.config import API_KEYS_ENV, GatewayConfig
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m gateway",
-        description="pagedserve gateway: the public gRPC API (pagedserve.gateway.v1.Gateway) in front of compute services.",
+        description="pagedserve gateway: the public gRPC API (pagedserve.gateway.v1.Gateway), and with --http-port "
+                    "the OpenAI-compatible HTTP API, in front of compute services.",
     )
     add_config_file_flag(p)
     p.add_argument("--backend", dest="backends", action="append",
                    help="compute service: host:port, unix:PATH, or dns:NAME:PORT (every address NAME resolves to); repeat for more")
     p.add_argument("--listen", help="public address host:port (default 127.0.0.1:50051)")
+    p.add_argument("--http-port", dest="http_port", type=int,
+                   help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+                        "/v1/models, /health) on this port; none without the flag")
+    p.add_argument("--http-host", dest="http_host", help="bind address of the HTTP API (default: the --listen host)")
     p.add_argument("--metrics-port", dest="metrics_port", type=int, help="serve Prometheus metrics over HTTP on this port")
     p.add_argument("--metrics-host", dest="metrics_host", help="bind address of the metrics server (default 127.0.0.1)")
     p.add_argument("--api-keys-file", dest="api_keys_file",
@@ -44,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="after SIGTERM, keep taking requests this long while NOT_SERVING (default 0)")
     p.add_argument("--log-prompts", dest="log_prompts", action="store_const", const=True, help="put prompt text in access logs")
     p.add_argument("--log-level", dest="log_level", default="info", help="debug, info, warning, error")
+    add_log_format_flag(p)
     add_parent_pid_flag(p)
     return p
 
@@ -53,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.parent_pid is not None:
         die_with_parent(args.parent_pid)  # first: see pagedserve.process
     try:
-        configure_logging(args.log_level)
+        configure_logging(args.log_level, log_format=args.log_format)
         if args.backends is not None:
             args.backends = tuple(args.backends)
         config = config_from_args(GatewayConfig, args)

@@ -26,6 +26,8 @@ class GatewayConfig:
         backends: compute services: ``host:port``, ``unix:PATH`` or ``dns:NAME:PORT`` (every
             address NAME resolves to, re-resolved every ``dns_refresh_s``).
         listen: the public address, ``host:port``.
+        http_port: the OpenAI-compatible HTTP API's port (None = no HTTP front; 0 = any free port).
+        http_host: its bind address (None = the host of ``listen``).
         metrics_port: Prometheus HTTP port (None = no metrics server; 0 = any free port).
         metrics_host: the metrics server's bind address.
         api_keys_file: the tenants and their keys: a JSON object ``{"tenants": {"NAME": {"keys":
@@ -60,6 +62,8 @@ class GatewayConfig:
 
     backends: tuple[str, ...] = ()
     listen: str = "127.0.0.1:50051"
+    http_port: int | None = None
+    http_host: str | None = None
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
     api_keys_file: str | None = None
@@ -89,8 +93,10 @@ class GatewayConfig:
             parse_backend(address)
         if ":" not in self.listen:
             raise ValueError(f"listen must be host:port, got {self.listen!r}")
-        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
-            raise ValueError(f"metrics_port must be in [0, 65536), got {self.metrics_port}")
+        for name in ("metrics_port", "http_port"):
+            port = getattr(self, name)
+            if port is not None and not 0 <= port < 65536:
+                raise ValueError(f"{name} must be in [0, 65536), got {port}")
         for name in ("max_queued_requests", "max_prompt_chars", "max_messages", "max_message_bytes",
                      "affinity_max_blocks", "health_interval_s", "dns_refresh_s", "affinity_max_load_ratio",
                      "write_stall_timeout_s", "tokenize_threads"):
@@ -114,6 +120,13 @@ class GatewayConfig:
     def tenants(self) -> tuple[Tenant, ...]:
         """The configured tenants (empty: no keys, local use); read when the config is built."""
         return self._tenants  # type: ignore[attr-defined]
+
+    @property
+    def http_bind_host(self) -> str:
+        """Where the HTTP front binds: ``http_host``, else the gRPC front's host (``[::]`` unbracketed)."""
+        if self.http_host is not None:
+            return self.http_host
+        return self.listen.rpartition(":")[0].strip("[]")
 
 
 def parse_backend(address: str) -> tuple[str, str, int]:

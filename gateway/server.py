@@ -21,6 +21,8 @@ from gateway.backends import Backend, BackendPool
 from gateway.config import GatewayConfig
 from gateway.dispatch import Dispatcher
 from gateway.metrics import GatewayMetrics
+from gateway.openai_api.app import OpenAIFront
+from gateway.openai_api.server import HttpServer
 from gateway.routing import Router
 from gateway.servicer import GatewayServicer
 from gateway.tenants import Tenants
@@ -53,7 +55,13 @@ class Gateway:
         self.server, self.health = rpc.create_aio_server(
             [lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(self.servicer, s)], [SERVICE_NAME],
             serving=False, max_message_bytes=config.max_message_bytes, extra_interceptors=interceptors)
+        self.http: HttpServer | None = None
+        if config.http_port is not None:
+            front = OpenAIFront(self.servicer, lambda: self.health.is_serving and not self._stopping)
+            # TLS: the gRPC front's certificate and key go here too once the gateway takes them.
+            self.http = HttpServer(front.app, config.http_bind_host, config.http_port, config.grace_period_s)
         self.address = ""
+        self.http_port: int | None = None
         self.metrics_port: int | None = None
         self._tokenizer_task: asyncio.Task | None = None
         self._stopping = False
@@ -91,9 +99,11 @@ class Gateway:
             raise ValueError(f"listen: cannot bind {self.config.listen} (in use, or not an address of this host)") from None
         if self.config.metrics_port is not None:
             self.metrics_port = self.metrics.serve(self.config.metrics_host, self.config.metrics_port)
+        if self.http is not None:
+            self.http_port = await self.http.start()
         await self.server.start()
         await self.pool.start()
-        log.info("gateway_listening", address=self.address, metrics_port=self.metrics_port,
+        log.info("gateway_listening", address=self.address, http_port=self.http_port, metrics_port=self.metrics_port,
                  backends=list(self.config.backends), tls=self.config.tls_cert_file is not None,
                  tenants=[t.name for t in self.tenants.tenants] if self.tenants.requires_key else None)
 
@@ -112,7 +122,10 @@ class Gateway:
         self._stopping = True
         await self.health.shut_down()
         await asyncio.sleep(self.config.drain_delay_s)
-        await self.server.stop(self.config.grace_period_s)
+        stopping = [self.server.stop(self.config.grace_period_s)]
+        if self.http is not None:
+            stopping.append(self.http.stop())
+        await asyncio.gather(*stopping)
         await self.pool.close()
         self.servicer.close()
 
@@ -121,7 +134,8 @@ async def serve(config: GatewayConfig) -> None:
     """Runs a gateway until SIGTERM or SIGINT."""
     gateway = Gateway(config)
     await gateway.start()
-    print(f"gateway listening on {gateway.address}", flush=True)
+    http = f", OpenAI-compatible HTTP API on {config.http_bind_host}:{gateway.http_port}" if gateway.http else ""
+    print(f"gateway listening on {gateway.address}{http}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -229,7 +229,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             async for message in messages:
                 yield message
 
-    def _finish(self, record: RequestRecord, request: gateway_pb2.GenerateRequest | gateway_pb2.TokenizeRequest) -> None:
+    def _finish(self, record: RequestRecord,
+                request: gateway_pb2.GenerateRequest | gateway_pb2.TokenizeRequest) -> None:
         """Metrics and the access line (no prompt text unless the config asks for it)."""
         now = time.perf_counter()
         self.metrics.requests.labels(record.method, record.status).inc()

@@ -103,6 +103,12 @@ class ModelTokenizer:
             ids += self.hf_tokenizer.encode(content, add_special_tokens=False, split_special_tokens=True)
         return [int(t) for t in ids]
 
+    def token_text(self, token_id: int) -> str:
+        """The text of one token alone (a piece of a character reads as U+FFFD), as OpenAI's logprobs show it."""
+        if self.hf_tokenizer is None:
+            return str(token_id)
+        return self.hf_tokenizer.decode([token_id])
+
     def tokens(self, token_ids: Sequence[int]) -> list[str]:
         """The vocabulary entries of ``token_ids``."""
         if self.hf_tokenizer is None:

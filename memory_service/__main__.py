@@ -9,7 +9,7 @@ import sys
 
 from pagedserve.config import add_config_file_flag, config_from_args
 from pagedserve.errors import PreconditionError
-from pagedserve.log import configure_logging
+from pagedserve.log import add_log_format_flag, configure_logging
 from pagedserve.process import add_parent_pid_flag, die_with_parent
 
 from memory_service.config import MemoryServiceConfig
@@ -50,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-clients", dest="max_clients", type=int, help="clients attached at once (default 64)")
     p.add_argument("--log-level", dest="log_level", help="debug, info, warning, error")
+    add_log_format_flag(p)
     add_parent_pid_flag(p)
     return p
 
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    configure_logging(config.log_level)
+    configure_logging(config.log_level, log_format=args.log_format)
     try:
         return asyncio.run(_serve(config))
     except PreconditionError as exc:  # an unsafe or taken socket path, found before serving

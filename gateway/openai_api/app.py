@@ -1,0 +1,295 @@
+"""The OpenAI-compatible HTTP front of the gateway: a Starlette app over the gRPC servicer's core.
+
+A second edge over the same path, not a second gateway: each endpoint turns its JSON body into the
+public ``GenerateRequest`` (``convert``), runs it through ``GatewayServicer.run`` (the admission,
+validation, tokenizing, routing, metrics and access line every gRPC call gets) and turns the
+public answer into OpenAI's JSON (``responses``). API keys are the gRPC front's keys.
+
+Errors are OpenAI error objects, ``{"error": {"message", "type", "param", "code"}}``, with the
+HTTP status of the gRPC code the same request gets on the gRPC front (``STATUS``). A body is read
+up to the gateway's ``max_message_bytes`` (a larger one is 413 before it is read) and parsed by
+pydantic, so malformed JSON and wrong types are 400s naming the field.
+
+A client that disconnects aborts its request: the handler races the work against the ASGI
+``http.disconnect`` message (awaiting it directly, since ``request.is_disconnected()`` does not see
+it behind middleware, as vLLM found), and cancelling the work closes the backend call, which frees
+the request's KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import anyio
+import grpc
+from pydantic import BaseModel, ValidationError
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from gateway.auth import is_authorized
+from gateway.dispatch import DispatchError
+from gateway.openai_api import convert
+from gateway.openai_api.responses import Answer, events, merge
+from gateway.openai_api.schema import ChatCompletionRequest, CompletionRequest
+from gateway.servicer import GatewayServicer, RequestRecord, collect, pieces
+from pagedserve import rpc
+from pagedserve.log import get_logger
+
+log = get_logger("gateway.openai")
+T = TypeVar("T")
+
+# The HTTP status of each gRPC code, as the same request gets it on the gRPC front.
+STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401, grpc.StatusCode.PERMISSION_DENIED: 403, grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.ALREADY_EXISTS: 409, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
+          415: "invalid_request_error", 429: "rate_limit_error"}
+_CODES = {401: "invalid_api_key", 404: "model_not_found", 429: "rate_limit_exceeded"}
+# "params.top_p must be ...", "messages[2].role must be ...": the OpenAI parameter a message names.
+_PARAM = re.compile(r"^(?:params\.)?([a-z_]+)")
+
+
+class HttpError(Exception):
+    """An answer other than 200, with its OpenAI error object."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": _CODES.get(status)}}
+
+
+def as_http_error(exc: BaseException) -> HttpError:
+    """The HTTP answer of a failed request: the status its gRPC code has, the message naming the field."""
+    if isinstance(exc, HttpError):
+        return exc
+    if isinstance(exc, convert.ParamError):
+        return HttpError(400, str(exc), exc.param)
+    code = exc.code if isinstance(exc, DispatchError) else rpc.status_for(exc)
+    message = exc.details if isinstance(exc, DispatchError) else str(exc)
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        match = _PARAM.match(message)
+        return HttpError(400, message.removeprefix("params."), match.group(1) if match else None)
+    if code not in STATUS:  # a bug: logged with its traceback, answered 500
+        log.error("openai_internal_error", error=repr(exc), exc_info=exc)
+        return HttpError(500, "internal error")
+    return HttpError(STATUS[code], message)
+
+
+def _error(exc: BaseException) -> JSONResponse:
+    error = as_http_error(exc)
+    return JSONResponse(error_body(error.status, error.message, error.param), status_code=error.status)
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnect(receive: Receive, work: Awaitable[T]) -> T:
+    """``work``'s result; if the client disconnects first, ``work`` is cancelled and ClientGone raised."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(receive))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise ClientGone
+    return task.result()
+
+
+class EventStream(StreamingResponse):
+    """An SSE response that stops (closing its generator, so aborting the request) on disconnect.
+
+    Starlette watches for the disconnect only under ASGI specs before 2.4; a stream that is silent
+    while its request queues must notice it too, so this one always races the two.
+    """
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as group:
+                async def stream() -> None:
+                    with contextlib.suppress(OSError):  # the client went away mid-write
+                        await self.stream_response(send)
+                    group.cancel_scope.cancel()
+
+                group.start_soon(stream)
+                await _disconnected(receive)
+                group.cancel_scope.cancel()
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+class OpenAIFront:
+    """The HTTP endpoints over one gateway's servicer.
+
+    Args:
+        servicer: the gRPC servicer whose ``run`` every request goes through.
+        is_serving: whether the gateway is ready (its health check says SERVING).
+    """
+
+    def __init__(self, servicer: GatewayServicer, is_serving: Callable[[], bool]) -> None:
+        self.servicer = servicer
+        self.is_serving = is_serving
+        self._keys = [k.encode() for k in servicer.config.api_keys]
+        self.app = Starlette(routes=[
+            Route("/health", self.health, methods=["GET"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", self.model, methods=["GET"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+        ], exception_handlers={HTTPException: self._http_exception})
+
+    async def _http_exception(self, request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        return JSONResponse(error_body(exc.status_code, exc.detail), status_code=exc.status_code)
+
+    def _authorize(self, request: Request) -> None:
+        header = request.headers.get("authorization", "")
+        if self._keys and not is_authorized([("authorization", header)], self._keys):
+            raise HttpError(401, "missing or invalid API key (Authorization: Bearer KEY)")
+
+    def _served(self, name: str | None) -> str:
+        model = self.servicer.model
+        if model is None:
+            raise HttpError(503, "no backend has been reached yet")
+        if name is not None and name != model.info.model_name:
+            raise HttpError(404, f"The model {name!r} does not exist (this gateway serves "
+                                 f"{model.info.model_name!r})", "model")
+        return model.info.model_name
+
+    async def _read(self, request: Request, schema: type[BaseModel]) -> Any:
+        limit = self.servicer.config.max_message_bytes
+        content_type = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
+        if content_type != "application/json" and not content_type.endswith("+json"):
+            raise HttpError(415, f"Content-Type must be application/json, got {content_type!r}")
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > limit:
+            raise HttpError(413, f"request body of {length} bytes is larger than {limit} bytes")
+        data = bytearray()
+        async for part in request.stream():
+            data += part
+            if len(data) > limit:
+                raise HttpError(413, f"request body is larger than {limit} bytes")
+        try:
+            body = schema.model_validate_json(bytes(data))
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            if first["type"] == "json_invalid":
+                raise HttpError(400, f"the body is not valid JSON: {first['msg']}") from None
+            param = ".".join(str(part) for part in first["loc"]) or None
+            raise HttpError(400, f"{param or 'body'}: {first['msg']}", param) from None
+        if body.model_extra:
+            log.info("openai_unknown_fields", path=request.url.path, fields=sorted(body.model_extra))
+        return body
+
+    async def health(self, request: Request) -> Response:
+        if not self.is_serving():
+            return JSONResponse(error_body(503, "not serving"), status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    def _model_card(self) -> dict:
+        model = self.servicer.model
+        assert model is not None
+        return {"id": model.info.model_name, "object": "model", "created": 0, "owned_by": "pagedserve",
+                "max_model_len": model.info.max_model_len}
+
+    async def models(self, request: Request) -> Response:
+        try:
+            self._authorize(request)
+        except HttpError as exc:
+            return _error(exc)
+        return JSONResponse({"object": "list", "data": [self._model_card()] if self.servicer.model else []})
+
+    async def model(self, request: Request) -> Response:
+        try:
+            self._authorize(request)
+            self._served(request.path_params["model"])
+        except HttpError as exc:
+            return _error(exc)
+        return JSONResponse(self._model_card())
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, "completions")
+
+    async def chat(self, request: Request) -> Response:
+        return await self._generate(request, "chat")
+
+    async def _generate(self, request: Request, endpoint: str) -> Response:
+        try:
+            return await self._answer(request, endpoint)
+        except ClientGone:
+            return Response(status_code=499)  # nobody reads it; the access line says CANCELLED
+        except Exception as exc:  # noqa: BLE001 - every failure becomes an OpenAI error object
+            return _error(exc)
+
+    async def _answer(self, request: Request, endpoint: str) -> Response:
+        self._authorize(request)
+        schema = ChatCompletionRequest if endpoint == "chat" else CompletionRequest
+        body = await self._read(request, schema)
+        model_name = self._served(body.model)
+        request_id = request.headers.get("x-request-id") or f"{'chatcmpl' if endpoint == 'chat' else 'cmpl'}-" \
+                                                            f"{uuid.uuid4().hex}"
+        prompts = [convert.chat_prompt(body, request_id)] if endpoint == "chat" else \
+            convert.completion_prompts(body, request_id)
+        model = self.servicer.model
+        assert model is not None
+        answer = Answer(request_id, model_name, endpoint, n=body.n or 1, logprobs=body.logprobs is not None
+                        and body.logprobs is not False, decode=model.token_text,
+                        include_usage=bool(body.stream_options and body.stream_options.include_usage))
+        method = "OpenAI.ChatCompletions" if endpoint == "chat" else "OpenAI.Completions"
+
+        def run(prompt: convert.Prompt) -> AsyncIterator:
+            record = RequestRecord(method, prompt.request.request_id)
+            return self.servicer.run(prompt.request, record, None, prompt.token_ids,
+                                     max_tokens_to_context=endpoint == "chat")
+
+        if not body.stream:
+            async def whole() -> list:
+                async with asyncio.TaskGroup() as group:  # one prompt failing cancels the others
+                    tasks = [group.create_task(collect(p.request.request_id, run(p))) for p in prompts]
+                return [t.result() for t in tasks]
+
+            try:
+                replies = await until_disconnect(request.receive, whole())
+            except ExceptionGroup as group:
+                raise group.exceptions[0] from None
+            return JSONResponse(answer.body(replies))
+        merged = merge([pieces(p.request.request_id, run(p)) for p in prompts])
+        try:
+            first = await until_disconnect(request.receive, anext(merged))
+        except BaseException:
+            await merged.aclose()
+            raise
+
+        def stream_error(exc: BaseException) -> dict:
+            error = as_http_error(exc)
+            return error_body(error.status, error.message, error.param)
+
+        return EventStream(events(answer, first, merged, stream_error))

@@ -1,0 +1,88 @@
+"""The request bodies of the OpenAI-compatible API, as pydantic models: types only, no limits.
+
+Why types only: every bound (temperature >= 0, n <= max_n, stop strings per request, the model's
+length) is the gRPC API's, checked once by ``gateway.validation`` on the converted request. These
+models only say what JSON shape each field has, so that a wrong type is a 400 naming the field
+rather than a TypeError deep inside. Unknown fields are accepted (``extra="allow"``) and logged, as
+vLLM does: clients send fields of newer API versions, and refusing them would break them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(_Body):
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None
+
+
+class _Sampling(_Body):
+    """Fields both endpoints take (OpenAI's and the vLLM extensions users rely on)."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    # vLLM's extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    priority: int | None = None
+    cache_salt: str | None = None
+
+
+class CompletionRequest(_Sampling):
+    """``POST /v1/completions``: a prompt as a string, strings, token ids, or lists of token ids."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool | None = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ContentPart(_Body):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Body):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    """``POST /v1/chat/completions``: messages through the model's chat template."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any | None = None
+    functions: list[Any] | None = None
+    function_call: Any | None = None
+    response_format: dict[str, Any] | None = None
+
+
+Endpoint = Literal["completions", "chat"]

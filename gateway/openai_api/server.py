@@ -1,0 +1,77 @@
+"""Serves the HTTP front with uvicorn inside the gateway's own asyncio event loop.
+
+One loop for both fronts: the HTTP handlers call the same servicer, dispatcher and backend
+channels as the gRPC handlers, with no thread hop and no lock. uvicorn runs embedded (its
+``serve`` as a task), minus its signal handling: the gateway's SIGTERM sequence stops both fronts.
+The socket is bound here, before uvicorn starts, so a taken port is a clear error at start and
+port 0 reports the port it got.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Iterator
+
+import uvicorn
+from starlette.types import ASGIApp
+
+
+class _EmbeddedServer(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield  # the gateway handles SIGTERM and SIGINT itself (see gateway.server)
+
+
+class HttpServer:
+    """uvicorn serving ``app`` on ``host:port`` (TLS when a certificate and key are given).
+
+    Args:
+        app: the ASGI app.
+        host: bind address.
+        port: bind port (0 = any free port; ``start`` returns the one bound).
+        grace_period_s: on ``stop``, how long open responses (streams) may take to finish.
+        tls_cert_file: PEM certificate chain; with ``tls_key_file``, the front speaks HTTPS.
+        tls_key_file: PEM private key.
+    """
+
+    def __init__(self, app: ASGIApp, host: str, port: int, grace_period_s: float,
+                 tls_cert_file: str | None = None, tls_key_file: str | None = None) -> None:
+        self.host, self.port = host, port
+        # uvicorn's own lines would bypass the structured log; it reports only problems.
+        logging.getLogger("uvicorn").setLevel(logging.WARNING)
+        config = uvicorn.Config(app, lifespan="off", log_config=None, access_log=False, http="h11", ws="none",
+                                timeout_graceful_shutdown=max(int(grace_period_s), 1), server_header=False,
+                                ssl_certfile=tls_cert_file, ssl_keyfile=tls_key_file)
+        self._server = _EmbeddedServer(config)
+        self._socket: socket.socket | None = None
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> int:
+        """Binds and starts serving; returns the bound port.
+
+        Raises:
+            ValueError: the address cannot be bound (in use, or not an address of this host).
+        """
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        try:
+            self._socket = socket.create_server((self.host, self.port), family=family, backlog=2048)
+        except OSError as exc:
+            raise ValueError(f"http: cannot bind {self.host}:{self.port} ({exc.strerror})") from None
+        self.port = self._socket.getsockname()[1]
+        self._task = asyncio.create_task(self._server.serve(sockets=[self._socket]))
+        while not self._server.started:
+            if self._task.done():  # it failed to start: raise its error
+                self._task.result()
+                raise RuntimeError("the HTTP server stopped while starting")
+            await asyncio.sleep(0.01)
+        return self.port
+
+    async def stop(self) -> None:
+        """Stops taking connections; open responses get the grace period, then are cancelled."""
+        if self._task is None:
+            return
+        self._server.should_exit = True
+        await self._task
