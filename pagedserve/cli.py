@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import grpc
 
 from pagedserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from pagedserve.log import LOG_FORMATS
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
@@ -92,8 +93,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_up(args: argparse.Namespace) -> int:
     from pagedserve.up import UpConfig, run_up
 
-    return run_up(UpConfig(model=args.model, host=args.host, port=args.port,
-                           kv_cache_bytes=args.kv_cache_bytes, config_file=args.config))
+    return run_up(UpConfig(model=args.model, host=args.host, port=args.port, http_port=args.http_port,
+                           kv_cache_bytes=args.kv_cache_bytes, config_file=args.config, log_format=args.log_format))
 
 
 def _client_flags(parser: argparse.ArgumentParser) -> None:
@@ -111,8 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="start memory, compute and gateway locally (Ctrl-C stops them)")
     up.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct) or a local Hugging Face model directory")
-    up.add_argument("--port", type=int, default=50051, help="gateway port (default 50051)")
-    up.add_argument("--host", default="127.0.0.1", help="gateway bind host (default 127.0.0.1)")
+    up.add_argument("--port", type=int, default=50051, help="gateway gRPC port (default 50051)")
+    up.add_argument("--http-port", type=int, default=8000,
+                    help="port of the OpenAI-compatible HTTP API (default 8000; 0 = any free port)")
+    up.add_argument("--host", default="127.0.0.1", help="bind host of both gateway fronts (default 127.0.0.1)")
+    up.add_argument("--log-format", choices=LOG_FORMATS,
+                    help="the services' log lines: json or console (default: console on a terminal, json otherwise)")
     up.add_argument("--config", help="JSON config file for the memory and compute services")
     up.add_argument("--kv-cache-bytes", type=int, default=int(os.environ.get("PAGEDSERVE_KV_CACHE_BYTES", 512 << 20)),
                     help="KV pool size in bytes (default 512 MiB, or $PAGEDSERVE_KV_CACHE_BYTES; "

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from grpc_health.v1 import health_pb2
 
+from pagedserve.log import LOG_FORMATS
 from pagedserve.process import ServiceProcess, check_health
 from pagedserve.sockets import free_port
 
@@ -30,23 +31,32 @@ class UpConfig:
 
     Args:
         model: "default" or a local Hugging Face model directory.
-        host: the gateway's bind host.
-        port: the gateway's port (0 = any free port).
+        host: the gateway's bind host (both fronts).
+        port: the gateway's gRPC port (0 = any free port).
+        http_port: its OpenAI-compatible HTTP port (0 = any free port).
         kv_cache_bytes: the KV pool's size (0 = the memory service's own sizing).
         config_file: JSON config passed to the memory and compute services.
         ready_timeout_s: how long each service may take to become SERVING (model conversion included).
+        log_format: the services' log lines, "json" or "console" (None: console when ``up`` itself
+            writes to a terminal, JSON otherwise; the services' own output is never a terminal
+            test, since they inherit ``up``'s).
     """
 
     model: str = "default"
     host: str = "127.0.0.1"
     port: int = 50051
+    http_port: int = 8000
     kv_cache_bytes: int = 512 << 20
     config_file: str | None = None
     ready_timeout_s: float = 600.0
+    log_format: str | None = None
 
     def __post_init__(self) -> None:
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"port must be in [0, 65536), got {self.port}")
+        for name in ("port", "http_port"):
+            if not 0 <= getattr(self, name) < 65536:
+                raise ValueError(f"{name} must be in [0, 65536), got {getattr(self, name)}")
+        if self.log_format not in (None, *LOG_FORMATS):
+            raise ValueError(f"log_format must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}")
         if self.kv_cache_bytes < 0:
             raise ValueError(f"kv_cache_bytes must be >= 0, got {self.kv_cache_bytes}")
 
@@ -79,6 +89,21 @@ def grpcurl_hint(address: str) -> str:
     return f"grpcurl -plaintext -d '{body}' {address} pagedserve.gateway.v1.Gateway/Generate"
 
 
+def curl_hint(host: str, port: int) -> str:
+    """A ready-to-paste curl command for the gateway's OpenAI-compatible HTTP API."""
+    body = '{"messages":[{"role":"user","content":"What is the capital of France?"}],"max_tokens":32,"temperature":0}'
+    return (f"curl http://{_url_host(host)}:{port}/v1/chat/completions -H 'Content-Type: application/json' "
+            f"-d '{body}'")
+
+
+def _url_host(host: str) -> str:
+    if host in ("0.0.0.0", ""):
+        return "127.0.0.1"
+    if host in ("::", "[::]"):
+        return "[::1]"
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
 def run_up(config: UpConfig) -> int:
     """Starts the stack and supervises it; returns 0 after a requested stop, 1 when a service died."""
     stop = [False]
@@ -92,10 +117,12 @@ def run_up(config: UpConfig) -> int:
     runtime = Path(tempfile.mkdtemp(prefix="pagedserve-"))  # 0700: only this user reaches the sockets
     memory_socket, compute_socket = runtime / "memory.sock", runtime / "compute.sock"
     shared = ["--config", config.config_file] if config.config_file else []
+    # The services write to up's stderr but cannot tell whether a person reads it: up decides.
+    log_format = config.log_format or ("console" if sys.stderr.isatty() else "json")
     services: list[ServiceProcess] = []
     status = 0
     try:
-        memory_args = ["--socket", str(memory_socket), *shared]
+        memory_args = ["--socket", str(memory_socket), "--log-format", log_format, *shared]
         if config.kv_cache_bytes:
             memory_args += ["--kv-cache-bytes", str(config.kv_cache_bytes)]
         services.append(ServiceProcess("memory_service", memory_args, address=f"unix:{memory_socket}"))
@@ -103,18 +130,22 @@ def run_up(config: UpConfig) -> int:
         _say(f"memory service ready (unix:{memory_socket})")
         services.append(ServiceProcess(
             "compute_service", ["--memory-socket", str(memory_socket), "--model", config.model,
-                                "--listen", f"unix:{compute_socket}", *shared],
+                                "--listen", f"unix:{compute_socket}", "--log-format", log_format, *shared],
             address=f"unix:{compute_socket}"))
         _wait_serving(services[-1], f"loading model {config.model!r} in the compute service", config.ready_timeout_s, stop)
         _say("compute service ready")
         port = config.port or free_port(config.host)
         address = f"{config.host}:{port}"
-        services.append(ServiceProcess("gateway", ["--backend", f"unix:{compute_socket}", "--listen", address],
+        http_port = config.http_port or free_port(config.host)
+        services.append(ServiceProcess("gateway", ["--backend", f"unix:{compute_socket}", "--listen", address,
+                                                   "--http-port", str(http_port), "--log-format", log_format],
                                        address=address))
         _wait_serving(services[-1], "starting the gateway", config.ready_timeout_s, stop)
-        print(f"\npagedserve is up: gateway on {address} (model {config.model})\n"
+        print(f"\npagedserve is up: gateway on {address}, OpenAI-compatible HTTP API on "
+              f"http://{_url_host(config.host)}:{http_port}/v1 (model {config.model})\n"
               f"  pagedserve generate --address {address} \"What is the capital of France?\"\n"
               f"  {grpcurl_hint(address)}\n"
+              f"  {curl_hint(config.host, http_port)}\n"
               f"Ctrl-C stops all three services.\n", flush=True)
         while not stop[0]:
             dead = [s for s in services if not s.is_running()]

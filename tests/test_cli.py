@@ -5,9 +5,11 @@ listening; ``pagedserve up`` stops everything when a service fails to start.
 against a live gateway are tests/e2e/test_cli_client.py.)
 """
 
+import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -56,3 +58,59 @@ def test_up_stops_everything_when_a_service_fails_to_start(tmp_path: Path) -> No
     assert "compute_service exited with status" in out.stderr and "stopped" in out.stderr
     runtime = re.search(r"unix:(\S+)/memory\.sock", out.stderr).group(1)
     assert not Path(runtime).exists()  # sockets and the private directory are gone
+
+
+def _on_a_terminal(argv: list[str], timeout_s: float = 120) -> str:
+    """Runs ``argv`` with a pseudo-terminal as its stdout and stderr (as from a shell); its output."""
+    import os
+    import pty
+    import select
+
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(argv, stdout=follower, stderr=follower, stdin=subprocess.DEVNULL)
+    os.close(follower)
+    output = b""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([leader], [], [], 0.5)
+        if ready:
+            try:
+                data = os.read(leader, 65536)
+            except OSError:  # the terminal closed: every writer exited
+                break
+            if not data:
+                break
+            output += data
+        elif proc.poll() is not None:
+            break
+    proc.wait(timeout=30)
+    os.close(leader)
+    return re.sub(r"\x1b\[[0-9;]*m", "", output.decode(errors="replace"))  # colours off
+
+
+def test_up_on_a_terminal_shows_readable_one_line_logs(tmp_path: Path) -> None:
+    text = _on_a_terminal([*CLI, "up", "--model", str(tmp_path / "no-such-model"), "--port", "0", "--http-port", "0"])
+    [started] = [line for line in text.splitlines() if "memory_service_started" in line]
+    assert not started.lstrip().startswith("{") and "[info" in started and "component=memory_service" in started
+
+
+@pytest.mark.parametrize("log_format", ["json", "console"])
+def test_log_format_flag_of_every_service(log_format: str) -> None:
+    for module in ("memory_service", "compute_service", "gateway"):
+        help_text = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True,
+                                   timeout=60).stdout
+        assert "--log-format {json,console}" in help_text
+    gateway = subprocess.Popen([sys.executable, "-m", "gateway", "--backend", f"127.0.0.1:{free_port()}", "--listen",
+                                f"127.0.0.1:{free_port()}", "--log-format", log_format],
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        line = gateway.stderr.readline()
+    finally:
+        gateway.terminate()
+        gateway.wait(timeout=30)
+        gateway.stderr.close()
+    assert "gateway_listening" in line
+    if log_format == "json":
+        assert json.loads(line)["event"] == "gateway_listening"
+    else:
+        assert not line.startswith("{") and "[info" in line

@@ -6,6 +6,7 @@ One ``pagedserve up`` serves the whole module (the model loads once); the last t
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -62,6 +63,7 @@ def _children(pid: int) -> list[int]:
 class Up:
     proc: subprocess.Popen
     address: str
+    http_port: int
     output: list[str] = field(default_factory=list)
 
 
@@ -71,11 +73,12 @@ def up() -> Iterator[Up]:
     # install already happened (this test runs from it), so run what it ends with.
     assert _readme_lines("bash scripts/up.sh"), "the README's first command is no longer scripts/up.sh"
     assert "exec pagedserve up" in (ROOT / "scripts" / "up.sh").read_text()
-    port = free_port()
-    proc = subprocess.Popen([*_command("pagedserve"), "up", "--port", str(port)], stdout=subprocess.PIPE,
+    port, http_port = free_port(), free_port()  # not the default 8000: other runs may hold it
+    proc = subprocess.Popen([*_command("pagedserve"), "up", "--port", str(port), "--http-port", str(http_port)],
+                            stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, cwd=ROOT,
                             start_new_session=True)  # its own process group, like a job in a terminal
-    started = Up(proc, f"127.0.0.1:{port}")
+    started = Up(proc, f"127.0.0.1:{port}", http_port)
     reader = threading.Thread(target=lambda: started.output.extend(proc.stdout), daemon=True)
     reader.start()
     deadline = time.monotonic() + 300  # a first run converts the default model (~20 s on 2 cores)
@@ -97,6 +100,22 @@ def test_up_prints_the_address_and_a_grpcurl_command_that_works(up: Up) -> None:
     out = subprocess.run([str(BIN / "grpcurl"), *argv[1:]], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout
+
+
+def test_up_prints_a_curl_command_for_the_http_api_that_works(up: Up) -> None:
+    [hint] = [line.strip() for line in up.output if line.strip().startswith("curl ")]
+    assert f"http://127.0.0.1:{up.http_port}/v1/chat/completions" in hint
+    out = subprocess.run(shlex.split(hint), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    reply = json.loads(out.stdout)
+    assert reply["object"] == "chat.completion" and "Paris" in reply["choices"][0]["message"]["content"]
+
+
+def test_up_logs_are_json_lines_when_not_on_a_terminal(up: Up) -> None:
+    # up's stderr is a pipe here, so its services log JSON (on a terminal: one readable line each).
+    events = [json.loads(line) for line in up.output if line.startswith("{")]
+    assert {e.get("component") for e in events} >= {"gateway", "memory_service", "compute_service"}
+    assert not [line for line in up.output if line.startswith("20") and "[info" in line]  # no console lines
 
 
 def test_readme_generate_line(up: Up) -> None:
@@ -129,6 +148,15 @@ def test_greedy_default_model_through_the_gateway_equals_transformers(up: Up) ->
     assert reply.usage.prompt_tokens == len(ids)
     assert list(reply.choices[0].token_ids) == expected
     assert reply.choices[0].text.startswith("The capital of France is Paris")
+    # The same chat through the OpenAI-compatible HTTP front, with the official SDK.
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{up.http_port}/v1", api_key="unused", max_retries=0)
+    [model] = client.models.list().data
+    chat = client.chat.completions.create(model=model.id, messages=messages, max_tokens=20, temperature=0,
+                                          logprobs=True)
+    assert chat.choices[0].message.content == reply.choices[0].text
+    assert len(chat.choices[0].logprobs.content) == len(expected) and chat.usage.prompt_tokens == len(ids)
 
 
 def test_ctrl_c_stops_everything_and_leaves_nothing(up: Up) -> None:
