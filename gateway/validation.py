@@ -82,9 +82,7 @@ def check_prompt_token_ids(token_ids: list[int], request: gateway_pb2.GenerateRe
     """A prompt given as token ids (instead of prompt or messages): each id in the vocabulary."""
     if request.prompt or request.messages:
         raise InvalidArgument("prompt, messages: give exactly one of them")
-    for i, token_id in enumerate(token_ids):
-        if not isinstance(token_id, int) or isinstance(token_id, bool) or not 0 <= token_id < info.vocab_size:
-            raise InvalidArgument(f"prompt[{i}] must be a token id in [0, {info.vocab_size - 1}], got {token_id!r}")
+    rules.check_token_ids("prompt", token_ids, info.vocab_size or None)
     return list(token_ids)
 
 

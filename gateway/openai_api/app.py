@@ -36,7 +36,6 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from gateway.auth import is_authorized
-from gateway.dispatch import DispatchError
 from gateway.openai_api import convert
 from gateway.openai_api.responses import Answer, events, merge
 from gateway.openai_api.schema import ChatCompletionRequest, CompletionRequest
@@ -85,8 +84,8 @@ def as_http_error(exc: BaseException) -> HttpError:
         return exc
     if isinstance(exc, convert.ParamError):
         return HttpError(400, str(exc), exc.param)
-    code = exc.code if isinstance(exc, DispatchError) else rpc.status_for(exc)
-    message = exc.details if isinstance(exc, DispatchError) else str(exc)
+    code = rpc.status_for(exc)
+    message = str(exc)
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         match = _PARAM.match(message)
         return HttpError(400, message.removeprefix("params."), match.group(1) if match else None)

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from gateway.openai_api.schema import ChatCompletionRequest, CompletionRequest
+from pagedserve.errors import InvalidArgument
 from pagedserve.gateway.v1 import gateway_pb2
 
 # Logprobs of -inf (a token the sampler could never pick) are not valid JSON: vLLM's clamp.
@@ -25,7 +26,7 @@ FINISH_REASONS = {"stop": "stop", "eos": "stop", "length": "length", "abort": "a
 _ROLE_ALIASES = {"developer": "system"}
 
 
-class ParamError(ValueError):
+class ParamError(InvalidArgument):
     """Bad input naming the OpenAI parameter (the error body's ``param``)."""
 
     def __init__(self, param: str, message: str) -> None:
