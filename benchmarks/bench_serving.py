@@ -20,6 +20,11 @@ Prints a table, then as its last line one JSON object. ``--plot-dir`` writes the
 
     python -m benchmarks.bench_serving [--rates 0.25 0.5 1 1.5 inf] [--plot-dir docs]
     python -m benchmarks.bench_serving --gateway 127.0.0.1:50051 [--memory unix:/run/.../memory.sock]
+    python -m benchmarks.bench_serving --api openai [--gateway http://127.0.0.1:8000]
+
+``--api openai`` sends the same workload as streamed ``/v1/completions`` through the gateway's
+OpenAI-compatible HTTP front (or any OpenAI-compatible server: ``vllm serve``), so the figures
+compare with other servers' and, at the same rates, with the gRPC API's (the HTTP front's cost).
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from pathlib import Path
 
 from benchmarks.serving import report as report
 from benchmarks.serving.client import (
-    KvSampler, RequestResult, describe_gateway, run_arrivals, run_one_at_a_time,
+    KvSampler, RequestResult, Target, describe_target, run_arrivals, run_one_at_a_time,
 )
 from benchmarks.serving.stack import StackConfig, start_stacks
 from benchmarks.serving.workload import RequestSpec, make_requests, make_shared_prefix, make_text, poisson_arrivals
@@ -64,23 +69,23 @@ async def _phase(sampler: KvSampler | None, label: str, work) -> list[RequestRes
     return results
 
 
-async def sweep(address: str, memory_address: str | None, args: argparse.Namespace) -> SweepResults:
+async def sweep(target: Target, memory_address: str | None, args: argparse.Namespace) -> SweepResults:
     """Baseline, every rate and the cached shared-prefix run, against one gateway."""
-    model, tpw = await describe_gateway(address, make_text(random.Random(args.seed), 200))
+    target, model_name, block_size, tpw = await describe_target(target, make_text(random.Random(args.seed), 200))
     specs = make_requests(args.num_requests, args.prompt_len, args.output_len, tpw, args.seed)
     sampler = KvSampler(memory_address, args.kv_sample_interval_s) if memory_address else None
     stop = asyncio.Event()
     sampling = asyncio.create_task(sampler.run(stop)) if sampler else None
     try:
-        await run_one_at_a_time(address, [WARMUP], ["warmup"], args.timeout_s)
+        await run_one_at_a_time(target, [WARMUP], ["warmup"], args.timeout_s)
         baseline = await _phase(sampler, "unloaded", run_one_at_a_time(
-            address, specs[: args.baseline_requests], ["baseline"] * args.baseline_requests, args.timeout_s))
+            target, specs[: args.baseline_requests], ["baseline"] * args.baseline_requests, args.timeout_s))
         say(f"unloaded baseline: {len(baseline)} requests done")
         runs = []
         for i, rate in enumerate(args.rates):
             label = report.rate_label(rate)
             arrivals = poisson_arrivals(len(specs), rate, args.seed + 1 + i)
-            results = await _phase(sampler, label, run_arrivals(address, specs, arrivals, f"rate-{label}",
+            results = await _phase(sampler, label, run_arrivals(target, specs, arrivals, f"rate-{label}",
                                                                  args.timeout_s))
             runs.append((rate, results))
             say(f"rate {label}: {sum(r.ok for r in results)}/{len(results)} ok")
@@ -88,22 +93,23 @@ async def sweep(address: str, memory_address: str | None, args: argparse.Namespa
                                     args.prefix_max_tokens, tpw, args.seed)
         # The first request fills the cache; the others find the system prompt there.
         cached = (await _phase(sampler, "prefix", run_one_at_a_time(
-            address, prefix, ["prefix"] * len(prefix), args.timeout_s)))[1:]
+            target, prefix, ["prefix"] * len(prefix), args.timeout_s)))[1:]
     finally:
         stop.set()
         if sampling:
             await sampling
-    return SweepResults(baseline, runs, cached, sampler, tpw, model.name, model.block_size)
+    return SweepResults(baseline, runs, cached, sampler, tpw, model_name, block_size or args.block_size)
 
 
-async def run_uncached_prefix(address: str, args: argparse.Namespace, tpw: float, distinct_salts: bool
+async def run_uncached_prefix(target: Target, args: argparse.Namespace, tpw: float, distinct_salts: bool
                               ) -> list[RequestResult]:
     """The shared-prefix requests (first one excluded, as in the cached run) without prefix reuse."""
     prefix = make_shared_prefix(args.prefix_requests + 1, args.prefix_tokens, args.question_tokens,
                                 args.prefix_max_tokens, tpw, args.seed)
     salts = [f"nocache-{i}" if distinct_salts else "prefix" for i in range(len(prefix))]
-    await run_one_at_a_time(address, [WARMUP], ["warmup"], args.timeout_s)
-    return (await run_one_at_a_time(address, prefix, salts, args.timeout_s))[1:]
+    target, *_ = await describe_target(target, "name the model")
+    await run_one_at_a_time(target, [WARMUP], ["warmup"], args.timeout_s)
+    return (await run_one_at_a_time(target, prefix, salts, args.timeout_s))[1:]
 
 
 def stack_config(args: argparse.Namespace, enable_prefix_caching: bool) -> StackConfig:
@@ -117,8 +123,9 @@ def run(args: argparse.Namespace) -> dict:
     load_start = os.getloadavg()[0]
     stack_info: dict = {}
     if args.gateway:
-        results = asyncio.run(sweep(args.gateway, args.memory, args))
-        uncached = asyncio.run(run_uncached_prefix(args.gateway, args, results.tokens_per_word, True))
+        target = Target(args.gateway, args.api)
+        results = asyncio.run(sweep(target, args.memory, args))
+        uncached = asyncio.run(run_uncached_prefix(target, args, results.tokens_per_word, True))
         mode = "distinct cache_salt per request"
     else:
         started = time.perf_counter()
@@ -129,8 +136,8 @@ def run(args: argparse.Namespace) -> dict:
             say(f"stacks up in {time.perf_counter() - started:.0f} s")
             stack_info |= {"pids": [s.pid for st in stacks for s in st.services],
                            "runtime_dirs": [str(st.directory) for st in stacks]}
-            results = asyncio.run(sweep(stacks[0].gateway_address, stacks[0].memory_address, args))
-            uncached = asyncio.run(run_uncached_prefix(stacks[1].gateway_address, args, results.tokens_per_word,
+            results = asyncio.run(sweep(stacks[0].target(args.api), stacks[0].memory_address, args))
+            uncached = asyncio.run(run_uncached_prefix(stacks[1].target(args.api), args, results.tokens_per_word,
                                                        False))
         finally:
             stack_info["exit_statuses"] = [st.stop() for st in stacks]
@@ -148,7 +155,8 @@ def run(args: argparse.Namespace) -> dict:
         summary["kv_num_samples"] = len(sampler.samples)
         summary["kv_evictions"] = sampler.samples[-1].num_evictions - sampler.samples[0].num_evictions
     summary |= {
-        "model": results.served_model, "num_requests": args.num_requests, "prompt_len": list(args.prompt_len),
+        "api": args.api, "model": results.served_model, "num_requests": args.num_requests,
+        "prompt_len": list(args.prompt_len),
         "output_len": list(args.output_len), "tokens_per_word": round(results.tokens_per_word, 3),
         "block_size": results.block_size, "seed": args.seed,
         # What this benchmark started; unknown for a gateway it did not start.
@@ -189,7 +197,10 @@ def parse_rate(text: str) -> float:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--gateway", help="a running gateway's host:port (default: start a stack)")
+    p.add_argument("--api", choices=("grpc", "openai"), default="grpc",
+                   help="send through the gateway's gRPC API (default) or its OpenAI-compatible HTTP API")
+    p.add_argument("--gateway", help="a running gateway's host:port (default: start a stack); with --api openai, "
+                                     "any OpenAI-compatible server's base URL, http://host:port")
     p.add_argument("--memory", help="with --gateway: its memory service's address (unix:PATH), for KV usage")
     p.add_argument("--model", default="default", help='"default" or a local Hugging Face directory')
     p.add_argument("--rates", type=parse_rate, nargs="+", default=[0.25, 0.5, 0.75, 1.0, 1.5, float("inf")],

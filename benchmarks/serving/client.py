@@ -1,5 +1,5 @@
-"""Streaming clients of the public gateway API (grpc.aio) and a sampler of the memory service's KV
-usage, for the serving benchmark.
+"""Streaming clients of the public gateway API (grpc.aio; the OpenAI-compatible HTTP API's is
+``openai_client``) and a sampler of the memory service's KV usage, for the serving benchmark.
 
 Every request is one ``GenerateStream`` call, its own asyncio task, all on one channel (the gateway
 multiplexes them as it would many clients). Times are taken in this process when a message
@@ -14,7 +14,9 @@ arrives: what a client sees, gateway and network included.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -81,28 +83,68 @@ async def stream_one(stub: gateway_pb2_grpc.GatewayStub, spec: RequestSpec, cach
     return result
 
 
-async def run_arrivals(address: str, specs: list[RequestSpec], arrivals: list[float], cache_salt: str,
+Send = Callable[[RequestSpec, str, float], Awaitable[RequestResult]]
+
+
+@dataclass(frozen=True)
+class Target:
+    """What the benchmark sends to: the gateway's gRPC API at ``host:port``, or an OpenAI-compatible
+    HTTP API at ``http://host:port`` (ours or another server's; ``model`` is the name it serves)."""
+
+    address: str
+    api: str = "grpc"
+    model: str = ""
+
+
+@contextlib.asynccontextmanager
+async def session(target: Target) -> AsyncIterator[Send]:
+    """A sender of streamed requests over one channel (gRPC) or one connection pool (HTTP)."""
+    if target.api == "openai":
+        from benchmarks.serving.openai_client import OpenAISession
+
+        http = OpenAISession(target.address, target.model)
+        try:
+            yield http.stream_one
+        finally:
+            await http.close()
+        return
+    async with grpc.aio.insecure_channel(target.address) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        yield lambda spec, salt, timeout_s: stream_one(stub, spec, salt, timeout_s)
+
+
+async def run_arrivals(target: Target, specs: list[RequestSpec], arrivals: list[float], cache_salt: str,
                        timeout_s: float) -> list[RequestResult]:
     """Send ``specs[i]`` at ``arrivals[i]`` seconds from now, each as its own task, and wait for all."""
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = gateway_pb2_grpc.GatewayStub(channel)
+    async with session(target) as send:
         start = time.perf_counter()
         tasks = []
         for spec, at in zip(specs, arrivals):
             delay = start + at - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(stream_one(stub, spec, cache_salt, timeout_s)))
+            tasks.append(asyncio.create_task(send(spec, cache_salt, timeout_s)))
         return list(await asyncio.gather(*tasks))
 
 
-async def run_one_at_a_time(address: str, specs: list[RequestSpec], cache_salts: list[str],
+async def run_one_at_a_time(target: Target, specs: list[RequestSpec], cache_salts: list[str],
                             timeout_s: float) -> list[RequestResult]:
     """The unloaded baseline (and the shared-prefix runs): each request sent after the previous one
     finished, so nothing else runs in the engine meanwhile."""
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = gateway_pb2_grpc.GatewayStub(channel)
-        return [await stream_one(stub, spec, salt, timeout_s) for spec, salt in zip(specs, cache_salts)]
+    async with session(target) as send:
+        return [await send(spec, salt, timeout_s) for spec, salt in zip(specs, cache_salts)]
+
+
+async def describe_target(target: Target, text: str) -> tuple[Target, str, int | None, float]:
+    """The target with its model's name filled in, that name, its block size (gRPC only) and its
+    tokenizer's tokens per word on ``text`` (prompts are sized by it)."""
+    if target.api == "openai":
+        from benchmarks.serving.openai_client import describe_server
+
+        name, tpw = await describe_server(target.address, text)
+        return Target(target.address, target.api, name), name, None, tpw
+    model, tpw = await describe_gateway(target.address, text)
+    return target, model.name, model.block_size, tpw
 
 
 async def describe_gateway(address: str, text: str) -> tuple[gateway_pb2.ModelInfo, float]:

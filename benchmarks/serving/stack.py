@@ -17,6 +17,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from benchmarks.serving.client import Target
 from pagedserve.process import ServiceProcess
 from pagedserve.sockets import free_port
 
@@ -60,6 +61,7 @@ class ServingStack:
     config: StackConfig
     directory: Path
     services: list[ServiceProcess] = field(default_factory=list)
+    http_port: int = 0  # the gateway's HTTP front
 
     def _spawn(self, module: str, args: list, address: str, health_service: str) -> ServiceProcess:
         """Start a service (not waiting for it); its output goes to a log in the stack's directory."""
@@ -88,8 +90,10 @@ class ServingStack:
     def _spawn_gateway(self) -> ServiceProcess:
         address = f"127.0.0.1:{free_port()}"
         # SERVING once it has the tokenizer and a backend in rotation (gateway/server.py).
+        self.http_port = free_port()
         return self._spawn("gateway", ["--backend", f"unix:{self.directory / 'compute.sock'}", "--listen", address,
-                                       "--health-interval-s", "0.5", "--log-level", "warning"],
+                                       "--http-port", self.http_port, "--health-interval-s", "0.5",
+                                       "--log-level", "warning"],
                            address, GATEWAY_SERVICE)
 
     @property
@@ -99,6 +103,12 @@ class ServingStack:
     @property
     def gateway_address(self) -> str:
         return self.services[2].address
+
+    def target(self, api: str) -> Target:
+        """Where the benchmark sends: the gateway's gRPC front, or its OpenAI-compatible HTTP front."""
+        if api == "openai":
+            return Target(f"http://127.0.0.1:{self.http_port}", "openai")
+        return Target(self.gateway_address, "grpc")
 
     @property
     def pids(self) -> dict[str, int]:

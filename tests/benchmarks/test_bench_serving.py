@@ -74,3 +74,24 @@ def test_tiny_run_reports_every_rate_prefix_caching_and_cleans_up(tmp_path: Path
     assert not any(Path(d).exists() for d in stack["runtime_dirs"])  # sockets and logs with them
     memory_pids = stack["pids"][0::3]
     assert not [p for pid in memory_pids for p in Path("/dev/shm").glob(f"pagedserve-kv-{pid}-*")]
+
+
+def test_tiny_run_through_the_openai_http_front(tmp_path: Path) -> None:
+    """``--api openai``: the same workload as streamed /v1/completions through the gateway's HTTP front."""
+    model = build_service_model(tmp_path / "model")
+    cmd = [sys.executable, "-m", "benchmarks.bench_serving", "--api", "openai", "--model", str(model.path),
+           "--rates", "inf", "--num-requests", "4", "--prompt-len", "16", "32", "--output-len", "8", "16",
+           "--prefix-tokens", "100", "--question-tokens", "8", "--prefix-requests", "2", "--block-size", "4",
+           "--kv-cache-bytes", str(4 << 20), "--kv-sample-interval-s", "0.05", "--report-stack"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["api"] == "openai" and summary["model"]
+    for run in [summary["baseline"], *summary["rates"]]:
+        assert run["num_requests"] == run["num_ok"] == 4 and run["errors"] == {}
+        assert run["output_tokens"] == run["expected_output_tokens"] == run["usage_completion_tokens"]
+        assert 0 < run["ttft_s"]["p50"] <= run["e2e_s"]["p50"]
+    # cached_tokens come back through usage.prompt_tokens_details as the gRPC usage carries them.
+    assert summary["prefix"]["cached_tokens_mean"] >= 100 - 8 and summary["prefix"]["uncached_cached_tokens_max"] == 0
+    assert summary["stack"]["exit_statuses"] == [{"gateway": 0, "compute_service": 0, "memory_service": 0}] * 2
