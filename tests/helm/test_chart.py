@@ -102,6 +102,11 @@ def test_probes_are_grpc_health_with_a_generous_startup(case) -> None:
     for kind in ("startupProbe", "livenessProbe"):
         assert gateway[kind]["tcpSocket"] == {"port": "grpc"}
     assert {"name": "grpc", "containerPort": 50051, "protocol": "TCP"} in gateway["ports"]
+    # The OpenAI-compatible HTTP front: its flag, its container port, a port on the Service.
+    assert flag(gateway, "--http-port") == "8000"
+    assert {"name": "http", "containerPort": 8000, "protocol": "TCP"} in gateway["ports"]
+    service_ports = rendered.one("Service", "-gateway")["spec"]["ports"]
+    assert {"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP", "appProtocol": "http"} in service_ports
 
 
 def test_security_context_everywhere(case) -> None:
@@ -143,6 +148,8 @@ def test_notes_tell_how_to_reach_the_gateway(case) -> None:
     assert "kubectl -n llm port-forward svc/demo-pagedserve-gateway 50051:50051" in rendered.notes
     assert "grpcurl -plaintext" in rendered.notes
     assert "pagedserve.gateway.v1.Gateway/Generate" in rendered.notes
+    assert "port-forward svc/demo-pagedserve-gateway 8000:8000" in rendered.notes
+    assert "curl http://localhost:8000/v1/chat/completions" in rendered.notes
 
 
 def test_gpu_through_one_dra_claim_shared_by_both_containers() -> None:

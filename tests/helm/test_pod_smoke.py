@@ -36,13 +36,14 @@ def _missing_services() -> list[str]:
 def _cpu_values(model_source: dict) -> dict:
     """CPU mode, free local ports, a small KV pool. The gateway's Service port is its container
     port, as `kubectl port-forward svc/... P:P` makes it on the user's machine."""
-    port = _free_port()
+    port, http_port = _free_port(), _free_port()
     return {
         "gpu": {"mode": "none"},
         "model": model_source,
         "engine": {"port": _free_port(), "memory": {"kvCacheBytes": 8 << 20, "metricsPort": _free_port()},
                    "compute": {"metricsPort": _free_port()}},
-        "gateway": {"port": port, "metricsPort": _free_port(), "service": {"port": port}},
+        "gateway": {"port": port, "metricsPort": _free_port(), "service": {"port": port, "httpPort": http_port},
+                    "httpPort": http_port},
     }
 
 
@@ -144,6 +145,13 @@ def test_engine_and_gateway_pods_serve_a_request(volume_root: Path) -> None:
         assert answered.returncode == 0, answered.stderr
         [completion] = json.loads(answered.stdout)["choices"]
         assert completion["finish_reason"] in ("length", "eos", "stop") and completion["token_ids"]
+        # And its curl line, through the OpenAI-compatible HTTP port the chart declares.
+        lines = notes.replace("\\\n", " ").splitlines()
+        [curl] = [shlex.split(line) for line in lines if line.strip().startswith("curl ")]
+        answered = subprocess.run(curl, capture_output=True, text=True, timeout=120)
+        assert answered.returncode == 0, answered.stderr
+        chat = json.loads(answered.stdout)
+        assert chat["object"] == "chat.completion" and chat["choices"][0]["finish_reason"] in ("length", "stop")
     finally:
         statuses = {service.module: service.stop() for service in reversed(started)}
     assert statuses == {"gateway": 0, "compute_service": 0, "memory_service": 0}
