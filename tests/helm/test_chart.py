@@ -106,7 +106,8 @@ def test_probes_are_grpc_health_with_a_generous_startup(case) -> None:
     assert flag(gateway, "--http-port") == "8000"
     assert {"name": "http", "containerPort": 8000, "protocol": "TCP"} in gateway["ports"]
     service_ports = rendered.one("Service", "-gateway")["spec"]["ports"]
-    assert {"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP", "appProtocol": "http"} in service_ports
+    assert {"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP",
+            "appProtocol": "http"} in service_ports
 
 
 def test_security_context_everywhere(case) -> None:
