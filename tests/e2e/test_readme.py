@@ -105,6 +105,9 @@ def test_up_prints_the_address_and_a_grpcurl_command_that_works(up: Up) -> None:
 def test_up_prints_a_curl_command_for_the_http_api_that_works(up: Up) -> None:
     [hint] = [line.strip() for line in up.output if line.strip().startswith("curl ")]
     assert f"http://127.0.0.1:{up.http_port}/v1/chat/completions" in hint
+    # The README's curl line is the same command on the default port.
+    [readme] = _readme_lines("curl ")
+    assert readme == hint.replace(f":{up.http_port}/", ":8000/")
     out = subprocess.run(shlex.split(hint), capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     reply = json.loads(out.stdout)
