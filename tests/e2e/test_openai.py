@@ -336,6 +336,12 @@ def test_raw_edge_cases_are_4xx_and_the_gateway_keeps_serving(http: Http) -> Non
         assert client.get(f"{http.base_url}/health").json() == {"status": "ok"}
     log = http.gateway.log_file.read_text()
     assert "openai_unknown_fields" in log and "some_future_field" in log
+    # The same metrics as the gRPC front's, by method and status (a body refused before it is a
+    # request, as a malformed protobuf on gRPC, is not counted; a rule it breaks is).
+    assert httpx.post(url, json={"prompt": "x", "temperature": -1}).status_code == 400
+    metrics = httpx.get(f"http://127.0.0.1:{http.gateway.metrics_port}/metrics").text
+    assert 'pagedserve_gateway_requests_total{method="OpenAI.Completions",status="OK"}' in metrics
+    assert 'pagedserve_gateway_requests_total{method="OpenAI.Completions",status="INVALID_ARGUMENT"}' in metrics
 
 
 def test_raw_sse_lines(http: Http) -> None:

@@ -1,0 +1,114 @@
+"""The HTTP front's conversions without processes: OpenAI bodies to public requests, errors to
+statuses, logprobs to OpenAI's shapes (-inf clamped), SSE framing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from gateway.openai_api import convert
+from gateway.openai_api.app import as_http_error, error_body
+from gateway.openai_api.responses import Answer, events, sse
+from gateway.openai_api.schema import ChatCompletionRequest, CompletionRequest
+from pagedserve.errors import (DeadlineExceededError, InvalidArgument, PermissionDeniedError, ResourceExhaustedError,
+                               UnavailableError)
+from pagedserve.gateway.v1 import gateway_pb2
+
+
+def _chat(**fields: object) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **fields})
+
+
+def test_statuses_of_every_error_type() -> None:
+    bad = as_http_error(InvalidArgument("params.top_p must be in (0.0, 1.0], got 1.5"))
+    assert (bad.status, bad.param, bad.message) == (400, "top_p", "top_p must be in (0.0, 1.0], got 1.5")
+    assert as_http_error(InvalidArgument("messages[2].role must be one of ...")).param == "messages"
+    assert as_http_error(convert.ParamError("logit_bias", "no")).param == "logit_bias"
+    for exc, status in ((ResourceExhaustedError("full"), 429), (UnavailableError("down"), 503),
+                        (PermissionDeniedError("no"), 403), (DeadlineExceededError("late"), 504),
+                        (RuntimeError("a bug"), 500), (ValueError("a bare one is a bug too"), 500)):
+        assert as_http_error(exc).status == status, exc
+    assert error_body(429, "full") == {"error": {"message": "full", "type": "rate_limit_error", "param": None,
+                                                 "code": "rate_limit_exceeded"}}
+    assert error_body(503, "down")["error"]["type"] == "server_error"
+
+
+def test_minus_infinity_logprobs_are_clamped() -> None:
+    items = [gateway_pb2.TokenLogprobs(token_id=1, logprob=float("-inf"), top_token_ids=[2, 1],
+                                       top_logprobs=[-0.5, float("-inf")])]
+    decode = {1: "a", 2: "bc"}.__getitem__
+    chat = convert.chat_logprobs(items, decode)
+    assert chat == {"content": [{"token": "a", "logprob": -9999.0, "bytes": [97], "top_logprobs": [
+        {"token": "bc", "logprob": -0.5, "bytes": [98, 99]}, {"token": "a", "logprob": -9999.0, "bytes": [97]}]}]}
+    json.dumps(chat, allow_nan=False)  # valid JSON: no Infinity
+    done = convert.completion_logprobs(items * 2, decode, offset=5)
+    assert done["token_logprobs"] == [-9999.0, -9999.0] and done["text_offset"] == [5, 6]
+    assert done["top_logprobs"][0] == {"bc": -0.5, "a": -9999.0}
+
+
+def test_completion_prompts_and_parameters() -> None:
+    body = CompletionRequest.model_validate({"prompt": ["a", "b"], "n": 2, "stop": "x", "seed": 3, "top_k": -1,
+                                             "logprobs": 0, "max_tokens": 5, "cache_salt": "s", "priority": 2})
+    [first, second] = convert.completion_prompts(body, "cmpl-1")
+    assert (first.request.prompt, second.request.prompt) == ("a", "b") and first.token_ids is None
+    assert (first.request.request_id, second.request.request_id) == ("cmpl-1-0", "cmpl-1-1")
+    p = first.request.params
+    assert (p.n, list(p.stop), p.seed, p.top_k, p.logprobs, p.max_tokens) == (2, ["x"], 3, 0, 0, 5)
+    assert p.HasField("logprobs") and not p.HasField("temperature")
+    assert (first.request.cache_salt, first.request.priority) == ("s", 2)
+    [ids] = convert.completion_prompts(CompletionRequest.model_validate({"prompt": [5, 6]}), "c")
+    assert ids.token_ids == [5, 6] and ids.request.params.max_tokens == 16  # completions' default
+    assert len(convert.completion_prompts(CompletionRequest.model_validate({"prompt": [[5], [6, 7]]}), "c")) == 2
+    for fields, param in (({"prompt": []}, "prompt"), ({"prompt": "a", "n": 0}, "n"),
+                          ({"prompt": "a", "max_tokens": 0}, "max_tokens"), ({"prompt": "a", "top_p": 0}, "top_p"),
+                          ({"prompt": "a", "seed": -1}, "seed"), ({"prompt": "a", "echo": True}, "echo"),
+                          ({"prompt": "a", "logit_bias": {"1": 2}}, "logit_bias"),
+                          ({"prompt": "a", "n": 2**40}, "n")):
+        with pytest.raises(convert.ParamError) as info:
+            convert.completion_prompts(CompletionRequest.model_validate(fields), "c")
+        assert info.value.param == param, fields
+
+
+def test_chat_prompt_conversion() -> None:
+    body = ChatCompletionRequest.model_validate({"messages": [
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+        "max_tokens": 4, "max_completion_tokens": 7, "logprobs": True, "top_logprobs": 3, "tool_choice": "none"})
+    request = convert.chat_prompt(body, "chatcmpl-1").request
+    assert [(m.role, m.content) for m in request.messages] == [("system", "be brief"), ("user", "ab")]
+    assert request.params.max_tokens == 7 and request.params.logprobs == 3  # max_completion_tokens wins
+    assert not convert.chat_prompt(_chat(), "c").request.params.HasField("logprobs")
+    for fields, param in (({"tools": [{"type": "function"}]}, "tools"), ({"tool_choice": "auto"}, "tools"),
+                          ({"top_logprobs": 2}, "top_logprobs"),
+                          ({"response_format": {"type": "json_object"}}, "response_format"),
+                          ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+                           "messages[0].content")):
+        with pytest.raises(convert.ParamError) as info:
+            convert.chat_prompt(_chat(**fields), "c")
+        assert info.value.param == param, fields
+
+
+def test_stream_events_shape() -> None:
+    answer = Answer("chatcmpl-x", "m", "chat", n=1, logprobs=False, decode=str, include_usage=True)
+    pieces = [gateway_pb2.GenerateStreamResponse(index=0, text="he"),
+              gateway_pb2.GenerateStreamResponse(index=0, text="llo", finish_reason="eos",
+                                                 usage=gateway_pb2.Usage(prompt_tokens=3, completion_tokens=2,
+                                                                         cached_prompt_tokens=0))]
+
+    async def rest():
+        yield 0, pieces[1]
+
+    async def collect() -> list[str]:
+        return [e async for e in events(answer, (0, pieces[0]), rest(), lambda exc: {})]
+
+    out = asyncio.run(collect())
+    assert out[-1] == sse("[DONE]") == "data: [DONE]\n\n"
+    chunks = [json.loads(e[len("data: "):]) for e in out[:-1]]
+    assert [c["choices"][0]["delta"] for c in chunks[:-1]] == [{"role": "assistant", "content": ""},
+                                                               {"content": "he"}, {"content": "llo"}]
+    assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]] == [None, None, "stop"]
+    assert all(c["usage"] is None for c in chunks[:-1])
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == {
+        "prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5, "prompt_tokens_details": {"cached_tokens": 0}}
