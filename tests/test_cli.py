@@ -35,6 +35,10 @@ def test_help(cmd: list[str]) -> None:
     (["-m", "gateway", "--backend", "h:1", "--max-queued-requests", "0"], "max_queued_requests"),
     (["-m", "gateway", "--backend", "h:1", "--api-keys-file", "/nonexistent/keys"], "api_keys_file"),
     (["-m", "pagedserve.cli", "up", "--port", "70000"], "port"),
+    (["-m", "pagedserve.cli", "up", "--http-port", "-1"], "http_port"),
+    (["-m", "gateway", "--backend", "h:1", "--http-port", "70000"], "http_port"),
+    (["-m", "gateway", "--backend", "h:1", "--listen", "127.0.0.1:0", "--http-port", "1", "--http-host", "192.0.2.1"],
+     "http: cannot bind"),
     (["-m", "gateway", "--backend", "h:1", "--listen", "192.0.2.1:50051"], "listen: cannot bind"),
 ])
 def test_bad_flag_value_is_a_clear_error(cmd: list[str], named: str) -> None:
