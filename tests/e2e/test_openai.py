@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -342,6 +343,22 @@ def test_raw_edge_cases_are_4xx_and_the_gateway_keeps_serving(http: Http) -> Non
     metrics = httpx.get(f"http://127.0.0.1:{http.gateway.metrics_port}/metrics").text
     assert 'pagedserve_gateway_requests_total{method="OpenAI.Completions",status="OK"}' in metrics
     assert 'pagedserve_gateway_requests_total{method="OpenAI.Completions",status="INVALID_ARGUMENT"}' in metrics
+
+
+def test_a_response_is_not_held_back_by_nagle(http: Http) -> None:
+    """Headers and body leave together: with Nagle's algorithm on, the body waited for the client's
+    delayed ACK, 40-50 ms after the headers, on every request (accepted sockets lacked TCP_NODELAY)."""
+    with socket.create_connection(("127.0.0.1", http.port)) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        gaps = []
+        for _ in range(7):
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            data, first = b"", None
+            while not data.endswith(b'{"status":"ok"}'):
+                data += sock.recv(65536)
+                first = first or time.perf_counter()
+            gaps.append(time.perf_counter() - first)
+    assert sorted(gaps)[3] < 0.02, gaps
 
 
 def test_raw_sse_lines(http: Http) -> None:
