@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import socket
 import time
 from collections.abc import Iterator
@@ -296,6 +297,25 @@ def test_no_backend_is_503(engines: list[Engine], run_dir: Path) -> None:
         assert info.value.status_code == 503 and info.value.body["type"] == "server_error"
     finally:
         assert process.stop() == 0
+
+
+def test_sigterm_lets_an_http_stream_finish_and_health_says_503(engines: list[Engine], run_dir: Path) -> None:
+    draining = _start(engines, run_dir, "--drain-delay-s", "2")
+    wait_until(lambda: draining.gateway.num_healthy_backends() == 1, what="the backend in rotation")
+    body = {"prompt": "drain", "max_tokens": 900, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{draining.base_url}/v1/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        first = next(lines)
+        draining.gateway.process.send_signal(signal.SIGTERM)
+        # NOT_SERVING at once (load balancers stop sending), while the drain delay still serves.
+        wait_until(lambda: httpx.get(f"{draining.base_url}/health", timeout=5).status_code == 503, timeout_s=5,
+                   what="/health 503")
+        rest = [line for line in lines if line]
+    chunks = [json.loads(line[6:]) for line in [first, *rest] if line.startswith("data: {")]
+    assert rest[-1] == "data: [DONE]" and chunks[-1]["usage"]["completion_tokens"] == 900
+    assert draining.gateway.process.proc.wait(timeout=30) == 0
+    draining.gateway.channel.close()
 
 
 def _get(url: str) -> httpx.Response | None:
