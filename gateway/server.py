@@ -58,8 +58,9 @@ class Gateway:
         self.http: HttpServer | None = None
         if config.http_port is not None:
             front = OpenAIFront(self.servicer, lambda: self.health.is_serving and not self._stopping)
-            # TLS: the gRPC front's certificate and key go here too once the gateway takes them.
-            self.http = HttpServer(front.app, config.http_bind_host, config.http_port, config.grace_period_s)
+            # The gRPC front's certificate serves HTTPS here (TLS on one front only would be a gap).
+            self.http = HttpServer(front.app, config.http_bind_host, config.http_port, config.grace_period_s,
+                                   config.tls_cert_file, config.tls_key_file)
         self.address = ""
         self.http_port: int | None = None
         self.metrics_port: int | None = None

@@ -3,7 +3,8 @@
 A second edge over the same path, not a second gateway: each endpoint turns its JSON body into the
 public ``GenerateRequest`` (``convert``), runs it through ``GatewayServicer.run`` (the admission,
 validation, tokenizing, routing, metrics and access line every gRPC call gets) and turns the
-public answer into OpenAI's JSON (``responses``). API keys are the gRPC front's keys.
+public answer into OpenAI's JSON (``responses``). Keys name the gRPC front's tenants (the same
+``Tenants.identify``), so each tenant's limits, priority cap and cache namespace hold here too.
 
 Errors are OpenAI error objects, ``{"error": {"message", "type", "param", "code"}}``, with the
 HTTP status of the gRPC code the same request gets on the gRPC front (``STATUS``). A body is read
@@ -35,11 +36,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from gateway.auth import is_authorized
+from gateway.auth import bearer_token
 from gateway.openai_api import convert
 from gateway.openai_api.responses import Answer, events, merge
 from gateway.openai_api.schema import ChatCompletionRequest, CompletionRequest
 from gateway.servicer import GatewayServicer, RequestRecord, collect, pieces
+from gateway.tenants import Tenant
 from pagedserve import rpc
 from pagedserve.log import get_logger
 
@@ -156,7 +158,6 @@ class OpenAIFront:
     def __init__(self, servicer: GatewayServicer, is_serving: Callable[[], bool]) -> None:
         self.servicer = servicer
         self.is_serving = is_serving
-        self._keys = [k.encode() for k in servicer.config.api_keys]
         self.app = Starlette(routes=[
             Route("/health", self.health, methods=["GET"]),
             Route("/v1/models", self.models, methods=["GET"]),
@@ -169,10 +170,13 @@ class OpenAIFront:
         assert isinstance(exc, HTTPException)
         return JSONResponse(error_body(exc.status_code, exc.detail), status_code=exc.status_code)
 
-    def _authorize(self, request: Request) -> None:
+    def _tenant(self, request: Request) -> Tenant:
+        """Who the key says the client is: the gRPC front's tenants, the same lookup."""
         header = request.headers.get("authorization", "")
-        if self._keys and not is_authorized([("authorization", header)], self._keys):
+        tenant = self.servicer.tenants.identify(bearer_token([("authorization", header)]))
+        if tenant is None:
             raise HttpError(401, "missing or invalid API key (Authorization: Bearer KEY)")
+        return tenant
 
     def _served(self, name: str | None) -> str:
         model = self.servicer.model
@@ -221,14 +225,14 @@ class OpenAIFront:
 
     async def models(self, request: Request) -> Response:
         try:
-            self._authorize(request)
+            self._tenant(request)
         except HttpError as exc:
             return _error(exc)
         return JSONResponse({"object": "list", "data": [self._model_card()] if self.servicer.model else []})
 
     async def model(self, request: Request) -> Response:
         try:
-            self._authorize(request)
+            self._tenant(request)
             self._served(request.path_params["model"])
         except HttpError as exc:
             return _error(exc)
@@ -249,7 +253,7 @@ class OpenAIFront:
             return _error(exc)
 
     async def _answer(self, request: Request, endpoint: str) -> Response:
-        self._authorize(request)
+        tenant = self._tenant(request)
         schema = ChatCompletionRequest if endpoint == "chat" else CompletionRequest
         body = await self._read(request, schema)
         model_name = self._served(body.model)
@@ -266,7 +270,7 @@ class OpenAIFront:
 
         def run(prompt: convert.Prompt) -> AsyncIterator:
             record = RequestRecord(method, prompt.request.request_id)
-            return self.servicer.run(prompt.request, record, None, prompt.token_ids,
+            return self.servicer.run(prompt.request, record, tenant, None, prompt.token_ids,
                                      max_tokens_to_context=endpoint == "chat")
 
         if not body.stream:

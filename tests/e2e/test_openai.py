@@ -12,6 +12,7 @@ import asyncio
 import json
 import signal
 import socket
+import ssl
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -279,6 +280,67 @@ def test_auth_401_and_backpressure_429(guarded: Http, engines: list[Engine]) -> 
     wait_until(lambda: engines[0].load().num_running == 0, what="the stream aborted")
 
 
+def test_two_tenants_have_their_own_limits_priority_caps_and_caches(engines: list[Engine], run_dir: Path) -> None:
+    tenants = run_dir / "http-tenants.json"
+    tenants.write_text(json.dumps({"tenants": {"team-a": {"keys": ["KEY-A-0123456789"], "max_concurrent": 1,
+                                                          "max_priority": 2},
+                                               "team-b": {"keys": ["KEY-B-0123456789"], "max_concurrent": 1}}}))
+    served = _start(engines, run_dir, "--api-keys-file", str(tenants), key="KEY-A-0123456789")
+    a, b = served.client("KEY-A-0123456789"), served.client("KEY-B-0123456789")
+    try:
+        prompt = "the same prompt, long enough to fill two blocks of sixteen tokens for the cache " * 2
+        first = a.completions.create(model=served.model, prompt=prompt, max_tokens=2)
+        again = a.completions.create(model=served.model, prompt=prompt, max_tokens=2)
+        other = b.completions.create(model=served.model, prompt=prompt, max_tokens=2)
+        # Each tenant's prompts are cached in its own namespace: B does not hit A's blocks.
+        assert again.usage.prompt_tokens_details.cached_tokens > 0
+        assert other.usage.prompt_tokens_details.cached_tokens == 0 == first.usage.prompt_tokens_details.cached_tokens
+        with pytest.raises(openai.PermissionDeniedError) as info:  # above team-a's max_priority
+            a.completions.create(model=served.model, prompt="x", max_tokens=2, extra_body={"priority": 5})
+        assert info.value.status_code == 403 and "priority" in info.value.body["message"]
+        stream = a.completions.create(model=served.model, prompt="x", max_tokens=900, stream=True,
+                                      extra_body={"ignore_eos": True})
+        next(iter(stream))
+        with pytest.raises(openai.RateLimitError) as info:  # team-a holds its one slot
+            a.completions.create(model=served.model, prompt="x", max_tokens=2)
+        assert "max_concurrent" in info.value.body["message"]
+        assert b.completions.create(model=served.model, prompt="x", max_tokens=2).usage.completion_tokens == 2
+        stream.close()
+        wait_until(lambda: engines[0].load().num_running == 0, what="the stream aborted")
+        access = [json.loads(line) for line in served.gateway.log_file.read_text().splitlines()
+                  if '"gateway.access"' in line]
+        assert {e["tenant"] for e in access if e["method"] == "OpenAI.Completions"} == {"team-a", "team-b"}
+    finally:
+        served.gateway.stop()
+
+
+def test_https_with_the_grpc_fronts_certificate(engines: list[Engine], run_dir: Path, tmp_path: Path) -> None:
+    from tests.e2e.test_gateway_tls import _self_signed
+
+    cert, key = _self_signed(tmp_path)
+    port, grpc_port = free_port(), free_port()
+    from pagedserve.process import ServiceProcess
+
+    process = ServiceProcess("gateway", ["--backend", engines[0].address, "--listen", f"127.0.0.1:{grpc_port}",
+                                         "--http-port", str(port), "--tls-cert", str(cert), "--tls-key", str(key),
+                                         "--health-interval-s", "0.2", "--grace-period-s", "5"],
+                             address=f"127.0.0.1:{grpc_port}", log_file=run_dir / "gateway-https.log")
+    try:
+        url, trust = f"https://127.0.0.1:{port}", ssl.create_default_context(cafile=str(cert))
+        wait_until(lambda: (_get(f"{url}/health", verify=trust) or httpx.Response(0)).status_code == 200,
+                   timeout_s=60, what="HTTPS serving")
+        # A client that closes its connections (an idle TLS one held open keeps a stopping gateway
+        # waiting for its close_notify, up to the grace period).
+        with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0,
+                           http_client=httpx.Client(verify=trust)) as client:
+            reply = client.completions.create(model=client.models.list().data[0].id, prompt="tls", max_tokens=3,
+                                              extra_body={"ignore_eos": True})
+        assert reply.usage.completion_tokens == 3
+        assert _get(f"http://127.0.0.1:{port}/health") is None  # no plaintext on the TLS port
+    finally:
+        assert process.stop() == 0
+
+
 def test_no_backend_is_503(engines: list[Engine], run_dir: Path) -> None:
     port = free_port()
     # A backend that does not exist: the gateway starts (NOT_SERVING) and its HTTP front answers 503.
@@ -318,9 +380,9 @@ def test_sigterm_lets_an_http_stream_finish_and_health_says_503(engines: list[En
     draining.gateway.channel.close()
 
 
-def _get(url: str) -> httpx.Response | None:
+def _get(url: str, verify: ssl.SSLContext | bool = True) -> httpx.Response | None:
     try:
-        return httpx.get(url, timeout=2)
+        return httpx.get(url, timeout=2, verify=verify)
     except httpx.TransportError:
         return None
 
