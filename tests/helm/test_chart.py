@@ -259,7 +259,7 @@ def test_metrics_have_their_own_service_never_the_public_one() -> None:
     rendered = render({"gateway": {"service": {"type": "LoadBalancer"}}})
     public = rendered.one("Service", "-gateway")
     assert public["spec"]["type"] == "LoadBalancer"
-    assert [p["name"] for p in public["spec"]["ports"]] == ["grpc"]
+    assert [p["name"] for p in public["spec"]["ports"]] == ["grpc", "http"]  # both public APIs, no metrics
     metrics = rendered.one("Service", "-gateway-metrics")
     assert metrics["spec"]["type"] == "ClusterIP"
     assert metrics["spec"]["ports"] == [{"name": "metrics", "port": 9090, "targetPort": "metrics", "protocol": "TCP"}]
