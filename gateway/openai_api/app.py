@@ -43,6 +43,7 @@ from gateway.openai_api.schema import ChatCompletionRequest, CompletionRequest
 from gateway.servicer import GatewayServicer, RequestRecord, collect, pieces
 from gateway.tenants import Tenant
 from pagedserve import rpc
+from pagedserve.errors import echo
 from pagedserve.log import get_logger
 
 log = get_logger("gateway.openai")
@@ -183,7 +184,7 @@ class OpenAIFront:
         if model is None:
             raise HttpError(503, "no backend has been reached yet")
         if name is not None and name != model.info.model_name:
-            raise HttpError(404, f"The model {name!r} does not exist (this gateway serves "
+            raise HttpError(404, f"The model {echo(name)} does not exist (this gateway serves "
                                  f"{model.info.model_name!r})", "model")
         return model.info.model_name
 
@@ -191,7 +192,7 @@ class OpenAIFront:
         limit = self.servicer.config.max_message_bytes
         content_type = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
         if content_type != "application/json" and not content_type.endswith("+json"):
-            raise HttpError(415, f"Content-Type must be application/json, got {content_type!r}")
+            raise HttpError(415, f"Content-Type must be application/json, got {echo(content_type)}")
         length = request.headers.get("content-length", "")
         if length.isdigit() and int(length) > limit:
             raise HttpError(413, f"request body of {length} bytes is larger than {limit} bytes")
