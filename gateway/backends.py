@@ -20,7 +20,7 @@ from gateway.routing import AffinityIndex
 from pagedserve import sampling_rules
 from pagedserve.compute.v1 import compute_pb2, compute_pb2_grpc
 from pagedserve.log import get_logger
-from pagedserve.service_auth import TokenClientInterceptor
+from pagedserve.service_auth import token_interceptors
 
 log = get_logger("gateway.backends")
 
@@ -64,7 +64,7 @@ class Backend:
     def __init__(self, address: str, options: list[tuple[str, int]], token: str | None = None) -> None:
         self.address = address
         # With a token, every call on this channel carries it (the compute service refuses others).
-        interceptors = [TokenClientInterceptor(token)] if token else None
+        interceptors = token_interceptors(token) if token else None
         self.channel = grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
         self.stub = compute_pb2_grpc.ComputeStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)

@@ -100,8 +100,8 @@ def _rejecting(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     return grpc.unary_unary_rpc_method_handler(deny, response_serializer=handler.response_serializer)
 
 
-class TokenClientInterceptor(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor):
-    """Adds ``authorization: Bearer TOKEN`` to every call of a channel (the gateway's backends)."""
+class _TokenCallDetails:
+    """Adds ``authorization: Bearer TOKEN`` to a call's metadata."""
 
     def __init__(self, token: str) -> None:
         self._entry = ("authorization", f"Bearer {token}")
@@ -111,8 +111,21 @@ class TokenClientInterceptor(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.Unar
         return grpc.aio.ClientCallDetails(details.method, details.timeout, metadata, details.credentials,
                                           details.wait_for_ready)
 
+
+class _UnaryUnaryToken(_TokenCallDetails, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation, client_call_details, request):  # noqa: ANN001, ANN201
         return await continuation(self._with_token(client_call_details), request)
 
+
+class _UnaryStreamToken(_TokenCallDetails, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation, client_call_details, request):  # noqa: ANN001, ANN201
         return await continuation(self._with_token(client_call_details), request)
+
+
+def token_interceptors(token: str) -> list[grpc.aio.ClientInterceptor]:
+    """Client interceptors that send ``token`` on every unary and server-streaming call of a channel.
+
+    Two objects, not one class with both methods: grpc.aio files each interceptor under the first
+    kind it is an instance of, so a combined one would never see the streaming calls.
+    """
+    return [_UnaryUnaryToken(token), _UnaryStreamToken(token)]

@@ -2,10 +2,10 @@
 
 Why it exists: a failure tied to one request (its sampling, detokenizing, stop checks) must end that
 request alone, and the tests prove it on a real compute service, where nothing can be patched from
-outside. With ``PAGEDSERVE_TEST_FAULT_DETOKENIZE`` set to a JSON object such as
-``{"prompt_suffix": [70, 65, 85, 76, 84], "after_tokens": 2}``, every request whose prompt ends with
-those token ids gets a detokenizer that raises once it is handed more than ``after_tokens`` tokens
-(0: at the first one, before anything streamed). Read when an Engine is built, never at import;
+outside. With ``PAGEDSERVE_TEST_FAULT_DETOKENIZE`` set to a JSON list such as
+``[{"prompt_suffix": [70, 65, 85, 76, 84], "after_tokens": 2}]``, every request whose prompt ends
+with one entry's token ids gets a detokenizer that raises once it is handed more than that entry's
+``after_tokens`` tokens (0: at the first one, before anything streamed). Read when an Engine is built, never at import;
 unset (always, outside tests) nothing changes and no request pays for it.
 """
 
@@ -39,27 +39,24 @@ class _FailingDetokenizer(IncrementalDetokenizer):
 
 @dataclass(frozen=True)
 class DetokenizeFault:
-    """Which requests fail (prompt ends with ``prompt_suffix``) and after how many tokens."""
+    """Which requests fail (prompt ends with a suffix) and after how many tokens (by suffix)."""
 
-    prompt_suffix: tuple[int, ...]
-    after_tokens: int = 0
-
-    def __post_init__(self) -> None:
-        if not self.prompt_suffix or self.after_tokens < 0:
-            raise ValueError(f"{FAULT_ENV}: prompt_suffix must be non-empty and after_tokens >= 0")
+    after_tokens_by_suffix: dict[tuple[int, ...], int]
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> DetokenizeFault | None:
         text = environ.get(FAULT_ENV)
         if not text:
             return None
-        spec = json.loads(text)
-        return cls(tuple(int(t) for t in spec["prompt_suffix"]), int(spec.get("after_tokens", 0)))
+        faults = {tuple(int(t) for t in f["prompt_suffix"]): int(f.get("after_tokens", 0)) for f in json.loads(text)}
+        if not faults or not all(faults) or min(faults.values()) < 0:
+            raise ValueError(f"{FAULT_ENV}: each prompt_suffix must be non-empty and after_tokens >= 0")
+        return cls(faults)
 
     def detokenizer_for(self, prompt_token_ids: Sequence[int], tokenizer: Any | None,
                         stop: Sequence[str]) -> IncrementalDetokenizer | None:
         """A failing detokenizer for a matching prompt; None (the normal one) otherwise."""
-        n = len(self.prompt_suffix)
-        if tuple(prompt_token_ids[-n:]) != self.prompt_suffix:
-            return None
-        return _FailingDetokenizer(tokenizer, stop, self.after_tokens)
+        for suffix, after_tokens in self.after_tokens_by_suffix.items():
+            if tuple(prompt_token_ids[-len(suffix):]) == suffix:
+                return _FailingDetokenizer(tokenizer, stop, after_tokens)
+        return None
