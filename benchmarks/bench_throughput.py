@@ -54,6 +54,7 @@ from benchmarks.throughput.workload import (
     Request, RunResult, kv_bytes_per_token, make_workload, seeded_subset, warmup_prompt,
 )
 from compute_service import LLM, SamplingParams
+from compute_service.engine.outputs import RequestOutput, collect
 from compute_service.model.model_config import ModelConfig
 from compute_service.model.model_loader import load_tokenizer, resolve_model
 from pagedserve.dtypes import DTYPES
@@ -135,20 +136,18 @@ def run_engine(model: str, workload: list[Request], args: argparse.Namespace) ->
         sampler = PoolSampler(engine.memory.num_blocks, engine.memory.block_size)
         preemptions_before = engine.scheduler.num_preemptions
         computed = count_computed_tokens(engine)
-        outputs: dict[str, list[int]] = {}
+        results: dict[str, RequestOutput] = {}
         num_steps = 0
         started = time.perf_counter()
         for i, req in enumerate(workload):
             params = SamplingParams(max_tokens=req.max_tokens, temperature=0.0, ignore_eos=True)
             engine.add_request(f"bench-{i}", req.prompt_token_ids, params)
         while engine.has_unfinished():
-            finished = [out for out in engine.step() if out.finished]
+            finished = collect(results, engine.step())
             num_steps += 1
-            for out in finished:
-                outputs[out.request_id] = out.token_ids
             sampler.sample(engine.scheduler, len(finished))
         wall = time.perf_counter() - started - sampler.seconds
-        tokens = [outputs[f"bench-{i}"] for i in range(len(workload))]
+        tokens = [results[f"bench-{i}"].token_ids for i in range(len(workload))]
         waiting = sampler.utilization_waiting
         return RunResult("engine", len(workload), sum(map(len, tokens)), wall, tokens, {
             "peak_concurrent_seqs": sampler.peak_concurrent_seqs,

@@ -11,6 +11,7 @@ from pagedserve.config import add_config_file_flag, build_config, read_config_fi
 from pagedserve.errors import PreconditionError
 from pagedserve.log import add_log_format_flag, configure_logging
 from pagedserve.process import add_parent_pid_flag, die_with_parent
+from pagedserve.service_auth import TOKEN_ENV
 
 from memory_service.config import MemoryServiceConfig
 
@@ -52,6 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how often an idle engine checks the memory service (default 1)")
     p.add_argument("--metrics-port", dest="metrics_port", type=int, help="serve Prometheus metrics on this port")
     p.add_argument("--metrics-host", dest="metrics_host", help="address of the metrics endpoint (default 127.0.0.1)")
+    p.add_argument("--write-stall-timeout-s", dest="write_stall_timeout_s", type=float,
+                   help="abort a stream whose client reads nothing for this long, freeing its blocks (default 30)")
+    p.add_argument("--max-stream-buffer", dest="max_stream_buffer", type=int,
+                   help="step outputs a stream holds for a slow reader before its request pauses (default 8)")
+    p.add_argument("--auth-token-file", dest="auth_token_file",
+                   help=f"require this file's token as 'authorization: Bearer TOKEN' on every call but health "
+                        f"(also ${TOKEN_ENV}); the gateway sends it with --backend-token-file")
     p.add_argument("--log-level", dest="log_level", help="debug, info, warning, error")
     add_log_format_flag(p)
     add_parent_pid_flag(p)

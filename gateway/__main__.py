@@ -11,6 +11,7 @@ from pagedserve.log import add_log_format_flag, configure_logging
 from pagedserve.process import add_parent_pid_flag, die_with_parent
 
 from gateway.config import API_KEYS_ENV, GatewayConfig
+from pagedserve.service_auth import TOKEN_ENV
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="threads that tokenize prompts (default 2)")
     p.add_argument("--tls-cert", dest="tls_cert_file", help="PEM certificate chain: serve TLS (with --tls-key)")
     p.add_argument("--tls-key", dest="tls_key_file", help="PEM private key of --tls-cert")
+    p.add_argument("--backend-token-file", dest="backend_token_file",
+                   help=f"send this file's token to every backend (its --auth-token-file); also ${TOKEN_ENV}")
     p.add_argument("--max-queued-requests", dest="max_queued_requests", type=int,
                    help="requests held at once; more are answered RESOURCE_EXHAUSTED (default 1024)")
     p.add_argument("--health-interval-s", dest="health_interval_s", type=float, help="backend health/load poll interval (default 1)")

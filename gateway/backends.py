@@ -20,6 +20,7 @@ from gateway.routing import AffinityIndex
 from pagedserve import sampling_rules
 from pagedserve.compute.v1 import compute_pb2, compute_pb2_grpc
 from pagedserve.log import get_logger
+from pagedserve.service_auth import token_interceptors
 
 log = get_logger("gateway.backends")
 
@@ -60,9 +61,11 @@ class Ticket:
 class Backend:
     """One compute service: its channel, health, reported load and this gateway's work on it."""
 
-    def __init__(self, address: str, options: list[tuple[str, int]]) -> None:
+    def __init__(self, address: str, options: list[tuple[str, int]], token: str | None = None) -> None:
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=options)
+        # With a token, every call on this channel carries it (the compute service refuses others).
+        interceptors = token_interceptors(token) if token else None
+        self.channel = grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
         self.stub = compute_pb2_grpc.ComputeStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
         self.is_healthy = False
@@ -150,7 +153,7 @@ class BackendPool:
 
     def _add(self, address: str) -> None:
         if address not in self.backends:
-            self.backends[address] = Backend(address, self._options)
+            self.backends[address] = Backend(address, self._options, self.config.backend_token)
 
     def in_rotation(self, model_name: str | None) -> list[Backend]:
         """Healthy backends that serve ``model_name`` (any model when None)."""

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from gateway.tenants import Tenant, load_tenants
 from pagedserve import sampling_rules
+from pagedserve.service_auth import check_token, load_token
 
 # Where API keys come from besides --api-keys-file: comma-separated keys.
 API_KEYS_ENV = "PAGEDSERVE_API_KEYS"
@@ -58,6 +59,9 @@ class GatewayConfig:
         affinity_max_load_ratio: ... and by more than this factor (both must hold, as in SGLang's
             router: a small absolute gap or a small ratio is noise, not imbalance).
         log_prompts: put prompt text into access log lines (off: prompts are user data).
+        backend_token_file: a file holding the token the compute services require (sent as
+            ``authorization: Bearer TOKEN`` on every call to them); else ``$PAGEDSERVE_COMPUTE_TOKEN``.
+        backend_token: the token itself (read from the file or the environment when not given).
     """
 
     backends: tuple[str, ...] = ()
@@ -84,6 +88,8 @@ class GatewayConfig:
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
     api_keys: tuple[str, ...] = field(default=(), repr=False)
+    backend_token_file: str | None = None
+    backend_token: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "backends", tuple(self.backends))
@@ -115,6 +121,10 @@ class GatewayConfig:
             raise ValueError(f"api_keys must be a list of strings, got {type(self.api_keys).__name__}")
         object.__setattr__(self, "api_keys", tuple(self.api_keys))
         object.__setattr__(self, "_tenants", load_configured_tenants(self))
+        if self.backend_token is not None:
+            check_token(self.backend_token, "backend_token")
+        else:
+            object.__setattr__(self, "backend_token", load_token(self.backend_token_file, "backend_token_file"))
 
     @property
     def tenants(self) -> tuple[Tenant, ...]:

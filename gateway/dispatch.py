@@ -2,8 +2,10 @@
 
 The failure rules of the public API live here:
 
-- before the backend's first message, a failure is retried once on another backend (nothing has
-  reached the client yet, so the retry is invisible to it);
+- before the backend's first message, an UNAVAILABLE backend is retried once on another backend
+  (nothing has reached the client yet, so the retry is invisible to it). Nothing else is retried:
+  an INTERNAL failure may be the request's own (a poison request), and replaying it elsewhere would
+  only fail it there too; it reaches the client as INTERNAL;
 - after the first message, a backend failure ends the stream UNAVAILABLE: the tokens already sent
   cannot be taken back, and replaying the request elsewhere would sample a different continuation;
 - a client that cancels, or whose deadline passes, cancels the backend call (which aborts the
@@ -28,6 +30,7 @@ from pagedserve.errors import (
     DeadlineExceededError,
     InvalidArgument,
     PreconditionError,
+    RequestFailedError,
     ResourceExhaustedError,
     UnavailableError,
 )
@@ -35,11 +38,9 @@ from pagedserve.log import get_logger
 
 log = get_logger("gateway.dispatch")
 
-# Failures before the first token that another backend may not share.
-_RETRYABLE = {
-    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ALREADY_EXISTS,
-    grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED,
-}
+# Failures before the first token that another backend may not share: the backend is down. An
+# INTERNAL one may be the request's own (a poison request) and would fail the same way elsewhere.
+_RETRYABLE = {grpc.StatusCode.UNAVAILABLE}
 # Backend codes that reach the client as they are (as the shared error types, which the server's
 # interceptor maps back to the same codes); every other failure is UNAVAILABLE.
 _PASSED_THROUGH: dict[grpc.StatusCode, type[Exception]] = {
@@ -47,6 +48,7 @@ _PASSED_THROUGH: dict[grpc.StatusCode, type[Exception]] = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhaustedError,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
     grpc.StatusCode.FAILED_PRECONDITION: PreconditionError,
+    grpc.StatusCode.INTERNAL: RequestFailedError,
 }
 
 

@@ -10,6 +10,10 @@
 - a dependency that is down (the memory service, every backend): ``UnavailableError`` (UNAVAILABLE);
 - the caller's deadline passed while a dependency worked: ``DeadlineExceededError``;
 - a caller that is known but not allowed what it asks: ``PermissionDeniedError``;
+- one request failed on its own (its sampling, detokenizing, stop checks), the others run on:
+  ``RequestFailedError`` (INTERNAL with its message; the failure was logged where it happened);
+- a client that stopped reading its stream for longer than the write-stall timeout:
+  ``StreamStalledError``, a DeadlineExceededError (the request is aborted, its blocks freed);
 - running out of KV blocks is not an error at all but a normal result;
 - anything else is a bug and surfaces as INTERNAL with the exception logged with its traceback.
 
@@ -61,3 +65,11 @@ def echo(value: object, limit: int = ECHO_CHARS) -> str:
         return repr(value[:limit]) + "..."
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+class RequestFailedError(Exception):
+    """One request failed on its own (not the service): INTERNAL, with this message."""
+
+
+class StreamStalledError(DeadlineExceededError):
+    """The client did not read its stream for longer than the write-stall timeout."""

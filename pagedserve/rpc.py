@@ -21,6 +21,7 @@ from pagedserve.errors import (
     InvalidArgument,
     PermissionDeniedError,
     PreconditionError,
+    RequestFailedError,
     ResourceExhaustedError,
     UnavailableError,
 )
@@ -40,6 +41,7 @@ _STATUS_FOR_EXCEPTION: dict[type[Exception], grpc.StatusCode] = {
     UnavailableError: grpc.StatusCode.UNAVAILABLE,
     DeadlineExceededError: grpc.StatusCode.DEADLINE_EXCEEDED,
     PermissionDeniedError: grpc.StatusCode.PERMISSION_DENIED,
+    RequestFailedError: grpc.StatusCode.INTERNAL,  # expected: logged (with its traceback) where it failed
 }
 # Longest status message sent. gRPC carries it in a header (8 KiB of metadata by default); one
 # beyond the limit reaches the client as RESOURCE_EXHAUSTED instead of the real status. Messages
@@ -57,7 +59,7 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
 
 def _describe(exc: BaseException, method: str) -> tuple[grpc.StatusCode, str]:
     code = status_for(exc)
-    if code == grpc.StatusCode.INTERNAL:
+    if code == grpc.StatusCode.INTERNAL and not isinstance(exc, RequestFailedError):
         log.error("rpc_internal_error", method=method, error=repr(exc), exc_info=exc)
         return code, f"internal error in {method}: {type(exc).__name__}"
     details = str(exc)

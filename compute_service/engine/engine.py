@@ -16,7 +16,8 @@ from compute_service.engine.config import EngineConfig
 from compute_service.model.model import CausalLM
 from compute_service.model.model_config import ModelConfig
 from compute_service.engine.model_runner import ModelRunner
-from compute_service.engine.outputs import RequestOutput
+from compute_service.engine.faults import DetokenizeFault
+from compute_service.engine.outputs import RequestDelta
 from compute_service.engine.request import EngineLoad, Request
 from compute_service.engine.sampler import sample, token_logprobs
 from compute_service.engine.sampling_params import SamplingParams
@@ -56,6 +57,8 @@ class Engine:
         # Prefix-cache hit rate as this engine saw it: prompt tokens at admission, and cached ones.
         self._num_prompt_tokens_admitted = 0
         self._num_prompt_tokens_cached = 0
+        self.num_failed_requests = 0  # ended by a failure of their own (finish_reason "error")
+        self._fault = DetokenizeFault.from_env()  # test-only hook (compute_service.engine.faults)
 
     # --- requests ---------------------------------------------------------------------------
 
@@ -111,7 +114,9 @@ class Engine:
             index=index,
             generator=generator,
         )
-        request.add_seq(seq)
+        fault = self._fault and self._fault.detokenizer_for(request.prompt_token_ids, self.tokenizer,
+                                                            request.params.stop)
+        request.add_seq(seq, fault or None)
         return seq
 
     def abort(self, request_id: str) -> bool:
@@ -126,6 +131,20 @@ class Engine:
                 self.scheduler.finish(seq)
         self._aborted_ids.add(request_id)  # reported by the next step
         return True
+
+    def pause(self, request_id: str) -> None:
+        """Stop scheduling a request (its blocks stay) until ``resume``: its consumer is behind."""
+        self._set_paused(request_id, True)
+
+    def resume(self, request_id: str) -> None:
+        self._set_paused(request_id, False)
+
+    def _set_paused(self, request_id: str, paused: bool) -> None:
+        request = self.requests.get(request_id)
+        if request is not None:
+            request.is_paused = paused
+            for seq in request.seqs:
+                seq.is_paused = paused
 
     def has_unfinished(self) -> bool:
         return bool(self.requests) or self.scheduler.has_work()
@@ -149,8 +168,8 @@ class Engine:
 
     # --- the loop ---------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        """One step; returns the outputs of requests that produced tokens or finished."""
+    def step(self) -> list[RequestDelta]:
+        """One step; returns what is new for each request that produced tokens or finished."""
         scheduled = self._schedule()
         logits = self.runner.run(scheduled) if scheduled else None
         return self._postprocess(scheduled, logits)
@@ -170,7 +189,7 @@ class Engine:
         return self.scheduler.apply_results(plan, reply.results, reply.num_available_blocks,
                                             reply.num_available_reserved_blocks)
 
-    def _postprocess(self, scheduled: list[ScheduledSeq], logits: torch.Tensor | None) -> list[RequestOutput]:
+    def _postprocess(self, scheduled: list[ScheduledSeq], logits: torch.Tensor | None) -> list[RequestDelta]:
         touched: dict[str, Request] = {}
         to_sample: list[tuple[int, Sequence]] = []
         for row, item in enumerate(scheduled):
@@ -185,21 +204,64 @@ class Engine:
         if to_sample:
             rows = logits[[row for row, _ in to_sample]]  # (B, V) raw logits
             seqs = [seq for _, seq in to_sample]
-            tokens = sample(rows, seqs, self.model_config.eos_token_ids)
+            tokens = self._sample(rows, seqs)
             for seq, token, row in zip(seqs, tokens, rows):
-                if seq.params.n > 1 and seq.index == 0 and not seq.output_token_ids:
-                    self._fork_children(seq, row)
-                self._append_token(seq, token, row)
                 touched[seq.request_id] = self.requests[seq.request_id]
+                if token is None or seq.finish_reason is FinishReason.ERROR:
+                    continue  # its request failed (this step): nothing more for it
+                # Per sequence, so that a failure of one request's own work ends that request alone.
+                try:
+                    if seq.params.n > 1 and seq.index == 0 and not seq.output_token_ids:
+                        self._fork_children(seq, row)
+                    self._append_token(seq, token, row)
+                except Exception as exc:  # noqa: BLE001 - reported as the request's error, logged with its traceback
+                    self._fail_request(seq.request_id, "postprocessing", exc)
         for request_id in self._aborted_ids:
             touched[request_id] = self.requests[request_id]
         self._aborted_ids.clear()
-        outputs = [r.output() for r in touched.values()]
-        for out in outputs:
-            if out.finished:
-                self._log_finished(out)
-                del self.requests[out.request_id]
-        return outputs
+        deltas = [self._delta(r) for r in touched.values()]
+        for delta in deltas:
+            if delta.finished:
+                self._log_finished(self.requests.pop(delta.request_id))
+        return deltas
+
+    def _sample(self, rows: torch.Tensor, seqs: list[Sequence]) -> list[int | None]:
+        """One batched sample; if it raises, each sequence alone, so only the failing request fails."""
+        try:
+            return sample(rows, seqs, self.model_config.eos_token_ids)
+        except Exception:  # noqa: BLE001 - isolated below, one sequence at a time
+            # (A seeded sequence sampled before the failure draws again: only on this failure path.)
+            tokens: list[int | None] = []
+            for seq, row in zip(seqs, rows):
+                try:
+                    [token] = sample(row[None], [seq], self.model_config.eos_token_ids)
+                except Exception as exc:  # noqa: BLE001 - the request's error
+                    self._fail_request(seq.request_id, "sampling", exc)
+                    token = None
+                tokens.append(token)
+            return tokens
+
+    def _delta(self, request: Request) -> RequestDelta:
+        try:
+            return request.delta()
+        except Exception as exc:  # noqa: BLE001 - the detokenizer's final flush failed: the request's error
+            self._fail_request(request.request_id, "detokenizing", exc)
+            return request.delta()  # a failed completion's delta never detokenizes again
+
+    def _fail_request(self, request_id: str, stage: str, exc: Exception) -> None:
+        """End one request with finish_reason "error"; the others keep running."""
+        request = self.requests[request_id]
+        log.error("request_failed", request_id=request_id, stage=stage, error=type(exc).__name__, exc_info=exc)
+        if request.error is None:
+            request.error = f"{stage} failed ({type(exc).__name__})"
+            self.num_failed_requests += 1
+        for completion in request.completions.values():
+            seq = completion.seq
+            if completion.is_finish_reported:
+                continue  # its finish already went out: it stands
+            if not seq.is_finished:
+                self.scheduler.finish(seq)  # its blocks are freed by the next step
+            seq.finish_reason = FinishReason.ERROR
 
     def _fork_children(self, parent: Sequence, row: torch.Tensor) -> None:
         """n > 1: the other completions share the parent's prompt blocks (ForkOp, copy-on-write)."""
@@ -218,7 +280,7 @@ class Engine:
         p = seq.params
         completion = self.requests[seq.request_id].completions[seq.index]
         if p.logprobs is not None:
-            completion.logprobs.extend(token_logprobs(logits_row[None], [token], [p.logprobs]))
+            completion.new_logprobs.extend(token_logprobs(logits_row[None], [token], [p.logprobs]))
         stop_match = completion.detokenizer.add_tokens([token], check_stop=seq.num_output_tokens >= p.min_tokens)
         reason = None
         if token in self.model_config.eos_token_ids and not p.ignore_eos and seq.num_output_tokens > p.min_tokens:
@@ -233,8 +295,8 @@ class Engine:
             seq.finish_reason = reason
             self.scheduler.finish(seq)
 
-    def _log_finished(self, out: RequestOutput) -> None:
-        for c in out.outputs:  # one event per completion (n > 1 has several); no text in logs
-            log.info("finished", request_id=out.request_id, index=c.index, reason=c.finish_reason,
-                     num_prompt_tokens=len(out.prompt_token_ids), num_completion_tokens=len(c.token_ids),
-                     num_cached_tokens=out.num_cached_tokens)
+    def _log_finished(self, request: Request) -> None:
+        for seq in request.seqs:  # one event per completion (n > 1 has several); no text in logs
+            log.info("finished", request_id=request.request_id, index=seq.index, reason=seq.finish_reason.value,
+                     num_prompt_tokens=seq.num_prompt_tokens, num_completion_tokens=seq.num_output_tokens,
+                     num_cached_tokens=seq.num_cached_tokens)

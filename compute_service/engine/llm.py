@@ -19,7 +19,7 @@ from pagedserve.process import ServiceProcess
 from compute_service.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from compute_service.engine.engine import Engine
 from compute_service.model.model_loader import load_model
-from compute_service.engine.outputs import RequestOutput
+from compute_service.engine.outputs import RequestOutput, collect
 from compute_service.engine.sampling_params import SamplingParams
 
 
@@ -134,15 +134,15 @@ class LLM:
             raise ValueError(f"priority has {len(priorities)} entries for {len(prompts)} prompts")
         ids = [f"llm-{next(self._ids)}" for _ in prompts]
         for request_id, prompt, prio in zip(ids, prompts, priorities):
-            self.engine.add_request(request_id, self._tokenize(prompt), sampling_params, priority=prio, cache_salt=cache_salt)
-        finished: dict[str, RequestOutput] = {}
-        while len(finished) < len(ids):
-            for out in self.engine.step():
-                if out.finished:
-                    finished[out.request_id] = out
+            self.engine.add_request(request_id, self._tokenize(prompt), sampling_params, priority=prio,
+                                    cache_salt=cache_salt)
+        results: dict[str, RequestOutput] = {}
+        num_finished = 0
+        while num_finished < len(ids):
+            num_finished += len(collect(results, self.engine.step()))  # each step's news, accumulated
         if not self.engine.requests:
             self.engine.step()  # frees the last finished sequences' blocks now, not at the next call
-        return [finished[i] for i in ids]
+        return [results[i] for i in ids]
 
     def chat(self, messages: list[dict[str, str]], sampling_params: SamplingParams | None = None,
              **kwargs: Any) -> RequestOutput:

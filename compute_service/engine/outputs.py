@@ -1,47 +1,96 @@
-"""What the engine hands back per request (plain dataclasses, no protobuf)."""
+"""What the engine hands back (plain dataclasses, no protobuf).
+
+Each step yields a ``RequestDelta`` per request that produced something: only what is new in that
+step (tokens, text, logprobs) and, once, the finish. Why deltas and not the state so far: a stream
+whose client reads slowly queues one output per step, and outputs that each carried every token
+and logprob so far made its memory grow with the square of its length (n=32, 1000 tokens: 178 MB).
+A delta is O(n * (1 + logprobs)) whatever the length. Callers that want the whole result
+(``LLM.generate``) accumulate the deltas into a ``RequestOutput``.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from compute_service.engine.sampler import TokenLogprobs
 
 
 @dataclass
-class CompletionOutput:
-    """One completion of a request (``n`` > 1 gives several): its state so far, and what is new
-    since the previous step's output (what a stream sends).
+class CompletionDelta:
+    """What one completion produced in one step.
 
-    ``text`` is the text settled so far (the full text once finished, the stop string excluded);
-    the ``new_text`` pieces of all steps concatenate to it.
+    ``finish_reason`` is set in the one delta where the completion finished ("length", "stop",
+    "eos", "abort", or "error" when something failed for this request alone, see ``error``).
     """
 
     index: int
     token_ids: list[int]
     text: str
-    finish_reason: str | None  # "length", "stop", "eos", "abort", or None while running
+    logprobs: list[TokenLogprobs] | None = None  # parallel to token_ids, when the request asked for them
+    finish_reason: str | None = None
     stop_reason: str | int | None = None  # the stop string or stop token id that matched
-    logprobs: list[TokenLogprobs] | None = None  # per token, when the request asked for them
-    new_token_ids: list[int] = field(default_factory=list)
-    new_text: str = ""
-    new_logprobs: list[TokenLogprobs] | None = None
-    is_new_finish: bool = False  # finished in this step
 
-    @property
-    def has_news(self) -> bool:
-        """Something to stream: new tokens, new text, or the finish."""
-        return bool(self.new_token_ids or self.new_text or self.is_new_finish)
+
+@dataclass
+class RequestDelta:
+    """A request's news from one step; ``finished`` in its last one (every completion finished).
+
+    ``prompt_token_ids`` is the request's own list (shared, never copied); ``error`` says what
+    failed when the request ended with finish_reason "error".
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    completions: list[CompletionDelta] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    num_completion_tokens: int = 0  # generated so far, over all completions (usage)
+    finished: bool = False
+    error: str | None = None
+
+
+
+@dataclass
+class CompletionOutput:
+    """One completion of a finished request (``n`` > 1 gives several): all of it.
+
+    ``text`` excludes the stop string that ended it.
+    """
+
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None  # "length", "stop", "eos", "abort", "error"
+    stop_reason: str | int | None = None
+    logprobs: list[TokenLogprobs] | None = None  # per token, when the request asked for them
 
 
 @dataclass
 class RequestOutput:
-    """A request's state after a step; ``finished`` once every completion has a finish reason."""
+    """A request's result, accumulated from its deltas (``add``); ``finished`` once the last came."""
 
     request_id: str
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0
     finished: bool = False
+    error: str | None = None
+
+    def add(self, delta: RequestDelta) -> None:
+        """Append one step's news (deltas of one request, in step order)."""
+        for d in delta.completions:
+            while len(self.outputs) <= d.index:  # completions are numbered 0..n-1; all share the params
+                self.outputs.append(CompletionOutput(len(self.outputs), logprobs=None if d.logprobs is None else []))
+            out = self.outputs[d.index]
+            out.token_ids.extend(d.token_ids)
+            out.text += d.text
+            if d.logprobs is not None and out.logprobs is not None:
+                out.logprobs.extend(d.logprobs)
+            if d.finish_reason is not None:
+                out.finish_reason, out.stop_reason = d.finish_reason, d.stop_reason
+        self.num_cached_tokens = delta.num_cached_tokens
+        self.finished = delta.finished
+        self.error = delta.error or self.error
 
     @property
     def num_completion_tokens(self) -> int:
@@ -61,3 +110,20 @@ class RequestOutput:
     @property
     def finish_reason(self) -> str | None:
         return self.outputs[0].finish_reason
+
+
+def collect(results: dict[str, RequestOutput], deltas: Iterable[RequestDelta]) -> list[RequestOutput]:
+    """Add each delta to its request's RequestOutput in ``results`` (made at its first delta).
+
+    Returns:
+        The requests that finished with these deltas.
+    """
+    finished = []
+    for delta in deltas:
+        out = results.get(delta.request_id)
+        if out is None:
+            out = results[delta.request_id] = RequestOutput(delta.request_id, delta.prompt_token_ids)
+        out.add(delta)
+        if out.finished:
+            finished.append(out)
+    return finished

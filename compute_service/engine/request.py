@@ -1,4 +1,4 @@
-"""A request as the engine tracks it: its sequences, and per completion the text and logprobs so far.
+"""A request as the engine tracks it: its sequences, and per completion what is new since its last delta.
 
 The scheduler sees sequences only; everything a caller reads back (text, stop reasons, logprobs,
 what is new since the last output) lives here, so that the engine loop stays three lines.
@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from compute_service.engine.detokenizer import IncrementalDetokenizer
-from compute_service.engine.outputs import CompletionOutput, RequestOutput
+from compute_service.engine.outputs import CompletionDelta, RequestDelta
 from compute_service.engine.sampler import TokenLogprobs
 from compute_service.engine.sampling_params import SamplingParams
 from compute_service.engine.sequence import FinishReason, Sequence
@@ -29,34 +29,48 @@ class EngineLoad:
 
 @dataclass
 class Completion:
-    """Caller-facing state of one completion; ``num_reported_*`` count what earlier outputs carried."""
+    """Caller-facing state of one completion: what it produced since its last delta.
+
+    Only the news is kept (``new_logprobs``, the token count already reported): the engine never
+    holds a second copy of what it already handed out.
+    """
 
     seq: Sequence
     detokenizer: IncrementalDetokenizer
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    new_logprobs: list[TokenLogprobs] = field(default_factory=list)  # since the last delta
     stop_reason: str | int | None = None
     num_reported_tokens: int = 0
     is_finish_reported: bool = False
 
-    def output(self) -> CompletionOutput:
-        """This completion now, with what is new since the previous call."""
+    @property
+    def has_news(self) -> bool:
         seq = self.seq
-        start = self.num_reported_tokens
-        self.num_reported_tokens = seq.num_output_tokens
+        return seq.num_output_tokens > self.num_reported_tokens or seq.is_finished != self.is_finish_reported
+
+    def next_text(self) -> str:
+        """The text piece of the next delta (a failed completion's detokenizer is not called again)."""
+        if self.seq.finish_reason is FinishReason.ERROR:
+            return ""
+        return self.detokenizer.next_piece(self.seq.is_finished)
+
+    def delta(self, text: str) -> CompletionDelta:
+        """What is new since the previous call, with ``text`` from ``next_text`` (never raises)."""
+        seq = self.seq
+        failed = seq.finish_reason is FinishReason.ERROR
+        start, self.num_reported_tokens = self.num_reported_tokens, seq.num_output_tokens
         is_new_finish = seq.is_finished and not self.is_finish_reported
         self.is_finish_reported = seq.is_finished
-        asked_logprobs = seq.params.logprobs is not None
-        return CompletionOutput(
+        logprobs = None
+        if seq.params.logprobs is not None:
+            logprobs, self.new_logprobs = ([] if failed else self.new_logprobs), []
+        return CompletionDelta(
             index=seq.index,
-            token_ids=list(seq.output_token_ids),
-            new_text=self.detokenizer.next_piece(seq.is_finished),
-            text=self.detokenizer.emitted_text,
-            finish_reason=seq.finish_reason.value if seq.finish_reason else None,
-            stop_reason=self.stop_reason,
-            logprobs=list(self.logprobs) if asked_logprobs else None,
-            new_token_ids=seq.output_token_ids[start:],
-            new_logprobs=self.logprobs[start:] if asked_logprobs else None,
-            is_new_finish=is_new_finish,
+            # A failed completion's last tokens were never detokenized: they are not handed out.
+            token_ids=[] if failed else seq.output_token_ids[start:],
+            text=text,
+            logprobs=logprobs,
+            finish_reason=seq.finish_reason.value if is_new_finish else None,
+            stop_reason=self.stop_reason if is_new_finish else None,
         )
 
 
@@ -71,26 +85,36 @@ class Request:
     priority: int = 0
     cache_salt: str = ""
     completions: dict[int, Completion] = field(default_factory=dict)  # by completion index
+    is_paused: bool = False  # its consumer's buffer is full: not scheduled until resumed
+    error: str | None = None  # what failed, when it ended with finish_reason "error"
 
     @property
     def seqs(self) -> list[Sequence]:
         return [c.seq for c in self.completions.values()]
 
-    def add_seq(self, seq: Sequence) -> None:
-        self.completions[seq.index] = Completion(seq, IncrementalDetokenizer(self.tokenizer, self.params.stop))
+    def add_seq(self, seq: Sequence, detokenizer: IncrementalDetokenizer | None = None) -> None:
+        seq.is_paused = self.is_paused
+        self.completions[seq.index] = Completion(
+            seq, detokenizer or IncrementalDetokenizer(self.tokenizer, self.params.stop))
 
     @property
     def is_finished(self) -> bool:
         seqs = self.seqs
-        aborted = any(s.finish_reason == FinishReason.ABORT for s in seqs)
-        return all(s.is_finished for s in seqs) and (aborted or len(seqs) == self.params.n)
+        ended_early = any(s.finish_reason in (FinishReason.ABORT, FinishReason.ERROR) for s in seqs)
+        return all(s.is_finished for s in seqs) and (ended_early or len(seqs) == self.params.n)
 
-    def output(self) -> RequestOutput:
-        """The request's state; each completion says what is new since the previous output."""
-        return RequestOutput(
+    def delta(self) -> RequestDelta:
+        """The request's news since the previous call: one entry per completion that has some."""
+        news = [c for _, c in sorted(self.completions.items()) if c.has_news]
+        # Every text piece first: if a detokenizer raises, no completion has marked anything reported.
+        texts = [c.next_text() for c in news]
+        completions = [c.delta(text) for c, text in zip(news, texts)]
+        return RequestDelta(
             request_id=self.request_id,
             prompt_token_ids=self.prompt_token_ids,
-            outputs=[self.completions[i].output() for i in sorted(self.completions)],
+            completions=completions,
             num_cached_tokens=self.completions[0].seq.num_cached_tokens,
+            num_completion_tokens=sum(c.seq.num_output_tokens for c in self.completions.values()),
             finished=self.is_finished,
+            error=self.error,
         )

@@ -12,7 +12,9 @@ engine), then reads the results back. Rules, in order:
    priority in the waiting queue. A waiting sequence may preempt only strictly lower priorities.
    Planning uses the memory service's count of available blocks after the previous step; if an op
    still fails (the count was stale), that sequence is preempted instead, nothing is lost.
-4. Admission watermark: while sequences run, a waiting one is admitted only if the
+4. Paused sequences (their stream's client is not reading; see the service's stream buffer) keep
+   their blocks but get no tokens and no admission until resumed; they may still be preempted.
+5. Admission watermark: while sequences run, a waiting one is admitted only if the
    ``admission_watermark`` share of the pool stays free afterwards, for the running ones to grow
    into. Without it a saturated engine fills the pool with prompts, then preempts (and later
    recomputes) the latest arrivals as soon as decodes need blocks; measured on the benchmark
@@ -166,8 +168,8 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         self.running.sort(key=lambda s: (-s.priority, s.arrival))
         for seq in list(self.running):
-            if seq not in self.running or budget == 0:
-                continue  # preempted by a higher-priority sequence earlier in this loop
+            if seq not in self.running or budget == 0 or seq.is_paused:
+                continue  # preempted by a higher-priority sequence earlier in this loop, or paused
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             needed = _blocks_for(seq.num_computed_tokens + n, self.block_size) - len(seq.block_table)
             if needed > self._available_for(seq.priority) and not self._make_room(needed, seq, plan, strictly_lower=False):
@@ -181,6 +183,8 @@ class Scheduler:
         for seq in list(self.waiting):
             if budget == 0 or num_running >= self.config.max_num_seqs:
                 break
+            if seq.is_paused:
+                continue  # admitted once its consumer reads again
             n = min(seq.num_tokens, budget)  # planned as if nothing were cached: never over budget
             needed = _blocks_for(n, self.block_size)
             available = self._available_for(seq.priority)

@@ -23,6 +23,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"
     EOS = "eos"
     ABORT = "abort"
+    ERROR = "error"  # a failure of this request alone (its sampling, detokenizing, stop checks)
 
 
 @dataclass(eq=False)
@@ -47,6 +48,7 @@ class Sequence:
     num_preemptions: int = 0
     arrival: int = field(default_factory=lambda: next(_arrival))
     generator: torch.Generator | None = None
+    is_paused: bool = False  # its request's consumer is not keeping up: keep the blocks, skip the steps
 
     @property
     def num_prompt_tokens(self) -> int:

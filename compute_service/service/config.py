@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from pagedserve.service_auth import check_token, load_token
 
 DEFAULT_LISTEN = "127.0.0.1:50052"
 
@@ -23,6 +25,13 @@ class ComputeServiceConfig:
         memory_retry_interval_s: pause between attempts to (re)attach to the memory service.
         memory_ping_interval_s: how often an idle engine checks that the memory service is there.
         metrics_port / metrics_host: Prometheus endpoint (None = no endpoint).
+        write_stall_timeout_s: a stream whose client takes no message for this long is aborted (its
+            blocks freed); a client that reads, however slowly, is only paused meanwhile.
+        max_stream_buffer: step outputs one stream holds for a client that reads slower than the
+            engine produces; when full, the request is paused until the client catches up.
+        auth_token_file: a file holding the token every call but health must carry
+            (``authorization: Bearer TOKEN``); else ``$PAGEDSERVE_COMPUTE_TOKEN``; else no check.
+        auth_token: the token itself (read from the file or the environment when not given).
     """
 
     model: str = "default"
@@ -37,6 +46,10 @@ class ComputeServiceConfig:
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
     log_level: str = "info"
+    write_stall_timeout_s: float = 30.0
+    max_stream_buffer: int = 8
+    auth_token_file: str | None = None
+    auth_token: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -50,3 +63,11 @@ class ComputeServiceConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
+        if not self.write_stall_timeout_s > 0:
+            raise ValueError(f"write_stall_timeout_s must be > 0, got {self.write_stall_timeout_s}")
+        if self.max_stream_buffer < 2:
+            raise ValueError(f"max_stream_buffer must be >= 2, got {self.max_stream_buffer}")
+        if self.auth_token is not None:
+            check_token(self.auth_token, "auth_token")
+        else:
+            object.__setattr__(self, "auth_token", load_token(self.auth_token_file, "auth_token_file"))

@@ -13,7 +13,7 @@ from pagedserve.compute.v1 import compute_pb2 as pb
 from pagedserve.errors import InvalidArgument
 
 from compute_service.model.model_info import ModelInfo
-from compute_service.engine.outputs import CompletionOutput, RequestOutput
+from compute_service.engine.outputs import CompletionDelta, RequestDelta
 from compute_service.engine.request import EngineLoad
 from compute_service.engine.sampler import TokenLogprobs
 from compute_service.engine.sampling_params import SamplingParams
@@ -85,23 +85,22 @@ def _logprobs_to_pb(lp: TokenLogprobs) -> pb.TokenLogprobs:
                             top_logprobs=lp.top_logprobs)
 
 
-def completion_to_pb(request_id: str, c: CompletionOutput) -> pb.GenerateResponse:
+def completion_to_pb(request_id: str, c: CompletionDelta) -> pb.GenerateResponse:
     """One stream message: what completion ``c`` produced since its previous message."""
     msg = pb.GenerateResponse(
-        request_id=request_id, index=c.index, token_ids=c.new_token_ids, text=c.new_text,
-        logprobs=[_logprobs_to_pb(lp) for lp in c.new_logprobs or ()],
-        finish_reason=c.finish_reason if c.is_new_finish else "",
+        request_id=request_id, index=c.index, token_ids=c.token_ids, text=c.text,
+        logprobs=[_logprobs_to_pb(lp) for lp in c.logprobs or ()], finish_reason=c.finish_reason or "",
     )
-    if c.is_new_finish and isinstance(c.stop_reason, str):
+    if isinstance(c.stop_reason, str):
         msg.stop_string = c.stop_reason
-    elif c.is_new_finish and isinstance(c.stop_reason, int):
+    elif isinstance(c.stop_reason, int):
         msg.stop_token_id = c.stop_reason
     return msg
 
 
-def responses_to_pb(out: RequestOutput) -> list[pb.GenerateResponse]:
-    """The stream messages for one step's output; the request's last one carries usage."""
-    messages = [completion_to_pb(out.request_id, c) for c in out.outputs if c.has_news]
+def responses_to_pb(out: RequestDelta) -> list[pb.GenerateResponse]:
+    """The stream messages for one step's news; the request's last one carries usage."""
+    messages = [completion_to_pb(out.request_id, c) for c in out.completions]
     if out.finished:
         if not messages:  # nothing new in the last step (cannot happen today; keep usage anyway)
             messages.append(pb.GenerateResponse(request_id=out.request_id))

@@ -11,8 +11,13 @@ Losing the memory service (the memory client raises ``MemoryServiceUnavailable``
 "the service is gone, or no longer knows our lease") ends every request in flight with
 ``EngineUnavailable``, reports "not ready", and retries
 attaching until the service is back: a new lease, a new pool mapping, a new engine around the same
-model. Any other failure of a step is a bug: it is logged with its traceback, the requests in
-flight end with ``EngineFailed``, and the engine is rebuilt the same way (its state is suspect).
+model. A failure tied to one request (its sampling, detokenizing, stop checks) is the engine's to
+isolate: that request alone ends, with finish_reason "error", and the step goes on. Any other
+failure of a step is a bug: it is logged with its traceback, the requests in flight end with
+``EngineFailed``, and the engine is rebuilt the same way (its state is suspect).
+
+A request whose sink reports its consumer's buffer full is paused (see service/stream_buffer.py)
+until the consumer sends ``resume``.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from pagedserve.log import get_logger
 from memory_service.api import MemoryServiceUnavailable
 
 from compute_service.engine.engine import Engine
-from compute_service.engine.outputs import RequestOutput
+from compute_service.engine.outputs import RequestDelta
 from compute_service.engine.request import EngineLoad
 from compute_service.engine.sampling_params import SamplingParams
 
@@ -46,7 +51,9 @@ class EngineFailed(Exception):
     """The engine hit a bug while running this request (logged with its traceback)."""
 
 
-Sink = Callable[[RequestOutput | Exception], None]
+# Where a request's outputs go (called on the loop thread). It returns False when its consumer's
+# buffer is full: the loop then pauses the request until ``resume`` (see service/stream_buffer.py).
+Sink = Callable[[RequestDelta | Exception], bool]
 
 
 @dataclass
@@ -56,6 +63,7 @@ class LoopTotals:
     num_steps: int = 0
     num_generated_tokens: int = 0
     num_finished_requests: int = 0
+    num_failed_requests: int = 0  # ended by a failure of their own (finish_reason "error")
 
 
 @dataclass(frozen=True)
@@ -70,6 +78,11 @@ class AddCommand:
 
 @dataclass(frozen=True)
 class AbortCommand:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class ResumeCommand:
     request_id: str
 
 
@@ -90,7 +103,7 @@ class EngineLoop:
         self._on_ready = on_ready
         self.retry_interval_s = retry_interval_s
         self.ping_interval_s = ping_interval_s
-        self._commands: queue.SimpleQueue[AddCommand | AbortCommand] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[AddCommand | AbortCommand | ResumeCommand] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._sinks: dict[str, Sink] = {}  # loop thread only
@@ -113,6 +126,11 @@ class EngineLoop:
     def abort(self, request_id: str) -> None:
         """Abort a request if it is still running (its blocks are freed by the next step)."""
         self._commands.put(AbortCommand(request_id))
+        self._wake.set()
+
+    def resume(self, request_id: str) -> None:
+        """Schedule a paused request again (its consumer has room for more outputs)."""
+        self._commands.put(ResumeCommand(request_id))
         self._wake.set()
 
     def stop(self, timeout: float | None = 30.0) -> None:
@@ -197,11 +215,12 @@ class EngineLoop:
             self.load = engine.load()  # before the outputs: a client that saw them sees this load
             for out in outputs:
                 sink = self._sinks.pop(out.request_id) if out.finished else self._sinks.get(out.request_id)
-                if sink is not None:
-                    sink(out)
+                if sink is not None and not sink(out) and not out.finished:
+                    engine.pause(out.request_id)  # its consumer is behind: no more steps until it resumes
             self.totals.num_steps += 1
-            self.totals.num_generated_tokens += sum(len(c.new_token_ids) for o in outputs for c in o.outputs)
+            self.totals.num_generated_tokens += sum(len(c.token_ids) for o in outputs for c in o.completions)
             self.totals.num_finished_requests += sum(o.finished for o in outputs)
+            self.totals.num_failed_requests += sum(o.finished and o.error is not None for o in outputs)
 
     @staticmethod
     def _check_memory(engine: Engine) -> None:
@@ -220,6 +239,10 @@ class EngineLoop:
             if isinstance(command, AbortCommand):
                 if engine is not None:
                     engine.abort(command.request_id)
+                continue
+            if isinstance(command, ResumeCommand):
+                if engine is not None:
+                    engine.resume(command.request_id)
                 continue
             if engine is None:
                 command.sink(EngineUnavailable("memory service unavailable"))

@@ -34,6 +34,17 @@ class ComputeCollector(Collector):
         yield CounterMetricFamily("pagedserve_compute_finished_requests", "Requests finished (any reason)",
                                   value=totals.num_finished_requests)
         yield CounterMetricFamily("pagedserve_compute_steps", "Engine steps", value=totals.num_steps)
+        yield CounterMetricFamily("pagedserve_compute_failed_requests",
+                                  "Requests ended by a failure of their own (finish_reason error or INTERNAL)",
+                                  value=totals.num_failed_requests)
+        num_buffered, num_paused = self._servicer.buffer_stats()
+        yield GaugeMetricFamily("pagedserve_compute_stream_buffered_outputs",
+                                "Step outputs waiting in stream buffers for their clients", value=num_buffered)
+        yield GaugeMetricFamily("pagedserve_compute_streams_paused",
+                                "Streams whose buffer is full: their requests wait for the client", value=num_paused)
+        yield CounterMetricFamily("pagedserve_compute_stalled_streams",
+                                  "Streams aborted because their client read nothing for write_stall_timeout_s",
+                                  value=self._servicer.num_stalled_streams)
 
 
 def start_metrics_server(host: str, port: int, loop: EngineLoop, servicer: ComputeServicer) -> None:

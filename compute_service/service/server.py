@@ -25,6 +25,7 @@ from pagedserve.dtypes import dtype_name
 from pagedserve.errors import UnavailableError
 from pagedserve.log import get_logger
 from pagedserve.process import check_health
+from pagedserve.service_auth import TokenInterceptor
 
 from memory_service.api import KvLayout, MemoryClient
 
@@ -77,17 +78,19 @@ async def serve(config: ComputeServiceConfig, engine_config: EngineConfig) -> in
         event_loop.add_signal_handler(sig, stop.set)
 
     servicer = ComputeServicer(config, engine_config)
+    # Only the gateways may call (they derive salts, priorities and ids from their callers' keys).
+    auth = [TokenInterceptor(config.auth_token)] if config.auth_token else []
     # Sized from the limits of a request (its prompt at most MAX_PROMPT_TOKENS ids, every repeated
     # field bounded), not a flat 64 MiB: a request far beyond any model's is refused before parsing.
     server, health = rpc.create_aio_server(
         [lambda s: compute_pb2_grpc.add_ComputeServicer_to_server(servicer, s)], [SERVICE_NAME], serving=False,
-        max_message_bytes=sampling_rules.max_message_bytes(),
+        max_message_bytes=sampling_rules.max_message_bytes(), extra_interceptors=auth,
     )
     address = sockets.bind(server, config.listen)
     await server.start()
     sockets.secure_socket(address)
     print(f"compute service listening on {address}", flush=True)
-    log.info("compute_service_started", address=address, model=config.model)
+    log.info("compute_service_started", address=address, model=config.model, auth=bool(config.auth_token))
 
     loading = asyncio.ensure_future(asyncio.to_thread(
         load_model, config.model, cache_dir=Path(config.cache_dir) if config.cache_dir else None,

@@ -5,10 +5,12 @@ never turned into status codes here: the server's interceptor maps InvalidArgume
 INVALID_ARGUMENT, AlreadyExistsError, ResourceExhaustedError and UnavailableError to theirs,
 anything else to INTERNAL.
 
-A Generate stream is an asyncio task waiting on its own asyncio.Queue; the engine thread feeds
-that queue through ``call_soon_threadsafe``. When the stream ends early (the client cancels,
-disconnects or its deadline passes: grpc.aio cancels the task) the ``finally`` aborts the request,
-so its blocks are freed by the engine's next step.
+A Generate stream is an asyncio task reading its own bounded StreamBuffer, which the engine thread
+fills (each step's news only); a full buffer pauses the request in the engine. When the stream ends
+early (the client cancels, disconnects or its deadline passes: grpc.aio cancels the task; or the
+client stops reading for ``write_stall_timeout_s``) the ``finally`` aborts the request, so its
+blocks are freed by the engine's next step. A request that fails on its own ends INTERNAL with a
+message while nothing was streamed yet, else with a last message whose finish_reason is "error".
 """
 
 from __future__ import annotations
@@ -21,7 +23,10 @@ import grpc
 
 from pagedserve.compute.v1 import compute_pb2 as pb
 from pagedserve.compute.v1 import compute_pb2_grpc
-from pagedserve.errors import AlreadyExistsError, ResourceExhaustedError, UnavailableError, echo
+from pagedserve.errors import (
+    AlreadyExistsError, RequestFailedError, ResourceExhaustedError, StreamStalledError, UnavailableError, echo,
+)
+from pagedserve.log import get_logger
 
 from compute_service.service import convert
 from compute_service.engine.config import EngineConfig
@@ -29,7 +34,10 @@ from compute_service.service.config import ComputeServiceConfig
 from compute_service.engine.engine import Engine
 from compute_service.service.engine_loop import AddCommand, EngineLoop
 from compute_service.model.model_info import ModelInfo
-from compute_service.engine.outputs import RequestOutput
+from compute_service.engine.outputs import RequestDelta
+from compute_service.service.stream_buffer import StreamBuffer
+
+log = get_logger("compute_service")
 
 
 # Prompts longer than this are converted and checked in a worker thread.
@@ -48,7 +56,9 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
         self._info: ModelInfo | None = None
         self._config = config
         self._engine_config = engine_config
-        self._streams: set[str] = set()  # request ids of open Generate streams (event loop only)
+        # Open Generate streams by request id, each with its buffer of outputs (event loop only).
+        self._streams: dict[str, StreamBuffer] = {}
+        self.num_stalled_streams = 0  # aborted because their client stopped reading (metrics)
         self.is_ready = False  # model loaded and memory service attached (set by the server)
         self.is_draining = False  # SIGTERM: no new requests
 
@@ -66,6 +76,11 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
     def num_streams(self) -> int:
         return len(self._streams)
 
+    def buffer_stats(self) -> tuple[int, int]:
+        """(outputs waiting in all stream buffers, streams whose buffer is full: paused), for metrics."""
+        buffers = list(self._streams.values())  # read from the metrics thread: a snapshot
+        return sum(b.num_items for b in buffers), sum(b.is_full for b in buffers)
+
     def _accepting_engine(self) -> Engine:
         """The attached engine, if new requests are welcome (read-only use: ``check_request``)."""
         if self.is_draining:
@@ -76,7 +91,7 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
             raise UnavailableError("the compute service is not attached to its memory service")
         return engine
 
-    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         engine = self._accepting_engine()
         _, info = self._started()
         if len(request.prompt_token_ids) > _OFF_LOOP_PROMPT_TOKENS:
@@ -91,32 +106,48 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
             raise ResourceExhaustedError(
                 f"{len(self._streams)} requests in flight: the limit (max_queued_requests) is reached; retry later"
             )
-        outputs: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
-        event_loop = asyncio.get_running_loop()
-
-        def sink(item: RequestOutput | Exception) -> None:  # runs in the engine thread
-            try:
-                event_loop.call_soon_threadsafe(outputs.put_nowait, item)
-            except RuntimeError:
-                pass  # the event loop is closed (process exit): no stream is left to tell
-
-        self._streams.add(req.request_id)
+        loop = self._loop
+        buffer: StreamBuffer[RequestDelta | Exception] = StreamBuffer(
+            asyncio.get_running_loop(), self._config.max_stream_buffer, lambda: loop.resume(req.request_id))
+        self._streams[req.request_id] = buffer
         finished = False
+        has_streamed = False
         try:
-            self._loop.submit(AddCommand(req.request_id, req.prompt_token_ids, req.params, req.priority,
-                                         req.cache_salt, sink))
+            loop.submit(AddCommand(req.request_id, req.prompt_token_ids, req.params, req.priority,
+                                   req.cache_salt, buffer.put))
             while not finished:
-                item = await outputs.get()
+                item = await buffer.get()
                 if isinstance(item, Exception):
                     finished = True  # the engine already dropped the request
                     raise item
-                for message in convert.responses_to_pb(item):
-                    yield message
                 finished = item.finished
+                if item.error is not None and not has_streamed:
+                    # Nothing reached the client yet: a plain error status (the engine dropped it).
+                    raise RequestFailedError(f"request {echo(req.request_id)} failed: {item.error}")
+                for message in convert.responses_to_pb(item):
+                    await self._write(context, message, req.request_id)
+                    has_streamed = True
         finally:
-            self._streams.discard(req.request_id)
+            del self._streams[req.request_id]
             if not finished:
-                self._loop.abort(req.request_id)  # cancelled, disconnected or past its deadline
+                loop.abort(req.request_id)  # cancelled, disconnected, stalled or past its deadline
+
+    async def _write(self, context: grpc.aio.ServicerContext, message: pb.GenerateResponse, request_id: str) -> None:
+        """Send one message; a client that takes none for ``write_stall_timeout_s`` is given up on.
+
+        The write blocks while the client does not read (gRPC's flow control). Without a bound the
+        request would hold its blocks, and its paused place in the engine, for as long as the
+        client keeps the connection open.
+        """
+        timeout_s = self._config.write_stall_timeout_s
+        try:
+            async with asyncio.timeout(timeout_s):  # no task per message (wait_for makes one on 3.11)
+                await context.write(message)
+        except TimeoutError:
+            self.num_stalled_streams += 1
+            log.warning("stream_stalled", request_id=request_id, write_stall_timeout_s=timeout_s)
+            raise StreamStalledError(
+                f"the client did not read its stream for {timeout_s:g} s: request aborted") from None
 
     @staticmethod
     def _checked_request(engine: Engine, request: pb.GenerateRequest, max_model_len: int) -> convert.GenerateInput:

@@ -14,6 +14,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from compute_service import LLM, SamplingParams
+from compute_service.engine.outputs import RequestOutput, collect
 
 VOCAB = 256
 EOS = 1
@@ -99,12 +100,12 @@ def test_requests_arriving_while_others_decode(tiny_dir: Path, hf_model: LlamaFo
     with LLM(str(tiny_dir), block_size=4, max_num_blocks=256) as llm:
         engine = llm.engine
         done = {}
+        results: dict[str, RequestOutput] = {}
         for tick in range(10_000):
             if tick % 3 == 0 and tick // 3 < len(prompts):  # a new request every third step
                 engine.add_request(f"r{tick // 3}", prompts[tick // 3], GREEDY)
-            for out in engine.step():
-                if out.finished:
-                    done[out.request_id] = out.token_ids
+            for out in collect(results, engine.step()):
+                done[out.request_id] = out.token_ids
             if len(done) == len(prompts):
                 break
     assert [done[f"r{i}"] for i in range(len(prompts))] == expected(hf_model, prompts, 24)
@@ -121,7 +122,7 @@ def test_priority_jumps_the_queue(tiny_dir: Path) -> None:
         engine.add_request("high", prompts[3], params, priority=5)
         order = []
         while engine.has_unfinished():
-            order += [o.request_id for o in engine.step() if o.finished]
+            order += [o.request_id for o in engine.step() if o.finished]  # deltas: finished once
     assert order == ["low0", "high", "low1", "low2"]
 
 
@@ -133,11 +134,12 @@ def test_high_priority_preempts_lower_when_blocks_run_out(tiny_dir: Path, hf_mod
     with LLM(str(tiny_dir), block_size=4, max_num_blocks=10, max_num_seqs=2) as llm:
         engine = llm.engine
         engine.add_request("low", low, params, priority=0)
-        engine.step()  # low's whole prompt: 8 of the 10 blocks
+        results: dict[str, RequestOutput] = {}
+        collect(results, engine.step())  # low's whole prompt: 8 of the 10 blocks (and its first token)
         engine.add_request("high", high, params, priority=5)
         finished = {}
         while engine.has_unfinished():
-            finished.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+            finished.update({o.request_id: o.token_ids for o in collect(results, engine.step())})
         assert engine.scheduler.num_preemptions >= 1
         assert list(finished) == ["high", "low"]
     assert finished["low"] == hf_greedy(hf_model, low, 6)
@@ -188,7 +190,8 @@ def test_abort_and_bad_input(tiny_dir: Path) -> None:
         engine.step()
         assert engine.abort("a")
         outs = engine.step()
-        assert [(o.request_id, o.finished, o.finish_reason) for o in outs] == [("a", True, "abort")]
+        assert [(o.request_id, o.finished, [c.finish_reason for c in o.completions]) for o in outs] == [
+            ("a", True, ["abort"])]
         engine.step()  # frees the aborted sequence's blocks
         assert llm.memory_stats().num_sequences == 0
         with pytest.raises(ValueError, match="prompt_token_ids"):

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from compute_service import LLM, SamplingParams
+from compute_service.engine.outputs import RequestOutput, collect
 
 # The real model on a busy 2-core machine can take far longer than the 600 s default.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -74,10 +75,11 @@ def run_staggered(llm: LLM, prompts: list[list[int]], every: int) -> dict[str, l
     """Add one request every `every` steps while the earlier ones decode; returns token ids by id."""
     engine = llm.engine
     done: dict[str, list[int]] = {}
+    results: dict[str, RequestOutput] = {}
     for tick in range(100_000):
         if tick % every == 0 and tick // every < len(prompts):
             engine.add_request(f"r{tick // every}", prompts[tick // every], GREEDY)
-        done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+        done.update({o.request_id: o.token_ids for o in collect(results, engine.step())})
         if len(done) == len(prompts):
             return done
     raise AssertionError("requests did not finish")

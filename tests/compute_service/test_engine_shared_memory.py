@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from compute_service import LLM, SamplingParams
+from compute_service.engine.outputs import RequestOutput, collect
 from tests.compute_service.service_fixtures import start_memory
 from tests.conftest import TinyModel
 
@@ -28,8 +29,9 @@ def test_waiting_request_is_admitted_when_another_client_frees(make_tiny_model: 
             a.engine.step()  # reports the abort
             a.engine.step()  # frees big's blocks
             done = {}
+            results: dict[str, RequestOutput] = {}
             for _ in range(20):
-                done.update({o.request_id: o for o in b.engine.step() if o.finished})
+                done.update({o.request_id: o for o in collect(results, b.engine.step())})
                 if done:
                     break
             assert len(done["small"].token_ids) == 4

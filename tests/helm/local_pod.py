@@ -15,6 +15,7 @@ Paths are rewritten only where an argument or variable starts with a mount path 
 
 from __future__ import annotations
 
+import base64
 import os
 import socket
 import subprocess
@@ -36,6 +37,7 @@ class LocalPod:
     spec: dict[str, Any]
     root: Path
     config_maps: dict[str, dict[str, str]] = field(default_factory=dict)
+    secrets: dict[str, dict[str, str]] = field(default_factory=dict)  # name -> base64 data, as rendered
     overrides: dict[str, Path] = field(default_factory=dict)
     hosts: dict[str, str] = field(default_factory=dict)
 
@@ -55,6 +57,12 @@ class LocalPod:
                 if "configMap" in volume:
                     for key, text in self.config_maps[volume["configMap"]["name"]].items():
                         (path / key).write_text(text)
+                if "secret" in volume:  # the rendered Secret's keys as files, with the volume's mode
+                    spec = volume["secret"]
+                    data = self.secrets[spec["secretName"]]
+                    for item in spec.get("items") or [{"key": k, "path": k} for k in data]:
+                        (path / item["path"]).write_bytes(base64.b64decode(data[item["key"]]))
+                        (path / item["path"]).chmod(spec.get("defaultMode", 0o644))
             self.volume_dirs[name] = path
 
     def container(self, name: str) -> dict[str, Any]:

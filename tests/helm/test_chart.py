@@ -3,6 +3,7 @@ and its objects have the structure the services rely on."""
 
 from __future__ import annotations
 
+import base64
 import posixpath
 
 import kubernetes_validate
@@ -224,7 +225,8 @@ def test_model_sources() -> None:
 def test_optional_objects_follow_values() -> None:
     plain = render({})
     assert sorted(plain.kinds()) == [
-        "ConfigMap", "Deployment", "Deployment", "ResourceClaimTemplate", "Service", "Service", "Service"]
+        "ConfigMap", "Deployment", "Deployment", "NetworkPolicy", "ResourceClaimTemplate", "Secret", "Service",
+        "Service", "Service"]
     assert container(gateway_pod(plain), "gateway")["args"].count("--api-keys-file") == 0
 
     full = render(VALUE_SETS["multi-replica"])
@@ -282,7 +284,7 @@ def test_gateway_tls_from_an_existing_secret_or_from_values() -> None:
     command = gateway["readinessProbe"]["exec"]["command"]
     assert command[-2:] == ["127.0.0.1:50051", "pagedserve.gateway.v1.Gateway"]
     assert command[command.index("--tls-server-name") + 1] == "llm.example.com"
-    assert "Secret" not in existing.kinds()
+    assert not [o for o in existing.objects if o["kind"] == "Secret" and o["metadata"]["name"].endswith("-tls")]
 
     inline = render({"gateway": {"tls": {"enabled": True, "certificate": "CERT PEM", "privateKey": "KEY PEM",
                                          "serverName": "llm.example.com"}}})
@@ -290,3 +292,48 @@ def test_gateway_tls_from_an_existing_secret_or_from_values() -> None:
     assert secret["type"] == "kubernetes.io/tls" and set(secret["data"]) == {"tls.crt", "tls.key"}
     volumes = {v["name"]: v for v in gateway_pod(inline)["volumes"]}
     assert volumes["tls"]["secret"]["secretName"] == "demo-pagedserve-gateway-tls"
+
+
+def test_engine_accepts_only_its_gateways(case) -> None:
+    """A Secret with a random token, mounted in compute and gateway (and nowhere else), the flags that
+    read it, and a NetworkPolicy: the compute port from gateway pods only, metrics from the scraper."""
+    _, _, rendered = case
+    secret = rendered.one("Secret", "-engine-token")
+    token = base64.b64decode(secret["data"]["token"])
+    assert len(token) == 48 and token.isalnum()
+    engine, gateway = engine_pod(rendered), gateway_pod(rendered)
+    compute, memory, gw = container(engine, "compute"), container(engine, "memory"), container(gateway, "gateway")
+    token_file = "/etc/pagedserve/service-token/token"
+    assert flag(compute, "--auth-token-file") == flag(gw, "--backend-token-file") == token_file
+    assert mounts(compute)["service-token"] == mounts(gw)["service-token"] == "/etc/pagedserve/service-token"
+    assert "service-token" not in mounts(memory)  # the memory service has no TCP port: no token
+    for pod in (engine, gateway):
+        [volume] = [v for v in pod["volumes"] if v["name"] == "service-token"]
+        assert volume["secret"]["secretName"] == secret["metadata"]["name"]
+        assert volume["secret"]["defaultMode"] == 0o440  # the pod's group (fsGroup) only
+    policy = rendered.one("NetworkPolicy", "-engine")["spec"]
+    engine_labels = rendered.one("Deployment", "-engine")["spec"]["template"]["metadata"]["labels"]
+    gateway_labels = rendered.one("Deployment", "-gateway")["spec"]["template"]["metadata"]["labels"]
+    assert policy["podSelector"]["matchLabels"].items() <= engine_labels.items()
+    assert policy["policyTypes"] == ["Ingress"]
+    grpc_rule, metrics_rule = policy["ingress"]
+    [peer] = grpc_rule["from"]
+    assert set(peer) == {"podSelector"}  # this namespace's gateway pods, nothing else
+    assert peer["podSelector"]["matchLabels"].items() <= gateway_labels.items()
+    assert not peer["podSelector"]["matchLabels"].items() <= engine_labels.items()
+    assert grpc_rule["ports"] == [{"port": 50052, "protocol": "TCP"}]
+    assert metrics_rule["from"] == [{"namespaceSelector": {}, "podSelector": {
+        "matchLabels": {"app.kubernetes.io/name": "prometheus"}}}]
+    assert [p["port"] for p in metrics_rule["ports"]] == [9091, 9092]
+    assert all(rule.get("from") for rule in policy["ingress"])  # no rule that admits everyone
+
+
+def test_engine_auth_with_an_existing_secret_and_no_policy() -> None:
+    rendered = render({"engine": {"auth": {"existingSecret": "my-token", "key": "t"},
+                                  "networkPolicy": {"enabled": False}}})
+    assert "Secret" not in rendered.kinds() and "NetworkPolicy" not in rendered.kinds()
+    for pod in (engine_pod(rendered), gateway_pod(rendered)):
+        [volume] = [v for v in pod["volumes"] if v["name"] == "service-token"]
+        assert volume["secret"]["secretName"] == "my-token"
+        assert volume["secret"]["items"] == [{"key": "t", "path": "t"}]
+    assert flag(container(engine_pod(rendered), "compute"), "--auth-token-file") == "/etc/pagedserve/service-token/t"

@@ -58,11 +58,12 @@ def _pods(values: dict, root: Path, overrides: dict[str, Path] | None = None) ->
     """The engine and gateway pods of one rendering, and its NOTES.txt."""
     rendered = render(values)
     config_maps = {o["metadata"]["name"]: o["data"] for o in rendered.objects if o["kind"] == "ConfigMap"}
+    secrets = {o["metadata"]["name"]: o["data"] for o in rendered.objects if o["kind"] == "Secret"}
     engine_service = rendered.one("Service", "-engine")["metadata"]["name"]
     engine = LocalPod("engine", rendered.one("Deployment", "-engine")["spec"]["template"]["spec"], root,
-                      config_maps=config_maps, overrides=overrides or {})
+                      config_maps=config_maps, secrets=secrets, overrides=overrides or {})
     gateway = LocalPod("gateway", rendered.one("Deployment", "-gateway")["spec"]["template"]["spec"], root,
-                       hosts={f"{engine_service}.llm.svc": "localhost"})
+                       secrets=secrets, hosts={f"{engine_service}.llm.svc": "localhost"})
     return engine, gateway, rendered.notes
 
 
@@ -95,6 +96,7 @@ def test_engine_and_gateway_pods_serve_a_request(volume_root: Path) -> None:
     probe passes, and a request through the gateway's dns: discovery returns the reference tokens."""
     import grpc
 
+    from pagedserve.compute.v1 import compute_pb2, compute_pb2_grpc
     from pagedserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
     from tests.compute_service.service_fixtures import build_service_model, hf_greedy
 
@@ -119,6 +121,12 @@ def test_engine_and_gateway_pods_serve_a_request(volume_root: Path) -> None:
                 if kind in pod.container(name):
                     assert pod.probe(name, kind), f"{pod.name}/{name} {kind}"
         assert shm_segments(started[0].pid)  # the CPU pool lives in the pod's /dev/shm
+        # The compute port answers the holders of the chart's Secret only: the gateway (which serves
+        # the request below with the token it mounts), not a bare call.
+        with grpc.insecure_channel(f"127.0.0.1:{engine_port}") as channel:
+            with pytest.raises(grpc.RpcError) as denied:
+                compute_pb2_grpc.ComputeStub(channel).Load(compute_pb2.LoadRequest(), timeout=10)
+        assert denied.value.code() == grpc.StatusCode.UNAUTHENTICATED
         # Every metrics port the chart declares (and its ServiceMonitor scrapes) serves Prometheus text.
         for pod, name in ((engine, "memory"), (engine, "compute"), (gateway, "gateway")):
             for port in pod.container(name)["ports"]:

@@ -88,6 +88,26 @@ default
   value: {{ include "pagedserve.cacheDir" . }}/triton
 {{- end }}
 
+{{/* The Secret holding the service token (engine.auth), and where compute and gateway read it. */}}
+{{- define "pagedserve.tokenSecretName" -}}
+{{- .Values.engine.auth.existingSecret | default (printf "%s-token" (include "pagedserve.engineName" .)) }}
+{{- end }}
+
+{{- define "pagedserve.tokenFile" -}}
+{{- printf "/etc/pagedserve/service-token/%s" .Values.engine.auth.key }}
+{{- end }}
+
+{{/* The token's volume (in both pods): readable by the pod's group only (fsGroup). */}}
+{{- define "pagedserve.tokenVolume" -}}
+- name: service-token
+  secret:
+    secretName: {{ include "pagedserve.tokenSecretName" . }}
+    defaultMode: 0440
+    items:
+      - key: {{ .Values.engine.auth.key }}
+        path: {{ .Values.engine.auth.key }}
+{{- end }}
+
 {{/* Mounts both engine containers have, at identical paths. */}}
 {{- define "pagedserve.engineMounts" -}}
 - name: tmp

@@ -69,7 +69,12 @@ class ComputeServicer:
         completion that produced tokens. The last message of each completion carries its
         finish_reason; the last message of the request carries usage. Bad input: INVALID_ARGUMENT
         naming the field. A request id already running: ALREADY_EXISTS. Memory service unreachable:
-        UNAVAILABLE. Cancelling the call (or its deadline passing) aborts the request.
+        UNAVAILABLE. Cancelling the call (or its deadline passing) aborts the request. A failure of
+        this request alone (its sampling, detokenizing, stop checks): INTERNAL with a message while
+        nothing has streamed, else a last message with finish_reason "error"; other requests run on.
+        A client that reads nothing for the service's write-stall timeout: the request is aborted
+        (DEADLINE_EXCEEDED). With --auth-token-file, every RPC but health needs
+        "authorization: Bearer TOKEN" (UNAUTHENTICATED otherwise).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
