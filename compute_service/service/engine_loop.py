@@ -213,14 +213,15 @@ class EngineLoop:
             if not outputs and engine.num_steps == num_steps:
                 self._wake.wait(WAITING_POLL_S)  # requests wait for blocks: poll, do not spin
             self.load = engine.load()  # before the outputs: a client that saw them sees this load
-            for out in outputs:
-                sink = self._sinks.pop(out.request_id) if out.finished else self._sinks.get(out.request_id)
-                if sink is not None and not sink(out) and not out.finished:
-                    engine.pause(out.request_id)  # its consumer is behind: no more steps until it resumes
+            # Counted before the outputs go out, like the load: a client that saw them sees the counts.
             self.totals.num_steps += 1
             self.totals.num_generated_tokens += sum(len(c.token_ids) for o in outputs for c in o.completions)
             self.totals.num_finished_requests += sum(o.finished for o in outputs)
             self.totals.num_failed_requests += sum(o.finished and o.error is not None for o in outputs)
+            for out in outputs:
+                sink = self._sinks.pop(out.request_id) if out.finished else self._sinks.get(out.request_id)
+                if sink is not None and not sink(out) and not out.finished:
+                    engine.pause(out.request_id)  # its consumer is behind: no more steps until it resumes
 
     @staticmethod
     def _check_memory(engine: Engine) -> None:
