@@ -1,7 +1,7 @@
 """Reliability benchmark: what the whole stack survives, measured on real processes.
 
-One stack (memory service, compute service, gateway; ``ServiceProcess`` via the test helpers in
-``tests/reliability``) serves the default model on the CPU, and the same scenarios as the
+One stack (memory service, compute service, gateway; ``pagedserve.stack`` via
+``benchmarks/reliability/stack.py``) serves the default model on the CPU, and the same scenarios as the
 ``tests/reliability`` suite run at full size:
 
 1. fuzzing: ``--fuzz-cases`` hostile requests per service (gateway, compute, memory), status codes
@@ -41,10 +41,13 @@ if __package__ in (None, ""):  # run as a script: the repository root on the pat
 
 import grpc  # noqa: E402
 
+from benchmarks.reliability import fuzz, load  # noqa: E402
+from benchmarks.reliability.stack import (  # noqa: E402
+    NOT_SERVING, SERVING, Stack, StackConfig, kv_layout, start_gateway, start_stack,
+)
 from pagedserve.gateway.v1 import gateway_pb2  # noqa: E402
-from tests.e2e.conftest import shm_segments, start_gateway, wait_until  # noqa: E402
-from tests.reliability import fuzz, load  # noqa: E402
-from tests.reliability.stack import NOT_SERVING, SERVING, Stack, StackConfig, kv_layout, start_stack  # noqa: E402
+from pagedserve.process import wait_until  # noqa: E402
+from pagedserve.stack import shm_segments  # noqa: E402
 
 SECRET = "reliability-secret-prompt-4417"
 
@@ -145,7 +148,7 @@ def run_faults(stack: Stack, num_vanishing: int) -> dict:
     client.kill()
     client.wait()
     faults["vanishing_client"] = {"streams": num_vanishing, "reclaimed_s": _timed(
-        lambda: stack.memory_stats().num_sequences == 0 and stack.engine.load().num_running == 0, 60, "aborted"),
+        lambda: stack.memory_stats().num_sequences == 0 and stack.compute_load().num_running == 0, 60, "aborted"),
         "survived": True}  # a timeout above raises instead
     stack.wait_idle(10)
 
@@ -163,7 +166,7 @@ def run_faults(stack: Stack, num_vanishing: int) -> dict:
     code, failed_s = _stream_fails(stream)
     reclaimed_s = _timed(lambda: stack.memory_stats().num_sequences == 0 and stack.memory_stats().num_clients == 0,
                          60, "the dead client's blocks reclaimed")
-    stack.engine.restart_compute()
+    stack.restart_compute()
     wait_until(lambda: stack.gateway.num_healthy_backends() == 1, 60, "the restarted compute in rotation")
     first = time.monotonic()
     again = stack.gateway.stub.Generate(_request(cached_prompt, 2), timeout=300)
@@ -195,7 +198,7 @@ def _wait_gone(pid: int) -> bool:
     try:
         wait_until(lambda: not shm_segments(pid), 15, "segments of the killed memory service gone")
         return True
-    except AssertionError:
+    except TimeoutError:
         return False
 
 
@@ -218,7 +221,7 @@ def _start(model: str, directory: Path, name: str, num_clients: int) -> tuple[St
     from compute_service.model.model_loader import resolve_model
 
     if model == "tiny":
-        from tests.compute_service.service_fixtures import build_service_model
+        from benchmarks.tiny_model import build_service_model
 
         model = str(build_service_model(directory / "tiny-model").path)
     vocab_size = ModelConfig.from_dir(resolve_model(model).path, name=model).vocab_size

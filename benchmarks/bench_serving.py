@@ -1,6 +1,6 @@
 """Serving benchmark through the gateway: Poisson arrivals at several request rates, streaming clients.
 
-Starts memory, compute and gateway as real processes (serving_stack.py), or targets a running
+Starts memory, compute and gateway as real processes (benchmarks/serving/stack.py), or targets a running
 gateway (``--gateway ADDR``; ``--memory ADDR`` adds the KV usage samples). In order:
 
 1. an unloaded baseline: the workload's requests one at a time (nothing else in the engine);

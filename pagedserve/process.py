@@ -23,7 +23,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO
 
@@ -53,6 +53,21 @@ def add_parent_pid_flag(parser: argparse.ArgumentParser) -> None:
         "--parent-pid", dest="parent_pid", type=int,
         help="exit (SIGTERM) when this process dies, even by SIGKILL: for a service private to one owner",
     )
+
+
+def wait_until(condition: Callable[[], object], timeout_s: float = 10.0, what: str = "the condition",
+               interval_s: float = 0.05) -> None:
+    """Polls ``condition`` until it is true: the one deadline loop of the tests, benchmarks and
+    service starts (a fixed sleep either waits too long or, on a loaded machine, not long enough).
+
+    Raises:
+        TimeoutError: still false after ``timeout_s``.
+    """
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(interval_s)
 
 
 def check_health(address: str, service: str = "", timeout_s: float = 1.0) -> int | None:

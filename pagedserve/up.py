@@ -10,19 +10,17 @@ memory service last (it owns the KV pool's shared memory, which it unlinks as it
 
 from __future__ import annotations
 
-import shutil
 import signal
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from grpc_health.v1 import health_pb2
 
 from pagedserve.log import LOG_FORMATS
 from pagedserve.process import ServiceProcess, check_health
 from pagedserve.sockets import free_port
+from pagedserve.stack import Stack, StackConfig
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
@@ -71,7 +69,7 @@ def _wait_serving(service: ServiceProcess, what: str, timeout_s: float, stop: li
     """Waits for SERVING, showing the elapsed time (the compute service loads a model meanwhile)."""
     started = time.monotonic()
     shown = -1
-    while check_health(service.address, timeout_s=1.0) != SERVING:
+    while check_health(service.address, service.health_service, timeout_s=1.0) != SERVING:
         if not service.is_running():
             raise RuntimeError(f"{service.module} exited with status {service.returncode} while {what}")
         if stop[0]:
@@ -106,6 +104,16 @@ def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
+def stack_config(config: UpConfig, log_format: str, http_port: int) -> StackConfig:
+    """The stack ``up`` starts: its services' output inherited, so their logs show with ``up``'s."""
+    shared = ("--log-format", log_format, *(("--config", config.config_file) if config.config_file else ()))
+    kv = ("--kv-cache-bytes", str(config.kv_cache_bytes)) if config.kv_cache_bytes else ()
+    return StackConfig(model=config.model, memory_args=(*kv, *shared), compute_args=shared,
+                       gateway_args=("--http-port", str(http_port), "--log-format", log_format),
+                       gateway_host=config.host, gateway_port=config.port, log_to_files=False,
+                       ready_timeout_s=config.ready_timeout_s)
+
+
 def run_up(config: UpConfig) -> int:
     """Starts the stack and supervises it; returns 0 after a requested stop, 1 when a service died."""
     stop = [False]
@@ -116,33 +124,20 @@ def run_up(config: UpConfig) -> int:
     # Installed before anything starts, so an early Ctrl-C still stops what was started.
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    runtime = Path(tempfile.mkdtemp(prefix="pagedserve-"))  # 0700: only this user reaches the sockets
-    memory_socket, compute_socket = runtime / "memory.sock", runtime / "compute.sock"
-    shared = ["--config", config.config_file] if config.config_file else []
     # The services write to up's stderr but cannot tell whether a person reads it: up decides.
     log_format = config.log_format or ("console" if sys.stderr.isatty() else "json")
-    services: list[ServiceProcess] = []
+    http_port = config.http_port or free_port(config.host)
+    stack = Stack(stack_config(config, log_format, http_port))  # a fresh 0700 runtime directory, removed by stop()
     status = 0
     try:
-        memory_args = ["--socket", str(memory_socket), "--log-format", log_format, *shared]
-        if config.kv_cache_bytes:
-            memory_args += ["--kv-cache-bytes", str(config.kv_cache_bytes)]
-        services.append(ServiceProcess("memory_service", memory_args, address=f"unix:{memory_socket}"))
-        _wait_serving(services[-1], "starting the memory service", config.ready_timeout_s, stop)
-        _say(f"memory service ready (unix:{memory_socket})")
-        services.append(ServiceProcess(
-            "compute_service", ["--memory-socket", str(memory_socket), "--model", config.model,
-                                "--listen", f"unix:{compute_socket}", "--log-format", log_format, *shared],
-            address=f"unix:{compute_socket}"))
-        _wait_serving(services[-1], f"loading model {config.model!r} in the compute service", config.ready_timeout_s, stop)
+        _wait_serving(stack.spawn_memory(), "starting the memory service", config.ready_timeout_s, stop)
+        _say(f"memory service ready (unix:{stack.memory_socket})")
+        _wait_serving(stack.spawn_compute(), f"loading model {config.model!r} in the compute service",
+                      config.ready_timeout_s, stop)
         _say("compute service ready")
-        port = config.port or free_port(config.host)
-        address = f"{config.host}:{port}"
-        http_port = config.http_port or free_port(config.host)
-        services.append(ServiceProcess("gateway", ["--backend", f"unix:{compute_socket}", "--listen", address,
-                                                   "--http-port", str(http_port), "--log-format", log_format],
-                                       address=address))
-        _wait_serving(services[-1], "starting the gateway", config.ready_timeout_s, stop)
+        gateway = stack.spawn_gateway()
+        _wait_serving(gateway, "starting the gateway", config.ready_timeout_s, stop)
+        address = gateway.address
         print(f"\npagedserve is up: gateway on {address}, OpenAI-compatible HTTP API on "
               f"http://{_url_host(config.host)}:{http_port}/v1 (model {config.model})\n"
               f"  pagedserve generate --address {address} \"What is the capital of France?\"\n"
@@ -150,7 +145,7 @@ def run_up(config: UpConfig) -> int:
               f"  {curl_hint(config.host, http_port)}\n"
               f"Ctrl-C stops all three services.\n", flush=True)
         while not stop[0]:
-            dead = [s for s in services if not s.is_running()]
+            dead = [s for s in stack.services if not s.is_running()]
             if dead:
                 _say(f"{dead[0].module} exited with status {dead[0].returncode}; stopping the others")
                 status = 1
@@ -162,8 +157,6 @@ def run_up(config: UpConfig) -> int:
     except KeyboardInterrupt:
         pass
     finally:
-        for service in reversed(services):
-            service.stop(timeout_s=15)
-        shutil.rmtree(runtime, ignore_errors=True)
+        stack.stop(timeout_s=15)
         _say("stopped")
     return status

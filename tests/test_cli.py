@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import free_port
+from pagedserve.sockets import free_port
 
 CLI = [sys.executable, "-m", "pagedserve.cli"]
 

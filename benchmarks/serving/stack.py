@@ -1,29 +1,19 @@
 """The stacks the serving benchmark starts for itself: memory, compute and gateway as three real
-processes each (``python -m ...`` through ServiceProcess, as ``pagedserve up`` and the tests start
-them). Several stacks start side by side, so that their model loads overlap.
+processes each, through ``pagedserve.stack`` (as ``pagedserve up`` and the tests start them).
+Several stacks start side by side, so that their model loads overlap.
 
-Memory and compute talk over Unix sockets in a private (0700) directory made for each stack; the
-gateway listens on a free local TCP port. Stopping goes gateway first (no new requests), memory
-service last (it owns the KV pool's shared memory and unlinks it as it exits), and removes the
-directory. Prefix caching is switched where the cache lives, in the memory service
+Prefix caching is switched where the cache lives, in the memory service
 (``--enable-prefix-caching``): the compute service asks for prefix matches on every admission and
 gets none from a memory service without a cache.
 """
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 
 from benchmarks.serving.client import Target
-from pagedserve.process import ServiceProcess
+from pagedserve import stack
 from pagedserve.sockets import free_port
-
-MEMORY_SERVICE = "pagedserve.memory.v1.MemoryManager"
-COMPUTE_SERVICE = "pagedserve.compute.v1.Compute"
-GATEWAY_SERVICE = "pagedserve.gateway.v1.Gateway"
 
 
 @dataclass(frozen=True)
@@ -53,56 +43,46 @@ class StackConfig:
         if self.kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes must be > 0, got {self.kv_cache_bytes}")
 
+    def stack_config(self, http_port: int) -> stack.StackConfig:
+        """These sizes as the services' command lines (the gateway's HTTP front on ``http_port``);
+        every service logs warnings only."""
+        quiet = ("--log-level", "warning")
+        memory = ("--kv-cache-bytes", str(self.kv_cache_bytes), "--block-size", str(self.block_size),
+                  "--enable-prefix-caching", str(self.enable_prefix_caching).lower(), *quiet)
+        compute = ["--block-size", str(self.block_size), *quiet]
+        for flag, value in (("--max-num-seqs", self.max_num_seqs),
+                            ("--max-num-batched-tokens", self.max_num_batched_tokens)):
+            if value is not None:
+                compute += [flag, str(value)]
+        return stack.StackConfig(model=self.model, memory_args=memory, compute_args=tuple(compute),
+                                 gateway_args=("--http-port", str(http_port), "--health-interval-s", "0.5", *quiet),
+                                 ready_timeout_s=self.ready_timeout_s)
+
 
 @dataclass
 class ServingStack:
-    """One started stack: its private directory and its services (memory, compute, gateway)."""
+    """One started stack (``pagedserve.stack.Stack``) and the gateway's two fronts."""
 
-    config: StackConfig
-    directory: Path
-    services: list[ServiceProcess] = field(default_factory=list)
-    http_port: int = 0  # the gateway's HTTP front
+    stack: stack.Stack
+    http_port: int  # the gateway's OpenAI-compatible HTTP front
 
-    def _spawn(self, module: str, args: list, address: str, health_service: str) -> ServiceProcess:
-        """Start a service (not waiting for it); its output goes to a log in the stack's directory."""
-        service = ServiceProcess(module, [str(a) for a in args], address=address, health_service=health_service,
-                                 log_file=self.directory / f"{module}.log")
-        self.services.append(service)
-        return service
+    @property
+    def services(self) -> list:
+        return self.stack.services
 
-    def _spawn_memory(self) -> ServiceProcess:
-        socket = self.directory / "memory.sock"
-        return self._spawn("memory_service", [
-            "--socket", socket, "--kv-cache-bytes", self.config.kv_cache_bytes, "--block-size",
-            self.config.block_size, "--enable-prefix-caching", str(self.config.enable_prefix_caching).lower(),
-            "--log-level", "warning"], f"unix:{socket}", MEMORY_SERVICE)
-
-    def _spawn_compute(self) -> ServiceProcess:
-        args = ["--memory-socket", self.directory / "memory.sock", "--model", self.config.model,
-                "--listen", f"unix:{self.directory / 'compute.sock'}", "--block-size", self.config.block_size,
-                "--log-level", "warning"]
-        for flag, value in (("--max-num-seqs", self.config.max_num_seqs),
-                            ("--max-num-batched-tokens", self.config.max_num_batched_tokens)):
-            if value is not None:
-                args += [flag, value]
-        return self._spawn("compute_service", args, f"unix:{self.directory / 'compute.sock'}", COMPUTE_SERVICE)
-
-    def _spawn_gateway(self) -> ServiceProcess:
-        address = f"127.0.0.1:{free_port()}"
-        # SERVING once it has the tokenizer and a backend in rotation (gateway/server.py).
-        self.http_port = free_port()
-        return self._spawn("gateway", ["--backend", f"unix:{self.directory / 'compute.sock'}", "--listen", address,
-                                       "--http-port", self.http_port, "--health-interval-s", "0.5",
-                                       "--log-level", "warning"],
-                           address, GATEWAY_SERVICE)
+    @property
+    def directory(self):
+        return self.stack.directory
 
     @property
     def memory_address(self) -> str:
-        return self.services[0].address
+        assert self.stack.memory is not None
+        return self.stack.memory.address
 
     @property
     def gateway_address(self) -> str:
-        return self.services[2].address
+        assert self.stack.gateway is not None
+        return self.stack.gateway.address
 
     def target(self, api: str) -> Target:
         """Where the benchmark sends: the gateway's gRPC front, or its OpenAI-compatible HTTP front."""
@@ -110,30 +90,14 @@ class ServingStack:
             return Target(f"http://127.0.0.1:{self.http_port}", "openai")
         return Target(self.gateway_address, "grpc")
 
-    @property
-    def pids(self) -> dict[str, int]:
-        return {s.module: s.pid for s in self.services}
-
     def stop(self) -> dict[str, int]:
-        """Stop gateway, compute, memory (in that order) by PID; returns their exit statuses."""
-        statuses = {s.module: s.stop(timeout_s=30) for s in reversed(self.services)}
-        shutil.rmtree(self.directory, ignore_errors=True)
-        return statuses
-
+        """Stops gateway, compute, memory (in that order) by PID; returns their exit statuses."""
+        return self.stack.stop()
 
 
 def start_stacks(configs: list[StackConfig]) -> list[ServingStack]:
-    """Start one stack per config, side by side: every memory service, then every compute service
-    (their model loads overlap), then every gateway, each tier SERVING before the next. On any
-    failure (KeyboardInterrupt included) everything started is stopped and the error raised."""
-    stacks = [ServingStack(c, Path(tempfile.mkdtemp(prefix="pagedserve-bench-"))) for c in configs]
-    try:
-        for spawn in (ServingStack._spawn_memory, ServingStack._spawn_compute, ServingStack._spawn_gateway):
-            started = [(spawn(stack), stack.config.ready_timeout_s) for stack in stacks]
-            for service, timeout_s in started:
-                service.wait_ready(timeout_s)
-    except BaseException:
-        for stack in stacks:
-            stack.stop()
-        raise
-    return stacks
+    """One started stack per config, side by side (``pagedserve.stack.start_stacks``), each in a
+    fresh directory that ``stop`` removes."""
+    ports = [free_port() for _ in configs]
+    started = stack.start_stacks([stack.Stack(c.stack_config(port)) for c, port in zip(configs, ports)])
+    return [ServingStack(s, port) for s, port in zip(started, ports)]

@@ -14,7 +14,7 @@ import torch
 
 from memory_service.api import BlockManagerStats, KvLayout, MemoryClient
 from pagedserve.dtypes import dtype_name
-from pagedserve.process import ServiceProcess
+from pagedserve.stack import memory_process, ready
 
 from compute_service.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from compute_service.engine.engine import Engine
@@ -29,13 +29,13 @@ class MemoryServiceProcess:
 
     Leaves nothing behind: a start that fails (or is interrupted, KeyboardInterrupt included)
     stops the child and removes the directory before raising, and the child gets SIGTERM when
-    this process dies, even by SIGKILL (ServiceProcess passes ``--parent-pid``).
+    this process dies, even by SIGKILL (pagedserve.stack's ServiceProcess passes ``--parent-pid``).
     """
 
     def __init__(self, config: EngineConfig, device: str) -> None:
         self.directory = tempfile.mkdtemp(prefix="pagedserve-")
         self.socket = os.path.join(self.directory, "memory.sock")
-        args = ["--socket", self.socket, "--device", device,
+        args = ["--device", device,
                 "--block-size", str(config.block_size),
                 "--enable-prefix-caching", str(config.enable_prefix_caching).lower(),
                 "--memory-utilization-threshold", str(config.memory_utilization_threshold),
@@ -49,9 +49,8 @@ class MemoryServiceProcess:
         try:
             # Its output goes to a log beside the socket (quoted when the start fails), not to the
             # owner's stdout.
-            self.process = ServiceProcess.launch("memory_service", args, address=f"unix:{self.socket}",
-                                                 ready_timeout_s=60,
-                                                 log_file=os.path.join(self.directory, "memory_service.log"))
+            self.process = ready(memory_process(self.socket, args,
+                                                log_file=os.path.join(self.directory, "memory_service.log")), 60)
         except BaseException:
             shutil.rmtree(self.directory, ignore_errors=True)
             raise

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.compute_service.service_fixtures import build_service_model
+from benchmarks.tiny_model import build_service_model
 
 ROOT = Path(__file__).resolve().parents[2]
 NUM_REQUESTS = 6

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.compute_service.service_fixtures import ServiceModel, build_service_model
+from benchmarks.tiny_model import ServiceModel, build_service_model
 
 
 @pytest.fixture(scope="session")

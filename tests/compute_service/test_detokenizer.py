@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from compute_service.engine.detokenizer import IncrementalDetokenizer
-from tests.compute_service.service_fixtures import build_byte_tokenizer
+from benchmarks.tiny_model import build_byte_tokenizer
 
 TEXT = "héllo wörld € 😀 done"
 

@@ -12,7 +12,8 @@ import pytest
 
 from pagedserve.compute.v1 import compute_pb2 as cpb
 
-from tests.compute_service.service_fixtures import ServiceModel, Services, running_services
+from benchmarks.tiny_model import ServiceModel
+from tests.compute_service.service_fixtures import Services, running_services
 
 LONG = dict(max_tokens=1000, temperature=0.0, ignore_eos=True)  # ~1000 engine steps: still running when we act
 PROMPT = [40, 97, 109, 32, 97, 32, 116, 105, 110, 121]

@@ -25,9 +25,9 @@ from grpc_health.v1 import health_pb2
 from pagedserve.compute.v1 import compute_pb2 as cpb
 from pagedserve.process import check_health
 
-from tests.compute_service.service_fixtures import (
-    COMPUTE_SERVICE, ServiceModel, Services, hf_greedy, running_services, shm_segments, start_memory,
-)
+from benchmarks.tiny_model import ServiceModel, hf_greedy
+from pagedserve.stack import COMPUTE_SERVICE, shm_segments
+from tests.compute_service.service_fixtures import Services, running_services, start_memory
 
 PROMPT = [40, 97, 109, 32, 97, 32, 116, 105, 110, 121]
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING

@@ -20,7 +20,8 @@ import torch
 
 from pagedserve.compute.v1 import compute_pb2, compute_pb2_grpc
 from pagedserve.gateway.v1 import gateway_pb2
-from tests.e2e.conftest import Engine, Gateway, start_gateway, wait_until
+from pagedserve.process import wait_until
+from tests.e2e.conftest import Engine, Gateway, start_gateway
 
 
 LONG_MAX_TOKENS = 960

@@ -17,7 +17,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.config import API_KEYS_ENV
 from pagedserve.gateway.v1 import gateway_pb2
-from tests.e2e.conftest import Engine, Gateway, start_gateway, wait_until
+from pagedserve.process import wait_until
+from tests.e2e.conftest import Engine, Gateway, start_gateway
 
 FILE_KEY, ENV_KEY = "file-key-0123456789", "env-key-9876543210"
 

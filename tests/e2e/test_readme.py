@@ -25,7 +25,8 @@ import pytest
 import torch
 
 from pagedserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from tests.e2e.conftest import free_port, shm_segments
+from pagedserve.sockets import free_port
+from pagedserve.stack import shm_segments
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent

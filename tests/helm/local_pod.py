@@ -27,6 +27,7 @@ from typing import Any
 from grpc_health.v1 import health_pb2
 
 from pagedserve.process import ServiceProcess, check_health
+from pagedserve.stack import HEALTH_SERVICES, ready
 
 
 @dataclass
@@ -105,14 +106,14 @@ class LocalPod:
                 env[var["name"]] = self.local_value(c, var["value"])
         return env
 
-    def start(self, name: str, address: str, *, log_dir: Path, health_service: str = "",
-              ready_timeout_s: float = 120.0) -> ServiceProcess:
-        """Start container `name` (a `python -m MODULE ...` command) and wait until `address` is SERVING."""
+    def start(self, name: str, address: str, *, log_dir: Path, ready_timeout_s: float = 120.0) -> ServiceProcess:
+        """Start container `name` (a `python -m MODULE ...` command) and wait until `address` reports
+        the module's own health service (pagedserve.stack) SERVING."""
         argv = self.argv(name)
         assert argv[:2] == ["python", "-m"], f"{name}: expected `python -m MODULE`, got {argv[:3]}"
-        return ServiceProcess.launch(
-            argv[2], argv[3:], address=address, health_service=health_service, env=self.env(name),
-            log_file=log_dir / f"{self.name}-{name}.log", ready_timeout_s=ready_timeout_s)
+        module = argv[2]
+        return ready(ServiceProcess(module, argv[3:], address=address, health_service=HEALTH_SERVICES[module],
+                                    env=self.env(name), log_file=log_dir / f"{self.name}-{name}.log"), ready_timeout_s)
 
     def probe(self, container_name: str, kind: str) -> bool:
         """Run one declared probe (startupProbe, readinessProbe, livenessProbe) once, as the kubelet would."""

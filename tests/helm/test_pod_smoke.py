@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import shlex
-import socket
 import subprocess
 import tempfile
 import urllib.request
@@ -16,16 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.compute_service.service_fixtures import shm_segments
+from pagedserve.sockets import free_port
+from pagedserve.stack import shm_segments
 from tests.e2e.test_grpcurl import _grpcurl
 from tests.helm.chart import render
 from tests.helm.local_pod import LocalPod
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _missing_services() -> list[str]:
@@ -36,13 +30,13 @@ def _missing_services() -> list[str]:
 def _cpu_values(model_source: dict) -> dict:
     """CPU mode, free local ports, a small KV pool. The gateway's Service port is its container
     port, as `kubectl port-forward svc/... P:P` makes it on the user's machine."""
-    port, http_port = _free_port(), _free_port()
+    port, http_port = free_port(), free_port()
     return {
         "gpu": {"mode": "none"},
         "model": model_source,
-        "engine": {"port": _free_port(), "memory": {"kvCacheBytes": 8 << 20, "metricsPort": _free_port()},
-                   "compute": {"metricsPort": _free_port()}},
-        "gateway": {"port": port, "metricsPort": _free_port(), "service": {"port": port, "httpPort": http_port},
+        "engine": {"port": free_port(), "memory": {"kvCacheBytes": 8 << 20, "metricsPort": free_port()},
+                   "compute": {"metricsPort": free_port()}},
+        "gateway": {"port": port, "metricsPort": free_port(), "service": {"port": port, "httpPort": http_port},
                     "httpPort": http_port},
     }
 
@@ -98,7 +92,7 @@ def test_engine_and_gateway_pods_serve_a_request(volume_root: Path) -> None:
 
     from pagedserve.compute.v1 import compute_pb2, compute_pb2_grpc
     from pagedserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-    from tests.compute_service.service_fixtures import build_service_model, hf_greedy
+    from benchmarks.tiny_model import build_service_model, hf_greedy
 
     model_dir = volume_root / "model"  # the claim's contents: a tiny Llama with its byte tokenizer
     model_dir.mkdir()
@@ -112,10 +106,8 @@ def test_engine_and_gateway_pods_serve_a_request(volume_root: Path) -> None:
     started = []
     try:
         started.append(engine.start("memory", "unix:" + socket_path, log_dir=volume_root))
-        started.append(engine.start("compute", f"127.0.0.1:{engine_port}", log_dir=volume_root,
-                                    health_service="pagedserve.compute.v1.Compute", ready_timeout_s=180))
-        started.append(gateway.start("gateway", f"127.0.0.1:{gateway_port}", log_dir=volume_root,
-                                     health_service="pagedserve.gateway.v1.Gateway", ready_timeout_s=60))
+        started.append(engine.start("compute", f"127.0.0.1:{engine_port}", log_dir=volume_root, ready_timeout_s=180))
+        started.append(gateway.start("gateway", f"127.0.0.1:{gateway_port}", log_dir=volume_root, ready_timeout_s=60))
         for pod, name in ((engine, "memory"), (engine, "compute"), (gateway, "gateway")):
             for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
                 if kind in pod.container(name):

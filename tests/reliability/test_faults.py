@@ -9,9 +9,10 @@ import time
 import grpc
 import pytest
 
+from benchmarks.reliability.stack import LEASE_TTL_S, NOT_SERVING, SERVING, Stack
 from pagedserve.gateway.v1 import gateway_pb2
-from tests.e2e.conftest import shm_segments, wait_until
-from tests.reliability.stack import LEASE_TTL_S, NOT_SERVING, SERVING, Stack
+from pagedserve.process import wait_until
+from pagedserve.stack import shm_segments
 
 CACHED_PROMPT = "The prefix cache lives in the memory service and outlives the compute service. " * 2
 
@@ -52,7 +53,7 @@ def test_sigkill_compute_mid_stream(stack: Stack) -> None:
     # The lease ends with the dead client's connection (or its TTL): every block comes back.
     stats = stack.wait_idle(timeout_s=LEASE_TTL_S + 8)
     assert stats.num_clients == 0
-    stack.engine.restart_compute()
+    stack.restart_compute()
     _serves(stack)
     again = stack.gateway.stub.Generate(_request(CACHED_PROMPT, 2), timeout=30)
     assert again.usage.cached_prompt_tokens > 0, "the restarted compute service found the prefix cache cold"

@@ -12,8 +12,8 @@ from collections import Counter
 import pytest
 
 from pagedserve.gateway.v1 import gateway_pb2
-from tests.reliability import fuzz
-from tests.reliability.stack import Stack, kv_layout
+from benchmarks.reliability import fuzz
+from benchmarks.reliability.stack import Stack, kv_layout
 
 NUM_CASES = 150
 
@@ -39,7 +39,7 @@ def test_compute_fuzz(stack: Stack, service_model) -> None:
     tally = fuzz.run_cases(stack.compute.address, fuzz.compute_cases(NUM_CASES, service_model.vocab_size, seed=2),
                            concurrency=4, timeout_s=60)
     _check(tally, stack)
-    assert stack.engine.load().num_running == 0
+    assert stack.compute_load().num_running == 0
 
 
 def test_memory_fuzz(stack: Stack) -> None:

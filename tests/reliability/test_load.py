@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import time
 
-from tests.reliability import load
+from benchmarks.reliability import load
 from tests.reliability.conftest import GATEWAY_MAX_QUEUED
-from tests.reliability.stack import Stack
+from benchmarks.reliability.stack import Stack
 
 NUM_CLIENTS, MAX_TOKENS = 24, 12
 OK_STREAMS = 'pagedserve_gateway_requests_total{method="GenerateStream",status="OK"}'
@@ -48,10 +48,10 @@ def test_a_client_that_vanishes_with_open_streams_has_them_all_aborted(stack: St
         while load.metric(stack.gateway.metrics_port, "pagedserve_gateway_queue_length") < num:
             assert time.monotonic() < deadline, "the streams never all reached the gateway"
             time.sleep(0.05)
-        assert stack.engine.num_used_blocks() > 0
+        assert stack.num_used_blocks() > 0
     finally:
         client.kill()
         client.wait()
     stats = stack.wait_idle(timeout_s=20)
-    assert stack.engine.load().num_running == 0 and stats.num_sequences == 0
+    assert stack.compute_load().num_running == 0 and stats.num_sequences == 0
     assert load.metric(stack.gateway.metrics_port, "pagedserve_gateway_queue_length") == 0

@@ -15,8 +15,8 @@ import pytest
 from gateway import auth, tenants
 from pagedserve.compute.v1 import compute_pb2, compute_pb2_grpc
 from pagedserve.gateway.v1 import gateway_pb2
-from tests.e2e.conftest import shm_segments, start_gateway
-from tests.reliability.stack import Stack
+from benchmarks.reliability.stack import Stack, start_gateway
+from pagedserve.stack import shm_segments
 
 
 def _request(prompt: str = "hello", max_tokens: int = 2, **fields: object) -> gateway_pb2.GenerateRequest:
