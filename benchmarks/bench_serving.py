@@ -45,6 +45,7 @@ from benchmarks.serving.client import (
 )
 from benchmarks.serving.stack import StackConfig, start_stacks
 from benchmarks.serving.workload import RequestSpec, make_requests, make_shared_prefix, make_text, poisson_arrivals
+from memory_service.config import DEFAULT_CPU_KV_CACHE_BYTES
 
 WARMUP = RequestSpec("Hello, how are you today?", 4)
 
@@ -217,7 +218,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--question-tokens", type=int, default=16, help="each distinct question, tokens (default 16)")
     p.add_argument("--prefix-requests", type=int, default=12, help="shared-prefix requests timed (default 12)")
     p.add_argument("--prefix-max-tokens", type=int, default=8, help="their output tokens (default 8)")
-    p.add_argument("--kv-cache-bytes", type=int, default=512 << 20, help="KV pool of a started stack (512 MiB)")
+    p.add_argument("--kv-cache-bytes", type=int, default=DEFAULT_CPU_KV_CACHE_BYTES,
+                   help="KV pool of a started stack (default: the CPU default, memory_service.config)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=None, help="engine max_num_seqs (default: the engine's)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,

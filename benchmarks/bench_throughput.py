@@ -57,6 +57,7 @@ from compute_service import LLM, SamplingParams
 from compute_service.engine.outputs import RequestOutput, collect
 from compute_service.model.model_config import ModelConfig
 from compute_service.model.model_loader import load_tokenizer, resolve_model
+from memory_service.config import DEFAULT_CPU_KV_CACHE_BYTES
 from pagedserve.dtypes import DTYPES
 from pagedserve.log import configure_logging
 
@@ -239,7 +240,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     quick = args.quick
-    args.kv_cache_bytes = args.kv_cache_bytes or (48 << 20 if quick else 512 << 20)
+    args.kv_cache_bytes = args.kv_cache_bytes or (48 << 20 if quick else DEFAULT_CPU_KV_CACHE_BYTES)
     args.num_requests = args.num_requests or (32 if quick else 128)
     args.prompt_len = tuple(args.prompt_len or ((16, 128) if quick else (16, 512)))
     args.output_len = tuple(args.output_len or ((16, 64) if quick else (16, 256)))

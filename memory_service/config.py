@@ -11,6 +11,23 @@ from dataclasses import dataclass
 MAX_NUM_BLOCKS = 1 << 20
 
 
+# The KV pool's size on the CPU when none is given (``pagedserve up``, ``LLM``, the benchmarks):
+# the service's own sizing (a share of available RAM) would take gigabytes from a shared machine.
+DEFAULT_CPU_KV_CACHE_BYTES = 512 << 20
+
+
+def default_kv_cache_bytes(device: str) -> int | None:
+    """The pool size to ask for on ``device`` when the user gave none: DEFAULT_CPU_KV_CACHE_BYTES on
+    the CPU; None on CUDA (the service sizes the pool by ``memory_utilization_threshold``)."""
+    return DEFAULT_CPU_KV_CACHE_BYTES if device == "cpu" else None
+
+
+# The fields that size the pool and share it out, beside the layout (block_size) and the device: the
+# keywords ``LLM`` passes on to its private memory service.
+POOL_FIELDS = ("max_num_blocks", "kv_cache_bytes", "enable_prefix_caching", "memory_utilization_threshold",
+               "reserved_fraction", "reserved_min_priority")
+
+
 @dataclass(frozen=True)
 class MemoryServiceConfig:
     """How the memory service listens and sizes its KV pool.

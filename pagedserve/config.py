@@ -32,6 +32,16 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     return data
 
 
+def write_config_file(config: object, path: str | Path) -> Path:
+    """Writes a config dataclass as the JSON object ``read_config_file`` reads (owner-only: 0600).
+    How a whole config reaches a child service (``--config PATH``) without being turned back into
+    flags by hand."""
+    path = Path(path)
+    path.touch(mode=0o600)
+    path.write_text(json.dumps(dataclasses.asdict(config), indent=1))
+    return path
+
+
 def build_config(cls: type[T], file_values: dict[str, Any], flag_values: dict[str, Any]) -> T:
     """Instantiate dataclass ``cls`` from file values overridden by flags that were given.
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from grpc_health.v1 import health_pb2
 
+from memory_service.config import DEFAULT_CPU_KV_CACHE_BYTES
 from pagedserve.log import LOG_FORMATS
 from pagedserve.process import ServiceProcess, check_health
 from pagedserve.sockets import free_port
@@ -46,7 +47,7 @@ class UpConfig:
     host: str = "127.0.0.1"
     port: int = 50051
     http_port: int = 8000
-    kv_cache_bytes: int = 512 << 20
+    kv_cache_bytes: int = DEFAULT_CPU_KV_CACHE_BYTES
     config_file: str | None = None
     ready_timeout_s: float = 600.0
     log_format: str | None = None

@@ -6,26 +6,20 @@ from dataclasses import dataclass
 
 from pagedserve.dtypes import DTYPES
 
-DEFAULT_CPU_KV_CACHE_BYTES = 512 << 20
-
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Scheduling budgets and the KV pool the engine asks its memory service for.
+    """The engine's scheduling budgets and where its KV blocks live.
 
-    When ``memory_socket`` is None the engine starts a private memory service with the pool
-    settings below; otherwise it attaches to that service and those settings are the service's.
+    The pool's own settings (size, prefix caching, reserved share) are the memory service's
+    (``memory_service.config.MemoryServiceConfig``); ``block_size`` is the layout the engine attaches
+    with and must equal the service's. When ``memory_socket`` is None, ``LLM`` starts a private
+    memory service for the engine.
     """
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     block_size: int = 16
-    enable_prefix_caching: bool = True
-    kv_cache_bytes: int | None = None  # default: 512 MiB on CPU, memory_utilization_threshold on CUDA
-    max_num_blocks: int | None = None
-    memory_utilization_threshold: float = 0.9
-    reserved_fraction: float = 0.0
-    reserved_min_priority: int = 1
     # Admissions leave this fraction of the (unreserved) pool free for running sequences to grow
     # into, so that a saturated engine seldom preempts (and recomputes); see scheduler.py.
     admission_watermark: float = 0.05

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import shutil
@@ -13,10 +14,12 @@ from typing import Any
 import torch
 
 from memory_service.api import BlockManagerStats, KvLayout, MemoryClient
+from memory_service.config import POOL_FIELDS, MemoryServiceConfig, default_kv_cache_bytes
+from pagedserve.config import write_config_file
 from pagedserve.dtypes import dtype_name
 from pagedserve.stack import memory_process, ready
 
-from compute_service.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from compute_service.engine.config import EngineConfig
 from compute_service.engine.engine import Engine
 from compute_service.model.model_loader import load_model
 from compute_service.engine.outputs import RequestOutput, collect
@@ -25,31 +28,23 @@ from compute_service.engine.sampling_params import SamplingParams
 
 
 class MemoryServiceProcess:
-    """A private ``python -m memory_service`` child on a socket in a fresh 0700 directory.
+    """A private ``python -m memory_service`` child on a socket in a fresh 0700 directory, started
+    with the whole ``config`` (written beside the socket and passed as ``--config``).
 
     Leaves nothing behind: a start that fails (or is interrupted, KeyboardInterrupt included)
     stops the child and removes the directory before raising, and the child gets SIGTERM when
     this process dies, even by SIGKILL (pagedserve.stack's ServiceProcess passes ``--parent-pid``).
     """
 
-    def __init__(self, config: EngineConfig, device: str) -> None:
+    def __init__(self, config: MemoryServiceConfig) -> None:
         self.directory = tempfile.mkdtemp(prefix="pagedserve-")
         self.socket = os.path.join(self.directory, "memory.sock")
-        args = ["--device", device,
-                "--block-size", str(config.block_size),
-                "--enable-prefix-caching", str(config.enable_prefix_caching).lower(),
-                "--memory-utilization-threshold", str(config.memory_utilization_threshold),
-                "--reserved-fraction", str(config.reserved_fraction),
-                "--reserved-min-priority", str(config.reserved_min_priority), "--log-level", "warning"]
-        if config.max_num_blocks is not None:
-            args += ["--max-num-blocks", str(config.max_num_blocks)]
-        kv_bytes = config.kv_cache_bytes or (DEFAULT_CPU_KV_CACHE_BYTES if device == "cpu" else None)
-        if kv_bytes is not None and config.max_num_blocks is None:
-            args += ["--kv-cache-bytes", str(kv_bytes)]
+        self.config = dataclasses.replace(config, socket=self.socket)
         try:
+            config_file = write_config_file(self.config, os.path.join(self.directory, "memory_service.json"))
             # Its output goes to a log beside the socket (quoted when the start fails), not to the
             # owner's stdout.
-            self.process = ready(memory_process(self.socket, args,
+            self.process = ready(memory_process(self.socket, ["--config", config_file],
                                                 log_file=os.path.join(self.directory, "memory_service.log")), 60)
         except BaseException:
             shutil.rmtree(self.directory, ignore_errors=True)
@@ -60,19 +55,35 @@ class MemoryServiceProcess:
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
+def split_config(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``LLM``'s keywords as (EngineConfig fields, the pool's MemoryServiceConfig fields)."""
+    pool = {k: config[k] for k in POOL_FIELDS if k in config}
+    return {k: v for k, v in config.items() if k not in pool}, pool
+
+
 class LLM:
     """Load a model, attach (or start) a memory service, and generate.
 
     Args:
         model: "default" (SmolLM2-135M-Instruct) or a local Hugging Face Llama-family directory.
         cache_dir: where converted models are cached (default ``~/.cache/pagedserve``).
-        **engine_config: fields of EngineConfig (``max_num_seqs``, ``max_num_batched_tokens``,
-            ``block_size``, ``enable_prefix_caching``, ``kv_cache_bytes``, ``max_num_blocks``,
-            ``memory_socket`` to attach to a running memory service, ``device``, ``dtype``, ...).
+        memory: the whole config of the private memory service (its ``block_size`` and ``device``
+            are the engine's); default: the memory service's defaults, a
+            ``default_kv_cache_bytes`` pool, warnings-only logs.
+        **config: fields of EngineConfig (``max_num_seqs``, ``max_num_batched_tokens``,
+            ``block_size``, ``memory_socket`` to attach to a running memory service, ``device``,
+            ``dtype``, ...) and the pool's fields of MemoryServiceConfig (``kv_cache_bytes``,
+            ``max_num_blocks``, ``enable_prefix_caching``, ... : ``POOL_FIELDS``) for the private
+            memory service.
     """
 
-    def __init__(self, model: str = "default", *, cache_dir: str | Path | None = None, **engine_config: Any) -> None:
-        self.config = EngineConfig(**engine_config)
+    def __init__(self, model: str = "default", *, cache_dir: str | Path | None = None,
+                 memory: MemoryServiceConfig | None = None, **config: Any) -> None:
+        engine_fields, pool_fields = split_config(config)
+        self.config = EngineConfig(**engine_fields)
+        if self.config.memory_socket is not None and (pool_fields or memory is not None):
+            raise ValueError(f"pool settings {sorted(pool_fields) or ['memory']} belong to the memory service at "
+                             f"{self.config.memory_socket!r}: give them to it, not to LLM")
         device = self.config.device or ("cuda" if torch.cuda.is_available() else "cpu")
         self._memory_process: MemoryServiceProcess | None = None
         self._memory: MemoryClient | None = None
@@ -89,7 +100,8 @@ class LLM:
         try:
             socket = self.config.memory_socket
             if socket is None:
-                self._memory_process = MemoryServiceProcess(self.config, "cpu" if device == "cpu" else str(loaded.model.device))
+                pool_device = "cpu" if device == "cpu" else str(loaded.model.device)
+                self._memory_process = MemoryServiceProcess(self._memory_config(memory, pool_fields, pool_device))
                 socket = self._memory_process.socket
             self._memory = MemoryClient(f"unix:{socket}", layout, client_name="llm")
             self.engine = Engine(loaded.model, loaded.config, loaded.tokenizer, self._memory, self.config)
@@ -97,6 +109,17 @@ class LLM:
             self.close()
             raise
         self._ids = itertools.count()
+
+    def _memory_config(self, memory: MemoryServiceConfig | None, pool_fields: dict[str, Any],
+                       device: str) -> MemoryServiceConfig:
+        """The private memory service's config: the engine's layout and device, and a default size."""
+        if memory is None:
+            sized = "kv_cache_bytes" in pool_fields or "max_num_blocks" in pool_fields
+            defaults = {} if sized else {"kv_cache_bytes": default_kv_cache_bytes(device)}
+            memory = MemoryServiceConfig(log_level="warning", **(defaults | pool_fields))
+        elif pool_fields:
+            raise ValueError(f"give the pool settings {sorted(pool_fields)} in memory=, not beside it")
+        return dataclasses.replace(memory, block_size=self.config.block_size, device=device)
 
     def _tokenize(self, prompt: str | Seq[int]) -> list[int]:
         if isinstance(prompt, str):

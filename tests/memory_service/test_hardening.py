@@ -212,9 +212,9 @@ def test_also_close_block_count_cannot_overflow_the_reply() -> None:
 
 OWNER = """
 import sys, time
-from compute_service.engine.config import EngineConfig
 from compute_service.engine.llm import MemoryServiceProcess
-proc = MemoryServiceProcess(EngineConfig(max_num_blocks=16, block_size=4), "cpu")
+from memory_service.config import MemoryServiceConfig
+proc = MemoryServiceProcess(MemoryServiceConfig(max_num_blocks=16, block_size=4))
 print(proc.process.pid, proc.directory, flush=True)
 time.sleep(600)
 """
@@ -241,8 +241,8 @@ def test_item13_private_memory_service_dies_with_its_owner() -> None:
 @pytest.mark.parametrize("failure", ["exit", "interrupt"])
 def test_item13_failed_or_interrupted_start_leaves_nothing(monkeypatch: pytest.MonkeyPatch, failure: str) -> None:
     """Before: a failed start left the temporary directory; a KeyboardInterrupt orphaned the child."""
-    from compute_service.engine.config import EngineConfig
     from compute_service.engine.llm import MemoryServiceProcess
+    from memory_service.config import MemoryServiceConfig
     from pagedserve.process import ServiceProcess
 
     made, started = [], []
@@ -264,11 +264,13 @@ def test_item13_failed_or_interrupted_start_leaves_nothing(monkeypatch: pytest.M
 
         monkeypatch.setattr(ServiceProcess, "wait_ready", interrupted)
         expected: type[BaseException] = KeyboardInterrupt
-        device = "cpu"
+        config = MemoryServiceConfig(max_num_blocks=16, block_size=4)
     else:
-        expected, device = RuntimeError, "tpu"  # the service refuses the device and exits
+        # A metrics address no interface has (TEST-NET-3): the service cannot bind it and exits.
+        expected = RuntimeError
+        config = MemoryServiceConfig(max_num_blocks=16, block_size=4, metrics_host="203.0.113.1", metrics_port=9)
     with pytest.raises(expected):
-        MemoryServiceProcess(EngineConfig(max_num_blocks=16, block_size=4), device)
+        MemoryServiceProcess(config)
     [directory] = made
     [child] = started
     assert not Path(directory).exists()
