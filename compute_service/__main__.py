@@ -7,20 +7,43 @@ import asyncio
 import dataclasses
 import sys
 
-from pagedserve.config import add_config_file_flag, build_config, read_config_file
+from pagedserve.config import add_config_flags, add_service_flags, build_config, read_config_file
 from pagedserve.errors import PreconditionError
-from pagedserve.log import add_log_format_flag, configure_logging
-from pagedserve.process import add_parent_pid_flag, die_with_parent
+from pagedserve.log import configure_logging
+from pagedserve.process import die_with_parent
 from pagedserve.service_auth import TOKEN_ENV
 
 from memory_service.config import MemoryServiceConfig
 
 from compute_service.engine.config import EngineConfig
 
-from compute_service.service.config import DEFAULT_LISTEN, ComputeServiceConfig
+from compute_service.service.config import ComputeServiceConfig
 
+# The flags: fields of ComputeServiceConfig, then of EngineConfig (their defaults are the dataclasses').
+SERVICE_FLAGS = {
+    "model": "'default' (SmolLM2-135M-Instruct) or a local Hugging Face Llama-family directory",
+    "memory_socket": "the memory service's Unix socket (default: $XDG_RUNTIME_DIR or /tmp/pagedserve-UID, memory.sock)",
+    "listen": "host:port or unix:PATH",
+    "served_model_name": "model name reported by Info",
+    "cache_dir": "where converted models are cached",
+    "max_queued_requests": "requests in flight before RESOURCE_EXHAUSTED",
+    "shutdown_grace_s": "on SIGTERM, seconds running requests may take to finish",
+    "memory_retry_interval_s": "pause between attempts to reach the memory service",
+    "memory_ping_interval_s": "how often an idle engine checks the memory service",
+    "write_stall_timeout_s": "abort a stream whose client reads nothing for this long, freeing its blocks",
+    "max_stream_buffer": "step outputs a stream holds for a slow reader before its request pauses",
+    "auth_token_file": f"require this file's token as 'authorization: Bearer TOKEN' on every call but health "
+                       f"(also ${TOKEN_ENV}); the gateway sends it with --backend-token-file",
+}
 # EngineConfig fields that a service sets (the pool's own settings belong to the memory service).
-_ENGINE_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "block_size", "device", "dtype")
+ENGINE_FLAGS = {
+    "max_num_seqs": "sequences running at once",
+    "max_num_batched_tokens": "new tokens per engine step",
+    "block_size": "tokens per KV block; must equal the memory service's",
+    "device": "cpu or cuda[:N] (default: cuda when available)",
+    "dtype": "float32, float16 or bfloat16 (default: float32 on CPU, bfloat16 on CUDA)",
+}
+_ENGINE_FIELDS = tuple(ENGINE_FLAGS)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,40 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="pagedserve compute service: runs the model with continuous batching over the "
                     "memory service's paged KV pool; gRPC service pagedserve.compute.v1.Compute.",
     )
-    add_config_file_flag(p)
-    p.add_argument("--model", help="'default' (SmolLM2-135M-Instruct) or a local Hugging Face Llama-family directory")
-    p.add_argument("--memory-socket", dest="memory_socket",
-                   help="the memory service's Unix socket (default: $XDG_RUNTIME_DIR or /tmp/pagedserve-UID, memory.sock)")
-    p.add_argument("--listen", help=f"host:port or unix:PATH (default {DEFAULT_LISTEN})")
-    p.add_argument("--served-model-name", dest="served_model_name", help="model name reported by Info")
-    p.add_argument("--cache-dir", dest="cache_dir", help="where converted models are cached")
-    p.add_argument("--max-num-seqs", dest="max_num_seqs", type=int, help="sequences running at once (default 64)")
-    p.add_argument("--max-num-batched-tokens", dest="max_num_batched_tokens", type=int,
-                   help="new tokens per engine step (default 2048)")
-    p.add_argument("--max-queued-requests", dest="max_queued_requests", type=int,
-                   help="requests in flight before RESOURCE_EXHAUSTED (default 256)")
-    p.add_argument("--block-size", dest="block_size", type=int,
-                   help="tokens per KV block; must equal the memory service's (default 16)")
-    p.add_argument("--device", help="cpu or cuda[:N] (default: cuda when available)")
-    p.add_argument("--dtype", help="float32, float16 or bfloat16 (default: float32 on CPU, bfloat16 on CUDA)")
-    p.add_argument("--shutdown-grace-s", dest="shutdown_grace_s", type=float,
-                   help="on SIGTERM, seconds running requests may take to finish (default 30)")
-    p.add_argument("--memory-retry-interval-s", dest="memory_retry_interval_s", type=float,
-                   help="pause between attempts to reach the memory service (default 0.5)")
-    p.add_argument("--memory-ping-interval-s", dest="memory_ping_interval_s", type=float,
-                   help="how often an idle engine checks the memory service (default 1)")
-    p.add_argument("--metrics-port", dest="metrics_port", type=int, help="serve Prometheus metrics on this port")
-    p.add_argument("--metrics-host", dest="metrics_host", help="address of the metrics endpoint (default 127.0.0.1)")
-    p.add_argument("--write-stall-timeout-s", dest="write_stall_timeout_s", type=float,
-                   help="abort a stream whose client reads nothing for this long, freeing its blocks (default 30)")
-    p.add_argument("--max-stream-buffer", dest="max_stream_buffer", type=int,
-                   help="step outputs a stream holds for a slow reader before its request pauses (default 8)")
-    p.add_argument("--auth-token-file", dest="auth_token_file",
-                   help=f"require this file's token as 'authorization: Bearer TOKEN' on every call but health "
-                        f"(also ${TOKEN_ENV}); the gateway sends it with --backend-token-file")
-    p.add_argument("--log-level", dest="log_level", help="debug, info, warning, error")
-    add_log_format_flag(p)
-    add_parent_pid_flag(p)
+    add_service_flags(p)
+    add_config_flags(p, ComputeServiceConfig, SERVICE_FLAGS)
+    add_config_flags(p, EngineConfig, ENGINE_FLAGS)
     return p
 
 

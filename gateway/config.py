@@ -9,6 +9,7 @@ from pathlib import Path
 from gateway.tenants import Tenant, load_tenants
 from pagedserve import sampling_rules
 from pagedserve.service_auth import check_token, load_token
+from pagedserve.config import ServiceConfig, check_listen
 
 # Where API keys come from besides --api-keys-file: comma-separated keys.
 API_KEYS_ENV = "PAGEDSERVE_API_KEYS"
@@ -20,8 +21,9 @@ def _positive(name: str, value: float) -> None:
 
 
 @dataclass(frozen=True)
-class GatewayConfig:
-    """How one gateway listens, finds its backends, routes and protects itself.
+class GatewayConfig(ServiceConfig):
+    """How one gateway listens, finds its backends, routes and protects itself (metrics and log
+    level: ServiceConfig).
 
     Args:
         backends: compute services: ``host:port``, ``unix:PATH`` or ``dns:NAME:PORT`` (every
@@ -29,8 +31,6 @@ class GatewayConfig:
         listen: the public address, ``host:port``.
         http_port: the OpenAI-compatible HTTP API's port (None = no HTTP front; 0 = any free port).
         http_host: its bind address (None = the host of ``listen``).
-        metrics_port: Prometheus HTTP port (None = no metrics server; 0 = any free port).
-        metrics_host: the metrics server's bind address.
         api_keys_file: the tenants and their keys: a JSON object ``{"tenants": {"NAME": {"keys":
             [...], "max_priority": P, "max_concurrent": C}}}``, or one key per line (blank lines and
             ``#`` comments ignored; each key a tenant of its own, ``key-1``, ``key-2``, ...); see
@@ -68,8 +68,6 @@ class GatewayConfig:
     listen: str = "127.0.0.1:50051"
     http_port: int | None = None
     http_host: str | None = None
-    metrics_port: int | None = None
-    metrics_host: str = "127.0.0.1"
     api_keys_file: str | None = None
     max_queued_requests: int = 1024
     health_interval_s: float = 1.0
@@ -92,17 +90,15 @@ class GatewayConfig:
     backend_token: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         object.__setattr__(self, "backends", tuple(self.backends))
         if not self.backends:
             raise ValueError("backends: give at least one --backend ADDR")
         for address in self.backends:
             parse_backend(address)
-        if ":" not in self.listen:
-            raise ValueError(f"listen must be host:port, got {self.listen!r}")
-        for name in ("metrics_port", "http_port"):
-            port = getattr(self, name)
-            if port is not None and not 0 <= port < 65536:
-                raise ValueError(f"{name} must be in [0, 65536), got {port}")
+        check_listen("listen", self.listen, allow_unix=False)
+        if self.http_port is not None and not 0 <= self.http_port < 65536:
+            raise ValueError(f"http_port must be in [0, 65536), got {self.http_port}")
         for name in ("max_queued_requests", "max_prompt_chars", "max_messages", "max_message_bytes",
                      "affinity_max_blocks", "health_interval_s", "dns_refresh_s", "affinity_max_load_ratio",
                      "write_stall_timeout_s", "tokenize_threads"):

@@ -5,11 +5,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from pagedserve.config import ServiceConfig, check_listen
+
 # Most blocks a pool may have. Every block costs the service metadata (~100 bytes) whatever its
 # size, so a layout of tiny blocks must not turn a byte budget into millions of records; 2**20
 # blocks of 16 tokens hold 16M tokens, beyond any single device's KV cache today.
 MAX_NUM_BLOCKS = 1 << 20
-
 
 # The KV pool's size on the CPU when none is given (``pagedserve up``, ``LLM``, the benchmarks):
 # the service's own sizing (a share of available RAM) would take gigabytes from a shared machine.
@@ -29,8 +30,8 @@ POOL_FIELDS = ("max_num_blocks", "kv_cache_bytes", "enable_prefix_caching", "mem
 
 
 @dataclass(frozen=True)
-class MemoryServiceConfig:
-    """How the memory service listens and sizes its KV pool.
+class MemoryServiceConfig(ServiceConfig):
+    """How the memory service listens and sizes its KV pool (metrics and log level: ServiceConfig).
 
     The pool's block count comes from, in order: ``max_num_blocks``; ``kv_cache_bytes``;
     ``memory_utilization_threshold`` times the device's free memory (GPU memory on CUDA, available
@@ -48,12 +49,12 @@ class MemoryServiceConfig:
     reserved_min_priority: int = 1
     device: str = "cpu"  # "cpu" or "cuda" / "cuda:N"
     lease_ttl_s: float = 30.0
-    metrics_port: int | None = None  # Prometheus /metrics over HTTP when set
-    metrics_host: str = "127.0.0.1"  # the metrics server's bind address (no auth: keep it local)
     max_clients: int = 64  # attached clients at once (each compute service is one)
-    log_level: str = "info"
 
     def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.address is not None:
+            check_listen("address", self.address, allow_unix=False)
         if self.block_size < 1 or self.block_size > 1024:
             raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
         if self.max_num_blocks is not None and not 1 <= self.max_num_blocks <= MAX_NUM_BLOCKS:
@@ -72,5 +73,3 @@ class MemoryServiceConfig:
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.max_clients < 1:
             raise ValueError(f"max_clients must be >= 1, got {self.max_clients}")
-        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
-            raise ValueError(f"metrics_port must be a TCP port, got {self.metrics_port}")

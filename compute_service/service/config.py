@@ -6,13 +6,15 @@ from dataclasses import dataclass, field
 
 from pagedserve.service_auth import check_token, load_token
 
+from pagedserve.config import ServiceConfig, check_listen
+
 DEFAULT_LISTEN = "127.0.0.1:50052"
 
 
 @dataclass(frozen=True)
-class ComputeServiceConfig:
+class ComputeServiceConfig(ServiceConfig):
     """The gRPC service around the engine (``python -m compute_service``); the engine's own budgets
-    stay in EngineConfig.
+    stay in EngineConfig, metrics and log level in ServiceConfig.
 
     Attributes:
         model: "default" or a local Hugging Face directory.
@@ -24,7 +26,6 @@ class ComputeServiceConfig:
         shutdown_grace_s: on SIGTERM, how long running requests may finish before they are aborted.
         memory_retry_interval_s: pause between attempts to (re)attach to the memory service.
         memory_ping_interval_s: how often an idle engine checks that the memory service is there.
-        metrics_port / metrics_host: Prometheus endpoint (None = no endpoint).
         write_stall_timeout_s: a stream whose client takes no message for this long is aborted (its
             blocks freed); a client that reads, however slowly, is only paused meanwhile.
         max_stream_buffer: step outputs one stream holds for a client that reads slower than the
@@ -43,26 +44,21 @@ class ComputeServiceConfig:
     shutdown_grace_s: float = 30.0
     memory_retry_interval_s: float = 0.5
     memory_ping_interval_s: float = 1.0
-    metrics_port: int | None = None
-    metrics_host: str = "127.0.0.1"
-    log_level: str = "info"
     write_stall_timeout_s: float = 30.0
     max_stream_buffer: int = 8
     auth_token_file: str | None = None
     auth_token: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not self.model:
             raise ValueError("model must be 'default' or a model directory, got an empty string")
-        if not self.listen.startswith("unix:") and ":" not in self.listen:
-            raise ValueError(f"listen must be host:port or unix:PATH, got {self.listen!r}")
+        check_listen("listen", self.listen)
         if self.max_queued_requests < 1:
             raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
         for name in ("shutdown_grace_s", "memory_retry_interval_s", "memory_ping_interval_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
-            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
         if not self.write_stall_timeout_s > 0:
             raise ValueError(f"write_stall_timeout_s must be > 0, got {self.write_stall_timeout_s}")
         if self.max_stream_buffer < 2:
