@@ -18,11 +18,12 @@ from compute_service.model.model_config import ModelConfig
 from compute_service.engine.model_runner import ModelRunner
 from compute_service.engine.faults import DetokenizeFault
 from compute_service.engine.outputs import RequestDelta
-from compute_service.engine.request import EngineLoad, Request
+from compute_service.engine.request import EngineLoad, GenerateInput, Request
 from compute_service.engine.sampler import sample, token_logprobs
 from compute_service.engine.sampling_params import SamplingParams
 from compute_service.engine.scheduler import ScheduledSeq, Scheduler
 from compute_service.engine.sequence import FinishReason, Sequence
+from compute_service.engine.stop import check_stop
 
 log = get_logger("engine")
 
@@ -62,14 +63,14 @@ class Engine:
 
     # --- requests ---------------------------------------------------------------------------
 
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams, *, request_id: str = "",
-                      cache_salt: str = "") -> None:
+    def check_request(self, request: GenerateInput) -> None:
         """Raise InvalidArgument (naming the field) unless this request can run on this model and pool.
 
         Lengths before contents: the prompt's length is compared with the model's before any id is
         read, and the ids are then checked in one pass (``check_token_ids``).
         """
-        rules.check_ids(request_id, cache_salt)
+        request_id, prompt_token_ids, params = request.request_id, request.prompt_token_ids, request.params
+        rules.check_ids(request_id, request.cache_salt)
         limit = self.model_config.max_position
         rules.check_prompt_length(len(prompt_token_ids), params.max_tokens, limit)
         vocab = self.model_config.vocab_size
@@ -85,17 +86,25 @@ class Engine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     *, priority: int = 0, cache_salt: str = "") -> None:
+        """Queue a request given by its fields (``add`` takes them in one object)."""
+        self.add(GenerateInput(request_id, list(prompt_token_ids), params, priority, cache_salt))
+
+    def add(self, new: GenerateInput) -> None:
         """Queue a request. Raises AlreadyExistsError for a duplicate id, InvalidArgument for a
-        request that cannot run."""
-        if request_id in self.requests:
-            raise AlreadyExistsError(f"request_id {echo(request_id)} is already running")
-        self.check_request(prompt_token_ids, params, request_id=request_id, cache_salt=cache_salt)
-        request = Request(request_id, list(prompt_token_ids), params, self.tokenizer, priority, cache_salt)
+        request that cannot run.
+
+        Checked here even after the servicer's check: the engine it checked against may have been
+        replaced since (re-attached to a memory service with a different pool)."""
+        if new.request_id in self.requests:
+            raise AlreadyExistsError(f"request_id {echo(new.request_id)} is already running")
+        self.check_request(new)
+        request = Request(new.request_id, list(new.prompt_token_ids), new.params, self.tokenizer, new.priority,
+                          new.cache_salt)
         seq = self._new_seq(request, index=0)
-        self.requests[request_id] = request
+        self.requests[new.request_id] = request
         self.scheduler.add(seq)
-        log.debug("queued", request_id=request_id, num_prompt_tokens=len(prompt_token_ids),
-                  max_tokens=params.max_tokens, n=params.n, priority=priority)
+        log.debug("queued", request_id=new.request_id, num_prompt_tokens=len(new.prompt_token_ids),
+                  max_tokens=new.params.max_tokens, n=new.params.n, priority=new.priority)
 
     def _new_seq(self, request: Request, index: int) -> Sequence:
         generator = None
@@ -127,7 +136,7 @@ class Engine:
         log.info("aborted", request_id=request_id)
         for seq in request.seqs:
             if not seq.is_finished:
-                seq.finish_reason = FinishReason.ABORT
+                seq.finish(FinishReason.ABORT)
                 self.scheduler.finish(seq)
         self._aborted_ids.add(request_id)  # reported by the next step
         return True
@@ -198,8 +207,7 @@ class Engine:
                 # First chunk since (re)admission: the one moment both counters are equal.
                 self._num_prompt_tokens_admitted += seq.num_tokens
                 self._num_prompt_tokens_cached += seq.num_cached_tokens
-            seq.num_computed_tokens += item.num_new_tokens
-            if seq.num_computed_tokens == seq.num_tokens:  # prompt done or a decode step: sample
+            if seq.advance(item.num_new_tokens):  # prompt done or a decode step: sample
                 to_sample.append((row, seq))
         if to_sample:
             rows = logits[[row for row, _ in to_sample]]  # (B, V) raw logits
@@ -268,31 +276,25 @@ class Engine:
         request = self.requests[parent.request_id]
         for index in range(1, parent.params.n):
             child = self._new_seq(request, index)
-            child.num_computed_tokens = parent.num_computed_tokens
-            child.num_cached_tokens = parent.num_cached_tokens
-            child.block_table = list(parent.block_table)
+            parent.fork(child)
             self.scheduler.add_fork(parent, child)
             [token] = sample(row[None], [child], self.model_config.eos_token_ids)
             self._append_token(child, token, row)
 
     def _append_token(self, seq: Sequence, token: int, logits_row: torch.Tensor) -> None:
-        seq.output_token_ids.append(token)
+        seq.append_token(token)
         p = seq.params
         completion = self.requests[seq.request_id].completions[seq.index]
         if p.logprobs is not None:
             completion.new_logprobs.extend(token_logprobs(logits_row[None], [token], [p.logprobs]))
         stop_match = completion.detokenizer.add_tokens([token], check_stop=seq.num_output_tokens >= p.min_tokens)
-        reason = None
-        if token in self.model_config.eos_token_ids and not p.ignore_eos and seq.num_output_tokens > p.min_tokens:
-            reason = FinishReason.EOS
-        elif token in p.stop_token_id_set and seq.num_output_tokens > p.min_tokens:
-            reason, completion.stop_reason = FinishReason.STOP, token
-        elif stop_match is not None:
-            reason, completion.stop_reason = FinishReason.STOP, stop_match.stop
-        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.model_config.max_position:
-            reason = FinishReason.LENGTH
-        if reason is not None:
-            seq.finish_reason = reason
+        stopped = check_stop(token, seq.num_output_tokens, seq.num_tokens, p, self.model_config.eos_token_ids,
+                             self.model_config.max_position, stop_match.stop if stop_match is not None else None)
+        if stopped is not None:
+            reason, stop_reason = stopped
+            if stop_reason is not None:
+                completion.stop_reason = stop_reason
+            seq.finish(reason)
             self.scheduler.finish(seq)
 
     def _log_finished(self, request: Request) -> None:

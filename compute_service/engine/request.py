@@ -17,6 +17,19 @@ from compute_service.engine.sequence import FinishReason, Sequence
 
 
 @dataclass(frozen=True)
+class GenerateInput:
+    """A new request's fields, in one object from the edge (the servicer's ``convert``, or
+    ``Engine.add_request``'s arguments) through the engine loop to the engine, which checks it
+    (``Engine.check_request``) and tracks it as a ``Request``."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    cache_salt: str = ""
+
+
+@dataclass(frozen=True)
 class EngineLoad:
     """What a router needs to know about an engine's load (see the Load RPC)."""
 

@@ -212,17 +212,14 @@ class Scheduler:
                 if not result.ok:
                     self._preempt(seq, "append_failed")  # the count it was planned with was stale
                     continue
-                seq.block_table.extend(result.block_ids)
-                for src, dst in result.copies:
-                    seq.block_table[seq.block_table.index(src)] = dst
+                seq.extend_blocks(result.block_ids, result.copies)
                 scheduled.append(ScheduledSeq(seq, len(op.token_ids)))
             elif isinstance(op, AllocateOp):
                 if not result.ok:
                     continue  # stays waiting; the service changed nothing
                 self.waiting.remove(seq)
                 self.running.append(seq)
-                seq.block_table = list(result.block_ids)
-                seq.num_cached_tokens = seq.num_computed_tokens = result.num_cached_tokens
+                seq.admit(result.block_ids, result.num_cached_tokens)
                 log.debug("admitted", request_id=seq.request_id, seq_id=seq.seq_id,
                           num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens)
                 scheduled.append(ScheduledSeq(seq, result.num_new_tokens))

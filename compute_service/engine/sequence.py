@@ -3,6 +3,11 @@
 Invariants: ``num_cached_tokens <= num_computed_tokens <= num_tokens``; the K/V of the first
 ``num_computed_tokens`` tokens is in the pool at the positions given by ``block_table``; the memory
 service's view of the sequence holds exactly those tokens (plus the ones scheduled this step).
+
+The counters, the block table and the finish reason change only through the transitions below
+(``admit``, ``extend_blocks``, ``advance``, ``append_token``, ``fork``, ``finish``,
+``reset_for_recompute``), each of which keeps the invariants; the scheduler and the engine call
+them rather than writing the fields.
 """
 
 from __future__ import annotations
@@ -83,6 +88,46 @@ class Sequence:
         if start >= prompt_len:  # decode (or recompute past the prompt): no concatenation per step
             return self.output_token_ids[start - prompt_len : start - prompt_len + n]
         return self.token_ids[start : start + n]
+
+    # --- transitions ----------------------------------------------------------------------
+
+    def admit(self, block_ids: list[int], num_cached_tokens: int) -> None:
+        """Admitted by the memory service: ``block_ids`` hold its tokens so far, the first
+        ``num_cached_tokens`` of them already computed (prefix-cache hits)."""
+        assert self.num_computed_tokens == 0 and not self.block_table, "admitted twice"
+        assert 0 <= num_cached_tokens <= self.num_tokens
+        self.block_table = list(block_ids)
+        self.num_cached_tokens = self.num_computed_tokens = num_cached_tokens
+
+    def extend_blocks(self, block_ids: list[int], copies: list[tuple[int, int]]) -> None:
+        """An append's answer: new blocks at the end, and copy-on-write replacements (src -> dst)."""
+        self.block_table.extend(block_ids)
+        for src, dst in copies:
+            self.block_table[self.block_table.index(src)] = dst
+
+    def advance(self, num_new_tokens: int) -> bool:
+        """The K/V of ``num_new_tokens`` more tokens was computed; True when every token's is (the
+        prompt is done, or a decode step ran): the moment to sample."""
+        self.num_computed_tokens += num_new_tokens
+        assert self.num_computed_tokens <= self.num_tokens, "computed more tokens than it has"
+        return self.num_computed_tokens == self.num_tokens
+
+    def append_token(self, token_id: int) -> None:
+        """A sampled token (its K/V is computed by the next step)."""
+        assert not self.is_finished, "a token after the finish"
+        self.output_token_ids.append(token_id)
+
+    def fork(self, child: Sequence) -> None:
+        """``child`` (a fresh sequence of the same prompt) shares this one's computed tokens and
+        blocks (the memory service forks them copy-on-write)."""
+        assert child.num_computed_tokens == 0 and not child.block_table and not child.output_token_ids
+        child.num_computed_tokens = self.num_computed_tokens
+        child.num_cached_tokens = self.num_cached_tokens
+        child.block_table = list(self.block_table)
+
+    def finish(self, reason: FinishReason) -> None:
+        assert not self.is_finished, f"finished twice ({self.finish_reason} then {reason})"
+        self.finish_reason = reason
 
     def reset_for_recompute(self) -> None:
         """Preempted: its blocks are gone; everything (prompt and output so far) is recomputed."""

@@ -6,32 +6,19 @@ temperature 1.0, top_p 1.0); validation errors name the field as the wire spells
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from pagedserve import sampling_rules as rules
 from pagedserve.compute.v1 import compute_pb2 as pb
 from pagedserve.errors import InvalidArgument
 
 from compute_service.model.model_info import ModelInfo
 from compute_service.engine.outputs import CompletionDelta, RequestDelta
-from compute_service.engine.request import EngineLoad
+from compute_service.engine.request import EngineLoad, GenerateInput
 from compute_service.engine.sampler import TokenLogprobs
 from compute_service.engine.sampling_params import SamplingParams
 
 # Fields copied as they are (proto3 zero = the core default, or "unset" marked by presence).
 _OPTIONAL_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "repetition_penalty", "logprobs")
 _PLAIN_FIELDS = ("top_k", "min_p", "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty")
-
-
-@dataclass(frozen=True)
-class GenerateInput:
-    """A Generate request in core types."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    priority: int
-    cache_salt: str
 
 
 def params_from_pb(msg: pb.SamplingParams) -> SamplingParams:

@@ -34,7 +34,7 @@ from memory_service.api import MemoryServiceUnavailable
 
 from compute_service.engine.engine import Engine
 from compute_service.engine.outputs import RequestDelta
-from compute_service.engine.request import EngineLoad
+from compute_service.engine.request import EngineLoad, GenerateInput
 from compute_service.engine.sampling_params import SamplingParams
 
 log = get_logger("engine_loop")
@@ -68,12 +68,12 @@ class LoopTotals:
 
 @dataclass(frozen=True)
 class AddCommand:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    priority: int
-    cache_salt: str
+    request: GenerateInput
     sink: Sink
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
 
 
 @dataclass(frozen=True)
@@ -252,8 +252,7 @@ class EngineLoop:
                 command.sink(AlreadyExistsError(f"request_id {echo(command.request_id)} is already running"))
                 continue
             try:
-                engine.add_request(command.request_id, command.prompt_token_ids, command.params,
-                                   priority=command.priority, cache_salt=command.cache_salt)
+                engine.add(command.request)
             except (InvalidArgument, AlreadyExistsError) as exc:  # checked by the servicer already; reported
                 command.sink(exc)
                 continue

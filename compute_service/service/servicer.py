@@ -35,6 +35,7 @@ from compute_service.engine.engine import Engine
 from compute_service.service.engine_loop import AddCommand, EngineLoop
 from compute_service.model.model_info import ModelInfo
 from compute_service.engine.outputs import RequestDelta
+from compute_service.engine.request import GenerateInput
 from compute_service.service.stream_buffer import StreamBuffer
 
 log = get_logger("compute_service")
@@ -113,8 +114,7 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
         finished = False
         has_streamed = False
         try:
-            loop.submit(AddCommand(req.request_id, req.prompt_token_ids, req.params, req.priority,
-                                   req.cache_salt, buffer.put))
+            loop.submit(AddCommand(req, buffer.put))
             while not finished:
                 item = await buffer.get()
                 if isinstance(item, Exception):
@@ -150,11 +150,11 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
                 f"the client did not read its stream for {timeout_s:g} s: request aborted") from None
 
     @staticmethod
-    def _checked_request(engine: Engine, request: pb.GenerateRequest, max_model_len: int) -> convert.GenerateInput:
+    def _checked_request(engine: Engine, request: pb.GenerateRequest, max_model_len: int) -> GenerateInput:
         """The request in core types, every field checked: sizes first, then each id (InvalidArgument)."""
         req = convert.generate_from_pb(request, default_request_id=f"cmpl-{uuid.uuid4().hex}",
                                        max_model_len=max_model_len)
-        engine.check_request(req.prompt_token_ids, req.params, request_id=req.request_id, cache_salt=req.cache_salt)
+        engine.check_request(req)
         return req
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
