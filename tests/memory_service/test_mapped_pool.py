@@ -1,4 +1,4 @@
-"""Issue 7, item 4: the client maps only the pool its own layout needs, from a name of ours.
+"""The client maps only the pool its own layout needs, from a name of ours.
 
 Before: a crafted ``shm_name`` such as ``../../some/file`` was mapped, grown and overwritten, and the
 CUDA handle was unpickled (running whatever the sender put in it).

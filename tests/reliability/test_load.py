@@ -6,11 +6,10 @@ The benchmark runs 256 clients on the default model; here 24 clients on the tiny
 
 from __future__ import annotations
 
-import time
-
 from benchmarks.reliability import load
-from tests.reliability.conftest import GATEWAY_MAX_QUEUED
 from benchmarks.reliability.stack import Stack
+from pagedserve.process import wait_until
+from tests.reliability.conftest import GATEWAY_MAX_QUEUED
 
 NUM_CLIENTS, MAX_TOKENS = 24, 12
 OK_STREAMS = 'pagedserve_gateway_requests_total{method="GenerateStream",status="OK"}'
@@ -28,14 +27,17 @@ def test_concurrent_streams_all_complete_once(stack: Stack) -> None:
     stack.wait_idle()
 
 
-def test_overload_beyond_the_queue_is_resource_exhausted_quickly(stack: Stack) -> None:
+def test_overload_beyond_the_queue_is_refused_before_any_accepted_stream_ends(stack: Stack) -> None:
     num = GATEWAY_MAX_QUEUED + 16
     report = load.run_streams(stack.gateway.address, num, 60, timeout_s=90, tag="t-over")
     codes = report.codes
     assert set(codes) <= {"OK", "RESOURCE_EXHAUSTED"}, codes
     assert codes.get("RESOURCE_EXHAUSTED", 0) >= 16 and codes.get("OK", 0) >= GATEWAY_MAX_QUEUED - 4, codes
+    # Refused at once, not after waiting for a slot: every refusal comes before the first accepted
+    # stream has all its tokens (an order, which holds on a loaded machine as on an idle one).
     refused = [r.elapsed_s for r in report.results if r.code == "RESOURCE_EXHAUSTED"]
-    assert max(refused) < 2.0, f"a refusal took {max(refused):.2f} s"
+    accepted = [r.elapsed_s for r in report.results if r.code == "OK"]
+    assert max(refused) < min(accepted), f"a refusal took {max(refused):.2f} s, a stream ended at {min(accepted):.2f} s"
     assert report.num_well_formed(60) == codes["OK"]
     stack.wait_idle()
 
@@ -44,10 +46,8 @@ def test_a_client_that_vanishes_with_open_streams_has_them_all_aborted(stack: St
     num = 20
     client = load.vanishing_client(stack.gateway.address, num, 400)
     try:
-        deadline = time.monotonic() + 60  # generous: CI machines are busy
-        while load.metric(stack.gateway.metrics_port, "pagedserve_gateway_queue_length") < num:
-            assert time.monotonic() < deadline, "the streams never all reached the gateway"
-            time.sleep(0.05)
+        wait_until(lambda: load.metric(stack.gateway.metrics_port, "pagedserve_gateway_queue_length") >= num, 60,
+                   "every stream held by the gateway")
         assert stack.num_used_blocks() > 0
     finally:
         client.kill()
