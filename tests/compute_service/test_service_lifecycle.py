@@ -127,10 +127,9 @@ def test_priority_jumps_the_queue(services: Services) -> None:
         ended.append(request_id)
 
     threads = [threading.Thread(target=run, args=("low", 0)), threading.Thread(target=run, args=("high", 5))]
-    for t in threads:
+    for num_waiting, t in enumerate(threads, start=1):
         t.start()
-        num_waiting = threads.index(t) + 1
-        wait_until(lambda: services.stub.Load(cpb.LoadRequest()).num_waiting >= num_waiting, 10,
+        wait_until(lambda n=num_waiting: services.stub.Load(cpb.LoadRequest()).num_waiting >= n, 10,
                    f"{num_waiting} requests waiting", interval_s=0.01)
     assert services.stub.Abort(cpb.AbortRequest(request_id="first")).found
     for t in threads:

@@ -12,6 +12,7 @@ import pytest
 
 from memory_service.api import KvLayout
 from pagedserve.process import ServiceProcess
+from pagedserve.stack import memory_process, ready, shm_segments
 
 # Tiny layout: 2 layers, 2 KV heads, head dim 4, 4 tokens per block.
 TINY_LAYOUT = KvLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype="float32", block_size=4)
@@ -34,19 +35,11 @@ def start_memory_service(*extra: str, socket: str | None = None) -> tuple[Servic
     directory = tempfile.mkdtemp(dir=_ROOT[0])
     if socket is None:
         socket = os.path.join(directory, "run", "memory.sock")
-    service = ServiceProcess.launch(
-        "memory_service",
-        ["--socket", socket, "--block-size", "4", "--log-level", "warning", *extra],
-        address=f"unix:{socket}",
-        ready_timeout_s=30,
-        log_file=os.path.join(directory, "memory_service.log"),  # a failed start quotes its tail
-    )
+    service = ready(memory_process(socket, ["--block-size", "4", "--log-level", "warning", *extra],
+                                   log_file=os.path.join(directory, "memory_service.log")),  # a failed start quotes it
+                    30)
     return service, socket
 
-
-def pool_segments_of(pid: int) -> list[Path]:
-    """The /dev/shm pool segments a service process created."""
-    return sorted(Path("/dev/shm").glob(f"pagedserve-kv-{pid}-*"))
 
 
 @pytest.fixture
@@ -59,4 +52,4 @@ def memory_service() -> Iterator[str]:
     yield socket
     assert service.stop() == 0
     assert not Path(socket).exists()
-    assert pool_segments_of(service.pid) == []
+    assert shm_segments(service.pid) == []

@@ -23,7 +23,8 @@ from memory_service.api import AllocateOp, MemoryClient, MemoryServiceUnavailabl
 from pagedserve.memory.v1 import memory_pb2 as pb
 from pagedserve.memory.v1 import memory_pb2_grpc
 from pagedserve.process import wait_until
-from tests.memory_service.conftest import TINY_LAYOUT, pool_segments_of, start_memory_service
+from pagedserve.stack import shm_segments
+from tests.memory_service.conftest import TINY_LAYOUT, start_memory_service
 from tests.processes import is_gone
 
 TINY_PB = pb.KvLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype="float32", block_size=4)
@@ -116,7 +117,7 @@ def test_client_learns_that_the_service_is_gone_and_restart_cleans_up() -> None:
     client = MemoryClient(f"unix:{socket}", TINY_LAYOUT, "t", step_timeout_s=5)
     try:
         client.step([AllocateOp("a", [1, 2, 3], 3)])
-        [segment] = pool_segments_of(service.pid)
+        [segment] = shm_segments(service.pid)
         service.kill()  # SIGKILL: no chance to unlink the socket or the segment
         assert Path(socket).exists() and segment.exists()
         with pytest.raises(MemoryServiceUnavailable):
@@ -131,7 +132,7 @@ def test_client_learns_that_the_service_is_gone_and_restart_cleans_up() -> None:
                 assert fresh.is_connected and fresh.step([AllocateOp("b", [1], 1)])[0].ok
         finally:
             assert restarted.stop() == 0
-        assert not Path(socket).exists() and pool_segments_of(restarted.pid) == []
+        assert not Path(socket).exists() and shm_segments(restarted.pid) == []
     finally:
         client.close()
 
