@@ -15,7 +15,8 @@ import grpc
 import pytest
 
 from pagedserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from tests.e2e.conftest import Engine, Gateway, start_gateway, wait_until
+from pagedserve.process import wait_until
+from tests.e2e.conftest import Engine, Gateway, start_gateway
 
 KEY_A, KEY_B = "tenant-a-key-7f3c91d2", "tenant-b-key-0a6e4b58"
 TENANTS = {"tenants": {"team-a": {"keys": [KEY_A], "max_priority": 5, "max_concurrent": 1},

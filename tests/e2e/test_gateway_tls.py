@@ -15,7 +15,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from pagedserve.process import ServiceProcess
-from tests.e2e.conftest import GATEWAY_SERVICE, Engine, free_port
+from pagedserve.sockets import free_port
+from pagedserve.stack import GATEWAY_SERVICE
+from tests.e2e.conftest import Engine
 
 PROBE = Path(__file__).resolve().parents[2] / "helm" / "pagedserve" / "files" / "health_probe.py"
 
