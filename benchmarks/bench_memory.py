@@ -129,7 +129,8 @@ def main() -> None:
         print(f"{key:<28}{value:>14}")
     if args.step_batch_sizes:
         result["step_share"] = rows = step_share(args.step_batch_sizes, max(50, args.iters // 10), args.model)
-        print(f"\n{'num_seqs':>9}{'rpc p50 us':>12}{'engine rpc us':>15}{'decode ms':>11}{'rpc share':>11}{'engine share':>14}")
+        print(f"\n{'num_seqs':>9}{'rpc p50 us':>12}{'engine rpc us':>15}{'decode ms':>11}{'rpc share':>11}"
+              f"{'engine share':>14}")
         for row in rows:
             print(f"{row['num_seqs']:>9}{row['rpc_step_p50_us']:>12}{row['engine_rpc_us']:>15}{row['decode_step_ms']:>11}"
                   f"{row['rpc_share']:>11.2%}{row['engine_rpc_share']:>14.2%}")

@@ -39,15 +39,15 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: the repository root on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import grpc  # noqa: E402
+import grpc
 
-from benchmarks.reliability import fuzz, load  # noqa: E402
-from benchmarks.reliability.stack import (  # noqa: E402
+from benchmarks.reliability import fuzz, load
+from benchmarks.reliability.stack import (
     NOT_SERVING, SERVING, Stack, StackConfig, kv_layout, start_gateway, start_stack,
 )
-from pagedserve.gateway.v1 import gateway_pb2  # noqa: E402
-from pagedserve.process import wait_until  # noqa: E402
-from pagedserve.stack import shm_segments  # noqa: E402
+from pagedserve.gateway.v1 import gateway_pb2
+from pagedserve.process import wait_until
+from pagedserve.stack import shm_segments
 
 SECRET = "reliability-secret-prompt-4417"
 
@@ -63,7 +63,7 @@ def _timed(predicate: Callable[[], bool], timeout_s: float, what: str) -> float:
     return round(time.monotonic() - started, 2)
 
 
-def _stream_fails(stream) -> tuple[str, float]:  # noqa: ANN001 - a grpc streaming call
+def _stream_fails(stream) -> tuple[str, float]:  # a grpc streaming call
     started = time.monotonic()
     try:
         for _ in stream:
@@ -77,8 +77,10 @@ def run_fuzz(stack: Stack, num_cases: int, vocab_size: int) -> dict[str, dict]:
     out = {}
     targets = {
         "gateway": lambda: fuzz.run_cases(stack.gateway.address, fuzz.gateway_cases(num_cases, 11), concurrency=8),
-        "compute": lambda: fuzz.run_cases(stack.compute.address, fuzz.compute_cases(num_cases, vocab_size, 12), concurrency=8),
-        "memory": lambda: fuzz.run_memory_fuzz(stack.memory.address, kv_layout(stack.config.model, stack.config.block_size),
+        "compute": lambda: fuzz.run_cases(stack.compute.address, fuzz.compute_cases(num_cases, vocab_size, 12),
+                                          concurrency=8),
+        "memory": lambda: fuzz.run_memory_fuzz(stack.memory.address,
+                                               kv_layout(stack.config.model, stack.config.block_size),
                                                num_cases, 13, concurrency=4),
     }
     for name, run in targets.items():
@@ -110,7 +112,8 @@ def run_load(stack: Stack, num_clients: int, max_tokens: int) -> dict:
     well_formed = report.num_well_formed(max_tokens)
     stack.wait_idle(60)
     return {"clients": num_clients, "max_tokens": max_tokens, "codes": report.codes, "held_peak": int(peak[0]),
-            "well_formed": well_formed, "lost": num_clients - well_formed, "answered_twice": int(answered) - well_formed,
+            "well_formed": well_formed, "lost": num_clients - well_formed,
+            "answered_twice": int(answered) - well_formed,
             **{f"ttft_{k}_ms": v for k, v in report.ttft_percentiles_ms().items()},
             "wall_s": round(report.wall_s, 1),
             "tokens_per_s": round(sum(r.num_tokens for r in report.results) / report.wall_s, 1)}
@@ -141,7 +144,8 @@ def run_churn(stack: Stack, num_requests: int) -> dict:
 def run_faults(stack: Stack, num_vanishing: int) -> dict:
     faults: dict[str, dict] = {}
     # Streams that outlast each fault: most of the model's context.
-    long = min(2000, stack.gateway.stub.ListModels(gateway_pb2.ListModelsRequest(), timeout=10).models[0].max_model_len - 500)
+    [model] = stack.gateway.stub.ListModels(gateway_pb2.ListModelsRequest(), timeout=10).models
+    long = min(2000, model.max_model_len - 500)
     client = load.vanishing_client(stack.gateway.address, num_vanishing, long)
     wait_until(lambda: load.metric(stack.gateway.metrics_port, "pagedserve_gateway_queue_length") >= num_vanishing,
                120, "every stream of the vanishing client held")
@@ -185,7 +189,8 @@ def run_faults(stack: Stack, num_vanishing: int) -> dict:
     recovered_s = _timed(lambda: stack.compute_health() == SERVING and stack.gateway.num_healthy_backends() == 1,
                          60, "compute and gateway serving again")
     served = stack.gateway.stub.Generate(_request("after the memory restart", 4), timeout=120).usage.completion_tokens
-    faults["sigkill_memory"] = {"client_code": code, "client_failed_s": failed_s, "compute_not_serving_s": not_serving_s,
+    faults["sigkill_memory"] = {"client_code": code, "client_failed_s": failed_s,
+                                "compute_not_serving_s": not_serving_s,
                                 "recovered_s": recovered_s, "served_after": served == 4,
                                 "segments_left": 0 if _wait_gone(killed) else len(shm_segments(killed))}
     faults["sigkill_memory"]["survived"] = (code == "UNAVAILABLE" and served == 4
@@ -206,8 +211,10 @@ def run_security(stack: Stack) -> dict:
     sockets = [a.removeprefix("unix:") for a in (stack.memory.address, stack.compute.address)]
     segments = [Path("/dev/shm", s) for s in shm_segments(stack.memory.pid)]
     prompt = f"{SECRET} shared prefix for the salt check, long enough for several blocks of tokens. " * 2
-    cached = {salt: [stack.gateway.stub.Generate(_request(prompt, 2, cache_salt=salt), timeout=120).usage.cached_prompt_tokens
-                     for _ in range(2)] for salt in ("tenant-a", "tenant-b")}
+    def cached_tokens(salt: str) -> int:
+        return stack.gateway.stub.Generate(_request(prompt, 2, cache_salt=salt), timeout=120).usage.cached_prompt_tokens
+
+    cached = {salt: [cached_tokens(salt) for _ in range(2)] for salt in ("tenant-a", "tenant-b")}
     logs = {p.name: SECRET in p.read_text(errors="replace") for p in stack.run_dir.glob("*.log")}
     return {"socket_modes": sorted({oct(stat.S_IMODE(os.stat(s).st_mode)) for s in sockets}),
             "segment_modes": sorted({oct(stat.S_IMODE(os.stat(s).st_mode)) for s in segments}),
@@ -238,7 +245,8 @@ def _start(model: str, directory: Path, name: str, num_clients: int) -> tuple[St
 def _finish(stack: Stack, result: dict) -> None:
     """Final checks of one stack: nothing held, every block accounted for, clean exits."""
     final = stack.wait_idle(60)
-    result["blocks_leaked"] = result.get("blocks_leaked", 0) + sum(p.num_used_blocks for p in final.pools) + final.num_sequences
+    leaked = sum(p.num_used_blocks for p in final.pools) + final.num_sequences
+    result["blocks_leaked"] = result.get("blocks_leaked", 0) + leaked
     result["all_serving"] = result.get("all_serving", True) and stack.all_serving()
 
 

@@ -36,7 +36,6 @@ import gc
 import json
 import logging
 import os
-import random
 import resource
 import statistics
 import sys

@@ -59,7 +59,7 @@ def _rejecting(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     async def deny(request: object, context: grpc.aio.ServicerContext) -> None:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid API key (authorization: Bearer KEY)")
 
-    async def deny_stream(request: object, context: grpc.aio.ServicerContext):  # noqa: ANN202
+    async def deny_stream(request: object, context: grpc.aio.ServicerContext):
         await deny(request, context)
         yield  # an async generator, as a streaming handler must be
 

@@ -97,7 +97,8 @@ class Gateway:
         try:
             self.address = sockets.bind(self.server, self.config.listen, self._tls_credentials())
         except RuntimeError:  # grpc's "Failed to bind": the port is taken or the host is not ours
-            raise ValueError(f"listen: cannot bind {self.config.listen} (in use, or not an address of this host)") from None
+            raise ValueError(
+                f"listen: cannot bind {self.config.listen} (in use, or not an address of this host)") from None
         if self.config.metrics_port is not None:
             self.metrics_port = self.metrics.serve(self.config.metrics_host, self.config.metrics_port)
         if self.http is not None:

@@ -242,7 +242,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             num_tokens = record.usage.completion_tokens / max(request.params.n, 1)
             if num_tokens > 1 and record.last_token_at is not None:
                 self.metrics.tpot.observe((record.last_token_at - record.first_token_at) / (num_tokens - 1))
-        extra = {"prompt": request.prompt, "messages": [m.content for m in request.messages]} if self.config.log_prompts else {}
+        extra = {}
+        if self.config.log_prompts:
+            extra = {"prompt": request.prompt, "messages": [m.content for m in request.messages]}
         log.info("request", request_id=record.request_id, method=record.method, tenant=record.tenant,
                  status=record.status,
                  backend=record.route.backend, attempts=record.route.num_attempts,
@@ -250,7 +252,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                  cached_prompt_tokens=record.usage.cached_prompt_tokens,
                  ttft_s=None if ttft is None else round(ttft, 4), total_s=round(now - record.started, 4), **extra)
 
-    async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> gateway_pb2.GenerateResponse:
+    async def Generate(self, request: gateway_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> gateway_pb2.GenerateResponse:
         record = RequestRecord("Generate", request.request_id or uuid.uuid4().hex)
         return await collect(record.request_id, self._run(request, context, record))
 
@@ -289,7 +292,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             self._release(admission)
             self._finish(record, request)
 
-    async def ListModels(self, request: gateway_pb2.ListModelsRequest, context: grpc.aio.ServicerContext) -> gateway_pb2.ListModelsResponse:
+    async def ListModels(self, request: gateway_pb2.ListModelsRequest,
+                         context: grpc.aio.ServicerContext) -> gateway_pb2.ListModelsResponse:
         if self.model is None:
             return gateway_pb2.ListModelsResponse()
         info = self.model.info

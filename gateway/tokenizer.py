@@ -163,7 +163,7 @@ async def fetch_tokenizer(stub: compute_pb2_grpc.ComputeStub, info: compute_pb2.
             async for chunk in stub.GetTokenizer(compute_pb2.GetTokenizerRequest(), timeout=timeout_s):
                 _check_chunk(chunk, expected, written)
                 if chunk.name not in handles:
-                    handles[chunk.name] = open(Path(directory) / chunk.name, "wb")  # noqa: SIM115
+                    handles[chunk.name] = open(Path(directory) / chunk.name, "wb")
                 handles[chunk.name].write(chunk.data)
                 written[chunk.name] = chunk.offset + len(chunk.data)
         finally:
@@ -178,7 +178,7 @@ async def fetch_tokenizer(stub: compute_pb2_grpc.ComputeStub, info: compute_pb2.
                 raise TokenizerFetchError(f"tokenizer file {name} failed its size or sha256 check")
         try:
             hf_tokenizer = await asyncio.to_thread(_load, Path(directory))
-        except Exception as exc:  # noqa: BLE001 - whatever transformers raises on files it cannot use
+        except Exception as exc:  # whatever transformers raises on files it cannot use
             raise TokenizerFetchError(f"transformers cannot load the tokenizer: {type(exc).__name__}: "
                                       f"{str(exc)[:200]}") from None
     return ModelTokenizer(hf_tokenizer, info)

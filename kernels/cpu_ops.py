@@ -6,7 +6,8 @@ Two ways to get the extension:
     from `$PAGEDSERVE_CPU_OPS_PREBUILT`, which a read-only image can ship and no pod has to compile;
   - otherwise compiled here with `-march=native` into the cache root (`pagedserve.paths.cache_dir()`:
     `$PAGEDSERVE_CACHE_DIR` or `~/.cache/pagedserve`) under a name that hashes the source, the torch
-    version, the flags and this CPU's instruction-set flags, so a changed source or another machine never picks up a stale build.
+    version, the flags and this CPU's instruction-set flags, so a changed source or another machine
+    never picks up a stale build.
     `scripts/setup.sh` builds it ahead of time; otherwise the first engine start does (about a minute
     on two cores), and later processes only load it.
 Where neither works (no compiler, no ninja, a build error) `load()` logs one warning and returns None,
@@ -154,7 +155,7 @@ def _load_uncached() -> Any | None:
         ops = _build("native", directory)
         _state["origin"] = f"built for this machine in {directory}"
         return ops
-    except Exception as error:  # noqa: BLE001 - any build failure means: run the PyTorch path
+    except Exception as error:  # any build failure means: run the PyTorch path
         _log.warning("fused CPU kernels unavailable (%s: %s); using the slower PyTorch path",
                      type(error).__name__, str(error).strip().splitlines()[-1] if str(error).strip() else "")
         return None

@@ -113,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description="PagedAttention LLM inference server.")
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="start memory, compute and gateway locally (Ctrl-C stops them)")
-    up.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct) or a local Hugging Face model directory")
+    up.add_argument("--model", default="default",
+                    help="'default' (SmolLM2-135M-Instruct) or a local Hugging Face model directory")
     up.add_argument("--port", type=int, default=50051, help="gateway gRPC port (default 50051)")
     up.add_argument("--http-port", type=int, default=8000,
                     help="port of the OpenAI-compatible HTTP API (default 8000; 0 = any free port)")
@@ -121,8 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--log-format", choices=LOG_FORMATS,
                     help="the services' log lines: json or console (default: console on a terminal, json otherwise)")
     up.add_argument("--config", help="JSON config file for the memory and compute services")
-    up.add_argument("--kv-cache-bytes", type=int, default=int(os.environ.get("PAGEDSERVE_KV_CACHE_BYTES", DEFAULT_CPU_KV_CACHE_BYTES)),
-                    help=f"KV pool size in bytes (default {DEFAULT_CPU_KV_CACHE_BYTES >> 20} MiB, or $PAGEDSERVE_KV_CACHE_BYTES; "
+    up.add_argument("--kv-cache-bytes", type=int,
+                    default=int(os.environ.get("PAGEDSERVE_KV_CACHE_BYTES", DEFAULT_CPU_KV_CACHE_BYTES)),
+                    help=f"KV pool size in bytes (default {DEFAULT_CPU_KV_CACHE_BYTES >> 20} MiB, or "
+                         "$PAGEDSERVE_KV_CACHE_BYTES; "
                          "0 = the memory service's own sizing, a share of the device's free memory)")
     up.set_defaults(func=cmd_up)
     gen = sub.add_parser("generate", help="send one prompt to the gateway and stream the answer")

@@ -3,8 +3,8 @@
 Each service owns a frozen dataclass that validates itself in ``__post_init__``, built on
 ``ServiceConfig`` (what every service has: metrics endpoint, log level); this module merges the
 sources and derives each service's flags from its dataclass (name, type, default), so that a
-default is written once, in the dataclass. Precedence: dataclass defaults < JSON config file < flags given on the command
-line. The JSON file uses the source document's keys (``block_size``, ``max_num_blocks``,
+default is written once, in the dataclass. Precedence: dataclass defaults < JSON config file <
+flags given on the command line. The JSON file uses the source document's keys (``block_size``, ``max_num_blocks``,
 ``enable_prefix_caching``, ``memory_utilization_threshold``) plus any other field name of the
 dataclass; unknown keys are an error, so a typo never silently falls back to a default.
 """

@@ -75,7 +75,7 @@ class HealthServicer(health.aio.HealthServicer):
                 if status != last_status:
                     try:
                         await context.write(health_pb2.HealthCheckResponse(status=status))
-                    except Exception as exc:  # noqa: BLE001 - only a write to a call that has ended
+                    except Exception as exc:  # only a write to a call that has ended
                         if not is_ended_call_error(exc, context):
                             raise
                         log.debug("health_watch_cancelled_during_write", peer=peer, error=type(exc).__name__)

@@ -146,11 +146,13 @@ class ServiceProcess:
         deadline = time.monotonic() + timeout_s
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.module} exited with status {self.proc.returncode} before serving{self._tail()}")
+                raise RuntimeError(
+                    f"{self.module} exited with status {self.proc.returncode} before serving{self._tail()}")
             if check_health(self.address, self.health_service, timeout_s=1.0) == health_pb2.HealthCheckResponse.SERVING:
                 return
             if time.monotonic() > deadline:
-                raise RuntimeError(f"{self.module} was not SERVING at {self.address} within {timeout_s:.0f} s{self._tail()}")
+                raise RuntimeError(
+                    f"{self.module} was not SERVING at {self.address} within {timeout_s:.0f} s{self._tail()}")
             time.sleep(0.05)
 
     def send_signal(self, sig: int) -> None:

@@ -80,7 +80,7 @@ def _parse(deserializer: Callable | None, data: Any) -> Any:
         return data
     try:
         return deserializer(data)
-    except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError, or whatever a custom parser raises
+    except Exception as exc:  # protobuf's DecodeError, or whatever a custom parser raises
         raise InvalidArgument(f"request: not a valid message ({type(exc).__name__})") from None
 
 
@@ -90,7 +90,7 @@ def _wrap_aio_unary(behavior: Callable, method: str) -> Callable:
             return await behavior(request, context)
         except grpc.aio.AbortError:
             raise  # context.abort() already chose the status
-        except Exception as exc:  # noqa: BLE001 - mapped, and bugs are logged with a traceback
+        except Exception as exc:  # mapped, and bugs are logged with a traceback
             await context.abort(*_describe(exc, method))
 
     return handler
@@ -109,7 +109,7 @@ def _wrap_aio_stream(behavior: Callable, method: str) -> Callable:
                 await replies
         except grpc.aio.AbortError:
             raise
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             if is_ended_call_error(exc, context):  # a write that the client's cancel interrupted: no one to answer
                 log.debug("rpc_cancelled_during_write", method=method, error=type(exc).__name__)
                 return

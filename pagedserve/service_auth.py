@@ -89,7 +89,7 @@ def _rejecting(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     async def deny(request: object, context: grpc.aio.ServicerContext) -> None:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid service token")
 
-    async def deny_stream(request: object, context: grpc.aio.ServicerContext):  # noqa: ANN202
+    async def deny_stream(request: object, context: grpc.aio.ServicerContext):
         await deny(request, context)
         yield  # an async generator, as a streaming handler must be
 
@@ -113,12 +113,12 @@ class _TokenCallDetails:
 
 
 class _UnaryUnaryToken(_TokenCallDetails, grpc.aio.UnaryUnaryClientInterceptor):
-    async def intercept_unary_unary(self, continuation, client_call_details, request):  # noqa: ANN001, ANN201
+    async def intercept_unary_unary(self, continuation, client_call_details, request):
         return await continuation(self._with_token(client_call_details), request)
 
 
 class _UnaryStreamToken(_TokenCallDetails, grpc.aio.UnaryStreamClientInterceptor):
-    async def intercept_unary_stream(self, continuation, client_call_details, request):  # noqa: ANN001, ANN201
+    async def intercept_unary_stream(self, continuation, client_call_details, request):
         return await continuation(self._with_token(client_call_details), request)
 
 

@@ -86,7 +86,8 @@ def _wait_serving(service: ServiceProcess, what: str, timeout_s: float, stop: li
 
 def grpcurl_hint(address: str) -> str:
     """A ready-to-paste grpcurl command for the gateway at ``address``."""
-    body = '{"messages":[{"role":"user","content":"What is the capital of France?"}],"params":{"max_tokens":32,"temperature":0}}'
+    body = ('{"messages":[{"role":"user","content":"What is the capital of France?"}],'
+            '"params":{"max_tokens":32,"temperature":0}}')
     return f"grpcurl -plaintext -d '{body}' {address} pagedserve.gateway.v1.Gateway/Generate"
 
 

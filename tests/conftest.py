@@ -15,11 +15,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from collections.abc import Callable  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
-from pathlib import Path  # noqa: E402
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
-import pytest  # noqa: E402
+import pytest
 
 # Shape of every tiny test model: 2 layers, hidden 64, 4 query heads over 2 KV heads, vocab 128.
 TINY_SHAPE = dict(

@@ -10,7 +10,8 @@ def test_names_round_trip_and_aliases_parse() -> None:
     assert list(DTYPES) == ["float32", "float16", "bfloat16"]
     for name, dtype in DTYPES.items():
         assert dtype_name(dtype) == name and parse_dtype(name) == dtype
-    assert (parse_dtype("fp32"), parse_dtype("fp16"), parse_dtype("bf16")) == (torch.float32, torch.float16, torch.bfloat16)
+    assert (parse_dtype("fp32"), parse_dtype("fp16"), parse_dtype("bf16")) == (
+        torch.float32, torch.float16, torch.bfloat16)
 
 
 def test_unsupported_dtypes_are_value_errors() -> None:

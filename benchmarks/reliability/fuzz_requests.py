@@ -182,7 +182,8 @@ def _clean_memory_op(rng: random.Random) -> mpb.SequenceOp:
             max_num_new_tokens=rng.choice((1, 16, 64)), namespace=rng.choice(("", "tenant-a"))))
     seq_id = rng.choice(live)
     if pick < 0.6:
-        return mpb.SequenceOp(append=mpb.AppendOp(seq_id=seq_id, token_ids=[rng.randrange(50) for _ in range(rng.randint(1, 3))]))
+        token_ids = [rng.randrange(50) for _ in range(rng.randint(1, 3))]
+        return mpb.SequenceOp(append=mpb.AppendOp(seq_id=seq_id, token_ids=token_ids))
     if pick < 0.85:
         live.remove(seq_id)
         return mpb.SequenceOp(free=mpb.FreeOp(seq_id=seq_id))
@@ -201,7 +202,8 @@ def _memory_op(rng: random.Random) -> mpb.SequenceOp:
             max_num_new_tokens=rng.choice((1, 4, 16) if getattr(rng, "clean", False) else (1, 4, 16, 0, -1, 2**31 - 1)),
             priority=_int(rng) if maybe(rng, 0.2) else 0, namespace=text(rng) if maybe(rng, 0.2) else ""))
     if kind == "append":
-        return mpb.SequenceOp(append=mpb.AppendOp(seq_id=_seq_id(rng), token_ids=[_int(rng) for _ in range(rng.choice((0, 1, 3, 33)))]))
+        token_ids = [_int(rng) for _ in range(rng.choice((0, 1, 3, 33)))]
+        return mpb.SequenceOp(append=mpb.AppendOp(seq_id=_seq_id(rng), token_ids=token_ids))
     if kind == "free":
         return mpb.SequenceOp(free=mpb.FreeOp(seq_id=_seq_id(rng)))
     return mpb.SequenceOp(fork=mpb.ForkOp(parent_seq_id=_seq_id(rng), child_seq_id=_seq_id(rng)))

@@ -196,13 +196,15 @@ def check_accounting(stats: memory_pb2.StatsResponse) -> None:
     """Every block of every pool is free, cached or in use, exactly once."""
     for pool in stats.pools:
         parts = pool.num_free_blocks + pool.num_cached_blocks + pool.num_used_blocks
-        assert parts == pool.num_total_blocks, f"pool {pool.name!r}: {parts} blocks accounted of {pool.num_total_blocks}"
+        assert parts == pool.num_total_blocks, (
+            f"pool {pool.name!r}: {parts} blocks accounted of {pool.num_total_blocks}")
 
 
 def check_integrity(memory_address: str) -> None:
     """The memory service's own integrity check (every invariant of its block manager) holds."""
     with grpc.insecure_channel(memory_address) as channel:
-        reply = memory_pb2_grpc.MemoryManagerStub(channel).CheckIntegrity(memory_pb2.CheckIntegrityRequest(), timeout=30)
+        stub = memory_pb2_grpc.MemoryManagerStub(channel)
+        reply = stub.CheckIntegrity(memory_pb2.CheckIntegrityRequest(), timeout=30)
     assert reply.ok, f"memory service integrity check failed: {reply.problem}"
 
 

@@ -1,10 +1,10 @@
 """``bench_throughput.py --profile``: where the time of one decode step and one prefill step goes.
 
 The model labels its parts (`compute_service.model.layers.profile_scope`) while a profiler
-records, so each part of the model's forward is a named `torch.profiler` range (qkv_proj, rotary, attention, o_proj, norm,
-mlp_gate_up, silu_mul, mlp_down, lm_head); "other" is the rest of ``Engine.step`` (scheduling, the
-memory-service RPC, packing the batch, sampling). Times are inclusive CPU milliseconds of each
-range, summed over the profiled steps and divided by their number.
+records, so each part of the model's forward is a named `torch.profiler` range (qkv_proj, rotary,
+attention, o_proj, norm, mlp_gate_up, silu_mul, mlp_down, lm_head); "other" is the rest of
+``Engine.step`` (scheduling, the memory-service RPC, packing the batch, sampling). Times are
+inclusive CPU milliseconds of each range, summed over the profiled steps and divided by their number.
 
 - prefill: fresh prompts of the workload, in order, filling one step's token budget;
 - decode: as many of the workload's requests as fit in 80% of the pool (at most ``--profile-seqs``)

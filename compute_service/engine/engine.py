@@ -222,7 +222,7 @@ class Engine:
                     if seq.params.n > 1 and seq.index == 0 and not seq.output_token_ids:
                         self._fork_children(seq, row)
                     self._append_token(seq, token, row)
-                except Exception as exc:  # noqa: BLE001 - reported as the request's error, logged with its traceback
+                except Exception as exc:  # reported as the request's error, logged with its traceback
                     self._fail_request(seq.request_id, "postprocessing", exc)
         for request_id in self._aborted_ids:
             touched[request_id] = self.requests[request_id]
@@ -237,13 +237,13 @@ class Engine:
         """One batched sample; if it raises, each sequence alone, so only the failing request fails."""
         try:
             return sample(rows, seqs, self.model_config.eos_token_ids)
-        except Exception:  # noqa: BLE001 - isolated below, one sequence at a time
+        except Exception:  # isolated below, one sequence at a time
             # (A seeded sequence sampled before the failure draws again: only on this failure path.)
             tokens: list[int | None] = []
             for seq, row in zip(seqs, rows):
                 try:
                     [token] = sample(row[None], [seq], self.model_config.eos_token_ids)
-                except Exception as exc:  # noqa: BLE001 - the request's error
+                except Exception as exc:  # the request's error
                     self._fail_request(seq.request_id, "sampling", exc)
                     token = None
                 tokens.append(token)
@@ -252,7 +252,7 @@ class Engine:
     def _delta(self, request: Request) -> RequestDelta:
         try:
             return request.delta()
-        except Exception as exc:  # noqa: BLE001 - the detokenizer's final flush failed: the request's error
+        except Exception as exc:  # the detokenizer's final flush failed: the request's error
             self._fail_request(request.request_id, "detokenizing", exc)
             return request.delta()  # a failed completion's delta never detokenizes again
 

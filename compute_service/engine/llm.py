@@ -87,7 +87,8 @@ class LLM:
         device = self.config.device or ("cuda" if torch.cuda.is_available() else "cpu")
         self._memory_process: MemoryServiceProcess | None = None
         self._memory: MemoryClient | None = None
-        loaded = load_model(model, cache_dir=Path(cache_dir) if cache_dir else None, device=device, dtype=self.config.dtype)
+        loaded = load_model(model, cache_dir=Path(cache_dir) if cache_dir else None, device=device,
+                            dtype=self.config.dtype)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         layout = KvLayout(

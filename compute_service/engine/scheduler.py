@@ -172,7 +172,8 @@ class Scheduler:
                 continue  # preempted by a higher-priority sequence earlier in this loop, or paused
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             needed = _blocks_for(seq.num_computed_tokens + n, self.block_size) - len(seq.block_table)
-            if needed > self._available_for(seq.priority) and not self._make_room(needed, seq, plan, strictly_lower=False):
+            if (needed > self._available_for(seq.priority)
+                    and not self._make_room(needed, seq, plan, strictly_lower=False)):
                 self._preempt(seq, "out_of_blocks", plan)  # it is itself the lowest: make way for the others
                 continue
             self._take(max(needed, 0))

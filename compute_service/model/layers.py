@@ -178,7 +178,8 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, plan: CpuAttentionPlan | None = None) -> torch.Tensor:
         """(T, hidden) -> (T, hidden)"""
         with profile_scope("mlp_gate_up"):
-            gate_up = cpu_linear.linear(x, self.gate_up_weight, self.gate_up_packed, self.gate_up_bias)  # (T, 2I) [gate | up]
+            # (T, 2I) [gate | up]
+            gate_up = cpu_linear.linear(x, self.gate_up_weight, self.gate_up_packed, self.gate_up_bias)
         with profile_scope("silu_mul"):
             if plan is not None:
                 act = plan.ops.silu_mul(gate_up)  # (T, I)

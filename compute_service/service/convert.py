@@ -111,7 +111,8 @@ def info_to_pb(info: ModelInfo, *, block_size: int, num_kv_blocks: int) -> pb.In
         model_name=info.model_name, max_model_len=info.max_model_len, block_size=block_size, dtype=info.dtype,
         device=info.device, vocab_size=info.vocab_size, eos_token_ids=info.eos_token_ids,
         bos_token_id=info.bos_token_id, pad_token_id=info.pad_token_id, chat_template=info.chat_template,
-        tokenizer_files=[pb.TokenizerFile(name=f.name, size=len(f.data), sha256=f.sha256) for f in info.tokenizer_files],
+        tokenizer_files=[pb.TokenizerFile(name=f.name, size=len(f.data), sha256=f.sha256)
+                         for f in info.tokenizer_files],
         max_n=rules.MAX_N, max_logprobs=rules.MAX_LOGPROBS, max_stop_strings=rules.MAX_STOP_STRINGS,
         default_params=params_to_pb(SamplingParams()), num_kv_blocks=num_kv_blocks,
     )

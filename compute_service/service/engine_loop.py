@@ -149,7 +149,7 @@ class EngineLoop:
                 break
             try:
                 self._serve(engine)
-            except Exception as exc:  # noqa: BLE001 - re-raised as each request's error, never dropped
+            except Exception as exc:  # re-raised as each request's error, never dropped
                 if isinstance(exc, UnavailableError):  # the memory client's one word for "gone"
                     log.warning("memory_service_lost", error=str(exc))
                     self._fail_all(EngineUnavailable(f"memory service unavailable: {exc}"))
@@ -172,7 +172,7 @@ class EngineLoop:
                 except BaseException:
                     engine.memory.close()
                     raise
-            except Exception as exc:  # noqa: BLE001 - unreachable memory service: retry until it is back
+            except Exception as exc:  # unreachable memory service: retry until it is back
                 # A service that is down is expected (debug); one that refuses us (a layout or block
                 # size that differs from its pool) needs an operator: warn, once per distinct error.
                 level = log.debug if isinstance(exc, UnavailableError) else log.warning

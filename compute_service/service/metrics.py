@@ -27,10 +27,12 @@ class ComputeCollector(Collector):
         yield GaugeMetricFamily("pagedserve_compute_requests_running", "Requests generating", value=load.num_running)
         yield GaugeMetricFamily("pagedserve_compute_requests_waiting", "Requests queued", value=load.num_waiting)
         yield GaugeMetricFamily("pagedserve_compute_kv_usage", "Share of KV blocks in use", value=load.kv_usage)
-        yield GaugeMetricFamily("pagedserve_compute_pending_tokens", "Tokens still to compute", value=load.num_pending_tokens)
-        yield GaugeMetricFamily("pagedserve_compute_prefix_cache_hit_rate", "Prompt tokens served from cache / admitted",
-                                value=load.prefix_cache_hit_rate)
-        yield CounterMetricFamily("pagedserve_compute_generated_tokens", "Tokens generated", value=totals.num_generated_tokens)
+        yield GaugeMetricFamily("pagedserve_compute_pending_tokens", "Tokens still to compute",
+                                value=load.num_pending_tokens)
+        yield GaugeMetricFamily("pagedserve_compute_prefix_cache_hit_rate",
+                                "Prompt tokens served from cache / admitted", value=load.prefix_cache_hit_rate)
+        yield CounterMetricFamily("pagedserve_compute_generated_tokens", "Tokens generated",
+                                  value=totals.num_generated_tokens)
         yield CounterMetricFamily("pagedserve_compute_finished_requests", "Requests finished (any reason)",
                                   value=totals.num_finished_requests)
         yield CounterMetricFamily("pagedserve_compute_steps", "Engine steps", value=totals.num_steps)

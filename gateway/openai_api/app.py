@@ -250,7 +250,7 @@ class OpenAIFront:
             return await self._answer(request, endpoint)
         except ClientGone:
             return Response(status_code=499)  # nobody reads it; the access line says CANCELLED
-        except Exception as exc:  # noqa: BLE001 - every failure becomes an OpenAI error object
+        except Exception as exc:  # every failure becomes an OpenAI error object
             return _error(exc)
 
     async def _answer(self, request: Request, endpoint: str) -> Response:

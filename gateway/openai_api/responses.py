@@ -117,7 +117,7 @@ async def events(answer: Answer, first: tuple[int, gateway_pb2.GenerateStreamRes
             async for prompt, piece in rest:
                 for text in render(prompt, piece):
                     yield text
-    except Exception as exc:  # noqa: BLE001 - sent as an error chunk (error_body logs bugs)
+    except Exception as exc:  # sent as an error chunk (error_body logs bugs)
         yield sse(error_body(exc))
         yield sse("[DONE]")
         return
@@ -147,7 +147,7 @@ async def merge(streams: list[AsyncIterator[gateway_pb2.GenerateStreamResponse]]
                 async for piece in stream:
                     await queue.put((number, piece))
             await queue.put((number, done))
-        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+        except Exception as exc:  # handed to the consumer, which raises it
             await queue.put((number, exc))
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]

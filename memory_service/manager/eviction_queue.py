@@ -124,7 +124,8 @@ class EvictionQueue:
         for block_id in num_entries.keys() | self._stale.keys():
             num_block_live = num_entries.get(block_id, 0) - self._stale.get(block_id, 0)
             if num_block_live not in (0, 1):
-                raise AssertionError(f"block {block_id}: {num_entries.get(block_id, 0)} entries, {self._stale.get(block_id, 0)} stale")
+                raise AssertionError(f"block {block_id}: {num_entries.get(block_id, 0)} entries, "
+                                     f"{self._stale.get(block_id, 0)} stale")
             num_live += num_block_live
         if num_live != len(self):
             raise AssertionError(f"{num_live} live entries but {len(self)} counted")

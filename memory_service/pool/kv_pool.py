@@ -171,7 +171,8 @@ class CudaPool:
             event_handle=bytes(event_handle) if event_handle else b"",
             event_sync_required=bool(event_sync),
         )
-        return PoolDescriptor(shape=tuple(self.tensor.shape), dtype=self._dtype, device=str(self.tensor.device), cuda_ipc=ipc)
+        return PoolDescriptor(shape=tuple(self.tensor.shape), dtype=self._dtype, device=str(self.tensor.device),
+                              cuda_ipc=ipc)
 
     def copy_block(self, src: int, dst: int) -> None:
         self.tensor[:, :, dst].copy_(self.tensor[:, :, src])

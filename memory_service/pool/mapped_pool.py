@@ -39,10 +39,12 @@ def check_descriptor(descriptor: PoolDescriptor, layout: KvLayout, num_blocks: i
     else:
         ipc = descriptor.cuda_ipc
         if descriptor.device != f"cuda:{ipc.device_index}":
-            raise ValueError(f"pool device {descriptor.device!r} does not match the IPC handle's cuda:{ipc.device_index}")
+            raise ValueError(
+                f"pool device {descriptor.device!r} does not match the IPC handle's cuda:{ipc.device_index}")
         if ipc.storage_offset_bytes < 0 or ipc.storage_size_bytes < descriptor.num_bytes:
             raise ValueError(
-                f"the CUDA IPC storage ({ipc.storage_size_bytes} bytes) is smaller than the pool ({descriptor.num_bytes})"
+                f"the CUDA IPC storage ({ipc.storage_size_bytes} bytes) is smaller than the pool "
+                f"({descriptor.num_bytes})"
             )
         if not ipc.storage_handle or not ipc.ref_counter_handle:
             raise ValueError("the CUDA IPC handle is empty")

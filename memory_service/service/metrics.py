@@ -29,11 +29,16 @@ class MemoryStatsCollector(Collector):
             blocks.add_metric([p.name, "cached"], p.num_cached_blocks)
             blocks.add_metric([p.name, "used"], p.num_used_blocks)
         yield blocks
-        yield GaugeMetricFamily("pagedserve_memory_kv_utilization", "Tokens stored / capacity of used blocks", value=s.kv_utilization)
-        yield GaugeMetricFamily("pagedserve_memory_fragmentation", "Unused slots in used blocks / their slots", value=s.fragmentation)
+        yield GaugeMetricFamily("pagedserve_memory_kv_utilization", "Tokens stored / capacity of used blocks",
+                                value=s.kv_utilization)
+        yield GaugeMetricFamily("pagedserve_memory_fragmentation", "Unused slots in used blocks / their slots",
+                                value=s.fragmentation)
         yield GaugeMetricFamily("pagedserve_memory_sequences", "Live sequences", value=s.num_sequences)
         yield GaugeMetricFamily("pagedserve_memory_clients", "Attached clients", value=s.num_clients)
-        yield CounterMetricFamily("pagedserve_memory_prefix_cache_queries_tokens", "Prompt tokens looked up", value=s.prefix_cache_queries)
-        yield CounterMetricFamily("pagedserve_memory_prefix_cache_hits_tokens", "Prompt tokens found cached", value=s.prefix_cache_hits)
+        yield CounterMetricFamily("pagedserve_memory_prefix_cache_queries_tokens", "Prompt tokens looked up",
+                                  value=s.prefix_cache_queries)
+        yield CounterMetricFamily("pagedserve_memory_prefix_cache_hits_tokens", "Prompt tokens found cached",
+                                  value=s.prefix_cache_hits)
         yield CounterMetricFamily("pagedserve_memory_evictions", "Cached blocks evicted", value=s.num_evictions)
-        yield CounterMetricFamily("pagedserve_memory_copy_on_writes", "Blocks copied on write", value=s.num_copy_on_writes)
+        yield CounterMetricFamily("pagedserve_memory_copy_on_writes", "Blocks copied on write",
+                                  value=s.num_copy_on_writes)

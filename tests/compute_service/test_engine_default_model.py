@@ -45,7 +45,8 @@ def prompts(default_model) -> list[list[int]]:
     chats = []
     for question in QUESTIONS:  # a shared system prompt: repeated prefixes for the prefix cache
         ids = tok.apply_chat_template(
-            [{"role": "system", "content": "You are a concise, helpful assistant."}, {"role": "user", "content": question}],
+            [{"role": "system", "content": "You are a concise, helpful assistant."},
+             {"role": "user", "content": question}],
             add_generation_prompt=True, tokenize=True,
         )
         chats.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))

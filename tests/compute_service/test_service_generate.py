@@ -158,11 +158,13 @@ def test_prefix_cache_and_cache_salt(services: Services) -> None:
     assert salted[-1].usage.cached_prompt_tokens == 0
 
 
-def test_info_and_tokenizer_files_rebuild_the_tokenizer(services: Services, model: ServiceModel, tmp_path: Path) -> None:
+def test_info_and_tokenizer_files_rebuild_the_tokenizer(services: Services, model: ServiceModel,
+                                                          tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
     info = services.stub.Info(cpb.InfoRequest())
-    assert (info.vocab_size, info.max_model_len, info.block_size, info.dtype, info.device) == (258, 1024, 4, "float32", "cpu")
+    assert (info.vocab_size, info.max_model_len, info.block_size, info.dtype, info.device) == (
+        258, 1024, 4, "float32", "cpu")
     assert list(info.eos_token_ids) == [model.eos_token_id, 257] and info.bos_token_id == 256
     assert info.num_kv_blocks == 128 and info.max_n == 64 and info.default_params.temperature == 1.0
     assert info.chat_template == model.tokenizer.chat_template

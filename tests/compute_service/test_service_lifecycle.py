@@ -91,7 +91,8 @@ def test_grpcurl_lists_through_reflection_and_generates(services: Services, serv
     socket = services.compute.address.removeprefix("unix:")
     listed = grpcurl("-plaintext", "-unix", socket, "list").split()
     assert {COMPUTE_SERVICE, "grpc.health.v1.Health"} <= set(listed)
-    request = json.dumps({"prompt_token_ids": PROMPT, "params": {"max_tokens": 5, "temperature": 0, "ignore_eos": True}})
+    request = json.dumps({"prompt_token_ids": PROMPT,
+                          "params": {"max_tokens": 5, "temperature": 0, "ignore_eos": True}})
     out = grpcurl("-plaintext", "-unix", "-d", request, socket, f"{COMPUTE_SERVICE}/Generate")
     decoder, messages, pos = json.JSONDecoder(), [], 0
     while pos < len(out.strip()):
@@ -108,7 +109,8 @@ def test_metrics_endpoint(services: Services, metrics_port: int) -> None:
     services.generate(PROMPT, max_tokens=3, temperature=0.0, ignore_eos=True)
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as reply:
         text = reply.read().decode()
-    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and not line.startswith("#")}
+    values = {line.split()[0]: float(line.split()[1])
+              for line in text.splitlines() if line and not line.startswith("#")}
     assert values["pagedserve_compute_ready"] == 1.0
     assert values["pagedserve_compute_generated_tokens_total"] >= 3
     assert values["pagedserve_compute_finished_requests_total"] >= 1
@@ -141,7 +143,8 @@ def test_priority_jumps_the_queue(services: Services) -> None:
 def test_memory_service_loss_and_return(services: Services, service_model: ServiceModel, compute_log: Path) -> None:
     address = services.compute.address
     call = services.stub.Generate(cpb.GenerateRequest(
-        prompt_token_ids=PROMPT, params=cpb.SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)), timeout=60)
+        prompt_token_ids=PROMPT, params=cpb.SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)),
+        timeout=60)
     next(call)
     old = services.memory
     old.kill()
@@ -171,7 +174,8 @@ def test_memory_service_loss_and_return(services: Services, service_model: Servi
 
 def test_sigterm_drains_running_requests_then_exits(services: Services) -> None:
     call = services.stub.Generate(cpb.GenerateRequest(
-        prompt_token_ids=PROMPT, params=cpb.SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)), timeout=60)
+        prompt_token_ids=PROMPT, params=cpb.SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)),
+        timeout=60)
     messages = [next(call)]
     reader = threading.Thread(target=lambda: messages.extend(call))
     reader.start()

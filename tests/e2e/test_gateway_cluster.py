@@ -9,7 +9,6 @@ recovered backend rejoins the rotation.
 from __future__ import annotations
 
 import json
-import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -119,8 +118,9 @@ def test_second_gateway_sees_load_that_another_client_put_on_an_engine(
         # Long streams sent straight to one engine: load no gateway counted itself.
         with grpc.insecure_channel(busy.address) as channel:
             stub = compute_pb2_grpc.ComputeStub(channel)
-            streams = [stub.Generate(compute_pb2.GenerateRequest(prompt_token_ids=[65 + i] * 20, params=compute_pb2.SamplingParams(
-                max_tokens=LONG_MAX_TOKENS, ignore_eos=True, temperature=0.0))) for i in range(4)]
+            params = compute_pb2.SamplingParams(max_tokens=LONG_MAX_TOKENS, ignore_eos=True, temperature=0.0)
+            streams = [stub.Generate(compute_pb2.GenerateRequest(prompt_token_ids=[65 + i] * 20, params=params))
+                       for i in range(4)]
             for stream in streams:
                 next(stream)
             time.sleep(0.5)  # a few health polls: the gateways read the engine's reported load
@@ -163,13 +163,14 @@ def test_deadline_is_honoured_and_aborts_the_request(gateway: Gateway, engines: 
 
 
 def test_bad_requests_are_invalid_argument_naming_the_field(gateway: Gateway) -> None:
+    _bad, wizard = gateway_pb2.SamplingParams, gateway_pb2.ChatMessage(role="wizard", content="hi")
     cases = {
         "prompt, messages": gateway_pb2.GenerateRequest(),
-        "params.temperature": gateway_pb2.GenerateRequest(prompt="x", params=gateway_pb2.SamplingParams(temperature=-1)),
-        "params.n": gateway_pb2.GenerateRequest(prompt="x", params=gateway_pb2.SamplingParams(n=10_000)),
-        "params.max_tokens": gateway_pb2.GenerateRequest(prompt="x", params=gateway_pb2.SamplingParams(max_tokens=100_000)),
-        "messages[0].role": gateway_pb2.GenerateRequest(messages=[gateway_pb2.ChatMessage(role="wizard", content="hi")]),
-        "params.stop_token_ids[0]": gateway_pb2.GenerateRequest(prompt="x", params=gateway_pb2.SamplingParams(stop_token_ids=[10**6])),
+        "params.temperature": gateway_pb2.GenerateRequest(prompt="x", params=_bad(temperature=-1)),
+        "params.n": gateway_pb2.GenerateRequest(prompt="x", params=_bad(n=10_000)),
+        "params.max_tokens": gateway_pb2.GenerateRequest(prompt="x", params=_bad(max_tokens=100_000)),
+        "messages[0].role": gateway_pb2.GenerateRequest(messages=[wizard]),
+        "params.stop_token_ids[0]": gateway_pb2.GenerateRequest(prompt="x", params=_bad(stop_token_ids=[10**6])),
     }
     for field_name, request in cases.items():
         for call in (gateway.stub.Generate, lambda r, **kw: list(gateway.stub.GenerateStream(r, **kw))):
@@ -189,7 +190,8 @@ def test_tokenize_and_list_models(gateway: Gateway, service_model) -> None:
 
 def test_metrics_and_access_log(gateway: Gateway) -> None:
     secret = "a prompt that must never be logged"
-    gateway.stub.Generate(gateway_pb2.GenerateRequest(prompt=secret, params=_params(4), request_id="logged-1"), timeout=60)
+    gateway.stub.Generate(gateway_pb2.GenerateRequest(prompt=secret, params=_params(4), request_id="logged-1"),
+                          timeout=60)
     text = urllib.request.urlopen(f"http://127.0.0.1:{gateway.metrics_port}/metrics", timeout=5).read().decode()
     assert 'pagedserve_gateway_requests_total{method="Generate",status="OK"}' in text
     assert 'pagedserve_gateway_requests_total{method="Generate",status="INVALID_ARGUMENT"}' in text
@@ -216,7 +218,8 @@ def test_killing_a_backend_mid_stream_is_unavailable_then_others_serve_then_it_r
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     # New requests (sent at once, before any health poll noticed) all succeed on the survivor.
     for i in range(4):
-        reply = gateway.stub.Generate(gateway_pb2.GenerateRequest(prompt=f"after the crash {i}", params=_params(4)), timeout=30)
+        request = gateway_pb2.GenerateRequest(prompt=f"after the crash {i}", params=_params(4))
+        reply = gateway.stub.Generate(request, timeout=30)
         assert reply.choices[0].finish_reason in ("length", "eos", "stop")
     assert gateway.num_healthy_backends() == 1
     victim.restart_compute()

@@ -22,7 +22,8 @@ def _grpcurl() -> str:
     return found
 
 
-def grpcurl(gateway: Gateway, *args: str, data: dict | None = None, headers: list[str] = ()) -> subprocess.CompletedProcess:
+def grpcurl(gateway: Gateway, *args: str, data: dict | None = None,
+            headers: list[str] = ()) -> subprocess.CompletedProcess:
     cmd = [_grpcurl(), "-plaintext", "-max-time", "60"]
     for header in headers:
         cmd += ["-H", header]

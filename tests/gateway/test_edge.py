@@ -86,12 +86,14 @@ def test_prompt_input_rules() -> None:
     with pytest.raises(ValueError, match="exactly one"):
         check_prompt_input(gateway_pb2.GenerateRequest(), CONFIG)
     with pytest.raises(ValueError, match="exactly one"):
-        check_prompt_input(gateway_pb2.GenerateRequest(prompt="x", messages=[gateway_pb2.ChatMessage(role="user")]), CONFIG)
+        check_prompt_input(gateway_pb2.GenerateRequest(prompt="x", messages=[gateway_pb2.ChatMessage(role="user")]),
+                           CONFIG)
     with pytest.raises(ValueError, match="prompt: at most 50"):
         check_prompt_input(gateway_pb2.GenerateRequest(prompt="x" * 51), CONFIG)
     with pytest.raises(ValueError, match="messages: at most 3"):
         check_prompt_input(gateway_pb2.GenerateRequest(messages=[gateway_pb2.ChatMessage(role="user")] * 4), CONFIG)
-    given = check_prompt_input(gateway_pb2.GenerateRequest(messages=[gateway_pb2.ChatMessage(role="user", content="yo")]), CONFIG)
+    given = check_prompt_input(
+        gateway_pb2.GenerateRequest(messages=[gateway_pb2.ChatMessage(role="user", content="yo")]), CONFIG)
     assert given.prompt is None and given.messages == [{"role": "user", "content": "yo"}]
     with pytest.raises(ValueError, match="request_id"):
         check_request(gateway_pb2.GenerateRequest(prompt="x", request_id="a\nb"), INFO)

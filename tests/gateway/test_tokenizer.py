@@ -56,7 +56,7 @@ class HostileBackend:
     def __init__(self, chunks: list[compute_pb2.TokenizerChunk]) -> None:
         self.chunks = chunks
 
-    def GetTokenizer(self, request: compute_pb2.GetTokenizerRequest, timeout: float):  # noqa: N802 - a stub's name
+    def GetTokenizer(self, request: compute_pb2.GetTokenizerRequest, timeout: float):  # a stub's name
         async def stream():
             for chunk in self.chunks:
                 yield chunk

@@ -15,7 +15,8 @@ KUBE_VERSION = "1.34.0"  # first release with resource.k8s.io/v1 (DRA) enabled b
 
 VALUE_SETS = {
     "default": {},
-    "gpu-dra-pvc": {"gpu": {"mode": "dra"}, "model": {"source": "pvc", "pvc": {"claimName": "models", "path": "llama-3b"}}},
+    "gpu-dra-pvc": {"gpu": {"mode": "dra"},
+                    "model": {"source": "pvc", "pvc": {"claimName": "models", "path": "llama-3b"}}},
     "gpu-device-plugin": {"gpu": {"mode": "device-plugin"}},
     "cpu-download": {
         "gpu": {"mode": "none"}, "engine": {"shmSizeLimit": "3Gi"},

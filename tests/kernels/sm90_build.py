@@ -19,11 +19,11 @@ from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)
 
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
 
-from kernels import triton_attention, triton_write_kv  # noqa: E402
+from kernels import triton_attention, triton_write_kv
 
 NVIDIA_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 ALIGNED_INTS = {"head_dim", "split_len"}  # plus every stride_*: multiples of 16 elements in practice

@@ -48,7 +48,8 @@ def memory_service() -> Iterator[str]:
 
     At teardown the service is stopped by PID and must leave neither its socket nor its segment.
     """
-    service, socket = start_memory_service("--max-num-blocks", "16", "--reserved-fraction", "0.25", "--lease-ttl-s", "2")
+    service, socket = start_memory_service("--max-num-blocks", "16", "--reserved-fraction", "0.25",
+                                           "--lease-ttl-s", "2")
     yield socket
     assert service.stop() == 0
     assert not Path(socket).exists()

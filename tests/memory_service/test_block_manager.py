@@ -502,7 +502,8 @@ def test_batch_is_validated_against_its_own_earlier_ops(make: MakeManager) -> No
     results = run(manager, *ops)
     assert [r.ok for r in results] == [True] * 7
     assert results[1].copies == [(0, 1)] and results[1].block_ids == [2]
-    assert manager.block_table("c", "y") == [0] and not manager.has_sequence("c", "a") and not manager.has_sequence("c", "x")
+    assert manager.block_table("c", "y") == [0]
+    assert not manager.has_sequence("c", "a") and not manager.has_sequence("c", "x")
 
 
 def test_fork_after_append_in_one_batch_shares_the_pending_tokens(make: MakeManager) -> None:
@@ -678,7 +679,8 @@ def test_release_client_frees_its_sequences_and_keeps_the_cache(make: MakeManage
     manager.apply("d", [AllocateOp("other", tokens(100, 4), 4)])  # [3]
     assert manager.release_client("c") == 2
     assert not manager.has_client("c") and manager.has_client("d")
-    assert not manager.has_sequence("c", "a") and not manager.has_sequence("c", "a2") and manager.has_sequence("d", "other")
+    assert not manager.has_sequence("c", "a") and not manager.has_sequence("c", "a2")
+    assert manager.has_sequence("d", "other")
     assert manager.stats().general == PoolStats("general", 8, 5, 2, 1)
     [hit] = manager.apply("d", [AllocateOp("again", tokens(0, 9), 9)])
     assert hit.num_cached_tokens == 8

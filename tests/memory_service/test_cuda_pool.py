@@ -34,7 +34,8 @@ print(r.block_ids[0], flush=True)
 def test_cuda_ipc_pool_is_shared_between_processes() -> None:
     proc, socket = start_memory_service("--max-num-blocks", "16", "--device", "cuda")
     try:
-        out = subprocess.run([sys.executable, "-c", WRITER, socket], capture_output=True, text=True, check=True, cwd=ROOT)
+        out = subprocess.run([sys.executable, "-c", WRITER, socket], capture_output=True, text=True, check=True,
+                             cwd=ROOT)
         block = int(out.stdout.split()[0])
         with MemoryClient(f"unix:{socket}", TINY_LAYOUT, "reader") as reader:
             assert reader.pool.is_cuda

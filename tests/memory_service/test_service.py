@@ -39,7 +39,8 @@ def test_socket_is_private(memory_service: str) -> None:
 
 def test_health_and_reflection(memory_service: str) -> None:
     channel = grpc.insecure_channel(f"unix:{memory_service}")
-    health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="pagedserve.memory.v1.MemoryManager"))
+    health = health_pb2_grpc.HealthStub(channel).Check(
+        health_pb2.HealthCheckRequest(service="pagedserve.memory.v1.MemoryManager"))
     assert health.status == health_pb2.HealthCheckResponse.SERVING
     replies = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
         iter([reflection_pb2.ServerReflectionRequest(list_services="")])
@@ -86,7 +87,8 @@ def test_out_of_blocks_is_a_result_not_an_error(memory_service: str) -> None:
         ([pb.SequenceOp(append=pb.AppendOp(seq_id="nope", token_ids=[1]))], "nope"),
         ([pb.SequenceOp(free=pb.FreeOp(seq_id="nope"))], "nope"),
         ([pb.SequenceOp(fork=pb.ForkOp(parent_seq_id="ghost", child_seq_id="c"))], "ghost"),
-        ([pb.SequenceOp(allocate=pb.AllocateOp(seq_id="x", prompt_token_ids=[1], max_num_new_tokens=-5))], "max_num_new_tokens"),
+        ([pb.SequenceOp(allocate=pb.AllocateOp(seq_id="x", prompt_token_ids=[1], max_num_new_tokens=-5))],
+         "max_num_new_tokens"),
         ([pb.SequenceOp(allocate=pb.AllocateOp(seq_id="x", prompt_token_ids=[-1], max_num_new_tokens=1))], "token"),
         ([pb.SequenceOp(allocate=pb.AllocateOp(seq_id="x", prompt_token_ids=[1] * 100000, max_num_new_tokens=1))], ""),
         ([pb.SequenceOp()], "SequenceOp"),
@@ -119,7 +121,8 @@ def test_unknown_client_and_bad_layout(memory_service: str) -> None:
             stub.Attach(pb.AttachRequest(client_name="x", layout=other))
         assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     with pytest.raises(grpc.RpcError) as info:
-        stub.Attach(pb.AttachRequest(client_name="x", layout=pb.KvLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype="int8")))
+        stub.Attach(pb.AttachRequest(client_name="x",
+                                     layout=pb.KvLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype="int8")))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "dtype" in info.value.details()
     assert stub.Ping(pb.PingRequest()) == pb.PingResponse()  # still serving
 
@@ -153,7 +156,8 @@ def test_another_process_writes_the_same_bytes(memory_service: str) -> None:
 
 def test_killed_client_gets_its_blocks_reclaimed(memory_service: str) -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-c", WRITER, memory_service, "hang"], stdout=subprocess.PIPE, stdin=subprocess.PIPE, text=True, cwd=ROOT
+        [sys.executable, "-c", WRITER, memory_service, "hang"], stdout=subprocess.PIPE, stdin=subprocess.PIPE,
+        text=True, cwd=ROOT,
     )
     int(proc.stdout.readline())
     with MemoryClient(f"unix:{memory_service}", TINY_LAYOUT, "observer") as observer:
@@ -187,8 +191,10 @@ def test_blocks_of_a_writer_killed_before_committing_are_never_shared(memory_ser
 
 def test_lease_expires_without_keepalive(memory_service: str) -> None:
     stub = stub_for(memory_service)
-    reply = stub.Attach(pb.AttachRequest(client_name="silent", layout=pb.KvLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype="float32", block_size=4)))
-    stub.Step(pb.StepRequest(client_id=reply.client_id, ops=[pb.SequenceOp(allocate=pb.AllocateOp(seq_id="s", prompt_token_ids=[1, 2], max_num_new_tokens=2))]))
+    layout = pb.KvLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype="float32", block_size=4)
+    reply = stub.Attach(pb.AttachRequest(client_name="silent", layout=layout))
+    allocate = pb.AllocateOp(seq_id="s", prompt_token_ids=[1, 2], max_num_new_tokens=2)
+    stub.Step(pb.StepRequest(client_id=reply.client_id, ops=[pb.SequenceOp(allocate=allocate)]))
     assert sum(p.num_used_blocks for p in stub.Stats(pb.StatsRequest()).pools) == 1
     # The TTL is 2 s; the reaper may run late on a loaded machine.
     wait_until(lambda: sum(p.num_used_blocks for p in stub.Stats(pb.StatsRequest()).pools) == 0, 15,

@@ -75,7 +75,8 @@ def test_sigkill_memory_then_both_recover(stack: Stack) -> None:
     assert stack.memory_stats().num_clients == 1
     stack.wait_idle()
     # A SIGKILLed service cannot unlink its pool itself; it must not stay behind all the same.
-    wait_until(lambda: not shm_segments(killed), 10, f"the killed memory service's segment gone ({shm_segments(killed)})")
+    wait_until(lambda: not shm_segments(killed), 10,
+               f"the killed memory service's segment gone ({shm_segments(killed)})")
 
 
 def test_sigstop_takes_compute_out_of_rotation_and_sigcont_puts_it_back(stack: Stack) -> None:

@@ -58,7 +58,8 @@ def test_malformed_bytes_are_invalid_argument(stack: Stack, target: str) -> None
     method = {"gateway": "/pagedserve.gateway.v1.Gateway/Generate",
               "compute": "/pagedserve.compute.v1.Compute/Abort",
               "memory": "/pagedserve.memory.v1.MemoryManager/Detach"}[target]
-    address = {"gateway": stack.gateway.address, "compute": stack.compute.address, "memory": stack.memory.address}[target]
+    address = {"gateway": stack.gateway.address, "compute": stack.compute.address,
+               "memory": stack.memory.address}[target]
     for data in (b"\x0a\x03\xff\xfe\xfd", b"\x0a\x32abc", b"\xff\xff\xff\xff"):
         assert fuzz.send_raw(address, method, data) == "INVALID_ARGUMENT", (target, data)
 

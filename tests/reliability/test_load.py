@@ -19,7 +19,8 @@ def test_concurrent_streams_all_complete_once(stack: Stack) -> None:
     before = load.metric(stack.gateway.metrics_port, OK_STREAMS)
     report = load.run_streams(stack.gateway.address, NUM_CLIENTS, MAX_TOKENS, timeout_s=60, tag="t-load")
     assert report.codes == {"OK": NUM_CLIENTS}
-    assert report.num_well_formed(MAX_TOKENS) == NUM_CLIENTS, [r for r in report.results if not r.is_well_formed(MAX_TOKENS)]
+    assert report.num_well_formed(MAX_TOKENS) == NUM_CLIENTS, [
+        r for r in report.results if not r.is_well_formed(MAX_TOKENS)]
     assert len({r.request_id for r in report.results}) == NUM_CLIENTS
     # The gateway answered each exactly once (no retry answered a request twice).
     assert load.metric(stack.gateway.metrics_port, OK_STREAMS) - before == NUM_CLIENTS

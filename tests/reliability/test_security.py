@@ -43,7 +43,8 @@ def test_api_keys_work_and_never_reach_the_log(stack: Stack) -> None:
     keys = stack.run_dir / "keys.txt"
     keys.write_text(f"{good}\n")
     os.chmod(keys, 0o600)
-    guarded = start_gateway([stack.compute.address], stack.run_dir, "--api-keys-file", str(keys), "--log-level", "debug")
+    guarded = start_gateway([stack.compute.address], stack.run_dir, "--api-keys-file", str(keys),
+                            "--log-level", "debug")
     try:
         for metadata in ([], [("authorization", f"Bearer {wrong}")], [("authorization", f"Bearer {good[:-1]}")]):
             with pytest.raises(grpc.RpcError) as info:
