@@ -11,7 +11,8 @@ import grpc
 import pytest
 
 from pagedserve.gateway.v1 import gateway_pb2
-from tests.e2e.conftest import Engine, Gateway, start_gateway, wait_until
+from pagedserve.process import wait_until
+from tests.e2e.conftest import Engine, Gateway, start_gateway
 
 # A gateway whose replies may hold 16 KiB: n=2 x 80 tokens with logprobs=20 need at least 107 bytes
 # a token (17,120 bytes), so they are refused up front; 1 x 150 need at least 16,050, so they are
