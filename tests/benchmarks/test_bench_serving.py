@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from benchmarks.tiny_model import build_service_model
+from pagedserve.stack import shm_segments
 
 ROOT = Path(__file__).resolve().parents[2]
 NUM_REQUESTS = 6
@@ -75,7 +76,7 @@ def test_tiny_run_reports_every_rate_prefix_caching_and_cleans_up(tmp_path: Path
     assert len(stack["pids"]) == 6 and not any(_is_alive(pid) for pid in stack["pids"])
     assert not any(Path(d).exists() for d in stack["runtime_dirs"])  # sockets and logs with them
     memory_pids = stack["pids"][0::3]
-    assert not [p for pid in memory_pids for p in Path("/dev/shm").glob(f"pagedserve-kv-{pid}-*")]
+    assert not [p for pid in memory_pids for p in shm_segments(pid)]
 
 
 def test_tiny_run_through_the_openai_http_front(tmp_path: Path) -> None:
