@@ -56,11 +56,11 @@ def memory_process(socket: str | Path, args: Sequence[object] = (), *,
 
 
 def compute_process(model: str | Path, memory_socket: str | Path, listen: str, args: Sequence[object] = (), *,
-                    log_file: str | Path | None = None) -> ServiceProcess:
+                    log_file: str | Path | None = None, env: dict[str, str] | None = None) -> ServiceProcess:
     """``python -m compute_service`` serving ``model`` on ``listen``, attached to ``memory_socket``."""
     return ServiceProcess("compute_service", ["--model", model, "--memory-socket", memory_socket, "--listen", listen,
                                               *args],
-                          address=listen, health_service=COMPUTE_SERVICE, log_file=log_file)
+                          address=listen, health_service=COMPUTE_SERVICE, log_file=log_file, env=env)
 
 
 def gateway_process(backends: Sequence[str], listen: str, args: Sequence[object] = (), *,

@@ -269,7 +269,7 @@ class Engine:
                 continue  # its finish already went out: it stands
             if not seq.is_finished:
                 self.scheduler.finish(seq)  # its blocks are freed by the next step
-            seq.finish_reason = FinishReason.ERROR
+            seq.fail()
 
     def _fork_children(self, parent: Sequence, row: torch.Tensor) -> None:
         """n > 1: the other completions share the parent's prompt blocks (ForkOp, copy-on-write)."""

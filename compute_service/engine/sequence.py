@@ -5,7 +5,7 @@ Invariants: ``num_cached_tokens <= num_computed_tokens <= num_tokens``; the K/V 
 service's view of the sequence holds exactly those tokens (plus the ones scheduled this step).
 
 The counters, the block table and the finish reason change only through the transitions below
-(``admit``, ``extend_blocks``, ``advance``, ``append_token``, ``fork``, ``finish``,
+(``admit``, ``extend_blocks``, ``advance``, ``append_token``, ``fork``, ``finish``, ``fail``,
 ``reset_for_recompute``), each of which keeps the invariants; the scheduler and the engine call
 them rather than writing the fields.
 """
@@ -128,6 +128,10 @@ class Sequence:
     def finish(self, reason: FinishReason) -> None:
         assert not self.is_finished, f"finished twice ({self.finish_reason} then {reason})"
         self.finish_reason = reason
+
+    def fail(self) -> None:
+        """Its request failed: ends with ERROR, replacing a finish that no output reported yet."""
+        self.finish_reason = FinishReason.ERROR
 
     def reset_for_recompute(self) -> None:
         """Preempted: its blocks are gone; everything (prompt and output so far) is recomputed."""

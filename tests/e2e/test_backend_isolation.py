@@ -27,11 +27,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedserve.compute.v1 import compute_pb2, compute_pb2_grpc
 from pagedserve.gateway.v1 import gateway_pb2
-from pagedserve.process import ServiceProcess
-from tests.compute_service.service_fixtures import ServiceModel, hf_greedy
-from tests.e2e.conftest import (
-    BLOCK_SIZE, COMPUTE_SERVICE, MEMORY_SERVICE, Gateway, free_port, shm_segments, start_gateway, wait_until,
-)
+from benchmarks.tiny_model import ServiceModel, hf_greedy
+from pagedserve.process import ServiceProcess, wait_until
+from pagedserve.sockets import free_port
+from pagedserve.stack import COMPUTE_SERVICE, compute_process, memory_process, ready, shm_segments
+from tests.e2e.conftest import BLOCK_SIZE, Gateway, start_gateway
 
 TOKEN = "test-service-token-7c1e9b2a40d3"
 STALL_TIMEOUT_S = 3.0
@@ -77,24 +77,19 @@ def cluster(service_model: ServiceModel, run_dir: Path) -> Iterator[Cluster]:
     token_file.write_text(TOKEN + "\n")
     os.chmod(token_file, 0o600)
     socket = run_dir / "iso-memory.sock"
-    memory = ServiceProcess.launch(
-        "memory_service", ["--socket", socket, "--max-num-blocks", "1024", "--block-size", BLOCK_SIZE,
-                           "--log-level", "warning"],
-        address=f"unix:{socket}", health_service=MEMORY_SERVICE, ready_timeout_s=60,
-        log_file=run_dir / "iso-memory.log")
+    memory = ready(memory_process(socket, ["--max-num-blocks", "1024", "--block-size", BLOCK_SIZE,
+                                           "--log-level", "warning"], log_file=run_dir / "iso-memory.log"), 60)
     computes: list[ServiceProcess] = []
     gateway = None
     ports = [free_port(), free_port()]
     try:
         for i, port in enumerate(ports):
             listen = f"unix:{run_dir / f'iso-compute-{i}.sock'}"
-            computes.append(ServiceProcess("compute_service", [
-                "--memory-socket", socket, "--model", service_model.path, "--listen", listen,
+            computes.append(compute_process(service_model.path, socket, listen, [
                 "--block-size", BLOCK_SIZE, "--max-num-seqs", "64", "--metrics-port", port,
                 "--auth-token-file", token_file, "--write-stall-timeout-s", STALL_TIMEOUT_S,
                 "--max-stream-buffer", MAX_STREAM_BUFFER, "--log-level", "warning",
-            ], address=listen, health_service=COMPUTE_SERVICE, env=_fault_env(service_model),
-                log_file=run_dir / f"iso-compute-{i}.log"))
+            ], env=_fault_env(service_model), log_file=run_dir / f"iso-compute-{i}.log"))
         for compute in computes:
             compute.wait_ready(120)
         gateway = start_gateway([c.address for c in computes], run_dir, "--backend-token-file", str(token_file))

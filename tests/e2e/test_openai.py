@@ -23,7 +23,9 @@ import pytest
 import torch
 
 from pagedserve.gateway.v1 import gateway_pb2
-from tests.e2e.conftest import Engine, Gateway, free_port, start_gateway, wait_until
+from pagedserve.process import wait_until
+from pagedserve.sockets import free_port
+from tests.e2e.conftest import Engine, Gateway, start_gateway
 
 KEY = "http-key-0123456789"
 
