@@ -6,8 +6,6 @@ from dataclasses import dataclass
 
 from pagedserve.dtypes import DTYPES
 
-DEFAULT_CPU_KV_CACHE_BYTES = 512 << 20
-
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -21,7 +19,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     block_size: int = 16
     enable_prefix_caching: bool = True
-    kv_cache_bytes: int | None = None  # default: 512 MiB on CPU, memory_utilization_threshold on CUDA
+    kv_cache_bytes: int | None = None  # default: the memory service's sizing (memory_service/config.py)
     max_num_blocks: int | None = None
     memory_utilization_threshold: float = 0.9
     reserved_fraction: float = 0.0

@@ -14,14 +14,16 @@ import torch
 
 from memory_service.api import BlockManagerStats, KvLayout, MemoryClient
 from pagedserve.dtypes import dtype_name
+from pagedserve.log import get_logger
 from pagedserve.process import ServiceProcess
 
-from compute_service.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from compute_service.engine.config import EngineConfig
 from compute_service.engine.engine import Engine
 from compute_service.model.model_loader import load_model
 from compute_service.engine.outputs import RequestOutput, collect
 from compute_service.engine.sampling_params import SamplingParams
 
+log = get_logger("llm")
 
 
 class MemoryServiceProcess:
@@ -43,9 +45,10 @@ class MemoryServiceProcess:
                 "--reserved-min-priority", str(config.reserved_min_priority), "--log-level", "warning"]
         if config.max_num_blocks is not None:
             args += ["--max-num-blocks", str(config.max_num_blocks)]
-        kv_bytes = config.kv_cache_bytes or (DEFAULT_CPU_KV_CACHE_BYTES if device == "cpu" else None)
-        if kv_bytes is not None and config.max_num_blocks is None:
-            args += ["--kv-cache-bytes", str(kv_bytes)]
+        # Without a size the memory service picks one (on CPU the least of a cap, a quarter of
+        # available RAM and 90% of free /dev/shm) and logs it.
+        if config.kv_cache_bytes is not None and config.max_num_blocks is None:
+            args += ["--kv-cache-bytes", str(config.kv_cache_bytes)]
         try:
             # Its output goes to a log beside the socket (quoted when the start fails), not to the
             # owner's stdout.
@@ -94,6 +97,9 @@ class LLM:
                 socket = self._memory_process.socket
             self._memory = MemoryClient(f"unix:{socket}", layout, client_name="llm")
             self.engine = Engine(loaded.model, loaded.config, loaded.tokenizer, self._memory, self.config)
+            # The pool's size, whoever chose it (a private memory service without a size picks its default).
+            log.info("kv_pool", num_blocks=self._memory.num_blocks,
+                     num_bytes=self._memory.num_blocks * layout.bytes_per_block)
         except BaseException:
             self.close()
             raise
