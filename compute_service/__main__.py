@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+if __name__ == "__main__":
+    # tcmalloc + Intel OpenMP when both are installed (pagedserve/cpu_preload.py): a re-exec of this
+    # same process, before torch is imported below.
+    from pagedserve import cpu_preload
+
+    cpu_preload.maybe_reexec("compute_service")
+
 import argparse
 import asyncio
 import dataclasses
