@@ -23,6 +23,8 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
+from pagedserve import cpu_preload
+
 REPO = Path(__file__).resolve().parent.parent
 VENV_SCRIPT = REPO / "scripts" / "vllm_venv.sh"
 TCMALLOC_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
@@ -93,7 +95,7 @@ def vllm_env(python: Path, kv_cache_bytes: int, cpus: Iterable[int] | None = Non
     preload = [p for p in (find_tcmalloc(), find_iomp(python.parent.parent)) if p is not None]
     if preload:
         settings["LD_PRELOAD"] = ":".join(map(str, preload))
-    env = dict(os.environ if base is None else base)
+    env = cpu_preload.strip_env(dict(os.environ if base is None else base))  # vLLM gets its own preload
     env.pop("PYTHONPATH", None)  # our packages must not shadow vLLM's (we ship one named `kernels`)
     env |= settings
     return env, settings

@@ -30,7 +30,7 @@ from pathlib import Path
 
 ENABLE_ENV = "PAGEDSERVE_CPU_PRELOAD"
 PIN_ENV = "PAGEDSERVE_CPU_PIN"
-_DONE_ENV = "_PAGEDSERVE_CPU_PRELOADED"  # set on the re-executed process: never loop
+_DONE_ENV = "_PAGEDSERVE_CPU_PRELOADED"  # the libraries we preloaded: never loop, and strip_env
 _SYSTEM_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib",
                 "/usr/local/lib")
 TCMALLOC = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
@@ -60,11 +60,27 @@ def preload_env(env: dict[str, str], prefix: str = sys.prefix) -> dict[str, str]
     current = [p for p in env.get("LD_PRELOAD", "").split(":") if p]
     new = dict(env)
     new["LD_PRELOAD"] = ":".join([*libs, *(p for p in current if p not in libs)])
-    new[_DONE_ENV] = "1"
+    new[_DONE_ENV] = ":".join(libs)
     if env.get(PIN_ENV) == "1" and "KMP_AFFINITY" not in env:
         cpus = sorted(os.sched_getaffinity(0))
         new["KMP_AFFINITY"] = f"granularity=fine,explicit,proclist=[{','.join(map(str, cpus))}]"
         new.setdefault("OMP_NUM_THREADS", str(len(cpus)))
+    return new
+
+
+def strip_env(env: dict[str, str]) -> dict[str, str]:
+    """``env`` without what preload_env added: for the other services a preloaded process starts
+    (a memory service or gateway gains nothing from it, and a process killed with Intel OpenMP
+    loaded leaves its registration file in /dev/shm)."""
+    ours = env.get(_DONE_ENV)
+    if not ours:
+        return env
+    new = {k: v for k, v in env.items() if k != _DONE_ENV}
+    kept = [p for p in env.get("LD_PRELOAD", "").split(":") if p and p not in ours.split(":")]
+    if kept:
+        new["LD_PRELOAD"] = ":".join(kept)
+    else:
+        new.pop("LD_PRELOAD", None)
     return new
 
 

@@ -96,8 +96,11 @@ class ServiceProcess:
         if self.log_file is not None:
             self._log = open(self.log_file, "ab")
         tie = ["--parent-pid", str(os.getpid())] if die_with_parent else []
+        base = dict(os.environ if env is None else env)
         if module == "compute_service":  # tcmalloc + Intel OpenMP when installed (cpu_preload.py)
-            env = cpu_preload.env_for(self.args, dict(os.environ if env is None else env)) or env
+            env = cpu_preload.env_for(self.args, base) or env
+        else:  # not for the other services, even when a preloaded process starts them
+            env = cpu_preload.strip_env(base)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", module, *self.args, *tie],
             env=env, stdout=self._log, stderr=subprocess.STDOUT if self._log else None, stdin=subprocess.DEVNULL,

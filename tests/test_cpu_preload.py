@@ -64,4 +64,11 @@ def test_reexec_keeps_the_pid_and_runs_once(tmp_path: Path) -> None:
         return
     assert [line[0] for line in lines] == ["pid", "pid", "after"]
     assert lines[0][1] == lines[1][1] == lines[2][1]  # the same process throughout
-    assert lines[0][2] == "None" and lines[1][2] == "1"
+    assert lines[0][2] == "None" and "libiomp5.so" in lines[1][2]  # the marker names what was preloaded
+
+
+def test_strip_env_removes_only_what_was_added(prefix: Path) -> None:
+    env = cpu_preload.preload_env({"LD_PRELOAD": "/x/libother.so", "HOME": "/h"}, prefix=str(prefix))
+    assert cpu_preload.strip_env(env) == {"LD_PRELOAD": "/x/libother.so", "HOME": "/h"}
+    assert cpu_preload.strip_env(cpu_preload.preload_env({}, prefix=str(prefix))) == {}
+    assert cpu_preload.strip_env({"LD_PRELOAD": "/y.so"}) == {"LD_PRELOAD": "/y.so"}  # not ours: kept
