@@ -11,8 +11,9 @@ signals are unaffected). The in-process ``LLM`` cannot: run its script under ``L
 
 Measured (docs/benchmarks.md, issue 18): Intel OpenMP is the lever, above all where other processes
 share the cores (every OpenMP region of a step waits for the thread that has no core; GNU libgomp
-makes that wait a time slice, Intel's runtime yields): decode steps of the default model 19x faster
-at 8 sequences and 10x at 32 on the shared 2-vCPU machine (load 15-25), tcmalloc ~8% on top.
+makes that wait a time slice, Intel's runtime yields): the default model's decode step at 8 and 32
+sequences took 0.82-0.93x the time at load 2-3 on the 2-vCPU machine, 0.36-0.41x at load 4-6 and
+0.05-0.10x at load 15-25; tcmalloc ~8% on top.
 
 ``PAGEDSERVE_CPU_PRELOAD``: ``1`` (the default: when libiomp5 is found), ``0`` (never).
 ``PAGEDSERVE_CPU_PIN=1`` also pins the OpenMP threads one per CPU of the process's affinity

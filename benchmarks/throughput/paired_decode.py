@@ -5,6 +5,8 @@ worker processes (the same engine and model, environments A and B: e.g. with and
 ``LD_PRELOAD``) each prepare ``B`` decoding sequences, then take turns: A runs ``--steps`` decode
 steps, then B does, then B, A, ... (the order alternates). Each pair sees the same moment's load;
 the ratio A/B is taken pair by pair and its median reported, with each side's median step time.
+A pause of ``--gap-s`` separates the bursts: Intel OpenMP keeps its threads spinning for 200 ms
+(KMP_BLOCKTIME) after a region, which would otherwise take the cores from the other side's burst.
 
     python -m benchmarks.throughput.paired_decode --batch-size 8 \\
         --a 'LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4:.venv/lib/libiomp5.so' --b ''
@@ -70,6 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--steps", type=int, default=5, help="decode steps per burst")
     p.add_argument("--pairs", type=int, default=16)
+    p.add_argument("--gap-s", type=float, default=0.3, help="pause between bursts (longer than KMP_BLOCKTIME)")
     p.add_argument("--context", type=int, default=256, help="prompt tokens of each sequence")
     p.add_argument("--kv-cache-bytes", type=int, default=1 << 30)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -91,6 +94,7 @@ def main(argv: list[str] | None = None) -> None:
         times: dict[str, list[float]] = {"a": [], "b": []}
         for i in range(args.pairs):
             for name in ("a", "b") if i % 2 == 0 else ("b", "a"):
+                time.sleep(args.gap_s)
                 sides[name].stdin.write("go\n")
                 sides[name].stdin.flush()
                 times[name].append(float(sides[name].stdout.readline()))
