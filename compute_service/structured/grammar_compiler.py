@@ -45,6 +45,11 @@ _COMPILE_OPTIONS = "xgrammar-v1:any_whitespace=False,strict_mode=True"
 # xgrammar prefixes its messages with "[time] /path/file.cc:line: " and sometimes a failed check's text.
 _ENGINE_PREFIX = re.compile(r"^\s*\[[^\]]*\]\s*\S+:\d+:\s*(Check failed: \(.*?\) is false:\s*)?")
 _MAX_MESSAGE_CHARS = 500
+# xgrammar 0.2's rule for the characters of a length-bounded JSON string (maxLength/minLength)
+# lets raw control characters through, which no strict JSON parser accepts (its unbounded string
+# rule excludes them). We compile the schema's EBNF with that one character class corrected.
+_BOUNDED_STRING_CHAR = r'[^\"\\\r\n]'
+_JSON_STRING_CHAR = r'[^\0-\x1f\"\\\r\n]'
 
 
 @dataclass(frozen=True)
@@ -227,12 +232,16 @@ class GrammarCompiler:
                 json.loads(c.spec)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"not valid JSON: {exc}") from None
-            return self._compiler.compile_json_schema(c.spec, any_whitespace=False, strict_mode=True)
+            return self._compile_json_schema(c.spec, strict_mode=True)
         if c.kind == "json_object":
             # strict_mode=False: any keys and values (strict mode would forbid undeclared properties).
-            return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+            return self._compile_json_schema('{"type": "object"}', strict_mode=False)
         if c.kind == "regex":
             return self._compiler.compile_regex(c.spec)
         if c.kind == "choice":
             return self._compiler.compile_grammar(choice_grammar(c.choices))
         return self._compiler.compile_grammar(c.spec)
+
+    def _compile_json_schema(self, schema: str, *, strict_mode: bool) -> xgr.CompiledGrammar:
+        ebnf = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict_mode))
+        return self._compiler.compile_grammar(ebnf.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR))
