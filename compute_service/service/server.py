@@ -13,7 +13,9 @@ Life cycle:
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -142,6 +144,14 @@ async def serve(config: ComputeServiceConfig, engine_config: EngineConfig) -> in
     await asyncio.to_thread(loop.stop)  # detaches: the memory service frees what is left
     _remove_socket(address)
     log.info("compute_service_stopped")
+    if grammars is not None and grammars.num_running:
+        # A compile past its timeout still runs in C++: interpreter finalization would destroy the
+        # grammar engine under it (std::terminate, SIGABRT). Everything is shut down and flushed,
+        # so leave without finalizing.
+        log.warning("grammar_compiles_abandoned", num_running=grammars.num_running)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 

@@ -118,6 +118,7 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._cache: OrderedDict[str, _Job] = OrderedDict()
         self._queue: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+        self.num_running = 0  # compiles in progress (the workers' counter; read anywhere)
         for i in range(self.config.num_threads):
             threading.Thread(target=self._work, name=f"grammar-compile-{i}", daemon=True).start()
 
@@ -212,6 +213,8 @@ class GrammarCompiler:
         while True:
             job = self._queue.get()
             job.started_at = time.monotonic()
+            with self._lock:
+                self.num_running += 1
             try:
                 result = (self._compile(job.constraint), None)
             except (RuntimeError, ValueError, TypeError) as exc:  # the engine's verdict on the input
@@ -220,6 +223,9 @@ class GrammarCompiler:
                 log.exception("grammar_compile_failed", kind=job.constraint.kind)
                 job.future.set_exception(exc)
                 continue
+            finally:
+                with self._lock:
+                    self.num_running -= 1
             log.debug("grammar_compiled", kind=job.constraint.kind, ok=result[1] is None,
                       seconds=round(time.monotonic() - job.started_at, 4))
             job.future.set_result(result)

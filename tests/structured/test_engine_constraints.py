@@ -190,7 +190,7 @@ def test_invalid_constraint_is_a_value_error_naming_the_field(llm: LLM, constrai
 
 
 def test_constraint_sizes_and_combinations_are_checked() -> None:
-    with pytest.raises(ValueError, match=r"regex has 4097 characters; at most 4096"):
+    with pytest.raises(ValueError, match=r"regex: at most 4096 characters, got 4097"):
         Constraint.regex("a" * 4097)
     with pytest.raises(ValueError, match=r"choice.choices must hold 1 to 256"):
         Constraint.choice([])
