@@ -48,7 +48,7 @@ class Engine:
         self.model_config = model_config
         self.tokenizer = tokenizer
         self._grammars = grammars
-        self._masker = LogitsMasker(model_config.vocab_size)
+        self.masker = LogitsMasker(model_config.vocab_size)
         self.memory = memory
         self.config = config
         self.runner = ModelRunner(model, memory.pool, memory.block_size)
@@ -307,7 +307,7 @@ class Engine:
         """Next tokens from raw (B, V) logits; constrained rows are masked in a copy first, so the
         caller's raw rows still give the logprobs."""
         if any(seq.matcher is not None for seq in seqs):
-            logits = self._masker.apply(logits, [seq.matcher for seq in seqs])
+            logits = self.masker.apply(logits, [seq.matcher for seq in seqs])
         return sample(logits, seqs, self.model_config.eos_token_ids)
 
     def _append_token(self, seq: Sequence, token: int, logits_row: torch.Tensor) -> None:

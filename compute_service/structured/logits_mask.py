@@ -9,6 +9,7 @@ filled nor applied (``indices``).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
@@ -27,6 +28,9 @@ class LogitsMasker:
         self.vocab_size = vocab_size
         self._batch = xgr.BatchGrammarMatcher(max_threads=num_threads)
         self._bitmask = xgr.allocate_token_bitmask(8, vocab_size)  # (rows, ceil(V / 32)) int32, grown on demand
+        # What masking has cost so far (benchmarks read them): steps with a constrained row, seconds.
+        self.num_masked_steps = 0
+        self.seconds = 0.0
 
     def apply(self, logits: torch.Tensor, matchers: Sequence[xgr.GrammarMatcher | None]) -> torch.Tensor:
         """Logits with each constrained row's disallowed tokens at -inf.
@@ -40,6 +44,7 @@ class LogitsMasker:
         rows = [i for i, m in enumerate(matchers) if m is not None]
         if not rows:
             return logits
+        start = time.perf_counter()
         if self._bitmask.shape[0] < len(matchers):
             self._bitmask = xgr.allocate_token_bitmask(max(len(matchers), 2 * self._bitmask.shape[0]), self.vocab_size)
         bitmask = self._bitmask[: len(matchers)]
@@ -47,4 +52,6 @@ class LogitsMasker:
         masked = logits.clone()
         xgr.apply_token_bitmask_inplace(masked, bitmask.to(masked.device, non_blocking=True),
                                         vocab_size=self.vocab_size, indices=rows)
+        self.num_masked_steps += 1
+        self.seconds += time.perf_counter() - start
         return masked
