@@ -28,9 +28,11 @@ class LogitsMasker:
         self.vocab_size = vocab_size
         self._batch = xgr.BatchGrammarMatcher(max_threads=num_threads)
         self._bitmask = xgr.allocate_token_bitmask(8, vocab_size)  # (rows, ceil(V / 32)) int32, grown on demand
-        # What masking has cost so far (benchmarks read them): steps with a constrained row, seconds.
+        # What masking has cost so far (benchmarks read them): steps with a constrained row, wall
+        # seconds, and this process's CPU seconds (which other processes on the machine do not inflate).
         self.num_masked_steps = 0
         self.seconds = 0.0
+        self.cpu_seconds = 0.0
 
     def apply(self, logits: torch.Tensor, matchers: Sequence[xgr.GrammarMatcher | None]) -> torch.Tensor:
         """Logits with each constrained row's disallowed tokens at -inf.
@@ -44,7 +46,7 @@ class LogitsMasker:
         rows = [i for i, m in enumerate(matchers) if m is not None]
         if not rows:
             return logits
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         if self._bitmask.shape[0] < len(matchers):
             self._bitmask = xgr.allocate_token_bitmask(max(len(matchers), 2 * self._bitmask.shape[0]), self.vocab_size)
         bitmask = self._bitmask[: len(matchers)]
@@ -54,4 +56,5 @@ class LogitsMasker:
                                         vocab_size=self.vocab_size, indices=rows)
         self.num_masked_steps += 1
         self.seconds += time.perf_counter() - start
+        self.cpu_seconds += time.process_time() - start_cpu
         return masked

@@ -25,3 +25,4 @@ def test_mask_cost_per_batch_size(byte_model: ByteModel) -> None:
     for row in summary["results"]:
         assert row["num_steps_timed"] >= 2
         assert 0 < row["mask_ms"] < row["step_ms_constrained"]
+        assert row["mask_cpu_ms"] >= 0 and row["step_cpu_ms_unconstrained"] > 0
