@@ -150,12 +150,37 @@ class GrammarCompiler:
         job = self._submit(constraint)
         if job.future.done():
             return self._result(job, job.future.result())
-        waiter = asyncio.wrap_future(job.future)
+        waiter = self._waiter(job)
         while True:
             done, _ = await asyncio.wait({waiter}, timeout=self._remaining(job))
             if done:
                 return self._result(job, waiter.result())
             self._check_deadline(job)
+
+    @staticmethod
+    def _waiter(job: _Job) -> asyncio.Future:
+        """An event-loop future that follows the job's. Not ``asyncio.wrap_future``: cancelling that
+        would cancel a queued job (whose worker then fails setting its result), and a compile that
+        ends after the loop closed must not raise in the worker."""
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
+
+        def copy(done: concurrent.futures.Future) -> None:  # on the loop
+            if waiter.done():
+                return
+            if done.exception() is not None:
+                waiter.set_exception(done.exception())
+            else:
+                waiter.set_result(done.result())
+
+        def on_done(done: concurrent.futures.Future) -> None:  # in the worker thread
+            try:
+                loop.call_soon_threadsafe(copy, done)
+            except RuntimeError:
+                pass  # the event loop is closed (the service is exiting): nobody waits any more
+
+        job.future.add_done_callback(on_done)
+        return waiter
 
     def new_matcher(self, grammar: xgr.CompiledGrammar) -> xgr.GrammarMatcher:
         """A fresh matcher (its own state) over a shared compiled grammar: one per completion."""
