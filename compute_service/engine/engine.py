@@ -304,10 +304,13 @@ class Engine:
                 self._append_token(child, token, row)
 
     def _mask_and_sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        """Next tokens from raw (B, V) logits; constrained rows are masked in a copy first, so the
-        caller's raw rows still give the logprobs."""
+        """Next tokens from (B, V) logits, the engine's own copy of the model's rows. Constrained
+        rows are masked: in place, unless a sequence asks for logprobs (the raw rows' log-softmax),
+        then in a copy. n > 1 forks sample again from a parent's row: their matchers are in the
+        parent's state, so a row already masked for it is the row they would mask."""
         if any(seq.matcher is not None for seq in seqs):
-            logits = self.masker.apply(logits, [seq.matcher for seq in seqs])
+            keep_raw = any(seq.params.logprobs is not None for seq in seqs)
+            logits = self.masker.apply(logits, [seq.matcher for seq in seqs], keep_raw=keep_raw)
         return sample(logits, seqs, self.model_config.eos_token_ids)
 
     def _append_token(self, seq: Sequence, token: int, logits_row: torch.Tensor) -> None:

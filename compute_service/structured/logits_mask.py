@@ -2,8 +2,9 @@
 
 Per step, each constrained sequence gets one bitmask row (bit j = token j allowed), all rows filled
 by one batched xgrammar call (no Python call per sequence), then applied to a copy of the logits:
-the raw logits stay untouched because logprobs are the log-softmax of the model's raw logits. A
-batch without a constrained sequence skips all of it. Rows of unconstrained sequences are neither
+the raw logits stay untouched when a sequence asks for logprobs (the log-softmax of the model's
+raw logits), else the rows (already the engine's own copy) are masked in place. A batch without a
+constrained sequence skips all of it. Rows of unconstrained sequences are neither
 filled nor applied (``indices``).
 """
 
@@ -31,27 +32,42 @@ class LogitsMasker:
         # What masking has cost so far (benchmarks read them): steps with a constrained row, wall
         # seconds, and this process's CPU seconds (which other processes on the machine do not inflate).
         self.num_masked_steps = 0
+        self._copy: torch.Tensor | None = None  # (rows, V) buffer of masked copies, grown on demand
         self.seconds = 0.0
         self.cpu_seconds = 0.0
 
-    def apply(self, logits: torch.Tensor, matchers: Sequence[xgr.GrammarMatcher | None]) -> torch.Tensor:
+    def apply(self, logits: torch.Tensor, matchers: Sequence[xgr.GrammarMatcher | None], *,
+              keep_raw: bool = True) -> torch.Tensor:
         """Logits with each constrained row's disallowed tokens at -inf.
 
         Args:
             logits: (B, V) raw logits, one row per entry of ``matchers``.
             matchers: each row's matcher, None for an unconstrained row.
+            keep_raw: leave ``logits`` untouched (the caller still needs them: logprobs) and mask a
+                copy in a buffer kept across steps; False masks ``logits`` in place.
         Returns:
-            ``logits`` itself when no row is constrained, else a masked copy (B, V).
+            ``logits`` itself when no row is constrained or ``keep_raw`` is False, else the masked
+            copy (B, V), valid until the next call.
         """
         rows = [i for i, m in enumerate(matchers) if m is not None]
         if not rows:
             return logits
         start, start_cpu = time.perf_counter(), time.process_time()
-        if self._bitmask.shape[0] < len(matchers):
-            self._bitmask = xgr.allocate_token_bitmask(max(len(matchers), 2 * self._bitmask.shape[0]), self.vocab_size)
-        bitmask = self._bitmask[: len(matchers)]
+        num_rows = len(matchers)
+        if self._bitmask.shape[0] < num_rows:
+            self._bitmask = xgr.allocate_token_bitmask(max(num_rows, 2 * self._bitmask.shape[0]), self.vocab_size)
+        bitmask = self._bitmask[:num_rows]
         self._batch.batch_fill_next_token_bitmask([matchers[i] for i in rows], bitmask, indices=rows)
-        masked = logits.clone()
+        masked = logits
+        if keep_raw:
+            # A buffer reused across steps: a fresh (32, 49152) float32 copy per step costs more in
+            # page faults (about 10 ms) than filling and applying the masks (about 0.25 ms).
+            if self._copy is None or self._copy.shape[0] < num_rows or self._copy.shape[1:] != logits.shape[1:] \
+                    or self._copy.dtype != logits.dtype or self._copy.device != logits.device:
+                self._copy = torch.empty((max(num_rows, 8), *logits.shape[1:]), dtype=logits.dtype,
+                                         device=logits.device)
+            masked = self._copy[:num_rows]
+            masked.copy_(logits)
         xgr.apply_token_bitmask_inplace(masked, bitmask.to(masked.device, non_blocking=True),
                                         vocab_size=self.vocab_size, indices=rows)
         self.num_masked_steps += 1

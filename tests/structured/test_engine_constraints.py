@@ -219,3 +219,6 @@ def test_mask_matches_masked_fill_and_skips_unconstrained_batches(llm: LLM) -> N
     assert bits.sum() == 2  # "a" and "b"
     assert torch.equal(masked[1], logits[1].masked_fill(bits == 0, float("-inf")))
     assert torch.equal(masked[[0, 2]], logits[[0, 2]])
+    raw = logits.clone()
+    in_place = masker.apply(logits, [None, llm.engine.grammars.new_matcher(grammar), None], keep_raw=False)
+    assert in_place is logits and torch.equal(logits, masked) and not torch.equal(logits, raw)
