@@ -30,7 +30,8 @@ class LogitsMasker:
         self._batch = xgr.BatchGrammarMatcher(max_threads=num_threads)
         self._bitmask = xgr.allocate_token_bitmask(8, vocab_size)  # (rows, ceil(V / 32)) int32, grown on demand
         # What masking has cost so far (benchmarks read them): steps with a constrained row, wall
-        # seconds, and this process's CPU seconds (which other processes on the machine do not inflate).
+        # seconds, and the calling thread's CPU seconds (neither other processes nor torch's spinning OpenMP
+        # workers inflate them; xgrammar fills the rows in this thread with max_threads=1).
         self.num_masked_steps = 0
         self._copy: torch.Tensor | None = None  # (rows, V) buffer of masked copies, grown on demand
         self.seconds = 0.0
@@ -52,7 +53,7 @@ class LogitsMasker:
         rows = [i for i, m in enumerate(matchers) if m is not None]
         if not rows:
             return logits
-        start, start_cpu = time.perf_counter(), time.process_time()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         num_rows = len(matchers)
         if self._bitmask.shape[0] < num_rows:
             self._bitmask = xgr.allocate_token_bitmask(max(num_rows, 2 * self._bitmask.shape[0]), self.vocab_size)
@@ -72,5 +73,5 @@ class LogitsMasker:
                                         vocab_size=self.vocab_size, indices=rows)
         self.num_masked_steps += 1
         self.seconds += time.perf_counter() - start
-        self.cpu_seconds += time.process_time() - start_cpu
+        self.cpu_seconds += time.thread_time() - start_cpu
         return masked
