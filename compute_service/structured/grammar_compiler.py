@@ -6,11 +6,12 @@ workers are joined at interpreter exit, so a runaway compile would hold a SIGTER
 long as it runs; daemon threads let the process exit. xgrammar releases the GIL while it compiles,
 so the engine thread and the event loop keep running beside it.
 
-The timeout counts from the moment a worker starts the job, not from submission: a request queued
-behind a runaway compile is told the compiler is busy (RESOURCE_EXHAUSTED, retry), and is not
-blamed for a cost that is not its own. A constraint that timed out is remembered as too costly, so
-asking again is refused at once instead of occupying another worker. Failures (invalid schemas,
-regexes, grammars) are cached like successes: the engine's message is the answer each time.
+The timeout counts from the moment a worker starts the job, not from submission: a request whose
+job is still queued behind runaway compiles a timeout after it asked is told the compiler is busy
+(RESOURCE_EXHAUSTED, retry), and is not blamed for a cost that is not its own. A constraint that
+timed out is remembered as too costly, so asking again is refused at once instead of occupying
+another worker. Failures (invalid schemas, regexes, grammars) are cached like successes: the
+engine's message is the answer each time.
 
 Cache key: sha256 of (tokenizer digest, compile options, kind, text); one compiler serves one
 tokenizer, and the tokenizer digest keeps keys apart should the cache ever be shared.
@@ -76,7 +77,6 @@ class GrammarCompilerConfig:
 @dataclass(eq=False)
 class _Job:
     constraint: Constraint
-    submitted_at: float = field(default_factory=time.monotonic)
     started_at: float | None = None  # set by the worker
     timed_out: bool = False
     # (grammar, None) or (None, the engine's message): failures are results, not exceptions.
@@ -138,24 +138,24 @@ class GrammarCompiler:
     def compile(self, constraint: Constraint) -> xgr.CompiledGrammar:
         """Blocking compile (in-process callers). Raises InvalidArgument naming the field when the
         constraint is invalid or too costly, ResourceExhaustedError when every worker is busy."""
-        job = self._submit(constraint)
+        job, since = self._submit(constraint), time.monotonic()
         while True:
             try:
-                return self._result(job, job.future.result(timeout=self._remaining(job)))
+                return self._result(job, job.future.result(timeout=self._remaining(job, since)))
             except concurrent.futures.TimeoutError:
-                self._check_deadline(job)
+                self._check_deadline(job, since)
 
     async def compile_async(self, constraint: Constraint) -> xgr.CompiledGrammar:
         """``compile`` for the event loop: it waits without blocking the loop."""
-        job = self._submit(constraint)
+        job, since = self._submit(constraint), time.monotonic()
         if job.future.done():
             return self._result(job, job.future.result())
         waiter = self._waiter(job)
         while True:
-            done, _ = await asyncio.wait({waiter}, timeout=self._remaining(job))
+            done, _ = await asyncio.wait({waiter}, timeout=self._remaining(job, since))
             if done:
                 return self._result(job, waiter.result())
-            self._check_deadline(job)
+            self._check_deadline(job, since)
 
     @staticmethod
     def _waiter(job: _Job) -> asyncio.Future:
@@ -203,16 +203,17 @@ class GrammarCompiler:
             raise self._too_costly(job)
         return job
 
-    def _deadline(self, job: _Job) -> float:
+    def _deadline(self, job: _Job, since: float) -> float:
+        """A running job's clock runs from its start; a queued one's from when this caller came."""
         started = job.started_at
-        return (started if started is not None else job.submitted_at) + self.config.timeout_s
+        return (started if started is not None else since) + self.config.timeout_s
 
-    def _remaining(self, job: _Job) -> float:
-        return max(0.0, self._deadline(job) - time.monotonic())
+    def _remaining(self, job: _Job, since: float) -> float:
+        return max(0.0, self._deadline(job, since) - time.monotonic())
 
-    def _check_deadline(self, job: _Job) -> None:
+    def _check_deadline(self, job: _Job, since: float) -> None:
         """Called when a wait ran out: raise if the job is really past its deadline."""
-        if time.monotonic() < self._deadline(job):
+        if time.monotonic() < self._deadline(job, since):
             return  # it started while we waited: its own clock runs from then
         if job.started_at is None:
             raise ResourceExhaustedError(

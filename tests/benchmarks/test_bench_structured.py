@@ -9,14 +9,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.structured.conftest import ByteModel
+from tests.structured.conftest import build_byte_model
 
 ROOT = Path(__file__).resolve().parents[2]
-pytest_plugins = ["tests.structured.conftest"]
 
 
-def test_mask_cost_per_batch_size(byte_model: ByteModel) -> None:
-    done = subprocess.run([sys.executable, "-m", "benchmarks.bench_structured", "--model", str(byte_model.path),
+def test_mask_cost_per_batch_size(tmp_path: Path) -> None:
+    model = build_byte_model(tmp_path / "byte-llama")
+    done = subprocess.run([sys.executable, "-m", "benchmarks.bench_structured", "--model", str(model.path),
                            "--batch-sizes", "1,3", "--steps", "4"], cwd=ROOT, capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -31,6 +31,11 @@ class ByteModel:
 
 @pytest.fixture(scope="session")
 def byte_model(tmp_path_factory: pytest.TempPathFactory) -> ByteModel:
+    return build_byte_model(tmp_path_factory.mktemp("byte-llama"))
+
+
+def build_byte_model(path: Path) -> ByteModel:
+    """The random-weight byte-tokenizer Llama, saved (weights and tokenizer) at ``path``."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(20)
@@ -41,7 +46,6 @@ def byte_model(tmp_path_factory: pytest.TempPathFactory) -> ByteModel:
     config._attn_implementation = "eager"
     model = LlamaForCausalLM(config).eval()
     model.generation_config.eos_token_id = EOS
-    path = tmp_path_factory.mktemp("byte-llama")
     model.save_pretrained(path)
     tokenizer = build_byte_tokenizer()
     tokenizer.save_pretrained(path)
