@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from compute_service import LLM, Constraint, SamplingParams
-from compute_service.engine.outputs import RequestOutput
+from compute_service.engine.outputs import RequestOutput, collect
 from tests.structured.conftest import EOS, PROMPTS, VOCAB, ByteModel, hf_constrained_greedy
 
 POINT = {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9},
@@ -46,11 +46,12 @@ def run_batch(llm: LLM, requests: list[tuple[list[int], SamplingParams]]) -> lis
     ids = [f"batch-{i}" for i in range(len(requests))]
     for request_id, (prompt, params) in zip(ids, requests):
         llm.engine.add_request(request_id, prompt, params)
-    done: dict[str, RequestOutput] = {}
-    while len(done) < len(ids):
-        done.update({out.request_id: out for out in llm.engine.step() if out.finished})
+    results: dict[str, RequestOutput] = {}
+    num_finished = 0
+    while num_finished < len(ids):
+        num_finished += len(collect(results, llm.engine.step()))  # each step's news, accumulated
     llm.engine.step()  # frees the last blocks
-    return [done[i] for i in ids]
+    return [results[i] for i in ids]
 
 
 def is_valid(constraint: Constraint, text: str) -> bool:
@@ -222,3 +223,56 @@ def test_mask_matches_masked_fill_and_skips_unconstrained_batches(llm: LLM) -> N
     raw = logits.clone()
     in_place = masker.apply(logits, [None, llm.engine.grammars.new_matcher(grammar), None], keep_raw=False)
     assert in_place is logits and torch.equal(logits, masked) and not torch.equal(logits, raw)
+
+
+def _three_requests(llm: LLM) -> list[tuple[list[int], SamplingParams]]:
+    regex = Constraint.regex(REGEXES[0])
+    return [(PROMPTS[0], SamplingParams(max_tokens=40, temperature=0.0, constraint=regex)),
+            (PROMPTS[1], SamplingParams(max_tokens=40, temperature=0.0, constraint=regex)),
+            (PROMPTS[2], SamplingParams(max_tokens=12, temperature=0.0))]
+
+
+def _run_with_fault(llm: LLM, requests: list[tuple[list[int], SamplingParams]],
+                    inject) -> tuple[list[RequestOutput], int]:
+    """run_batch, ``inject(engine, seq_of_batch_0)`` called once batch-0 has its sequence."""
+    before = llm.engine.num_failed_requests
+    for i, (prompt, params) in enumerate(requests):
+        llm.engine.add_request(f"batch-{i}", prompt, params)
+    inject(llm.engine, llm.engine.requests["batch-0"].completions[0].seq)
+    results: dict[str, RequestOutput] = {}
+    num_finished = 0
+    while num_finished < len(requests):
+        num_finished += len(collect(results, llm.engine.step()))
+    llm.engine.step()
+    return [results[f"batch-{i}"] for i in range(len(requests))], llm.engine.num_failed_requests - before
+
+
+@pytest.mark.parametrize("stage", ["accept", "mask"])
+def test_a_grammar_failure_ends_its_request_alone(llm: LLM, monkeypatch: pytest.MonkeyPatch, stage: str) -> None:
+    # The engine's per-request failure isolation covers the grammar: a matcher that rejects its own
+    # sampled token, or whose mask cannot be filled, ends that request with finish_reason "error";
+    # the constrained and unconstrained requests batched with it finish exactly as they do alone.
+    requests = _three_requests(llm)
+    alone = run_batch(llm, requests)
+
+    def inject(engine, seq) -> None:
+        if stage == "accept":
+            seq.matcher.accept_token = lambda token: False  # instance attribute: only this matcher
+            return
+        bad, real_apply = seq.matcher, engine.masker.apply
+
+        def apply(logits, matchers, **kwargs):
+            if any(m is bad for m in matchers):
+                raise RuntimeError("mask fill failed")
+            return real_apply(logits, matchers, **kwargs)
+
+        monkeypatch.setattr(engine.masker, "apply", apply)
+
+    outs, num_failed = _run_with_fault(llm, requests, inject)
+    assert num_failed == 1
+    assert outs[0].finished and outs[0].outputs[0].finish_reason == "error" and outs[0].error
+    assert outs[0].outputs[0].token_ids == []  # the rejected (or never sampled) token is not reported
+    for out, ref in zip(outs[1:], alone[1:]):
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        assert out.outputs[0].finish_reason == ref.outputs[0].finish_reason
+    assert re.fullmatch(REGEXES[0], outs[1].outputs[0].text) or outs[1].outputs[0].finish_reason == "length"
