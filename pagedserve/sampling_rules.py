@@ -180,14 +180,16 @@ MAX_CHOICE_CHARS = 1024
 _MAX_SPEC_CHARS = {"json_schema": MAX_JSON_SCHEMA_CHARS, "regex": MAX_REGEX_CHARS, "grammar": MAX_GRAMMAR_CHARS}
 
 
-def check_constraint(kind: str, spec: str = "", choices: Sequence[str] = (), *, prefix: str = "params.") -> None:
+def check_constraint(kind: str, spec: str = "", choices: Sequence[str] = (), *, prefix: str = "params.",
+                     name: str | None = None) -> None:
     """A constraint's kind and sizes (not its validity: that is the grammar compiler's verdict).
 
     Args:
         kind: one of CONSTRAINT_KINDS; spec: the schema, regex or grammar text ("" for the others);
-        choices: a choice constraint's alternatives; prefix: put before the field's name.
+        choices: a choice constraint's alternatives; prefix: put before the field's name;
+        name: the field's name in messages when it is not ``prefix + kind`` (the HTTP API's).
     """
-    name = prefix + kind
+    name = name or prefix + kind
     if kind not in CONSTRAINT_KINDS:
         raise InvalidArgument(f"{prefix}constraint: unknown kind {echo(kind)}; one of {', '.join(CONSTRAINT_KINDS)}")
     if kind in _MAX_SPEC_CHARS:
