@@ -69,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
                         f"(also ${TOKEN_ENV}); the gateway sends it with --backend-token-file")
     p.add_argument("--log-level", dest="log_level", help="debug, info, warning, error")
     add_log_format_flag(p)
+    p.add_argument("--grammar-compile-timeout-s", dest="grammar_compile_timeout_s", type=float,
+                   help="longest compile of one structured-output constraint before it is refused (default 5)")
+    p.add_argument("--grammar-compile-threads", dest="grammar_compile_threads", type=int,
+                   help="threads that compile structured-output constraints (default 2)")
     add_parent_pid_flag(p)
     return p
 

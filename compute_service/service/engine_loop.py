@@ -26,6 +26,7 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from pagedserve.errors import AlreadyExistsError, InvalidArgument, UnavailableError, echo
 from pagedserve.log import get_logger
@@ -74,6 +75,7 @@ class AddCommand:
     priority: int
     cache_salt: str
     sink: Sink
+    grammar: Any | None = None  # params.constraint compiled off this thread (xgrammar CompiledGrammar)
 
 
 @dataclass(frozen=True)
@@ -253,7 +255,8 @@ class EngineLoop:
                 continue
             try:
                 engine.add_request(command.request_id, command.prompt_token_ids, command.params,
-                                   priority=command.priority, cache_salt=command.cache_salt)
+                                   priority=command.priority, cache_salt=command.cache_salt,
+                                   grammar=command.grammar)
             except (InvalidArgument, AlreadyExistsError) as exc:  # checked by the servicer already; reported
                 command.sink(exc)
                 continue
