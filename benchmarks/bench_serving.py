@@ -25,6 +25,12 @@ Prints a table, then as its last line one JSON object. ``--plot-dir`` writes the
 ``--api openai`` sends the same workload as streamed ``/v1/completions`` through the gateway's
 OpenAI-compatible HTTP front (or any OpenAI-compatible server: ``vllm serve``), so the figures
 compare with other servers' and, at the same rates, with the gRPC API's (the HTTP front's cost).
+
+``--peer vllm`` then runs the same requests (baseline and rates) against vLLM's OpenAI server, after
+our stack has stopped (serving/peer.py), and adds both sides' figures and ours/vLLM ratios per rate;
+the KV budget defaults to 1 GiB then (vLLM takes whole GiB). ``--skip-prefix`` leaves out phase 3.
+
+    python -m benchmarks.bench_serving --peer vllm --skip-prefix --rates 0.5 1 2 inf --num-requests 32
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import json
 import os
 import random
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,7 +52,6 @@ from benchmarks.serving.client import (
 )
 from benchmarks.serving.stack import StackConfig, start_stacks
 from benchmarks.serving.workload import RequestSpec, make_requests, make_shared_prefix, make_text, poisson_arrivals
-from memory_service.config import DEFAULT_CPU_KV_CACHE_BYTES
 
 WARMUP = RequestSpec("Hello, how are you today?", 4)
 
@@ -90,11 +96,13 @@ async def sweep(target: Target, memory_address: str | None, args: argparse.Names
                                                                  args.timeout_s))
             runs.append((rate, results))
             say(f"rate {label}: {sum(r.ok for r in results)}/{len(results)} ok")
-        prefix = make_shared_prefix(args.prefix_requests + 1, args.prefix_tokens, args.question_tokens,
-                                    args.prefix_max_tokens, tpw, args.seed)
-        # The first request fills the cache; the others find the system prompt there.
-        cached = (await _phase(sampler, "prefix", run_one_at_a_time(
-            target, prefix, ["prefix"] * len(prefix), args.timeout_s)))[1:]
+        cached = []
+        if not args.skip_prefix:
+            prefix = make_shared_prefix(args.prefix_requests + 1, args.prefix_tokens, args.question_tokens,
+                                        args.prefix_max_tokens, tpw, args.seed)
+            # The first request fills the cache; the others find the system prompt there.
+            cached = (await _phase(sampler, "prefix", run_one_at_a_time(
+                target, prefix, ["prefix"] * len(prefix), args.timeout_s)))[1:]
     finally:
         stop.set()
         if sampling:
@@ -123,32 +131,35 @@ def run(args: argparse.Namespace) -> dict:
     """Everything, stacks started and stopped here when no --gateway is given."""
     load_start = os.getloadavg()[0]
     stack_info: dict = {}
+    uncached = None
     if args.gateway:
         target = Target(args.gateway, args.api)
         results = asyncio.run(sweep(target, args.memory, args))
-        uncached = asyncio.run(run_uncached_prefix(target, args, results.tokens_per_word, True))
+        if not args.skip_prefix:
+            uncached = asyncio.run(run_uncached_prefix(target, args, results.tokens_per_word, True))
         mode = "distinct cache_salt per request"
     else:
         started = time.perf_counter()
         # The stack without a prefix cache starts now too (the model loads overlap) and idles
         # through the sweep: an idle engine pings its memory service once a second, nothing more.
-        stacks = start_stacks([stack_config(args, True), stack_config(args, False)])
+        stacks = start_stacks([stack_config(args, True)] + ([] if args.skip_prefix else [stack_config(args, False)]))
         try:
             say(f"stacks up in {time.perf_counter() - started:.0f} s")
             stack_info |= {"pids": [s.pid for st in stacks for s in st.services],
                            "runtime_dirs": [str(st.directory) for st in stacks]}
             results = asyncio.run(sweep(stacks[0].target(args.api), stacks[0].memory_address, args))
-            uncached = asyncio.run(run_uncached_prefix(stacks[1].target(args.api), args, results.tokens_per_word,
-                                                       False))
+            if not args.skip_prefix:
+                uncached = asyncio.run(run_uncached_prefix(stacks[1].target(args.api), args,
+                                                           results.tokens_per_word, False))
         finally:
             stack_info["exit_statuses"] = [st.stop() for st in stacks]
         mode = "memory service --enable-prefix-caching false"
     baseline = report.summarise(results.baseline)
     runs = [report.summarise(res, rate) for rate, res in results.runs]
     headline = report.analyse(baseline, runs, args.ttft_bound_s)
-    prefix = report.prefix_summary(results.prefix_cached, uncached, mode)
-    summary = {**headline, "prefix_ttft_speedup": prefix["ttft_speedup"], "baseline": baseline, "rates": runs,
-               "prefix": prefix}
+    prefix = None if uncached is None else report.prefix_summary(results.prefix_cached, uncached, mode)
+    summary = {**headline, "prefix_ttft_speedup": prefix and prefix["ttft_speedup"], "baseline": baseline,
+               "rates": runs, "prefix": prefix}
     sampler = results.sampler
     if sampler and sampler.samples:
         summary["kv_peak_used_fraction"] = round(max(s.used_blocks / s.total_blocks for s in sampler.samples), 4)
@@ -171,7 +182,22 @@ def run(args: argparse.Namespace) -> dict:
         summary["plots"] = write_plots(args, baseline, runs, sampler)
     report.print_table(baseline, runs)
     report.print_headline(headline, prefix)
+    if args.peer == "vllm":
+        run_peer(args, results.tokens_per_word, summary)
     return summary
+
+
+def run_peer(args: argparse.Namespace, tokens_per_word: float, summary: dict) -> None:
+    """vLLM on the same requests, after our stack stopped; its figures and the ratios join ``summary``."""
+    from benchmarks.serving import peer
+    from compute_service.model.model_loader import resolve_model
+
+    with tempfile.TemporaryDirectory(prefix="bench-serving-vllm-") as tmp:
+        theirs = peer.run_vllm(resolve_model(args.model).path, tokens_per_word, args, Path(tmp) / "vllm.log", say)
+    report.print_table(theirs["baseline"], theirs["rates"])
+    comparison = peer.compare(summary, theirs)
+    peer.print_comparison(comparison)
+    summary |= {"vllm": theirs, **comparison, "load_avg_end": round(os.getloadavg()[0], 2)}
 
 
 def write_plots(args: argparse.Namespace, baseline: dict, runs: list[dict], sampler: KvSampler | None) -> list[str]:
@@ -218,8 +244,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--question-tokens", type=int, default=16, help="each distinct question, tokens (default 16)")
     p.add_argument("--prefix-requests", type=int, default=12, help="shared-prefix requests timed (default 12)")
     p.add_argument("--prefix-max-tokens", type=int, default=8, help="their output tokens (default 8)")
-    p.add_argument("--kv-cache-bytes", type=int, default=DEFAULT_CPU_KV_CACHE_BYTES,
-                   help="KV pool of a started stack (default: the CPU default, memory_service.config)")
+    p.add_argument("--kv-cache-bytes", type=int, default=None,
+                   help="KV pool of a started stack, bytes (512 MiB; with --peer vllm 1 GiB, whole GiB only)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=None, help="engine max_num_seqs (default: the engine's)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -229,8 +255,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plot-dir", help="write serving_latency.png and serving_kv_usage.png here")
     p.add_argument("--report-stack", action="store_true",
                    help="add the started services' pids, exit statuses and directories to the JSON (for tests)")
+    p.add_argument("--peer", choices=["vllm"], help="then run the same requests against vLLM's OpenAI server")
+    p.add_argument("--skip-prefix", action="store_true", help="leave out the shared-prefix phase (and its stack)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    args.kv_cache_bytes = args.kv_cache_bytes or (1 << 30 if args.peer else 512 << 20)
+    if args.peer:
+        from benchmarks import vllm_peer
+
+        try:
+            vllm_peer.kv_space_gib(args.kv_cache_bytes)
+        except ValueError as exc:
+            p.error(f"--kv-cache-bytes: {exc}")
     if args.rates != sorted(args.rates):
         p.error("--rates must be increasing")
     if args.memory and not args.gateway:

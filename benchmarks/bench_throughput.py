@@ -11,7 +11,9 @@ each on the same seeded subset of ``--baseline-requests`` requests; see hf_basel
 - ``hf_cb_default`` (default): transformers' continuous batching with its own defaults;
 - ``hf_static``: static batches of as many requests as fit the KV budget when each pre-allocates
   the model's maximum length (the source document's contiguous allocation);
-- ``hf_cb``: transformers' continuous batching with the same KV budget and page size.
+- ``hf_cb``: transformers' continuous batching with the same KV budget and page size;
+- ``--peer vllm``: vLLM's CPU build on the whole workload, after the engine (throughput/peer.py);
+  the KV budget defaults to 1 GiB then (vLLM takes whole GiB) and the HF baselines to none.
 
 Metrics: tokens/s = generated tokens / wall seconds (model loading excluded, every system warmed up
 by one tiny request); the engine's peak concurrent sequences; KV utilisation = live tokens stored /
@@ -26,10 +28,18 @@ package is installed, e.g. ``pip install -e .``):
 
     python -m benchmarks.bench_throughput --quick [--profile] [--threads 1]
     python -m benchmarks.bench_throughput [--kv-cache-bytes 512MiB] [--baseline-requests 32]
+    python -m benchmarks.bench_throughput --peer vllm --num-requests 48 [--vllm-budgets 256:2048,256:4096]
     python -m benchmarks.bench_throughput --random-model-config 1b --device cuda --kv-cache-bytes 8GiB
 """
 
 from __future__ import annotations
+
+if __name__ == "__main__":
+    # The engine runs in this process: give it what a compute service gets (tcmalloc + Intel OpenMP
+    # when installed, pagedserve/cpu_preload.py), before torch is imported below.
+    from pagedserve import cpu_preload
+
+    cpu_preload.maybe_reexec("benchmarks.bench_throughput")
 
 import argparse
 import gc
@@ -46,8 +56,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.throughput import hf_baselines
-
+from benchmarks.throughput import hf_baselines, peer
 from benchmarks.throughput import step_profile
 from benchmarks.throughput.workload import (
     Request, RunResult, kv_bytes_per_token, make_workload, seeded_subset, warmup_prompt,
@@ -56,7 +65,6 @@ from compute_service import LLM, SamplingParams
 from compute_service.engine.outputs import RequestOutput, collect
 from compute_service.model.model_config import ModelConfig
 from compute_service.model.model_loader import load_tokenizer, resolve_model
-from memory_service.config import DEFAULT_CPU_KV_CACHE_BYTES
 from pagedserve.dtypes import DTYPES
 from pagedserve.log import configure_logging
 
@@ -198,7 +206,7 @@ def parse_bytes(text: str) -> int:
     return int(lower)
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a run under two minutes on a 2-core CPU")
     parser.add_argument("--model", default="default", help='"default" or a local Hugging Face directory')
@@ -208,17 +216,21 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                         help="default: float32 on CPU, bfloat16 on CUDA")
     parser.add_argument("--kv-cache-bytes", type=parse_bytes, default=None,
-                        help="KV budget of every system, e.g. 512MiB (default 512MiB; --quick 48MiB)")
+                        help="KV budget of every system, e.g. 512MiB (default 512MiB; --quick 48MiB; --peer 1GiB)")
     parser.add_argument("--num-requests", type=int, default=None, help="default 128 (--quick 32)")
     parser.add_argument("--prompt-len", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
                         help="default 16 512 (--quick 16 128)")
     parser.add_argument("--output-len", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
                         help="default 16 256 (--quick 16 64)")
-    parser.add_argument("--baselines", default="hf_static_best,hf_cb_default",
+    parser.add_argument("--peer", choices=["vllm"], help="also run vLLM's CPU build on the whole workload")
+    parser.add_argument("--vllm-budgets", type=peer.parse_budgets, default=None,
+                        help="with --peer vllm: MAX_NUM_SEQS:MAX_NUM_BATCHED_TOKENS[,...], one vLLM run each, "
+                             "the best reported (default: the engine's --max-num-seqs:--max-num-batched-tokens)")
+    parser.add_argument("--baselines", default=None,
                         help="comma-separated, of: hf_static_best (generate, static batches without a memory cap, "
                              "best of --static-batch-sizes), hf_cb_default (transformers CB, its own defaults), "
                              "hf_static (static batches that fit the KV budget), hf_cb (CB with the KV budget); "
-                             "'none' for the engine alone")
+                             "'none' for the engine alone (default: the first two; none with --peer)")
     parser.add_argument("--baseline-requests", type=int, default=None,
                         help="run the baselines on a seeded subset of this many requests (default 32; --quick 16)")
     parser.add_argument("--static-batch-sizes", type=int, nargs="+", default=[8, 16, 32],
@@ -237,16 +249,25 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: every CPU this process may run on)")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     quick = args.quick
-    args.kv_cache_bytes = args.kv_cache_bytes or (48 << 20 if quick else DEFAULT_CPU_KV_CACHE_BYTES)
+    args.kv_cache_bytes = args.kv_cache_bytes or (1 << 30 if args.peer else 48 << 20 if quick else 512 << 20)
+    if args.peer:
+        try:
+            peer.vllm_peer.kv_space_gib(args.kv_cache_bytes)
+        except ValueError as exc:
+            parser.error(f"--kv-cache-bytes: {exc}")
+        args.vllm_budgets = args.vllm_budgets or [(args.max_num_seqs, args.max_num_batched_tokens)]
     args.num_requests = args.num_requests or (32 if quick else 128)
     args.prompt_len = tuple(args.prompt_len or ((16, 128) if quick else (16, 512)))
     args.output_len = tuple(args.output_len or ((16, 64) if quick else (16, 256)))
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    if args.peer and args.device != "cpu":
+        parser.error("--peer vllm runs vLLM's CPU build: use --device cpu")
     args.threads = args.threads or len(os.sched_getaffinity(0))
     args.baseline_requests = args.baseline_requests or (16 if quick else 32)
+    args.baselines = args.baselines or ("none" if args.peer else "hf_static_best,hf_cb_default")
     args.baselines = [] if args.baselines == "none" else args.baselines.split(",")
     unknown = set(args.baselines) - set(_BASELINES)
     if unknown:
@@ -304,7 +325,16 @@ def main() -> None:
                 gc.collect()
             del hf_model
             gc.collect()
+        if args.peer == "vllm":
+            results.append(progress(peer.run_vllm(model_dir, workload, args.kv_cache_bytes, args.dtype, args.seed,
+                                                  args.vllm_budgets, say)))
     report(args, workload, results, naive_seqs, bytes_per_token, config, profile)
+
+
+def cpu_preload_active() -> bool:
+    from pagedserve import cpu_preload
+
+    return cpu_preload.is_preloaded()
 
 
 def say(message: str) -> None:
@@ -346,14 +376,16 @@ def report(args: argparse.Namespace, workload: list[Request], results: list[RunR
                     f"{r.name}_generated_tokens": r.generated_tokens}
         if r is not engine:
             summary |= r.extra
-            subset = seeded_subset(workload, args.baseline_requests, args.seed)
+            subset = workload if r.num_requests == len(workload) else seeded_subset(
+                workload, args.baseline_requests, args.seed)
             summary[f"{r.name}_token_agreement"] = round(agreement(engine, r, workload, subset), 3)
     peak_rss = max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
     summary |= {
         "kv_cache_bytes": args.kv_cache_bytes, "kv_bytes_per_token": bytes_per_token,
         "max_position": config.max_position, "model": config.name, "device": args.device, "dtype": args.dtype,
-        "threads": args.threads, "quick": args.quick, "seed": args.seed,
+        "threads": args.threads, "quick": args.quick, "seed": args.seed, "load_avg_end": round(os.getloadavg()[0], 2),
         "peak_rss_mib": round(peak_rss / 1024),  # largest single process (ru_maxrss is in KiB on Linux)
+        "cpu_preload": os.environ.get("LD_PRELOAD", "") if cpu_preload_active() else None,
     }
 
     print(f"workload: {len(workload)} requests, prompts {args.prompt_len[0]}-{args.prompt_len[1]} tokens "

@@ -6,5 +6,6 @@
 from compute_service.engine.llm import LLM
 from compute_service.engine.outputs import CompletionOutput, RequestOutput
 from compute_service.engine.sampling_params import SamplingParams
+from compute_service.structured.constraint import Constraint
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "Constraint", "RequestOutput", "SamplingParams"]

@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+if __name__ == "__main__":
+    # tcmalloc + Intel OpenMP when both are installed (pagedserve/cpu_preload.py): a re-exec of this
+    # same process, before torch is imported below.
+    from pagedserve import cpu_preload
+
+    cpu_preload.maybe_reexec("compute_service")
+
 import argparse
 import asyncio
 import dataclasses
@@ -34,6 +41,9 @@ SERVICE_FLAGS = {
     "max_stream_buffer": "step outputs a stream holds for a slow reader before its request pauses",
     "auth_token_file": f"require this file's token as 'authorization: Bearer TOKEN' on every call but health "
                        f"(also ${TOKEN_ENV}); the gateway sends it with --backend-token-file",
+    "grammar_compile_timeout_s": "longest compile of one structured-output constraint before it is refused",
+    "grammar_compile_threads": "threads that compile structured-output constraints",
+    "grammar_cache_size": "compiled structured-output constraints kept for reuse",
 }
 # EngineConfig fields that a service sets (the pool's own settings belong to the memory service).
 ENGINE_FLAGS = {

@@ -69,6 +69,7 @@ def check_request(request: gateway_pb2.GenerateRequest, info: compute_pb2.InfoRe
     if request.params.max_tokens < 0:  # 0 is "unset"; a negative one is named as the client sent it
         raise InvalidArgument(f"params.max_tokens must be >= 0, got {request.params.max_tokens}")
     rules.check_sampling(resolved_params(request.params), limits=limits_of(info), vocab_size=info.vocab_size or None)
+    check_constraint(request.params)
 
 
 def check_unary_reply(request: gateway_pb2.GenerateRequest, max_bytes: int) -> None:
@@ -84,6 +85,19 @@ def check_prompt_token_ids(token_ids: list[int], request: gateway_pb2.GenerateRe
         raise InvalidArgument("prompt, messages: give exactly one of them")
     rules.check_token_ids("prompt", token_ids, info.vocab_size or None)
     return list(token_ids)
+
+
+def check_constraint(p: gateway_pb2.SamplingParams) -> None:
+    """The constraint's kind and sizes only: the compute service compiles it (and says whether the
+    schema, regex or grammar is valid)."""
+    kind = p.WhichOneof("constraint")
+    if kind is None:
+        return
+    if kind == "json_object" and not p.json_object:
+        raise InvalidArgument("params.json_object must be true when set (leave the constraint unset for free text)")
+    rules.check_constrained_sampling(kind, ignore_eos=p.ignore_eos, min_tokens=p.min_tokens)
+    spec = getattr(p, kind) if kind in ("json_schema", "regex", "grammar") else ""
+    rules.check_constraint(kind, spec, p.choice.choices if kind == "choice" else ())
 
 
 def check_length(num_prompt_tokens: int, request: gateway_pb2.GenerateRequest, info: compute_pb2.InfoResponse) -> None:
@@ -122,6 +136,11 @@ def to_compute_request(request: gateway_pb2.GenerateRequest, prompt_token_ids: l
         params.seed = p.seed
     if p.HasField("logprobs"):
         params.logprobs = p.logprobs
+    kind = p.WhichOneof("constraint")
+    if kind == "choice":
+        params.choice.choices.extend(p.choice.choices)
+    elif kind is not None:
+        setattr(params, kind, getattr(p, kind))
     return compute_pb2.GenerateRequest(
         request_id=backend_request_id,
         prompt_token_ids=prompt_token_ids,

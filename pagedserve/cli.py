@@ -13,7 +13,6 @@ from collections.abc import Iterator
 
 import grpc
 
-from memory_service.config import DEFAULT_CPU_KV_CACHE_BYTES
 
 from pagedserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from pagedserve.log import LOG_FORMATS
@@ -122,11 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--log-format", choices=LOG_FORMATS,
                     help="the services' log lines: json or console (default: console on a terminal, json otherwise)")
     up.add_argument("--config", help="JSON config file for the memory and compute services")
-    up.add_argument("--kv-cache-bytes", type=int,
-                    default=int(os.environ.get("PAGEDSERVE_KV_CACHE_BYTES", DEFAULT_CPU_KV_CACHE_BYTES)),
-                    help=f"KV pool size in bytes (default {DEFAULT_CPU_KV_CACHE_BYTES >> 20} MiB, or "
-                         "$PAGEDSERVE_KV_CACHE_BYTES; "
-                         "0 = the memory service's own sizing, a share of the device's free memory)")
+    up.add_argument("--kv-cache-bytes", type=int, default=int(os.environ.get("PAGEDSERVE_KV_CACHE_BYTES", 0)),
+                    help="KV pool size in bytes (default $PAGEDSERVE_KV_CACHE_BYTES, else 0 = the memory "
+                         "service's own sizing: on CPU the least of 2 GiB, a quarter of available RAM and 90%% "
+                         "of free /dev/shm, logged at start)")
     up.set_defaults(func=cmd_up)
     gen = sub.add_parser("generate", help="send one prompt to the gateway and stream the answer")
     gen.add_argument("prompt")

@@ -30,6 +30,8 @@ from typing import IO
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pagedserve import cpu_preload
+
 _PR_SET_PDEATHSIG = 1
 
 
@@ -109,6 +111,11 @@ class ServiceProcess:
         if self.log_file is not None:
             self._log = open(self.log_file, "ab")
         tie = ["--parent-pid", str(os.getpid())] if die_with_parent else []
+        base = dict(os.environ if env is None else env)
+        if module == "compute_service":  # tcmalloc + Intel OpenMP when installed (cpu_preload.py)
+            env = cpu_preload.env_for(self.args, base) or env
+        else:  # not for the other services, even when a preloaded process starts them
+            env = cpu_preload.strip_env(base)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", module, *self.args, *tie],
             env=env, stdout=self._log, stderr=subprocess.STDOUT if self._log else None, stdin=subprocess.DEVNULL,
@@ -168,6 +175,7 @@ class ServiceProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        cpu_preload.remove_registration_files(self.proc.pid)
         if self._log is not None:
             self._log.close()
             self._log = None
@@ -177,7 +185,9 @@ class ServiceProcess:
         """SIGKILL (a crash, for fault tests); returns the exit status."""
         if self.proc.poll() is None:
             self.proc.kill()
-        return self.proc.wait()
+        status = self.proc.wait()
+        cpu_preload.remove_registration_files(self.proc.pid)
+        return status
 
     def _tail(self, num_bytes: int = 4000) -> str:
         if self.log_file is None or not self.log_file.exists():

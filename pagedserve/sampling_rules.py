@@ -165,6 +165,55 @@ def check_ids(request_id: str, cache_salt: str) -> None:
     check_string_id("cache_salt", cache_salt, MAX_CACHE_SALT_CHARS)
 
 
+# --- structured-output constraints ---------------------------------------------------------------
+# The gateway has no grammar engine: it checks the kind and the sizes, so an oversized constraint
+# costs the backends nothing; the compute service checks them again, then compiles. Sizes bound the
+# compile work together with the compute service's compile timeout (some shapes compile in more
+# than linear time: a JSON schema's optional properties, cubically).
+
+CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")  # the wire's oneof
+MAX_JSON_SCHEMA_CHARS = 32768
+MAX_REGEX_CHARS = 4096
+MAX_GRAMMAR_CHARS = 32768
+MAX_CHOICES = 256
+MAX_CHOICE_CHARS = 1024
+_MAX_SPEC_CHARS = {"json_schema": MAX_JSON_SCHEMA_CHARS, "regex": MAX_REGEX_CHARS, "grammar": MAX_GRAMMAR_CHARS}
+
+
+def check_constraint(kind: str, spec: str = "", choices: Sequence[str] = (), *, prefix: str = "params.",
+                     name: str | None = None) -> None:
+    """A constraint's kind and sizes (not its validity: that is the grammar compiler's verdict).
+
+    Args:
+        kind: one of CONSTRAINT_KINDS; spec: the schema, regex or grammar text ("" for the others);
+        choices: a choice constraint's alternatives; prefix: put before the field's name;
+        name: the field's name in messages when it is not ``prefix + kind`` (the HTTP API's).
+    """
+    name = name or prefix + kind
+    if kind not in CONSTRAINT_KINDS:
+        raise InvalidArgument(f"{prefix}constraint: unknown kind {echo(kind)}; one of {', '.join(CONSTRAINT_KINDS)}")
+    if kind in _MAX_SPEC_CHARS:
+        if len(spec) > _MAX_SPEC_CHARS[kind]:
+            raise InvalidArgument(f"{name}: at most {_MAX_SPEC_CHARS[kind]} characters, got {len(spec)}")
+        if not spec.strip():
+            raise InvalidArgument(f"{name} must not be empty")
+    elif kind == "choice":
+        if not 1 <= len(choices) <= MAX_CHOICES:
+            raise InvalidArgument(f"{name}.choices must hold 1 to {MAX_CHOICES} strings, got {len(choices)}")
+        for i, choice in enumerate(choices):
+            if not 1 <= len(choice) <= MAX_CHOICE_CHARS:
+                raise InvalidArgument(f"{name}.choices[{i}] must have 1 to {MAX_CHOICE_CHARS} characters, "
+                                      f"got {len(choice)}")
+
+
+def check_constrained_sampling(kind: str, *, ignore_eos: bool, min_tokens: int, prefix: str = "params.") -> None:
+    """The grammar decides where a constrained output ends: no ignore_eos, no min_tokens."""
+    for name, value in (("ignore_eos", ignore_eos), ("min_tokens", min_tokens)):
+        if value:
+            raise InvalidArgument(f"{prefix}{name} cannot be combined with {kind}: "
+                                  "the grammar decides where the output ends")
+
+
 # --- prompt ---------------------------------------------------------------------------------------
 
 

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 from grpc_health.v1 import health_pb2
 
-from memory_service.config import DEFAULT_CPU_KV_CACHE_BYTES
 from pagedserve.log import LOG_FORMATS
 from pagedserve.process import ServiceProcess, check_health
 from pagedserve.sockets import free_port
@@ -35,7 +34,7 @@ class UpConfig:
         host: the gateway's bind host (both fronts).
         port: the gateway's gRPC port (0 = any free port).
         http_port: its OpenAI-compatible HTTP port (0 = any free port).
-        kv_cache_bytes: the KV pool's size (0 = the memory service's own sizing).
+        kv_cache_bytes: the KV pool's size (0, the default: the memory service's own sizing, logged).
         config_file: JSON config passed to the memory and compute services.
         ready_timeout_s: how long each service may take to become SERVING (model conversion included).
         log_format: the services' log lines, "json" or "console" (None: console when ``up`` itself
@@ -47,7 +46,7 @@ class UpConfig:
     host: str = "127.0.0.1"
     port: int = 50051
     http_port: int = 8000
-    kv_cache_bytes: int = DEFAULT_CPU_KV_CACHE_BYTES
+    kv_cache_bytes: int = 0
     config_file: str | None = None
     ready_timeout_s: float = 600.0
     log_format: str | None = None

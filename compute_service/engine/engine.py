@@ -24,6 +24,8 @@ from compute_service.engine.sampling_params import SamplingParams
 from compute_service.engine.scheduler import ScheduledSeq, Scheduler
 from compute_service.engine.sequence import FinishReason, Sequence
 from compute_service.engine.stop import check_stop
+from compute_service.structured.grammar_compiler import GrammarCompiler
+from compute_service.structured.logits_mask import LogitsMasker
 
 log = get_logger("engine")
 
@@ -38,12 +40,16 @@ class Engine:
         model: our model; config: its ModelConfig; tokenizer: for text (None = token ids only).
         memory: an attached MemoryClient (its pool is what the model reads and writes).
         config: budgets.
+        grammars: compiles structured-output constraints for this tokenizer; shared by the engines
+            a service builds around one model (None = made on the first constrained request).
     """
 
     def __init__(self, model: CausalLM, model_config: ModelConfig, tokenizer: Any | None,
-                 memory: MemoryClient, config: EngineConfig) -> None:
+                 memory: MemoryClient, config: EngineConfig, grammars: GrammarCompiler | None = None) -> None:
         self.model_config = model_config
         self.tokenizer = tokenizer
+        self._grammars = grammars
+        self.masker = LogitsMasker(model_config.vocab_size)
         self.memory = memory
         self.config = config
         self.runner = ModelRunner(model, memory.pool, memory.block_size)
@@ -79,27 +85,44 @@ class Engine:
         if params.stop and self.tokenizer is None:
             raise InvalidArgument("params.stop: this model has no tokenizer, so stop strings cannot match; "
                                   "use stop_token_ids")
+        if params.constraint is not None and self.tokenizer is None:
+            raise InvalidArgument(f"params.{params.constraint.kind}: this model has no tokenizer, "
+                                  "so no grammar can be compiled")
         # Rejected up front: waiting for blocks that can never be free at once would starve it
         # (or preempt its own completions) forever. n completions hold n copies of max_tokens.
         rules.check_capacity(len(prompt_token_ids), params.max_tokens, params.n, self.memory.block_size,
                              self.memory.num_blocks - self.memory.num_reserved_blocks)
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    *, priority: int = 0, cache_salt: str = "") -> None:
-        """Queue a request given by its fields (``add`` takes them in one object)."""
-        self.add(GenerateInput(request_id, list(prompt_token_ids), params, priority, cache_salt))
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The constraint compiler (built on first use: loading the tokenizer's vocabulary takes a while)."""
+        if self._grammars is None:
+            config = self.model_config
+            self._grammars = GrammarCompiler(self.tokenizer, config.vocab_size, config.eos_token_ids)
+        return self._grammars
 
-    def add(self, new: GenerateInput) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    *, priority: int = 0, cache_salt: str = "", grammar: Any | None = None) -> None:
+        """Queue a request given by its fields (``add`` takes them in one object)."""
+        self.add(GenerateInput(request_id, list(prompt_token_ids), params, priority, cache_salt), grammar=grammar)
+
+    def add(self, new: GenerateInput, grammar: Any | None = None) -> None:
         """Queue a request. Raises AlreadyExistsError for a duplicate id, InvalidArgument for a
         request that cannot run.
 
         Checked here even after the servicer's check: the engine it checked against may have been
-        replaced since (re-attached to a memory service with a different pool)."""
+        replaced since (re-attached to a memory service with a different pool).
+
+        ``grammar``: ``params.constraint`` compiled by ``self.grammars`` (the service compiles off
+        this thread first); when None for a constrained request it is compiled here, blocking.
+        """
         if new.request_id in self.requests:
             raise AlreadyExistsError(f"request_id {echo(new.request_id)} is already running")
         self.check_request(new)
+        if new.params.constraint is not None and grammar is None:
+            grammar = self.grammars.compile(new.params.constraint)
         request = Request(new.request_id, list(new.prompt_token_ids), new.params, self.tokenizer, new.priority,
-                          new.cache_salt)
+                          new.cache_salt, grammar=grammar)
         seq = self._new_seq(request, index=0)
         self.requests[new.request_id] = request
         self.scheduler.add(seq)
@@ -122,6 +145,7 @@ class Engine:
             cache_namespace=cache_namespace(self.model_config.name, request.cache_salt),
             index=index,
             generator=generator,
+            matcher=self.grammars.new_matcher(request.grammar) if request.grammar is not None else None,
         )
         fault = self._fault and self._fault.detokenizer_for(request.prompt_token_ids, self.tokenizer,
                                                             request.params.stop)
@@ -234,15 +258,17 @@ class Engine:
         return deltas
 
     def _sample(self, rows: torch.Tensor, seqs: list[Sequence]) -> list[int | None]:
-        """One batched sample; if it raises, each sequence alone, so only the failing request fails."""
+        """One batched mask and sample; if it raises, each sequence alone, so only the failing
+        request fails (a grammar's mask as much as the sampler)."""
         try:
-            return sample(rows, seqs, self.model_config.eos_token_ids)
+            return self._mask_and_sample(rows, seqs)
         except Exception:  # isolated below, one sequence at a time
-            # (A seeded sequence sampled before the failure draws again: only on this failure path.)
+            # (A seeded sequence sampled before the failure draws again: only on this failure path.
+            # Masking a row twice under the same matcher state gives the same row.)
             tokens: list[int | None] = []
             for seq, row in zip(seqs, rows):
                 try:
-                    [token] = sample(row[None], [seq], self.model_config.eos_token_ids)
+                    [token] = self._mask_and_sample(row[None], [seq])
                 except Exception as exc:  # the request's error
                     self._fail_request(seq.request_id, "sampling", exc)
                     token = None
@@ -278,10 +304,25 @@ class Engine:
             child = self._new_seq(request, index)
             parent.fork(child)
             self.scheduler.add_fork(parent, child)
-            [token] = sample(row[None], [child], self.model_config.eos_token_ids)
-            self._append_token(child, token, row)
+            [token] = self._sample(row[None], [child])
+            if token is not None:  # else the request has failed already
+                self._append_token(child, token, row)
+
+    def _mask_and_sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        """Next tokens from (B, V) logits, the engine's own copy of the model's rows. Constrained
+        rows are masked: in place, unless a sequence asks for logprobs (the raw rows' log-softmax),
+        then in a copy. n > 1 forks sample again from a parent's row: their matchers are in the
+        parent's state, so a row already masked for it is the row they would mask."""
+        if any(seq.matcher is not None for seq in seqs):
+            keep_raw = any(seq.params.logprobs is not None for seq in seqs)
+            logits = self.masker.apply(logits, [seq.matcher for seq in seqs], keep_raw=keep_raw)
+        return sample(logits, seqs, self.model_config.eos_token_ids)
 
     def _append_token(self, seq: Sequence, token: int, logits_row: torch.Tensor) -> None:
+        if seq.matcher is not None and not seq.matcher.accept_token(token):
+            # The token was sampled under this matcher's mask: a rejection is a bug, not bad input
+            # (it ends this request alone, finish_reason "error"; the token is never reported).
+            raise RuntimeError(f"{seq.seq_id}: the grammar rejected sampled token {token} despite its mask")
         seq.append_token(token)
         p = seq.params
         completion = self.requests[seq.request_id].completions[seq.index]

@@ -14,9 +14,10 @@ from typing import Any
 import torch
 
 from memory_service.api import BlockManagerStats, KvLayout, MemoryClient
-from memory_service.config import POOL_FIELDS, MemoryServiceConfig, default_kv_cache_bytes
+from memory_service.config import POOL_FIELDS, MemoryServiceConfig
 from pagedserve.config import write_config_file
 from pagedserve.dtypes import dtype_name
+from pagedserve.log import get_logger
 from pagedserve.stack import memory_process, ready
 
 from compute_service.engine.config import EngineConfig
@@ -25,6 +26,7 @@ from compute_service.model.model_loader import load_model
 from compute_service.engine.outputs import RequestOutput, collect
 from compute_service.engine.sampling_params import SamplingParams
 
+log = get_logger("llm")
 
 
 class MemoryServiceProcess:
@@ -68,8 +70,8 @@ class LLM:
         model: "default" (SmolLM2-135M-Instruct) or a local Hugging Face Llama-family directory.
         cache_dir: where converted models are cached (default ``~/.cache/pagedserve``).
         memory: the whole config of the private memory service (its ``block_size`` and ``device``
-            are the engine's); default: the memory service's defaults, a
-            ``default_kv_cache_bytes`` pool, warnings-only logs.
+            are the engine's); default: the memory service's defaults (without a size it sizes the
+            pool itself and logs it: memory_service/config.py), warnings-only logs.
         **config: fields of EngineConfig (``max_num_seqs``, ``max_num_batched_tokens``,
             ``block_size``, ``memory_socket`` to attach to a running memory service, ``device``,
             ``dtype``, ...) and the pool's fields of MemoryServiceConfig (``kv_cache_bytes``,
@@ -106,6 +108,9 @@ class LLM:
                 socket = self._memory_process.socket
             self._memory = MemoryClient(f"unix:{socket}", layout, client_name="llm")
             self.engine = Engine(loaded.model, loaded.config, loaded.tokenizer, self._memory, self.config)
+            # The pool's size, whoever chose it (a private memory service without a size picks its default).
+            log.info("kv_pool", num_blocks=self._memory.num_blocks,
+                     num_bytes=self._memory.num_blocks * layout.bytes_per_block)
         except BaseException:
             self.close()
             raise
@@ -113,11 +118,11 @@ class LLM:
 
     def _memory_config(self, memory: MemoryServiceConfig | None, pool_fields: dict[str, Any],
                        device: str) -> MemoryServiceConfig:
-        """The private memory service's config: the engine's layout and device, and a default size."""
+        """The private memory service's config: the engine's layout and device. No default size: without
+        ``kv_cache_bytes`` or ``max_num_blocks`` the service sizes the pool (on CPU the least of a cap,
+        a quarter of available RAM and 90% of free /dev/shm) and logs it."""
         if memory is None:
-            sized = "kv_cache_bytes" in pool_fields or "max_num_blocks" in pool_fields
-            defaults = {} if sized else {"kv_cache_bytes": default_kv_cache_bytes(device)}
-            memory = MemoryServiceConfig(log_level="warning", **(defaults | pool_fields))
+            memory = MemoryServiceConfig(log_level="warning", **pool_fields)
         elif pool_fields:
             raise ValueError(f"give the pool settings {sorted(pool_fields)} in memory=, not beside it")
         return dataclasses.replace(memory, block_size=self.config.block_size, device=device)

@@ -97,6 +97,7 @@ class Request:
     tokenizer: Any | None
     priority: int = 0
     cache_salt: str = ""
+    grammar: Any | None = None  # params.constraint compiled (xgrammar CompiledGrammar); each completion its own matcher
     completions: dict[int, Completion] = field(default_factory=dict)  # by completion index
     is_paused: bool = False  # its consumer's buffer is full: not scheduled until resumed
     error: str | None = None  # what failed, when it ended with finish_reason "error"

@@ -6,7 +6,9 @@ from dataclasses import dataclass, field
 
 # The ranges, defaults and limits live once, in pagedserve.sampling_rules: the gateway checks
 # public requests with the same functions.
-from pagedserve.sampling_rules import DEFAULT_MAX_TOKENS, check_sampling
+from pagedserve.sampling_rules import DEFAULT_MAX_TOKENS, check_constrained_sampling, check_sampling
+
+from compute_service.structured.constraint import Constraint
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     n: int = 1
     logprobs: int | None = None
+    constraint: Constraint | None = None
     stop_token_id_set: frozenset[int] = field(default=frozenset(), init=False, repr=False, compare=False)
     # What the engine derives from these fields once per request rather than once per step (the
     # sampler's tensor of ids masked under min_tokens); not part of the request's value.
@@ -59,6 +62,9 @@ class SamplingParams:
         # Built once: the engine asks "is this token a stop token?" for every token it samples,
         # and a set answers in constant time whatever the number of stop ids.
         object.__setattr__(self, "stop_token_id_set", frozenset(self.stop_token_ids))
+        if self.constraint is not None:
+            check_constrained_sampling(self.constraint.kind, ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
+                                       prefix="")
 
     @property
     def is_greedy(self) -> bool:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -54,6 +55,9 @@ class Sequence:
     arrival: int = field(default_factory=lambda: next(_arrival))
     generator: torch.Generator | None = None
     is_paused: bool = False  # its request's consumer is not keeping up: keep the blocks, skip the steps
+    # xgrammar GrammarMatcher of a constrained completion: it has accepted exactly output_token_ids
+    # (advanced once per sampled token; recompute after preemption leaves it alone).
+    matcher: Any | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

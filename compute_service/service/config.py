@@ -33,6 +33,10 @@ class ComputeServiceConfig(ServiceConfig):
         auth_token_file: a file holding the token every call but health must carry
             (``authorization: Bearer TOKEN``); else ``$PAGEDSERVE_COMPUTE_TOKEN``; else no check.
         auth_token: the token itself (read from the file or the environment when not given).
+        grammar_compile_threads: workers that compile structured-output constraints.
+        grammar_compile_timeout_s: the longest one constraint may compile before its request is
+            refused (INVALID_ARGUMENT: too complex).
+        grammar_cache_size: compiled constraints (and failures) kept.
     """
 
     model: str = "default"
@@ -48,6 +52,9 @@ class ComputeServiceConfig(ServiceConfig):
     max_stream_buffer: int = 8
     auth_token_file: str | None = None
     auth_token: str | None = field(default=None, repr=False)
+    grammar_compile_threads: int = 2
+    grammar_compile_timeout_s: float = 5.0
+    grammar_cache_size: int = 256
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -59,6 +66,11 @@ class ComputeServiceConfig(ServiceConfig):
         for name in ("shutdown_grace_s", "memory_retry_interval_s", "memory_ping_interval_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("grammar_compile_threads", "grammar_cache_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.grammar_compile_timeout_s > 0:
+            raise ValueError(f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}")
         if not self.write_stall_timeout_s > 0:
             raise ValueError(f"write_stall_timeout_s must be > 0, got {self.write_stall_timeout_s}")
         if self.max_stream_buffer < 2:

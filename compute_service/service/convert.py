@@ -15,10 +15,35 @@ from compute_service.engine.outputs import CompletionDelta, RequestDelta
 from compute_service.engine.request import EngineLoad, GenerateInput
 from compute_service.engine.sampler import TokenLogprobs
 from compute_service.engine.sampling_params import SamplingParams
+from compute_service.structured.constraint import Constraint
 
 # Fields copied as they are (proto3 zero = the core default, or "unset" marked by presence).
 _OPTIONAL_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "repetition_penalty", "logprobs")
 _PLAIN_FIELDS = ("top_k", "min_p", "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty")
+
+
+def constraint_from_pb(msg: pb.SamplingParams) -> Constraint | None:
+    """The ``constraint`` oneof as a Constraint (sizes checked; validity is the compiler's verdict)."""
+    kind = msg.WhichOneof("constraint")
+    if kind is None:
+        return None
+    if kind == "json_object":
+        if not msg.json_object:
+            raise InvalidArgument("json_object must be true when set (leave the constraint unset for free text)")
+        return Constraint("json_object")
+    if kind == "choice":
+        return Constraint("choice", choices=tuple(msg.choice.choices))
+    return Constraint(kind, getattr(msg, kind))
+
+
+def constraint_to_pb(constraint: Constraint, msg: pb.SamplingParams) -> None:
+    """Set ``msg``'s constraint oneof from ``constraint``."""
+    if constraint.kind == "json_object":
+        msg.json_object = True
+    elif constraint.kind == "choice":
+        msg.choice.choices.extend(constraint.choices)
+    else:
+        setattr(msg, constraint.kind, constraint.spec)
 
 
 def params_from_pb(msg: pb.SamplingParams) -> SamplingParams:
@@ -30,6 +55,7 @@ def params_from_pb(msg: pb.SamplingParams) -> SamplingParams:
     values["stop"] = tuple(msg.stop)
     values["stop_token_ids"] = tuple(msg.stop_token_ids)
     try:
+        values["constraint"] = constraint_from_pb(msg)
         return SamplingParams(**values)
     except InvalidArgument as exc:
         raise InvalidArgument(f"params.{exc}") from None
@@ -47,6 +73,8 @@ def params_to_pb(params: SamplingParams) -> pb.SamplingParams:
         msg.seed = params.seed
     if params.logprobs is not None:
         msg.logprobs = params.logprobs
+    if params.constraint is not None:
+        constraint_to_pb(params.constraint, msg)
     return msg
 
 

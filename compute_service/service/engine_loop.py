@@ -26,6 +26,7 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from pagedserve.errors import AlreadyExistsError, InvalidArgument, UnavailableError, echo
 from pagedserve.log import get_logger
@@ -70,6 +71,7 @@ class LoopTotals:
 class AddCommand:
     request: GenerateInput
     sink: Sink
+    grammar: Any | None = None  # params.constraint compiled off this thread (xgrammar CompiledGrammar)
 
     @property
     def request_id(self) -> str:
@@ -252,7 +254,7 @@ class EngineLoop:
                 command.sink(AlreadyExistsError(f"request_id {echo(command.request_id)} is already running"))
                 continue
             try:
-                engine.add(command.request)
+                engine.add(command.request, grammar=command.grammar)
             except (InvalidArgument, AlreadyExistsError) as exc:  # checked by the servicer already; reported
                 command.sink(exc)
                 continue

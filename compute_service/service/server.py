@@ -13,7 +13,9 @@ Life cycle:
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -32,6 +34,7 @@ from memory_service.api import KvLayout, MemoryClient
 from compute_service.engine.config import EngineConfig
 
 from compute_service.service.config import ComputeServiceConfig
+from compute_service.structured.grammar_compiler import GrammarCompiler, GrammarCompilerConfig
 from compute_service.engine.engine import Engine
 from compute_service.service.engine_loop import EngineLoop
 from compute_service.model.model_info import model_info
@@ -47,8 +50,18 @@ def memory_target(config: ComputeServiceConfig) -> str:
     return f"unix:{config.memory_socket or sockets.default_socket_path()}"
 
 
+def make_grammar_compiler(loaded: LoadedModel, config: ComputeServiceConfig) -> GrammarCompiler | None:
+    """One constraint compiler per model (it outlives engines rebuilt on re-attach); None without a tokenizer."""
+    if loaded.tokenizer is None:
+        return None
+    return GrammarCompiler(loaded.tokenizer, loaded.config.vocab_size, loaded.config.eos_token_ids,
+                           GrammarCompilerConfig(num_threads=config.grammar_compile_threads,
+                                                 timeout_s=config.grammar_compile_timeout_s,
+                                                 cache_size=config.grammar_cache_size))
+
+
 def make_attach(loaded: LoadedModel, target: str, engine_config: EngineConfig,
-                timeout_s: float) -> Callable[[], Engine]:
+                timeout_s: float, grammars: GrammarCompiler | None = None) -> Callable[[], Engine]:
     """The engine loop's way to (re)attach: a fresh lease, pool mapping and Engine per call."""
     layout = KvLayout(
         num_layers=loaded.config.num_layers, num_kv_heads=loaded.config.num_kv_heads,
@@ -62,7 +75,7 @@ def make_attach(loaded: LoadedModel, target: str, engine_config: EngineConfig,
             raise UnavailableError(f"memory service at {target} is not serving")
         memory = MemoryClient(target, layout, client_name="compute", connect_timeout_s=max(timeout_s, 1.0))
         try:
-            return Engine(loaded.model, loaded.config, loaded.tokenizer, memory, engine_config)
+            return Engine(loaded.model, loaded.config, loaded.tokenizer, memory, engine_config, grammars)
         except BaseException:
             memory.close()
             raise
@@ -113,11 +126,12 @@ async def serve(config: ComputeServiceConfig, engine_config: EngineConfig) -> in
     def on_ready(ready: bool) -> None:  # engine thread
         asyncio.run_coroutine_threadsafe(set_ready(ready), event_loop)
 
+    grammars = make_grammar_compiler(loaded, config)
     loop = EngineLoop(
-        make_attach(loaded, memory_target(config), engine_config, config.memory_retry_interval_s),
+        make_attach(loaded, memory_target(config), engine_config, config.memory_retry_interval_s, grammars),
         on_ready, retry_interval_s=config.memory_retry_interval_s, ping_interval_s=config.memory_ping_interval_s,
     )
-    servicer.start(loop, model_info(loaded, config.served_model_name))
+    servicer.start(loop, model_info(loaded, config.served_model_name), grammars)
     loop.start()
     if config.metrics_port is not None:
         from compute_service.service.metrics import start_metrics_server
@@ -130,6 +144,14 @@ async def serve(config: ComputeServiceConfig, engine_config: EngineConfig) -> in
     await asyncio.to_thread(loop.stop)  # detaches: the memory service frees what is left
     _remove_socket(address)
     log.info("compute_service_stopped")
+    if grammars is not None and grammars.num_running:
+        # A compile past its timeout still runs in C++: interpreter finalization would destroy the
+        # grammar engine under it (std::terminate, SIGABRT). Everything is shut down and flushed,
+        # so leave without finalizing.
+        log.warning("grammar_compiles_abandoned", num_running=grammars.num_running)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 

@@ -37,6 +37,7 @@ from compute_service.model.model_info import ModelInfo
 from compute_service.engine.outputs import RequestDelta
 from compute_service.engine.request import GenerateInput
 from compute_service.service.stream_buffer import StreamBuffer
+from compute_service.structured.grammar_compiler import GrammarCompiler
 
 log = get_logger("compute_service")
 
@@ -55,6 +56,7 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
     def __init__(self, config: ComputeServiceConfig, engine_config: EngineConfig) -> None:
         self._loop: EngineLoop | None = None
         self._info: ModelInfo | None = None
+        self._grammars: GrammarCompiler | None = None
         self._config = config
         self._engine_config = engine_config
         # Open Generate streams by request id, each with its buffer of outputs (event loop only).
@@ -63,10 +65,12 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
         self.is_ready = False  # model loaded and memory service attached (set by the server)
         self.is_draining = False  # SIGTERM: no new requests
 
-    def start(self, loop: EngineLoop, info: ModelInfo) -> None:
-        """The model is loaded: serve it through ``loop`` (once its memory service is attached)."""
+    def start(self, loop: EngineLoop, info: ModelInfo, grammars: GrammarCompiler | None = None) -> None:
+        """The model is loaded: serve it through ``loop`` (once its memory service is attached);
+        ``grammars`` compiles structured-output constraints (None: the model has no tokenizer)."""
         self._loop = loop
         self._info = info
+        self._grammars = grammars
 
     def _started(self) -> tuple[EngineLoop, ModelInfo]:
         if self._loop is None or self._info is None:
@@ -107,6 +111,13 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
             raise ResourceExhaustedError(
                 f"{len(self._streams)} requests in flight: the limit (max_queued_requests) is reached; retry later"
             )
+        grammar = None
+        if req.params.constraint is not None and self._grammars is not None:
+            # Compiled in the compiler's threads (the loop awaits; the engine thread never waits):
+            # an invalid or too costly constraint is refused here, before any engine work.
+            grammar = await self._grammars.compile_async(req.params.constraint)
+            if req.request_id in self._streams:  # the same id arrived while this one compiled
+                raise AlreadyExistsError(f"request_id {echo(req.request_id)} is already running")
         loop = self._loop
         buffer: StreamBuffer[RequestDelta | Exception] = StreamBuffer(
             asyncio.get_running_loop(), self._config.max_stream_buffer, lambda: loop.resume(req.request_id))
@@ -114,7 +125,7 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
         finished = False
         has_streamed = False
         try:
-            loop.submit(AddCommand(req, buffer.put))
+            loop.submit(AddCommand(req, buffer.put, grammar))
             while not finished:
                 item = await buffer.get()
                 if isinstance(item, Exception):

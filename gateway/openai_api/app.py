@@ -43,6 +43,7 @@ from gateway.openai_api.schema import ChatCompletionRequest, CompletionRequest
 from gateway.servicer import GatewayServicer, RequestRecord, collect, pieces
 from gateway.tenants import Tenant
 from pagedserve import rpc
+from pagedserve import sampling_rules as rules
 from pagedserve.errors import echo
 from pagedserve.log import get_logger
 
@@ -81,8 +82,13 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": _CODES.get(status)}}
 
 
-def as_http_error(exc: BaseException) -> HttpError:
-    """The HTTP answer of a failed request: the status its gRPC code has, the message naming the field."""
+def as_http_error(exc: BaseException, constraint_param: str | None = None) -> HttpError:
+    """The HTTP answer of a failed request: the status its gRPC code has, the message naming the field.
+
+    ``constraint_param``: the OpenAI parameter that gave the request's constraint (``response_format``,
+    ``structured_outputs.json``, ...); the compute service's verdict on the constraint names the
+    gRPC field (``params.json_schema``), so the answer names this parameter instead.
+    """
     if isinstance(exc, HttpError):
         return exc
     if isinstance(exc, convert.ParamError):
@@ -91,15 +97,18 @@ def as_http_error(exc: BaseException) -> HttpError:
     message = str(exc)
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         match = _PARAM.match(message)
-        return HttpError(400, message.removeprefix("params."), match.group(1) if match else None)
+        param = match.group(1) if match else None
+        if constraint_param and param in rules.CONSTRAINT_KINDS:
+            return HttpError(400, f"{constraint_param}: {message.removeprefix('params.')}", constraint_param)
+        return HttpError(400, message.removeprefix("params."), param)
     if code not in STATUS:  # a bug: logged with its traceback, answered 500
         log.error("openai_internal_error", error=repr(exc), exc_info=exc)
         return HttpError(500, "internal error")
     return HttpError(STATUS[code], message)
 
 
-def _error(exc: BaseException) -> JSONResponse:
-    error = as_http_error(exc)
+def _error(exc: BaseException, constraint_param: str | None = None) -> JSONResponse:
+    error = as_http_error(exc, constraint_param)
     return JSONResponse(error_body(error.status, error.message, error.param), status_code=error.status)
 
 
@@ -246,14 +255,15 @@ class OpenAIFront:
         return await self._generate(request, "chat")
 
     async def _generate(self, request: Request, endpoint: str) -> Response:
+        constraint_param: list[str] = []  # the parameter that gave the constraint, once converted
         try:
-            return await self._answer(request, endpoint)
+            return await self._answer(request, endpoint, constraint_param)
         except ClientGone:
             return Response(status_code=499)  # nobody reads it; the access line says CANCELLED
         except Exception as exc:  # every failure becomes an OpenAI error object
-            return _error(exc)
+            return _error(exc, constraint_param[0] if constraint_param else None)
 
-    async def _answer(self, request: Request, endpoint: str) -> Response:
+    async def _answer(self, request: Request, endpoint: str, constraint_param: list[str]) -> Response:
         tenant = self._tenant(request)
         schema = ChatCompletionRequest if endpoint == "chat" else CompletionRequest
         body = await self._read(request, schema)
@@ -262,6 +272,7 @@ class OpenAIFront:
                                                             f"{uuid.uuid4().hex}"
         prompts = [convert.chat_prompt(body, request_id)] if endpoint == "chat" else \
             convert.completion_prompts(body, request_id)
+        constraint_param.extend(p.constraint_param for p in prompts[:1] if p.constraint_param)
         model = self.servicer.model
         assert model is not None
         answer = Answer(request_id, model_name, endpoint, n=body.n or 1, logprobs=body.logprobs is not None
@@ -293,7 +304,7 @@ class OpenAIFront:
             raise
 
         def stream_error(exc: BaseException) -> dict:
-            error = as_http_error(exc)
+            error = as_http_error(exc, constraint_param[0] if constraint_param else None)
             return error_body(error.status, error.message, error.param)
 
         return EventStream(events(answer, first, merged, stream_error))

@@ -12,6 +12,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from gateway.openai_api.constraints import set_constraint
 from gateway.openai_api.schema import ChatCompletionRequest, CompletionRequest
 from pagedserve.errors import InvalidArgument
 from pagedserve.gateway.v1 import gateway_pb2
@@ -36,10 +37,12 @@ class ParamError(InvalidArgument):
 
 @dataclass(frozen=True)
 class Prompt:
-    """One prompt of a request: the public request, and its token ids when it was given as ids."""
+    """One prompt of a request: the public request, its token ids when it was given as ids, and
+    the OpenAI parameter that gave its constraint (the compute service's verdict on it names it)."""
 
     request: gateway_pb2.GenerateRequest
     token_ids: list[int] | None
+    constraint_param: str | None = None
 
 
 def _zero_means_default(body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None) -> None:
@@ -66,7 +69,8 @@ def _set(target: object, name: str, value: object, param: str | None = None) -> 
 
 
 def _params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
-            logprobs: int | None) -> gateway_pb2.SamplingParams:
+            logprobs: int | None) -> tuple[gateway_pb2.SamplingParams, str | None]:
+    """The sampling parameters, and the OpenAI parameter that gave their constraint (None: none)."""
     if body.logit_bias:
         raise ParamError("logit_bias", "logit_bias is not supported")
     _zero_means_default(body, max_tokens)
@@ -81,7 +85,7 @@ def _params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int | N
                         ("min_tokens", body.min_tokens)):
         if value is not None:
             _set(params, name, value)
-    return params
+    return params, set_constraint(body, params)
 
 
 def _request(body: CompletionRequest | ChatCompletionRequest, params: gateway_pb2.SamplingParams,
@@ -107,15 +111,15 @@ def completion_prompts(body: CompletionRequest, request_id: str) -> list[Prompt]
         prompts = prompt  # type: ignore[assignment]
     if not prompts:
         raise ParamError("prompt", "prompt must not be empty")
-    params = _params(body, 16 if body.max_tokens is None else body.max_tokens, body.logprobs)
+    params, constraint_param = _params(body, 16 if body.max_tokens is None else body.max_tokens, body.logprobs)
     out = []
     for i, one in enumerate(prompts):
         request = _request(body, params, request_id if len(prompts) == 1 else f"{request_id}-{i}")
         if isinstance(one, str):
             request.prompt = one
-            out.append(Prompt(request, None))
+            out.append(Prompt(request, None, constraint_param))
         else:
-            out.append(Prompt(request, list(one)))
+            out.append(Prompt(request, list(one), constraint_param))
     return out
 
 
@@ -124,13 +128,12 @@ def chat_prompt(body: ChatCompletionRequest, request_id: str) -> Prompt:
     if body.tools or (body.tool_choice is not None and body.tool_choice != "none") or body.functions \
             or body.function_call is not None:
         raise ParamError("tools", "tools and tool_choice are not supported yet")
-    if body.response_format is not None and body.response_format.get("type", "text") != "text":
-        raise ParamError("response_format", "response_format other than text is not supported yet")
     if body.top_logprobs is not None and not body.logprobs:
         raise ParamError("top_logprobs", "top_logprobs needs logprobs: true")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    request = _request(body, _params(body, max_tokens, logprobs), request_id)
+    params, constraint_param = _params(body, max_tokens, logprobs)
+    request = _request(body, params, request_id)
     for i, message in enumerate(body.messages):
         content = message.content
         if isinstance(content, list):
@@ -139,7 +142,7 @@ def chat_prompt(body: ChatCompletionRequest, request_id: str) -> Prompt:
             content = "".join(part.text or "" for part in content)
         role = _ROLE_ALIASES.get(message.role, message.role)
         request.messages.append(gateway_pb2.ChatMessage(role=role, content=content or ""))
-    return Prompt(request, None)
+    return Prompt(request, None, constraint_param)
 
 
 def finish_reason(reason: str) -> str | None:

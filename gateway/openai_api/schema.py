@@ -48,6 +48,14 @@ class _Sampling(_Body):
     stop_token_ids: list[int] | None = None
     priority: int | None = None
     cache_salt: str | None = None
+    # Structured outputs (gateway.openai_api.constraints): OpenAI's response_format, vLLM's
+    # structured_outputs and its older guided_* fields.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -82,7 +90,6 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Any | None = None
     functions: list[Any] | None = None
     function_call: Any | None = None
-    response_format: dict[str, Any] | None = None
 
 
 Endpoint = Literal["completions", "chat"]

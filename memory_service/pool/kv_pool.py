@@ -28,6 +28,7 @@ from typing import Protocol
 
 import torch
 
+from memory_service.config import DEFAULT_CPU_KV_CAP_BYTES
 from pagedserve.dtypes import DTYPES
 from pagedserve.errors import PreconditionError
 
@@ -189,16 +190,28 @@ def create_pool(layout: KvLayout, num_blocks: int, device: str) -> KvPool:
     return CudaPool(shape, layout.dtype, device)
 
 
-def free_device_bytes(device: str) -> int:
-    """Free memory of the device: GPU memory on CUDA; on CPU the smaller of available RAM and /dev/shm space."""
-    if device.startswith("cuda"):
-        free, _total = torch.cuda.mem_get_info(torch.device(device))
-        return int(free)
-    available = 0
+def available_ram_bytes() -> int:
+    """MemAvailable of /proc/meminfo (RAM the kernel can give without swapping)."""
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemAvailable:"):
-            available = int(line.split()[1]) * 1024
-    return min(available, shm_free_bytes())
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def default_kv_budget(device: str, utilization: float) -> tuple[int, dict[str, int]]:
+    """The pool's bytes when no size is given, and what it was chosen from (for the log).
+
+    CUDA: ``utilization`` of the free GPU memory. CPU: the least of DEFAULT_CPU_KV_CAP_BYTES, a quarter
+    of available RAM (the pool's pages are the machine's memory, and the model, the services and
+    everything else on the host need theirs) and ``utilization`` of the free /dev/shm (a tmpfs: a
+    larger segment SIGBUSes when written).
+    """
+    if device.startswith("cuda"):
+        free, _total = torch.cuda.mem_get_info(torch.device(device))
+        return int(free * utilization), {"free_gpu_bytes": int(free)}
+    sources = {"cap_bytes": DEFAULT_CPU_KV_CAP_BYTES, "quarter_available_ram_bytes": available_ram_bytes() // 4,
+               "shm_share_bytes": int(shm_free_bytes() * utilization)}
+    return min(sources.values()), sources
 
 
 def shm_free_bytes() -> int:

@@ -31,7 +31,7 @@ from pagedserve.memory.v1 import memory_pb2_grpc
 from memory_service import convert
 from memory_service.manager.block_manager import BlockManager, BlockManagerConfig, BlockManagerStats
 from memory_service.config import MAX_NUM_BLOCKS, MemoryServiceConfig
-from memory_service.pool.kv_pool import KvLayout, KvPool, check_shm_space, create_pool, free_device_bytes
+from memory_service.pool.kv_pool import KvLayout, KvPool, check_shm_space, create_pool, default_kv_budget
 
 log = get_logger("memory_service")
 
@@ -80,7 +80,8 @@ class MemoryManagerServicer(memory_pb2_grpc.MemoryManagerServicer):
             return cfg.max_num_blocks
         budget = cfg.kv_cache_bytes
         if budget is None:
-            budget = int(free_device_bytes(cfg.device) * cfg.memory_utilization_threshold)
+            budget, sources = default_kv_budget(cfg.device, cfg.memory_utilization_threshold)
+            log.info("kv_pool_sized", num_bytes=budget, device=cfg.device, **sources)
         num_blocks = budget // layout.bytes_per_block
         if num_blocks < 1:
             raise PreconditionError(

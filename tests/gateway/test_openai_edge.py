@@ -82,12 +82,63 @@ def test_chat_prompt_conversion() -> None:
     assert not convert.chat_prompt(_chat(), "c").request.params.HasField("logprobs")
     for fields, param in (({"tools": [{"type": "function"}]}, "tools"), ({"tool_choice": "auto"}, "tools"),
                           ({"top_logprobs": 2}, "top_logprobs"),
-                          ({"response_format": {"type": "json_object"}}, "response_format"),
+                          ({"response_format": {"type": "yaml"}}, "response_format"),
                           ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
                            "messages[0].content")):
         with pytest.raises(convert.ParamError) as info:
             convert.chat_prompt(_chat(**fields), "c")
         assert info.value.param == param, fields
+
+
+def test_structured_output_spellings_reach_the_constraint_oneof() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    for fields, kind, value, param in [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema, "strict": True}}},
+         "json_schema", schema, "response_format"),
+        ({"response_format": {"type": "json_object"}}, "json_object", True, "response_format"),
+        ({"structured_outputs": {"json": schema}}, "json_schema", schema, "structured_outputs.json"),
+        ({"structured_outputs": {"json": json.dumps(schema)}}, "json_schema", schema, "structured_outputs.json"),
+        ({"structured_outputs": {"regex": "a+", "json_object": False}}, "regex", "a+", "structured_outputs.regex"),
+        ({"structured_outputs": {"choice": ["x", "y"]}}, "choice", ["x", "y"], "structured_outputs.choice"),
+        ({"structured_outputs": {"grammar": "root ::= \"a\""}}, "grammar", 'root ::= "a"',
+         "structured_outputs.grammar"),
+        ({"structured_outputs": {"json_object": True}}, "json_object", True, "structured_outputs.json_object"),
+        ({"guided_json": schema}, "json_schema", schema, "guided_json"),
+        ({"guided_regex": "b"}, "regex", "b", "guided_regex"),
+        ({"guided_choice": ["z"]}, "choice", ["z"], "guided_choice"),
+        ({"guided_grammar": "root ::= \"b\""}, "grammar", 'root ::= "b"', "guided_grammar"),
+    ]:
+        for prompt in (convert.chat_prompt(_chat(**fields), "c"),
+                       convert.completion_prompts(CompletionRequest.model_validate({"prompt": "p", **fields}), "c")[0]):
+            params = prompt.request.params
+            assert params.WhichOneof("constraint") == kind and prompt.constraint_param == param, fields
+            if kind == "json_schema":
+                got = json.loads(params.json_schema)
+            elif kind == "choice":
+                got = list(params.choice.choices)
+            else:
+                got = getattr(params, kind)
+            assert got == value, fields
+    for fields in ({}, {"response_format": {"type": "text"}}, {"structured_outputs": {"json_object": False}}):
+        prompt = convert.chat_prompt(_chat(**fields), "c")
+        assert prompt.request.params.WhichOneof("constraint") is None and prompt.constraint_param is None
+    for fields, param in [({"response_format": {"type": "json_object"}, "guided_choice": ["a"]}, "guided_choice"),
+                          ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs.choice"),
+                          ({"response_format": {"type": "json_schema", "json_schema": {"name": "n"}}},
+                           "response_format"),
+                          ({"structured_outputs": {"regex": "x" * 5000}}, "structured_outputs.regex"),
+                          ({"structured_outputs": {"choice": ["a", ""]}}, "structured_outputs.choice"),
+                          ({"structured_outputs": {"json": 3}}, "structured_outputs.json"),
+                          ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs")]:
+        with pytest.raises(convert.ParamError) as info:
+            convert.chat_prompt(_chat(**fields), "c")
+        assert info.value.param == param, (fields, str(info.value))
+    # The compute service's verdict names the gRPC field; the answer names the HTTP parameter.
+    verdict = InvalidArgument("params.json_schema: invalid JSON schema: unknown type 'no'")
+    error = as_http_error(verdict, "response_format")
+    assert (error.status, error.param) == (400, "response_format")
+    assert error.message == "response_format: json_schema: invalid JSON schema: unknown type 'no'"
+    assert as_http_error(InvalidArgument("params.top_p must be > 0"), "response_format").param == "top_p"
 
 
 def test_stream_events_shape() -> None:

