@@ -138,7 +138,8 @@ def _build(march: str, directory: Path) -> Any:
         os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     directory.mkdir(parents=True, exist_ok=True)
     # is_python_module=False: the library registers torch ops (visible to the profiler by name).
-    load_extension(name=_NAME, sources=[str(_SOURCE)], extra_cflags=_cflags(march), extra_ldflags=_LDFLAGS,
+    # Copies of the flag lists: torch appends to the ones it is given, which changed build_dir()'s key.
+    load_extension(name=_NAME, sources=[str(_SOURCE)], extra_cflags=_cflags(march), extra_ldflags=list(_LDFLAGS),
                    build_directory=str(directory), is_python_module=False, verbose=False)
     return torch.ops.pagedserve_cpu
 
