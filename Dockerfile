@@ -105,12 +105,13 @@ RUN --mount=type=secret,id=ca-bundle \
 
 # The fused CPU kernels for the portable x86-64 levels (v3: AVX2, v4: AVX-512); the compute service
 # loads the best one the node's CPU runs from $PAGEDSERVE_CPU_OPS_PREBUILT. Built from the kernel
-# files alone, so only a kernel change rebuilds them.
+# files alone (and the cache-folder rule they import), so only a kernel change rebuilds them.
 COPY kernels/cpu_ops.py /build/kernels/
 COPY kernels/csrc/ /build/kernels/csrc/
+COPY pagedserve/__init__.py pagedserve/paths.py /build/pagedserve/
 RUN mkdir -p /opt/pagedserve/cpu_ops \
     && if [ "$VARIANT" = "cpu" ]; then \
-           python /build/kernels/cpu_ops.py --prebuild /opt/pagedserve/cpu_ops; \
+           PYTHONPATH=/build python /build/kernels/cpu_ops.py --prebuild /opt/pagedserve/cpu_ops; \
        fi
 
 # ---- wheel: pagedserve itself, as a wheel the image installs in a layer of its own. The image's
