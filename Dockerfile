@@ -35,7 +35,8 @@ RUN apt-get update \
 # ---- requirements: pagedserve's dependencies, read from pyproject.toml. BuildKit caches by content,
 # so an edit elsewhere in pyproject.toml (a tool's settings) reinstalls nothing. The CPU variant
 # leaves out Triton (about 1 GB): it only compiles the CUDA kernels, and is imported on the first
-# CUDA call only (kernels/__init__.py). -----------------------------------------------------------
+# CUDA call only (kernels/__init__.py); xgrammar requires it too, so the build stage removes it again
+# (xgrammar imports it for its CUDA mask kernel only). -----------------------------------------------------------
 # hadolint ignore=DL3006
 FROM base-${VARIANT} AS requirements
 ARG VARIANT
@@ -95,7 +96,8 @@ RUN --mount=type=secret,id=ca-bundle \
 COPY --from=requirements /build/requirements.txt /build/
 RUN --mount=type=secret,id=ca-bundle \
     if [ -s /run/secrets/ca-bundle ]; then export PIP_CERT=/run/secrets/ca-bundle; fi \
-    && pip install -r /build/requirements.txt
+    && pip install -r /build/requirements.txt \
+    && if [ "$VARIANT" = "cpu" ]; then pip uninstall -y triton; fi
 
 RUN --mount=type=secret,id=ca-bundle \
     if [ -s /run/secrets/ca-bundle ]; then export PIP_CERT=/run/secrets/ca-bundle; fi \

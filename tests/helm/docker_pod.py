@@ -12,6 +12,7 @@ check that nothing is left behind.
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import tempfile
@@ -83,6 +84,7 @@ class DockerPod:
     network: str
     run_label: str
     config_maps: dict[str, dict[str, str]] = field(default_factory=dict)
+    secrets: dict[str, dict[str, str]] = field(default_factory=dict)  # name -> key -> decoded value
     aliases: list[str] = field(default_factory=list)
     publish: dict[int, int] = field(default_factory=dict)
 
@@ -144,6 +146,21 @@ class DockerPod:
                 for key, text in self.config_maps[volume["configMap"]["name"]].items():
                     (directory / key).write_text(text)
                     (directory / key).chmod(0o644)
+                directory.chmod(0o755)
+                flags += ["-v", f"{directory}:{mount['mountPath']}:ro"]
+            elif "secret" in volume:
+                # As the kubelet mounts it: the listed keys, the volume's mode, group-owned by fsGroup.
+                source = volume["secret"]
+                data = self.secrets[source["secretName"]]
+                items = source.get("items") or [{"key": k, "path": k} for k in data]
+                directory = self._config_dir / mount["name"]
+                directory.mkdir(exist_ok=True)
+                group = self.spec.get("securityContext", {}).get("fsGroup", 0)
+                for item in items:
+                    path = directory / item["path"]
+                    path.write_text(data[item["key"]])
+                    os.chown(path, 0, group)
+                    path.chmod(source.get("defaultMode", 0o644))
                 directory.chmod(0o755)
                 flags += ["-v", f"{directory}:{mount['mountPath']}:ro"]
             else:
