@@ -48,9 +48,10 @@ def load_token(path: str | None, name: str, environ: Mapping[str, str] = os.envi
     return check_token(token, f"${TOKEN_ENV}") if token else None
 
 
-def bearer_token(metadata: Sequence[tuple[str, str | bytes]]) -> bytes:
-    """The Bearer token of a call's metadata (b"" when there is none)."""
-    for key, value in metadata:
+def bearer_token(metadata: Sequence[tuple[str, str | bytes]] | None) -> bytes:
+    """The Bearer token of a call's metadata (b"" when there is none); the gateway's API keys and the
+    service token are both read by it."""
+    for key, value in metadata or ():
         if key.lower() == "authorization":
             text = value.decode("latin-1") if isinstance(value, bytes) else value
             scheme, _, rest = text.partition(" ")
@@ -80,14 +81,15 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
         if method.startswith(_OPEN_PREFIXES) or hmac.compare_digest(offered, self._token):
             return await continuation(handler_call_details)
         handler = await continuation(handler_call_details)
-        return None if handler is None else _rejecting(handler)
+        return None if handler is None else rejecting_handler(handler, "missing or invalid service token")
 
 
-def _rejecting(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """A handler of ``handler``'s shape that only answers UNAUTHENTICATED (the request is never parsed)."""
+def rejecting_handler(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+    """A handler of ``handler``'s shape that only answers UNAUTHENTICATED with ``message`` (the
+    request is never parsed); the gateway's API-key interceptor uses it too."""
 
     async def deny(request: object, context: grpc.aio.ServicerContext) -> None:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid service token")
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
     async def deny_stream(request: object, context: grpc.aio.ServicerContext):
         await deny(request, context)
