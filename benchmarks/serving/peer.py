@@ -25,13 +25,17 @@ SATURATION_GOAL = 1.2  # our saturation output tokens/s over vLLM's
 async def sweep(base_url: str, model: str, specs: list[RequestSpec], args: argparse.Namespace, say) -> dict:
     """Warm-up, the unloaded baseline and every rate, with the arrival seeds bench_serving uses."""
     warmup = RequestSpec("Hello, how are you today?", 4)
-    await vllm_client.run_one_at_a_time(base_url, model, [warmup], args.timeout_s)
-    baseline = await vllm_client.run_one_at_a_time(base_url, model, specs[: args.baseline_requests], args.timeout_s)
+    # The cache salts are bench_serving's own for each phase, so that neither side reuses a prompt
+    # another phase computed (the rates send the same texts).
+    await vllm_client.run_one_at_a_time(base_url, model, [warmup], "warmup", args.timeout_s)
+    baseline = await vllm_client.run_one_at_a_time(base_url, model, specs[: args.baseline_requests], "baseline",
+                                                   args.timeout_s)
     say(f"vllm unloaded baseline: {len(baseline)} requests done")
     runs = []
     for i, rate in enumerate(args.rates):
         arrivals = poisson_arrivals(len(specs), rate, args.seed + 1 + i)
-        results = await vllm_client.run_arrivals(base_url, model, specs, arrivals, args.timeout_s)
+        results = await vllm_client.run_arrivals(base_url, model, specs, arrivals, f"rate-{report.rate_label(rate)}",
+                                                 args.timeout_s)
         runs.append((rate, results))
         say(f"vllm rate {report.rate_label(rate)}: {sum(r.ok for r in results)}/{len(results)} ok")
     summary_baseline = report.summarise(baseline)

@@ -56,6 +56,9 @@ def summarise(results: list[RequestResult], rate: float | None = None) -> dict:
         "expected_output_tokens": sum(r.max_tokens for r in results),
         "usage_completion_tokens": sum(r.usage_tokens for r in ok),  # the replies' own count
         "prompt_tokens_mean": round(statistics.fmean(r.prompt_tokens for r in ok), 1) if ok else None,
+        # Prompt tokens the server found in its prefix cache (its usage's cached-token count): each
+        # phase has its own cache salt, so this stays ~0 unless prompts repeat within the phase.
+        "cached_prompt_tokens": sum(r.cached_tokens for r in ok),
         "ttft_s": percentiles([r.ttft_s for r in ok if r.ttft_s is not None]),
         "tpot_s": percentiles([r.tpot_s for r in ok if r.tpot_s is not None]),
         "e2e_s": percentiles([r.e2e_s for r in ok]),

@@ -20,11 +20,16 @@ from benchmarks.serving.client import RequestResult
 from benchmarks.serving.workload import RequestSpec
 
 
-def completion_body(model: str, spec: RequestSpec) -> dict:
-    """Greedy, ``ignore_eos``, streamed: every request generates exactly ``max_tokens`` tokens."""
+def completion_body(model: str, spec: RequestSpec, cache_salt: str) -> dict:
+    """Greedy, ``ignore_eos``, streamed: every request generates exactly ``max_tokens`` tokens.
+
+    ``cache_salt`` (vLLM's prefix-cache namespace, as our gateway's) is the one our side sends for
+    the same phase: the rates send the same prompts, and without it vLLM would find each rate's
+    prompts cached by the phases before it while ours computes them afresh.
+    """
     return {"model": model, "prompt": spec.prompt, "max_tokens": spec.max_tokens, "temperature": 0.0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
-            "return_token_ids": True}
+            "return_token_ids": True, "cache_salt": cache_salt}
 
 
 def parse_event(line: str) -> dict | None:
@@ -35,13 +40,14 @@ def parse_event(line: str) -> dict | None:
     return None if data == "[DONE]" else json.loads(data)
 
 
-async def stream_one(client: httpx.AsyncClient, model: str, spec: RequestSpec, timeout_s: float) -> RequestResult:
+async def stream_one(client: httpx.AsyncClient, model: str, spec: RequestSpec, cache_salt: str,
+                     timeout_s: float) -> RequestResult:
     """Send one streamed completion and time its chunks; an HTTP error is recorded, not raised."""
     result = RequestResult(spec.max_tokens)
     first = last = None
     result.sent_at = time.perf_counter()
     try:
-        async with client.stream("POST", "/v1/completions", json=completion_body(model, spec),
+        async with client.stream("POST", "/v1/completions", json=completion_body(model, spec, cache_salt),
                                  timeout=timeout_s) as response:
             if response.status_code != 200:
                 await response.aread()
@@ -79,7 +85,7 @@ def _client(base_url: str) -> httpx.AsyncClient:
 
 
 async def run_arrivals(base_url: str, model: str, specs: list[RequestSpec], arrivals: list[float],
-                       timeout_s: float) -> list[RequestResult]:
+                       cache_salt: str, timeout_s: float) -> list[RequestResult]:
     """Send ``specs[i]`` at ``arrivals[i]`` seconds from now, each as its own task, and wait for all."""
     async with _client(base_url) as client:
         start = time.perf_counter()
@@ -88,12 +94,12 @@ async def run_arrivals(base_url: str, model: str, specs: list[RequestSpec], arri
             delay = start + at - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(stream_one(client, model, spec, timeout_s)))
+            tasks.append(asyncio.create_task(stream_one(client, model, spec, cache_salt, timeout_s)))
         return list(await asyncio.gather(*tasks))
 
 
-async def run_one_at_a_time(base_url: str, model: str, specs: list[RequestSpec], timeout_s: float
-                            ) -> list[RequestResult]:
+async def run_one_at_a_time(base_url: str, model: str, specs: list[RequestSpec], cache_salt: str,
+                            timeout_s: float) -> list[RequestResult]:
     """Each request sent after the previous one finished (the unloaded baseline)."""
     async with _client(base_url) as client:
-        return [await stream_one(client, model, spec, timeout_s) for spec in specs]
+        return [await stream_one(client, model, spec, cache_salt, timeout_s) for spec in specs]

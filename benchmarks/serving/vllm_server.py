@@ -51,7 +51,9 @@ class VllmServer:
         self._port = free_port()
         self._kmp_before = vllm_peer.kmp_files()
         cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
-               "--dtype", "float32", "--host", "127.0.0.1", "--port", str(self._port), "--seed", "0"]
+               "--dtype", "float32", "--host", "127.0.0.1", "--port", str(self._port), "--seed", "0",
+               # usage.prompt_tokens_details.cached_tokens: its prefix-cache hits, reported per rate
+               "--enable-prompt-tokens-details"]
         for flag, value in (("--max-num-seqs", self.max_num_seqs),
                             ("--max-num-batched-tokens", self.max_num_batched_tokens)):
             if value is not None:

@@ -99,7 +99,8 @@ def test_compare_puts_ours_over_vllms_and_checks_the_goal() -> None:
 
 
 def test_openai_stream_body_and_events() -> None:
-    body = vllm_client.completion_body("m", RequestSpec("hi there", 7))
+    body = vllm_client.completion_body("m", RequestSpec("hi there", 7), "rate-inf")
+    assert body["cache_salt"] == "rate-inf"  # the same prefix-cache namespace as our side's phase
     assert body["max_tokens"] == 7 and body["ignore_eos"] and body["temperature"] == 0.0 and body["stream"]
     assert body["return_token_ids"] and body["stream_options"] == {"include_usage": True}
     assert vllm_client.parse_event('data: {"choices": [{"token_ids": [5]}]}') == {"choices": [{"token_ids": [5]}]}
