@@ -33,6 +33,28 @@ class StopMatch(NamedTuple):
     offset: int
 
 
+def _plain_backend(tokenizer: Any | None) -> Any | None:
+    """The Rust ``tokenizers.Tokenizer`` behind a Hugging Face tokenizer whose ``decode`` does nothing
+    but call it (no clean-up of spaces, no subclass decoding its own way), else None.
+
+    Why: each token costs two decodes of a few ids, and transformers' Python wrapper takes ~1.4 us
+    of the ~1.9 us of each (measured on the default model's tokenizer); the text is the same.
+    """
+    if tokenizer is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return None
+    try:
+        from transformers import PreTrainedTokenizerFast
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+    except ImportError:  # not a transformers tokenizer
+        return None
+    cls = type(tokenizer)
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if (not isinstance(tokenizer, PreTrainedTokenizerFast) or cls.decode is not PreTrainedTokenizerBase.decode
+            or cls._decode is not PreTrainedTokenizerFast._decode or not hasattr(backend, "decode")):
+        return None
+    return backend
+
+
 class IncrementalDetokenizer:
     """Text of one completion, handed out in pieces as tokens arrive.
 
@@ -43,6 +65,7 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Any | None, stop: Sequence[str] = ()) -> None:
         self.tokenizer = tokenizer
+        self._backend = _plain_backend(tokenizer)
         self.stop = tuple(stop)
         self._holdback = max((len(s) for s in self.stop), default=1) - 1
         self.token_ids: list[int] = []
@@ -54,6 +77,8 @@ class IncrementalDetokenizer:
         self.stop_match: StopMatch | None = None
 
     def _decode(self, start: int, end: int | None = None) -> str:
+        if self._backend is not None:
+            return self._backend.decode(self.token_ids[start:end], skip_special_tokens=True)
         return self.tokenizer.decode(self.token_ids[start:end], skip_special_tokens=True)
 
     def _settle(self, *, flush: bool = False) -> None:

@@ -234,7 +234,9 @@ class Engine:
             if seq.advance(item.num_new_tokens):  # prompt done or a decode step: sample
                 to_sample.append((row, seq))
         if to_sample:
-            rows = logits[[row for row, _ in to_sample]]  # (B, V) raw logits
+            # (B, V) raw logits, this step's own tensor (nothing else reads it): the rows that sample,
+            # without a copy when they all do (every decode step).
+            rows = logits if len(to_sample) == logits.shape[0] else logits[[row for row, _ in to_sample]]
             seqs = [seq for _, seq in to_sample]
             tokens = self._sample(rows, seqs)
             for seq, token, row in zip(seqs, tokens, rows):
@@ -309,7 +311,7 @@ class Engine:
                 self._append_token(child, token, row)
 
     def _mask_and_sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        """Next tokens from (B, V) logits, the engine's own copy of the model's rows. Constrained
+        """Next tokens from (B, V) logits, rows of this step's logits that nothing else reads. Constrained
         rows are masked: in place, unless a sequence asks for logprobs (the raw rows' log-softmax),
         then in a copy. n > 1 forks sample again from a parent's row: their matchers are in the
         parent's state, so a row already masked for it is the row they would mask."""

@@ -7,6 +7,8 @@ tensor refers to the KV pool layout of docs/design.md.
 
 from __future__ import annotations
 
+import functools
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -99,29 +101,59 @@ class ForwardBatch:
             raise ValueError("a forward batch needs at least one sequence")
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        seq_lens: list[int] = []
-        cu_seqlens = [0]
+        # Host arrays filled by C loops (array.extend) and three tensors over their memory: the
+        # step's cost is a few Python operations per sequence, per block of a prompt, never per
+        # token. (The per-token loop and six torch.tensor calls on lists, ~40 ns an element for
+        # nested ones, took 0.16 ms for 48 decodes with their block tables, 0.4 ms for a
+        # 2048-token prompt; numpy's many small calls lose to this once the model's pass has
+        # evicted them from the caches.)
+        num_seqs = len(new_token_ids)
+        longs = array("q")  # input_ids | positions | slot_mapping, T each
+        positions, slots = array("q"), array("q")
+        ints = array("i", [0] * (2 * num_seqs + 1))  # seq_lens (B) | cu_seqlens_q (B + 1)
+        max_blocks = max(len(table) for table in block_tables)
+        tables = array("i")
+        num_tokens = 0
         for b, (tokens, start, table) in enumerate(zip(new_token_ids, num_computed_tokens, block_tables)):
-            seq_len = start + len(tokens)
-            if not tokens or start < 0:
-                raise ValueError(f"sequence {b}: needs >= 1 new token and computed >= 0, got {len(tokens)}, {start}")
+            num_new = len(tokens)
+            seq_len = start + num_new
+            if not num_new or start < 0:
+                raise ValueError(f"sequence {b}: needs >= 1 new token and computed >= 0, got {num_new}, {start}")
             if len(table) * block_size < seq_len:
                 raise ValueError(f"sequence {b}: {len(table)} blocks cannot hold {seq_len} tokens")
-            input_ids.extend(tokens)
-            positions.extend(range(start, seq_len))
-            slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, seq_len))
-            seq_lens.append(seq_len)
-            cu_seqlens.append(cu_seqlens[-1] + len(tokens))
-        max_blocks = max(len(table) for table in block_tables)
-        padded = [list(table) + [0] * (max_blocks - len(table)) for table in block_tables]
+            longs.extend(tokens)
+            if num_new == 1:  # a decode
+                positions.append(start)
+                slots.append(table[start // block_size] * block_size + start % block_size)
+            else:
+                positions.extend(range(start, seq_len))
+                position = start
+                while position < seq_len:  # one run of slots per block
+                    end = min(seq_len, (position // block_size + 1) * block_size)
+                    first = table[position // block_size] * block_size + position % block_size
+                    slots.extend(range(first, first + end - position))
+                    position = end
+            tables.extend(table)
+            if len(table) < max_blocks:
+                tables.extend(_zeros(max_blocks - len(table)))
+            num_tokens += num_new
+            ints[b] = seq_len
+            ints[num_seqs + b + 1] = num_tokens
+        longs.extend(positions)
+        longs.extend(slots)
+        flat = torch.frombuffer(longs, dtype=torch.int64).to(device)
+        flat_ints = torch.frombuffer(ints, dtype=torch.int32).to(device)
         return cls(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64).to(device),
-            positions=torch.tensor(positions, dtype=torch.int64).to(device),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(device),
-            block_tables=torch.tensor(padded, dtype=torch.int32).to(device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device),
-            cu_seqlens_q=torch.tensor(cu_seqlens, dtype=torch.int32).to(device),
+            input_ids=flat[:num_tokens],
+            positions=flat[num_tokens : 2 * num_tokens],
+            slot_mapping=flat[2 * num_tokens :],
+            block_tables=torch.frombuffer(tables, dtype=torch.int32).view(num_seqs, max_blocks).to(device),
+            seq_lens=flat_ints[:num_seqs],
+            cu_seqlens_q=flat_ints[num_seqs:],
         )
+
+
+@functools.lru_cache(maxsize=64)
+def _zeros(n: int) -> array:
+    """``n`` int32 zeros, block-table padding (shared: ``array.extend`` copies them)."""
+    return array("i", bytes(4 * n))

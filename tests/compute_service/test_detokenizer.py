@@ -78,3 +78,24 @@ def test_default_model_tokenizer_pieces_concatenate_to_the_decode(default_model)
     pieces = feed(detok, ids)
     assert "".join(pieces) == tok.decode(ids, skip_special_tokens=True) == text
     assert not any("\ufffd" in p for p in pieces)
+
+
+def test_a_tokenizer_that_decodes_its_own_way_is_called_as_is(tokenizer) -> None:
+    """The text comes straight from the Rust tokenizer only where ``decode`` would do nothing more:
+    a subclass's own ``_decode`` (or clean-up of spaces) still runs."""
+    from transformers import PreTrainedTokenizerFast
+
+    class Shouting(PreTrainedTokenizerFast):
+        def _decode(self, token_ids, skip_special_tokens=False, **kwargs):
+            return super()._decode(token_ids, skip_special_tokens=skip_special_tokens, **kwargs).upper()
+
+    shouting = Shouting(tokenizer_object=tokenizer.backend_tokenizer, bos_token="<s>", eos_token="</s>")
+    assert "".join(feed(IncrementalDetokenizer(shouting), tokenizer.encode("héllo wörld"))) == "HÉLLO WÖRLD"
+    tokenizer.clean_up_tokenization_spaces = True
+    try:
+        detok = IncrementalDetokenizer(tokenizer)
+        assert detok._backend is None  # clean-up on: transformers' decode decides what it does
+        assert "".join(feed(detok, tokenizer.encode(TEXT))) == tokenizer.decode(tokenizer.encode(TEXT))
+    finally:
+        tokenizer.clean_up_tokenization_spaces = False
+    assert IncrementalDetokenizer(tokenizer)._backend is tokenizer.backend_tokenizer  # the plain case: direct
