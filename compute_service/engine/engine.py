@@ -239,15 +239,15 @@ class Engine:
             rows = logits if len(to_sample) == logits.shape[0] else logits[[row for row, _ in to_sample]]
             seqs = [seq for _, seq in to_sample]
             tokens = self._sample(rows, seqs)
-            for seq, token, row in zip(seqs, tokens, rows):
+            for index, (seq, token) in enumerate(zip(seqs, tokens)):
                 touched[seq.request_id] = self.requests[seq.request_id]
                 if token is None or seq.finish_reason is FinishReason.ERROR:
                     continue  # its request failed (this step): nothing more for it
                 # Per sequence, so that a failure of one request's own work ends that request alone.
                 try:
                     if seq.params.n > 1 and seq.index == 0 and not seq.output_token_ids:
-                        self._fork_children(seq, row)
-                    self._append_token(seq, token, row)
+                        self._fork_children(seq, rows[index])
+                    self._append_token(seq, token, rows, index)
                 except Exception as exc:  # reported as the request's error, logged with its traceback
                     self._fail_request(seq.request_id, "postprocessing", exc)
         for request_id in self._aborted_ids:
@@ -308,7 +308,7 @@ class Engine:
             self.scheduler.add_fork(parent, child)
             [token] = self._sample(row[None], [child])
             if token is not None:  # else the request has failed already
-                self._append_token(child, token, row)
+                self._append_token(child, token, row[None], 0)
 
     def _mask_and_sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """Next tokens from (B, V) logits, rows of this step's logits that nothing else reads. Constrained
@@ -320,7 +320,9 @@ class Engine:
             logits = self.masker.apply(logits, [seq.matcher for seq in seqs], keep_raw=keep_raw)
         return sample(logits, seqs, self.model_config.eos_token_ids)
 
-    def _append_token(self, seq: Sequence, token: int, logits_row: torch.Tensor) -> None:
+    def _append_token(self, seq: Sequence, token: int, logits: torch.Tensor, row: int) -> None:
+        """Append ``token``, sampled from ``logits[row]`` (its logprobs come from there), and check
+        the stops. The row is indexed only when logprobs need it: a view per sequence and step costs."""
         if seq.matcher is not None and not seq.matcher.accept_token(token):
             # The token was sampled under this matcher's mask: a rejection is a bug, not bad input
             # (it ends this request alone, finish_reason "error"; the token is never reported).
@@ -329,7 +331,7 @@ class Engine:
         p = seq.params
         completion = self.requests[seq.request_id].completions[seq.index]
         if p.logprobs is not None:
-            completion.new_logprobs.extend(token_logprobs(logits_row[None], [token], [p.logprobs]))
+            completion.new_logprobs.extend(token_logprobs(logits[row : row + 1], [token], [p.logprobs]))
         stop_match = completion.detokenizer.add_tokens([token], check_stop=seq.num_output_tokens >= p.min_tokens)
         stopped = check_stop(token, seq.num_output_tokens, seq.num_tokens, p, self.model_config.eos_token_ids,
                              self.model_config.max_position, stop_match.stop if stop_match is not None else None)
