@@ -72,7 +72,8 @@ class CausalLM(nn.Module):
         hidden = F.embedding(batch.input_ids, self.embed_tokens)  # (T, hidden)
         with profile_scope("rotary"):
             cos, sin = self.rotary(batch.positions)  # (T, D) each
-        last_rows = batch.cu_seqlens_q[1:].long() - 1  # (B,): only last tokens need logits
+        # (B,) rows of the last tokens: only they need logits; None when every row is one (decode).
+        last_rows = None if batch.num_tokens == batch.num_seqs else batch.cu_seqlens_q[1:].long() - 1
         plan = CpuAttentionPlan.build(batch.slot_mapping, batch.block_tables, batch.seq_lens, batch.cu_seqlens_q,
                                       dtype=self.dtype, head_dim=self.config.head_dim)
         if plan is not None:  # fused CPU path: residual adds run inside the next RMSNorm
@@ -80,11 +81,11 @@ class CausalLM(nn.Module):
             for layer_id, layer in enumerate(self.layers):
                 hidden, pending = layer.forward_fused(hidden, pending, cos, sin, kv_pool[layer_id, 0],
                                                       kv_pool[layer_id, 1], batch, plan)
-            last = hidden[last_rows] + pending[last_rows]  # (B, hidden)
+            last = hidden + pending if last_rows is None else hidden[last_rows] + pending[last_rows]  # (B, hidden)
         else:
             for layer_id, layer in enumerate(self.layers):
                 hidden = layer(hidden, cos, sin, kv_pool[layer_id, 0], kv_pool[layer_id, 1], batch)
-            last = hidden[last_rows]  # (B, hidden)
+            last = hidden if last_rows is None else hidden[last_rows]  # (B, hidden)
         last = self.norm(last)
         with profile_scope("lm_head"):
             return cpu_linear.linear(last, self.lm_head, self.lm_head_packed).float()  # (B, vocab)
