@@ -7,6 +7,7 @@ The KV pool starts as large random garbage, so reading a slot that was never wri
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -227,3 +228,31 @@ def test_default_model_answers_paris_greedily(default_model, default_reference):
             torch.tensor([prompt]), max_new_tokens=len(output), do_sample=False, eos_token_id=None
         )[0, len(prompt):]
     assert output == expected.tolist()
+
+
+def test_forward_batch_build_matches_the_per_token_rule_on_mixed_batches():
+    """Decodes, prompt chunks over cached context and fresh prompts, spanning blocks, in one batch."""
+    rng = random.Random(0)
+    for _ in range(300):
+        block_size = rng.choice([1, 2, 4, 16])
+        new, starts, tables = [], [], []
+        for _ in range(rng.randint(1, 12)):
+            num_new, start = rng.choice([1, 1, rng.randint(1, 40)]), rng.randint(0, 60)
+            num_blocks = -(-(start + num_new) // block_size) + rng.randint(0, 2)
+            new.append([rng.randrange(50000) for _ in range(num_new)])
+            starts.append(start)
+            tables.append([rng.randrange(5000) for _ in range(num_blocks)])
+        batch = ForwardBatch.build(new, starts, tables, block_size)
+        positions = [p for s, t in zip(starts, new) for p in range(s, s + len(t))]
+        owner = [b for b, t in enumerate(new) for _ in t]
+        assert batch.input_ids.tolist() == [t for tokens in new for t in tokens]
+        assert batch.positions.tolist() == positions
+        assert batch.slot_mapping.tolist() == [
+            tables[b][p // block_size] * block_size + p % block_size for b, p in zip(owner, positions)
+        ]
+        width = max(map(len, tables))
+        assert batch.block_tables.tolist() == [t + [0] * (width - len(t)) for t in tables]
+        assert batch.seq_lens.tolist() == [s + len(t) for s, t in zip(starts, new)]
+        assert batch.cu_seqlens_q.tolist() == [0, *itertools.accumulate(len(t) for t in new)]
+        assert [x.dtype for x in (batch.input_ids, batch.positions, batch.slot_mapping)] == [torch.int64] * 3
+        assert [x.dtype for x in (batch.block_tables, batch.seq_lens, batch.cu_seqlens_q)] == [torch.int32] * 3
