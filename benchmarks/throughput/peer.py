@@ -47,13 +47,17 @@ def parse_budgets(text: str) -> list[Budget]:
     return budgets
 
 
+def ngram_config(k: int) -> dict:
+    """vLLM's speculative_config for ``k`` n-gram drafts, with our proposer's n-gram sizes (1-4)."""
+    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
+
+
 def engine_args(budget: Budget) -> dict:
     """vLLM's LLM keyword arguments for one budget."""
     max_num_seqs, max_num_batched_tokens, ngram_k = budget
     args: dict = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens}
     if ngram_k:
-        args["speculative_config"] = {"method": "ngram", "num_speculative_tokens": ngram_k,
-                                      "prompt_lookup_min": 1, "prompt_lookup_max": 4}
+        args["speculative_config"] = ngram_config(ngram_k)
     return args
 
 
