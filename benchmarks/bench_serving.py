@@ -124,7 +124,8 @@ async def run_uncached_prefix(target: Target, args: argparse.Namespace, tpw: flo
 def stack_config(args: argparse.Namespace, enable_prefix_caching: bool) -> StackConfig:
     return StackConfig(model=args.model, kv_cache_bytes=args.kv_cache_bytes, block_size=args.block_size,
                        enable_prefix_caching=enable_prefix_caching, max_num_seqs=args.max_num_seqs,
-                       max_num_batched_tokens=args.max_num_batched_tokens)
+                       max_num_batched_tokens=args.max_num_batched_tokens,
+                       num_speculative_tokens=args.num_speculative_tokens)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -174,6 +175,7 @@ def run(args: argparse.Namespace) -> dict:
         # What this benchmark started; unknown for a gateway it did not start.
         "kv_cache_bytes": None if args.gateway else args.kv_cache_bytes,
         "max_num_batched_tokens": None if args.gateway else args.max_num_batched_tokens,
+        "num_speculative_tokens": None if args.gateway else args.num_speculative_tokens,  # None: the engine's
         "load_avg_start": round(load_start, 2), "load_avg_end": round(os.getloadavg()[0], 2),
     }
     if args.report_stack and stack_info:
@@ -248,6 +250,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="KV pool of a started stack, bytes (512 MiB; with --peer vllm 1 GiB, whole GiB only)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=None, help="engine max_num_seqs (default: the engine's)")
+    p.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="engine n-gram drafts per greedy sequence and step, at most (0 = off; default: the engine's)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="engine tokens per step, prompt chunks included (default: the engine's, 2048)")
     p.add_argument("--kv-sample-interval-s", type=float, default=0.5)
@@ -256,6 +260,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--report-stack", action="store_true",
                    help="add the started services' pids, exit statuses and directories to the JSON (for tests)")
     p.add_argument("--peer", choices=["vllm"], help="then run the same requests against vLLM's OpenAI server")
+    p.add_argument("--vllm-ngram", type=int, default=2, metavar="K",
+                   help="vLLM's n-gram speculative drafts (0 = off; default 2, its best offline here: our engine "
+                        "drafts too)")
     p.add_argument("--skip-prefix", action="store_true", help="leave out the shared-prefix phase (and its stack)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)

@@ -28,7 +28,7 @@ package is installed, e.g. ``pip install -e .``):
 
     python -m benchmarks.bench_throughput --quick [--profile] [--threads 1]
     python -m benchmarks.bench_throughput [--kv-cache-bytes 512MiB] [--baseline-requests 32]
-    python -m benchmarks.bench_throughput --peer vllm --num-requests 48 [--vllm-budgets 256:2048,256:4096]
+    python -m benchmarks.bench_throughput --peer vllm --num-requests 48 [--vllm-budgets 256:2048,256:2048:2]
     python -m benchmarks.bench_throughput --random-model-config 1b --device cuda --kv-cache-bytes 8GiB
 """
 
@@ -130,8 +130,12 @@ def count_computed_tokens(engine) -> list[int]:
 
 
 def watermark_kwargs(args: argparse.Namespace) -> dict:
-    """The engine's admission watermark, when the command line sets one (else its default)."""
-    return {} if args.admission_watermark is None else {"admission_watermark": args.admission_watermark}
+    """The engine's admission watermark and speculative drafts, when the command line sets them
+    (else their defaults)."""
+    kwargs = {} if args.admission_watermark is None else {"admission_watermark": args.admission_watermark}
+    if args.num_speculative_tokens is not None:
+        kwargs["num_speculative_tokens"] = args.num_speculative_tokens
+    return kwargs
 
 
 def run_engine(model: str, workload: list[Request], args: argparse.Namespace) -> RunResult:
@@ -165,6 +169,9 @@ def run_engine(model: str, workload: list[Request], args: argparse.Namespace) ->
             "engine_steps": num_steps,
             "engine_waiting_steps": len(waiting),
             "admission_watermark": engine.config.admission_watermark,
+            "num_speculative_tokens": engine.config.num_speculative_tokens,
+            "draft_tokens": engine.num_draft_tokens,
+            "accepted_draft_tokens": engine.num_accepted_draft_tokens,
             "preemptions": engine.scheduler.num_preemptions - preemptions_before,
             # Tokens run through the model beyond each request's prompt + output - 1 (the last output
             # token is never fed back): the work that preemption by recompute repeated.
@@ -224,8 +231,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="default 16 256 (--quick 16 64)")
     parser.add_argument("--peer", choices=["vllm"], help="also run vLLM's CPU build on the whole workload")
     parser.add_argument("--vllm-budgets", type=peer.parse_budgets, default=None,
-                        help="with --peer vllm: MAX_NUM_SEQS:MAX_NUM_BATCHED_TOKENS[,...], one vLLM run each, "
-                             "the best reported (default: the engine's --max-num-seqs:--max-num-batched-tokens)")
+                        help="with --peer vllm: MAX_NUM_SEQS:MAX_NUM_BATCHED_TOKENS[:NGRAM_K][,...], one vLLM run "
+                             "each, the best reported; NGRAM_K > 0 = its n-gram speculative decoding (default: "
+                             "the engine's --max-num-seqs:--max-num-batched-tokens, with NGRAM_K 0 and 2)")
     parser.add_argument("--baselines", default=None,
                         help="comma-separated, of: hf_static_best (generate, static batches without a memory cap, "
                              "best of --static-batch-sizes), hf_cb_default (transformers CB, its own defaults), "
@@ -245,6 +253,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--admission-watermark", type=float, default=None,
                         help="share of the pool kept free when admitting (default: EngineConfig's)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=None,
+                        help="engine n-gram drafts per greedy sequence and step, at most (0 = off)")
     parser.add_argument("--hf-cb-page-size", type=int, default=None, help="default: --block-size")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: every CPU this process may run on)")
@@ -257,7 +267,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             peer.vllm_peer.kv_space_gib(args.kv_cache_bytes)
         except ValueError as exc:
             parser.error(f"--kv-cache-bytes: {exc}")
-        args.vllm_budgets = args.vllm_budgets or [(args.max_num_seqs, args.max_num_batched_tokens)]
+        # vLLM with and without its n-gram drafts (2 measured best of 2 and 4 here), as ours drafts.
+        args.vllm_budgets = args.vllm_budgets or [(args.max_num_seqs, args.max_num_batched_tokens, k) for k in (0, 2)]
     args.num_requests = args.num_requests or (32 if quick else 128)
     args.prompt_len = tuple(args.prompt_len or ((16, 128) if quick else (16, 512)))
     args.output_len = tuple(args.output_len or ((16, 64) if quick else (16, 256)))

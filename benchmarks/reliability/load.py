@@ -126,7 +126,7 @@ address, num, max_tokens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 channel = grpc.insecure_channel(address)
 stub = gateway_pb2_grpc.GatewayStub(channel)
 calls = [stub.GenerateStream(gateway_pb2.GenerateRequest(prompt=f"vanishing client stream {i}",
-         params=gateway_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)))
+         params=gateway_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=1.0, seed=i)))
          for i in range(num)]
 started = [next(call) for call in calls[:1]]
 print("READY", flush=True)
@@ -136,7 +136,8 @@ threading.Event().wait()
 
 def vanishing_client(address: str, num_streams: int, max_tokens: int) -> subprocess.Popen:
     """Starts a client process holding ``num_streams`` open streams; returns once they are sent and
-    the first has produced a token. The caller SIGKILLs it."""
+    the first has produced a token. The caller SIGKILLs it. The streams sample (temperature 1): a
+    greedy one could finish sooner, its drafts accepted several tokens a step."""
     client = subprocess.Popen([sys.executable, "-c", _VANISHING_CLIENT, address, str(num_streams), str(max_tokens)],
                               stdout=subprocess.PIPE, text=True)
     assert client.stdout is not None

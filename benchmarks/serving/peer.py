@@ -48,12 +48,13 @@ def run_vllm(model_dir: Path, tokens_per_word: float, args: argparse.Namespace, 
     """Start vLLM's server, run the sweep, stop it; returns its summary (bench_serving's shape)."""
     specs = make_requests(args.num_requests, args.prompt_len, args.output_len, tokens_per_word, args.seed)
     server = VllmServer(model_dir, args.kv_cache_bytes, args.max_num_seqs, args.max_num_batched_tokens,
-                        log_file=log_file)
+                        ngram_k=args.vllm_ngram, log_file=log_file)
     say("vllm: starting its OpenAI server (compiles its model, ~1-2 min, not timed)")
     with server:
         summary = asyncio.run(sweep(server.base_url, server.served_model, specs, args, say))
     summary["exit_status"] = server.stop()
     summary["env"] = server.settings
+    summary["ngram_k"] = args.vllm_ngram
     return summary
 
 

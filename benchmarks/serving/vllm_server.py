@@ -9,6 +9,7 @@ group (its engine core is a child process), SIGKILL after a timeout.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -19,6 +20,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks import vllm_peer
+from benchmarks.throughput import peer as throughput_peer
 from pagedserve.sockets import free_port
 
 
@@ -30,6 +32,7 @@ class VllmServer:
     kv_cache_bytes: int
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
+    ngram_k: int = 0  # > 0: vLLM's n-gram speculative decoding with this many drafts
     log_file: Path | None = None
     ready_timeout_s: float = 900.0
     settings: dict[str, str] = field(default_factory=dict)  # the environment we set (for the report)
@@ -54,6 +57,8 @@ class VllmServer:
                "--dtype", "float32", "--host", "127.0.0.1", "--port", str(self._port), "--seed", "0",
                # usage.prompt_tokens_details.cached_tokens: its prefix-cache hits, reported per rate
                "--enable-prompt-tokens-details"]
+        if self.ngram_k:
+            cmd += ["--speculative-config", json.dumps(throughput_peer.ngram_config(self.ngram_k))]
         for flag, value in (("--max-num-seqs", self.max_num_seqs),
                             ("--max-num-batched-tokens", self.max_num_batched_tokens)):
             if value is not None:

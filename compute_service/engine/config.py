@@ -23,6 +23,9 @@ class EngineConfig:
     # Admissions leave this fraction of the (unreserved) pool free for running sequences to grow
     # into, so that a saturated engine seldom preempts (and recomputes); see scheduler.py.
     admission_watermark: float = 0.05
+    # N-gram speculative drafts per greedy decoding sequence and step, at most (0 = off); fewer
+    # as the batch grows (compute_service/engine/speculative.py). Outputs are unchanged.
+    num_speculative_tokens: int = 4
     memory_socket: str | None = None
     device: str | None = None  # default: cuda when available, else cpu
     dtype: str | None = None  # default: float32 on CPU, bfloat16 on CUDA
@@ -35,6 +38,8 @@ class EngineConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
                 f"({self.max_num_seqs}) so every running sequence can decode each step"
             )
+        if not 0 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be in [0, 16], got {self.num_speculative_tokens}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if not 0.0 <= self.admission_watermark < 1.0:

@@ -19,9 +19,10 @@ from compute_service.engine.model_runner import ModelRunner
 from compute_service.engine.faults import DetokenizeFault
 from compute_service.engine.outputs import RequestDelta
 from compute_service.engine.request import EngineLoad, GenerateInput, Request
-from compute_service.engine.sampler import sample, token_logprobs
+from compute_service.engine.sampler import greedy_tokens, sample, token_logprobs
 from compute_service.engine.sampling_params import SamplingParams
 from compute_service.engine.scheduler import ScheduledSeq, Scheduler
+from compute_service.engine import speculative
 from compute_service.engine.sequence import FinishReason, Sequence
 from compute_service.engine.stop import check_stop
 from compute_service.structured.grammar_compiler import GrammarCompiler
@@ -65,6 +66,8 @@ class Engine:
         self._num_prompt_tokens_admitted = 0
         self._num_prompt_tokens_cached = 0
         self.num_failed_requests = 0  # ended by a failure of their own (finish_reason "error")
+        self.num_draft_tokens = 0  # speculative drafts computed, and how many of them were accepted
+        self.num_accepted_draft_tokens = 0
         self._fault = DetokenizeFault.from_env()  # test-only hook (compute_service.engine.faults)
 
     # --- requests ---------------------------------------------------------------------------
@@ -219,8 +222,28 @@ class Engine:
         reply = self.memory.step_with_counts(plan.ops)  # the step's one memory-service RPC
         self.num_steps += 1
         self._num_available_blocks = reply.num_available_blocks + reply.num_available_reserved_blocks
-        return self.scheduler.apply_results(plan, reply.results, reply.num_available_blocks,
-                                            reply.num_available_reserved_blocks)
+        scheduled = self.scheduler.apply_results(plan, reply.results, reply.num_available_blocks,
+                                                 reply.num_available_reserved_blocks)
+        if self.config.num_speculative_tokens:
+            self._attach_drafts(scheduled)
+        return scheduled
+
+    def _attach_drafts(self, scheduled: list[ScheduledSeq]) -> None:
+        """N-gram drafts for the greedy decoding sequences, within the step's token budget."""
+        decodes = [item for item in scheduled if item.num_new_tokens == 1
+                   and item.seq.num_computed_tokens + 1 == item.seq.num_tokens and speculative.eligible(item.seq)]
+        per_seq = speculative.draft_budget(len(decodes), self.config.num_speculative_tokens)
+        budget = self.config.max_num_batched_tokens - sum(item.num_new_tokens for item in scheduled)
+        for item in decodes:
+            seq = item.seq
+            k = min(per_seq, budget, speculative.room_for_drafts(seq, self.memory.block_size,
+                                                                 self.model_config.max_position))
+            if k <= 0:
+                continue
+            if seq.ngrams is None:
+                seq.ngrams = speculative.NgramIndex()
+            item.draft_token_ids = seq.ngrams.propose(seq, k)
+            budget -= len(item.draft_token_ids)
 
     def _postprocess(self, scheduled: list[ScheduledSeq], logits: torch.Tensor | None) -> list[RequestDelta]:
         touched: dict[str, Request] = {}
@@ -239,15 +262,24 @@ class Engine:
             rows = logits if len(to_sample) == logits.shape[0] else logits[[row for row, _ in to_sample]]
             seqs = [seq for _, seq in to_sample]
             tokens = self._sample(rows, seqs)
+            # The greedy token after each draft (the runner's rows after the first B, in order).
+            after_drafts = greedy_tokens(logits[len(scheduled):]) if logits.shape[0] > len(scheduled) else []
+            draft_rows = iter(after_drafts)
+            drafts_of = {id(item.seq): item.draft_token_ids for item in scheduled if item.draft_token_ids}
             for index, (seq, token) in enumerate(zip(seqs, tokens)):
                 touched[seq.request_id] = self.requests[seq.request_id]
+                drafts = drafts_of.get(id(seq), [])
+                greedy = [token, *(next(draft_rows) for _ in drafts)]
                 if token is None or seq.finish_reason is FinishReason.ERROR:
                     continue  # its request failed (this step): nothing more for it
                 # Per sequence, so that a failure of one request's own work ends that request alone.
                 try:
                     if seq.params.n > 1 and seq.index == 0 and not seq.output_token_ids:
                         self._fork_children(seq, rows[index])
-                    self._append_token(seq, token, rows, index)
+                    if drafts:
+                        self._append_verified(seq, drafts, greedy, rows, index)
+                    else:
+                        self._append_token(seq, token, rows, index)
                 except Exception as exc:  # reported as the request's error, logged with its traceback
                     self._fail_request(seq.request_id, "postprocessing", exc)
         for request_id in self._aborted_ids:
@@ -319,6 +351,21 @@ class Engine:
             keep_raw = any(seq.params.logprobs is not None for seq in seqs)
             logits = self.masker.apply(logits, [seq.matcher for seq in seqs], keep_raw=keep_raw)
         return sample(logits, seqs, self.model_config.eos_token_ids)
+
+    def _append_verified(self, seq: Sequence, drafts: list[int], greedy: list[int], logits: torch.Tensor,
+                         row: int) -> None:
+        """Append the greedy tokens the drafts agreed with, and the one after, until a stop."""
+        num_accepted = speculative.accepted_prefix(drafts, greedy)
+        self.num_draft_tokens += len(drafts)
+        self.num_accepted_draft_tokens += num_accepted
+        num_appended = 0
+        for token in greedy[: num_accepted + 1]:
+            self._append_token(seq, token, logits, row)  # (no logprobs: such sequences get no drafts)
+            num_appended += 1
+            if seq.is_finished:
+                break
+        if not seq.is_finished:
+            seq.accept_drafts(min(num_accepted, num_appended))
 
     def _append_token(self, seq: Sequence, token: int, logits: torch.Tensor, row: int) -> None:
         """Append ``token``, sampled from ``logits[row]`` (its logprobs come from there), and check

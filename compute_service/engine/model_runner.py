@@ -31,12 +31,24 @@ class ModelRunner:
         self.block_size = block_size
 
     def run(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
-        """Compute the scheduled tokens; returns (B, vocab) float32 logits of each last token."""
+        """Compute the scheduled tokens (and speculative drafts after them).
+
+        Returns:
+            (B + D, vocab) float32 logits: row b after sequence b's last scheduled token, then one
+            row after each of the D drafts, sequence after sequence, in order.
+        """
         batch = ForwardBatch.build(
-            new_token_ids=[s.seq.tokens_to_compute(s.num_new_tokens) for s in scheduled],
+            new_token_ids=[s.seq.tokens_to_compute(s.num_new_tokens) + s.draft_token_ids for s in scheduled],
             num_computed_tokens=[s.seq.num_computed_tokens for s in scheduled],
             block_tables=[s.seq.block_table for s in scheduled],
             block_size=self.block_size,
             device=self.model.device,
         )
-        return self.model(batch, self.kv_pool).cpu()  # already float32
+        logits_rows = None
+        if any(s.draft_token_ids for s in scheduled):
+            ends = batch.cu_seqlens_q[1:].tolist()
+            last = [end - 1 - len(s.draft_token_ids) for s, end in zip(scheduled, ends)]
+            drafts = [row for s, first in zip(scheduled, last)
+                      for row in range(first + 1, first + 1 + len(s.draft_token_ids))]
+            logits_rows = torch.tensor(last + drafts, dtype=torch.int64, device=self.model.device)
+        return self.model(batch, self.kv_pool, logits_rows).cpu()  # already float32

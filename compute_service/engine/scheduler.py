@@ -43,6 +43,9 @@ class ScheduledSeq:
 
     seq: Sequence
     num_new_tokens: int
+    # Speculative drafts computed after the new token(s) (speculative.py): not in the memory
+    # service's view, not counted in num_new_tokens.
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -177,7 +180,7 @@ class Scheduler:
                 self._preempt(seq, "out_of_blocks", plan)  # it is itself the lowest: make way for the others
                 continue
             self._take(max(needed, 0))
-            plan.work.append((AppendOp(seq.seq_id, seq.tokens_to_compute(n)), seq))
+            plan.work.append((AppendOp(seq.seq_id, seq.tokens_to_append(n)), seq))
             budget -= n
 
         num_running = len(self.running)
@@ -213,8 +216,9 @@ class Scheduler:
                 if not result.ok:
                     self._preempt(seq, "append_failed")  # the count it was planned with was stale
                     continue
+                num_new = len(op.token_ids) - seq.num_unappended_tokens  # the append also carried those
                 seq.extend_blocks(result.block_ids, result.copies)
-                scheduled.append(ScheduledSeq(seq, len(op.token_ids)))
+                scheduled.append(ScheduledSeq(seq, num_new))
             elif isinstance(op, AllocateOp):
                 if not result.ok:
                     continue  # stays waiting; the service changed nothing

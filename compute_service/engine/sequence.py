@@ -2,11 +2,13 @@
 
 Invariants: ``num_cached_tokens <= num_computed_tokens <= num_tokens``; the K/V of the first
 ``num_computed_tokens`` tokens is in the pool at the positions given by ``block_table``; the memory
-service's view of the sequence holds exactly those tokens (plus the ones scheduled this step).
+service's view of the sequence holds those tokens but the last ``num_unappended_tokens`` (accepted
+speculative drafts, see speculative.py: they are sent with the next step's append), plus the ones
+scheduled this step.
 
 The counters, the block table and the finish reason change only through the transitions below
-(``admit``, ``extend_blocks``, ``advance``, ``append_token``, ``fork``, ``finish``, ``fail``,
-``reset_for_recompute``), each of which keeps the invariants; the scheduler and the engine call
+(``admit``, ``extend_blocks``, ``advance``, ``append_token``, ``accept_drafts``, ``fork``, ``finish``,
+``fail``, ``reset_for_recompute``), each of which keeps the invariants; the scheduler and the engine call
 them rather than writing the fields.
 """
 
@@ -58,6 +60,9 @@ class Sequence:
     # xgrammar GrammarMatcher of a constrained completion: it has accepted exactly output_token_ids
     # (advanced once per sampled token; recompute after preemption leaves it alone).
     matcher: Any | None = None
+    # Accepted drafts whose K/V is computed but which the memory service has not been sent yet.
+    num_unappended_tokens: int = 0
+    ngrams: Any | None = None  # speculative.NgramIndex, made on its first proposal
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -85,7 +90,14 @@ class Sequence:
 
     def tokens_to_compute(self, n: int) -> list[int]:
         """The next ``n`` tokens whose K/V is not in the pool yet."""
-        start = self.num_computed_tokens
+        return self._tokens_from(self.num_computed_tokens, n)
+
+    def tokens_to_append(self, n: int) -> list[int]:
+        """What this step's append sends the memory service: the accepted drafts it has not been
+        sent yet, then the next ``n`` tokens to compute."""
+        return self._tokens_from(self.num_computed_tokens - self.num_unappended_tokens, n + self.num_unappended_tokens)
+
+    def _tokens_from(self, start: int, n: int) -> list[int]:
         prompt_len = len(self.prompt_token_ids)
         if start + n <= prompt_len:
             return self.prompt_token_ids[start : start + n]
@@ -104,7 +116,9 @@ class Sequence:
         self.num_cached_tokens = self.num_computed_tokens = num_cached_tokens
 
     def extend_blocks(self, block_ids: list[int], copies: list[tuple[int, int]]) -> None:
-        """An append's answer: new blocks at the end, and copy-on-write replacements (src -> dst)."""
+        """An append's answer: new blocks at the end, and copy-on-write replacements (src -> dst).
+        The append carried the unappended drafts too."""
+        self.num_unappended_tokens = 0
         self.block_table.extend(block_ids)
         for src, dst in copies:
             self.block_table[self.block_table.index(src)] = dst
@@ -120,6 +134,13 @@ class Sequence:
         """A sampled token (its K/V is computed by the next step)."""
         assert not self.is_finished, "a token after the finish"
         self.output_token_ids.append(token_id)
+
+    def accept_drafts(self, num_accepted: int) -> None:
+        """``num_accepted`` drafts computed this step were accepted (they are appended as output
+        tokens already): their K/V is in the pool; the memory service learns of them next step."""
+        assert 0 <= num_accepted and self.num_computed_tokens + num_accepted < self.num_tokens
+        self.num_computed_tokens += num_accepted
+        self.num_unappended_tokens += num_accepted
 
     def fork(self, child: Sequence) -> None:
         """``child`` (a fresh sequence of the same prompt) shares this one's computed tokens and
@@ -140,5 +161,6 @@ class Sequence:
     def reset_for_recompute(self) -> None:
         """Preempted: its blocks are gone; everything (prompt and output so far) is recomputed."""
         self.num_computed_tokens = 0
+        self.num_unappended_tokens = 0
         self.block_table = []
         self.num_preemptions += 1

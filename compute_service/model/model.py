@@ -58,22 +58,30 @@ class CausalLM(nn.Module):
         return self.embed_tokens.device
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv_pool: torch.Tensor) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, kv_pool: torch.Tensor, logits_rows: torch.Tensor | None = None
+                ) -> torch.Tensor:
         """Run one step: write the new tokens' K/V into the pool and score the next token.
 
         Args:
             batch: T new tokens of B sequences, packed (see ForwardBatch).
             kv_pool: (num_layers, 2, num_blocks, block_size, H_kv, D), the model's dtype and device;
                 every token of each sequence before its new ones must already be in it.
+            logits_rows: (R,) int64 rows of the batch to score (speculative drafts need several
+                per sequence); None = each sequence's last row.
         Returns:
-            (B, vocab_size) float32 logits of the token after each sequence's last new token.
+            (B, vocab_size) float32 logits of the token after each sequence's last new token, or
+            (R, vocab_size) after each of ``logits_rows``.
         """
         self.check_kv_pool(kv_pool)
         hidden = F.embedding(batch.input_ids, self.embed_tokens)  # (T, hidden)
         with profile_scope("rotary"):
             cos, sin = self.rotary(batch.positions)  # (T, D) each
-        # (B,) rows of the last tokens: only they need logits; None when every row is one (decode).
-        last_rows = None if batch.num_tokens == batch.num_seqs else batch.cu_seqlens_q[1:].long() - 1
+        # (B,) rows of the last tokens (or the (R,) rows asked for): only they need logits; None when
+        # every row is a sequence's last (a decode step without drafts).
+        if logits_rows is not None:
+            last_rows = logits_rows
+        else:
+            last_rows = None if batch.num_tokens == batch.num_seqs else batch.cu_seqlens_q[1:].long() - 1
         plan = CpuAttentionPlan.build(batch.slot_mapping, batch.block_tables, batch.seq_lens, batch.cu_seqlens_q,
                                       dtype=self.dtype, head_dim=self.config.head_dim)
         if plan is not None:  # fused CPU path: residual adds run inside the next RMSNorm

@@ -65,6 +65,8 @@ class LoopTotals:
     num_generated_tokens: int = 0
     num_finished_requests: int = 0
     num_failed_requests: int = 0  # ended by a failure of their own (finish_reason "error")
+    num_draft_tokens: int = 0  # speculative drafts computed, and accepted (engine/speculative.py)
+    num_accepted_draft_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -211,6 +213,7 @@ class EngineLoop:
                     self._check_memory(engine)  # idle: notice a lost memory service without a request
                 continue
             num_steps = engine.num_steps
+            num_drafts, num_accepted = engine.num_draft_tokens, engine.num_accepted_draft_tokens
             outputs = engine.step()
             if not outputs and engine.num_steps == num_steps:
                 self._wake.wait(WAITING_POLL_S)  # requests wait for blocks: poll, do not spin
@@ -220,6 +223,8 @@ class EngineLoop:
             self.totals.num_generated_tokens += sum(len(c.token_ids) for o in outputs for c in o.completions)
             self.totals.num_finished_requests += sum(o.finished for o in outputs)
             self.totals.num_failed_requests += sum(o.finished and o.error is not None for o in outputs)
+            self.totals.num_draft_tokens += engine.num_draft_tokens - num_drafts
+            self.totals.num_accepted_draft_tokens += engine.num_accepted_draft_tokens - num_accepted
             for out in outputs:
                 sink = self._sinks.pop(out.request_id) if out.finished else self._sinks.get(out.request_id)
                 if sink is not None and not sink(out) and not out.finished:

@@ -39,6 +39,11 @@ class ComputeCollector(Collector):
         yield CounterMetricFamily("pagedserve_compute_failed_requests",
                                   "Requests ended by a failure of their own (finish_reason error or INTERNAL)",
                                   value=totals.num_failed_requests)
+        yield CounterMetricFamily("pagedserve_compute_draft_tokens", "Speculative n-gram drafts computed",
+                                  value=totals.num_draft_tokens)
+        yield CounterMetricFamily("pagedserve_compute_accepted_draft_tokens",
+                                  "Speculative drafts accepted (each saved one step of its sequence)",
+                                  value=totals.num_accepted_draft_tokens)
         num_buffered, num_paused = self._servicer.buffer_stats()
         yield GaugeMetricFamily("pagedserve_compute_stream_buffered_outputs",
                                 "Step outputs waiting in stream buffers for their clients", value=num_buffered)

@@ -18,8 +18,10 @@ from benchmarks.throughput import peer as throughput_peer
 
 
 def test_budgets_and_kv_space() -> None:
-    assert throughput_peer.parse_budgets("256:2048, 128:4096") == [(256, 2048), (128, 4096)]
-    for bad in ("256", "a:b", "0:2048", ""):
+    assert throughput_peer.parse_budgets("256:2048, 128:4096:2") == [(256, 2048, 0), (128, 4096, 2)]
+    assert throughput_peer.engine_args((128, 4096, 2))["speculative_config"]["num_speculative_tokens"] == 2
+    assert "speculative_config" not in throughput_peer.engine_args((256, 2048, 0))
+    for bad in ("256", "a:b", "0:2048", "", "256:2048:-1", "1:2:3:4"):
         with pytest.raises(ValueError):
             throughput_peer.parse_budgets(bad)
     assert vllm_peer.kv_space_gib(2 << 30) == 2
@@ -62,9 +64,9 @@ def test_stale_kmp_files_of_dead_processes_are_removed_others_kept() -> None:
 def test_throughput_peer_arguments() -> None:
     args = bench_throughput.parse_args(["--peer", "vllm", "--device", "cpu", "--max-num-batched-tokens", "4096"])
     assert args.kv_cache_bytes == 1 << 30 and args.baselines == []
-    assert args.vllm_budgets == [(256, 4096)]  # ours, unless told otherwise
+    assert args.vllm_budgets == [(256, 4096, 0), (256, 4096, 2)]  # ours, with and without n-gram drafts
     args = bench_throughput.parse_args(["--peer", "vllm", "--device", "cpu", "--vllm-budgets", "64:1024,256:8192"])
-    assert args.vllm_budgets == [(64, 1024), (256, 8192)]
+    assert args.vllm_budgets == [(64, 1024, 0), (256, 8192, 0)]
     assert bench_throughput.parse_args(["--device", "cpu"]).kv_cache_bytes == 512 << 20  # unchanged without a peer
     with pytest.raises(SystemExit):
         bench_throughput.parse_args(["--peer", "vllm", "--device", "cpu", "--kv-cache-bytes", "512MiB"])

@@ -47,10 +47,12 @@ def test_greedy_equals_transformers_and_pieces_concatenate(services: Services, m
         messages = services.generate(prompt, max_tokens=16, temperature=0.0, ignore_eos=True)
         tokens = tokens_of(messages)
         assert tokens == hf_greedy(model.hf_model, prompt, 16)
-        assert all(len(m.token_ids) == 1 for m in messages)  # one message per engine step
+        # One message per engine step: one token each, or several when speculative drafts were
+        # accepted (engine/speculative.py), never none.
+        assert all(m.token_ids for m in messages)
         # Byte tokens split characters: no piece is a broken character, and they add up exactly.
         assert text_of(messages) == model.tokenizer.decode(tokens, skip_special_tokens=True)
-        assert [m.finish_reason for m in messages] == [""] * 15 + ["length"]
+        assert [m.finish_reason for m in messages] == [""] * (len(messages) - 1) + ["length"]
         assert messages[-1].usage == cpb.Usage(prompt_tokens=len(prompt), completion_tokens=16,
                                                cached_prompt_tokens=messages[-1].usage.cached_prompt_tokens)
         assert not any(m.HasField("usage") for m in messages[:-1])

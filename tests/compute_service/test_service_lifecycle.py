@@ -110,11 +110,15 @@ def test_grpcurl_lists_through_reflection_and_generates(services: Services, serv
 
 def test_metrics_endpoint(services: Services, metrics_port: int) -> None:
     services.generate(PROMPT, max_tokens=3, temperature=0.0, ignore_eos=True)
+    # A repeated motif: the greedy continuation is drafted from the prompt (speculative decoding).
+    services.generate(PROMPT * 6, max_tokens=40, temperature=0.0, ignore_eos=True)
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as reply:
         text = reply.read().decode()
     values = {line.split()[0]: float(line.split()[1])
               for line in text.splitlines() if line and not line.startswith("#")}
     assert values["pagedserve_compute_ready"] == 1.0
+    drafts = values["pagedserve_compute_draft_tokens_total"]
+    assert drafts > 0 and 0 < values["pagedserve_compute_accepted_draft_tokens_total"] <= drafts
     assert values["pagedserve_compute_generated_tokens_total"] >= 3
     assert values["pagedserve_compute_finished_requests_total"] >= 1
     assert values["pagedserve_compute_requests_running"] == 0

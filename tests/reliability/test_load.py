@@ -45,7 +45,9 @@ def test_overload_beyond_the_queue_is_refused_before_any_accepted_stream_ends(st
 
 def test_a_client_that_vanishes_with_open_streams_has_them_all_aborted(stack: Stack) -> None:
     num = 20
-    client = load.vanishing_client(stack.gateway.address, num, 400)
+    # 900 tokens each (the tiny model's length is 1024): the unread streams' replies fit in gRPC's
+    # flow-control windows, so only their length keeps them running until the gauge is read.
+    client = load.vanishing_client(stack.gateway.address, num, 900)
     try:
         wait_until(lambda: load.metric(stack.gateway.metrics_port, "pagedserve_gateway_queue_length") >= num, 60,
                    "every stream held by the gateway")

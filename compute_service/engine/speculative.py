@@ -1,0 +1,100 @@
+"""N-gram speculative decoding (prompt lookup) for greedy sequences.
+
+A decoding sequence whose last few tokens already occurred earlier in its prompt or output often
+goes on the way it went then (quoted text, code, lists, and the loops small models fall into).
+The proposer looks up the longest suffix of 4 down to 1 tokens at its latest earlier occurrence
+and drafts the k tokens that followed it. The step then computes the sequence's last token and
+its drafts together (q_len = 1 + k, like a prompt chunk over cached context); the logits after
+each row give the greedy token there, so the drafts are checked in the same forward:
+
+    greedy[0] = argmax(after the last token), greedy[i] = argmax(after draft i)
+    a = the number of leading drafts equal to greedy[0..a-1]
+    emitted: greedy[0 .. a] (the accepted drafts, and one token more)
+
+Those are exactly the tokens plain greedy decoding produces, one per step, so the output does not
+change; a step emits 1 to k + 1 tokens for the cost of k more rows of the same forward. That pays
+where a step is bound by reading the weights and the KV cache (every batch size on a CPU up to a
+few dozen sequences), so the row budget for drafts shrinks as the batch grows
+(``draft_budget``), and only greedy, plain sequences take part (see ``eligible``).
+
+Memory-service bookkeeping: drafts are written into free slots of the sequence's last block only
+(a draft never needs a new block), and the memory service is not told about them. Accepted drafts
+are appended to the memory service with the next step's token (``Sequence.num_unappended_tokens``),
+so its view of the sequence, and its prefix-cache hashes, only ever hold accepted tokens; a
+rejected draft's slot is past the sequence's length and is overwritten by the real token later.
+"""
+
+from __future__ import annotations
+
+from compute_service.engine.sequence import Sequence
+
+MAX_NGRAM = 4
+MIN_NGRAM = 1
+# Draft rows per step, across the batch: a decode step's weights and KV are read once whatever
+# the number of rows, until the rows make it compute-bound (measured on a 2-core AVX-512 CPU,
+# SmolLM2-135M: about a hundred rows).
+DRAFT_ROWS_PER_STEP = 96
+
+
+class NgramIndex:
+    """The latest position that followed each n-gram (n = MIN_NGRAM..MAX_NGRAM) of one sequence,
+    kept up to date incrementally: a proposal costs O(new tokens), not O(context)."""
+
+    def __init__(self) -> None:
+        self._tokens: list[int] = []
+        self._follow: list[dict[tuple[int, ...], int]] = [{} for _ in range(MAX_NGRAM + 1)]
+        self._num_indexed = 0  # n-grams ending before this position are in the tables
+
+    def _sync(self, seq: Sequence) -> None:
+        tokens = self._tokens
+        if not tokens:
+            tokens.extend(seq.prompt_token_ids)
+        num_outputs = len(tokens) - seq.num_prompt_tokens
+        tokens.extend(seq.output_token_ids[num_outputs:])
+        # Every n-gram that has a following token (all but those ending at the last position).
+        for end in range(self._num_indexed, len(tokens) - 1):
+            for n in range(MIN_NGRAM, min(MAX_NGRAM, end + 1) + 1):
+                self._follow[n][tuple(tokens[end - n + 1 : end + 1])] = end + 1
+        self._num_indexed = max(self._num_indexed, len(tokens) - 1)
+
+    def propose(self, seq: Sequence, k: int) -> list[int]:
+        """Up to ``k`` tokens that followed the longest earlier occurrence of the sequence's suffix."""
+        self._sync(seq)
+        tokens = self._tokens
+        for n in range(min(MAX_NGRAM, len(tokens)), MIN_NGRAM - 1, -1):
+            start = self._follow[n].get(tuple(tokens[len(tokens) - n :]))
+            if start is not None:
+                return tokens[start : start + k]
+        return []
+
+
+def eligible(seq: Sequence) -> bool:
+    """Whether the sequence's next tokens are plain argmaxes that drafts can be checked against:
+    greedy, no penalties or min_tokens (they depend on the tokens before), no logprobs, a single
+    completion (forked sequences share their last block), no grammar."""
+    p = seq.params
+    return (p.is_greedy and not p.has_penalties and seq.num_output_tokens >= p.min_tokens and p.n == 1
+            and p.logprobs is None and seq.matcher is None and seq.num_output_tokens > 0)
+
+
+def draft_budget(num_decodes: int, max_per_seq: int) -> int:
+    """Drafts each decoding sequence may take this step."""
+    if num_decodes <= 0:
+        return 0
+    return max(0, min(max_per_seq, DRAFT_ROWS_PER_STEP // num_decodes))
+
+
+def room_for_drafts(seq: Sequence, block_size: int, max_position: int) -> int:
+    """Drafts that fit after the sequence's last token: in its last block (no new block), within
+    max_tokens (leaving the token that follows the last accepted draft) and the model's length."""
+    in_block = len(seq.block_table) * block_size - seq.num_tokens
+    left = seq.params.max_tokens - seq.num_output_tokens - 1
+    return max(0, min(in_block, left, max_position - seq.num_tokens - 1))
+
+
+def accepted_prefix(drafts: list[int], greedy: list[int]) -> int:
+    """How many leading drafts equal the greedy tokens at their positions."""
+    a = 0
+    while a < len(drafts) and drafts[a] == greedy[a]:
+        a += 1
+    return a

@@ -1,0 +1,146 @@
+"""N-gram speculative decoding: the same greedy tokens as transformers, fewer steps.
+
+The engine runs on a tiny random-weight Llama whose greedy outputs fall into loops quickly, so
+drafts are proposed, many accepted and some rejected in every scenario below; each test checks
+that they were (a test whose drafts never ran would prove nothing).
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from compute_service import LLM, SamplingParams
+from compute_service.engine import speculative
+from compute_service.engine.sequence import Sequence
+
+VOCAB = 256
+EOS = 1
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch.manual_seed(5)
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        bos_token_id=0, eos_token_id=EOS, tie_word_embeddings=False,
+    )
+    path = tmp_path_factory.mktemp("tiny-llama-spec")
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_dir: Path) -> LlamaForCausalLM:
+    return LlamaForCausalLM.from_pretrained(tiny_dir, torch_dtype=torch.float32).eval()
+
+
+def hf_greedy(model: LlamaForCausalLM, prompt: list[int], max_tokens: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long), pad_token_id=EOS)
+    return out[0, len(prompt):].tolist()
+
+
+def prompts(num: int, seed: int) -> list[list[int]]:
+    """Prompts with a repeated motif (drafts from the prompt) and random ones (drafts from the output)."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(num):
+        if i % 2:
+            motif = [rng.randrange(2, VOCAB) for _ in range(rng.randrange(2, 6))]
+            out.append((motif * 8)[: rng.randrange(8, 30)])
+        else:
+            out.append([rng.randrange(2, VOCAB) for _ in range(rng.randrange(1, 30))])
+    return out
+
+
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+
+
+def test_ngram_index_proposes_what_followed_the_latest_longest_match() -> None:
+    seq = Sequence("s", "r", [5, 6, 7, 8, 9, 5, 6, 7, 3, 4, 6, 7], SamplingParams(temperature=0.0))
+    index = speculative.NgramIndex()
+    # Suffix (6, 7): its latest earlier occurrence is at 5..7 (followed by 3, 4), not at 1..2.
+    assert index.propose(seq, 3) == [3, 4, 6]
+    # A longer suffix wins over a later short one: (9, 5, 6, 7) occurred once, followed by 3.
+    seq.output_token_ids += [9, 5, 6, 7]
+    assert index.propose(seq, 2) == [3, 4]  # the index caught up with the new output tokens
+    assert index.propose(seq, 10) == [3, 4, 6, 7, 9, 5, 6, 7]  # at most what follows, up to the end
+    assert speculative.NgramIndex().propose(Sequence("t", "r", [1, 2, 3], SamplingParams()), 4) == []
+
+
+def test_drafts_fit_the_last_block_max_tokens_and_the_row_budget() -> None:
+    seq = Sequence("s", "r", list(range(10)), SamplingParams(temperature=0.0, max_tokens=20))
+    seq.output_token_ids = [3]
+    seq.block_table = [7, 8, 9]  # 12 slots for 11 tokens: one draft fits in the last block
+    assert speculative.room_for_drafts(seq, block_size=4, max_position=512) == 1
+    seq.block_table.append(10)
+    assert speculative.room_for_drafts(seq, block_size=4, max_position=512) == 5
+    assert speculative.room_for_drafts(seq, block_size=4, max_position=13) == 1  # the model's length
+    seq.output_token_ids = [3] * 18  # 19 of 20 tokens made: the last one needs no draft
+    seq.block_table = list(range(8))
+    assert speculative.room_for_drafts(seq, block_size=4, max_position=512) == 1
+    seq.output_token_ids = [3] * 19
+    assert speculative.room_for_drafts(seq, block_size=4, max_position=512) == 0
+    assert speculative.draft_budget(8, 4) == 4 and speculative.draft_budget(48, 4) == 2
+    assert speculative.draft_budget(200, 4) == 0 and speculative.draft_budget(0, 4) == 0
+    assert speculative.accepted_prefix([4, 5, 6], [4, 5, 9, 2]) == 2
+    assert speculative.accepted_prefix([4], [3, 4]) == 0
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_speculative_greedy_equals_transformers_and_caches_only_real_tokens(
+        tiny_dir: Path, hf_model: LlamaForCausalLM, block_size: int) -> None:
+    batch = prompts(8, seed=1)
+    with LLM(str(tiny_dir), block_size=block_size, max_num_blocks=512, num_speculative_tokens=4) as llm:
+        first = llm.generate(batch, GREEDY)
+        engine = llm.engine
+        assert engine.num_accepted_draft_tokens > 0, "no draft was accepted: the test proves nothing"
+        assert engine.num_draft_tokens > engine.num_accepted_draft_tokens, "no draft was rejected"
+        steps = engine.num_steps
+        # The outputs' blocks went to the prefix cache through the memory service's view of each
+        # sequence: prompts extended by the outputs must hit them and still decode the same tokens.
+        extended = [p + o.token_ids[:30] for p, o in zip(batch, first)]
+        again = llm.generate(extended, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    want = [hf_greedy(hf_model, p, 40) for p in batch]
+    assert [o.token_ids for o in first] == want
+    assert steps < 40 + 8  # fewer steps than one token per step (a few are prefill)
+    assert all(o.num_cached_tokens > len(p) for o, p in zip(again, batch))
+    assert [o.token_ids for o in again] == [w[30:38] for w in want]
+
+
+def test_speculation_with_preemption_and_stop_tokens(tiny_dir: Path, hf_model: LlamaForCausalLM) -> None:
+    batch = prompts(8, seed=2)
+    want = [hf_greedy(hf_model, p, 40) for p in batch]
+    # 40 blocks of 4 tokens: too few for 8 sequences of up to 70 tokens at once.
+    with LLM(str(tiny_dir), block_size=4, max_num_blocks=40, max_num_seqs=8, num_speculative_tokens=4) as llm:
+        outs = llm.generate(batch, GREEDY)
+        assert llm.engine.scheduler.num_preemptions > 0
+        assert llm.engine.num_accepted_draft_tokens > 0
+        # A stop token that greedy decoding reaches mid-output, likely inside accepted drafts.
+        stop = want[1][20]
+        [stopped] = llm.generate([batch[1]], SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=[stop]))
+        stats = llm.memory_stats()
+    assert [o.token_ids for o in outs] == want
+    assert stopped.token_ids == want[1][: want[1].index(stop) + 1] and stopped.finish_reason == "stop"
+    assert stats.num_sequences == 0
+
+
+def test_only_plain_greedy_sequences_get_drafts(tiny_dir: Path) -> None:
+    batch = prompts(4, seed=3)
+    with LLM(str(tiny_dir), block_size=16, max_num_blocks=256, num_speculative_tokens=4) as llm:
+        for params in (SamplingParams(max_tokens=30, temperature=0.8, seed=1, ignore_eos=True),
+                       SamplingParams(max_tokens=30, temperature=0.0, logprobs=1, ignore_eos=True),
+                       SamplingParams(max_tokens=30, temperature=0.0, repetition_penalty=1.2, ignore_eos=True),
+                       SamplingParams(max_tokens=30, temperature=0.0, n=2, ignore_eos=True)):
+            llm.generate(batch, params)
+        assert llm.engine.num_draft_tokens == 0
+    with LLM(str(tiny_dir), block_size=16, max_num_blocks=256, num_speculative_tokens=0) as llm:
+        llm.generate(batch, GREEDY)
+        assert llm.engine.num_draft_tokens == 0  # turned off
