@@ -10,9 +10,12 @@ Prints a table, then as its last line one JSON object:
   decode_b64_ctx2k_gbps, decode_b64_ctx2k_frac_of_copy_bw, decode_b64_ctx2k_vs_sdpa (block size 16),
   block16_vs_block32 (GB/s at block 16 over GB/s at block 32, decode b64 ctx2k), copy_gbps, ...
 
+With --cpu it benchmarks the fused CPU attention instead (benchmarks/kernels/cpu_attention.py: the
+default model's shapes, float32; decode GB/s, chunked prefill, fresh prompts) and prints its JSON line.
+
 Usage, from the repository root (``python benchmarks/bench_kernels.py`` where the package is
 installed):
-  python -m benchmarks.bench_kernels [--quick]
+  python -m benchmarks.bench_kernels [--quick] [--cpu]
 """
 
 import argparse
@@ -150,7 +153,13 @@ def bench_chunked_prefill(num_seqs: int, cached: int, chunk: int, num_decodes: i
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="only batch 64 at context 2k, and one prefill case")
+    parser.add_argument("--cpu", action="store_true", help="the fused CPU attention (float32, default model)")
     options = parser.parse_args()
+    if options.cpu:
+        from benchmarks.kernels import cpu_attention
+
+        print(json.dumps(cpu_attention.run(options.quick)))
+        return 0
     if not torch.cuda.is_available():
         print("bench_kernels: needs a CUDA device (the Triton kernels do not run on CPU); refusing.",
               file=sys.stderr)

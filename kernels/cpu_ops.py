@@ -76,7 +76,9 @@ def _cflags(march: str) -> list[str]:
 def _key(march: str) -> str:
     """What a build depends on: the source, torch, (native only) this CPU, and the flags."""
     cpu = [_cpu_flags().encode()] if march == "native" else []
-    parts = [_SOURCE.read_bytes(), torch.__version__.encode(), *cpu, " ".join(_cflags(march) + _LDFLAGS).encode()]
+    headers = [path.read_bytes() for path in sorted(_SOURCE.parent.glob("*.h"))]  # included by the source
+    parts = [_SOURCE.read_bytes(), *headers, torch.__version__.encode(), *cpu,
+             " ".join(_cflags(march) + _LDFLAGS).encode()]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 

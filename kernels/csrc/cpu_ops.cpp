@@ -21,7 +21,12 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
+
+#ifdef __AVX512F__
+#include "paged_attention_avx512.h"
+#endif
 
 namespace {
 
@@ -121,7 +126,8 @@ inline void attend_block(const float* q, const float* k, const float* v, int64_t
 template <int64_t D>
 void paged_attention_impl(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& cu_seqlens_q,
-                     const at::Tensor& seq_ids, double scale) {
+                     const at::Tensor& seq_ids, double scale, bool portable) {
+  (void)portable;  // only the AVX-512 build has another kernel
   check_f32(query, "query");
   check_f32(out, "out");
   check_f32(k_cache, "k_cache");
@@ -159,6 +165,14 @@ void paged_attention_impl(at::Tensor out, const at::Tensor& query, const at::Ten
   }
   const int64_t token_stride = num_kv_heads * head_dim;  // between consecutive slots of one head
   const float fscale = static_cast<float>(scale);
+#ifdef __AVX512F__
+  if (!portable && block_size <= avx512_attention::kMaxBlockSize && block_size % 4 == 0) {
+    const avx512_attention::Shapes shapes{num_q_heads, num_kv_heads, group, block_size, num_blocks, max_blocks,
+                                          token_stride, fscale};
+    avx512_attention::paged_attention<D>(o_ptr, q_ptr, k_ptr, v_ptr, tables, lens, cu, ids, num_seqs, shapes);
+    return;
+  }
+#endif
 
   at::parallel_for(0, item_start[num_seqs], 1, [&](int64_t begin, int64_t end) {
     const int64_t max_rows = kQueryTile * group;
@@ -201,16 +215,34 @@ void paged_attention_impl(at::Tensor out, const at::Tensor& query, const at::Ten
   });
 }
 
+void paged_attention_dispatch(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache,
+                              const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                              const at::Tensor& cu_seqlens_q, const at::Tensor& seq_ids, double scale, bool portable) {
+  const auto run = [&](auto head_dim) {  // head_dim as a constant: unrolled rows, accumulators in registers
+    paged_attention_impl<decltype(head_dim)::value>(out, query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
+                                                    seq_ids, scale, portable);
+  };
+  switch (query.size(-1)) {
+    case 16: return run(std::integral_constant<int64_t, 16>());
+    case 32: return run(std::integral_constant<int64_t, 32>());
+    case 64: return run(std::integral_constant<int64_t, 64>());
+    case 128: return run(std::integral_constant<int64_t, 128>());
+    default: TORCH_CHECK(false, "paged_attention supports head_dim 16, 32, 64 and 128, got ", query.size(-1));
+  }
+}
+
 void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& cu_seqlens_q,
                      const at::Tensor& seq_ids, double scale) {
-  switch (query.size(-1)) {  // head_dim as a constant: unrolled rows, accumulators in registers
-    case 16: return paged_attention_impl<16>(out, query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, seq_ids, scale);
-    case 32: return paged_attention_impl<32>(out, query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, seq_ids, scale);
-    case 64: return paged_attention_impl<64>(out, query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, seq_ids, scale);
-    case 128: return paged_attention_impl<128>(out, query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, seq_ids, scale);
-    default: TORCH_CHECK(false, "paged_attention supports head_dim 16, 32, 64 and 128, got ", query.size(-1));
-  }
+  paged_attention_dispatch(out, query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, seq_ids, scale, false);
+}
+
+// The portable (omp simd) kernel even where the AVX-512 one runs: what x86-64-v3 builds and other
+// CPUs run, so that tests and benchmarks on an AVX-512 machine cover and compare both.
+void paged_attention_portable(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache,
+                              const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                              const at::Tensor& cu_seqlens_q, const at::Tensor& seq_ids, double scale) {
+  paged_attention_dispatch(out, query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, seq_ids, scale, true);
 }
 
 // x (N, H) -> x / rms(x) * weight; with `residual`, first residual += x and normalise the sum
@@ -319,6 +351,8 @@ int64_t parallel_threads() {
 TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor seq_lens, Tensor cu_seqlens_q, Tensor seq_ids, float scale) -> ()");
+  m.def("paged_attention_portable(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, "
+        "Tensor block_tables, Tensor seq_lens, Tensor cu_seqlens_q, Tensor seq_ids, float scale) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor(a!) residual, Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
@@ -328,6 +362,7 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
   m.impl("paged_attention", &paged_attention);
+  m.impl("paged_attention_portable", &paged_attention_portable);
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_mul", &silu_mul);

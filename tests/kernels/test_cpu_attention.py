@@ -1,8 +1,10 @@
 """The fused CPU kernels (kernels/csrc/cpu_ops.cpp) against the naive oracle and PyTorch ops.
 
 Paged attention is checked on shuffled block tables (blocks handed out in random order), lengths at
-block boundaries, GQA groups of 1, 3 and 4, prompt chunks longer than one query tile over cached
-context, and mixed batches in which fresh prompts take the SDPA route of the plan.
+block boundaries, GQA groups of 1 to 64, prompt chunks longer than one query tile over cached
+context, fresh prompts, decodes long enough to be split across threads, every head size and block
+sizes the AVX-512 kernels take (4, 8, 16) or leave to the portable one (6, 32). Both kernels run
+here: `paged_attention` (AVX-512 where the build has it) and `paged_attention_portable`.
 """
 
 from __future__ import annotations
@@ -22,16 +24,20 @@ ops = cpu_ops.load()
 pytestmark = pytest.mark.skipif(ops is None, reason="the fused CPU kernels could not be built here")
 
 
-def run_op(batch, seq_ids: list[int], scale: float) -> torch.Tensor:
+KERNELS = ("paged_attention", "paged_attention_portable")
+
+
+def run_op(batch, seq_ids: list[int], scale: float, kernel: str = "paged_attention") -> torch.Tensor:
     out = torch.full_like(batch.query, float("nan"))
-    ops.paged_attention(out, batch.query, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
+    getattr(ops, kernel)(out, batch.query, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
                         batch.cu_seqlens_q, torch.tensor(seq_ids, dtype=torch.int64), scale)
     return out
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("num_q_heads,num_kv_heads", [(4, 4), (9, 3), (8, 2)])
 @pytest.mark.parametrize("head_dim", [16, 64])
-def test_decode_and_chunks_match_the_oracle(num_q_heads: int, num_kv_heads: int, head_dim: int) -> None:
+def test_decode_and_chunks_match_the_oracle(num_q_heads: int, num_kv_heads: int, head_dim: int, kernel: str) -> None:
     block_size = 4
     # Boundary lengths (1, bs - 1, bs, bs + 1, 2 bs), a 1-token prompt, chunks of 1, 5 and 37 new
     # tokens over cached context (37 > one 16-row query tile), and a fresh prompt of 6 tokens.
@@ -41,13 +47,54 @@ def test_decode_and_chunks_match_the_oracle(num_q_heads: int, num_kv_heads: int,
                              head_dim=head_dim, block_size=block_size, generator=torch.Generator().manual_seed(1))
     scale = head_dim**-0.5
     want = paged_attention_naive(*batch.args(), scale=scale)
-    got = run_op(batch, list(range(len(seq_lens))), scale)
+    got = run_op(batch, list(range(len(seq_lens))), scale, kernel)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_only_the_given_sequences_are_written() -> None:
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("block_size", [4, 8, 16, 6, 32])
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 128])
+def test_every_head_size_and_block_size(head_dim: int, block_size: int, kernel: str) -> None:
+    # Decodes at block boundaries and one over 41 blocks (split in slices, merged afterwards), a
+    # fresh prompt over two 16-position query tiles, chunks over cached context that cross blocks
+    # and tiles, a 1-token chunk.
+    seq_lens = [1, block_size, block_size + 1, 40 * block_size + 3, 30, 70, 23, 9]
+    q_lens = [1, 1, 1, 1, 30, 21, 7, 1]
+    batch = make_paged_batch(seq_lens, q_lens, num_q_heads=9, num_kv_heads=3, head_dim=head_dim,
+                             block_size=block_size, generator=torch.Generator().manual_seed(head_dim + block_size))
+    scale = head_dim**-0.5
+    want = paged_attention_naive(*batch.args(), scale=scale)
+    got = run_op(batch, list(range(len(seq_lens))), scale, kernel)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(2, 1), (20, 1), (64, 1), (12, 3)])
+def test_large_groups_and_long_fresh_prompts(num_q_heads: int, num_kv_heads: int, kernel: str) -> None:
+    """Groups wider than a 48-row tile (64 heads) are split by heads; a 2-head group puts 24
+    positions in a tile; a fresh prompt of 100 tokens spans tiles and diagonal blocks."""
+    seq_lens, q_lens = [100, 37, 260, 5], [100, 17, 1, 5]
+    batch = make_paged_batch(seq_lens, q_lens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=16,
+                             block_size=16, generator=torch.Generator().manual_seed(num_q_heads))
+    want = paged_attention_naive(*batch.args(), scale=0.25)
+    got = run_op(batch, list(range(len(seq_lens))), 0.25, kernel)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_large_scores_keep_the_softmax_stable() -> None:
+    """Scores of hundreds (a max that jumps between blocks) must not overflow exp."""
+    batch = make_paged_batch([300, 40], [1, 40], num_q_heads=6, num_kv_heads=2, head_dim=64, block_size=16,
+                             generator=torch.Generator().manual_seed(5))
+    batch.k_cache.mul_(torch.linspace(1, 30, batch.k_cache.shape[0]).view(-1, 1, 1, 1))  # growing per block
+    want = paged_attention_naive(*batch.args(), scale=1.0)
+    for kernel in KERNELS:
+        torch.testing.assert_close(run_op(batch, [0, 1], 1.0, kernel), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_only_the_given_sequences_are_written(kernel: str) -> None:
     batch = make_paged_batch([10, 7, 12], [1, 7, 2], num_q_heads=6, num_kv_heads=2, head_dim=32, block_size=4)
-    got = run_op(batch, [0, 2], 0.2)
+    got = run_op(batch, [0, 2], 0.2, kernel)
     want = paged_attention_naive(*batch.args(), scale=0.2)
     torch.testing.assert_close(got[0], want[0])
     torch.testing.assert_close(got[8:], want[8:])
@@ -55,7 +102,7 @@ def test_only_the_given_sequences_are_written() -> None:
 
 
 def test_plan_splits_fresh_prompts_and_matches_the_reference() -> None:
-    """The whole fused path (write K/V, fresh prompts through SDPA, the rest through the op)."""
+    """The whole fused path (write K/V, then the op on every sequence, fresh prompts included)."""
     gen = torch.Generator().manual_seed(2)
     num_q_heads, num_kv_heads, head_dim, block_size = 6, 2, 16, 4
     seq_lens, q_lens = [9, 1, 13, 22], [9, 1, 4, 1]  # fresh prompt, 1-token prompt, chunk, decode
@@ -74,7 +121,7 @@ def test_plan_splits_fresh_prompts_and_matches_the_reference() -> None:
     flat_v[slots] = 0.0
     plan = CpuAttentionPlan.build(slots, batch.block_tables, batch.seq_lens, batch.cu_seqlens_q,
                                   dtype=torch.float32, head_dim=head_dim)
-    assert plan is not None and plan.fresh == [(0, 9)] and plan.paged_seq_ids.tolist() == [1, 2, 3]
+    assert plan is not None and plan.seq_ids.tolist() == [0, 1, 2, 3]
     got = plan.write_and_attend(batch.query, key, value, batch.k_cache, batch.v_cache, 0.3)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(flat_k[slots], key)

@@ -1,0 +1,436 @@
+// AVX-512 paged attention (float32), included by cpu_ops.cpp where __AVX512F__ is defined; the
+// portable omp-simd version there is the fallback (x86-64-v3 builds, other CPUs). Same contract.
+//
+// Two micro-kernels, both one K/V block (block_size <= 16 tokens) of one KV head at a time:
+//  - decode rows (one query position, the G heads of a KV head): a row's 16 scores are 16 dot
+//    products reduced at once by a transpose-add tree into one zmm (tokens in lanes), so the online
+//    softmax of a block is a handful of vector ops per row. One work item is a whole sequence (all
+//    KV heads: a block's K, then V, are read as one contiguous run), or a slice of its blocks when
+//    there are too few sequences to keep the threads busy (partials merged afterwards, like
+//    flash-decoding).
+//  - tile rows (prompt chunks, fresh prompts: up to 48 rows = query positions x G heads): the
+//    scores are computed transposed, S^T (tokens x rows), from a transposed copy of the tile's
+//    queries made once per item, with a register block of 8 tokens x 48 rows; rows sit in lanes,
+//    so the softmax's max and sum over tokens are vertical ops and the causal mask is a compare.
+// P @ V is common: per token, the V row (D/16 zmm) times each row's weight, 24 zmm accumulators.
+// Work items are taken from a shared counter, longest first (contexts differ a lot in a batch).
+
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+namespace {
+namespace avx512_attention {
+
+// Tokens of a block in one zmm of scores, read 4 at a time: other block sizes run the portable path.
+constexpr int64_t kMaxBlockSize = 16;
+constexpr int64_t kTileRows = 48;      // rows of a tile item (3 zmm of lanes)
+
+inline __m512 exp512(__m512 x) {  // the Cephes polynomial of exp_approx, 16 lanes at once
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                         _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fmadd_ps(fx, _mm512_set1_ps(2.12194440e-4f), r);
+  const __m512 z = _mm512_mul_ps(r, r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, z, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(y, fx);  // y * 2^fx
+}
+
+// v[t] (16 partial dot products each) -> one zmm whose lane t is the sum of v[t]'s lanes.
+inline __m512 transpose_add16(const __m512* v) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)  // 32-bit pairs within 128-bit lanes
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // 64-bit pairs: each 128-bit lane holds 4 tokens' partial sums
+    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int i = 0; i < 2; ++i)  // 128-bit lanes, pairwise
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+}
+
+// acc[r] = acc[r] * corr[r] + sum_t p(r, t) v[t] for rows r < num_rows (p(r, t) = p[t * t_stride + r * r_stride]).
+// With next_k/next_v, also prefetches the next block's rows of this head, a token per step, so
+// that the loads of the next block spread over this one's arithmetic instead of queueing at once.
+template <int64_t D>
+inline void weighted_values(const float* p, int64_t t_stride, int64_t r_stride, const float* corr, int64_t num_rows,
+                            const float* v, int64_t v_stride, int64_t n, float* acc, const float* next_k = nullptr,
+                            const float* next_v = nullptr, int64_t next_n = 0) {
+  constexpr int64_t DV = D / 16, RB = 24 / DV;  // 24 accumulators
+  for (int64_t r0 = 0; r0 < num_rows; r0 += RB) {
+    const int64_t nr = std::min(RB, num_rows - r0);
+    __m512 o[RB][DV];
+    for (int64_t i = 0; i < RB; ++i) {
+      if (i >= nr) break;
+      const __m512 c = _mm512_set1_ps(corr[r0 + i]);
+      for (int64_t j = 0; j < DV; ++j) o[i][j] = _mm512_mul_ps(_mm512_loadu_ps(acc + (r0 + i) * D + 16 * j), c);
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      if (next_k != nullptr && r0 == 0 && t < next_n) {
+        for (int64_t j = 0; j < D; j += 16) {
+          _mm_prefetch(reinterpret_cast<const char*>(next_k + t * v_stride + j), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(next_v + t * v_stride + j), _MM_HINT_T0);
+        }
+      }
+      __m512 vt[DV];
+      for (int64_t j = 0; j < DV; ++j) vt[j] = _mm512_loadu_ps(v + t * v_stride + 16 * j);
+      const float* pt = p + t * t_stride + r0 * r_stride;
+      for (int64_t i = 0; i < RB; ++i) {
+        if (i >= nr) break;
+        const __m512 w = _mm512_set1_ps(pt[i * r_stride]);
+        for (int64_t j = 0; j < DV; ++j) o[i][j] = _mm512_fmadd_ps(w, vt[j], o[i][j]);
+      }
+    }
+    for (int64_t i = 0; i < RB; ++i) {
+      if (i >= nr) break;
+      for (int64_t j = 0; j < DV; ++j) _mm512_storeu_ps(acc + (r0 + i) * D + 16 * j, o[i][j]);
+    }
+  }
+}
+
+// Decode rows: q (num_rows, D) pre-scaled, all attending to the same n tokens of the block.
+// m: running max per row; l: (num_rows, 16) running sums per row, lane-wise (added up at the end);
+// p: (num_rows, 16) scratch; corr: (num_rows,) scratch.
+template <int64_t D, bool kFull>
+inline void decode_block(const float* q, int64_t num_rows, const float* k, const float* v, int64_t stride, int64_t n,
+                         float* m, float* l, float* acc, float* p, float* corr, const float* next_k,
+                         const float* next_v, int64_t next_n) {
+  constexpr int64_t DV = D / 16;
+  const __mmask16 valid = kFull ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
+  for (int64_t r = 0; r < num_rows; ++r) {
+    __m512 qv[DV];
+    for (int64_t j = 0; j < DV; ++j) qv[j] = _mm512_loadu_ps(q + r * D + 16 * j);
+    __m512 part[16];
+    for (int64_t t = 0; t < 16; ++t) {
+      if (kFull || t < n) {
+        const float* kt = k + t * stride;
+        __m512 s = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kt));
+        for (int64_t j = 1; j < DV; ++j) s = _mm512_fmadd_ps(qv[j], _mm512_loadu_ps(kt + 16 * j), s);
+        part[t] = s;
+      } else {
+        part[t] = _mm512_setzero_ps();
+      }
+    }
+    __m512 s = transpose_add16(part);
+    if (!kFull) s = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), s);
+    const __m512 old_max = _mm512_set1_ps(m[r]);
+    const __m512 new_max = _mm512_max_ps(old_max, _mm512_set1_ps(_mm512_reduce_max_ps(s)));
+    __m512 e = exp512(_mm512_sub_ps(s, new_max));
+    if (!kFull) e = _mm512_maskz_mov_ps(valid, e);
+    // exp of (old max - new max): ~0 on the first block (old max -inf), 1 while the max holds.
+    const __m512 c = exp512(_mm512_sub_ps(old_max, new_max));
+    corr[r] = _mm512_cvtss_f32(c);
+    m[r] = _mm512_cvtss_f32(new_max);
+    _mm512_storeu_ps(l + r * 16, _mm512_fmadd_ps(_mm512_loadu_ps(l + r * 16), c, e));
+    _mm512_storeu_ps(p + r * 16, e);
+  }
+  weighted_values<D>(p, 1, 16, corr, num_rows, v, stride, n, acc, next_k, next_v, next_n);
+}
+
+// st[t][rows] = sum_d k[t][d] qt[d][rows] for NT tokens: NT x RV accumulators stay in registers
+// (one small array per token: GCC keeps those in registers, a single NT x RV array it spilled).
+template <int64_t D, int64_t RV, int64_t NT>
+inline void scores_transposed(const float* qt, const float* k, int64_t stride, float* st) {
+  constexpr int64_t RP = RV * 16;
+  static_assert(NT == 4 || NT == 8, "4 or 8 tokens");
+  __m512 a0[RV], a1[RV], a2[RV], a3[RV], a4[RV], a5[RV], a6[RV], a7[RV];
+  for (int64_t j = 0; j < RV; ++j) {
+    a0[j] = a1[j] = a2[j] = a3[j] = _mm512_setzero_ps();
+    if (NT == 8) a4[j] = a5[j] = a6[j] = a7[j] = _mm512_setzero_ps();
+  }
+  for (int64_t d = 0; d < D; ++d) {
+    __m512 qd[RV];
+    for (int64_t j = 0; j < RV; ++j) qd[j] = _mm512_loadu_ps(qt + d * RP + 16 * j);
+#define PS_TOKEN(T, A)                                                                 \
+  {                                                                                    \
+    const __m512 kd = _mm512_set1_ps(k[(T) * stride + d]);                             \
+    for (int64_t j = 0; j < RV; ++j) A[j] = _mm512_fmadd_ps(kd, qd[j], A[j]);          \
+  }
+    PS_TOKEN(0, a0) PS_TOKEN(1, a1) PS_TOKEN(2, a2) PS_TOKEN(3, a3)
+    if (NT == 8) { PS_TOKEN(4, a4) PS_TOKEN(5, a5) PS_TOKEN(6, a6) PS_TOKEN(7, a7) }
+#undef PS_TOKEN
+  }
+  for (int64_t j = 0; j < RV; ++j) {
+    _mm512_storeu_ps(st + 0 * RP + 16 * j, a0[j]);
+    _mm512_storeu_ps(st + 1 * RP + 16 * j, a1[j]);
+    _mm512_storeu_ps(st + 2 * RP + 16 * j, a2[j]);
+    _mm512_storeu_ps(st + 3 * RP + 16 * j, a3[j]);
+    if (NT == 8) {
+      _mm512_storeu_ps(st + 4 * RP + 16 * j, a4[j]);
+      _mm512_storeu_ps(st + 5 * RP + 16 * j, a5[j]);
+      _mm512_storeu_ps(st + 6 * RP + 16 * j, a6[j]);
+      _mm512_storeu_ps(st + 7 * RP + 16 * j, a7[j]);
+    }
+  }
+}
+
+// Tile rows: qt (D, RV * 16) the rows' queries transposed and pre-scaled; row r sees
+// limit[r] = first_row_visible + r / group tokens of this block (masked lanes: no weight);
+// n_all = the most any row sees (<= block size). st: (16, RV * 16) scratch; corr: (RV * 16,).
+template <int64_t D, int64_t RV>
+inline void tile_block(const float* qt, const __m512i* limit, int64_t num_rows, const float* k, const float* v,
+                       int64_t stride, int64_t n_all, float* m, float* l, float* acc, float* st, float* corr) {
+  constexpr int64_t RP = RV * 16;
+  for (int64_t t0 = 0; t0 < n_all; t0 += 8) {  // S^T, 8 tokens x RV zmm of rows in registers
+    const int64_t nt = std::min<int64_t>(8, n_all - t0);
+    if (nt == 8) {
+      scores_transposed<D, RV, 8>(qt, k + t0 * stride, stride, st + t0 * RP);
+    } else {
+      scores_transposed<D, RV, 4>(qt, k + t0 * stride, stride, st + t0 * RP);  // tokens past n_all: masked below
+      if (nt > 4) scores_transposed<D, RV, 4>(qt, k + (t0 + 4) * stride, stride, st + (t0 + 4) * RP);
+    }
+  }
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t j = 0; j < RV; ++j) {
+    __m512 block_max = neg_inf;
+    for (int64_t t = 0; t < n_all; ++t) {
+      const __mmask16 seen = _mm512_cmpgt_epi32_mask(limit[j], _mm512_set1_epi32(static_cast<int>(t)));
+      block_max = _mm512_mask_max_ps(block_max, seen, block_max, _mm512_loadu_ps(st + t * RP + 16 * j));
+    }
+    // A row that sees nothing of this block keeps its max (it saw block 0, so the max is finite).
+    const __m512 old_max = _mm512_loadu_ps(m + 16 * j);
+    const __m512 new_max = _mm512_max_ps(old_max, block_max);
+    const __m512 c = exp512(_mm512_sub_ps(old_max, new_max));
+    __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(l + 16 * j), c);
+    for (int64_t t = 0; t < n_all; ++t) {
+      const __mmask16 seen = _mm512_cmpgt_epi32_mask(limit[j], _mm512_set1_epi32(static_cast<int>(t)));
+      const __m512 e = _mm512_maskz_mov_ps(seen, exp512(_mm512_sub_ps(_mm512_loadu_ps(st + t * RP + 16 * j), new_max)));
+      sum = _mm512_add_ps(sum, e);
+      _mm512_storeu_ps(st + t * RP + 16 * j, e);
+    }
+    _mm512_storeu_ps(m + 16 * j, new_max);
+    _mm512_storeu_ps(l + 16 * j, sum);
+    _mm512_storeu_ps(corr + 16 * j, c);
+  }
+  weighted_values<D>(st, RP, 1, corr, num_rows, v, stride, n_all, acc);
+}
+
+struct Item {
+  int64_t seq;         // index into seq_ids
+  int64_t kv_head;     // tile items: the KV head; decode items: -1 (all heads)
+  int64_t first_q;     // tile items: first query position of the tile (0 for decode)
+  int64_t num_q;       // query positions
+  int64_t blk_begin;   // decode items: the slice of blocks [blk_begin, blk_end); tile items: all visible
+  int64_t blk_end;
+  int64_t part;        // decode items split in slices: the slice's index into the partials; -1: not split
+  int64_t cost;
+  int64_t g0 = 0;      // tile items: the query heads g0 .. g0 + gn - 1 of the KV head's group (gn = group
+  int64_t gn = 0;      // unless a group alone has more than kTileRows heads)
+};
+
+struct Shapes {
+  int64_t num_q_heads, num_kv_heads, group, block_size, num_blocks, max_blocks, token_stride;
+  float scale;
+};
+
+template <int64_t D, int64_t RV>
+void run_tile_item(const Item& it, const Shapes& sh, const float* q_ptr, float* o_ptr, const float* k_ptr,
+                   const float* v_ptr, const int32_t* table, int64_t q_start, int64_t context, float* buf) {
+  constexpr int64_t RP = RV * 16;
+  const int64_t g = it.gn, num_rows = it.num_q * g, head0 = it.kv_head * sh.group + it.g0;
+  float* qt = buf;                      // D x RP
+  float* acc = qt + D * RP;             // RP x D
+  float* st = acc + RP * D;             // 16 x RP
+  float* m = st + kMaxBlockSize * RP;   // RP
+  float* l = m + RP;
+  float* corr = l + RP;
+  std::fill(qt, qt + D * RP, 0.0f);
+  for (int64_t r = 0; r < num_rows; ++r) {
+    const float* src = q_ptr + ((q_start + it.first_q + r / g) * sh.num_q_heads + head0 + r % g) * D;
+    for (int64_t d = 0; d < D; ++d) qt[d * RP + r] = src[d] * sh.scale;
+  }
+  std::fill(acc, acc + RP * D, 0.0f);
+  std::fill(m, m + RP, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + RP, 0.0f);
+  __m512i row_pos[RV];  // query position offset of each row in the tile: r / group (padded rows: see nothing)
+  for (int64_t j = 0; j < RV; ++j) {
+    alignas(64) int32_t pos[16];
+    for (int64_t i = 0; i < 16; ++i) {
+      const int64_t r = 16 * j + i;
+      pos[i] = r < num_rows ? static_cast<int32_t>(r / g) : std::numeric_limits<int32_t>::min() / 2;
+    }
+    row_pos[j] = _mm512_load_si512(pos);
+  }
+  const int64_t last_visible = context + it.first_q + it.num_q - 1;
+  for (int64_t blk = 0; blk * sh.block_size <= last_visible; ++blk) {
+    const int64_t physical = table[blk];
+    TORCH_CHECK(physical >= 0 && physical < sh.num_blocks, "block id out of range");
+    const int64_t base = physical * sh.block_size * sh.token_stride + it.kv_head * D;
+    const int64_t first_row_visible = context + it.first_q - blk * sh.block_size + 1;
+    const int64_t n_all = std::min(sh.block_size, first_row_visible + it.num_q - 1);
+    __m512i limit[RV];
+    for (int64_t j = 0; j < RV; ++j)
+      limit[j] = _mm512_add_epi32(row_pos[j], _mm512_set1_epi32(static_cast<int>(first_row_visible)));
+    tile_block<D, RV>(qt, limit, num_rows, k_ptr + base, v_ptr + base, sh.token_stride, n_all, m, l, acc, st, corr);
+  }
+  for (int64_t r = 0; r < num_rows; ++r) {
+    float* dst = o_ptr + ((q_start + it.first_q + r / g) * sh.num_q_heads + head0 + r % g) * D;
+    const float inv = 1.0f / l[r];
+    for (int64_t d = 0; d < D; ++d) dst[d] = acc[r * D + d] * inv;
+  }
+}
+
+// A decode item: all query heads of one token, blocks [blk_begin, blk_end). Unsplit items write the
+// output; split ones write their unnormalised partial (acc, max, sum per head) for the merge.
+template <int64_t D>
+void run_decode_item(const Item& it, const Shapes& sh, const float* q_ptr, float* o_ptr, const float* k_ptr,
+                     const float* v_ptr, const int32_t* table, int64_t q_row, int64_t seq_len, float* buf,
+                     float* partials) {
+  const int64_t hq = sh.num_q_heads, g = sh.group;
+  float* q = buf;             // hq x D
+  float* acc = q + hq * D;    // hq x D
+  float* p = acc + hq * D;    // hq x 16
+  float* l = p + hq * 16;     // hq x 16
+  float* m = l + hq * 16;
+  float* corr = m + hq;
+  const float* src = q_ptr + q_row * hq * D;
+  for (int64_t i = 0; i < hq * D; ++i) q[i] = src[i] * sh.scale;
+  std::fill(acc, acc + hq * D, 0.0f);
+  std::fill(m, m + hq, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + hq * 16, 0.0f);
+  const int64_t block_floats = sh.block_size * sh.token_stride;
+  for (int64_t blk = it.blk_begin; blk < it.blk_end; ++blk) {
+    const int64_t physical = table[blk];
+    TORCH_CHECK(physical >= 0 && physical < sh.num_blocks, "block id out of range");
+    const int64_t n = std::min(sh.block_size, seq_len - blk * sh.block_size);
+    const int64_t base = physical * block_floats;
+    // The next block's K/V rows are prefetched while this block computes (block ids are known).
+    int64_t next_base = -1, next_n = 0;
+    if (blk + 1 < it.blk_end && table[blk + 1] >= 0 && table[blk + 1] < sh.num_blocks) {
+      next_base = table[blk + 1] * block_floats;
+      next_n = std::min(sh.block_size, seq_len - (blk + 1) * sh.block_size);
+    }
+    for (int64_t h = 0; h < sh.num_kv_heads; ++h) {
+      const float* next_k = next_base < 0 ? nullptr : k_ptr + next_base + h * D;
+      const float* next_v = next_base < 0 ? nullptr : v_ptr + next_base + h * D;
+      if (n == kMaxBlockSize) {
+        decode_block<D, true>(q + h * g * D, g, k_ptr + base + h * D, v_ptr + base + h * D, sh.token_stride, n,
+                              m + h * g, l + h * g * 16, acc + h * g * D, p + h * g * 16, corr + h * g, next_k,
+                              next_v, next_n);
+      } else {
+        decode_block<D, false>(q + h * g * D, g, k_ptr + base + h * D, v_ptr + base + h * D, sh.token_stride, n,
+                               m + h * g, l + h * g * 16, acc + h * g * D, p + h * g * 16, corr + h * g, next_k,
+                               next_v, next_n);
+      }
+    }
+  }
+  for (int64_t r = 0; r < hq; ++r) corr[r] = _mm512_reduce_add_ps(_mm512_loadu_ps(l + r * 16));  // row sums
+  l = corr;
+  if (it.part < 0) {
+    float* dst = o_ptr + q_row * hq * D;
+    for (int64_t r = 0; r < hq; ++r) {
+      const float inv = 1.0f / l[r];
+      for (int64_t d = 0; d < D; ++d) dst[r * D + d] = acc[r * D + d] * inv;
+    }
+  } else {
+    float* part = partials + it.part * hq * (D + 2);  // per head: acc (D), max, sum
+    for (int64_t r = 0; r < hq; ++r) {
+      std::copy(acc + r * D, acc + (r + 1) * D, part + r * (D + 2));
+      part[r * (D + 2) + D] = m[r];
+      part[r * (D + 2) + D + 1] = l[r];
+    }
+  }
+}
+
+template <int64_t D>
+void paged_attention(float* o_ptr, const float* q_ptr, const float* k_ptr, const float* v_ptr, const int32_t* tables,
+                     const int32_t* lens, const int32_t* cu, const int64_t* ids, int64_t num_seqs, const Shapes& sh) {
+  const int64_t g = sh.group;
+  const int64_t tile_q = std::max<int64_t>(1, kTileRows / g);
+  // Decode slices: enough items for every thread (four each), each at least 16 blocks long.
+  int64_t decode_blocks = 0;
+  for (int64_t i = 0; i < num_seqs; ++i) {
+    const int64_t b = ids[i];
+    if (cu[b + 1] - cu[b] == 1) decode_blocks += (lens[b] + sh.block_size - 1) / sh.block_size;
+  }
+  const int64_t threads = at::get_num_threads();
+  const int64_t slice_blocks = std::max<int64_t>(16, (decode_blocks + 4 * threads - 1) / (4 * threads));
+  std::vector<Item> items;
+  std::vector<std::pair<int64_t, int64_t>> merges;  // (seq index, first partial) of each split decode
+  int64_t num_parts = 0;
+  for (int64_t i = 0; i < num_seqs; ++i) {
+    const int64_t b = ids[i], q_len = cu[b + 1] - cu[b], seq_len = lens[b];
+    const int64_t blocks = (seq_len + sh.block_size - 1) / sh.block_size;
+    if (q_len == 1) {
+      const int64_t slices = (blocks + slice_blocks - 1) / slice_blocks;
+      if (slices > 1) merges.emplace_back(i, num_parts);
+      for (int64_t s = 0; s < slices; ++s) {
+        const int64_t begin = s * blocks / slices, end = (s + 1) * blocks / slices;
+        items.push_back({i, -1, 0, 1, begin, end, slices > 1 ? num_parts++ : -1, (end - begin) * sh.num_q_heads});
+      }
+      continue;
+    }
+    for (int64_t h = 0; h < sh.num_kv_heads; ++h) {
+      for (int64_t first = 0; first < q_len; first += tile_q) {
+        const int64_t num_q = std::min(tile_q, q_len - first);
+        const int64_t last_blk = (seq_len - q_len + first + num_q - 1) / sh.block_size + 1;
+        for (int64_t g0 = 0; g0 < g; g0 += kTileRows) {
+          const int64_t gn = std::min(kTileRows, g - g0);
+          items.push_back({i, h, first, num_q, 0, last_blk, -1, last_blk * std::max<int64_t>(16, num_q * gn), g0, gn});
+        }
+      }
+    }
+  }
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  std::vector<float> partials(num_parts * sh.num_q_heads * (D + 2));
+  std::atomic<int64_t> next{0};
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  const int64_t buf_floats = std::max(D * 64 + 64 * D + 16 * 64 + 3 * 64, sh.num_q_heads * (2 * D + 32 + 2));
+  at::parallel_for(0, std::min(threads, num_items), 1, [&](int64_t, int64_t) {
+    std::vector<float> buf(buf_floats);
+    for (int64_t idx = next.fetch_add(1); idx < num_items; idx = next.fetch_add(1)) {
+      const Item& it = items[idx];
+      const int64_t b = ids[it.seq], q_len = cu[b + 1] - cu[b];
+      const int32_t* table = tables + b * sh.max_blocks;
+      if (it.kv_head < 0) {
+        run_decode_item<D>(it, sh, q_ptr, o_ptr, k_ptr, v_ptr, table, cu[b], lens[b], buf.data(), partials.data());
+        continue;
+      }
+      const int64_t rows = it.num_q * it.gn, context = lens[b] - q_len;
+      if (rows <= 16) {
+        run_tile_item<D, 1>(it, sh, q_ptr, o_ptr, k_ptr, v_ptr, table, cu[b], context, buf.data());
+      } else if (rows <= 32) {
+        run_tile_item<D, 2>(it, sh, q_ptr, o_ptr, k_ptr, v_ptr, table, cu[b], context, buf.data());
+      } else {
+        run_tile_item<D, 3>(it, sh, q_ptr, o_ptr, k_ptr, v_ptr, table, cu[b], context, buf.data());
+      }
+    }
+  });
+  for (const auto& [i, first] : merges) {  // split decodes: rescale each slice to the common max, add
+    const int64_t b = ids[i], hq = sh.num_q_heads;
+    const int64_t blocks = (lens[b] + sh.block_size - 1) / sh.block_size;
+    const int64_t slices = (blocks + slice_blocks - 1) / slice_blocks;
+    float* dst = o_ptr + cu[b] * hq * D;
+    for (int64_t r = 0; r < hq; ++r) {
+      float max = -std::numeric_limits<float>::infinity();
+      for (int64_t s = 0; s < slices; ++s) max = std::max(max, partials[((first + s) * hq + r) * (D + 2) + D]);
+      float out[D] = {}, sum = 0.0f;
+      for (int64_t s = 0; s < slices; ++s) {
+        const float* part = partials.data() + ((first + s) * hq + r) * (D + 2);
+        const float w = _mm512_cvtss_f32(exp512(_mm512_set1_ps(part[D] - max)));
+        sum += part[D + 1] * w;
+        for (int64_t d = 0; d < D; ++d) out[d] += part[d] * w;
+      }
+      for (int64_t d = 0; d < D; ++d) dst[r * D + d] = out[d] / sum;
+    }
+  }
+}
+
+}  // namespace avx512_attention
+}  // namespace
