@@ -15,7 +15,7 @@ default model's shapes, float32; decode GB/s, chunked prefill, fresh prompts) an
 
 Usage, from the repository root (``python benchmarks/bench_kernels.py`` where the package is
 installed):
-  python -m benchmarks.bench_kernels [--quick] [--cpu]
+  python -m benchmarks.bench_kernels [--quick] [--cpu [--threads N]]
 """
 
 import argparse
@@ -154,9 +154,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="only batch 64 at context 2k, and one prefill case")
     parser.add_argument("--cpu", action="store_true", help="the fused CPU attention (float32, default model)")
+    parser.add_argument("--threads", type=int, help="with --cpu: torch threads (default: torch's)")
     options = parser.parse_args()
     if options.cpu:
         from benchmarks.kernels import cpu_attention
+
+        if options.threads:
+            torch.set_num_threads(options.threads)
 
         print(json.dumps(cpu_attention.run(options.quick)))
         return 0

@@ -183,7 +183,7 @@ inline void scores_transposed(const float* qt, const float* k, int64_t stride, f
 // Tile rows: qt (D, RV * 16) the rows' queries transposed and pre-scaled; row r sees
 // limit[r] = first_row_visible + r / group tokens of this block (masked lanes: no weight);
 // n_all = the most any row sees (<= block size). st: (16, RV * 16) scratch; corr: (RV * 16,).
-template <int64_t D, int64_t RV>
+template <int64_t D, int64_t RV, bool kMasked>
 inline void tile_block(const float* qt, const __m512i* limit, int64_t num_rows, const float* k, const float* v,
                        int64_t stride, int64_t n_all, float* m, float* l, float* acc, float* st, float* corr) {
   constexpr int64_t RP = RV * 16;
@@ -200,8 +200,13 @@ inline void tile_block(const float* qt, const __m512i* limit, int64_t num_rows, 
   for (int64_t j = 0; j < RV; ++j) {
     __m512 block_max = neg_inf;
     for (int64_t t = 0; t < n_all; ++t) {
-      const __mmask16 seen = _mm512_cmpgt_epi32_mask(limit[j], _mm512_set1_epi32(static_cast<int>(t)));
-      block_max = _mm512_mask_max_ps(block_max, seen, block_max, _mm512_loadu_ps(st + t * RP + 16 * j));
+      const __m512 x = _mm512_loadu_ps(st + t * RP + 16 * j);
+      if (kMasked) {
+        const __mmask16 seen = _mm512_cmpgt_epi32_mask(limit[j], _mm512_set1_epi32(static_cast<int>(t)));
+        block_max = _mm512_mask_max_ps(block_max, seen, block_max, x);
+      } else {
+        block_max = _mm512_max_ps(block_max, x);
+      }
     }
     // A row that sees nothing of this block keeps its max (it saw block 0, so the max is finite).
     const __m512 old_max = _mm512_loadu_ps(m + 16 * j);
@@ -209,8 +214,8 @@ inline void tile_block(const float* qt, const __m512i* limit, int64_t num_rows, 
     const __m512 c = exp512(_mm512_sub_ps(old_max, new_max));
     __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(l + 16 * j), c);
     for (int64_t t = 0; t < n_all; ++t) {
-      const __mmask16 seen = _mm512_cmpgt_epi32_mask(limit[j], _mm512_set1_epi32(static_cast<int>(t)));
-      const __m512 e = _mm512_maskz_mov_ps(seen, exp512(_mm512_sub_ps(_mm512_loadu_ps(st + t * RP + 16 * j), new_max)));
+      __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(st + t * RP + 16 * j), new_max));
+      if (kMasked) e = _mm512_maskz_mov_ps(_mm512_cmpgt_epi32_mask(limit[j], _mm512_set1_epi32(static_cast<int>(t))), e);
       sum = _mm512_add_ps(sum, e);
       _mm512_storeu_ps(st + t * RP + 16 * j, e);
     }
@@ -277,7 +282,13 @@ void run_tile_item(const Item& it, const Shapes& sh, const float* q_ptr, float* 
     __m512i limit[RV];
     for (int64_t j = 0; j < RV; ++j)
       limit[j] = _mm512_add_epi32(row_pos[j], _mm512_set1_epi32(static_cast<int>(first_row_visible)));
-    tile_block<D, RV>(qt, limit, num_rows, k_ptr + base, v_ptr + base, sh.token_stride, n_all, m, l, acc, st, corr);
+    if (first_row_visible >= n_all) {  // every row sees the whole block (all but the diagonal ones)
+      tile_block<D, RV, false>(qt, limit, num_rows, k_ptr + base, v_ptr + base, sh.token_stride, n_all, m, l, acc, st,
+                               corr);
+    } else {
+      tile_block<D, RV, true>(qt, limit, num_rows, k_ptr + base, v_ptr + base, sh.token_stride, n_all, m, l, acc, st,
+                              corr);
+    }
   }
   for (int64_t r = 0; r < num_rows; ++r) {
     float* dst = o_ptr + ((q_start + it.first_q + r / g) * sh.num_q_heads + head0 + r % g) * D;
