@@ -215,7 +215,9 @@ inline void tile_block(const float* qt, const __m512i* limit, int64_t num_rows, 
     __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(l + 16 * j), c);
     for (int64_t t = 0; t < n_all; ++t) {
       __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(st + t * RP + 16 * j), new_max));
-      if (kMasked) e = _mm512_maskz_mov_ps(_mm512_cmpgt_epi32_mask(limit[j], _mm512_set1_epi32(static_cast<int>(t))), e);
+      if (kMasked) {
+        e = _mm512_maskz_mov_ps(_mm512_cmpgt_epi32_mask(limit[j], _mm512_set1_epi32(static_cast<int>(t))), e);
+      }
       sum = _mm512_add_ps(sum, e);
       _mm512_storeu_ps(st + t * RP + 16 * j, e);
     }
