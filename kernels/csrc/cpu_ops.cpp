@@ -123,6 +123,17 @@ inline void attend_block(const float* q, const float* k, const float* v, int64_t
   }
 }
 
+// Whether paged_attention runs the AVX-512 kernels for this block size (else the portable one, for
+// which PyTorch's SDPA is faster on fresh prompts: the Python side routes those there).
+bool uses_avx512_attention(int64_t block_size) {
+#ifdef __AVX512F__
+  return block_size <= avx512_attention::kMaxBlockSize && block_size % 4 == 0;
+#else
+  (void)block_size;
+  return false;
+#endif
+}
+
 template <int64_t D>
 void paged_attention_impl(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& cu_seqlens_q,
@@ -166,7 +177,7 @@ void paged_attention_impl(at::Tensor out, const at::Tensor& query, const at::Ten
   const int64_t token_stride = num_kv_heads * head_dim;  // between consecutive slots of one head
   const float fscale = static_cast<float>(scale);
 #ifdef __AVX512F__
-  if (!portable && block_size <= avx512_attention::kMaxBlockSize && block_size % 4 == 0) {
+  if (!portable && uses_avx512_attention(block_size)) {
     const avx512_attention::Shapes shapes{num_q_heads, num_kv_heads, group, block_size, num_blocks, max_blocks,
                                           token_stride, fscale};
     avx512_attention::paged_attention<D>(o_ptr, q_ptr, k_ptr, v_ptr, tables, lens, cu, ids, num_seqs, shapes);
@@ -358,6 +369,7 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("rotary_(Tensor(a!) qkv, Tensor cos, Tensor sin, int num_heads, int head_dim) -> ()");
   m.def("parallel_threads() -> int");
+  m.def("avx512_attention(int block_size) -> bool");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
@@ -369,4 +381,7 @@ TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
   m.impl("rotary_", &rotary_);
 }
 
-TORCH_LIBRARY_IMPL(pagedserve_cpu, CatchAll, m) { m.impl("parallel_threads", &parallel_threads); }
+TORCH_LIBRARY_IMPL(pagedserve_cpu, CatchAll, m) {
+  m.impl("parallel_threads", &parallel_threads);
+  m.impl("avx512_attention", &uses_avx512_attention);
+}

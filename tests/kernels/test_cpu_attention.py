@@ -101,10 +101,12 @@ def test_only_the_given_sequences_are_written(kernel: str) -> None:
     assert got[1:8].isnan().all()  # sequence 1 was not asked for
 
 
-def test_plan_splits_fresh_prompts_and_matches_the_reference() -> None:
-    """The whole fused path (write K/V, then the op on every sequence, fresh prompts included)."""
+@pytest.mark.parametrize("block_size", [4, 6])  # fresh prompt through the op (AVX-512) / through SDPA
+def test_plan_splits_fresh_prompts_and_matches_the_reference(block_size: int) -> None:
+    """The whole fused path: write K/V, then attend (fresh prompts through the op where it runs
+    the AVX-512 kernels, through SDPA beside the portable one)."""
     gen = torch.Generator().manual_seed(2)
-    num_q_heads, num_kv_heads, head_dim, block_size = 6, 2, 16, 4
+    num_q_heads, num_kv_heads, head_dim = 6, 2, 16
     seq_lens, q_lens = [9, 1, 13, 22], [9, 1, 4, 1]  # fresh prompt, 1-token prompt, chunk, decode
     batch = make_paged_batch(seq_lens, q_lens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                              head_dim=head_dim, block_size=block_size, generator=gen)
@@ -122,11 +124,19 @@ def test_plan_splits_fresh_prompts_and_matches_the_reference() -> None:
     plan = CpuAttentionPlan.build(slots, batch.block_tables, batch.seq_lens, batch.cu_seqlens_q,
                                   dtype=torch.float32, head_dim=head_dim)
     assert plan is not None and plan.seq_ids.tolist() == [0, 1, 2, 3]
+    assert plan.fresh == [(0, 9)] and plan.other_seq_ids.tolist() == [1, 2, 3]
     got = plan.write_and_attend(batch.query, key, value, batch.k_cache, batch.v_cache, 0.3)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(flat_k[slots], key)
     torch.testing.assert_close(flat_v[slots], value)
     assert cu[-1] == got.shape[0]
+
+
+def test_the_avx512_kernels_take_block_sizes_up_to_16_in_steps_of_4() -> None:
+    origin = cpu_ops.origin() or ""  # x86-64-v4 has AVX-512 F, a native build has it where the CPU does
+    avx512 = "x86-64-v4" in origin or ("built for this machine" in origin and "avx512f" in cpu_ops._cpu_flags().split())
+    assert [ops.avx512_attention(bs) for bs in (4, 8, 12, 16)] == [avx512] * 4
+    assert not any(ops.avx512_attention(bs) for bs in (1, 6, 32))
 
 
 def test_plan_is_none_where_the_fused_path_does_not_apply() -> None:
