@@ -2,7 +2,7 @@
 // portable omp-simd version there is the fallback (x86-64-v3 builds, other CPUs). Same contract.
 //
 // Two micro-kernels, both one K/V block (block_size <= 16 tokens) of one KV head at a time:
-//  - decode rows (one query position, the G heads of a KV head): a row's 16 scores are 16 dot
+//  - decode rows (1-4 query positions x the G heads of a KV head): a row's 16 scores are 16 dot
 //    products reduced at once by a transpose-add tree into one zmm (tokens in lanes), so the online
 //    softmax of a block is a handful of vector ops per row. One work item is a whole sequence (all
 //    KV heads: a block's K, then V, are read as one contiguous run), or a slice of its blocks when
@@ -32,6 +32,9 @@ namespace avx512_attention {
 // Tokens of a block in one zmm of scores, read 4 at a time: other block sizes run the portable path.
 constexpr int64_t kMaxBlockSize = 16;
 constexpr int64_t kTileRows = 48;      // rows of a tile item (3 zmm of lanes)
+// Query positions that still take the decode kernel (speculative verification: a few positions
+// over a long context read K/V once for all heads, as a decode does; longer chunks take tiles).
+constexpr int64_t kDecodeMaxQ = 4;
 
 inline __m512 exp512(__m512 x) {  // the Cephes polynomial of exp_approx, 16 lanes at once
   x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
@@ -104,21 +107,28 @@ inline void weighted_values(const float* p, int64_t t_stride, int64_t r_stride, 
   }
 }
 
-// Decode rows: q (num_rows, D) pre-scaled, all attending to the same n tokens of the block.
-// m: running max per row; l: (num_rows, 16) running sums per row, lane-wise (added up at the end);
-// p: (num_rows, 16) scratch; corr: (num_rows,) scratch.
+// Decode rows: q (num_rows, D) pre-scaled; row r sees min(n, first_row_visible + r / group) tokens of
+// the block (a few query positions x heads, as in speculative verification; kFull: every row sees
+// all 16). m: running max per row; l: (num_rows, 16) running sums per row, lane-wise (added up at
+// the end); p: (num_rows, 16) scratch; corr: (num_rows,) scratch.
 template <int64_t D, bool kFull>
 inline void decode_block(const float* q, int64_t num_rows, const float* k, const float* v, int64_t stride, int64_t n,
-                         float* m, float* l, float* acc, float* p, float* corr, const float* next_k,
-                         const float* next_v, int64_t next_n) {
+                         int64_t first_row_visible, int64_t group, float* m, float* l, float* acc, float* p,
+                         float* corr, const float* next_k, const float* next_v, int64_t next_n) {
   constexpr int64_t DV = D / 16;
-  const __mmask16 valid = kFull ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
   for (int64_t r = 0; r < num_rows; ++r) {
+    const int64_t seen = kFull ? 16 : std::min(n, first_row_visible + r / group);
+    if (!kFull && seen <= 0) {  // a later query position's token: no weight, state unchanged
+      corr[r] = 1.0f;
+      _mm512_storeu_ps(p + r * 16, _mm512_setzero_ps());
+      continue;
+    }
+    const __mmask16 valid = kFull ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << seen) - 1);
     __m512 qv[DV];
     for (int64_t j = 0; j < DV; ++j) qv[j] = _mm512_loadu_ps(q + r * D + 16 * j);
     __m512 part[16];
     for (int64_t t = 0; t < 16; ++t) {
-      if (kFull || t < n) {
+      if (kFull || t < seen) {
         const float* kt = k + t * stride;
         __m512 s = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kt));
         for (int64_t j = 1; j < DV; ++j) s = _mm512_fmadd_ps(qv[j], _mm512_loadu_ps(kt + 16 * j), s);
@@ -299,24 +309,33 @@ void run_tile_item(const Item& it, const Shapes& sh, const float* q_ptr, float* 
   }
 }
 
-// A decode item: all query heads of one token, blocks [blk_begin, blk_end). Unsplit items write the
-// output; split ones write their unnormalised partial (acc, max, sum per head) for the merge.
+// A decode item: all query heads of it.num_q (<= kDecodeMaxQ) consecutive query positions (one for a
+// decode, a few for speculative verification), blocks [blk_begin, blk_end). Rows are ordered by KV
+// head, then position, then head within the group. Unsplit items write the output; split ones
+// (single positions only) write their unnormalised partial (acc, max, sum per head) for the merge.
 template <int64_t D>
 void run_decode_item(const Item& it, const Shapes& sh, const float* q_ptr, float* o_ptr, const float* k_ptr,
                      const float* v_ptr, const int32_t* table, int64_t q_row, int64_t seq_len, float* buf,
                      float* partials) {
-  const int64_t hq = sh.num_q_heads, g = sh.group;
-  float* q = buf;             // hq x D
-  float* acc = q + hq * D;    // hq x D
-  float* p = acc + hq * D;    // hq x 16
-  float* l = p + hq * 16;     // hq x 16
-  float* m = l + hq * 16;
-  float* corr = m + hq;
-  const float* src = q_ptr + q_row * hq * D;
-  for (int64_t i = 0; i < hq * D; ++i) q[i] = src[i] * sh.scale;
-  std::fill(acc, acc + hq * D, 0.0f);
-  std::fill(m, m + hq, -std::numeric_limits<float>::infinity());
-  std::fill(l, l + hq * 16, 0.0f);
+  const int64_t hq = sh.num_q_heads, g = sh.group, nq = it.num_q, rows = nq * hq, head_rows = nq * g;
+  float* q = buf;               // rows x D
+  float* acc = q + rows * D;    // rows x D
+  float* p = acc + rows * D;    // rows x 16
+  float* l = p + rows * 16;     // rows x 16
+  float* m = l + rows * 16;
+  float* corr = m + rows;
+  const auto token_row = [&](int64_t r) {  // row r -> (query position, query head) as an offset in q/out
+    const int64_t h = r / head_rows, i = (r % head_rows) / g, gg = r % g;
+    return ((q_row + i) * hq + h * g + gg) * D;
+  };
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* src = q_ptr + token_row(r);
+    for (int64_t d = 0; d < D; ++d) q[r * D + d] = src[d] * sh.scale;
+  }
+  std::fill(acc, acc + rows * D, 0.0f);
+  std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + rows * 16, 0.0f);
+  const int64_t context = seq_len - nq;
   const int64_t block_floats = sh.block_size * sh.token_stride;
   for (int64_t blk = it.blk_begin; blk < it.blk_end; ++blk) {
     const int64_t physical = table[blk];
@@ -329,27 +348,29 @@ void run_decode_item(const Item& it, const Shapes& sh, const float* q_ptr, float
       next_base = table[blk + 1] * block_floats;
       next_n = std::min(sh.block_size, seq_len - (blk + 1) * sh.block_size);
     }
+    const int64_t first_row_visible = context + 1 - blk * sh.block_size;  // tokens position 0 sees
     for (int64_t h = 0; h < sh.num_kv_heads; ++h) {
       const float* next_k = next_base < 0 ? nullptr : k_ptr + next_base + h * D;
       const float* next_v = next_base < 0 ? nullptr : v_ptr + next_base + h * D;
-      if (n == kMaxBlockSize) {
-        decode_block<D, true>(q + h * g * D, g, k_ptr + base + h * D, v_ptr + base + h * D, sh.token_stride, n,
-                              m + h * g, l + h * g * 16, acc + h * g * D, p + h * g * 16, corr + h * g, next_k,
+      const int64_t r0 = h * head_rows;
+      if (n == kMaxBlockSize && first_row_visible >= n) {
+        decode_block<D, true>(q + r0 * D, head_rows, k_ptr + base + h * D, v_ptr + base + h * D, sh.token_stride, n,
+                              first_row_visible, g, m + r0, l + r0 * 16, acc + r0 * D, p + r0 * 16, corr + r0, next_k,
                               next_v, next_n);
       } else {
-        decode_block<D, false>(q + h * g * D, g, k_ptr + base + h * D, v_ptr + base + h * D, sh.token_stride, n,
-                               m + h * g, l + h * g * 16, acc + h * g * D, p + h * g * 16, corr + h * g, next_k,
-                               next_v, next_n);
+        decode_block<D, false>(q + r0 * D, head_rows, k_ptr + base + h * D, v_ptr + base + h * D, sh.token_stride, n,
+                               first_row_visible, g, m + r0, l + r0 * 16, acc + r0 * D, p + r0 * 16, corr + r0,
+                               next_k, next_v, next_n);
       }
     }
   }
-  for (int64_t r = 0; r < hq; ++r) corr[r] = _mm512_reduce_add_ps(_mm512_loadu_ps(l + r * 16));  // row sums
+  for (int64_t r = 0; r < rows; ++r) corr[r] = _mm512_reduce_add_ps(_mm512_loadu_ps(l + r * 16));  // row sums
   l = corr;
   if (it.part < 0) {
-    float* dst = o_ptr + q_row * hq * D;
-    for (int64_t r = 0; r < hq; ++r) {
+    for (int64_t r = 0; r < rows; ++r) {
+      float* dst = o_ptr + token_row(r);
       const float inv = 1.0f / l[r];
-      for (int64_t d = 0; d < D; ++d) dst[r * D + d] = acc[r * D + d] * inv;
+      for (int64_t d = 0; d < D; ++d) dst[d] = acc[r * D + d] * inv;
     }
   } else {
     float* part = partials + it.part * hq * (D + 2);  // per head: acc (D), max, sum
@@ -380,12 +401,13 @@ void paged_attention(float* o_ptr, const float* q_ptr, const float* k_ptr, const
   for (int64_t i = 0; i < num_seqs; ++i) {
     const int64_t b = ids[i], q_len = cu[b + 1] - cu[b], seq_len = lens[b];
     const int64_t blocks = (seq_len + sh.block_size - 1) / sh.block_size;
-    if (q_len == 1) {
-      const int64_t slices = (blocks + slice_blocks - 1) / slice_blocks;
+    if (q_len <= kDecodeMaxQ) {
+      const int64_t slices = q_len == 1 ? (blocks + slice_blocks - 1) / slice_blocks : 1;
       if (slices > 1) merges.emplace_back(i, num_parts);
       for (int64_t s = 0; s < slices; ++s) {
         const int64_t begin = s * blocks / slices, end = (s + 1) * blocks / slices;
-        items.push_back({i, -1, 0, 1, begin, end, slices > 1 ? num_parts++ : -1, (end - begin) * sh.num_q_heads});
+        items.push_back({i, -1, 0, q_len, begin, end, slices > 1 ? num_parts++ : -1,
+                         (end - begin) * sh.num_q_heads * q_len});
       }
       continue;
     }
@@ -404,7 +426,8 @@ void paged_attention(float* o_ptr, const float* q_ptr, const float* k_ptr, const
   std::vector<float> partials(num_parts * sh.num_q_heads * (D + 2));
   std::atomic<int64_t> next{0};
   const int64_t num_items = static_cast<int64_t>(items.size());
-  const int64_t buf_floats = std::max(D * 64 + 64 * D + 16 * 64 + 3 * 64, sh.num_q_heads * (2 * D + 32 + 2));
+  const int64_t buf_floats = std::max(D * 64 + 64 * D + 16 * 64 + 3 * 64,
+                                      kDecodeMaxQ * sh.num_q_heads * (2 * D + 32 + 2));
   at::parallel_for(0, std::min(threads, num_items), 1, [&](int64_t, int64_t) {
     std::vector<float> buf(buf_floats);
     for (int64_t idx = next.fetch_add(1); idx < num_items; idx = next.fetch_add(1)) {

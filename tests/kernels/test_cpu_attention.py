@@ -58,8 +58,10 @@ def test_every_head_size_and_block_size(head_dim: int, block_size: int, kernel: 
     # Decodes at block boundaries and one over 41 blocks (split in slices, merged afterwards), a
     # fresh prompt over two 16-position query tiles, chunks over cached context that cross blocks
     # and tiles, a 1-token chunk.
-    seq_lens = [1, block_size, block_size + 1, 40 * block_size + 3, 30, 70, 23, 9]
-    q_lens = [1, 1, 1, 1, 30, 21, 7, 1]
+    # Speculative verification: 2-4 positions whose causal edge falls inside a block or on its start.
+    seq_lens = [1, block_size, block_size + 1, 40 * block_size + 3, 30, 70, 23, 9, 3 * block_size + 2,
+                2 * block_size + 3, 50]
+    q_lens = [1, 1, 1, 1, 30, 21, 7, 1, 4, 3, 2]
     batch = make_paged_batch(seq_lens, q_lens, num_q_heads=9, num_kv_heads=3, head_dim=head_dim,
                              block_size=block_size, generator=torch.Generator().manual_seed(head_dim + block_size))
     scale = head_dim**-0.5
