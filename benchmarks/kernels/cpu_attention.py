@@ -125,6 +125,8 @@ def run(quick: bool) -> dict:
     for batch, ctx in decode:
         lens = torch.randint(ctx // 2, 3 * ctx // 2 + 1, (batch,), generator=gen).tolist()  # mean ~ctx
         summary[f"decode_b{batch}_ctx{ctx}"] = Case(lens, [1] * batch, gen).measure(iters)
+    lens = torch.randint(108, 326, (48,), generator=gen).tolist()  # speculative verification: 4 positions each
+    summary["verify_q4_b48_ctx217"] = Case(lens, [4] * 48, gen).measure(iters)
     chunk = Case([768, 768] + [300] * 16, [256, 256] + [1] * 16, gen)  # 2 chunks over 512 cached + 16 decodes
     summary["chunks_2x256_on_512_and_16_decodes"] = chunk.measure(iters)
     mixed = [16, 512, 300, 64, 200, 480, 128, 348]  # 2048 tokens, as bench_throughput's prompts (16-512)
