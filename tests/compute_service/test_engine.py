@@ -10,40 +10,23 @@ import random
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from compute_service import LLM, SamplingParams
 from compute_service.engine.outputs import RequestOutput, collect
 
-VOCAB = 256
-EOS = 1
+from tests.compute_service.tiny_llama import EOS, VOCAB, hf_greedy, load_hf, save_tiny_llama
+
 
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        bos_token_id=0, eos_token_id=EOS, tie_word_embeddings=False,
-    )
-    model = LlamaForCausalLM(config)
-    path = tmp_path_factory.mktemp("tiny-llama")
-    model.save_pretrained(path)
-    return path
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), seed=0)
 
 
 @pytest.fixture(scope="module")
 def hf_model(tiny_dir: Path) -> LlamaForCausalLM:
-    return LlamaForCausalLM.from_pretrained(tiny_dir, torch_dtype=torch.float32).eval()
-
-
-def hf_greedy(model: LlamaForCausalLM, prompt: list[int], max_tokens: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
-                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long), pad_token_id=EOS)
-    return out[0, len(prompt):].tolist()
+    return load_hf(tiny_dir)
 
 
 def make_prompts(num: int, seed: int, shared_prefix: int = 0) -> list[list[int]]:

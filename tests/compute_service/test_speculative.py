@@ -11,40 +11,24 @@ import random
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from compute_service import LLM, SamplingParams
 from compute_service.engine import speculative
 from compute_service.engine.sequence import Sequence
 
-VOCAB = 256
-EOS = 1
+from tests.compute_service.tiny_llama import VOCAB, hf_greedy, load_hf, save_tiny_llama
+
 
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    torch.manual_seed(5)
-    config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        bos_token_id=0, eos_token_id=EOS, tie_word_embeddings=False,
-    )
-    path = tmp_path_factory.mktemp("tiny-llama-spec")
-    LlamaForCausalLM(config).save_pretrained(path)
-    return path
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama-spec"), seed=5)
 
 
 @pytest.fixture(scope="module")
 def hf_model(tiny_dir: Path) -> LlamaForCausalLM:
-    return LlamaForCausalLM.from_pretrained(tiny_dir, torch_dtype=torch.float32).eval()
-
-
-def hf_greedy(model: LlamaForCausalLM, prompt: list[int], max_tokens: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
-                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long), pad_token_id=EOS)
-    return out[0, len(prompt):].tolist()
+    return load_hf(tiny_dir)
 
 
 def prompts(num: int, seed: int) -> list[list[int]]:
