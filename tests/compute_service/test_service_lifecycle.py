@@ -150,7 +150,8 @@ def test_priority_jumps_the_queue(services: Services) -> None:
 def test_memory_service_loss_and_return(services: Services, service_model: ServiceModel, compute_log: Path) -> None:
     address = services.compute.address
     call = services.stub.Generate(cpb.GenerateRequest(
-        prompt_token_ids=PROMPT, params=cpb.SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)),
+        # Sampled, so that no speculative drafts end it before the memory service is killed.
+        prompt_token_ids=PROMPT, params=cpb.SamplingParams(max_tokens=1000, temperature=1.0, seed=1, ignore_eos=True)),
         timeout=60)
     next(call)
     old = services.memory

@@ -32,8 +32,10 @@ def _params(max_tokens: int = 16, **kwargs: object) -> gateway_pb2.SamplingParam
 
 def _long(prompt: str) -> gateway_pb2.GenerateRequest:
     """A request that streams for seconds: no EOS, most of the tiny model's 1024-token context (the
-    fused CPU path runs the tiny model at hundreds of tokens per second: 200 tokens took < 0.5 s)."""
-    return gateway_pb2.GenerateRequest(prompt=prompt, params=_params(LONG_MAX_TOKENS, ignore_eos=True))
+    fused CPU path runs the tiny model at hundreds of tokens per second: 200 tokens took < 0.5 s).
+    It samples: a greedy one would take several tokens a step (speculative drafts) and end sooner."""
+    return gateway_pb2.GenerateRequest(prompt=prompt, params=gateway_pb2.SamplingParams(
+        max_tokens=LONG_MAX_TOKENS, temperature=1.0, seed=7, ignore_eos=True))
 
 
 def _queries(engines: list[Engine]) -> list[int]:
@@ -118,9 +120,12 @@ def test_second_gateway_sees_load_that_another_client_put_on_an_engine(
         # Long streams sent straight to one engine: load no gateway counted itself.
         with grpc.insecure_channel(busy.address) as channel:
             stub = compute_pb2_grpc.ComputeStub(channel)
-            params = compute_pb2.SamplingParams(max_tokens=LONG_MAX_TOKENS, ignore_eos=True, temperature=0.0)
-            streams = [stub.Generate(compute_pb2.GenerateRequest(prompt_token_ids=[65 + i] * 20, params=params))
-                       for i in range(4)]
+            # Sampled: greedy streams of a repeated prompt would be drafted (speculative decoding) and end early.
+            streams = [stub.Generate(compute_pb2.GenerateRequest(
+                prompt_token_ids=[65 + i] * 20,
+                params=compute_pb2.SamplingParams(max_tokens=LONG_MAX_TOKENS, ignore_eos=True, temperature=1.0,
+                                                  seed=i)))
+                for i in range(4)]
             for stream in streams:
                 next(stream)
             time.sleep(0.5)  # a few health polls: the gateways read the engine's reported load

@@ -41,6 +41,11 @@ def _auth(key: str) -> list[tuple[str, str]]:
     return [("authorization", f"Bearer {key}")]
 
 
+# Streams that must still run while the test acts sample: greedy ones may be drafted (speculative
+# decoding) several tokens a step and end sooner.
+LONG_SAMPLED = {"temperature": 1.0, "seed": 3}
+
+
 def _request(prompt: str = "tenant", max_tokens: int = 2, **fields: object) -> gateway_pb2.GenerateRequest:
     params = {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
     params.update(fields.pop("params", {}))
@@ -62,7 +67,8 @@ def _code(call, *args, **kwargs) -> grpc.StatusCode:
 
 def test_one_tenant_at_its_limit_leaves_the_others_their_share(tenanted: Gateway, engines: list[Engine]) -> None:
     """Item 4 (and 7: Tokenize is admitted like Generate)."""
-    stream = tenanted.stub.GenerateStream(_request(max_tokens=300), metadata=_auth(KEY_A), timeout=60)
+    stream = tenanted.stub.GenerateStream(_request(max_tokens=300, params=LONG_SAMPLED), metadata=_auth(KEY_A),
+                                          timeout=60)
     next(stream)
     for call, request in ((tenanted.stub.Generate, _request()), (tenanted.stub.Tokenize,
                                                                    gateway_pb2.TokenizeRequest(prompt="tok"))):
@@ -115,7 +121,8 @@ def test_a_stream_whose_client_stops_reading_is_ended_and_aborted(tenanted: Gate
                                                                ("grpc.http2.bdp_probe", 0)])
     stub = gateway_pb2_grpc.GatewayStub(channel)
     stalls = _metric(tenanted, "pagedserve_gateway_write_stalls_total")
-    stream = stub.GenerateStream(_request(max_tokens=900, params={"logprobs": 5}), metadata=_auth(KEY_B), timeout=60)
+    stream = stub.GenerateStream(_request(max_tokens=900, params={"logprobs": 5, **LONG_SAMPLED}),
+                                 metadata=_auth(KEY_B), timeout=60)
     first = next(stream)
     wait_until(lambda: _metric(tenanted, "pagedserve_gateway_write_stalls_total") == stalls + 1, timeout_s=30,
                what="the stalled stream ended")
