@@ -22,8 +22,11 @@ def _request(prompt: str, max_tokens: int) -> gateway_pb2.GenerateRequest:
 
 
 def _long_stream(stack: Stack, prompt: str):
-    """A stream that runs for seconds, already producing tokens."""
-    stream = stack.gateway.stub.GenerateStream(_request(prompt, 600), timeout=120)
+    """A stream that runs for seconds, already producing tokens (sampled: greedy tokens may come
+    several a step, speculative drafts accepted, and end it sooner)."""
+    request = _request(prompt, 600)
+    request.params.temperature, request.params.seed = 1.0, 11
+    stream = stack.gateway.stub.GenerateStream(request, timeout=120)
     next(stream)
     return stream
 
