@@ -174,8 +174,10 @@ def run_engine(model: str, workload: list[Request], args: argparse.Namespace) ->
             "accepted_draft_tokens": engine.num_accepted_draft_tokens,
             "preemptions": engine.scheduler.num_preemptions - preemptions_before,
             # Tokens run through the model beyond each request's prompt + output - 1 (the last output
-            # token is never fed back): the work that preemption by recompute repeated.
-            "recomputed_tokens": computed[0] - sum(len(r.prompt_token_ids) + r.max_tokens - 1 for r in workload),
+            # token is never fed back): the work that preemption by recompute repeated. Accepted
+            # drafts were computed as drafts (not counted as new tokens), rejected ones are not here.
+            "recomputed_tokens": computed[0] + engine.num_accepted_draft_tokens
+            - sum(len(r.prompt_token_ids) + r.max_tokens - 1 for r in workload),
             "pool_tokens": engine.memory.num_blocks * engine.memory.block_size,
         })
     finally:
