@@ -270,6 +270,7 @@ class Engine:
                 touched[seq.request_id] = self.requests[seq.request_id]
                 drafts = drafts_of.get(id(seq), [])
                 greedy = [token, *(next(draft_rows) for _ in drafts)]
+                self.num_draft_tokens += len(drafts)
                 if token is None or seq.finish_reason is FinishReason.ERROR:
                     continue  # its request failed (this step): nothing more for it
                 # Per sequence, so that a failure of one request's own work ends that request alone.
@@ -356,14 +357,14 @@ class Engine:
                          row: int) -> None:
         """Append the greedy tokens the drafts agreed with, and the one after, until a stop."""
         num_accepted = speculative.accepted_prefix(drafts, greedy)
-        self.num_draft_tokens += len(drafts)
-        self.num_accepted_draft_tokens += num_accepted
         num_appended = 0
         for token in greedy[: num_accepted + 1]:
             self._append_token(seq, token, logits, row)  # (no logprobs: such sequences get no drafts)
             num_appended += 1
             if seq.is_finished:
                 break
+        # Drafts that became output (a stop may end the sequence before the last accepted one).
+        self.num_accepted_draft_tokens += min(num_accepted, num_appended)
         if not seq.is_finished:
             seq.accept_drafts(min(num_accepted, num_appended))
 

@@ -11,8 +11,10 @@ each row give the greedy token there, so the drafts are checked in the same forw
     a = the number of leading drafts equal to greedy[0..a-1]
     emitted: greedy[0 .. a] (the accepted drafts, and one token more)
 
-Those are exactly the tokens plain greedy decoding produces, one per step, so the output does not
-change; a step emits 1 to k + 1 tokens for the cost of k more rows of the same forward. That pays
+Those are the tokens plain greedy decoding produces, one per step, up to floating-point differences
+between the kernels that score one new token and those that score a chunk (a near-tie argmax could
+flip in bfloat16 on a GPU; the float32 CPU tests see identical tokens); a step emits 1 to k + 1
+tokens for the cost of k more rows of the same forward. That pays
 where a step is bound by reading the weights and the KV cache (every batch size on a CPU up to a
 few dozen sequences), so the row budget for drafts shrinks as the batch grows
 (``draft_budget``), and only greedy, plain sequences take part (see ``eligible``).
@@ -38,7 +40,8 @@ DRAFT_ROWS_PER_STEP = 96
 
 class NgramIndex:
     """The latest position that followed each n-gram (n = MIN_NGRAM..MAX_NGRAM) of one sequence,
-    kept up to date incrementally: a proposal costs O(new tokens), not O(context)."""
+    kept up to date incrementally: a proposal costs O(new tokens), not O(context), after the first,
+    which indexes the whole prompt (~1 ms per 500 tokens)."""
 
     def __init__(self) -> None:
         self._tokens: list[int] = []
