@@ -117,14 +117,20 @@ async def run_arrivals(target: Target, specs: list[RequestSpec], arrivals: list[
                        timeout_s: float) -> list[RequestResult]:
     """Send ``specs[i]`` at ``arrivals[i]`` seconds from now, each as its own task, and wait for all."""
     async with session(target) as send:
-        start = time.perf_counter()
-        tasks = []
-        for spec, at in zip(specs, arrivals):
-            delay = start + at - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(send(spec, cache_salt, timeout_s)))
-        return list(await asyncio.gather(*tasks))
+        return await send_at(arrivals, [lambda spec=spec: send(spec, cache_salt, timeout_s) for spec in specs])
+
+
+async def send_at(arrivals: list[float], starts: list[Callable[[], Awaitable[RequestResult]]]) -> list[RequestResult]:
+    """Start ``starts[i]()`` at ``arrivals[i]`` seconds from now, each as its own task; wait for all
+    (the Poisson schedule of every client: ours and vLLM's)."""
+    start = time.perf_counter()
+    tasks = []
+    for begin, at in zip(starts, arrivals):
+        delay = start + at - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(begin()))
+    return list(await asyncio.gather(*tasks))
 
 
 async def run_one_at_a_time(target: Target, specs: list[RequestSpec], cache_salts: list[str],

@@ -10,13 +10,12 @@ final chunk (``stream_options.include_usage``).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 
 import httpx
 
-from benchmarks.serving.client import RequestResult
+from benchmarks.serving.client import RequestResult, send_at
 from benchmarks.serving.workload import RequestSpec
 
 
@@ -88,14 +87,8 @@ async def run_arrivals(base_url: str, model: str, specs: list[RequestSpec], arri
                        cache_salt: str, timeout_s: float) -> list[RequestResult]:
     """Send ``specs[i]`` at ``arrivals[i]`` seconds from now, each as its own task, and wait for all."""
     async with _client(base_url) as client:
-        start = time.perf_counter()
-        tasks = []
-        for spec, at in zip(specs, arrivals):
-            delay = start + at - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(stream_one(client, model, spec, cache_salt, timeout_s)))
-        return list(await asyncio.gather(*tasks))
+        return await send_at(arrivals, [lambda spec=spec: stream_one(client, model, spec, cache_salt, timeout_s)
+                                        for spec in specs])
 
 
 async def run_one_at_a_time(base_url: str, model: str, specs: list[RequestSpec], cache_salt: str,

@@ -262,15 +262,18 @@ class Engine:
             rows = logits if len(to_sample) == logits.shape[0] else logits[[row for row, _ in to_sample]]
             seqs = [seq for _, seq in to_sample]
             tokens = self._sample(rows, seqs)
-            # The greedy token after each draft (the runner's rows after the first B, in order).
-            after_drafts = greedy_tokens(logits[len(scheduled):]) if logits.shape[0] > len(scheduled) else []
-            draft_rows = iter(after_drafts)
-            drafts_of = {id(item.seq): item.draft_token_ids for item in scheduled if item.draft_token_ids}
+            # The greedy token after each draft (the runner's rows after the first B, in order); none
+            # of this when no sequence drafted.
+            drafts_of: dict[int, list[int]] = {}
+            if logits.shape[0] > len(scheduled):
+                draft_rows = iter(greedy_tokens(logits[len(scheduled):]))
+                drafts_of = {id(item.seq): item.draft_token_ids for item in scheduled if item.draft_token_ids}
             for index, (seq, token) in enumerate(zip(seqs, tokens)):
                 touched[seq.request_id] = self.requests[seq.request_id]
-                drafts = drafts_of.get(id(seq), [])
-                greedy = [token, *(next(draft_rows) for _ in drafts)]
-                self.num_draft_tokens += len(drafts)
+                drafts = drafts_of.get(id(seq)) if drafts_of else None
+                if drafts:  # its rows are taken in order even if its request failed
+                    greedy = [token, *(next(draft_rows) for _ in drafts)]
+                    self.num_draft_tokens += len(drafts)
                 if token is None or seq.finish_reason is FinishReason.ERROR:
                     continue  # its request failed (this step): nothing more for it
                 # Per sequence, so that a failure of one request's own work ends that request alone.
