@@ -60,15 +60,16 @@ def bearer_token(metadata: Sequence[tuple[str, str | bytes]] | None) -> bytes:
     return b""
 
 
-class TokenInterceptor(grpc.aio.ServerInterceptor):
-    """Answers UNAUTHENTICATED to every call without the token (health exempt).
+class BearerInterceptor(grpc.aio.ServerInterceptor):
+    """Answers UNAUTHENTICATED (``rejection``) to every call whose Bearer token ``accepts`` refuses;
+    methods under ``open_prefixes`` pass without one. The compute service's token check and the
+    gateway's API-key check are the two kinds."""
 
-    Args:
-        token: the shared secret (see ``check_token``).
-    """
+    open_prefixes: tuple[str, ...] = _OPEN_PREFIXES
+    rejection = "missing or invalid token"
 
-    def __init__(self, token: str) -> None:
-        self._token = token.encode()
+    def accepts(self, offered: bytes) -> bool:
+        raise NotImplementedError
 
     async def intercept_service(
         self,
@@ -76,12 +77,28 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         method = handler_call_details.method or ""
-        offered = bearer_token(handler_call_details.invocation_metadata or ())
-        # compare_digest takes time independent of where the two differ (lengths aside).
-        if method.startswith(_OPEN_PREFIXES) or hmac.compare_digest(offered, self._token):
+        offered = bearer_token(handler_call_details.invocation_metadata)
+        if method.startswith(self.open_prefixes) or self.accepts(offered):
             return await continuation(handler_call_details)
         handler = await continuation(handler_call_details)
-        return None if handler is None else rejecting_handler(handler, "missing or invalid service token")
+        return None if handler is None else rejecting_handler(handler, self.rejection)
+
+
+class TokenInterceptor(BearerInterceptor):
+    """Answers UNAUTHENTICATED to every call without the token (health exempt).
+
+    Args:
+        token: the shared secret (see ``check_token``).
+    """
+
+    rejection = "missing or invalid service token"
+
+    def __init__(self, token: str) -> None:
+        self._token = token.encode()
+
+    def accepts(self, offered: bytes) -> bool:
+        # compare_digest takes time independent of where the two differ (lengths aside).
+        return hmac.compare_digest(offered, self._token)
 
 
 def rejecting_handler(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
