@@ -1,9 +1,9 @@
 """The fused CPU attention path: write the step's K/V, then attend, without gathering the context.
 
 Per step, `CpuAttentionPlan.build` reads the batch's lengths once (on the host); every layer then
-writes its new K/V into the pool with one `index_copy_` and runs the C++ `paged_attention` op: it
-reads K/V blocks in place through the block table (no copy, no padding to the longest sequence), all
-query heads of a KV group sharing each block read.
+writes its new K/V into the pool (`write_kv_`: one copy per token row) and runs the C++
+`paged_attention` op: it reads K/V blocks in place through the block table (no copy, no padding
+to the longest sequence), all query heads of a KV group sharing each block read.
 
 Fresh prompts (no cached context, several new tokens) take the same op where it runs the AVX-512
 kernels (csrc/paged_attention_avx512.h): their K/V were just written and are in cache, and its
@@ -34,8 +34,7 @@ class CpuAttentionPlan:
     """One step's index tensors for the fused CPU path (built once, used by every layer).
 
     Attributes:
-        slots: (T',) int64 pool slot of each written token.
-        write_rows: (T',) int64 rows of the step's K/V that are written; None = all T rows, in order.
+        slots: (T,) int64 pool slot of each token's K/V; negative: not written.
         block_tables: (B, max_blocks) int32; seq_lens: (B,) int32; cu_seqlens_q: (B + 1,) int32.
         seq_ids: (B,) int64 all sequences of the step (the op computes the ones it is given).
         fresh: (first row, number of tokens) of each fresh prompt.
@@ -45,7 +44,6 @@ class CpuAttentionPlan:
 
     ops: Any
     slots: torch.Tensor
-    write_rows: torch.Tensor | None
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
     cu_seqlens_q: torch.Tensor
@@ -71,13 +69,7 @@ class CpuAttentionPlan:
                 fresh.append((cu[b], q_len))
             else:
                 other.append(b)
-        slots = slot_mapping.long()
-        is_written = slots >= 0  # (T,)
-        write_rows = None
-        if not bool(is_written.all()):
-            write_rows = is_written.nonzero().flatten()
-            slots = slots[write_rows]
-        return cls(ops=ops, slots=slots.contiguous(), write_rows=write_rows,
+        return cls(ops=ops, slots=slot_mapping.long().contiguous(),
                    block_tables=block_tables.to(torch.int32).contiguous(), seq_lens=seq_lens.to(torch.int32),
                    cu_seqlens_q=cu_seqlens_q.to(torch.int32),
                    seq_ids=torch.arange(seq_lens.numel(), dtype=torch.int64), fresh=fresh,
@@ -93,10 +85,8 @@ class CpuAttentionPlan:
         Returns:
             (T, H_q, D) contiguous.
         """
-        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        for cache, new in ((k_cache, key), (v_cache, value)):
-            rows = new if self.write_rows is None else new[self.write_rows]
-            cache.view(-1, num_kv_heads, head_dim).index_copy_(0, self.slots, rows)
+        num_kv_heads = k_cache.shape[2]
+        self.ops.write_kv_(k_cache, v_cache, key, value, self.slots)
         query = query.contiguous()
         out = torch.empty_like(query)
         if not self.fresh or self.ops.avx512_attention(k_cache.shape[1]):

@@ -230,8 +230,13 @@ class Engine:
 
     def _attach_drafts(self, scheduled: list[ScheduledSeq]) -> None:
         """N-gram drafts for the greedy decoding sequences, within the step's token budget."""
-        decodes = [item for item in scheduled if item.num_new_tokens == 1
-                   and item.seq.num_computed_tokens + 1 == item.seq.num_tokens and speculative.eligible(item.seq)]
+        decodes = [item for item in scheduled
+                   if item.num_new_tokens == 1 and item.seq.num_computed_tokens + 1 == item.seq.num_tokens]
+        if len(decodes) < len(scheduled):
+            # The step computes prompt tokens, so arithmetic bounds it, not reading the weights: a
+            # draft row would cost as much as a prompt row and delay those prompts' first tokens.
+            return
+        decodes = [item for item in decodes if speculative.eligible(item.seq)]
         per_seq = speculative.draft_budget(len(decodes), self.config.num_speculative_tokens)
         budget = self.config.max_num_batched_tokens - sum(item.num_new_tokens for item in scheduled)
         for item in decodes:

@@ -346,6 +346,43 @@ void rotary_(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, int64
   });
 }
 
+// The step's new K/V into one layer's caches: row t of key/value goes to pool slot slots[t]
+// (slot = block * block_size + offset; negative: not written). key, value: (T, H_kv, D), heads
+// contiguous in a row, any row stride (views into the fused QKV); caches: (num_blocks, block_size,
+// H_kv, D) contiguous. One memcpy per row and cache, rows split between threads: `index_copy_`
+// on the pool view ran at ~2.4 GB/s on a 2048-token prompt (TensorIterator over a strided source).
+void write_kv_(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& key, const at::Tensor& value,
+               const at::Tensor& slots) {
+  check_f32(k_cache, "k_cache");
+  check_f32(v_cache, "v_cache");
+  check_f32(key, "key");
+  check_f32(value, "value");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
+              k_cache.sizes() == v_cache.sizes(), "k_cache, v_cache must be (num_blocks, block_size, H_kv, D) contiguous");
+  const int64_t heads = k_cache.size(2), dim = k_cache.size(3), row = heads * dim;
+  for (const at::Tensor* t : {&key, &value}) {
+    TORCH_CHECK(t->dim() == 3 && t->size(1) == heads && t->size(2) == dim && t->stride(2) == 1 && t->stride(1) == dim,
+                "key, value must be (T, H_kv, D) with contiguous heads");
+  }
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous() &&
+              slots.size(0) == key.size(0) && value.size(0) == key.size(0), "slots must be (T,) int64");
+  const int64_t tokens = key.size(0), num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) TORCH_CHECK(sp[t] < num_slots, "slot ", sp[t], " is past the cache");
+  const float* kp = key.data_ptr<float>();
+  const float* vp = value.data_ptr<float>();
+  const int64_t k_stride = key.stride(0), v_stride = value.stride(0);
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  at::parallel_for(0, tokens, rows_per_thread(2 * row), [=](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      if (sp[t] < 0) continue;
+      std::memcpy(kc + sp[t] * row, kp + t * k_stride, row * sizeof(float));
+      std::memcpy(vc + sp[t] * row, vp + t * v_stride, row * sizeof(float));
+    }
+  });
+}
+
 // How many threads at::parallel_for really runs on in this build (one if it was compiled without
 // OpenMP, whatever torch.get_num_threads() says): the check that the ops above run in parallel.
 int64_t parallel_threads() {
@@ -368,6 +405,7 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("add_rms_norm(Tensor(a!) residual, Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("rotary_(Tensor(a!) qkv, Tensor cos, Tensor sin, int num_heads, int head_dim) -> ()");
+  m.def("write_kv_(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor key, Tensor value, Tensor slots) -> ()");
   m.def("parallel_threads() -> int");
   m.def("avx512_attention(int block_size) -> bool");
 }
@@ -379,6 +417,7 @@ TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_mul", &silu_mul);
   m.impl("rotary_", &rotary_);
+  m.impl("write_kv_", &write_kv_);
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CatchAll, m) {

@@ -36,6 +36,23 @@ SHM_DIR = Path("/dev/shm")
 SHM_PREFIX = "pagedserve-kv-"
 # <prefix><creator pid>-<16 hex digits>: nothing else is ever mapped (no slashes, no dots).
 SHM_NAME_PATTERN = re.compile(re.escape(SHM_PREFIX) + r"[0-9]{1,10}-[0-9a-f]{16}")
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14; Python 3.11 lacks the name
+
+
+def map_populated(fd: int, num_bytes: int) -> mmap.mmap:
+    """A shared read-write mapping of the segment with its page tables filled in now.
+
+    Untouched, every 4 KiB page of the pool costs a page fault the first time a step writes K/V
+    there (and, for the owner, a zeroed tmpfs page): on a 2048-token prompt of the default model that
+    was 30 ms of a 1.05 s step, paid again for every new block until the whole pool has been used
+    once. On a kernel without MADV_POPULATE_WRITE the pages fault in as they are first touched.
+    """
+    buffer = mmap.mmap(fd, num_bytes)
+    try:
+        buffer.madvise(MADV_POPULATE_WRITE)
+    except OSError:
+        pass
+    return buffer
 
 
 @dataclass(frozen=True)
@@ -126,12 +143,14 @@ class SharedMemoryPool:
         try:
             fcntl.flock(self._fd, fcntl.LOCK_SH)  # held for life: marks the segment as not stale
             os.ftruncate(self._fd, num_bytes)
-            self._mmap = mmap.mmap(self._fd, num_bytes)
+            # Every page allocated now: a /dev/shm too small fails here (ENOSPC) rather than as a
+            # SIGBUS in whichever process first writes past what tmpfs could give.
+            os.posix_fallocate(self._fd, 0, num_bytes)
+            self._mmap = map_populated(self._fd, num_bytes)
         except BaseException:
             os.close(self._fd)
             self._path.unlink()
             raise
-        # Pages are untouched until written: creating a large pool costs no RAM up front.
         self.tensor = torch.frombuffer(self._mmap, dtype=DTYPES[dtype], count=math.prod(shape)).view(shape)
 
     def descriptor(self) -> PoolDescriptor:

@@ -11,7 +11,6 @@ fields (no pickle) and must cover the pool's bytes.
 from __future__ import annotations
 
 import math
-import mmap
 import os
 import stat
 
@@ -19,7 +18,7 @@ import torch
 
 from pagedserve.dtypes import DTYPES
 
-from memory_service.pool.kv_pool import SHM_DIR, SHM_NAME_PATTERN, KvLayout, PoolDescriptor
+from memory_service.pool.kv_pool import SHM_DIR, SHM_NAME_PATTERN, KvLayout, PoolDescriptor, map_populated
 
 
 def check_descriptor(descriptor: PoolDescriptor, layout: KvLayout, num_blocks: int) -> None:
@@ -84,7 +83,7 @@ def _map_segment(name: str, num_bytes: int, dtype: torch.dtype, numel: int) -> t
             raise ValueError(f"shared-memory segment {name!r} holds {info.st_size} bytes, the pool {num_bytes}")
         # No resource tracker (unlike multiprocessing.SharedMemory): it would unlink the service's
         # segment when this process exits.
-        buffer = mmap.mmap(fd, num_bytes)
+        buffer = map_populated(fd, num_bytes)
     finally:
         os.close(fd)  # the mapping stays valid without the descriptor
     return torch.frombuffer(buffer, dtype=dtype, count=numel)  # keeps `buffer` alive as long as any view

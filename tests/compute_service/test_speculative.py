@@ -128,3 +128,19 @@ def test_only_plain_greedy_sequences_get_drafts(tiny_dir: Path) -> None:
     with LLM(str(tiny_dir), block_size=16, max_num_blocks=256, num_speculative_tokens=0) as llm:
         llm.generate(batch, GREEDY)
         assert llm.engine.num_draft_tokens == 0  # turned off
+
+
+def test_no_drafts_in_a_step_that_computes_a_prompt(tiny_dir: Path) -> None:
+    every_token = list(range(VOCAB))  # whatever a's last token, it occurred before: a always drafts
+    with LLM(str(tiny_dir), block_size=16, max_num_blocks=256, num_speculative_tokens=4) as llm:
+        engine = llm.engine
+        engine.add_request("a", every_token, GREEDY)
+        engine.step()  # a's prompt
+        engine.step()  # a decodes with drafts
+        drafted = engine.num_draft_tokens
+        assert drafted > 0, "a drafted nothing: the test proves nothing"
+        engine.add_request("b", every_token[:20], GREEDY)
+        engine.step()  # b's prompt with a's decode: bound by arithmetic, so no drafts
+        assert engine.num_draft_tokens == drafted
+        engine.step()  # both decode: drafts again
+        assert engine.num_draft_tokens > drafted

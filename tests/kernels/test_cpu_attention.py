@@ -181,6 +181,28 @@ def test_fused_elementwise_ops_match_pytorch(rows: int) -> None:
     assert torch.equal(qkv[:, num_heads * head_dim:], untouched)
 
 
+@pytest.mark.parametrize("rows", [5, 1500])
+def test_write_kv_copies_strided_rows_to_their_slots_and_skips_negative_ones(rows: int) -> None:
+    gen = torch.Generator().manual_seed(4)
+    num_blocks, block_size, num_kv_heads, head_dim = 200, 8, 3, 16
+    k_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim)
+    v_cache = torch.zeros_like(k_cache)
+    qkv = torch.randn(rows, (9 + 2 * num_kv_heads) * head_dim, generator=gen)  # fused rows [q | k | v]
+    k, v = qkv[:, 9 * head_dim :].split(num_kv_heads * head_dim, dim=-1)
+    key, value = k.view(rows, num_kv_heads, head_dim), v.view(rows, num_kv_heads, head_dim)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:rows]
+    slots[rows // 2] = -1  # not written
+    ops.write_kv_(k_cache, v_cache, key, value, slots)
+    written = slots >= 0
+    flat_k, flat_v = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
+    assert torch.equal(flat_k[slots[written]], key[written]) and torch.equal(flat_v[slots[written]], value[written])
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
+    untouched[slots[written]] = False
+    assert not flat_k[untouched].any() and not flat_v[untouched].any()
+    with pytest.raises(RuntimeError, match="past the cache"):
+        ops.write_kv_(k_cache, v_cache, key, value, torch.full((rows,), num_blocks * block_size))
+
+
 def test_ops_run_on_torchs_threads() -> None:
     """Built without OpenMP, at::parallel_for silently runs every op on one thread."""
     before = torch.get_num_threads()
