@@ -7,6 +7,7 @@ import itertools
 import os
 import shutil
 import tempfile
+import weakref
 from collections.abc import Sequence as Seq
 from pathlib import Path
 from typing import Any
@@ -34,8 +35,9 @@ class MemoryServiceProcess:
     with the whole ``config`` (written beside the socket and passed as ``--config``).
 
     Leaves nothing behind: a start that fails (or is interrupted, KeyboardInterrupt included)
-    stops the child and removes the directory before raising, and the child gets SIGTERM when
-    this process dies, even by SIGKILL (pagedserve.stack's ServiceProcess passes ``--parent-pid``).
+    stops the child and removes the directory before raising; without ``close`` both go when the
+    object is collected or the interpreter exits; and the child gets SIGTERM when this process
+    dies, even by SIGKILL (pagedserve.stack's ServiceProcess passes ``--parent-pid``).
     """
 
     def __init__(self, config: MemoryServiceConfig) -> None:
@@ -51,10 +53,17 @@ class MemoryServiceProcess:
         except BaseException:
             shutil.rmtree(self.directory, ignore_errors=True)
             raise
+        # An owner that never calls close (a script that just ends, an LLM dropped) still stops
+        # the child and removes the directory: when this object is collected, or at exit.
+        self._finalizer = weakref.finalize(self, _stop_and_remove, self.process, self.directory)
 
     def close(self) -> None:
-        self.process.stop()
-        shutil.rmtree(self.directory, ignore_errors=True)
+        self._finalizer()  # once: later calls do nothing
+
+
+def _stop_and_remove(process: Any, directory: str) -> None:
+    process.stop()
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 def split_config(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

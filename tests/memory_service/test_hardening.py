@@ -232,6 +232,15 @@ def test_private_memory_service_dies_with_its_owner() -> None:
     shutil.rmtree(directory)
 
 
+def test_an_owner_that_never_closes_leaves_nothing_when_it_exits() -> None:
+    """Before: a script that made an LLM and ended without close() left its /tmp/pagedserve-* directory."""
+    script = OWNER.replace("time.sleep(600)", "")
+    owner = subprocess.run([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, timeout=120, check=True)
+    child_pid, directory = owner.stdout.split()
+    assert is_gone(int(child_pid))
+    assert not Path(directory).exists()
+
+
 @pytest.mark.parametrize("failure", ["exit", "interrupt"])
 def test_failed_or_interrupted_private_start_leaves_nothing(monkeypatch: pytest.MonkeyPatch, failure: str) -> None:
     """Before: a failed start left the temporary directory; a KeyboardInterrupt orphaned the child."""
