@@ -55,8 +55,11 @@ def test_ngram_index_proposes_what_followed_the_latest_longest_match() -> None:
     # A longer suffix wins over a later short one: (9, 5, 6, 7) occurred once, followed by 3.
     seq.output_token_ids += [9, 5, 6, 7]
     assert index.propose(seq, 2) == [3, 4]  # the index caught up with the new output tokens
-    assert index.propose(seq, 10) == [3, 4, 6, 7, 9, 5, 6, 7]  # at most what follows, up to the end
+    assert index.propose(seq, 10) == [3, 4, 6, 7, 9, 5, 6, 7, 3, 4]  # past the end: around the loop
     assert speculative.NgramIndex().propose(Sequence("t", "r", [1, 2, 3], SamplingParams()), 4) == []
+    # A loop of period 3: (2, 3, 1, 2) last occurred 3 back, followed by 3, 1, 2 and the end.
+    loop = Sequence("l", "r", [1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(temperature=0.0))
+    assert speculative.NgramIndex().propose(loop, 7) == [3, 1, 2, 3, 1, 2, 3]
 
 
 def test_drafts_fit_the_last_block_max_tokens_and_the_row_budget() -> None:
