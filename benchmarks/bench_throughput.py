@@ -312,7 +312,8 @@ def main() -> None:
         bytes_per_token = kv_bytes_per_token(config, dtype)
         naive_seqs = max(1, args.kv_cache_bytes // (config.max_position * bytes_per_token))
 
-        profile = step_profile.profile_steps(model_arg, workload, args) if args.profile or args.profile_only else None
+        profile = (step_profile.profile_steps(model_arg, workload, args, **watermark_kwargs(args))
+                   if args.profile or args.profile_only else None)
         if args.profile_only:
             step_profile.print_profile(profile)
             print(json.dumps({"profile": profile, "model": config.name, "threads": args.threads}))

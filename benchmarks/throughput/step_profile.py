@@ -40,11 +40,12 @@ def _profile(engine, num_steps: int) -> dict:
             "share": {name: round(ms / step_ms, 3) for name, ms in parts.items()}}
 
 
-def profile_steps(model: str, workload: list[Request], args: argparse.Namespace) -> dict:
-    """One prefill step and ``args.profile_steps`` decode steps of the engine, by component."""
+def profile_steps(model: str, workload: list[Request], args: argparse.Namespace, **engine_config) -> dict:
+    """One prefill step and ``args.profile_steps`` decode steps of the engine, by component
+    (``engine_config``: more EngineConfig fields, as the throughput run gets them)."""
     llm = LLM(model=model, kv_cache_bytes=args.kv_cache_bytes, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-              device=args.device, dtype=args.dtype)
+              device=args.device, dtype=args.dtype, **engine_config)
     try:
         engine = llm.engine
         llm.generate([warmup_prompt(workload)], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
