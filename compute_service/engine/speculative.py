@@ -4,9 +4,10 @@ A decoding sequence whose last few tokens already occurred earlier in its prompt
 goes on the way it went then (quoted text, code, lists, and the loops small models fall into).
 The proposer looks up the longest suffix of 4 down to 1 tokens at its latest earlier occurrence
 and drafts the k tokens that followed it (going around the loop when that occurrence is fewer than
-k tokens back: 13 of 129 steps fewer on bench_throughput's workload). The step then computes the sequence's last token and
-its drafts together (q_len = 1 + k, like a prompt chunk over cached context); the logits after
-each row give the greedy token there, so the drafts are checked in the same forward:
+k tokens back: 13 of 129 steps fewer on bench_throughput's workload). The step then computes the
+sequence's last token and its drafts together (q_len = 1 + k, like a prompt chunk over cached
+context); the logits after each row give the greedy token there, so the drafts are checked in the
+same forward:
 
     greedy[0] = argmax(after the last token), greedy[i] = argmax(after draft i)
     a = the number of leading drafts equal to greedy[0..a-1]
