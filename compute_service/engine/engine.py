@@ -238,7 +238,7 @@ class Engine:
             return
         decodes = [item for item in decodes if speculative.eligible(item.seq)]
         per_seq = speculative.draft_budget(len(decodes), self.config.num_speculative_tokens)
-        budget = self.config.max_num_batched_tokens - sum(item.num_new_tokens for item in scheduled)
+        budget = self.config.max_num_batched_tokens - len(scheduled)  # every item is a one-token decode
         for item in decodes:
             seq = item.seq
             k = min(per_seq, budget, speculative.room_for_drafts(seq, self.memory.block_size,
