@@ -68,10 +68,10 @@ def prompt_for(i: int) -> str:
 
 
 async def _stream(stub: gateway_pb2_grpc.GatewayStub, request_id: str, prompt: str, max_tokens: int,
-                  timeout_s: float) -> StreamResult:
+                  timeout_s: float, temperature: float, seed: int) -> StreamResult:
     result = StreamResult(request_id)
     request = gateway_pb2.GenerateRequest(prompt=prompt, request_id=request_id, params=gateway_pb2.SamplingParams(
-        max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+        max_tokens=max_tokens, temperature=temperature, seed=seed, ignore_eos=True))
     started = time.perf_counter()
     try:
         async for piece in stub.GenerateStream(request, timeout=timeout_s):
@@ -90,21 +90,26 @@ async def _stream(stub: gateway_pb2_grpc.GatewayStub, request_id: str, prompt: s
     return result
 
 
-async def _many(address: str, num_clients: int, max_tokens: int, timeout_s: float, tag: str) -> LoadReport:
+async def _many(address: str, num_clients: int, max_tokens: int, timeout_s: float, tag: str,
+                temperature: float) -> LoadReport:
     report = LoadReport()
     started = time.perf_counter()
     async with grpc.aio.insecure_channel(address) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         report.results = list(await asyncio.gather(*(
-            _stream(stub, f"{tag}-{i}", prompt_for(i), max_tokens, timeout_s) for i in range(num_clients))))
+            _stream(stub, f"{tag}-{i}", prompt_for(i), max_tokens, timeout_s, temperature, i)
+            for i in range(num_clients))))
     report.wall_s = time.perf_counter() - started
     return report
 
 
 def run_streams(address: str, num_clients: int, max_tokens: int, *, timeout_s: float = 120.0,
-                tag: str = "load") -> LoadReport:
-    """``num_clients`` streaming clients at once, each ``max_tokens`` greedy tokens (EOS ignored)."""
-    return asyncio.run(_many(address, num_clients, max_tokens, timeout_s, tag))
+                tag: str = "load", temperature: float = 0.0) -> LoadReport:
+    """``num_clients`` streaming clients at once, each ``max_tokens`` tokens (EOS ignored): greedy, or
+    sampled at ``temperature`` with client i's seed i. A sampled stream gets no speculative drafts,
+    so it takes one engine step per token; a greedy one on the tiny model, whose output loops, may
+    take a draft-accepted handful of tokens a step."""
+    return asyncio.run(_many(address, num_clients, max_tokens, timeout_s, tag, temperature))
 
 
 def metric(metrics_port: int, name: str) -> float:
@@ -116,14 +121,20 @@ def metric(metrics_port: int, name: str) -> float:
     return 0.0
 
 
-# A client process: opens NUM streams, waits for the first piece of each, says READY, then hangs
-# until it is SIGKILLed (a crashed client: no cancel, no goodbye, its connection just drops).
+# A client process: opens NUM streams, waits for the first piece of the first, says READY, then hangs
+# until it is SIGKILLed (a crashed client: no cancel, no goodbye, its connection just drops). It
+# reads nothing more, and its channel offers each stream a 1 KiB flow-control window with no BDP
+# probing to widen it: a stream's unread replies fill it within a few dozen tokens, and then the
+# gateway's write waits, so every stream stays open until the kill (or write_stall_timeout_s) however
+# fast the engine is. With gRPC's default windows the unread replies fit, and the streams ran to
+# completion in ~2 s, sometimes before the last of them was even admitted.
 _VANISHING_CLIENT = """
 import sys, threading
 import grpc
 from pagedserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 address, num, max_tokens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-channel = grpc.insecure_channel(address)
+channel = grpc.insecure_channel(address, options=[("grpc.http2.bdp_probe", 0),
+                                                 ("grpc.http2.lookahead_bytes", 1024)])
 stub = gateway_pb2_grpc.GatewayStub(channel)
 calls = [stub.GenerateStream(gateway_pb2.GenerateRequest(prompt=f"vanishing client stream {i}",
          params=gateway_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=1.0, seed=i)))
@@ -135,9 +146,9 @@ threading.Event().wait()
 
 
 def vanishing_client(address: str, num_streams: int, max_tokens: int) -> subprocess.Popen:
-    """Starts a client process holding ``num_streams`` open streams; returns once they are sent and
-    the first has produced a token. The caller SIGKILLs it. The streams sample (temperature 1): a
-    greedy one could finish sooner, its drafts accepted several tokens a step."""
+    """Starts a client process holding ``num_streams`` open streams, each blocked by its full
+    flow-control window; returns once they are sent and the first has produced a token. The caller
+    SIGKILLs it."""
     client = subprocess.Popen([sys.executable, "-c", _VANISHING_CLIENT, address, str(num_streams), str(max_tokens)],
                               stdout=subprocess.PIPE, text=True)
     assert client.stdout is not None
