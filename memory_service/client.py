@@ -71,10 +71,12 @@ class MemoryClient:
         client_name: name for the service's logs and stats.
         connect_timeout_s: how long to wait for the service to answer.
         step_timeout_s: deadline of each Step call.
+        attach_timeout_s: deadline of the Attach call (None: ``connect_timeout_s``). The first
+            attach creates the pool, allocating and mapping all of it: ~2.5 s a GiB on a CPU here.
     """
 
     def __init__(self, target: str, layout: KvLayout, client_name: str = "compute", connect_timeout_s: float = 30.0,
-                 step_timeout_s: float = 30.0) -> None:
+                 step_timeout_s: float = 30.0, attach_timeout_s: float | None = None) -> None:
         self._channel = grpc.insecure_channel(target)
         self._closed = threading.Event()
         self._lease_lost = False
@@ -88,7 +90,7 @@ class MemoryClient:
                     f"memory service at {target}: no answer in {connect_timeout_s} s") from None
             self._stub = memory_pb2_grpc.MemoryManagerStub(self._channel)
             reply = self._attach(pb.AttachRequest(client_name=client_name, layout=convert.layout_to_pb(layout)),
-                                 connect_timeout_s)
+                                 connect_timeout_s if attach_timeout_s is None else attach_timeout_s)
         except BaseException:
             self._channel.close()
             raise

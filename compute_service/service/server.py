@@ -44,6 +44,10 @@ from compute_service.service.servicer import ComputeServicer
 log = get_logger("compute_service")
 
 SERVICE_NAME = compute_pb2.DESCRIPTOR.services_by_name["Compute"].full_name
+# The Attach call's deadline. Not the retry interval: the first attach creates the pool (a 2 GiB pool
+# took ~5 s here), and a deadline that passes mid-creation leaves that client attached with nobody
+# behind it until its lease expires, while the retry attaches a second one.
+ATTACH_TIMEOUT_S = 300.0
 
 
 def memory_target(config: ComputeServiceConfig) -> str:
@@ -73,7 +77,8 @@ def make_attach(loaded: LoadedModel, target: str, engine_config: EngineConfig,
         # Probe first (the probe closes its channel): a dead service costs no half-open client.
         if check_health(target, timeout_s=max(timeout_s, 0.2)) != health_pb2.HealthCheckResponse.SERVING:
             raise UnavailableError(f"memory service at {target} is not serving")
-        memory = MemoryClient(target, layout, client_name="compute", connect_timeout_s=max(timeout_s, 1.0))
+        memory = MemoryClient(target, layout, client_name="compute", connect_timeout_s=max(timeout_s, 1.0),
+                              attach_timeout_s=ATTACH_TIMEOUT_S)
         try:
             return Engine(loaded.model, loaded.config, loaded.tokenizer, memory, engine_config, grammars)
         except BaseException:

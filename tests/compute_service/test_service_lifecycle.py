@@ -198,3 +198,15 @@ def test_sigterm_drains_running_requests_then_exits(services: Services) -> None:
     stats = services.memory_stats()
     assert (stats.num_clients, stats.num_sequences) == (0, 0)  # its lease was released
 
+
+
+def test_a_pool_slow_to_create_is_attached_once(service_model: ServiceModel) -> None:
+    """The first attach creates the pool: 1 GiB (the tiny model's blocks are 2 KiB) takes seconds to
+    allocate and map, longer than the compute service's retry interval. Its Attach call waits for
+    that; a deadline of the retry interval left the first client attached with nobody behind it (the
+    long lease keeps it visible) and attached a second."""
+    with running_services(service_model.path, memory_args=("--kv-cache-bytes", str(1 << 30), "--lease-ttl-s", "60"),
+                          compute_args=("--memory-retry-interval-s", "0.2")) as services:
+        assert services.memory_stats().num_clients == 1
+        reply = services.generate(PROMPT, max_tokens=2, temperature=0.0, ignore_eos=True)
+        assert sum(len(m.token_ids) for m in reply) == 2
