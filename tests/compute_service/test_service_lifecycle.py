@@ -199,7 +199,6 @@ def test_sigterm_drains_running_requests_then_exits(services: Services) -> None:
     assert (stats.num_clients, stats.num_sequences) == (0, 0)  # its lease was released
 
 
-
 def test_a_pool_slow_to_create_is_attached_once(service_model: ServiceModel) -> None:
     """The first attach creates the pool: 1 GiB (the tiny model's blocks are 2 KiB) takes seconds to
     allocate and map, longer than the compute service's retry interval. Its Attach call waits for
