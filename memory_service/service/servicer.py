@@ -14,6 +14,7 @@ and a client that is really gone loses its sequences ``lease_ttl_s`` later. Deta
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import secrets
 import threading
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from pagedserve.errors import InvalidArgument, PreconditionError, ResourceExhaustedError, echo
+from pagedserve.errors import InvalidArgument, PreconditionError, ResourceExhaustedError, UnavailableError, echo
 from pagedserve.log import get_logger
 from pagedserve.memory.v1 import memory_pb2 as pb
 from pagedserve.memory.v1 import memory_pb2_grpc
@@ -67,6 +68,8 @@ class MemoryManagerServicer(memory_pb2_grpc.MemoryManagerServicer):
         self.block_manager: BlockManager | None = None
         self._stopping = asyncio.Event()
         self._reaper: asyncio.Task | None = None
+        self._pool_lock = asyncio.Lock()  # one first attach creates the pool; the others wait for it
+        self._creating: asyncio.Task | None = None  # the pool's creation (see _ensure_pool)
 
     def start(self) -> None:
         """Starts the lease reaper; call on the server's event loop."""
@@ -94,11 +97,22 @@ class MemoryManagerServicer(memory_pb2_grpc.MemoryManagerServicer):
             num_blocks = MAX_NUM_BLOCKS
         return num_blocks
 
-    def _ensure_pool(self, layout: KvLayout) -> None:
-        if self.pool is not None:
-            if layout != self.layout:
-                raise PreconditionError(f"layout {layout} does not fit the existing pool's layout {self.layout}")
-            return
+    async def _ensure_pool(self, layout: KvLayout) -> None:
+        async with self._pool_lock:
+            if self._stopping.is_set():
+                raise UnavailableError("the memory service is shutting down")
+            if self.pool is not None:
+                if layout != self.layout:
+                    raise PreconditionError(f"layout {layout} does not fit the existing pool's layout {self.layout}")
+                return
+            # A task of its own, shielded: an Attach cancelled mid-creation (its client gave up, or
+            # the server stops) must not orphan a half-made pool; ``close`` waits for it instead.
+            self._creating = asyncio.ensure_future(self._create_pool(layout))
+            await asyncio.shield(self._creating)
+            if self._stopping.is_set():
+                raise UnavailableError("the memory service is shutting down")
+
+    async def _create_pool(self, layout: KvLayout) -> None:
         if layout.block_size != self.config.block_size:
             raise PreconditionError(
                 f"layout.block_size {layout.block_size} differs from the service's block_size {self.config.block_size}"
@@ -114,7 +128,9 @@ class MemoryManagerServicer(memory_pb2_grpc.MemoryManagerServicer):
             reserved_blocks=reserved,
             reserved_min_priority=self.config.reserved_min_priority,
         )
-        self.pool = create_pool(layout, num_blocks, self.config.device)
+        # A CPU pool is allocated and mapped in full (~2.5 s a GiB here): in a worker thread, so that
+        # health checks and every other call are answered meanwhile, not after the event loop is free.
+        self.pool = await asyncio.to_thread(create_pool, layout, num_blocks, self.config.device)
         self.layout = layout
         self.block_manager = BlockManager(bm_config, copy_block=self.pool.copy_block)
         log.info(
@@ -166,7 +182,7 @@ class MemoryManagerServicer(memory_pb2_grpc.MemoryManagerServicer):
             raise InvalidArgument(f"client_name has {len(request.client_name)} characters, at most 128")
         if len(self._leases) >= self.config.max_clients:
             raise ResourceExhaustedError(f"{len(self._leases)} clients are attached, the most this service takes")
-        self._ensure_pool(layout)
+        await self._ensure_pool(layout)
         client_id = f"{request.client_name or 'client'}-{secrets.token_hex(6)}"
         bm_config = self.block_manager.config
         # Built before the client is added: a reply that cannot be built must not leave a lease behind.
@@ -283,6 +299,9 @@ class MemoryManagerServicer(memory_pb2_grpc.MemoryManagerServicer):
         self._stopping.set()
         if self._reaper is not None:
             await self._reaper
+        if self._creating is not None:
+            with contextlib.suppress(Exception):  # its Attach reports a failure; here only the pool matters
+                await self._creating
         with self._lock:
             if self.pool is not None:
                 self.pool.close()

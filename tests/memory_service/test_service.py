@@ -7,6 +7,7 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import grpc
@@ -19,6 +20,7 @@ from memory_service.api import AllocateOp, AppendOp, ForkOp, FreeOp, MemoryClien
 from pagedserve.memory.v1 import memory_pb2 as pb
 from pagedserve.memory.v1 import memory_pb2_grpc
 from pagedserve.process import wait_until
+from pagedserve.stack import shm_segments
 from tests.memory_service.conftest import TINY_LAYOUT, start_memory_service
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -273,3 +275,59 @@ def test_integrity_check_reports_a_broken_invariant() -> None:
     before, after = asyncio.run(scenario())
     assert before is None
     assert after == "block 3: refcount 1 but 0 tables hold it"
+
+
+# 8 KiB blocks: 1 GiB of them is 131072 blocks, whose creation (allocated and mapped in full) takes seconds.
+BIG_LAYOUT = pb.KvLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float32", block_size=4)
+
+
+def _attach_in_background(socket: str) -> tuple[threading.Thread, list]:
+    """The first Attach, from another thread: it waits for the pool's creation."""
+    outcome: list = []
+
+    def attach() -> None:
+        try:
+            outcome.append(stub_for(socket).Attach(pb.AttachRequest(client_name="big", layout=BIG_LAYOUT), timeout=120))
+        except grpc.RpcError as exc:
+            outcome.append(exc.code())
+
+    thread = threading.Thread(target=attach)
+    thread.start()
+    return thread, outcome
+
+
+def test_calls_are_answered_while_the_first_attach_creates_the_pool() -> None:
+    """The pool is created in a worker thread: health and Stats are answered while the first Attach
+    is still waiting for it (Stats says so: no client yet, no blocks). When the creation ran on the
+    event loop, every call waited for it, and Stats saw the attached client."""
+    service, socket = start_memory_service("--kv-cache-bytes", str(1 << 30))
+    try:
+        thread, outcome = _attach_in_background(socket)
+        wait_until(lambda: shm_segments(service.pid), 30, "the pool's segment created")
+        channel = grpc.insecure_channel(f"unix:{socket}")
+        health = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service="pagedserve.memory.v1.MemoryManager"), timeout=30)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        stats = stub_for(socket).Stats(pb.StatsRequest(), timeout=30)
+        assert stats.num_clients == 0 and sum(p.num_total_blocks for p in stats.pools) == 0
+        thread.join(120)
+        [reply] = outcome
+        assert reply.num_blocks == (1 << 30) // (8 << 10)
+        stats = stub_for(socket).Stats(pb.StatsRequest(), timeout=30)
+        assert stats.num_clients == 1 and sum(p.num_total_blocks for p in stats.pools) == reply.num_blocks
+        stub_for(socket).Detach(pb.DetachRequest(client_id=reply.client_id), timeout=30)
+    finally:
+        assert service.stop() == 0
+    assert shm_segments(service.pid) == []
+
+
+def test_stopped_while_creating_the_pool_leaves_no_segment() -> None:
+    """SIGTERM mid-creation: the service waits for the worker thread, frees the pool, and the waiting
+    Attach is answered UNAVAILABLE (no client attached to a pool that is going away)."""
+    service, socket = start_memory_service("--kv-cache-bytes", str(1 << 30))
+    thread, outcome = _attach_in_background(socket)
+    wait_until(lambda: shm_segments(service.pid), 30, "the pool's segment created")
+    assert service.stop(timeout_s=60) == 0
+    thread.join(60)
+    assert shm_segments(service.pid) == []
+    assert outcome == [grpc.StatusCode.UNAVAILABLE]
