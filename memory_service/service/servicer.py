@@ -180,9 +180,11 @@ class MemoryManagerServicer(memory_pb2_grpc.MemoryManagerServicer):
         layout = convert.layout_from_pb(request.layout, self.config.block_size)
         if len(request.client_name) > 128:
             raise InvalidArgument(f"client_name has {len(request.client_name)} characters, at most 128")
+        await self._ensure_pool(layout)
+        # After the await, with no other until the lease is added: attaches that waited for the pool
+        # together cannot all pass the check.
         if len(self._leases) >= self.config.max_clients:
             raise ResourceExhaustedError(f"{len(self._leases)} clients are attached, the most this service takes")
-        await self._ensure_pool(layout)
         client_id = f"{request.client_name or 'client'}-{secrets.token_hex(6)}"
         bm_config = self.block_manager.config
         # Built before the client is added: a reply that cannot be built must not leave a lease behind.

@@ -331,3 +331,20 @@ def test_stopped_while_creating_the_pool_leaves_no_segment() -> None:
     thread.join(60)
     assert shm_segments(service.pid) == []
     assert outcome == [grpc.StatusCode.UNAVAILABLE]
+
+
+def test_attaches_that_wait_for_the_pool_together_keep_to_max_clients() -> None:
+    """Two first attaches at once, one client allowed: both wait for the pool, then exactly one gets a
+    lease and the other RESOURCE_EXHAUSTED (the limit is checked after the wait, not before it)."""
+    service, socket = start_memory_service("--kv-cache-bytes", str(1 << 30), "--max-clients", "1")
+    try:
+        attaches = [_attach_in_background(socket) for _ in range(2)]
+        for thread, _ in attaches:
+            thread.join(120)
+        outcomes = [outcome for _, [outcome] in attaches]
+        assert sorted(isinstance(o, pb.AttachResponse) for o in outcomes) == [False, True]
+        assert grpc.StatusCode.RESOURCE_EXHAUSTED in outcomes
+        assert stub_for(socket).Stats(pb.StatsRequest(), timeout=30).num_clients == 1
+    finally:
+        assert service.stop() == 0
+    assert shm_segments(service.pid) == []
