@@ -101,16 +101,18 @@ class MemoryManagerServicer(memory_pb2_grpc.MemoryManagerServicer):
         async with self._pool_lock:
             if self._stopping.is_set():
                 raise UnavailableError("the memory service is shutting down")
-            if self.pool is not None:
-                if layout != self.layout:
-                    raise PreconditionError(f"layout {layout} does not fit the existing pool's layout {self.layout}")
-                return
-            # A task of its own, shielded: an Attach cancelled mid-creation (its client gave up, or
-            # the server stops) must not orphan a half-made pool; ``close`` waits for it instead.
-            self._creating = asyncio.ensure_future(self._create_pool(layout))
-            await asyncio.shield(self._creating)
-            if self._stopping.is_set():
-                raise UnavailableError("the memory service is shutting down")
+            if self.pool is None:
+                # A task of its own, shielded: an Attach cancelled mid-creation (its client gave up,
+                # or the server stops) releases the lock but not the creation. The next Attach waits
+                # for that same task (a second one would replace the pool and leak its segment), and
+                # ``close`` waits for it too.
+                if self._creating is None or self._creating.done():  # none yet, or the last one failed
+                    self._creating = asyncio.ensure_future(self._create_pool(layout))
+                await asyncio.shield(self._creating)
+                if self._stopping.is_set():
+                    raise UnavailableError("the memory service is shutting down")
+            if layout != self.layout:
+                raise PreconditionError(f"layout {layout} does not fit the existing pool's layout {self.layout}")
 
     async def _create_pool(self, layout: KvLayout) -> None:
         if layout.block_size != self.config.block_size:

@@ -281,13 +281,14 @@ def test_integrity_check_reports_a_broken_invariant() -> None:
 BIG_LAYOUT = pb.KvLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float32", block_size=4)
 
 
-def _attach_in_background(socket: str) -> tuple[threading.Thread, list]:
+def _attach_in_background(socket: str, timeout_s: float = 120) -> tuple[threading.Thread, list]:
     """The first Attach, from another thread: it waits for the pool's creation."""
     outcome: list = []
 
     def attach() -> None:
         try:
-            outcome.append(stub_for(socket).Attach(pb.AttachRequest(client_name="big", layout=BIG_LAYOUT), timeout=120))
+            request = pb.AttachRequest(client_name="big", layout=BIG_LAYOUT)
+            outcome.append(stub_for(socket).Attach(request, timeout=timeout_s))
         except grpc.RpcError as exc:
             outcome.append(exc.code())
 
@@ -345,6 +346,26 @@ def test_attaches_that_wait_for_the_pool_together_keep_to_max_clients() -> None:
         assert sorted(isinstance(o, pb.AttachResponse) for o in outcomes) == [False, True]
         assert grpc.StatusCode.RESOURCE_EXHAUSTED in outcomes
         assert stub_for(socket).Stats(pb.StatsRequest(), timeout=30).num_clients == 1
+    finally:
+        assert service.stop() == 0
+    assert shm_segments(service.pid) == []
+
+
+def test_an_attach_that_gives_up_mid_creation_leaves_one_pool() -> None:
+    """The first Attach's deadline passes while the pool is created (its handler is cancelled, the
+    creation goes on); the next Attach waits for that creation instead of starting a second pool,
+    which would have replaced the first and left its segment in /dev/shm."""
+    service, socket = start_memory_service("--kv-cache-bytes", str(1 << 30))
+    try:
+        impatient, gave_up = _attach_in_background(socket, timeout_s=0.5)
+        impatient.join(60)
+        assert gave_up == [grpc.StatusCode.DEADLINE_EXCEEDED]
+        patient, outcome = _attach_in_background(socket)
+        patient.join(120)
+        [reply] = outcome
+        assert len(shm_segments(service.pid)) == 1
+        assert stub_for(socket).Stats(pb.StatsRequest(), timeout=30).num_clients == 1
+        stub_for(socket).Detach(pb.DetachRequest(client_id=reply.client_id), timeout=30)
     finally:
         assert service.stop() == 0
     assert shm_segments(service.pid) == []
