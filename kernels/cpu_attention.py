@@ -85,7 +85,6 @@ class CpuAttentionPlan:
         Returns:
             (T, H_q, D) contiguous.
         """
-        num_kv_heads = k_cache.shape[2]
         self.ops.write_kv_(k_cache, v_cache, key, value, self.slots)
         query = query.contiguous()
         out = torch.empty_like(query)
@@ -96,7 +95,7 @@ class CpuAttentionPlan:
         if self.other_seq_ids.numel():
             self.ops.paged_attention(out, query, k_cache, v_cache, self.block_tables, self.seq_lens,
                                      self.cu_seqlens_q, self.other_seq_ids, scale)
-        group = query.shape[1] // num_kv_heads
+        group = query.shape[1] // k_cache.shape[2]  # query heads per KV head
         for start, num in self.fresh:
             rows = slice(start, start + num)
             q = query[rows].transpose(0, 1).contiguous()[None]  # (1, H_q, n, D)
