@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import os
 import secrets
 import threading
 import time
@@ -38,11 +39,25 @@ log = get_logger("memory_service")
 
 # A single Step may not carry more ops than this (a guard against absurd requests).
 MAX_OPS_PER_STEP = 65536
+# Test-only: seconds the pool's creation takes at least (unset outside tests). The tests of what
+# happens while a big pool is created (calls answered, an Attach that gives up, a SIGTERM) then do
+# not depend on how fast this machine allocates pages; read at each creation, never at import.
+CREATION_DELAY_ENV = "PAGEDSERVE_TEST_POOL_CREATION_DELAY_S"
 # KeepAlive streams one client may hold at once: one, plus room for a reopened stream while the
 # server has not yet noticed that the old one ended. More is a client bug or an attack.
 MAX_STREAMS_PER_CLIENT = 4
 # Accepted KeepAlive heartbeat intervals (0 = the server's default, lease_ttl_s / 3).
 MIN_KEEPALIVE_INTERVAL_S, MAX_KEEPALIVE_INTERVAL_S = 0.05, 3600.0
+
+
+def _create_pool_now(layout: KvLayout, num_blocks: int, device: str) -> KvPool:
+    """``create_pool``, in the worker thread; then the test-only delay (``CREATION_DELAY_ENV``),
+    once the segment exists, as if allocating and mapping it took that long."""
+    pool = create_pool(layout, num_blocks, device)
+    delay_s = float(os.environ.get(CREATION_DELAY_ENV) or 0)
+    if delay_s > 0:
+        time.sleep(delay_s)
+    return pool
 
 
 @dataclass
@@ -132,7 +147,7 @@ class MemoryManagerServicer(memory_pb2_grpc.MemoryManagerServicer):
         )
         # A CPU pool is allocated and mapped in full (~2.5 s a GiB here): in a worker thread, so that
         # health checks and every other call are answered meanwhile, not after the event loop is free.
-        self.pool = await asyncio.to_thread(create_pool, layout, num_blocks, self.config.device)
+        self.pool = await asyncio.to_thread(_create_pool_now, layout, num_blocks, self.config.device)
         self.layout = layout
         self.block_manager = BlockManager(bm_config, copy_block=self.pool.copy_block)
         log.info(

@@ -26,6 +26,7 @@ from pagedserve.compute.v1 import compute_pb2 as cpb
 from pagedserve.process import check_health, wait_until
 
 from benchmarks.tiny_model import ServiceModel, hf_greedy
+from memory_service.service.servicer import CREATION_DELAY_ENV
 from pagedserve.stack import COMPUTE_SERVICE, shm_segments
 from tests.compute_service.service_fixtures import Services, running_services, start_memory
 
@@ -199,12 +200,13 @@ def test_sigterm_drains_running_requests_then_exits(services: Services) -> None:
     assert (stats.num_clients, stats.num_sequences) == (0, 0)  # its lease was released
 
 
-def test_a_pool_slow_to_create_is_attached_once(service_model: ServiceModel) -> None:
-    """The first attach creates the pool: 1 GiB (the tiny model's blocks are 2 KiB) takes seconds to
-    allocate and map, longer than the compute service's retry interval. Its Attach call waits for
-    that; a deadline of the retry interval left the first client attached with nobody behind it (the
-    long lease keeps it visible) and attached a second."""
-    with running_services(service_model.path, memory_args=("--kv-cache-bytes", str(1 << 30), "--lease-ttl-s", "60"),
+def test_a_pool_slow_to_create_is_attached_once(service_model: ServiceModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first attach creates the pool, which for a big one takes seconds (~2.5 s a GiB here; the
+    test-only delay makes it 3 s), longer than the compute service's retry interval. Its Attach call
+    waits for that; a deadline of the retry interval left the first client attached with nobody
+    behind it (the long lease keeps it visible) and attached a second."""
+    monkeypatch.setenv(CREATION_DELAY_ENV, "3")
+    with running_services(service_model.path, memory_args=("--max-num-blocks", "300", "--lease-ttl-s", "60"),
                           compute_args=("--memory-retry-interval-s", "0.2")) as services:
         assert services.memory_stats().num_clients == 1
         reply = services.generate(PROMPT, max_tokens=2, temperature=0.0, ignore_eos=True)

@@ -21,6 +21,7 @@ from pagedserve.memory.v1 import memory_pb2 as pb
 from pagedserve.memory.v1 import memory_pb2_grpc
 from pagedserve.process import wait_until
 from pagedserve.stack import shm_segments
+from memory_service.service.servicer import CREATION_DELAY_ENV
 from tests.memory_service.conftest import TINY_LAYOUT, start_memory_service
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -277,8 +278,14 @@ def test_integrity_check_reports_a_broken_invariant() -> None:
     assert after == "block 3: refcount 1 but 0 tables hold it"
 
 
-# 8 KiB blocks: 1 GiB of them is 131072 blocks, whose creation (allocated and mapped in full) takes seconds.
-BIG_LAYOUT = pb.KvLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float32", block_size=4)
+LAYOUT = pb.KvLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype="float32", block_size=4)
+
+
+def _start_with_slow_creation(monkeypatch: pytest.MonkeyPatch, *extra: str) -> tuple:
+    """A service whose pool takes 3 s to create once its segment exists (the test-only delay), as a
+    big pool does (~2.5 s a GiB here), whatever this machine's speed."""
+    monkeypatch.setenv(CREATION_DELAY_ENV, "3")
+    return start_memory_service("--max-num-blocks", "16", *extra)
 
 
 def _attach_in_background(socket: str, timeout_s: float = 120) -> tuple[threading.Thread, list]:
@@ -287,7 +294,7 @@ def _attach_in_background(socket: str, timeout_s: float = 120) -> tuple[threadin
 
     def attach() -> None:
         try:
-            request = pb.AttachRequest(client_name="big", layout=BIG_LAYOUT)
+            request = pb.AttachRequest(client_name="first", layout=LAYOUT)
             outcome.append(stub_for(socket).Attach(request, timeout=timeout_s))
         except grpc.RpcError as exc:
             outcome.append(exc.code())
@@ -297,11 +304,11 @@ def _attach_in_background(socket: str, timeout_s: float = 120) -> tuple[threadin
     return thread, outcome
 
 
-def test_calls_are_answered_while_the_first_attach_creates_the_pool() -> None:
+def test_calls_are_answered_while_the_first_attach_creates_the_pool(monkeypatch: pytest.MonkeyPatch) -> None:
     """The pool is created in a worker thread: health and Stats are answered while the first Attach
     is still waiting for it (Stats says so: no client yet, no blocks). When the creation ran on the
     event loop, every call waited for it, and Stats saw the attached client."""
-    service, socket = start_memory_service("--kv-cache-bytes", str(1 << 30))
+    service, socket = _start_with_slow_creation(monkeypatch)
     try:
         thread, outcome = _attach_in_background(socket)
         wait_until(lambda: shm_segments(service.pid), 30, "the pool's segment created")
@@ -313,7 +320,7 @@ def test_calls_are_answered_while_the_first_attach_creates_the_pool() -> None:
         assert stats.num_clients == 0 and sum(p.num_total_blocks for p in stats.pools) == 0
         thread.join(120)
         [reply] = outcome
-        assert reply.num_blocks == (1 << 30) // (8 << 10)
+        assert reply.num_blocks == 16
         stats = stub_for(socket).Stats(pb.StatsRequest(), timeout=30)
         assert stats.num_clients == 1 and sum(p.num_total_blocks for p in stats.pools) == reply.num_blocks
         stub_for(socket).Detach(pb.DetachRequest(client_id=reply.client_id), timeout=30)
@@ -322,10 +329,10 @@ def test_calls_are_answered_while_the_first_attach_creates_the_pool() -> None:
     assert shm_segments(service.pid) == []
 
 
-def test_stopped_while_creating_the_pool_leaves_no_segment() -> None:
+def test_stopped_while_creating_the_pool_leaves_no_segment(monkeypatch: pytest.MonkeyPatch) -> None:
     """SIGTERM mid-creation: the service waits for the worker thread, frees the pool, and the waiting
     Attach is answered UNAVAILABLE (no client attached to a pool that is going away)."""
-    service, socket = start_memory_service("--kv-cache-bytes", str(1 << 30))
+    service, socket = _start_with_slow_creation(monkeypatch)
     thread, outcome = _attach_in_background(socket)
     wait_until(lambda: shm_segments(service.pid), 30, "the pool's segment created")
     assert service.stop(timeout_s=60) == 0
@@ -334,10 +341,10 @@ def test_stopped_while_creating_the_pool_leaves_no_segment() -> None:
     assert outcome == [grpc.StatusCode.UNAVAILABLE]
 
 
-def test_attaches_that_wait_for_the_pool_together_keep_to_max_clients() -> None:
+def test_attaches_that_wait_for_the_pool_together_keep_to_max_clients(monkeypatch: pytest.MonkeyPatch) -> None:
     """Two first attaches at once, one client allowed: both wait for the pool, then exactly one gets a
     lease and the other RESOURCE_EXHAUSTED (the limit is checked after the wait, not before it)."""
-    service, socket = start_memory_service("--kv-cache-bytes", str(1 << 30), "--max-clients", "1")
+    service, socket = _start_with_slow_creation(monkeypatch, "--max-clients", "1")
     try:
         attaches = [_attach_in_background(socket) for _ in range(2)]
         for thread, _ in attaches:
@@ -351,11 +358,11 @@ def test_attaches_that_wait_for_the_pool_together_keep_to_max_clients() -> None:
     assert shm_segments(service.pid) == []
 
 
-def test_an_attach_that_gives_up_mid_creation_leaves_one_pool() -> None:
+def test_an_attach_that_gives_up_mid_creation_leaves_one_pool(monkeypatch: pytest.MonkeyPatch) -> None:
     """The first Attach's deadline passes while the pool is created (its handler is cancelled, the
     creation goes on); the next Attach waits for that creation instead of starting a second pool,
     which would have replaced the first and left its segment in /dev/shm."""
-    service, socket = start_memory_service("--kv-cache-bytes", str(1 << 30))
+    service, socket = _start_with_slow_creation(monkeypatch)
     try:
         impatient, gave_up = _attach_in_background(socket, timeout_s=0.5)
         impatient.join(60)
