@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.tiny_model import ServiceModel, build_service_model
+from pagedserve.testing.tiny_model import ServiceModel, build_service_model
 
 
 @pytest.fixture(scope="session")

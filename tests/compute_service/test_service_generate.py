@@ -17,7 +17,7 @@ import torch
 
 from pagedserve.compute.v1 import compute_pb2 as cpb
 
-from benchmarks.tiny_model import EOS_PROMPT, ServiceModel, hf_greedy
+from pagedserve.testing.tiny_model import EOS_PROMPT, ServiceModel, hf_greedy
 from tests.compute_service.service_fixtures import Services, running_services
 
 PROMPTS = [EOS_PROMPT, [40, 97, 109, 32, 97, 32, 116, 105, 110, 121], list(range(33, 33 + 21))]

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.reliability.stack import Gateway, compute_load, memory_stats, start_gateway
-from benchmarks.tiny_model import ServiceModel, build_service_model
+from pagedserve.testing.stack import Gateway, compute_load, memory_stats, start_gateway
+from pagedserve.testing.tiny_model import ServiceModel, build_service_model
 from pagedserve.compute.v1 import compute_pb2
 from pagedserve.memory.v1 import memory_pb2
 from pagedserve.process import ServiceProcess, wait_until

@@ -18,7 +18,7 @@ import jsonschema
 import openai
 import pytest
 
-from benchmarks.tiny_model import ServiceModel
+from pagedserve.testing.tiny_model import ServiceModel
 from pagedserve.process import wait_until
 from tests.e2e.conftest import Engine
 from tests.e2e.test_openai import Http, _start

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.reliability.stack import Stack, StackConfig, start_stack
-from benchmarks.tiny_model import ServiceModel, build_service_model
+from pagedserve.testing.stack import Stack, StackConfig, start_stack
+from pagedserve.testing.tiny_model import ServiceModel, build_service_model
 
 # Requests the session gateway holds at once: the overload test sends more than this.
 GATEWAY_MAX_QUEUED = 32
