@@ -17,7 +17,7 @@ import sys
 from pagedserve.config import add_config_flags, add_service_flags, build_config, read_config_file
 from pagedserve.errors import PreconditionError
 from pagedserve.log import configure_logging
-from pagedserve.process import die_with_parent
+from pagedserve.process import die_with_parent, raise_open_files_limit
 from pagedserve.service_auth import TOKEN_ENV
 
 from memory_service.config import MemoryServiceConfig
@@ -97,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.parent_pid is not None:
         die_with_parent(args.parent_pid)  # first: see pagedserve.process
+    raise_open_files_limit()  # see pagedserve.process: connections are descriptors
     try:
         service, engine = configs_from_args(args)
         configure_logging(service.log_level, log_format=args.log_format)

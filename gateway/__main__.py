@@ -8,7 +8,7 @@ import sys
 
 from pagedserve.config import add_config_flags, add_service_flags, config_from_args
 from pagedserve.log import configure_logging
-from pagedserve.process import die_with_parent
+from pagedserve.process import die_with_parent, raise_open_files_limit
 
 from gateway.config import API_KEYS_ENV, GatewayConfig
 from pagedserve.service_auth import TOKEN_ENV
@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.parent_pid is not None:
         die_with_parent(args.parent_pid)  # first: see pagedserve.process
+    raise_open_files_limit()  # see pagedserve.process: connections are descriptors
     try:
         config = config_from_args(GatewayConfig, args)
         configure_logging(config.log_level, log_format=args.log_format)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -47,6 +48,27 @@ def die_with_parent(parent_pid: int) -> None:
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     if os.getppid() != parent_pid:
         sys.exit(1)
+
+
+def raise_open_files_limit() -> int:
+    """Called first thing by every service's main: RLIMIT_NOFILE's soft limit raised to its hard limit.
+
+    Why: every connection holds a descriptor, and a container's usual soft limit (1024) is reached
+    by ~1,000 idle clients, after which neither front can accept anything (accept() fails with
+    EMFILE while the TCP backlog keeps filling). The hard limit is the most an unprivileged process
+    may take; the services' own caps (HTTP connections, queued requests) are sized below it.
+
+    Returns:
+        The soft limit now in force.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or (hard != resource.RLIM_INFINITY and soft >= hard):
+        return soft
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ValueError, OSError):  # an infinite hard limit (not on Linux) or a sandbox: keep the soft one
+        return soft
+    return hard
 
 
 def add_parent_pid_flag(parser: argparse.ArgumentParser) -> None:

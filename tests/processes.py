@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import resource
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -18,3 +21,23 @@ def is_gone(pid: int) -> bool:
         return stat.read_text().split(") ")[-1].startswith("Z")
     except FileNotFoundError:
         return True
+
+
+def open_files_limits(pid: int) -> tuple[int, int]:
+    """The (soft, hard) RLIMIT_NOFILE of a running process, read from ``/proc/PID/limits``."""
+    for line in Path(f"/proc/{pid}/limits").read_text().splitlines():
+        if line.startswith("Max open files"):
+            soft, hard = line.split()[3:5]
+            return int(soft), int(hard)
+    raise AssertionError(f"no 'Max open files' line in /proc/{pid}/limits")
+
+
+@contextlib.contextmanager
+def lowered_open_files_limit(soft: int) -> Iterator[None]:
+    """This process's soft RLIMIT_NOFILE lowered to ``soft`` (for the children it starts meanwhile)."""
+    before = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, before[0]), before[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, before)

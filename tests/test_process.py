@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pagedserve.process import ServiceProcess, check_health, wait_until
-from tests.processes import is_gone
+from tests.processes import is_gone, lowered_open_files_limit, open_files_limits
 
 
 def test_launch_ready_then_stop_leaves_nothing(tmp_path: Path) -> None:
@@ -24,6 +24,21 @@ def test_launch_ready_then_stop_leaves_nothing(tmp_path: Path) -> None:
     assert service.stop() == 0
     assert not service.is_running() and not socket.exists()
     assert check_health(service.address, timeout_s=0.2) is None
+
+
+def test_a_service_raises_its_open_files_limit_to_the_hard_limit(tmp_path: Path) -> None:
+    """Issue 27 item 3: started under a soft limit of 256 descriptors (a container's 1024, lower
+    still), the service runs with its hard limit: idle connections cannot exhaust it as early."""
+    socket = tmp_path / "memory.sock"
+    with lowered_open_files_limit(256):
+        service = ServiceProcess("memory_service", ["--socket", socket, "--max-num-blocks", "8", "--block-size", "4",
+                                                    "--log-level", "warning"], address=f"unix:{socket}")
+    try:
+        service.wait_ready(60)
+        soft, hard = open_files_limits(service.pid)
+        assert soft == hard and hard > 256
+    finally:
+        assert service.stop() == 0
 
 
 def test_failed_start_quotes_the_log_and_leaves_no_process(tmp_path: Path) -> None:
