@@ -1,7 +1,12 @@
-"""Paged-attention kernels: `write_kv` and `paged_attention` (contract in docs/design.md).
+"""The kernels API the model calls: `plan_step` (a step's per-layer kernels), `linear`/`prepack`
+(the projections), and the paged-attention pair `write_kv` / `paged_attention` (contract in
+docs/design.md).
 
-CUDA tensors go to the Triton kernels, anything else to the PyTorch reference. Triton is imported
-on the first CUDA call only, so importing this package stays cheap.
+`plan_step` returns the fused CPU kernels where they apply (a CPU model in float32 or bfloat16, a
+supported head size, the C++ extension built) and the PyTorch ops otherwise; `write_kv` and
+`paged_attention` send CUDA tensors to the Triton kernels, anything else to the PyTorch reference.
+Triton is imported on the first CUDA call only and the C++ extension on the first `plan_step`, so
+importing this package stays cheap.
 
 This module deliberately has no `__version__`: transformers probes for a Hugging Face package that
 is also imported as `kernels`, and falls back to importing ours and reading that attribute.
@@ -9,9 +14,27 @@ is also imported as `kernels`, and falls back to importing ours and reading that
 
 import torch
 
+from kernels.cpu_attention import CpuAttentionPlan
+from kernels.cpu_linear import linear, prepack
+from kernels.cpu_linear import available as can_prepack
 from kernels.reference import paged_attention_reference, write_kv_reference
+from kernels.step import StepKernels, TorchStep
 
-__all__ = ["write_kv", "paged_attention"]
+__all__ = ["StepKernels", "can_prepack", "linear", "paged_attention", "plan_step", "prepack", "write_kv"]
+
+
+def plan_step(slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+              cu_seqlens_q: torch.Tensor, *, dtype: torch.dtype, head_dim: int) -> StepKernels:
+    """The kernels every layer of one step runs, chosen once per step (see kernels/step.py).
+
+    Args:
+        slot_mapping, block_tables, seq_lens, cu_seqlens_q: the step's ForwardBatch index tensors.
+        dtype: the model's (activations and KV pool); head_dim: its head size.
+    """
+    plan = CpuAttentionPlan.build(slot_mapping, block_tables, seq_lens, cu_seqlens_q, dtype=dtype, head_dim=head_dim)
+    if plan is not None:
+        return plan
+    return TorchStep(slot_mapping, block_tables, seq_lens, cu_seqlens_q)
 
 
 def write_kv(

@@ -1,9 +1,10 @@
-"""The fused CPU attention path: write the step's K/V, then attend, without gathering the context.
+"""The fused CPU path (`StepKernels` of kernels/step.py): the C++ ops of csrc/cpu_ops.cpp.
 
-Per step, `CpuAttentionPlan.build` reads the batch's lengths once (on the host); every layer then
-writes its new K/V into the pool (`write_kv_`: one copy per token row) and runs the C++
-`paged_attention` op: it reads K/V blocks in place through the block table (no copy, no padding
-to the longest sequence), all query heads of a KV group sharing each block read.
+Attention writes the step's K/V, then attends, without gathering the context. Per step,
+`CpuAttentionPlan.build` reads the batch's lengths once (on the host); every layer then writes its
+new K/V into the pool (`write_kv_`: one copy per token row) and runs the C++ `paged_attention` op:
+it reads K/V blocks in place through the block table (no copy, no padding to the longest
+sequence), all query heads of a KV group sharing each block read.
 
 Fresh prompts (no cached context, several new tokens) take the same op where it runs the AVX-512
 kernels (csrc/paged_attention_avx512.h): their K/V were just written and are in cache, and its
@@ -31,7 +32,7 @@ SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)  # instantiated in csrc/cpu_ops.cpp
 
 @dataclass(frozen=True)
 class CpuAttentionPlan:
-    """One step's index tensors for the fused CPU path (built once, used by every layer).
+    """One step's index tensors for the fused CPU path (built once, used by every layer), and its ops.
 
     Attributes:
         slots: (T,) int64 pool slot of each token's K/V; negative: not written.
@@ -42,6 +43,7 @@ class CpuAttentionPlan:
             fresh prompts go through SDPA).
     """
 
+    name = "fused-cpu"
     ops: Any
     slots: torch.Tensor
     block_tables: torch.Tensor
@@ -74,6 +76,25 @@ class CpuAttentionPlan:
                    cu_seqlens_q=cu_seqlens_q.to(torch.int32),
                    seq_ids=torch.arange(seq_lens.numel(), dtype=torch.int64), fresh=fresh,
                    other_seq_ids=torch.tensor(other, dtype=torch.int64))
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self.ops.rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+        return self.ops.add_rms_norm(residual, x, weight, eps)
+
+    def rotary(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_q_heads: int,
+               num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rotates q and k in place on the QKV output; returns views of it."""
+        num_tokens = qkv.shape[0]
+        self.ops.rotary_(qkv, cos, sin, num_q_heads + num_kv_heads, head_dim)
+        q, k, v = qkv.split([num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+        return (q.view(num_tokens, num_q_heads, head_dim), k.view(num_tokens, num_kv_heads, head_dim),
+                v.view(num_tokens, num_kv_heads, head_dim))
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.ops.silu_mul(gate_up)
 
     def write_and_attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                          v_cache: torch.Tensor, scale: float) -> torch.Tensor:

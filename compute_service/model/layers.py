@@ -5,11 +5,10 @@ overwrites every one of them and checks that it did). Projections that read the 
 fused into one matrix: q/k/v into `qkv_weight` rows [q | k | v], gate/up into `gate_up_weight`
 rows [gate | up], so each is one GEMM.
 
-On a float32 CPU model with the fused CPU kernels available (`kernels.cpu_ops`), a step carries a
-`CpuAttentionPlan` and the layers run the fused path: rotary in place on the QKV output, K/V
-written with one `index_copy_`, paged attention reading blocks in place, SiLU-mul in one op, and
-each residual add fused with the RMSNorm that follows it (`DecoderLayer.forward_fused`). Otherwise
-(CUDA, other dtypes, no compiler) the plain PyTorch ops below run; both give the same tokens.
+Each step carries the kernels it runs (`kernels.plan_step`: the fused CPU kernels or PyTorch ops,
+chosen once per step behind one interface, kernels/step.py); the layers only call them. Each
+residual add runs inside the RMSNorm that follows it (`StepKernels.add_rms_norm`): a layer returns
+its residual stream and its MLP output unadded, and the next layer's first norm adds them.
 
 `profile_scope(name)` labels the parts of a step for `torch.profiler` (bench_throughput.py
 --profile) while a profiler records, and is a no-op otherwise (one ~70 ns check): no switch to flip.
@@ -21,13 +20,11 @@ import contextlib
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from compute_service.model.forward_batch import ForwardBatch
 from compute_service.model.model_config import ModelConfig, RopeConfig
-from kernels import cpu_linear, paged_attention, write_kv
-from kernels.cpu_attention import CpuAttentionPlan
+from kernels import StepKernels, linear
+from kernels.step import rms_norm_torch
 
 def profile_scope(name: str) -> contextlib.AbstractContextManager:
     """A `torch.profiler.record_function(name)` while a profiler records, else a no-op (a
@@ -54,9 +51,7 @@ class RMSNorm(nn.Module):
             return self._forward(x)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return rms_norm_torch(x, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
@@ -97,14 +92,6 @@ class RotaryEmbedding(nn.Module):
         return angles.cos(), angles.sin()
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the pairs (x[i], x[i + D/2]) of every head; x (T, H, D), cos/sin (T, D)."""
-    x1, x2 = x.chunk(2, dim=-1)  # (T, H, D/2) each
-    rotated = torch.cat((-x2, x1), dim=-1)  # (T, H, D)
-    cos, sin = cos.to(x.dtype)[:, None, :], sin.to(x.dtype)[:, None, :]  # (T, 1, D)
-    return x * cos + rotated * sin
-
-
 class Attention(nn.Module):
     """Grouped-query self-attention over the paged KV cache of one layer."""
 
@@ -123,43 +110,18 @@ class Attention(nn.Module):
         self.qkv_packed: torch.Tensor | None = None
         self.o_packed: torch.Tensor | None = None
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        batch: ForwardBatch,
-        plan: CpuAttentionPlan | None = None,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, step: StepKernels) -> torch.Tensor:
         """x (T, hidden) -> (T, hidden); writes the new tokens' K/V into k_cache/v_cache first."""
         num_tokens = x.shape[0]
         with profile_scope("qkv_proj"):
-            qkv = cpu_linear.linear(x, self.qkv_weight, self.qkv_packed, self.qkv_bias)  # (T, (H_q + 2 H_kv) D)
-        if plan is not None:  # fused CPU path
-            with profile_scope("rotary"):
-                plan.ops.rotary_(qkv, cos, sin, self.num_q_heads + self.num_kv_heads, self.head_dim)
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            with profile_scope("attention"):
-                out = plan.write_and_attend(
-                    q.view(num_tokens, self.num_q_heads, self.head_dim),
-                    k.view(num_tokens, self.num_kv_heads, self.head_dim),
-                    v.view(num_tokens, self.num_kv_heads, self.head_dim), k_cache, v_cache, self.scale,
-                )  # (T, H_q, D)
-        else:
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            with profile_scope("rotary"):
-                q = apply_rotary(q.view(num_tokens, self.num_q_heads, self.head_dim), cos, sin)  # (T, H_q, D)
-                k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)  # (T, H_kv, D)
-            v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, H_kv, D), strided rows
-            with profile_scope("attention"):
-                write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
-                out = paged_attention(
-                    q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.cu_seqlens_q, scale=self.scale
-                )  # (T, H_q, D)
+            qkv = linear(x, self.qkv_weight, self.qkv_packed, self.qkv_bias)  # (T, (H_q + 2 H_kv) D)
+        with profile_scope("rotary"):
+            q, k, v = step.rotary(qkv, cos, sin, self.num_q_heads, self.num_kv_heads, self.head_dim)
+        with profile_scope("attention"):
+            out = step.write_and_attend(q, k, v, k_cache, v_cache, self.scale)  # (T, H_q, D)
         with profile_scope("o_proj"):
-            return cpu_linear.linear(out.reshape(num_tokens, self.q_size), self.o_weight, self.o_packed, self.o_bias)
+            return linear(out.reshape(num_tokens, self.q_size), self.o_weight, self.o_packed, self.o_bias)
 
 
 class MLP(nn.Module):
@@ -175,23 +137,18 @@ class MLP(nn.Module):
         self.gate_up_packed: torch.Tensor | None = None  # see Attention.qkv_packed
         self.down_packed: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor, plan: CpuAttentionPlan | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: StepKernels) -> torch.Tensor:
         """(T, hidden) -> (T, hidden)"""
         with profile_scope("mlp_gate_up"):
-            # (T, 2I) [gate | up]
-            gate_up = cpu_linear.linear(x, self.gate_up_weight, self.gate_up_packed, self.gate_up_bias)
+            gate_up = linear(x, self.gate_up_weight, self.gate_up_packed, self.gate_up_bias)  # (T, 2I) [gate | up]
         with profile_scope("silu_mul"):
-            if plan is not None:
-                act = plan.ops.silu_mul(gate_up)  # (T, I)
-            else:
-                gate, up = gate_up.chunk(2, dim=-1)  # (T, I) each
-                act = F.silu(gate) * up
+            act = step.silu_mul(gate_up)  # (T, I)
         with profile_scope("mlp_down"):
-            return cpu_linear.linear(act, self.down_weight, self.down_packed, self.down_bias)
+            return linear(act, self.down_weight, self.down_packed, self.down_bias)
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then h + mlp(norm(h))."""
+    """Pre-norm block: h = x + attn(norm(x)), then h + mlp(norm(h))."""
 
     def __init__(self, config: ModelConfig, *, device: torch.device | str, dtype: torch.dtype) -> None:
         super().__init__()
@@ -200,46 +157,23 @@ class DecoderLayer(nn.Module):
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device=device, dtype=dtype)
         self.mlp = MLP(config, device=device, dtype=dtype)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        batch: ForwardBatch,
-    ) -> torch.Tensor:
-        """x (T, hidden) -> (T, hidden)"""
-        h = x + self.attn(self.input_norm(x), cos, sin, k_cache, v_cache, batch)
-        return h + self.mlp(self.post_attn_norm(h))
-
-    def forward_fused(
-        self,
-        residual: torch.Tensor,
-        pending: torch.Tensor | None,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        batch: ForwardBatch,
-        plan: CpuAttentionPlan,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The fused CPU path: the layer's input is ``residual + pending`` (the previous layer's MLP
-        output, not added yet, so that the add runs inside this layer's first RMSNorm).
+    def forward(self, residual: torch.Tensor, pending: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, step: StepKernels) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's input is ``residual + pending`` (the previous layer's MLP output, not added
+        yet, so that the add runs inside this layer's first RMSNorm).
 
         Args:
-            residual: (T, hidden) contiguous float32, updated in place.
+            residual: (T, hidden) contiguous, the model's dtype; updated in place.
             pending: (T, hidden) or None (first layer).
         Returns:
             (residual, mlp_out): the layer's output is their sum.
         """
-        eps = self.input_norm.eps
         with profile_scope("norm"):
             if pending is None:
-                normed = plan.ops.rms_norm(residual, self.input_norm.weight, eps)
+                normed = step.rms_norm(residual, self.input_norm.weight, self.input_norm.eps)
             else:
-                normed = plan.ops.add_rms_norm(residual, pending, self.input_norm.weight, eps)
-        attn_out = self.attn(normed, cos, sin, k_cache, v_cache, batch, plan)
+                normed = step.add_rms_norm(residual, pending, self.input_norm.weight, self.input_norm.eps)
+        attn_out = self.attn(normed, cos, sin, k_cache, v_cache, step)
         with profile_scope("norm"):
-            normed = plan.ops.add_rms_norm(residual, attn_out, self.post_attn_norm.weight, self.post_attn_norm.eps)
-        return residual, self.mlp(normed, plan)
+            normed = step.add_rms_norm(residual, attn_out, self.post_attn_norm.weight, self.post_attn_norm.eps)
+        return residual, self.mlp(normed, step)

@@ -20,8 +20,7 @@ from torch import nn
 from compute_service.model.forward_batch import ForwardBatch
 from compute_service.model.layers import DecoderLayer, RMSNorm, RotaryEmbedding, empty_parameter, profile_scope
 from compute_service.model.model_config import ModelConfig
-from kernels import cpu_linear
-from kernels.cpu_attention import CpuAttentionPlan
+import kernels
 
 # Buffers that some checkpoints carry but that we recompute.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -82,21 +81,15 @@ class CausalLM(nn.Module):
             last_rows = logits_rows
         else:
             last_rows = None if batch.num_tokens == batch.num_seqs else batch.cu_seqlens_q[1:].long() - 1
-        plan = CpuAttentionPlan.build(batch.slot_mapping, batch.block_tables, batch.seq_lens, batch.cu_seqlens_q,
-                                      dtype=self.dtype, head_dim=self.config.head_dim)
-        if plan is not None:  # fused CPU path: residual adds run inside the next RMSNorm
-            pending = None
-            for layer_id, layer in enumerate(self.layers):
-                hidden, pending = layer.forward_fused(hidden, pending, cos, sin, kv_pool[layer_id, 0],
-                                                      kv_pool[layer_id, 1], batch, plan)
-            last = hidden + pending if last_rows is None else hidden[last_rows] + pending[last_rows]  # (B, hidden)
-        else:
-            for layer_id, layer in enumerate(self.layers):
-                hidden = layer(hidden, cos, sin, kv_pool[layer_id, 0], kv_pool[layer_id, 1], batch)
-            last = hidden if last_rows is None else hidden[last_rows]  # (B, hidden)
+        step = kernels.plan_step(batch.slot_mapping, batch.block_tables, batch.seq_lens, batch.cu_seqlens_q,
+                                 dtype=self.dtype, head_dim=self.config.head_dim)
+        pending = None  # each layer's MLP output, added to the residual inside the next layer's first norm
+        for layer_id, layer in enumerate(self.layers):
+            hidden, pending = layer(hidden, pending, cos, sin, kv_pool[layer_id, 0], kv_pool[layer_id, 1], step)
+        last = hidden + pending if last_rows is None else hidden[last_rows] + pending[last_rows]  # (B, hidden)
         last = self.norm(last)
         with profile_scope("lm_head"):
-            return cpu_linear.linear(last, self.lm_head, self.lm_head_packed).float()  # (B, vocab)
+            return kernels.linear(last, self.lm_head, self.lm_head_packed).float()  # (B, vocab)
 
     def check_kv_pool(self, kv_pool: torch.Tensor) -> None:
         """Raise ValueError unless `kv_pool` has this model's layout, dtype and device."""
@@ -122,15 +115,15 @@ class CausalLM(nn.Module):
         the weights are not held twice); the head keeps its plain copy, which may be the embedding
         table. A packed model cannot load weights again: load a new one.
         """
-        if self.device.type != "cpu" or self.dtype != torch.float32 or not cpu_linear.available():
+        if self.device.type != "cpu" or self.dtype != torch.float32 or not kernels.can_prepack():
             return False
         for module, name in self._projections():
             weight = getattr(module, f"{name}_weight")
-            packed = cpu_linear.prepack(weight)
+            packed = kernels.prepack(weight)
             if packed is not None:
                 setattr(module, f"{name}_packed", packed)
                 weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
-        self.lm_head_packed = cpu_linear.prepack(self.lm_head)
+        self.lm_head_packed = kernels.prepack(self.lm_head)
         return self.is_prepacked
 
     @property

@@ -13,8 +13,8 @@ import torch
 
 from compute_service import LLM, SamplingParams
 from compute_service.model.model_loader import load_model
+import kernels
 from kernels import cpu_linear, cpu_ops
-from kernels.cpu_attention import CpuAttentionPlan
 from tests.compute_service.test_model import ATOL, RTOL, PagedSequences, random_tokens, reference_logits
 
 FUSED_AVAILABLE = cpu_ops.load() is not None
@@ -53,7 +53,12 @@ def test_the_fused_path_is_taken_when_available(make_tiny_model) -> None:
     model = load_model(str(make_tiny_model("llama").path), device="cpu").model
     args = (torch.zeros(3, dtype=torch.int64), torch.zeros(1, 1, dtype=torch.int32),
             torch.tensor([3], dtype=torch.int32), torch.tensor([0, 3], dtype=torch.int32))
-    assert CpuAttentionPlan.build(*args, dtype=model.dtype, head_dim=model.config.head_dim) is not None
+    assert kernels.plan_step(*args, dtype=model.dtype, head_dim=model.config.head_dim).name == "fused-cpu"
+    cpu_ops._state["ops"], ops = None, cpu_ops._state["ops"]  # as if the build had failed
+    try:
+        assert kernels.plan_step(*args, dtype=model.dtype, head_dim=model.config.head_dim).name == "torch"
+    finally:
+        cpu_ops._state["ops"] = ops
 
 
 @pytest.mark.parametrize("variant", ["llama", "qwen2", "mistral"])
