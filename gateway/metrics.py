@@ -37,6 +37,10 @@ class GatewayMetrics:
         self.backend_outstanding = Gauge("pagedserve_gateway_backend_outstanding_requests",
                                          "This gateway's requests on each backend.",
                                          ["backend"], registry=self.registry)
+        self.backend_pending_tokens = Gauge("pagedserve_gateway_backend_pending_tokens",
+                                            "Tokens each backend reported still to compute (every gateway's "
+                                            "requests), as of this gateway's last poll.",
+                                            ["backend"], registry=self.registry)
 
     def tenant_changed(self, tenant: str, num_requests: int) -> None:
         """``Tenants``' callback: a tenant's requests in flight changed."""

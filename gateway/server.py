@@ -72,6 +72,8 @@ class Gateway:
         for backend in pool.backends.values():
             self.metrics.backend_healthy.labels(backend.address).set(1 if backend.is_healthy else 0)
             self.metrics.backend_outstanding.labels(backend.address).set(backend.num_outstanding)
+            if backend.load is not None:
+                self.metrics.backend_pending_tokens.labels(backend.address).set(backend.load.num_pending_tokens)
         model = self.servicer.model
         serving = model is not None and bool(pool.in_rotation(model.info.model_name))
         # No tokenizer yet, or every backend now serves another model (a redeploy): load theirs.

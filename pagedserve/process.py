@@ -17,6 +17,7 @@ start services from a long-lived thread (the main thread, or the thread that als
 from __future__ import annotations
 
 import argparse
+import asyncio
 import ctypes
 import os
 import resource
@@ -92,6 +93,21 @@ def wait_until(condition: Callable[[], object], timeout_s: float = 10.0, what: s
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout_s} s waiting for {what}")
         time.sleep(interval_s)
+
+
+async def async_wait_until(condition: Callable[[], object], timeout_s: float = 10.0, what: str = "the condition",
+                           interval_s: float = 0.01) -> None:
+    """``wait_until`` for code on an event loop: polls between ``asyncio.sleep``s, so the tasks
+    that make the condition true (an in-process server's handlers) run meanwhile.
+
+    Raises:
+        TimeoutError: still false after ``timeout_s``.
+    """
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout_s} s waiting for {what}")
+        await asyncio.sleep(interval_s)
 
 
 def check_health(address: str, service: str = "", timeout_s: float = 1.0) -> int | None:

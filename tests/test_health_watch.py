@@ -13,6 +13,7 @@ from structlog.testing import capture_logs
 
 from pagedserve import rpc
 from pagedserve.health import MAX_WATCHES_PER_PEER
+from pagedserve.process import async_wait_until
 
 # A client window of about 1 KiB: a watcher that does not read blocks the server's writes quickly.
 _SMALL_WINDOW = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)]
@@ -27,7 +28,7 @@ async def _server() -> tuple[grpc.aio.Server, rpc.AioHealth, str]:
 
 def test_watch_streams_are_capped_per_connection() -> None:
     async def scenario() -> None:
-        server, _, address = await _server()
+        server, health, address = await _server()
         async with grpc.aio.insecure_channel(address) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             calls = [stub.Watch(health_pb2.HealthCheckRequest(service="demo.Service"))
@@ -40,7 +41,8 @@ def test_watch_streams_are_capped_per_connection() -> None:
             assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert f"at most {MAX_WATCHES_PER_PEER} health Watch streams per connection" in info.value.details()
             calls[0].cancel()
-            await asyncio.sleep(0.2)  # the server sees the cancel
+            await async_wait_until(lambda: health.servicer.num_watches == MAX_WATCHES_PER_PEER - 1,
+                                   what="the server to end the cancelled watch")
             again = stub.Watch(health_pb2.HealthCheckRequest(service="demo.Service"))
             assert (await again.read()).status == health_pb2.HealthCheckResponse.SERVING
             # Check stays open whatever the watches.
@@ -66,7 +68,8 @@ def test_a_watcher_that_stops_reading_blocks_no_status_change_and_its_cancel_log
                 await asyncio.wait_for(health.set_serving(i % 2 == 1), timeout=10)
                 await asyncio.sleep(0)
             call.cancel()
-            await asyncio.sleep(0.5)  # the server notices the cancel while its write is blocked
+            # The server notices the cancel while its write is blocked, and the handler ends.
+            await async_wait_until(lambda: health.servicer.num_watches == 0, what="the server to end the watch")
         await channel.close()
         await server.stop(0)
         return logs

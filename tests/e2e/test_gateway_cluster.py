@@ -9,13 +9,13 @@ recovered backend rejoins the rotation.
 from __future__ import annotations
 
 import json
-import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from pagedserve.compute.v1 import compute_pb2, compute_pb2_grpc
 from pagedserve.gateway.v1 import gateway_pb2
@@ -40,6 +40,17 @@ def _long(prompt: str) -> gateway_pb2.GenerateRequest:
 
 def _queries(engines: list[Engine]) -> list[int]:
     return [e.memory_stats().prefix_cache_queries for e in engines]
+
+
+def _metrics(gateway: Gateway) -> str:
+    return urllib.request.urlopen(f"http://127.0.0.1:{gateway.metrics_port}/metrics", timeout=5).read().decode()
+
+
+def _reported_pending_tokens(gateway: Gateway, backend: str) -> float:
+    """The tokens ``backend`` reported pending at the gateway's last poll of it."""
+    [sample] = [s for family in text_string_to_metric_families(_metrics(gateway)) for s in family.samples
+                if s.name == "pagedserve_gateway_backend_pending_tokens" and s.labels["backend"] == backend]
+    return sample.value
 
 
 def test_greedy_through_the_gateway_equals_transformers(gateway: Gateway, service_model) -> None:
@@ -128,7 +139,10 @@ def test_second_gateway_sees_load_that_another_client_put_on_an_engine(
                 for i in range(4)]
             for stream in streams:
                 next(stream)
-            time.sleep(0.5)  # a few health polls: the gateways read the engine's reported load
+            # Both gateways have polled the engine since: they route by the load it reports.
+            for gw in (gateway, second):
+                wait_until(lambda gw=gw: _reported_pending_tokens(gw, busy.address) >= 3 * LONG_MAX_TOKENS,
+                           what=f"gateway {gw.address} to read the busy engine's load")
             before = _queries(engines)
             requests = [(gw, gateway_pb2.GenerateRequest(prompt=f"fresh {gw.address} {i}", params=_params(4)))
                         for gw in (gateway, second) for i in range(2)]
@@ -197,13 +211,14 @@ def test_metrics_and_access_log(gateway: Gateway) -> None:
     secret = "a prompt that must never be logged"
     gateway.stub.Generate(gateway_pb2.GenerateRequest(prompt=secret, params=_params(4), request_id="logged-1"),
                           timeout=60)
-    text = urllib.request.urlopen(f"http://127.0.0.1:{gateway.metrics_port}/metrics", timeout=5).read().decode()
+    text = _metrics(gateway)
     assert 'pagedserve_gateway_requests_total{method="Generate",status="OK"}' in text
     assert 'pagedserve_gateway_requests_total{method="Generate",status="INVALID_ARGUMENT"}' in text
     assert "pagedserve_gateway_time_to_first_token_seconds_count" in text
     assert "pagedserve_gateway_time_per_output_token_seconds_count" in text
     assert "pagedserve_gateway_queue_length 0.0" in text
     assert text.count("pagedserve_gateway_backend_healthy{") == 2
+    assert text.count("pagedserve_gateway_backend_pending_tokens{") == 2
     log = gateway.log_file.read_text()
     assert secret not in log
     lines = [json.loads(line) for line in log.splitlines() if '"logged-1"' in line]
