@@ -6,7 +6,6 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
@@ -14,7 +13,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from pagedserve.process import ServiceProcess
+from pagedserve.process import ServiceProcess, wait_until
 from pagedserve.sockets import free_port
 from pagedserve.stack import GATEWAY_SERVICE
 from tests.e2e.conftest import Engine
@@ -50,10 +49,11 @@ def test_gateway_serves_tls_only(engines: list[Engine], run_dir: Path, tmp_path:
     credentials = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
     try:
         with grpc.secure_channel(address, credentials) as channel:
-            deadline = time.monotonic() + 60
-            while not _serving(channel):
-                assert gateway.is_running() and time.monotonic() < deadline, "the TLS gateway never served"
-                time.sleep(0.1)
+            def serving() -> bool:
+                assert gateway.is_running(), "the TLS gateway exited"
+                return _serving(channel)
+
+            wait_until(serving, 60, "the TLS gateway serving")
             reply = gateway_pb2_grpc.GatewayStub(channel).Generate(gateway_pb2.GenerateRequest(
                 prompt="over tls", params=gateway_pb2.SamplingParams(max_tokens=3, temperature=0.0,
                                                                      ignore_eos=True)), timeout=30)

@@ -16,14 +16,13 @@ import os
 import socket
 import subprocess
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from grpc_health.v1 import health_pb2
 
-from pagedserve.process import check_health
+from pagedserve.process import check_health, wait_until
 
 LABEL = "pagedserve.test"
 _UNITS = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "k": 10**3, "M": 10**6, "G": 10**9}
@@ -229,7 +228,5 @@ class DockerPod:
 
 def _wait_removed(container: str, timeout_s: float = 60) -> None:
     """`--rm` removes a stopped container (and its anonymous volumes) just after `docker stop` returns."""
-    deadline = time.monotonic() + timeout_s
-    while docker("container", "inspect", container, check=False).returncode == 0:
-        assert time.monotonic() < deadline, f"{container}: stopped but not removed within {timeout_s} s"
-        time.sleep(0.2)
+    wait_until(lambda: docker("container", "inspect", container, check=False).returncode != 0, timeout_s,
+               f"{container} removed after its stop", interval_s=0.2)

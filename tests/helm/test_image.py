@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 import pytest
 
+from pagedserve.process import wait_until
 from tests.e2e.test_grpcurl import _grpcurl
 from tests.helm.chart import NAMESPACE, container, engine_pod, gateway_pod, render
 from tests.helm.docker_pod import LABEL, DockerPod, docker
@@ -61,11 +62,13 @@ def _free_port() -> int:
 
 
 def _wait(what: str, check: Callable[[], bool], timeout_s: float, alive: Callable[[], bool] = lambda: True) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
+    def done() -> bool:
+        if check():
+            return True
         assert alive(), f"{what}: the container exited"
-        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
-        time.sleep(0.5)
+        return False
+
+    wait_until(done, timeout_s, what, interval_s=0.5)
 
 
 def test_image_is_slim_unprivileged_and_carries_the_prebuilt_kernels(image: str) -> None:

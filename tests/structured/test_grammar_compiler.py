@@ -11,6 +11,7 @@ import pytest
 from compute_service import Constraint
 from compute_service.structured.grammar_compiler import GrammarCompiler, GrammarCompilerConfig, choice_grammar
 from pagedserve.errors import InvalidArgument, ResourceExhaustedError
+from pagedserve.process import wait_until
 from tests.structured.conftest import EOS, VOCAB, ByteModel
 
 # About 0.3 s on an idle core (the time grows with the cube of the number of optional properties).
@@ -21,10 +22,7 @@ SLOW = Constraint.json_schema(json.dumps({"type": "object", "properties": {f"p{i
 
 def _wait_idle(compiler: GrammarCompiler) -> None:
     # A compile still running when the interpreter exits would abort it (see server.py).
-    deadline = time.monotonic() + 120
-    while compiler.num_running and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert compiler.num_running == 0
+    wait_until(lambda: compiler.num_running == 0, 120, "every compile finished")
 
 
 def test_queued_job_is_busy_and_the_slow_one_too_complex(byte_model: ByteModel) -> None:
@@ -39,8 +37,7 @@ def test_queued_job_is_busy_and_the_slow_one_too_complex(byte_model: ByteModel) 
 
     thread = threading.Thread(target=slow)
     thread.start()
-    while not compiler.num_running:  # the only worker has taken the slow job
-        time.sleep(0.001)
+    wait_until(lambda: compiler.num_running, 60, "the only worker to take the slow job", interval_s=0.001)
     with pytest.raises(ResourceExhaustedError, match="params.regex: every grammar compile worker is busy"):
         compiler.compile(Constraint.regex("[ab]+"))
     thread.join(60)
@@ -50,13 +47,14 @@ def test_queued_job_is_busy_and_the_slow_one_too_complex(byte_model: ByteModel) 
     with pytest.raises(InvalidArgument, match="too complex"):  # remembered: refused at once
         compiler.compile(SLOW)
     assert time.monotonic() - start < 0.05
-    deadline = time.monotonic() + 60  # the queued job runs once the worker is free
-    while True:
+
+    def compiles() -> bool:  # the queued job runs once the worker is free
         try:
-            assert compiler.compile(Constraint.regex("[ab]+")) is not None
-            break
+            return compiler.compile(Constraint.regex("[ab]+")) is not None
         except ResourceExhaustedError:
-            assert time.monotonic() < deadline
+            return False
+
+    wait_until(compiles, 60, "the queued job compiled", interval_s=0)
     _wait_idle(compiler)
 
 
