@@ -22,6 +22,10 @@ FLAGS = {
     "http_port": "also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, "
                  "/health) on this port; none without the flag",
     "http_host": "bind address of the HTTP API (default: the --listen host)",
+    "http_read_timeout_s": "an HTTP request's headers, then its body, must each arrive within this many seconds "
+                           "(late headers: the connection is closed; a late body: 408)",
+    "http_max_connections": "HTTP connections open at once (at most half the open-files limit); more are answered "
+                            "503 and closed",
     "api_keys_file": "tenants and their keys, sent as 'authorization: Bearer KEY': a JSON file "
                      '{"tenants": {"NAME": {"keys": [...], "max_priority": 0, "max_concurrent": N}}} or one key '
                      f"per line (tenants key-1, key-2, ...); also ${API_KEYS_ENV} (comma-separated)",

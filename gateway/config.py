@@ -43,6 +43,11 @@ class GatewayConfig(ServiceConfig):
         tokenize_threads: threads of the tokenizer's own executor (tokenizing a long prompt takes
             milliseconds: off the event loop, and bounded so it cannot take every core).
         tls_cert_file, tls_key_file: PEM certificate chain and private key: serve TLS (both or neither).
+        http_read_timeout_s: an HTTP request's headers, then its body, must each arrive within this
+            (late headers: the connection is closed; a late body: 408), so idle clients cannot hold
+            connections.
+        http_max_connections: HTTP connections open at once (at most half the descriptor limit);
+            one more is answered 503 and closed at once.
         max_queued_requests: requests this gateway holds at once (waiting for or streaming from a
             backend); one more is answered RESOURCE_EXHAUSTED at once.
         health_interval_s: how often each backend's health and load are polled.
@@ -85,6 +90,8 @@ class GatewayConfig(ServiceConfig):
     tokenize_threads: int = 2
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
+    http_read_timeout_s: float = 10.0
+    http_max_connections: int = 1024
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     backend_token_file: str | None = None
     backend_token: str | None = field(default=None, repr=False)
@@ -101,7 +108,7 @@ class GatewayConfig(ServiceConfig):
             raise ValueError(f"http_port must be in [0, 65536), got {self.http_port}")
         for name in ("max_queued_requests", "max_prompt_chars", "max_messages", "max_message_bytes",
                      "affinity_max_blocks", "health_interval_s", "dns_refresh_s", "affinity_max_load_ratio",
-                     "write_stall_timeout_s", "tokenize_threads"):
+                     "write_stall_timeout_s", "tokenize_threads", "http_read_timeout_s", "http_max_connections"):
             _positive(name, getattr(self, name))
         for name in ("grace_period_s", "drain_delay_s", "affinity_max_load_gap"):
             if getattr(self, name) < 0:

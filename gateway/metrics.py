@@ -31,6 +31,11 @@ class GatewayMetrics:
         self.write_stalls = Counter("pagedserve_gateway_write_stalls",
                                     "Streams ended because their client read nothing for write_stall_timeout_s.",
                                     registry=self.registry)
+        self.http_connections_closed = Counter(
+            "pagedserve_gateway_http_connections_closed",
+            "HTTP connections the gateway closed itself, by reason: headers_timeout and body_timeout (the request "
+            "did not arrive within http_read_timeout_s), over_capacity (http_max_connections were open).",
+            ["reason"], registry=self.registry)
         self.backend_healthy = Gauge("pagedserve_gateway_backend_healthy",
                                      "1 while a backend is in rotation, 0 while it is out.",
                                      ["backend"], registry=self.registry)
@@ -45,6 +50,10 @@ class GatewayMetrics:
     def tenant_changed(self, tenant: str, num_requests: int) -> None:
         """``Tenants``' callback: a tenant's requests in flight changed."""
         self.tenant_in_flight.labels(tenant).set(num_requests)
+
+    def http_connection_closed(self, reason: str) -> None:
+        """The HTTP front's connection guard closed a connection (see gateway.openai_api.connections)."""
+        self.http_connections_closed.labels(reason).inc()
 
     def serve(self, host: str, port: int) -> int:
         """Starts the HTTP endpoint (a daemon thread); returns the bound port."""

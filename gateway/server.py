@@ -60,7 +60,8 @@ class Gateway:
             front = OpenAIFront(self.servicer, lambda: self.health.is_serving and not self._stopping)
             # The gRPC front's certificate serves HTTPS here (TLS on one front only would be a gap).
             self.http = HttpServer(front.app, config.http_bind_host, config.http_port, config.grace_period_s,
-                                   config.tls_cert_file, config.tls_key_file)
+                                   config.tls_cert_file, config.tls_key_file, config.http_read_timeout_s,
+                                   config.http_max_connections, self.metrics.http_connection_closed)
         self.address = ""
         self.http_port: int | None = None
         self.metrics_port: int | None = None

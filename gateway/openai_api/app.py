@@ -31,7 +31,7 @@ import grpc
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
@@ -258,7 +258,7 @@ class OpenAIFront:
         constraint_param: list[str] = []  # the parameter that gave the constraint, once converted
         try:
             return await self._answer(request, endpoint, constraint_param)
-        except ClientGone:
+        except (ClientGone, ClientDisconnect):  # gone mid-body too (or cut off by the body read deadline)
             return Response(status_code=499)  # nobody reads it; the access line says CANCELLED
         except Exception as exc:  # every failure becomes an OpenAI error object
             return _error(exc, constraint_param[0] if constraint_param else None)

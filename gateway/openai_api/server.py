@@ -5,18 +5,29 @@ channels as the gRPC handlers, with no thread hop and no lock. uvicorn runs embe
 ``serve`` as a task), minus its signal handling: the gateway's SIGTERM sequence stops both fronts.
 The socket is bound here, before uvicorn starts, so a taken port is a clear error at start and
 port 0 reports the port it got.
+
+Every connection runs under a ``ConnectionGuard`` (read deadlines, a cap on open connections: see
+``gateway.openai_api.connections``); the cap is kept to half the process's descriptor limit, so
+idle HTTP clients can never take the descriptors the gRPC front and the backends need.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
+import resource
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import uvicorn
 from starlette.types import ASGIApp
+
+from gateway.openai_api.connections import ConnectionGuard, GuardedH11Protocol
+from pagedserve.log import get_logger
+
+log = get_logger("gateway.http")
 
 
 class _EmbeddedServer(uvicorn.Server):
@@ -35,15 +46,24 @@ class HttpServer:
         grace_period_s: on ``stop``, how long open responses (streams) may take to finish.
         tls_cert_file: PEM certificate chain; with ``tls_key_file``, the front speaks HTTPS.
         tls_key_file: PEM private key.
+        read_timeout_s: a request's headers, then its body, must each arrive within this.
+        max_connections: connections open at once (at most half the descriptor limit); more are
+            answered 503 and closed.
+        on_closed: called with the reason of each connection the guard closes.
     """
 
     def __init__(self, app: ASGIApp, host: str, port: int, grace_period_s: float,
-                 tls_cert_file: str | None = None, tls_key_file: str | None = None) -> None:
+                 tls_cert_file: str | None = None, tls_key_file: str | None = None,
+                 read_timeout_s: float = 10.0, max_connections: int = 1024,
+                 on_closed: Callable[[str], None] | None = None) -> None:
         self.host, self.port = host, port
+        self.guard = ConnectionGuard(read_timeout_s, _within_descriptor_limit(max_connections), on_closed)
         # uvicorn's own lines would bypass the structured log; it reports only problems.
         logging.getLogger("uvicorn").setLevel(logging.WARNING)
-        config = uvicorn.Config(app, lifespan="off", log_config=None, access_log=False, http="h11", ws="none",
-                                timeout_graceful_shutdown=max(int(grace_period_s), 1), server_header=False,
+        protocol = functools.partial(GuardedH11Protocol, guard=self.guard)
+        config = uvicorn.Config(app, lifespan="off", log_config=None, access_log=False,
+                                http=protocol,  # type: ignore[arg-type]  # uvicorn calls it as a class
+                                ws="none", timeout_graceful_shutdown=max(int(grace_period_s), 1), server_header=False,
                                 ssl_certfile=tls_cert_file, ssl_keyfile=tls_key_file)
         self._server = _EmbeddedServer(config)
         self._socket: socket.socket | None = None
@@ -83,3 +103,12 @@ class HttpServer:
             return
         self._server.should_exit = True
         await self._task
+
+
+def _within_descriptor_limit(max_connections: int) -> int:
+    """``max_connections``, or half the descriptor limit when that is less (logged)."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY or max_connections <= soft // 2:
+        return max_connections
+    log.warning("http_max_connections_lowered", requested=max_connections, used=soft // 2, open_files_limit=soft)
+    return max(soft // 2, 1)

@@ -1,0 +1,108 @@
+"""The HTTP front against hostile clients, on a real gateway process (issue 27 items 3 and 9).
+
+One gateway with its HTTP front, a cap of 20 connections and a 1 s read deadline, started under a
+soft descriptor limit of 512: it runs with its hard limit, closes idle half-sent connections, and
+both fronts keep answering while they are open and after.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pagedserve.gateway.v1 import gateway_pb2
+from pagedserve.process import wait_until
+from pagedserve.sockets import free_port
+from pagedserve.testing.stack import Gateway, start_gateway
+from tests.e2e.conftest import Engine
+from tests.processes import lowered_open_files_limit, open_files_limits
+
+HALF_SENT = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"  # the headers never end
+NUM_IDLE, MAX_CONNECTIONS = 30, 20
+RESET = b"<reset>"
+
+
+class Front:
+    def __init__(self, gateway: Gateway, http_port: int) -> None:
+        self.gateway, self.port = gateway, http_port
+        self.base_url = f"http://127.0.0.1:{http_port}"
+
+    def metric(self, name: str, labels: str = "") -> float:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.gateway.metrics_port}/metrics", timeout=10).read()
+        match = re.search(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", text.decode(), re.MULTILINE)
+        return float(match.group(1)) if match else 0.0
+
+
+@pytest.fixture(scope="module")
+def front(engines: list[Engine], run_dir: Path) -> Iterator[Front]:
+    port = free_port()
+    with lowered_open_files_limit(512):
+        gateway = start_gateway([engines[0].address], run_dir, "--http-port", str(port), "--http-max-connections",
+                                str(MAX_CONNECTIONS), "--http-read-timeout-s", "1")
+    wait_until(lambda: gateway.num_healthy_backends() == 1, what="the backend in rotation")
+    yield Front(gateway, port)
+    assert gateway.stop() == 0
+
+
+def _generate(front: Front) -> gateway_pb2.GenerateResponse:
+    return front.gateway.stub.Generate(gateway_pb2.GenerateRequest(
+        prompt="hello", params=gateway_pb2.SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)), timeout=60)
+
+
+def _until_closed(conn: socket.socket) -> bytes:
+    """What the server sent until it closed the connection (30 s socket timeout: never reached)."""
+    data = b""
+    try:
+        while chunk := conn.recv(4096):
+            data += chunk
+    except ConnectionResetError:
+        return RESET
+    return data
+
+
+def test_the_gateway_runs_with_its_hard_descriptor_limit(front: Front) -> None:
+    soft, hard = open_files_limits(front.gateway.process.pid)
+    assert soft == hard and hard > 512
+
+
+def test_idle_half_sent_connections_are_closed_and_both_fronts_answer(front: Front) -> None:
+    idle = [socket.create_connection(("127.0.0.1", front.port), timeout=30) for _ in range(NUM_IDLE)]
+    try:
+        for conn in idle:
+            conn.sendall(HALF_SENT)
+        # Both fronts answer while the idle connections are held (the cap keeps room for them).
+        assert len(_generate(front).choices[0].token_ids) == 2
+        answers = [_until_closed(conn) for conn in idle]
+    finally:
+        for conn in idle:
+            conn.close()
+    # Each one closed by the server: at its deadline (nothing to answer), or at once with 503
+    # when it came beyond the cap (a reset when the request reached it before it closed).
+    assert all(a in (b"", RESET) or a.startswith(b"HTTP/1.1 503 ") for a in answers), answers
+    closed = {reason: front.metric("pagedserve_gateway_http_connections_closed_total", f'{{reason="{reason}"}}')
+              for reason in ("headers_timeout", "over_capacity")}
+    assert closed["headers_timeout"] + closed["over_capacity"] == NUM_IDLE
+    assert closed["over_capacity"] == sum(a != b"" for a in answers) >= 1
+    assert httpx.get(f"{front.base_url}/health", timeout=30).status_code == 200
+    assert len(_generate(front).choices[0].token_ids) == 2
+
+
+def test_a_body_that_stops_coming_is_408_and_no_internal_error(front: Front) -> None:
+    conn = socket.create_connection(("127.0.0.1", front.port), timeout=30)
+    try:
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"prompt\": ")
+        answer = _until_closed(conn)
+    finally:
+        conn.close()
+    assert answer.startswith(b"HTTP/1.1 408 ") and b"did not arrive" in answer
+    assert front.metric("pagedserve_gateway_http_connections_closed_total", '{reason="body_timeout"}') == 1
+    assert httpx.get(f"{front.base_url}/health", timeout=30).status_code == 200
+    # The handler saw its client gone, not a bug (no error line with a traceback).
+    assert front.gateway.log_file is not None and "openai_internal_error" not in front.gateway.log_file.read_text()
