@@ -8,10 +8,10 @@ sequence), all query heads of a KV group sharing each block read.
 
 Fresh prompts (no cached context, several new tokens) take the same op where it runs the AVX-512
 kernels (csrc/paged_attention_avx512.h): their K/V were just written and are in cache, and its
-prompt tiles measured 2.7-4.8x faster than PyTorch's causal SDPA on the default model's prompts
-(SDPA also needs K/V expanded per query head and transposed copies per prompt). With the portable
-kernel (x86-64-v3 builds, other block sizes) SDPA is the faster one for them (2.4x on a 2048-token
-prompt), so there they still attend to the step's K/V through SDPA's flash kernel (4-D contiguous
+prompt tiles beat PyTorch's causal SDPA on the default model's prompts (SDPA also needs K/V
+expanded per query head and transposed copies per prompt). With the portable kernel (x86-64-v3
+builds, other block sizes) SDPA is the faster one for them, so there they still attend to the
+step's K/V through SDPA's flash kernel (4-D contiguous
 inputs, one KV head per query head: 3-D inputs or `enable_gqa=True` take slower paths).
 
 Results equal `paged_attention_reference` up to float rounding (tests/kernels/test_cpu_attention.py).

@@ -4,8 +4,8 @@
 every call. At decode batch sizes (tens of rows) that repacking costs about as much as the product
 itself, on every projection of every layer of every step. A weight reordered once by oneDNN
 (`torch.ops.mkldnn._reorder_linear_weight`, the op Inductor's CPU freezing pass uses) is read as it
-is: measured on the default model's projections (30 layers, one thread, 2 vCPU AMD EPYC), 1.7x at
-8 rows, 1.4x at 32, 1.3x at 64 and 1.15x at 2048-token prefill.
+is, faster at every batch size, most at decode's few rows (docs/benchmarks.md, "Figures behind the
+code's choices").
 
 Only float32 CPU weights are packed; anywhere else (CUDA, other dtypes, a torch without oneDNN,
 `PAGEDSERVE_CPU_PREPACK=0`) `prepack` returns None and `linear` is `F.linear`. The products differ

@@ -72,7 +72,7 @@ class MemoryClient:
         connect_timeout_s: how long to wait for the service to answer.
         step_timeout_s: deadline of each Step call.
         attach_timeout_s: deadline of the Attach call (None: ``connect_timeout_s``). The first
-            attach creates the pool, allocating and mapping all of it: ~2.5 s a GiB on a CPU here.
+            attach creates the pool, allocating and mapping all of it: seconds a GiB on a CPU.
     """
 
     def __init__(self, target: str, layout: KvLayout, client_name: str = "compute", connect_timeout_s: float = 30.0,

@@ -13,8 +13,8 @@ from pagedserve.config import ServiceConfig, check_listen
 MAX_NUM_BLOCKS = 1 << 20
 # The CPU pool's size when none is given: the least of this cap, a quarter of available memory and
 # ``memory_utilization_threshold`` (90%) of free /dev/shm (kv_pool.default_kv_budget). The shm share
-# alone took ~21 GiB, all the machine's memory, on a 24 GiB host; 512 MiB starved a 32-request burst
-# of the default model (TTFT p99 10.9 s against 1.17 s at 1 GiB). 2 GiB holds ~45k tokens of
+# alone could take all of a host's memory, and too small a pool starves a burst of requests (what
+# was measured: docs/benchmarks.md, "Figures behind the code's choices"). 2 GiB holds ~45k tokens of
 # SmolLM2-135M in float32 and leaves a small host usable. The one constant of that default.
 DEFAULT_CPU_KV_CAP_BYTES = 2 << 30
 

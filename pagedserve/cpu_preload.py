@@ -9,11 +9,10 @@ Both must be loaded before anything else: ServiceProcess starts ``compute_servic
 imports torch (``maybe_reexec``: the same pid goes on, so the parent's handle, ``--parent-pid`` and
 signals are unaffected). The in-process ``LLM`` cannot: run its script under ``LD_PRELOAD``.
 
-Measured (docs/benchmarks.md, issue 18): Intel OpenMP is the lever, above all where other processes
-share the cores (every OpenMP region of a step waits for the thread that has no core; GNU libgomp
-makes that wait a time slice, Intel's runtime yields): the default model's decode step at 8 and 32
-sequences took 0.82-0.93x the time at load 2-3 on the 2-vCPU machine, 0.36-0.41x at load 4-6 and
-0.05-0.10x at load 15-25; tcmalloc ~8% on top.
+Intel OpenMP is the lever, above all where other processes share the cores: every OpenMP region
+of a step waits for the thread that has no core, and GNU libgomp makes that wait a time slice where
+Intel's runtime yields; tcmalloc adds a little on top (the measured step times: docs/benchmarks.md,
+"Levers measured").
 
 ``PAGEDSERVE_CPU_PRELOAD``: ``1`` (the default: when libiomp5 is found), ``0`` (never).
 ``PAGEDSERVE_CPU_PIN=1`` also pins the OpenMP threads one per CPU of the process's affinity

@@ -3,8 +3,7 @@
 Why not decode each new token on its own: a token is not a string. A byte-level BPE token may hold
 half of a UTF-8 character (the rest comes with the next token), and sentencepiece tokenizers drop
 or keep a token's leading space depending on what precedes it. Why not decode the whole output each
-step: it costs O(length) per token (3 ms for 4,000 tokens on a CPU core, times every running
-sequence, every step).
+step: it costs O(length) per token, times every running sequence, every step.
 
 So the text grows from a small window of tokens: ``prefix_offset`` .. ``read_offset`` are tokens
 already turned into text, kept as context; each step decodes the window plus the new tokens and
@@ -37,8 +36,8 @@ def _plain_backend(tokenizer: Any | None) -> Any | None:
     """The Rust ``tokenizers.Tokenizer`` behind a Hugging Face tokenizer whose ``decode`` does nothing
     but call it (no clean-up of spaces, no subclass decoding its own way), else None.
 
-    Why: each token costs two decodes of a few ids, and transformers' Python wrapper takes ~1.4 us
-    of the ~1.9 us of each (measured on the default model's tokenizer); the text is the same.
+    Why: each token costs two decodes of a few ids, and transformers' Python wrapper takes most of
+    the time of each; the text is the same.
     """
     if tokenizer is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
         return None

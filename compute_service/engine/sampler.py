@@ -57,8 +57,8 @@ def _sample_row(row: torch.Tensor, seq: Sequence) -> int:
 def greedy_tokens(logits: torch.Tensor) -> list[int]:
     """``logits.argmax(dim=-1).tolist()``: the first maximum of each row, a NaN counting as the maximum.
 
-    On a CPU float32 batch through numpy, whose argmax is vectorised: 0.34 ms for the default
-    model's (48, 49152) logits where torch's takes 1.39 ms, the same indices (ties, NaN, inf).
+    On a CPU float32 batch through numpy, whose argmax is vectorised where torch's is not (several
+    times faster on the default model's logits), with the same indices (ties, NaN, inf).
     """
     if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 and not logits.requires_grad:
         return logits.numpy().argmax(axis=1).tolist()

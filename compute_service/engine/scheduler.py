@@ -17,9 +17,8 @@ engine), then reads the results back. Rules, in order:
 5. Admission watermark: while sequences run, a waiting one is admitted only if the
    ``admission_watermark`` share of the pool stays free afterwards, for the running ones to grow
    into. Without it a saturated engine fills the pool with prompts, then preempts (and later
-   recomputes) the latest arrivals as soon as decodes need blocks; measured on the benchmark
-   workload (128 requests, 11648-token pool): 46 preemptions and 4899 recomputed tokens at 0,
-   2 and 275 at 0.05, none at 0.1 but KV utilisation 0.87 instead of 0.92 (docs/benchmarks.md).
+   recomputes) the latest arrivals as soon as decodes need blocks (the preemptions and KV
+   utilisation at each watermark: docs/benchmarks.md, "Admission watermark").
 """
 
 from __future__ import annotations

@@ -35,15 +35,15 @@ from compute_service.engine.sequence import Sequence
 MAX_NGRAM = 4
 MIN_NGRAM = 1
 # Draft rows per step, across the batch: a decode step's weights and KV are read once whatever
-# the number of rows, until the rows make it compute-bound (measured on a 2-core AVX-512 CPU,
-# SmolLM2-135M: about a hundred rows).
+# the number of rows, until the rows make it compute-bound (about a hundred rows for SmolLM2-135M
+# on a 2-core AVX-512 CPU).
 DRAFT_ROWS_PER_STEP = 96
 
 
 class NgramIndex:
     """The latest position that followed each n-gram (n = MIN_NGRAM..MAX_NGRAM) of one sequence,
     kept up to date incrementally: a proposal costs O(new tokens), not O(context), after the first,
-    which indexes the whole prompt (~1 ms per 500 tokens)."""
+    which indexes the whole prompt."""
 
     def __init__(self) -> None:
         self._tokens: list[int] = []

@@ -103,10 +103,9 @@ class ForwardBatch:
             raise ValueError(f"block_size must be positive, got {block_size}")
         # Host arrays filled by C loops (array.extend) and three tensors over their memory: the
         # step's cost is a few Python operations per sequence, per block of a prompt, never per
-        # token. (The per-token loop and six torch.tensor calls on lists, ~40 ns an element for
-        # nested ones, took 0.16 ms for 48 decodes with their block tables, 0.4 ms for a
-        # 2048-token prompt; numpy's many small calls lose to this once the model's pass has
-        # evicted them from the caches.)
+        # token. (A per-token loop and torch.tensor calls on nested lists cost tens of ns an
+        # element; numpy's many small calls lose to this once the model's pass has evicted them
+        # from the caches.)
         num_seqs = len(new_token_ids)
         longs = array("q")  # input_ids | positions | slot_mapping, T each
         positions, slots = array("q"), array("q")

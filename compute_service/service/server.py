@@ -44,8 +44,8 @@ from compute_service.service.servicer import ComputeServicer
 log = get_logger("compute_service")
 
 SERVICE_NAME = compute_pb2.DESCRIPTOR.services_by_name["Compute"].full_name
-# The Attach call's deadline. Not the retry interval: the first attach creates the pool (a 2 GiB pool
-# took ~5 s here), and a deadline that passes mid-creation leaves that client attached with nobody
+# The Attach call's deadline. Not the retry interval: the first attach creates the pool (seconds a
+# GiB on a CPU), and a deadline that passes mid-creation leaves that client attached with nobody
 # behind it until its lease expires, while the retry attaches a second one.
 ATTACH_TIMEOUT_S = 300.0
 

@@ -62,7 +62,7 @@ class LogitsMasker:
         masked = logits
         if keep_raw:
             # A buffer reused across steps: a fresh (32, 49152) float32 copy per step costs more in
-            # page faults (about 10 ms) than filling and applying the masks (about 0.25 ms).
+            # page faults than filling and applying the masks (docs/benchmarks.md, structured outputs).
             if self._copy is None or self._copy.shape[0] < num_rows or self._copy.shape[1:] != logits.shape[1:] \
                     or self._copy.dtype != logits.dtype or self._copy.device != logits.device:
                 self._copy = torch.empty((max(num_rows, 8), *logits.shape[1:]), dtype=logits.dtype,

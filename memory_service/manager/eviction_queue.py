@@ -3,8 +3,9 @@
 Why not an ``OrderedDict``: on the service's hot path every block freed with a cache key joins
 the LRU and, once the pool is full, every block taken is evicted from it. An ``OrderedDict``
 pays a hash-table insert and a linked-list node per join, and a lookup per block read in order;
-here a join is a list append and an eviction of ``n`` blocks one list slice (measured in
-``benchmarks/memory/block_manager_bench.py``: the LRU was ~12% of the run).
+here a join is a list append and an eviction of ``n`` blocks one list slice (the LRU's share of
+``benchmarks/memory/block_manager_bench.py``'s run: docs/benchmarks.md, "Figures behind the code's
+choices").
 
 Leaving the LRU other than by eviction (a cached block shared again) is the rare case: the block's
 entry stays in the list and is counted *stale*; it is skipped when eviction reaches it. A block may
@@ -16,9 +17,9 @@ is evictable. Eviction order is therefore exactly least-recently-joined first, a
 Memory stays bounded: consumed entries are dropped once they are half the list, and stale ones
 once they outnumber the live ones (and the threshold), so the list holds at most about four entries
 per block of the pool; each compaction is one pass over the list, paid for by the appends or shares
-that made the entries it drops. Dropping stale entries walks the list in Python (~0.15 s per million
-entries measured here), so at the largest pool (2**20 blocks) the share that triggers it may take
-that long, once per as many shares; dropping consumed entries is one C ``memmove``.
+that made the entries it drops. Dropping stale entries walks the list in Python (a fraction of a
+second per million entries), so at the largest pool (2**20 blocks) the share that triggers it may
+take that long, once per as many shares; dropping consumed entries is one C ``memmove``.
 """
 
 from __future__ import annotations

@@ -22,8 +22,8 @@ no longer be reached; they are harmless and leave in LRU order like any other ev
 Why Python's own hash and not a digest per block (BLAKE2b, SHA-256): the dict hashes the key (the
 token bytes with SipHash-1-3, keyed at random per process unless PYTHONHASHSEED is set, so
 collisions cannot be aimed at from outside) and then compares the whole key, so a collision costs
-one extra comparison, never a wrong share; a digest would add ~0.4 us per block (BLAKE2b of 64
-bytes, measured: ~5x the slice and its hash) and would still need the full comparison to be safe.
+one extra comparison, never a wrong share; a digest would cost several times the slice and its
+hash per block and would still need the full comparison to be safe.
 
 Commit before share. A block is registered when it fills, but its K/V is written afterwards, by the
 client's forward pass. Until the client acknowledges that write, the entry is *pending*: owned by

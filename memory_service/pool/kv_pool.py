@@ -43,9 +43,9 @@ def map_populated(fd: int, num_bytes: int) -> mmap.mmap:
     """A shared read-write mapping of the segment with its page tables filled in now.
 
     Untouched, every 4 KiB page of the pool costs a page fault the first time a step writes K/V
-    there (and, for the owner, a zeroed tmpfs page): on a 2048-token prompt of the default model that
-    was 30 ms of a 1.05 s step, paid again for every new block until the whole pool has been used
-    once. On a kernel without MADV_POPULATE_WRITE the pages fault in as they are first touched.
+    there (and, for the owner, a zeroed tmpfs page), a visible share of a long prompt's step, paid
+    again for every new block until the whole pool has been used once. On a kernel without
+    MADV_POPULATE_WRITE the pages fault in as they are first touched.
     """
     buffer = mmap.mmap(fd, num_bytes)
     try:

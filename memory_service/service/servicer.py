@@ -145,7 +145,7 @@ class MemoryManagerServicer(memory_pb2_grpc.MemoryManagerServicer):
             reserved_blocks=reserved,
             reserved_min_priority=self.config.reserved_min_priority,
         )
-        # A CPU pool is allocated and mapped in full (~2.5 s a GiB here): in a worker thread, so that
+        # A CPU pool is allocated and mapped in full (seconds a GiB): in a worker thread, so that
         # health checks and every other call are answered meanwhile, not after the event loop is free.
         self.pool = await asyncio.to_thread(_create_pool_now, layout, num_blocks, self.config.device)
         self.layout = layout
