@@ -10,6 +10,7 @@ import argparse
 import os
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 
@@ -25,13 +26,40 @@ class NotListening(Exception):
     """Nothing answers at the gateway address."""
 
 
+def api_key(args: argparse.Namespace) -> str | None:
+    """The key to send: ``--api-key-file``'s, else ``--api-key``'s (with a warning), else ``$PAGEDSERVE_API_KEY``.
+
+    Why the warning: a key on the command line is readable by every user of the machine (``ps``,
+    ``/proc/PID/cmdline``) and kept in the shell's history; a file or the environment is not.
+
+    Raises:
+        ValueError: both flags given, or the file unreadable or empty.
+    """
+    if args.api_key_file is not None:
+        if args.api_key is not None:
+            raise ValueError("give --api-key-file or --api-key, not both")
+        try:
+            key = Path(args.api_key_file).read_text().strip()
+        except OSError as exc:
+            raise ValueError(f"--api-key-file {args.api_key_file!r}: {exc.strerror}") from None
+        if not key:
+            raise ValueError(f"--api-key-file {args.api_key_file!r} is empty")
+        return key
+    if args.api_key is not None:
+        print(f"warning: --api-key puts the key on the command line, where other users of this machine can read it "
+              f"(ps) and the shell history keeps it; use --api-key-file FILE or ${API_KEY_ENV}", file=sys.stderr)
+        return args.api_key
+    return os.environ.get(API_KEY_ENV) or None
+
+
 def _stub(args: argparse.Namespace) -> tuple[gateway_pb2_grpc.GatewayStub, list[tuple[str, str]]]:
+    key = api_key(args)  # before connecting: a bad flag is an error even with no gateway up
     channel = grpc.insecure_channel(args.address)
     try:
         grpc.channel_ready_future(channel).result(timeout=args.connect_timeout)
     except grpc.FutureTimeoutError:
         raise NotListening(args.address) from None
-    metadata = [("authorization", f"Bearer {args.api_key}")] if args.api_key else []
+    metadata = [("authorization", f"Bearer {key}")] if key else []
     return gateway_pb2_grpc.GatewayStub(channel), metadata
 
 
@@ -100,7 +128,9 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 def _client_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--address", default=DEFAULT_ADDRESS, help=f"gateway address (default {DEFAULT_ADDRESS})")
-    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV), help=f"API key (default ${API_KEY_ENV})")
+    parser.add_argument("--api-key-file", help=f"a file holding the API key (else ${API_KEY_ENV})")
+    parser.add_argument("--api-key", help="the API key itself (discouraged: visible to other users in ps; "
+                                          "use --api-key-file or the environment)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--seed", type=int, default=None)

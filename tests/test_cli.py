@@ -118,3 +118,24 @@ def test_log_format_flag_of_every_service(log_format: str) -> None:
         assert json.loads(line)["event"] == "gateway_listening"
     else:
         assert not line.startswith("{") and "[info" in line
+
+
+def test_api_key_from_a_file_and_a_warning_for_one_on_the_command_line(tmp_path: Path, monkeypatch, capsys) -> None:
+    """Issue 27 item 12: --api-key puts the key in ps and the shell history; --api-key-file does not."""
+    from pagedserve.cli import api_key, build_parser, main
+
+    monkeypatch.delenv("PAGEDSERVE_API_KEY", raising=False)
+    key_file = tmp_path / "key"
+    key_file.write_text("file-key-123\n")
+    assert api_key(build_parser().parse_args(["generate", "hi", "--api-key-file", str(key_file)])) == "file-key-123"
+    assert capsys.readouterr().err == ""
+    assert api_key(build_parser().parse_args(["generate", "hi", "--api-key", "argv-key"])) == "argv-key"
+    assert "--api-key-file" in capsys.readouterr().err  # warned
+    monkeypatch.setenv("PAGEDSERVE_API_KEY", "env-key")
+    assert api_key(build_parser().parse_args(["chat"])) == "env-key" and capsys.readouterr().err == ""
+    (tmp_path / "empty").write_text("\n")
+    for flags, named in ((["--api-key-file", str(tmp_path / "empty")], "is empty"),
+                         (["--api-key-file", str(tmp_path / "none")], "No such file"),
+                         (["--api-key-file", str(key_file), "--api-key", "k"], "not both")):
+        assert main(["generate", "hi", "--address", "127.0.0.1:1", *flags]) == 2
+        assert named in capsys.readouterr().err

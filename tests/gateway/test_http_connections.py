@@ -15,6 +15,7 @@ from starlette.routing import Route
 
 from gateway.openai_api.connections import BODY_TIMEOUT, HEADERS_TIMEOUT, OVER_CAPACITY
 from gateway.openai_api.server import HttpServer
+from pagedserve.process import async_wait_until
 
 HALF_SENT = b"POST /echo HTTP/1.1\r\nHost: x\r\n"  # the headers never end
 
@@ -28,14 +29,6 @@ async def _echo(request: Request) -> JSONResponse:
 
 
 APP = Starlette(routes=[Route("/health", _health, methods=["GET"]), Route("/echo", _echo, methods=["POST"])])
-
-
-async def _until(condition: Callable[[], bool]) -> None:
-    for _ in range(3000):  # up to 30 s: only a broken guard takes that long
-        if condition():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("the condition never held")
 
 
 async def _open(port: int, data: bytes = b"") -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -88,7 +81,7 @@ def test_half_sent_requests_are_closed_at_the_deadline_and_whole_ones_answered()
         assert (await _get_health(server.port)).startswith(b"HTTP/1.1 200")
         for _, writer in idle + silent:
             writer.close()
-        await _until(lambda: _connections(server) == 0)
+        await async_wait_until(lambda: _connections(server) == 0, 30, "every connection closed")
 
     _serve(read_timeout_s=0.5, max_connections=20)(test)
 
@@ -114,14 +107,14 @@ def test_a_body_that_stops_coming_is_answered_408() -> None:
 def test_connections_beyond_the_cap_are_refused_at_once() -> None:
     async def test(server: HttpServer) -> None:
         held = [await _open(server.port, HALF_SENT) for _ in range(3)]
-        await _until(lambda: _connections(server) == 3)
+        await async_wait_until(lambda: _connections(server) == 3, 30, "3 connections open")
         reader, writer = await _open(server.port)
         refused = await _answer(reader)
         writer.close()
         assert refused.startswith(b"HTTP/1.1 503 ") and b"too many open connections" in refused
         assert server.guard.num_closed == {OVER_CAPACITY: 1}
         held.pop()[1].close()  # a place frees up: the next client is served
-        await _until(lambda: _connections(server) == 2)
+        await async_wait_until(lambda: _connections(server) == 2, 30, "2 connections open")
         assert (await _get_health(server.port)).startswith(b"HTTP/1.1 200")
         for _, writer in held:
             writer.close()
