@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import grpc
 
 from gateway.backends import Backend, BackendPool
+from gateway.compute_convert import delta_from_pb, to_compute_request
+from gateway.core.types import BackendRequest, Delta
 from gateway.routing import Router, block_hashes
 from pagedserve.compute.v1 import compute_pb2
 from pagedserve.errors import (
@@ -96,12 +98,13 @@ class Dispatcher:
         self.router = router
         self.affinity_max_blocks = affinity_max_blocks
 
-    async def run(self, request: compute_pb2.GenerateRequest, model_name: str, route: Route,
-                  timeout_s: float | None) -> AsyncIterator[compute_pb2.GenerateResponse]:
-        """Streams the backend's messages for ``request``.
+    async def run(self, request: BackendRequest, model_name: str, route: Route,
+                  timeout_s: float | None) -> AsyncIterator[Delta]:
+        """Streams the backend's answer to ``request``, as deltas.
 
         Args:
-            request: the compute request (its request_id is replaced per attempt).
+            request: the validated, tokenized request (converted to the compute service's message
+                here, with a request id of its own per attempt).
             model_name: only backends serving this model are used.
             route: filled with the backend used.
             timeout_s: the client's remaining time (None = no deadline).
@@ -123,23 +126,22 @@ class Dispatcher:
             backend = self.router.choose(candidates, hashes)
             assert isinstance(backend, Backend)
             # Counted now, before the first await: concurrent requests see this one's load.
-            n = max(request.params.n, 1)
-            ticket = backend.acquire(len(request.prompt_token_ids) + n * request.params.max_tokens)
+            ticket = backend.acquire(len(request.prompt_token_ids) + request.n * request.max_tokens)
             tried.add(backend.address)
             route.backend, route.num_attempts = backend.address, attempt + 1
-            request.request_id = f"gw-{uuid.uuid4().hex}"
+            message = to_compute_request(request, f"gw-{uuid.uuid4().hex}")
             # A retry gets what is left of the client's time, not the whole of it again.
             remaining = None if deadline is None else max(deadline - time.monotonic(), 0.001)
-            call = backend.stub.Generate(request, timeout=remaining)
-            route.call, route.target, route.backend_request_id = call, backend, request.request_id
+            call = backend.stub.Generate(message, timeout=remaining)
+            route.call, route.target, route.backend_request_id = call, backend, message.request_id
             has_first = False
             try:
-                async for message in call:
+                async for reply in call:
                     if not has_first:
                         ticket.consume(len(request.prompt_token_ids))  # the prompt is prefilled
                         has_first = True
-                    ticket.consume(len(message.token_ids))
-                    yield message
+                    ticket.consume(len(reply.token_ids))
+                    yield delta_from_pb(reply)
                 return
             except grpc.aio.AioRpcError as exc:
                 code = exc.code()
@@ -153,7 +155,7 @@ class Dispatcher:
                 first_error = first_error or error
                 if code not in _RETRYABLE:
                     raise error from None
-                log.info("retrying", request_id=request.request_id, backend=backend.address, code=code.name)
+                log.info("retrying", request_id=message.request_id, backend=backend.address, code=code.name)
             finally:
                 ticket.release()
                 route.cancel()  # a no-op unless the client went away (cancel, deadline) mid-call

@@ -19,6 +19,7 @@ import grpc
 from gateway.auth import ApiKeyInterceptor
 from gateway.backends import Backend, BackendPool
 from gateway.config import GatewayConfig
+from gateway.core.service import GatewayCore
 from gateway.dispatch import Dispatcher
 from gateway.metrics import GatewayMetrics
 from gateway.openai_api.app import OpenAIFront
@@ -44,20 +45,22 @@ class Gateway:
         self.pool = BackendPool(config, self._after_poll)
         # One tenant model for every front of this gateway (see gateway.tenants).
         self.tenants = Tenants(config.tenants, config.max_queued_requests, self.metrics.tenant_changed)
-        self.servicer = GatewayServicer(
+        # One core; each front is an edge over it.
+        self.core = GatewayCore(
             config,
             Dispatcher(self.pool, Router(config.affinity_max_load_gap, config.affinity_max_load_ratio),
                        config.affinity_max_blocks),
             self.metrics,
             self.tenants,
         )
+        self.servicer = GatewayServicer(self.core)
         interceptors = [ApiKeyInterceptor(self.tenants)] if self.tenants.requires_key else []
         self.server, self.health = rpc.create_aio_server(
             [lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(self.servicer, s)], [SERVICE_NAME],
             serving=False, max_message_bytes=config.max_message_bytes, extra_interceptors=interceptors)
         self.http: HttpServer | None = None
         if config.http_port is not None:
-            front = OpenAIFront(self.servicer, lambda: self.health.is_serving and not self._stopping)
+            front = OpenAIFront(self.core, lambda: self.health.is_serving and not self._stopping)
             # The gRPC front's certificate serves HTTPS here (TLS on one front only would be a gap).
             self.http = HttpServer(front.app, config.http_bind_host, config.http_port, config.grace_period_s,
                                    config.tls_cert_file, config.tls_key_file, config.http_read_timeout_s,
@@ -75,7 +78,7 @@ class Gateway:
             self.metrics.backend_outstanding.labels(backend.address).set(backend.num_outstanding)
             if backend.load is not None:
                 self.metrics.backend_pending_tokens.labels(backend.address).set(backend.load.num_pending_tokens)
-        model = self.servicer.model
+        model = self.core.model
         serving = model is not None and bool(pool.in_rotation(model.info.model_name))
         # No tokenizer yet, or every backend now serves another model (a redeploy): load theirs.
         if not serving and (self._tokenizer_task is None or self._tokenizer_task.done()):
@@ -92,7 +95,7 @@ class Gateway:
         except (grpc.aio.AioRpcError, TokenizerFetchError, OSError) as exc:  # the next poll round tries again
             log.warning("tokenizer_fetch_failed", backend=backend.address, error=repr(exc))
             return
-        self.servicer.model = model
+        self.core.model = model
         log.info("model_ready", model=model.info.model_name, backend=backend.address)
         self._after_poll(self.pool)
 
@@ -132,7 +135,7 @@ class Gateway:
             stopping.append(self.http.stop())
         await asyncio.gather(*stopping)
         await self.pool.close()
-        self.servicer.close()
+        self.core.close()
 
 
 async def serve(config: GatewayConfig) -> None:
@@ -146,5 +149,5 @@ async def serve(config: GatewayConfig) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    log.info("gateway_stopping", grace_period_s=config.grace_period_s, in_flight=gateway.servicer.num_in_flight)
+    log.info("gateway_stopping", grace_period_s=config.grace_period_s, in_flight=gateway.core.num_in_flight)
     await gateway.stop()

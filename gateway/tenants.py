@@ -252,17 +252,28 @@ class Tenants:
         Raises:
             ResourceExhaustedError: the gateway, or the tenant, is at its limit.
         """
-        if self.num_in_flight >= self.max_in_flight:
+        return self.admit_many(tenant, 1)[0]
+
+    def admit_many(self, tenant: Tenant, count: int) -> list[Admission]:
+        """Holds ``count`` slots for ``tenant``, all or none (one HTTP request's list of prompts).
+
+        Checked before the requests are even converted: a list far beyond the tenant's free slots
+        costs one comparison.
+        Raises:
+            ResourceExhaustedError: the gateway, or the tenant, has fewer than ``count`` slots free.
+        """
+        asked = "" if count == 1 else f" and this request asks for {count} more"
+        if self.num_in_flight + count > self.max_in_flight:
             raise ResourceExhaustedError(f"the gateway holds {self.num_in_flight} requests "
-                                         "(max_queued_requests); retry later")
+                                         f"(max_queued_requests){asked}; retry later")
         active = self.num_active.get(tenant.name, 0)
-        if tenant.max_concurrent is not None and active >= tenant.max_concurrent:
+        if tenant.max_concurrent is not None and active + count > tenant.max_concurrent:
             raise ResourceExhaustedError(f"tenant {tenant.name!r} holds {active} requests, its max_concurrent "
-                                         f"({tenant.max_concurrent}); retry later")
-        self.num_in_flight += 1
-        self.num_active[tenant.name] = active + 1
-        self._on_change(tenant.name, active + 1)
-        return Admission(self, tenant)
+                                         f"({tenant.max_concurrent}){asked}; retry later")
+        self.num_in_flight += count
+        self.num_active[tenant.name] = active + count
+        self._on_change(tenant.name, active + count)
+        return [Admission(self, tenant) for _ in range(count)]
 
     def _release(self, tenant: Tenant) -> None:
         self.num_in_flight -= 1

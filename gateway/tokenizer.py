@@ -23,6 +23,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from gateway.compute_convert import model_info_from_pb
+from gateway.core.types import ModelInfo
 from pagedserve.compute.v1 import compute_pb2, compute_pb2_grpc
 from pagedserve.errors import InvalidArgument, echo
 
@@ -37,10 +39,10 @@ class ModelTokenizer:
     Args:
         hf_tokenizer: a ``transformers`` tokenizer, or None for a model without one (then
             text cannot be tokenized: every prompt or chat is INVALID_ARGUMENT).
-        info: the backend's Info (model name, limits, chat template).
+        info: the backend's model (name, limits, chat template).
     """
 
-    def __init__(self, hf_tokenizer: Any | None, info: compute_pb2.InfoResponse) -> None:
+    def __init__(self, hf_tokenizer: Any | None, info: ModelInfo) -> None:
         self.hf_tokenizer = hf_tokenizer
         self.info = info
         if hf_tokenizer is not None and info.chat_template:
@@ -152,7 +154,7 @@ async def fetch_tokenizer(stub: compute_pb2_grpc.ComputeStub, info: compute_pb2.
         grpc.aio.AioRpcError: the backend's stream failed.
     """
     if not info.tokenizer_files:
-        return ModelTokenizer(None, info)
+        return ModelTokenizer(None, model_info_from_pb(info))
     expected = {f.name: f for f in info.tokenizer_files}
     for name in expected:
         _check_chunk(compute_pb2.TokenizerChunk(name=name), expected, {})  # the listed names are plain too
@@ -181,7 +183,7 @@ async def fetch_tokenizer(stub: compute_pb2_grpc.ComputeStub, info: compute_pb2.
         except Exception as exc:  # whatever transformers raises on files it cannot use
             raise TokenizerFetchError(f"transformers cannot load the tokenizer: {type(exc).__name__}: "
                                       f"{str(exc)[:200]}") from None
-    return ModelTokenizer(hf_tokenizer, info)
+    return ModelTokenizer(hf_tokenizer, model_info_from_pb(info))
 
 
 def _load(directory: Path) -> Any:

@@ -82,6 +82,30 @@ def max_message_bytes(max_prompt_tokens: int = MAX_PROMPT_TOKENS) -> int:
 # --- sampling fields ------------------------------------------------------------------------------
 
 
+# The default of each sampling field: what an unset field means, on every wire and in the engine.
+SAMPLING_DEFAULTS: Mapping[str, object] = {
+    "max_tokens": DEFAULT_MAX_TOKENS, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": None,
+    "stop": (), "stop_token_ids": (), "ignore_eos": False, "min_tokens": 0, "repetition_penalty": 1.0,
+    "presence_penalty": 0.0, "frequency_penalty": 0.0, "n": 1, "logprobs": None,
+}
+
+
+def resolve_sampling(given: Mapping[str, object]) -> dict[str, object]:
+    """The sampling fields with their defaults applied: the one place that says what "unset" means.
+
+    Args:
+        given: field name to value, None (or absent) for unset; names outside ``SAMPLING_DEFAULTS``
+            are ignored.
+    Returns:
+        Every field of ``SAMPLING_DEFAULTS`` (what ``check_sampling`` and the engine's
+        ``SamplingParams`` take).
+    """
+    resolved = dict(SAMPLING_DEFAULTS)
+    resolved.update((name, value) for name, value in given.items() if value is not None and name in resolved)
+    return resolved
+
+
+
 def check_range(name: str, value: float, low: float | None, high: float | None, *, low_open: bool = False) -> None:
     """``value`` is finite and within ``[low, high]`` (``(low, high]`` with ``low_open``)."""
     if isinstance(value, float) and not math.isfinite(value):

@@ -1,9 +1,9 @@
-"""The OpenAI-compatible HTTP front of the gateway: a Starlette app over the gRPC servicer's core.
+"""The OpenAI-compatible HTTP front of the gateway: a Starlette app, a thin edge over the gateway core.
 
-A second edge over the same path, not a second gateway: each endpoint turns its JSON body into the
-public ``GenerateRequest`` (``convert``), runs it through ``GatewayServicer.run`` (the admission,
+A second edge over the same core, not a second gateway: each endpoint turns its JSON body into the
+core's ``GenerateRequest`` (``convert``), runs it through ``GatewayCore.run`` (the admission,
 validation, tokenizing, routing, metrics and access line every gRPC call gets) and turns the
-public answer into OpenAI's JSON (``responses``). Keys name the gRPC front's tenants (the same
+core's answer into OpenAI's JSON (``responses``). Keys name the gRPC front's tenants (the same
 ``Tenants.identify``), so each tenant's limits, priority cap and cache namespace hold here too.
 
 Errors are OpenAI error objects, ``{"error": {"message", "type", "param", "code"}}``, with the
@@ -37,10 +37,13 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from gateway.auth import bearer_token
+from gateway.core.service import GatewayCore, RequestRecord
+from gateway.core.streaming import collect, pieces
+from gateway.core.types import Delta
 from gateway.openai_api import convert
+from gateway.openai_api.errors import ParamError
 from gateway.openai_api.responses import Answer, events, merge
 from gateway.openai_api.schema import ChatCompletionRequest, CompletionRequest
-from gateway.servicer import GatewayServicer, RequestRecord, collect, pieces
 from gateway.tenants import Tenant
 from pagedserve import rpc
 from pagedserve import sampling_rules as rules
@@ -91,7 +94,7 @@ def as_http_error(exc: BaseException, constraint_param: str | None = None) -> Ht
     """
     if isinstance(exc, HttpError):
         return exc
-    if isinstance(exc, convert.ParamError):
+    if isinstance(exc, ParamError):
         return HttpError(400, str(exc), exc.param)
     code = rpc.status_for(exc)
     message = str(exc)
@@ -158,15 +161,15 @@ class EventStream(StreamingResponse):
 
 
 class OpenAIFront:
-    """The HTTP endpoints over one gateway's servicer.
+    """The HTTP endpoints over one gateway's core.
 
     Args:
-        servicer: the gRPC servicer whose ``run`` every request goes through.
+        core: the gateway core every request goes through.
         is_serving: whether the gateway is ready (its health check says SERVING).
     """
 
-    def __init__(self, servicer: GatewayServicer, is_serving: Callable[[], bool]) -> None:
-        self.servicer = servicer
+    def __init__(self, core: GatewayCore, is_serving: Callable[[], bool]) -> None:
+        self.core = core
         self.is_serving = is_serving
         self.app = Starlette(routes=[
             Route("/health", self.health, methods=["GET"]),
@@ -183,13 +186,13 @@ class OpenAIFront:
     def _tenant(self, request: Request) -> Tenant:
         """Who the key says the client is: the gRPC front's tenants, the same lookup."""
         header = request.headers.get("authorization", "")
-        tenant = self.servicer.tenants.identify(bearer_token([("authorization", header)]))
+        tenant = self.core.tenants.identify(bearer_token([("authorization", header)]))
         if tenant is None:
             raise HttpError(401, "missing or invalid API key (Authorization: Bearer KEY)")
         return tenant
 
     def _served(self, name: str | None) -> str:
-        model = self.servicer.model
+        model = self.core.model
         if model is None:
             raise HttpError(503, "no backend has been reached yet")
         if name is not None and name != model.info.model_name:
@@ -198,7 +201,7 @@ class OpenAIFront:
         return model.info.model_name
 
     async def _read(self, request: Request, schema: type[BaseModel]) -> Any:
-        limit = self.servicer.config.max_message_bytes
+        limit = self.core.config.max_message_bytes
         content_type = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
         if content_type != "application/json" and not content_type.endswith("+json"):
             raise HttpError(415, f"Content-Type must be application/json, got {echo(content_type)}")
@@ -228,7 +231,7 @@ class OpenAIFront:
         return JSONResponse({"status": "ok"})
 
     def _model_card(self) -> dict:
-        model = self.servicer.model
+        model = self.core.model
         assert model is not None
         return {"id": model.info.model_name, "object": "model", "created": 0, "owned_by": "pagedserve",
                 "max_model_len": model.info.max_model_len}
@@ -238,7 +241,7 @@ class OpenAIFront:
             self._tenant(request)
         except HttpError as exc:
             return _error(exc)
-        return JSONResponse({"object": "list", "data": [self._model_card()] if self.servicer.model else []})
+        return JSONResponse({"object": "list", "data": [self._model_card()] if self.core.model else []})
 
     async def model(self, request: Request) -> Response:
         try:
@@ -273,17 +276,16 @@ class OpenAIFront:
         prompts = [convert.chat_prompt(body, request_id)] if endpoint == "chat" else \
             convert.completion_prompts(body, request_id)
         constraint_param.extend(p.constraint_param for p in prompts[:1] if p.constraint_param)
-        model = self.servicer.model
+        model = self.core.model
         assert model is not None
         answer = Answer(request_id, model_name, endpoint, n=body.n or 1, logprobs=body.logprobs is not None
                         and body.logprobs is not False, decode=model.token_text,
                         include_usage=bool(body.stream_options and body.stream_options.include_usage))
         method = "OpenAI.ChatCompletions" if endpoint == "chat" else "OpenAI.Completions"
 
-        def run(prompt: convert.Prompt) -> AsyncIterator:
+        def run(prompt: convert.Prompt) -> AsyncIterator[Delta]:
             record = RequestRecord(method, prompt.request.request_id)
-            return self.servicer.run(prompt.request, record, tenant, None, prompt.token_ids,
-                                     max_tokens_to_context=endpoint == "chat")
+            return self.core.run(prompt.request, record, tenant, None, max_tokens_to_context=endpoint == "chat")
 
         if not body.stream:
             async def whole() -> list:
@@ -296,7 +298,7 @@ class OpenAIFront:
             except ExceptionGroup as group:
                 raise group.exceptions[0] from None
             return JSONResponse(answer.body(replies))
-        merged = merge([pieces(p.request.request_id, run(p)) for p in prompts])
+        merged = merge([pieces(run(p)) for p in prompts])
         try:
             first = await until_disconnect(request.receive, anext(merged))
         except BaseException:

@@ -1,4 +1,4 @@
-"""Structured-output parameters of the OpenAI API to the public ``SamplingParams.constraint`` oneof.
+"""Structured-output parameters of the OpenAI API to the gateway core's ``Constraint``.
 
 Three spellings reach one constraint: OpenAI's ``response_format`` (``text``, ``json_object``,
 ``json_schema``), vLLM's ``structured_outputs`` extension (``json``, ``regex``, ``choice``,
@@ -16,9 +16,10 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.core.types import Constraint
+from gateway.openai_api.errors import ParamError
 from pagedserve import sampling_rules as rules
 from pagedserve.errors import InvalidArgument
-from pagedserve.gateway.v1 import gateway_pb2
 
 # vLLM's structured_outputs keys, as the public oneof names them.
 _STRUCTURED_OUTPUTS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
@@ -36,9 +37,7 @@ class Given:
     value: Any
 
 
-def _param_error(param: str, message: str) -> InvalidArgument:
-    from gateway.openai_api.convert import ParamError  # convert imports this module
-
+def _param_error(param: str, message: str) -> ParamError:
     return ParamError(param, message)
 
 
@@ -92,15 +91,15 @@ def given_constraints(body: Any) -> list[Given]:
     return found
 
 
-def set_constraint(body: Any, params: gateway_pb2.SamplingParams) -> str | None:
-    """Set ``params``' constraint from the body; returns the OpenAI parameter that gave it (None: none).
+def constraint_of(body: Any) -> tuple[Constraint | None, str | None]:
+    """The body's constraint and the OpenAI parameter that gave it ((None, None): none).
 
     Raises ParamError naming the parameter for more than one constraint, a wrong shape or a size
     beyond the gRPC API's bounds.
     """
     found = given_constraints(body)
     if not found:
-        return None
+        return None, None
     if len(found) > 1:
         raise _param_error(found[1].param, f"{found[1].param}: give at most one constraint, got "
                                            f"{', '.join(g.param for g in found)}")
@@ -109,20 +108,17 @@ def set_constraint(body: Any, params: gateway_pb2.SamplingParams) -> str | None:
     if kind == "json_object":
         if value is not True:
             raise _param_error(param, f"{param} must be true")
-        params.json_object = True
-        return param
+        return Constraint("json_object"), param
     if kind == "choice":
         if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
             raise _param_error(param, f"{param} must be a list of strings")
         _check(param, kind, "", value)
-        params.choice.choices.extend(value)
-        return param
+        return Constraint("choice", choices=tuple(value)), param
     text = _schema_text(param, value) if kind == "json_schema" else value
     if not isinstance(text, str):
         raise _param_error(param, f"{param} must be a string, got {type(value).__name__}")
     _check(param, kind, text, ())
-    setattr(params, kind, text)
-    return param
+    return Constraint(kind, text), param
 
 
 def _check(param: str, kind: str, spec: str, choices: Any) -> None:

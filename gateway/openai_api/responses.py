@@ -1,4 +1,4 @@
-"""OpenAI response bodies and server-sent event streams from the public API's answers.
+"""OpenAI response bodies and server-sent event streams from the gateway core's answers.
 
 A request with several prompts (completions takes a list) runs as one public request per prompt;
 its choices are numbered prompt-major (prompt ``p``'s sample ``j`` is choice ``p * n + j``), as
@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from gateway.openai_api import convert
-from pagedserve.gateway.v1 import gateway_pb2
+from gateway.core.types import Delta, Reply, TokenLogprobs, Usage
 
 
 @dataclass
@@ -38,19 +38,19 @@ class Answer:
     include_usage: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
 
-    def _logprobs(self, items: list[gateway_pb2.TokenLogprobs], offset: int = 0) -> dict | None:
+    def _logprobs(self, items: list[TokenLogprobs], offset: int = 0) -> dict | None:
         if not self.logprobs:
             return None
         if self.endpoint == "chat":
             return convert.chat_logprobs(items, self.decode)
         return convert.completion_logprobs(items, self.decode, offset)
 
-    def body(self, replies: list[gateway_pb2.GenerateResponse]) -> dict:
+    def body(self, replies: list[Reply]) -> dict:
         """The whole (non-streamed) response body."""
         choices = []
         for p, reply in enumerate(replies):
             for c in reply.choices:
-                choice: dict = {"index": p * self.n + c.index, "logprobs": self._logprobs(list(c.logprobs)),
+                choice: dict = {"index": p * self.n + c.index, "logprobs": self._logprobs(c.logprobs),
                                 "finish_reason": convert.finish_reason(c.finish_reason)}
                 if self.endpoint == "chat":
                     choice["message"] = {"role": "assistant", "content": c.text}
@@ -75,8 +75,7 @@ def sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data, separators=(',', ':'))}\n\n"
 
 
-async def events(answer: Answer, first: tuple[int, gateway_pb2.GenerateStreamResponse],
-                 rest: AsyncIterator[tuple[int, gateway_pb2.GenerateStreamResponse]],
+async def events(answer: Answer, first: tuple[int, Delta], rest: AsyncIterator[tuple[int, Delta]],
                  error_body: Callable[[BaseException], dict]) -> AsyncIterator[str]:
     """The SSE stream of a request whose first piece has arrived (so its status is 200).
 
@@ -87,9 +86,9 @@ async def events(answer: Answer, first: tuple[int, gateway_pb2.GenerateStreamRes
     """
     started: set[int] = set()
     offsets: dict[int, int] = {}
-    usages: dict[int, gateway_pb2.Usage] = {}
+    usages: dict[int, Usage] = {}
 
-    def render(prompt: int, piece: gateway_pb2.GenerateStreamResponse) -> list[str]:
+    def render(prompt: int, piece: Delta) -> list[str]:
         index = prompt * answer.n + piece.index
         out = []
         if answer.endpoint == "chat" and index not in started:
@@ -98,7 +97,7 @@ async def events(answer: Answer, first: tuple[int, gateway_pb2.GenerateStreamRes
                                       "logprobs": None, "finish_reason": None}]))
         reason = convert.finish_reason(piece.finish_reason)
         if piece.text or piece.logprobs or reason:
-            choice: dict = {"index": index, "logprobs": answer._logprobs(list(piece.logprobs), offsets.get(index, 0)),
+            choice: dict = {"index": index, "logprobs": answer._logprobs(piece.logprobs, offsets.get(index, 0)),
                             "finish_reason": reason}
             if answer.endpoint == "chat":
                 choice["delta"] = {"content": piece.text} if piece.text else {}
@@ -106,7 +105,7 @@ async def events(answer: Answer, first: tuple[int, gateway_pb2.GenerateStreamRes
                 choice["text"] = piece.text
             offsets[index] = offsets.get(index, 0) + len(piece.text)
             out.append(answer.chunk([choice]))
-        if piece.HasField("usage"):
+        if piece.usage is not None:
             usages[prompt] = piece.usage
         return out
 
@@ -126,8 +125,7 @@ async def events(answer: Answer, first: tuple[int, gateway_pb2.GenerateStreamRes
     yield sse("[DONE]")
 
 
-async def merge(streams: list[AsyncIterator[gateway_pb2.GenerateStreamResponse]]
-                ) -> AsyncIterator[tuple[int, gateway_pb2.GenerateStreamResponse]]:
+async def merge(streams: list[AsyncIterator[Delta]]) -> AsyncIterator[tuple[int, Delta]]:
     """Pieces of several prompts' streams as they come, tagged with the prompt's number.
 
     One stream is passed through as it is; several run as tasks feeding a queue, and closing the
@@ -141,7 +139,7 @@ async def merge(streams: list[AsyncIterator[gateway_pb2.GenerateStreamResponse]]
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 
-    async def pump(number: int, stream: AsyncIterator[gateway_pb2.GenerateStreamResponse]) -> None:
+    async def pump(number: int, stream: AsyncIterator[Delta]) -> None:
         try:
             async with contextlib.aclosing(stream):
                 async for piece in stream:

@@ -1,7 +1,7 @@
 """The request bodies of the OpenAI-compatible API, as pydantic models: types only, no limits.
 
 Why types only: every bound (temperature >= 0, n <= max_n, stop strings per request, the model's
-length) is the gRPC API's, checked once by ``gateway.validation`` on the converted request. These
+length) is the gRPC API's, checked once by the gateway core's ``validate`` on the converted request. These
 models only say what JSON shape each field has, so that a wrong type is a 400 naming the field
 rather than a TypeError deep inside. Unknown fields are accepted (``extra="allow"``) and logged, as
 vLLM does: clients send fields of newer API versions, and refusing them would break them.

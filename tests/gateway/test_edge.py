@@ -11,19 +11,31 @@ from gateway.auth import bearer_token
 from gateway.backends import BackendPool
 from gateway.config import API_KEYS_ENV, GatewayConfig, parse_backend
 from gateway.tenants import Tenant, Tenants
-from gateway.validation import check_length, check_prompt_input, check_request, to_compute_request
+from gateway.compute_convert import model_info_from_pb, to_compute_request
+from gateway.core.types import ChatMessage, GenerateRequest, ModelInfo
+from gateway.core.validate import PromptLimits, ValidatedRequest, check_prompt, validate
+from gateway.grpc_convert import request_from_pb
 from compute_service.service.convert import params_from_pb
 from pagedserve.compute.v1 import compute_pb2
 from pagedserve.errors import InvalidArgument
 from pagedserve.gateway.v1 import gateway_pb2
 
-INFO = compute_pb2.InfoResponse(model_name="m", max_model_len=64, vocab_size=100, max_n=4, max_logprobs=5,
-                                max_stop_strings=2)
-CONFIG = GatewayConfig(backends=("127.0.0.1:1",), max_prompt_chars=50, max_messages=3)
+INFO = model_info_from_pb(compute_pb2.InfoResponse(model_name="m", max_model_len=64, vocab_size=100, max_n=4,
+                                                   max_logprobs=5, max_stop_strings=2))
+LIMITS = PromptLimits(max_prompt_chars=50, max_messages=3)
 
 
-def _request(**params: object) -> gateway_pb2.GenerateRequest:
-    return gateway_pb2.GenerateRequest(prompt="hi", params=gateway_pb2.SamplingParams(**params))
+def _request(**params: object) -> GenerateRequest:
+    """A public gRPC request with these sampling fields, as the gRPC edge converts it."""
+    return request_from_pb(gateway_pb2.GenerateRequest(prompt="hi", params=gateway_pb2.SamplingParams(**params)), 8)
+
+
+def check_request(request: GenerateRequest, info: ModelInfo = INFO) -> ValidatedRequest:
+    return validate(request, info, LIMITS)
+
+
+def check_prompt_input(request: gateway_pb2.GenerateRequest) -> None:
+    check_prompt(request_from_pb(request, LIMITS.max_messages), INFO, LIMITS)
 
 
 @pytest.mark.parametrize(("params", "named"), [
@@ -59,7 +71,7 @@ def test_each_bad_field_is_named(params: dict, named: str) -> None:
 def test_gateway_and_compute_service_agree(params: dict) -> None:
     """One set of rules: whatever the gateway accepts, the compute service accepts (and the other way
     round), because both check with pagedserve.sampling_rules (they had drifted apart before)."""
-    info = compute_pb2.InfoResponse(max_model_len=4096, vocab_size=1000)  # no limits reported: the defaults
+    info = model_info_from_pb(compute_pb2.InfoResponse(max_model_len=4096, vocab_size=1000))  # the default limits
 
     def verdict(check) -> bool:
         try:
@@ -70,48 +82,53 @@ def test_gateway_and_compute_service_agree(params: dict) -> None:
 
     request = _request(**params)
     at_gateway = verdict(lambda: check_request(request, info))
-    at_compute = verdict(lambda: params_from_pb(to_compute_request(request, [1], "id").params))
+    at_compute = verdict(lambda: params_from_pb(to_compute_request(check_request(request, info).to_backend([1], ""),
+                                                                   "id").params))
     assert at_gateway == at_compute, params
 
 
 def test_long_role_is_echoed_short() -> None:
     role = "r" * 1_000_000
     with pytest.raises(InvalidArgument) as info:
-        check_prompt_input(gateway_pb2.GenerateRequest(messages=[gateway_pb2.ChatMessage(role=role)]), CONFIG)
+        check_prompt_input(gateway_pb2.GenerateRequest(messages=[gateway_pb2.ChatMessage(role=role)]))
     assert str(info.value).startswith("messages[0].role must be one of") and len(str(info.value)) < 160
     assert str(info.value).endswith("...")
 
 
 def test_prompt_input_rules() -> None:
     with pytest.raises(ValueError, match="exactly one"):
-        check_prompt_input(gateway_pb2.GenerateRequest(), CONFIG)
+        check_prompt_input(gateway_pb2.GenerateRequest())
     with pytest.raises(ValueError, match="exactly one"):
-        check_prompt_input(gateway_pb2.GenerateRequest(prompt="x", messages=[gateway_pb2.ChatMessage(role="user")]),
-                           CONFIG)
+        check_prompt_input(gateway_pb2.GenerateRequest(prompt="x", messages=[gateway_pb2.ChatMessage(role="user")]))
     with pytest.raises(ValueError, match="prompt: at most 50"):
-        check_prompt_input(gateway_pb2.GenerateRequest(prompt="x" * 51), CONFIG)
+        check_prompt_input(gateway_pb2.GenerateRequest(prompt="x" * 51))
+    with pytest.raises(ValueError, match="messages: at most 3"):  # counted at the edge, before any is copied
+        request_from_pb(gateway_pb2.GenerateRequest(messages=[gateway_pb2.ChatMessage(role="user")] * 4), 3)
     with pytest.raises(ValueError, match="messages: at most 3"):
-        check_prompt_input(gateway_pb2.GenerateRequest(messages=[gateway_pb2.ChatMessage(role="user")] * 4), CONFIG)
-    given = check_prompt_input(
-        gateway_pb2.GenerateRequest(messages=[gateway_pb2.ChatMessage(role="user", content="yo")]), CONFIG)
-    assert given.prompt is None and given.messages == [{"role": "user", "content": "yo"}]
+        check_prompt(GenerateRequest(messages=[ChatMessage("user", "")] * 4), INFO, LIMITS)
+    check_prompt_input(gateway_pb2.GenerateRequest(messages=[gateway_pb2.ChatMessage(role="user", content="yo")]))
     with pytest.raises(ValueError, match="request_id"):
-        check_request(gateway_pb2.GenerateRequest(prompt="x", request_id="a\nb"), INFO)
+        check_request(request_from_pb(gateway_pb2.GenerateRequest(prompt="x", request_id="a\nb"), 8))
+    with pytest.raises(ValueError, match=r"prompt\[1\] must be in \[0, 100\)"):
+        check_request(GenerateRequest(prompt_token_ids=[1, 100]))
 
 
 def test_length_is_checked_after_tokenizing() -> None:
-    check_length(48, _request(max_tokens=16), INFO)
+    check_request(_request(max_tokens=16)).to_backend([1] * 48, "")
     with pytest.raises(ValueError, match=r"params.max_tokens: the prompt \(49 tokens\)"):
-        check_length(49, _request(max_tokens=16), INFO)
+        check_request(_request(max_tokens=16)).to_backend([1] * 49, "")
     with pytest.raises(ValueError, match="prompt: tokenizes to no tokens"):
-        check_length(0, _request(), INFO)
+        check_request(_request()).to_backend([], "")
+    # A chat without max_tokens may run to the model's length (OpenAI's default there).
+    assert check_request(_request()).to_backend([1] * 40, "", max_tokens_to_context=True).max_tokens == 24
 
 
 def test_conversion_keeps_unset_apart_from_zero() -> None:
-    default = to_compute_request(_request(), [1, 2], "id").params
+    default = to_compute_request(check_request(_request()).to_backend([1, 2], ""), "id").params
     assert default.max_tokens == 16 and not default.HasField("temperature") and not default.HasField("top_p")
     assert not default.HasField("logprobs") and not default.HasField("seed")
-    greedy = to_compute_request(_request(temperature=0.0, logprobs=0, seed=0, top_p=0.5), [1], "id")
+    greedy = to_compute_request(check_request(_request(temperature=0.0, logprobs=0, seed=0, top_p=0.5))
+                                .to_backend([1], ""), "id")
     assert greedy.params.HasField("temperature") and greedy.params.temperature == 0.0
     assert greedy.params.HasField("logprobs") and greedy.params.HasField("seed") and greedy.params.top_p == 0.5
     assert list(greedy.prompt_token_ids) == [1] and greedy.request_id == "id"

@@ -8,13 +8,18 @@ import json
 
 import pytest
 
+from gateway.compute_convert import model_info_from_pb
+from gateway.core.types import Delta, TokenLogprobs, Usage
+from gateway.core.validate import validate
 from gateway.openai_api import convert
 from gateway.openai_api.app import as_http_error, error_body
 from gateway.openai_api.responses import Answer, events, sse
 from gateway.openai_api.schema import ChatCompletionRequest, CompletionRequest
 from pagedserve.errors import (DeadlineExceededError, InvalidArgument, PermissionDeniedError, ResourceExhaustedError,
                                UnavailableError)
-from pagedserve.gateway.v1 import gateway_pb2
+from pagedserve.compute.v1 import compute_pb2
+
+INFO = model_info_from_pb(compute_pb2.InfoResponse(model_name="m", max_model_len=64, vocab_size=100))
 
 
 def _chat(**fields: object) -> ChatCompletionRequest:
@@ -36,8 +41,7 @@ def test_statuses_of_every_error_type() -> None:
 
 
 def test_minus_infinity_logprobs_are_clamped() -> None:
-    items = [gateway_pb2.TokenLogprobs(token_id=1, logprob=float("-inf"), top_token_ids=[2, 1],
-                                       top_logprobs=[-0.5, float("-inf")])]
+    items = [TokenLogprobs(token_id=1, logprob=float("-inf"), top_token_ids=[2, 1], top_logprobs=[-0.5, float("-inf")])]
     decode = {1: "a", 2: "bc"}.__getitem__
     chat = convert.chat_logprobs(items, decode)
     assert chat == {"content": [{"token": "a", "logprob": -9999.0, "bytes": [97], "top_logprobs": [
@@ -52,23 +56,28 @@ def test_completion_prompts_and_parameters() -> None:
     body = CompletionRequest.model_validate({"prompt": ["a", "b"], "n": 2, "stop": "x", "seed": 3, "top_k": -1,
                                              "logprobs": 0, "max_tokens": 5, "cache_salt": "s", "priority": 2})
     [first, second] = convert.completion_prompts(body, "cmpl-1")
-    assert (first.request.prompt, second.request.prompt) == ("a", "b") and first.token_ids is None
+    assert (first.request.prompt, second.request.prompt) == ("a", "b") and first.request.prompt_token_ids is None
     assert (first.request.request_id, second.request.request_id) == ("cmpl-1-0", "cmpl-1-1")
-    p = first.request.params
+    p = first.request.options
     assert (p.n, list(p.stop), p.seed, p.top_k, p.logprobs, p.max_tokens) == (2, ["x"], 3, 0, 0, 5)
-    assert p.HasField("logprobs") and not p.HasField("temperature")
+    assert p.temperature is None
     assert (first.request.cache_salt, first.request.priority) == ("s", 2)
     [ids] = convert.completion_prompts(CompletionRequest.model_validate({"prompt": [5, 6]}), "c")
-    assert ids.token_ids == [5, 6] and ids.request.params.max_tokens == 16  # completions' default
+    assert ids.request.prompt_token_ids == [5, 6] and ids.request.options.max_tokens == 16  # completions' default
     assert len(convert.completion_prompts(CompletionRequest.model_validate({"prompt": [[5], [6, 7]]}), "c")) == 2
     for fields, param in (({"prompt": []}, "prompt"), ({"prompt": "a", "n": 0}, "n"),
                           ({"prompt": "a", "max_tokens": 0}, "max_tokens"), ({"prompt": "a", "top_p": 0}, "top_p"),
                           ({"prompt": "a", "seed": -1}, "seed"), ({"prompt": "a", "echo": True}, "echo"),
                           ({"prompt": "a", "logit_bias": {"1": 2}}, "logit_bias"),
-                          ({"prompt": "a", "n": 2**40}, "n")):
-        with pytest.raises(convert.ParamError) as info:
-            convert.completion_prompts(CompletionRequest.model_validate(fields), "c")
-        assert info.value.param == param, fields
+                          ({"prompt": "a", "n": 2**40}, "n"), ({"prompt": "a", "top_k": 2**40}, "top_k"),
+                          ({"prompt": "a", "priority": 2**40}, "priority"), ({"prompt": [5, 100]}, "prompt")):
+        # Shapes fail converting; every bound is the core's validate, its message naming the gRPC
+        # field, which the HTTP answer maps to the parameter.
+        with pytest.raises(InvalidArgument) as info:
+            for prompt in convert.completion_prompts(CompletionRequest.model_validate(fields), "c"):
+                validate(prompt.request, INFO)
+        error = as_http_error(info.value)
+        assert (error.status, error.param) == (400, param), (fields, str(info.value))
 
 
 def test_chat_prompt_conversion() -> None:
@@ -78,8 +87,8 @@ def test_chat_prompt_conversion() -> None:
         "max_tokens": 4, "max_completion_tokens": 7, "logprobs": True, "top_logprobs": 3, "tool_choice": "none"})
     request = convert.chat_prompt(body, "chatcmpl-1").request
     assert [(m.role, m.content) for m in request.messages] == [("system", "be brief"), ("user", "ab")]
-    assert request.params.max_tokens == 7 and request.params.logprobs == 3  # max_completion_tokens wins
-    assert not convert.chat_prompt(_chat(), "c").request.params.HasField("logprobs")
+    assert request.options.max_tokens == 7 and request.options.logprobs == 3  # max_completion_tokens wins
+    assert convert.chat_prompt(_chat(), "c").request.options.logprobs is None
     for fields, param in (({"tools": [{"type": "function"}]}, "tools"), ({"tool_choice": "auto"}, "tools"),
                           ({"top_logprobs": 2}, "top_logprobs"),
                           ({"response_format": {"type": "yaml"}}, "response_format"),
@@ -110,18 +119,20 @@ def test_structured_output_spellings_reach_the_constraint_oneof() -> None:
     ]:
         for prompt in (convert.chat_prompt(_chat(**fields), "c"),
                        convert.completion_prompts(CompletionRequest.model_validate({"prompt": "p", **fields}), "c")[0]):
-            params = prompt.request.params
-            assert params.WhichOneof("constraint") == kind and prompt.constraint_param == param, fields
+            constraint = prompt.request.options.constraint
+            assert constraint.kind == kind and prompt.constraint_param == param, fields
             if kind == "json_schema":
-                got = json.loads(params.json_schema)
+                got = json.loads(constraint.spec)
             elif kind == "choice":
-                got = list(params.choice.choices)
+                got = list(constraint.choices)
+            elif kind == "json_object":
+                got = True
             else:
-                got = getattr(params, kind)
+                got = constraint.spec
             assert got == value, fields
     for fields in ({}, {"response_format": {"type": "text"}}, {"structured_outputs": {"json_object": False}}):
         prompt = convert.chat_prompt(_chat(**fields), "c")
-        assert prompt.request.params.WhichOneof("constraint") is None and prompt.constraint_param is None
+        assert prompt.request.options.constraint is None and prompt.constraint_param is None
     for fields, param in [({"response_format": {"type": "json_object"}, "guided_choice": ["a"]}, "guided_choice"),
                           ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs.choice"),
                           ({"response_format": {"type": "json_schema", "json_schema": {"name": "n"}}},
@@ -143,10 +154,9 @@ def test_structured_output_spellings_reach_the_constraint_oneof() -> None:
 
 def test_stream_events_shape() -> None:
     answer = Answer("chatcmpl-x", "m", "chat", n=1, logprobs=False, decode=str, include_usage=True)
-    pieces = [gateway_pb2.GenerateStreamResponse(index=0, text="he"),
-              gateway_pb2.GenerateStreamResponse(index=0, text="llo", finish_reason="eos",
-                                                 usage=gateway_pb2.Usage(prompt_tokens=3, completion_tokens=2,
-                                                                         cached_prompt_tokens=0))]
+    pieces = [Delta(index=0, text="he"),
+              Delta(index=0, text="llo", finish_reason="eos",
+                    usage=Usage(prompt_tokens=3, completion_tokens=2, cached_prompt_tokens=0))]
 
     async def rest():
         yield 0, pieces[1]

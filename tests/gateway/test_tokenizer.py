@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from gateway.core.types import ModelInfo
 from gateway.tokenizer import ModelTokenizer, TokenizerFetchError, fetch_tokenizer
 from pagedserve.compute.v1 import compute_pb2
 from pagedserve.testing.tiny_model import build_byte_tokenizer
@@ -21,7 +22,7 @@ TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>\n
 
 @pytest.fixture(scope="module")
 def model() -> ModelTokenizer:
-    return ModelTokenizer(build_byte_tokenizer(), compute_pb2.InfoResponse(model_name="m", chat_template=TEMPLATE))
+    return ModelTokenizer(build_byte_tokenizer(), ModelInfo(model_name="m", chat_template=TEMPLATE))
 
 
 def test_special_tokens_in_content_cannot_forge_turns(model: ModelTokenizer) -> None:
@@ -141,9 +142,9 @@ def test_tokenizing_runs_on_the_gateways_own_bounded_executor(model: ModelTokeni
     import threading
 
     from gateway.config import GatewayConfig
+    from gateway.core.service import GatewayCore
+    from gateway.core.types import GenerateRequest
     from gateway.metrics import GatewayMetrics
-    from gateway.servicer import GatewayServicer
-    from pagedserve.gateway.v1 import gateway_pb2
 
     threads: list[str] = []
 
@@ -152,12 +153,12 @@ def test_tokenizing_runs_on_the_gateways_own_bounded_executor(model: ModelTokeni
             threads.append(threading.current_thread().name)
             return super().encode_prompt(prompt)
 
-    servicer = GatewayServicer(GatewayConfig(backends=("h:1",), tokenize_threads=1), None, GatewayMetrics())
-    servicer.model = Recording(model.hf_tokenizer, model.info)
+    core = GatewayCore(GatewayConfig(backends=("h:1",), tokenize_threads=1), None, GatewayMetrics())
+    core.model = Recording(model.hf_tokenizer, model.info)
     try:
         for _ in range(3):
-            assert asyncio.run(servicer._encode(gateway_pb2.TokenizeRequest(prompt="hi"))) == [71, 72]
+            assert asyncio.run(core.encode(GenerateRequest(prompt="hi"))) == [71, 72]
     finally:
-        servicer.close()
+        core.close()
     assert len(threads) == 3 and all(name.startswith("gateway-tokenize") for name in threads)
-    assert servicer.tokenize_executor._max_workers == 1
+    assert core.tokenize_executor._max_workers == 1

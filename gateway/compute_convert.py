@@ -1,0 +1,61 @@
+"""The gateway's core types <-> the compute service's messages: the one place the gateway's request
+and answer meet ``pagedserve.compute.v1`` (the dispatcher's calls, the backend's Info).
+
+Unset stays unset on the way out (``None`` -> an absent ``optional`` field or a proto3 zero), so the
+compute service applies the same defaults (``sampling_rules.resolve_sampling``); ``max_tokens`` is
+always sent, resolved by the gateway (a chat's may reach to the model's length).
+"""
+
+from __future__ import annotations
+
+from gateway.core.types import BackendRequest, Delta, ModelInfo, TokenLogprobs, Usage
+from pagedserve.compute.v1 import compute_pb2
+
+# Optional on the compute wire (presence means "set"): copied only when given.
+_OPTIONAL = ("temperature", "top_p", "repetition_penalty", "seed", "logprobs")
+# Plain on the compute wire (zero = the default): a None is sent as the zero.
+_PLAIN = ("top_k", "min_p", "min_tokens", "presence_penalty", "frequency_penalty", "n")
+
+
+def to_compute_request(request: BackendRequest, backend_request_id: str) -> compute_pb2.GenerateRequest:
+    """The compute service's request (its id is the dispatcher's, one per attempt)."""
+    o = request.options
+    params = compute_pb2.SamplingParams(max_tokens=request.max_tokens, stop=o.stop, stop_token_ids=o.stop_token_ids,
+                                        ignore_eos=o.ignore_eos)
+    for name in _PLAIN:
+        value = getattr(o, name)
+        if value is not None:
+            setattr(params, name, value)
+    for name in _OPTIONAL:
+        value = getattr(o, name)
+        if value is not None:
+            setattr(params, name, value)
+    c = o.constraint
+    if c is not None:
+        if c.kind == "json_object":
+            params.json_object = True
+        elif c.kind == "choice":
+            params.choice.choices.extend(c.choices)
+        else:
+            setattr(params, c.kind, c.spec)
+    return compute_pb2.GenerateRequest(request_id=backend_request_id, prompt_token_ids=request.prompt_token_ids,
+                                       params=params, priority=request.priority, cache_salt=request.cache_salt)
+
+
+def usage_from_pb(usage: compute_pb2.Usage) -> Usage:
+    return Usage(usage.prompt_tokens, usage.completion_tokens, usage.cached_prompt_tokens)
+
+
+def delta_from_pb(message: compute_pb2.GenerateResponse) -> Delta:
+    """One stream message of the compute service as a delta."""
+    logprobs = [TokenLogprobs(lp.token_id, lp.logprob, list(lp.top_token_ids), list(lp.top_logprobs))
+                for lp in message.logprobs]
+    stop_string = message.stop_string if message.WhichOneof("matched_stop") == "stop_string" else ""
+    usage = usage_from_pb(message.usage) if message.HasField("usage") else None
+    return Delta(message.index, message.text, list(message.token_ids), logprobs, message.finish_reason,
+                 stop_string, usage)
+
+
+def model_info_from_pb(info: compute_pb2.InfoResponse) -> ModelInfo:
+    return ModelInfo(info.model_name, info.max_model_len, info.vocab_size, info.block_size, info.max_n,
+                     info.max_logprobs, info.max_stop_strings, info.chat_template)

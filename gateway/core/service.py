@@ -1,0 +1,223 @@
+"""The gateway core: one path for every request of every front.
+
+Admission (the tenant's priority cap and a slot, before any await), one ``validate``, tokenizing
+off the event loop, dispatch to a backend, the reply-size cap of unary answers, metrics and the
+access line: all here, on the core's own types (``gateway.core.types``). The fronts only convert:
+the gRPC servicer (``gateway.servicer``) and the OpenAI HTTP app (``gateway.openai_api.app``) turn
+their wire's request into a ``GenerateRequest``, call ``GatewayCore.run`` and turn the deltas back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from gateway.config import GatewayConfig
+from gateway.core.streaming import ReplyBudget
+from gateway.core.types import Delta, GenerateRequest, Usage
+from gateway.core.validate import PromptLimits, check_prompt, validate
+from gateway.dispatch import Dispatcher, Route
+from gateway.metrics import GatewayMetrics
+from gateway.tenants import Admission, Tenant, Tenants
+from gateway.tokenizer import ModelTokenizer
+from pagedserve.errors import UnavailableError
+from pagedserve.log import get_logger
+from pagedserve.rpc import status_for
+
+log = get_logger("gateway.access")
+
+
+@dataclass
+class RequestRecord:
+    """What the access line and the metrics say about one request."""
+
+    method: str
+    request_id: str
+    tenant: str = ""
+    started: float = field(default_factory=time.perf_counter)
+    status: str = "OK"
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    usage: Usage = field(default_factory=Usage)
+    route: Route = field(default_factory=Route)
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+
+class GatewayCore:
+    """Admission, validation, tokenizing, dispatch and accounting for every front of one gateway.
+
+    Args:
+        config: limits and logging choices.
+        dispatcher: sends requests to backends.
+        metrics: where requests are counted.
+        tenants: who each key is, and admission (its own when None: the config's tenants).
+    """
+
+    def __init__(self, config: GatewayConfig, dispatcher: Dispatcher, metrics: GatewayMetrics,
+                 tenants: Tenants | None = None) -> None:
+        self.config = config
+        self.dispatcher = dispatcher
+        self.metrics = metrics
+        self.tenants = tenants or Tenants(config.tenants, config.max_queued_requests, metrics.tenant_changed)
+        self.prompt_limits = PromptLimits(config.max_prompt_chars, config.max_messages)
+        self.model: ModelTokenizer | None = None  # set once a backend's tokenizer is loaded
+        # Tokenizing a long prompt takes milliseconds to seconds of CPU: on threads of its own, few
+        # of them, so neither the event loop nor the default executor's other work waits on it.
+        self.tokenize_executor = ThreadPoolExecutor(config.tokenize_threads, thread_name_prefix="gateway-tokenize")
+
+    @property
+    def num_in_flight(self) -> int:
+        return self.tenants.num_in_flight
+
+    def close(self) -> None:
+        self.tokenize_executor.shutdown(wait=False, cancel_futures=True)
+
+    def require_model(self) -> ModelTokenizer:
+        if self.model is None:
+            raise UnavailableError("no backend has been reached yet")
+        return self.model
+
+    def admit(self, tenant: Tenant, record: RequestRecord, priority: int | None = None,
+              count: int = 1) -> list[Admission]:
+        """The tenant's priority check and ``count`` slots, all or none, synchronously (before any await).
+
+        A refusal is answered (metrics, one access line) here.
+        Raises:
+            PermissionDeniedError: the priority is above the tenant's cap.
+            ResourceExhaustedError: the gateway or the tenant has fewer than ``count`` slots free.
+        """
+        record.tenant = tenant.name
+        try:
+            if priority is not None:
+                tenant.check_priority(priority)
+            admissions = self.tenants.admit_many(tenant, count)
+        except Exception as exc:  # PermissionDenied, ResourceExhausted: the front answers them
+            record.status = status_for(exc).name
+            self.finish(record, None)
+            raise
+        self.metrics.queue_length.set(self.tenants.num_in_flight)
+        return admissions
+
+    def release(self, admissions: Iterable[Admission]) -> None:
+        for admission in admissions:
+            admission.release()
+        self.metrics.queue_length.set(self.tenants.num_in_flight)
+
+    async def encode(self, request: GenerateRequest) -> list[int]:
+        """The tokens of a prompt or chat (its input already checked), on the tokenizer's threads."""
+        model = self.require_model()
+        loop = asyncio.get_running_loop()
+        if request.messages:
+            messages = [{"role": m.role, "content": m.content} for m in request.messages]
+            return await loop.run_in_executor(self.tokenize_executor, model.encode_chat, messages)
+        return await loop.run_in_executor(self.tokenize_executor, model.encode_prompt, request.prompt or "")
+
+    async def tokenize(self, request: GenerateRequest, record: RequestRecord, tenant: Tenant) -> list[int]:
+        """A prompt's or chat's tokens; admitted like a generation (tokenizing costs this gateway)."""
+        [admission] = self.admit(tenant, record)
+        try:
+            check_prompt(request, self.require_model().info, self.prompt_limits)
+            token_ids = await self.encode(request)
+            record.usage.prompt_tokens = len(token_ids)
+            return token_ids
+        except Exception as exc:  # the front answers it
+            record.status = status_for(exc).name
+            raise
+        finally:
+            self.release([admission])
+            self.finish(record, request)
+
+    async def run(self, request: GenerateRequest, record: RequestRecord, tenant: Tenant, timeout_s: float | None,
+                  *, admission: Admission | None = None, reply: ReplyBudget | None = None, num_prompts: int = 1,
+                  max_tokens_to_context: bool = False) -> AsyncIterator[Delta]:
+        """Admits, validates and dispatches one request; yields the backend's deltas.
+
+        Admission is the first thing the first ``anext`` does (no await before it), unless the
+        front admitted the request already (``admission``: the HTTP API admits a whole prompt list
+        at once, before converting any of it).
+
+        Args:
+            request: the request as the front converted it.
+            record: filled for the access line; ``record.route.cancel()`` ends the request.
+            tenant: who sent it (``Tenants.identify`` of its key).
+            timeout_s: the client's remaining time (None = no deadline).
+            admission: a slot already held for it (released here, whatever happens).
+            reply: for a unary answer, the bytes it may carry (refused up front when it cannot fit,
+                ended RESOURCE_EXHAUSTED when it grows past); None for a stream.
+            num_prompts: the prompts that share ``reply``.
+            max_tokens_to_context: a request without max_tokens may generate up to the model's length
+                (OpenAI's chat default) instead of the API's default of 16 tokens.
+        Raises:
+            InvalidArgument, ResourceExhaustedError, PermissionDeniedError, UnavailableError, ...:
+            every failure is a ``pagedserve.errors`` type; each front answers it with its status.
+        """
+        if admission is None:
+            [admission] = self.admit(tenant, record, request.priority)
+        record.tenant = tenant.name
+        try:
+            model = self.require_model()
+            validated = validate(request, model.info, self.prompt_limits, reply and reply.max_bytes, num_prompts)
+            token_ids = request.prompt_token_ids if request.prompt_token_ids is not None else await self.encode(request)
+            # The cache namespace is the tenant's: its hits are on its own prompts only.
+            backend_request = validated.to_backend(list(token_ids), tenant.cache_salt(request.cache_salt),
+                                                   max_tokens_to_context)
+            record.usage.prompt_tokens = len(token_ids)  # until the backend's usage arrives
+            deltas = self.dispatcher.run(backend_request, model.info.model_name, record.route, timeout_s)
+            # aclosing: a client that goes away closes the backend call now, not at garbage collection.
+            async with contextlib.aclosing(deltas):
+                async for delta in deltas:
+                    if reply is not None:
+                        reply.spend(delta)  # closing the backend call aborts the request there
+                    if delta.token_ids:
+                        record.usage.completion_tokens += len(delta.token_ids)
+                        record.last_token_at = time.perf_counter()
+                        record.first_token_at = record.first_token_at or record.last_token_at
+                    if delta.usage is not None:
+                        record.usage = delta.usage
+                    yield delta
+        except (asyncio.CancelledError, GeneratorExit):  # the client cancelled, its deadline passed, or it stalled
+            if record.status == "OK":
+                expired = timeout_s is not None and record.elapsed() >= timeout_s
+                record.status = "DEADLINE_EXCEEDED" if expired else "CANCELLED"
+            raise
+        except Exception as exc:  # the front answers it (a bug: INTERNAL, logged with its traceback)
+            record.status = status_for(exc).name
+            raise
+        finally:
+            self.release([admission])
+            self.finish(record, request)
+
+    def stalled(self, records: Iterable[RequestRecord]) -> None:
+        """A stream's client read nothing for ``write_stall_timeout_s``: counted once, its requests
+        marked (the front then closes their deltas, which aborts them on the backend)."""
+        for record in records:
+            record.status = "DEADLINE_EXCEEDED"
+        self.metrics.write_stalls.inc()
+
+    def finish(self, record: RequestRecord, request: GenerateRequest | None) -> None:
+        """Metrics and the access line (no prompt text unless the config asks for it)."""
+        now = time.perf_counter()
+        self.metrics.requests.labels(record.method, record.status).inc()
+        ttft = None
+        if record.first_token_at is not None and request is not None:
+            ttft = record.first_token_at - record.started
+            self.metrics.ttft.observe(ttft)
+            # Completions of an n > 1 request advance together: time per token of one of them.
+            num_tokens = record.usage.completion_tokens / max(request.options.n or 1, 1)
+            if num_tokens > 1 and record.last_token_at is not None:
+                self.metrics.tpot.observe((record.last_token_at - record.first_token_at) / (num_tokens - 1))
+        extra = {}
+        if self.config.log_prompts and request is not None:
+            extra = {"prompt": request.prompt or "", "messages": [m.content for m in request.messages or ()]}
+        log.info("request", request_id=record.request_id, method=record.method, tenant=record.tenant,
+                 status=record.status,
+                 backend=record.route.backend, attempts=record.route.num_attempts,
+                 prompt_tokens=record.usage.prompt_tokens, completion_tokens=record.usage.completion_tokens,
+                 cached_prompt_tokens=record.usage.cached_prompt_tokens,
+                 ttft_s=None if ttft is None else round(ttft, 4), total_s=round(now - record.started, 4), **extra)

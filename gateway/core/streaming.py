@@ -1,0 +1,123 @@
+"""What a request's deltas become: a whole reply (within its size cap) or a stream (within its
+write-stall timeout). Shared by both fronts, so each rule holds on both.
+
+- ``collect``: a unary answer, one ``Completion`` per index; the ``ReplyBudget`` it is given
+  refuses a reply that grows past the bytes one answer may carry (the backend request is aborted
+  as the deltas are closed).
+- ``pieces``: the stream a client sees, one piece whenever there is text, an end or usage; tokens
+  whose text is not complete yet (half a UTF-8 character) wait for the next piece.
+- ``send_within``: one write of a stream, given up after ``write_stall_timeout_s`` (a client that
+  reads nothing holds a slot, a backend sequence and its KV blocks for nothing).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+
+from gateway.core.types import Completion, Delta, Reply, TokenLogprobs, Usage
+from pagedserve.errors import ResourceExhaustedError
+
+
+def _varint_bytes(value: int) -> int:
+    return max(1, (value.bit_length() + 6) // 7) if value >= 0 else 10
+
+
+def logprobs_bytes(lp: TokenLogprobs) -> int:
+    """The public ``TokenLogprobs`` message's size on the wire (proto3: zeros and empties left out)."""
+    size = 0
+    if lp.token_id:
+        size += 1 + _varint_bytes(lp.token_id)
+    if lp.logprob:
+        size += 5
+    if lp.top_token_ids:
+        ids = sum(map(_varint_bytes, lp.top_token_ids))
+        size += 1 + _varint_bytes(ids) + ids
+    if lp.top_logprobs:
+        values = 4 * len(lp.top_logprobs)
+        size += 1 + _varint_bytes(values) + values
+    return size
+
+
+def delta_bytes(delta: Delta) -> int:
+    """What ``delta`` adds to a unary reply on the wire: its ids, text and logprobs entries."""
+    entries = (size + 1 + _varint_bytes(size) for size in map(logprobs_bytes, delta.logprobs))
+    return sum(map(_varint_bytes, delta.token_ids)) + len(delta.text.encode()) + sum(entries)
+
+
+@dataclass
+class ReplyBudget:
+    """The bytes one unary answer may still carry (shared by the prompts of one HTTP answer).
+
+    One measure for both fronts, the public gRPC reply's size: the limit a gRPC answer must fit,
+    and the HTTP answer's bound (its JSON grows with the same ids, text and logprobs).
+    """
+
+    max_bytes: int
+    used: int = 0
+    hint: str = "use GenerateStream"
+
+    def spend(self, delta: Delta) -> None:
+        self.used += delta_bytes(delta)
+        if self.used > self.max_bytes:
+            raise ResourceExhaustedError(f"the reply has grown past the {self.max_bytes} bytes one unary reply "
+                                         f"may carry; {self.hint}")
+
+
+async def collect(request_id: str, deltas: AsyncIterator[Delta]) -> Reply:
+    """The whole answer from a request's deltas: one Completion per index, in index order."""
+    choices: dict[int, Completion] = {}
+    usage = Usage()
+    async with contextlib.aclosing(deltas):
+        async for delta in deltas:
+            choice = choices.get(delta.index)
+            if choice is None:
+                choice = choices[delta.index] = Completion(delta.index)
+            choice.text += delta.text
+            choice.token_ids += delta.token_ids
+            choice.logprobs += delta.logprobs
+            if delta.finish_reason:
+                choice.finish_reason, choice.stop_string = delta.finish_reason, delta.stop_string
+            if delta.usage is not None:
+                usage = delta.usage
+    return Reply(request_id, [choices[i] for i in sorted(choices)], usage)
+
+
+@dataclass
+class _Held:
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+
+async def pieces(deltas: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
+    """The public stream: a piece whenever a completion has text, an end or usage.
+
+    A piece carries every token id and logprob since the completion's previous piece.
+    """
+    held: dict[int, _Held] = {}
+    # aclosing: a closed stream (a client gone) closes the backend call at once, not at garbage collection.
+    async with contextlib.aclosing(deltas):
+        async for delta in deltas:
+            h = held.setdefault(delta.index, _Held())
+            h.token_ids += delta.token_ids
+            h.logprobs += delta.logprobs
+            if not (delta.text or delta.finish_reason or delta.usage is not None):
+                continue
+            held[delta.index] = _Held()
+            yield Delta(delta.index, delta.text, h.token_ids, h.logprobs, delta.finish_reason, delta.stop_string,
+                        delta.usage)
+
+
+async def send_within(write: Awaitable[None], timeout_s: float) -> bool:
+    """Awaits one stream write; False when it did not complete within ``timeout_s`` (a stall).
+
+    A write waits while the client's flow-control window (gRPC) or socket buffer (HTTP) is full.
+    """
+    try:
+        async with asyncio.timeout(timeout_s):  # no task per write, unlike wait_for
+            await write
+    except TimeoutError:
+        return False
+    return True

@@ -1,0 +1,157 @@
+"""The gateway's own model of a request and its answer: plain dataclasses, no protobuf.
+
+Both fronts convert to and from these at their edge (``gateway.grpc_convert`` for the public gRPC
+API, ``gateway.openai_api.convert`` for the HTTP API), and the dispatcher converts them to the
+compute service's messages at the one place it calls a backend (``gateway.compute_convert``).
+
+Unset is ``None``, never a zero: the public gRPC wire reads a zero ``max_tokens``, ``top_p``,
+``repetition_penalty`` or ``n`` as "unset" and its edge says so; the HTTP edge passes what the
+client wrote, so ``n: 0`` there is a value, and a bad one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """A structured-output constraint: ``kind`` one of ``sampling_rules.CONSTRAINT_KINDS``; ``spec`` the
+    schema, regex or grammar text ("" for json_object and choice); ``choices`` a choice's alternatives."""
+
+    kind: str
+    spec: str = ""
+    choices: tuple[str, ...] = ()
+
+
+@dataclass
+class SamplingOptions:
+    """The public sampling fields as the client gave them (None: unset, the default applies)."""
+
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logprobs: int | None = None
+    n: int | None = None
+    ignore_eos: bool = False
+    min_tokens: int | None = None
+    constraint: Constraint | None = None
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+@dataclass
+class GenerateRequest:
+    """One generation request: exactly one of ``prompt``, ``messages`` or ``prompt_token_ids``.
+
+    ``prompt_token_ids`` is for an in-process front (the HTTP API's token-id prompts); the public
+    gRPC API gives text or messages.
+    """
+
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    prompt_token_ids: list[int] | None = None
+    options: SamplingOptions = field(default_factory=SamplingOptions)
+    priority: int = 0
+    request_id: str = ""
+    cache_salt: str = ""
+
+
+@dataclass
+class BackendRequest:
+    """What the dispatcher sends a compute service: the tokenized, validated request.
+
+    ``options`` keep the client's unset fields unset (the compute service applies the same
+    defaults, ``sampling_rules.resolve_sampling``); ``max_tokens`` is always resolved.
+    """
+
+    prompt_token_ids: list[int]
+    options: SamplingOptions
+    max_tokens: int
+    priority: int
+    cache_salt: str
+
+    @property
+    def n(self) -> int:
+        return self.options.n or 1
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_prompt_tokens: int = 0
+
+
+@dataclass
+class TokenLogprobs:
+    """One generated token's log-probability and, when asked for, the most likely alternatives."""
+
+    token_id: int
+    logprob: float
+    top_token_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass
+class Delta:
+    """What one completion (``index``) produced since its previous delta; the request's last delta
+    carries ``usage``. ``stop_string`` is set when a stop string ended the completion."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str = ""
+    stop_string: str = ""
+    usage: Usage | None = None
+
+
+@dataclass
+class Completion:
+    """One whole completion of a unary reply."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str = ""
+    stop_string: str = ""
+
+
+@dataclass
+class Reply:
+    """A whole answer: one completion per index, in index order."""
+
+    request_id: str
+    choices: list[Completion]
+    usage: Usage
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a backend says about its model (its ``Info``), as the gateway's checks need it.
+
+    Zero limits mean "not reported" (an older backend): the shared defaults apply.
+    """
+
+    model_name: str
+    max_model_len: int = 0
+    vocab_size: int = 0
+    block_size: int = 0
+    max_n: int = 0
+    max_logprobs: int = 0
+    max_stop_strings: int = 0
+    chat_template: str = ""

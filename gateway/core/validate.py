@@ -1,0 +1,138 @@
+"""One check of a request, before any backend work: ``validate(request) -> ValidatedRequest``.
+
+Everything that can be checked before tokenizing is checked here, once, for every front: a bad
+request costs the backends nothing, and the error names the field as the public gRPC API spells
+it (``params.top_p ...``; the HTTP front maps that name to its own parameter). The rules are
+``pagedserve.sampling_rules``, the very functions the compute service checks its requests with; the
+limits are the ones the backend reports in ``Info`` (the shared defaults where it reports none).
+Unset fields are resolved to their defaults first (``sampling_rules.resolve_sampling``), so the
+checks see what the engine would run.
+
+The one rule that needs the tokens, the prompt's length against the model, is
+``ValidatedRequest.to_backend``'s, right after tokenizing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gateway.core.types import BackendRequest, GenerateRequest, ModelInfo
+from pagedserve import sampling_rules as rules
+from pagedserve.errors import InvalidArgument
+
+_INT32 = 1 << 31
+
+
+@dataclass(frozen=True)
+class PromptLimits:
+    """The gateway's own bounds on what it tokenizes (its config's)."""
+
+    max_prompt_chars: int = rules.MAX_PROMPT_CHARS
+    max_messages: int = rules.MAX_MESSAGES
+
+
+@dataclass(frozen=True)
+class ValidatedRequest:
+    """A request every field of which was checked; ``params`` are its sampling fields resolved."""
+
+    request: GenerateRequest
+    params: dict[str, object]
+    info: ModelInfo
+
+    @property
+    def prompt_field(self) -> str:
+        return "messages" if self.request.messages else "prompt"
+
+    def to_backend(self, token_ids: list[int], cache_salt: str, max_tokens_to_context: bool = False) -> BackendRequest:
+        """The backend's request for the tokenized prompt, once it fits the model with max_tokens.
+
+        Args:
+            token_ids: the prompt's tokens.
+            cache_salt: the prefix-cache namespace (the tenant's, see ``Tenant.cache_salt``).
+            max_tokens_to_context: without a client's max_tokens, generate up to the model's length
+                (OpenAI's chat default) instead of the API's default.
+        Raises:
+            InvalidArgument: no tokens, or the prompt plus max_tokens exceed the model.
+        """
+        max_tokens = int(self.params["max_tokens"])  # type: ignore[call-overload]
+        max_model_len = self.info.max_model_len
+        if max_tokens_to_context and self.request.options.max_tokens is None and max_model_len:
+            max_tokens = max(max_model_len - len(token_ids), 1)
+        if not token_ids:
+            raise InvalidArgument(f"{self.prompt_field}: tokenizes to no tokens")
+        rules.check_prompt_length(len(token_ids), max_tokens, max_model_len or rules.MAX_PROMPT_TOKENS,
+                                  field=self.prompt_field)
+        r = self.request
+        return BackendRequest(token_ids, r.options, max_tokens, r.priority, cache_salt)
+
+
+def limits_of(info: ModelInfo) -> rules.RequestLimits:
+    """The backend's reported limits; the shared defaults for those it does not report."""
+    default = rules.DEFAULT_LIMITS
+    return rules.RequestLimits(max_n=info.max_n or default.max_n,
+                               max_logprobs=info.max_logprobs or default.max_logprobs,
+                               max_stop_strings=info.max_stop_strings or default.max_stop_strings)
+
+
+def _check_int32(name: str, value: int) -> None:
+    """A field the compute service's wire carries as int32 (beyond it the conversion would fail)."""
+    if not -_INT32 <= value < _INT32:
+        raise InvalidArgument(f"{name} must be a 32-bit integer, got {str(value)[:40]}")
+
+
+def validate(request: GenerateRequest, info: ModelInfo, limits: PromptLimits = PromptLimits(),
+             reply_limit: int | None = None, num_prompts: int = 1) -> ValidatedRequest:
+    """Every rule of the request besides its tokenized length, cheap ones first.
+
+    Args:
+        request: the request as a front converted it.
+        info: the model's limits.
+        limits: the gateway's prompt bounds.
+        reply_limit: for a unary answer, the bytes it may carry (a reply that cannot fit is refused
+            before any work); None for a stream.
+        num_prompts: prompts sharing that reply (the HTTP API's prompt lists).
+    Raises:
+        InvalidArgument: naming the first bad field.
+    """
+    rules.check_ids(request.request_id, request.cache_salt)
+    _check_int32("priority", request.priority)
+    o = request.options
+    params = rules.resolve_sampling(vars(o))  # no element copied: check_sampling checks counts first
+    rules.check_sampling(params, limits=limits_of(info), vocab_size=info.vocab_size or None)
+    _check_int32("params.top_k", params["top_k"])  # type: ignore[arg-type]
+    if o.stop_token_ids and not info.vocab_size:
+        _check_int32("params.stop_token_ids", max(o.stop_token_ids))
+    if o.constraint is not None:
+        c = o.constraint
+        rules.check_constrained_sampling(c.kind, ignore_eos=o.ignore_eos, min_tokens=o.min_tokens or 0)
+        rules.check_constraint(c.kind, c.spec, c.choices)
+    if reply_limit is not None:
+        rules.check_reply_fits(params["n"] * num_prompts, params["max_tokens"], params["logprobs"],  # type: ignore
+                               reply_limit)
+    check_prompt(request, info, limits)
+    return ValidatedRequest(request, params, info)
+
+
+def check_prompt(request: GenerateRequest, info: ModelInfo, limits: PromptLimits) -> None:
+    """Exactly one of prompt, messages or token ids, within the size limits (counts first)."""
+    given = [name for name, value in (("prompt", request.prompt), ("messages", request.messages),
+                                      ("prompt_token_ids", request.prompt_token_ids)) if value]
+    if request.prompt_token_ids is not None and not request.prompt and not request.messages:
+        rules.check_token_ids("prompt", request.prompt_token_ids, info.vocab_size or None)
+        if not info.vocab_size and request.prompt_token_ids:
+            _check_int32("prompt", max(request.prompt_token_ids))
+        return
+    if len(given) != 1:
+        raise InvalidArgument("prompt, messages: give exactly one of them")
+    if request.messages:
+        check_message_count(len(request.messages), limits.max_messages)
+        rules.check_messages([(m.role, m.content) for m in request.messages], max_messages=limits.max_messages,
+                             max_chars=limits.max_prompt_chars)
+    else:
+        rules.check_prompt_chars(request.prompt or "", limits.max_prompt_chars)
+
+
+def check_message_count(num_messages: int, max_messages: int) -> None:
+    """At most ``max_messages`` chat messages: an edge calls it before copying any."""
+    if num_messages > max_messages:
+        raise InvalidArgument(f"messages: at most {max_messages} messages, got {num_messages}")
