@@ -51,6 +51,7 @@ ENGINE_FLAGS = {
     "max_num_batched_tokens": "new tokens per engine step",
     "block_size": "tokens per KV block; must equal the memory service's",
     "num_speculative_tokens": "n-gram speculative drafts per greedy sequence and step, at most (0 = off)",
+    "mask_fill_timeout_s": "a constrained request whose token mask takes longer than this fails alone (error)",
     "device": "cpu or cuda[:N] (default: cuda when available)",
     "dtype": "float32, float16 or bfloat16 (default: float32 on CPU, bfloat16 on CUDA)",
 }

@@ -26,6 +26,9 @@ class EngineConfig:
     # N-gram speculative drafts per greedy decoding sequence and step, at most (0 = off); fewer
     # as the batch grows (compute_service/engine/speculative.py). Outputs are unchanged.
     num_speculative_tokens: int = 4
+    # How long a step waits for a constrained sequence's token mask before that request alone
+    # fails (finish_reason "error"); see compute_service/structured/logits_mask.py.
+    mask_fill_timeout_s: float = 1.0
     memory_socket: str | None = None
     device: str | None = None  # default: cuda when available, else cpu
     dtype: str | None = None  # default: float32 on CPU, bfloat16 on CUDA
@@ -44,6 +47,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if not 0.0 <= self.admission_watermark < 1.0:
             raise ValueError(f"admission_watermark must be in [0, 1), got {self.admission_watermark}")
+        if not self.mask_fill_timeout_s > 0:
+            raise ValueError(f"mask_fill_timeout_s must be > 0, got {self.mask_fill_timeout_s}")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.device is not None and not (self.device == "cpu" or self.device.startswith("cuda")):

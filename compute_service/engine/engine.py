@@ -50,7 +50,7 @@ class Engine:
         self.model_config = model_config
         self.tokenizer = tokenizer
         self._grammars = grammars
-        self.masker = LogitsMasker(model_config.vocab_size)
+        self.masker = LogitsMasker(model_config.vocab_size, timeout_s=config.mask_fill_timeout_s)
         self.memory = memory
         self.config = config
         self.runner = ModelRunner(model, memory.pool, memory.block_size)
@@ -351,15 +351,25 @@ class Engine:
             if token is not None:  # else the request has failed already
                 self._append_token(child, token, row[None], 0)
 
-    def _mask_and_sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    def _mask_and_sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int | None]:
         """Next tokens from (B, V) logits, rows of this step's logits that nothing else reads. Constrained
         rows are masked: in place, unless a sequence asks for logprobs (the raw rows' log-softmax),
         then in a copy. n > 1 forks sample again from a parent's row: their matchers are in the
-        parent's state, so a row already masked for it is the row they would mask."""
+        parent's state, so a row already masked for it is the row they would mask.
+
+        A sequence whose mask failed (or came too late: ``LogitsMasker``) fails its request here and
+        gets None, and so does any sequence of an already failed request (its matcher may still be
+        in an abandoned fill: it is never touched again)."""
+        failures: dict[int, Exception] = {}
         if any(seq.matcher is not None for seq in seqs):
             keep_raw = any(seq.params.logprobs is not None for seq in seqs)
-            logits = self.masker.apply(logits, [seq.matcher for seq in seqs], keep_raw=keep_raw)
-        return sample(logits, seqs, self.model_config.eos_token_ids)
+            matchers = [None if seq.finish_reason is FinishReason.ERROR else seq.matcher for seq in seqs]
+            masked = self.masker.apply(logits, matchers, keep_raw=keep_raw)
+            logits, failures = masked.logits, masked.failures
+            for row, exc in failures.items():
+                self._fail_request(seqs[row].request_id, "masking", exc)
+        tokens = sample(logits, seqs, self.model_config.eos_token_ids)
+        return [None if seq.finish_reason is FinishReason.ERROR else token for seq, token in zip(seqs, tokens)]
 
     def _append_verified(self, seq: Sequence, drafts: list[int], greedy: list[int], logits: torch.Tensor,
                          row: int) -> None:

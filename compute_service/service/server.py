@@ -35,6 +35,7 @@ from compute_service.engine.config import EngineConfig
 
 from compute_service.service.config import ComputeServiceConfig
 from compute_service.structured.grammar_compiler import GrammarCompiler, GrammarCompilerConfig
+from compute_service.structured.logits_mask import num_abandoned_fills
 from compute_service.engine.engine import Engine
 from compute_service.service.engine_loop import EngineLoop
 from compute_service.model.model_info import model_info
@@ -149,11 +150,12 @@ async def serve(config: ComputeServiceConfig, engine_config: EngineConfig) -> in
     await asyncio.to_thread(loop.stop)  # detaches: the memory service frees what is left
     _remove_socket(address)
     log.info("compute_service_stopped")
-    if grammars is not None and grammars.num_running:
-        # A compile past its timeout still runs in C++: interpreter finalization would destroy the
-        # grammar engine under it (std::terminate, SIGABRT). Everything is shut down and flushed,
-        # so leave without finalizing.
-        log.warning("grammar_compiles_abandoned", num_running=grammars.num_running)
+    if num_abandoned_fills() or (grammars is not None and grammars.num_running):
+        # A compile past its timeout or a mask fill past its deadline still runs in C++:
+        # interpreter finalization would destroy the grammar engine under it (std::terminate,
+        # SIGABRT). Everything is shut down and flushed, so leave without finalizing.
+        log.warning("grammar_work_abandoned", num_fills=num_abandoned_fills(),
+                    num_compiles=grammars.num_running if grammars is not None else 0)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)

@@ -210,10 +210,12 @@ def test_mask_matches_masked_fill_and_skips_unconstrained_batches(llm: LLM) -> N
 
     masker = LogitsMasker(VOCAB)
     logits = torch.randn(3, VOCAB)
-    assert masker.apply(logits, [None, None, None]) is logits  # nothing constrained: no copy, no work
+    assert masker.apply(logits, [None, None, None]).logits is logits  # nothing constrained: no copy, no work
     grammar = llm.engine.grammars.compile(Constraint.regex(r"[ab]c"))
     matcher = llm.engine.grammars.new_matcher(grammar)
-    masked = masker.apply(logits, [None, matcher, None])
+    result = masker.apply(logits, [None, matcher, None])
+    masked = result.logits
+    assert result.failures == {}
     bitmask = xgr.allocate_token_bitmask(1, VOCAB)
     llm.engine.grammars.new_matcher(grammar).fill_next_token_bitmask(bitmask)
     bits = (bitmask[0, torch.arange(VOCAB) // 32] >> (torch.arange(VOCAB) % 32)) & 1  # (V,) 1 = allowed
@@ -221,7 +223,7 @@ def test_mask_matches_masked_fill_and_skips_unconstrained_batches(llm: LLM) -> N
     assert torch.equal(masked[1], logits[1].masked_fill(bits == 0, float("-inf")))
     assert torch.equal(masked[[0, 2]], logits[[0, 2]])
     raw = logits.clone()
-    in_place = masker.apply(logits, [None, llm.engine.grammars.new_matcher(grammar), None], keep_raw=False)
+    in_place = masker.apply(logits, [None, llm.engine.grammars.new_matcher(grammar), None], keep_raw=False).logits
     assert in_place is logits and torch.equal(logits, masked) and not torch.equal(logits, raw)
 
 
