@@ -41,6 +41,8 @@ SERVICE_FLAGS = {
     "max_stream_buffer": "step outputs a stream holds for a slow reader before its request pauses",
     "auth_token_file": f"require this file's token as 'authorization: Bearer TOKEN' on every call but health "
                        f"(also ${TOKEN_ENV}); the gateway sends it with --backend-token-file",
+    "memory_token_file": "send this file's token to the memory service (its --auth-token-file; also "
+                         "$PAGEDSERVE_MEMORY_TOKEN): only then may this service name cache namespaces there",
     "grammar_compile_timeout_s": "longest compile of one structured-output constraint before it is refused",
     "grammar_compile_threads": "threads that compile structured-output constraints",
     "grammar_cache_size": "compiled structured-output constraints kept for reuse",

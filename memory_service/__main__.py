@@ -18,7 +18,7 @@ from memory_service.config import MemoryServiceConfig
 # The flags: MemoryServiceConfig's fields (their defaults are the dataclass's).
 FLAGS = {
     "socket": "Unix socket path (default: $XDG_RUNTIME_DIR or /tmp/pagedserve-UID, memory.sock)",
-    "address": "also listen on TCP host:port (only when asked for)",
+    "address": "also listen on TCP host:port (only with a token: --auth-token-file or $PAGEDSERVE_MEMORY_TOKEN)",
     "block_size": "tokens per KV block",
     "max_num_blocks": "blocks in the pool",
     "kv_cache_bytes": "pool size in bytes (if no --max-num-blocks)",
@@ -29,6 +29,10 @@ FLAGS = {
     "device": "cpu or cuda[:N]",
     "lease_ttl_s": "seconds of silence before a client's lease expires",
     "max_clients": "clients attached at once",
+    "max_blocks_per_client": "block-table entries one client's sequences may hold together (default: the pool)",
+    "max_untrusted_client_blocks": "the same for a client without the token, when there is one",
+    "auth_token_file": "file holding the token clients present at Attach ('authorization: Bearer TOKEN'; "
+                       "also $PAGEDSERVE_MEMORY_TOKEN): only they may name cache namespaces",
 }
 
 

@@ -73,11 +73,15 @@ class MemoryClient:
         step_timeout_s: deadline of each Step call.
         attach_timeout_s: deadline of the Attach call (None: ``connect_timeout_s``). The first
             attach creates the pool, allocating and mapping all of it: seconds a GiB on a CPU.
+        token: the memory service's token, sent on every call (``authorization: Bearer TOKEN``):
+            with it this client is trusted (any cache namespace; memory_service/service/trust.py).
     """
 
     def __init__(self, target: str, layout: KvLayout, client_name: str = "compute", connect_timeout_s: float = 30.0,
-                 step_timeout_s: float = 30.0, attach_timeout_s: float | None = None) -> None:
+                 step_timeout_s: float = 30.0, attach_timeout_s: float | None = None,
+                 token: str | None = None) -> None:
         self._channel = grpc.insecure_channel(target)
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self._closed = threading.Event()
         self._lease_lost = False
         self._stream_ok = True
@@ -127,7 +131,7 @@ class MemoryClient:
             with self._keepalive_lock:
                 if self._closed.is_set():
                     return
-                call = self._stub.KeepAlive(pb.KeepAliveRequest(client_id=self.client_id))
+                call = self._stub.KeepAlive(pb.KeepAliveRequest(client_id=self.client_id), metadata=self._metadata)
                 self._keepalive_call = call
             try:
                 for _ in call:
@@ -203,7 +207,7 @@ class MemoryClient:
     def _call(self, method: grpc.UnaryUnaryMultiCallable, request: object) -> object:
         """Every RPC after Attach: the codes of ``_GONE`` become ``MemoryServiceUnavailable``."""
         try:
-            return method(request, timeout=self._step_timeout_s)
+            return method(request, timeout=self._step_timeout_s, metadata=self._metadata)
         except grpc.RpcError as exc:
             if exc.code() not in _GONE:
                 raise
@@ -215,7 +219,7 @@ class MemoryClient:
         """Attach, whose FAILED_PRECONDITION is a refusal (a layout that differs from the pool's),
         not a lost lease: an operator must act, so it is a ``PreconditionError``, not "gone"."""
         try:
-            return self._stub.Attach(request, timeout=timeout_s)
+            return self._stub.Attach(request, timeout=timeout_s, metadata=self._metadata)
         except grpc.RpcError as exc:
             if exc.code() in _UNREACHABLE:
                 raise MemoryServiceUnavailable(f"memory service: {exc.code().name}: {exc.details()}") from exc
@@ -227,7 +231,7 @@ class MemoryClient:
 
     def _detach(self) -> None:
         try:
-            self._stub.Detach(pb.DetachRequest(client_id=self.client_id), timeout=5)
+            self._stub.Detach(pb.DetachRequest(client_id=self.client_id), timeout=5, metadata=self._metadata)
         except grpc.RpcError:
             pass  # the service is gone or already expired the lease: nothing left to free
 

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagedserve.config import ServiceConfig, check_listen
+from pagedserve.service_auth import MEMORY_TOKEN_ENV, check_token, load_token
 
 # Most blocks a pool may have. Every block costs the service metadata (~100 bytes) whatever its
 # size, so a layout of tiny blocks must not turn a byte budget into millions of records; 2**20
@@ -34,6 +35,11 @@ class MemoryServiceConfig(ServiceConfig):
     ``memory_utilization_threshold`` times the free GPU memory, on CPU the least of
     ``DEFAULT_CPU_KV_CAP_BYTES``, a quarter of available RAM and ``memory_utilization_threshold``
     times the free /dev/shm space. The size chosen is logged (``kv_pool_sized``).
+
+    Trust (memory_service/service/trust.py): with a token (``auth_token_file``, else
+    ``$PAGEDSERVE_MEMORY_TOKEN``), only clients that present it at Attach may name cache namespaces;
+    the others are confined to a namespace of their own and ``max_untrusted_client_blocks``. TCP
+    (``address``) needs a token: a port reaches beyond this user.
     """
 
     socket: str | None = None  # Unix socket path (the default transport)
@@ -48,6 +54,14 @@ class MemoryServiceConfig(ServiceConfig):
     device: str = "cpu"  # "cpu" or "cuda" / "cuda:N"
     lease_ttl_s: float = 30.0
     max_clients: int = 64  # attached clients at once (each compute service is one)
+    # Block-table entries one client's live sequences may hold together (None: the whole pool).
+    max_blocks_per_client: int | None = None
+    # The same for a client without the token, when the service has one (0: it may attach and read
+    # statistics, never take a block).
+    max_untrusted_client_blocks: int = 0
+    auth_token_file: str | None = None  # file holding the token (else $PAGEDSERVE_MEMORY_TOKEN)
+    # The token itself: never written out by write_config_file, never in repr or logs.
+    auth_token: str | None = field(default=None, repr=False, metadata={"secret": True})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -71,3 +85,16 @@ class MemoryServiceConfig(ServiceConfig):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.max_clients < 1:
             raise ValueError(f"max_clients must be >= 1, got {self.max_clients}")
+        if self.max_blocks_per_client is not None and self.max_blocks_per_client < 1:
+            raise ValueError(f"max_blocks_per_client must be >= 1, got {self.max_blocks_per_client}")
+        if self.max_untrusted_client_blocks < 0:
+            raise ValueError(f"max_untrusted_client_blocks must be >= 0, got {self.max_untrusted_client_blocks}")
+        if self.auth_token is not None:
+            check_token(self.auth_token, "auth_token")
+        else:
+            object.__setattr__(self, "auth_token",
+                               load_token(self.auth_token_file, "auth_token_file", env=MEMORY_TOKEN_ENV))
+        if self.address is not None and self.auth_token is None:
+            raise ValueError(f"address {self.address!r} (TCP) needs a token (auth_token_file or "
+                             f"${MEMORY_TOKEN_ENV}): without one any host that reaches the port could "
+                             "take blocks and name any tenant's cache namespace")

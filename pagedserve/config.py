@@ -129,10 +129,13 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
 def write_config_file(config: object, path: str | Path) -> Path:
     """Writes a config dataclass as the JSON object ``read_config_file`` reads (owner-only: 0600).
     How a whole config reaches a child service (``--config PATH``) without being turned back into
-    flags by hand."""
+    flags by hand. Fields marked ``metadata={"secret": True}`` (a token) are left out: the child
+    reads those from their own file."""
     path = Path(path)
     path.touch(mode=0o600)
-    path.write_text(json.dumps(dataclasses.asdict(config), indent=1))
+    secrets = {f.name for f in dataclasses.fields(config) if f.metadata.get("secret")}
+    values = {k: v for k, v in dataclasses.asdict(config).items() if k not in secrets}
+    path.write_text(json.dumps(values, indent=1))
     return path
 
 

@@ -10,6 +10,7 @@
 - a dependency that is down (the memory service, every backend): ``UnavailableError`` (UNAVAILABLE);
 - the caller's deadline passed while a dependency worked: ``DeadlineExceededError``;
 - a caller that is known but not allowed what it asks: ``PermissionDeniedError``;
+- a call without the credential its target needs: ``UnauthenticatedError`` (UNAUTHENTICATED);
 - one request failed on its own (its sampling, detokenizing, stop checks), the others run on:
   ``RequestFailedError`` (INTERNAL with its message; the failure was logged where it happened);
 - a client that stopped reading its stream for longer than the write-stall timeout:
@@ -54,6 +55,10 @@ class DeadlineExceededError(Exception):
 
 class PermissionDeniedError(Exception):
     """The caller is who it says, but may not do what it asks (a limit its operator set)."""
+
+
+class UnauthenticatedError(Exception):
+    """The call lacks the credential (a service token) that what it names requires."""
 
 
 def echo(value: object, limit: int = ECHO_CHARS) -> str:

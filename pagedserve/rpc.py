@@ -23,6 +23,7 @@ from pagedserve.errors import (
     PreconditionError,
     RequestFailedError,
     ResourceExhaustedError,
+    UnauthenticatedError,
     UnavailableError,
 )
 from pagedserve.health import HealthServicer, is_ended_call_error
@@ -41,6 +42,7 @@ _STATUS_FOR_EXCEPTION: dict[type[Exception], grpc.StatusCode] = {
     UnavailableError: grpc.StatusCode.UNAVAILABLE,
     DeadlineExceededError: grpc.StatusCode.DEADLINE_EXCEEDED,
     PermissionDeniedError: grpc.StatusCode.PERMISSION_DENIED,
+    UnauthenticatedError: grpc.StatusCode.UNAUTHENTICATED,
     RequestFailedError: grpc.StatusCode.INTERNAL,  # expected: logged (with its traceback) where it failed
 }
 # Longest status message sent. gRPC carries it in a header (8 KiB of metadata by default); one

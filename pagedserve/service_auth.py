@@ -21,6 +21,9 @@ from pathlib import Path
 import grpc
 
 TOKEN_ENV = "PAGEDSERVE_COMPUTE_TOKEN"
+# The memory service's own token (memory_service/service/trust.py): a different secret, since the
+# gateways that hold the compute token never talk to the memory service.
+MEMORY_TOKEN_ENV = "PAGEDSERVE_MEMORY_TOKEN"
 MIN_TOKEN_CHARS = 16
 _OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
 _TOKEN_CHARS = frozenset(string.ascii_letters + string.digits + string.punctuation)
@@ -35,17 +38,25 @@ def check_token(token: object, name: str) -> str:
     return token
 
 
-def load_token(path: str | None, name: str, environ: Mapping[str, str] = os.environ) -> str | None:
-    """The token in file ``path`` (surrounding whitespace dropped), else ``$PAGEDSERVE_COMPUTE_TOKEN``,
-    else None (no authentication). Read at start, never at import time."""
+def load_token(path: str | None, name: str, environ: Mapping[str, str] = os.environ,
+               env: str = TOKEN_ENV) -> str | None:
+    """The token in file ``path`` (surrounding whitespace dropped), else ``$env``
+    (``$PAGEDSERVE_COMPUTE_TOKEN`` by default), else None (no authentication). Read at start, never at
+    import time."""
     if path is not None:
         try:
             token = Path(path).read_text().strip()
         except (OSError, UnicodeDecodeError) as exc:
             raise ValueError(f"{name} {path!r}: {getattr(exc, 'strerror', None) or exc}") from None
         return check_token(token, f"{name} {path!r}: the token")
-    token = environ.get(TOKEN_ENV, "").strip()
-    return check_token(token, f"${TOKEN_ENV}") if token else None
+    token = environ.get(env, "").strip()
+    return check_token(token, f"${env}") if token else None
+
+
+def token_matches(offered: bytes, token: str) -> bool:
+    """Whether ``offered`` (a call's Bearer token, see ``bearer_token``) is ``token``; in constant time
+    (``hmac.compare_digest`` takes time independent of where the two differ, lengths aside)."""
+    return hmac.compare_digest(offered, token.encode())
 
 
 def bearer_token(metadata: Sequence[tuple[str, str | bytes]] | None) -> bytes:

@@ -10,11 +10,16 @@ the stack is asked to inherit it. Each tier is SERVING before the next starts (t
 attaches to the memory service, the gateway fetches the tokenizer from the compute service).
 Stopping goes gateway first (no new requests), memory service last (it owns the KV pool's shared
 memory and unlinks it as it exits); a directory the stack made is removed then.
+
+The memory service gets a token of the stack's own (a fresh random one in ``memory.token``, 0600,
+beside the sockets; both services are given its path, never the token): only the stack's compute
+service may name cache namespaces there (memory_service/service/trust.py).
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import tempfile
 from collections.abc import Sequence
@@ -120,6 +125,11 @@ class Stack:
         self._owns_directory = directory is None
         self.directory = Path(tempfile.mkdtemp(prefix="pagedserve-") if directory is None else directory)
         os.chmod(self.directory, 0o700)  # only this user reaches the sockets
+        self.memory_token_file = self.directory / f"{config.name}memory.token"
+        if not self.memory_token_file.exists():  # a directory reused by a new stack keeps its token
+            fd = os.open(self.memory_token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with open(fd, "w") as f:
+                f.write(secrets.token_urlsafe(32))
         self.memory: ServiceProcess | None = None
         self.compute: ServiceProcess | None = None
         self.gateway: ServiceProcess | None = None
@@ -146,12 +156,15 @@ class Stack:
         return self.directory / f"{self.config.name}{role}{suffix}.log"
 
     def spawn_memory(self) -> ServiceProcess:
-        self.memory = memory_process(self.memory_socket, self.config.memory_args, log_file=self._log("memory"))
+        self.memory = memory_process(self.memory_socket,
+                                     ["--auth-token-file", self.memory_token_file, *self.config.memory_args],
+                                     log_file=self._log("memory"))
         return self.memory
 
     def spawn_compute(self) -> ServiceProcess:
         self.compute = compute_process(self.config.model, self.memory_socket, self.compute_address,
-                                       self.config.compute_args, log_file=self._log("compute"))
+                                       ["--memory-token-file", self.memory_token_file, *self.config.compute_args],
+                                       log_file=self._log("compute"))
         return self.compute
 
     def spawn_gateway(self) -> ServiceProcess:

@@ -3,7 +3,9 @@
 The memory and compute services talk over Unix sockets in a private (0700) runtime directory made
 for this run and removed at the end; only the gateway listens on TCP. So the compute service needs
 no service token here: only this user reaches its socket (with ``PAGEDSERVE_COMPUTE_TOKEN`` set,
-both the compute service and the gateway inherit it, and use it). ``up`` stops all three when
+both the compute service and the gateway inherit it, and use it). The memory service does get a
+token, made fresh for the run (pagedserve/stack.py): only this run's compute service may name cache
+namespaces in it (memory_service/service/trust.py). ``up`` stops all three when
 it is interrupted (Ctrl-C, SIGTERM) or when any one of them dies, gateway first (no new requests),
 memory service last (it owns the KV pool's shared memory, which it unlinks as it exits).
 """

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+import secrets
 import shutil
 import tempfile
 import weakref
@@ -19,6 +20,7 @@ from memory_service.config import POOL_FIELDS, MemoryServiceConfig
 from pagedserve.config import write_config_file
 from pagedserve.dtypes import dtype_name
 from pagedserve.log import get_logger
+from pagedserve.service_auth import MEMORY_TOKEN_ENV, load_token
 from pagedserve.stack import memory_process, ready
 
 from compute_service.engine.config import EngineConfig
@@ -32,7 +34,9 @@ log = get_logger("llm")
 
 class MemoryServiceProcess:
     """A private ``python -m memory_service`` child on a socket in a fresh 0700 directory, started
-    with the whole ``config`` (written beside the socket and passed as ``--config``).
+    with the whole ``config`` (written beside the socket and passed as ``--config``) and, unless the
+    config names one, a fresh token in a 0600 file beside it (``config.auth_token`` is it): only the
+    owner's client is trusted (memory_service/service/trust.py).
 
     Leaves nothing behind: a start that fails (or is interrupted, KeyboardInterrupt included)
     stops the child and removes the directory before raising; without ``close`` both go when the
@@ -43,8 +47,13 @@ class MemoryServiceProcess:
     def __init__(self, config: MemoryServiceConfig) -> None:
         self.directory = tempfile.mkdtemp(prefix="pagedserve-")
         self.socket = os.path.join(self.directory, "memory.sock")
-        self.config = dataclasses.replace(config, socket=self.socket)
         try:
+            if config.auth_token is None:
+                token_file = os.path.join(self.directory, "memory.token")
+                with open(os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+                    f.write(secrets.token_urlsafe(32))
+                config = dataclasses.replace(config, auth_token_file=token_file)
+            self.config = dataclasses.replace(config, socket=self.socket)
             config_file = write_config_file(self.config, os.path.join(self.directory, "memory_service.json"))
             # Its output goes to a log beside the socket (quoted when the start fails), not to the
             # owner's stdout.
@@ -81,6 +90,8 @@ class LLM:
         memory: the whole config of the private memory service (its ``block_size`` and ``device``
             are the engine's); default: the memory service's defaults (without a size it sizes the
             pool itself and logs it: memory_service/config.py), warnings-only logs.
+        memory_token_file: the token of the memory service at ``memory_socket`` (else
+            ``$PAGEDSERVE_MEMORY_TOKEN``); a private memory service gets a fresh one.
         **config: fields of EngineConfig (``max_num_seqs``, ``max_num_batched_tokens``,
             ``block_size``, ``memory_socket`` to attach to a running memory service, ``device``,
             ``dtype``, ...) and the pool's fields of MemoryServiceConfig (``kv_cache_bytes``,
@@ -89,7 +100,8 @@ class LLM:
     """
 
     def __init__(self, model: str = "default", *, cache_dir: str | Path | None = None,
-                 memory: MemoryServiceConfig | None = None, **config: Any) -> None:
+                 memory: MemoryServiceConfig | None = None, memory_token_file: str | None = None,
+                 **config: Any) -> None:
         engine_fields, pool_fields = split_config(config)
         self.config = EngineConfig(**engine_fields)
         if self.config.memory_socket is not None and (pool_fields or memory is not None):
@@ -114,8 +126,10 @@ class LLM:
             if socket is None:
                 pool_device = "cpu" if device == "cpu" else str(loaded.model.device)
                 self._memory_process = MemoryServiceProcess(self._memory_config(memory, pool_fields, pool_device))
-                socket = self._memory_process.socket
-            self._memory = MemoryClient(f"unix:{socket}", layout, client_name="llm")
+                socket, token = self._memory_process.socket, self._memory_process.config.auth_token
+            else:
+                token = load_token(memory_token_file, "memory_token_file", env=MEMORY_TOKEN_ENV)
+            self._memory = MemoryClient(f"unix:{socket}", layout, client_name="llm", token=token)
             self.engine = Engine(loaded.model, loaded.config, loaded.tokenizer, self._memory, self.config)
             # The pool's size, whoever chose it (a private memory service without a size picks its default).
             log.info("kv_pool", num_blocks=self._memory.num_blocks,

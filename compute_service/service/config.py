@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedserve.service_auth import check_token, load_token
+from pagedserve.service_auth import MEMORY_TOKEN_ENV, check_token, load_token
 
 from pagedserve.config import ServiceConfig, check_listen
 
@@ -33,6 +33,9 @@ class ComputeServiceConfig(ServiceConfig):
         auth_token_file: a file holding the token every call but health must carry
             (``authorization: Bearer TOKEN``); else ``$PAGEDSERVE_COMPUTE_TOKEN``; else no check.
         auth_token: the token itself (read from the file or the environment when not given).
+        memory_token_file: a file holding the memory service's token, sent at Attach and on every
+            call to it (trusted: it may name cache namespaces); else ``$PAGEDSERVE_MEMORY_TOKEN``.
+        memory_token: that token itself (read from the file or the environment when not given).
         grammar_compile_threads: workers that compile structured-output constraints.
         grammar_compile_timeout_s: the longest one constraint may compile before its request is
             refused (INVALID_ARGUMENT: too complex).
@@ -51,7 +54,9 @@ class ComputeServiceConfig(ServiceConfig):
     write_stall_timeout_s: float = 30.0
     max_stream_buffer: int = 8
     auth_token_file: str | None = None
-    auth_token: str | None = field(default=None, repr=False)
+    auth_token: str | None = field(default=None, repr=False, metadata={"secret": True})
+    memory_token_file: str | None = None
+    memory_token: str | None = field(default=None, repr=False, metadata={"secret": True})
     grammar_compile_threads: int = 2
     grammar_compile_timeout_s: float = 5.0
     grammar_cache_size: int = 256
@@ -79,3 +84,8 @@ class ComputeServiceConfig(ServiceConfig):
             check_token(self.auth_token, "auth_token")
         else:
             object.__setattr__(self, "auth_token", load_token(self.auth_token_file, "auth_token_file"))
+        if self.memory_token is not None:
+            check_token(self.memory_token, "memory_token")
+        else:
+            object.__setattr__(self, "memory_token",
+                               load_token(self.memory_token_file, "memory_token_file", env=MEMORY_TOKEN_ENV))

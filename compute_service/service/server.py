@@ -66,8 +66,10 @@ def make_grammar_compiler(loaded: LoadedModel, config: ComputeServiceConfig) -> 
 
 
 def make_attach(loaded: LoadedModel, target: str, engine_config: EngineConfig,
-                timeout_s: float, grammars: GrammarCompiler | None = None) -> Callable[[], Engine]:
-    """The engine loop's way to (re)attach: a fresh lease, pool mapping and Engine per call."""
+                timeout_s: float, grammars: GrammarCompiler | None = None,
+                memory_token: str | None = None) -> Callable[[], Engine]:
+    """The engine loop's way to (re)attach: a fresh lease, pool mapping and Engine per call;
+    ``memory_token`` is the memory service's token (memory_service/service/trust.py)."""
     layout = KvLayout(
         num_layers=loaded.config.num_layers, num_kv_heads=loaded.config.num_kv_heads,
         head_dim=loaded.config.head_dim, dtype=dtype_name(loaded.model.dtype),
@@ -79,7 +81,7 @@ def make_attach(loaded: LoadedModel, target: str, engine_config: EngineConfig,
         if check_health(target, timeout_s=max(timeout_s, 0.2)) != health_pb2.HealthCheckResponse.SERVING:
             raise UnavailableError(f"memory service at {target} is not serving")
         memory = MemoryClient(target, layout, client_name="compute", connect_timeout_s=max(timeout_s, 1.0),
-                              attach_timeout_s=ATTACH_TIMEOUT_S)
+                              attach_timeout_s=ATTACH_TIMEOUT_S, token=memory_token)
         try:
             return Engine(loaded.model, loaded.config, loaded.tokenizer, memory, engine_config, grammars)
         except BaseException:
@@ -134,7 +136,8 @@ async def serve(config: ComputeServiceConfig, engine_config: EngineConfig) -> in
 
     grammars = make_grammar_compiler(loaded, config)
     loop = EngineLoop(
-        make_attach(loaded, memory_target(config), engine_config, config.memory_retry_interval_s, grammars),
+        make_attach(loaded, memory_target(config), engine_config, config.memory_retry_interval_s, grammars,
+                    config.memory_token),
         on_ready, retry_interval_s=config.memory_retry_interval_s, ping_interval_s=config.memory_ping_interval_s,
     )
     servicer.start(loop, model_info(loaded, config.served_model_name), grammars)

@@ -14,6 +14,14 @@ Ordering rules (tests assert exact block ids against them), on top of ``block_po
 - Copy-on-write takes its destination before the blocks that the same AppendOp appends.
 - ``release_client`` frees the client's sequences in creation order.
 
+Quotas: a client may be capped (``add_client(max_blocks=N)``) at N block-table entries over its live
+sequences. An AllocateOp or AppendOp that would take the client past N fails like one that finds too
+few blocks (``ok=False``, nothing changed), so a client cannot hold the pool whatever it sends. The
+count is of table entries, not distinct blocks, because it is exact and O(1) to keep: a block two
+of the client's sequences share counts twice. A ForkOp is counted but never refused (it takes no
+block, and the compute service's scheduler relies on forks succeeding), so the blocks a client
+holds never exceed N, though its entries may.
+
 Commit before share: blocks that fill in a client's batch are registered in the prefix cache as
 *pending* (``prefix_cache``): that client's later ops may share them at once, other clients only
 once the client's next batch (or ``commit``) acknowledges that their K/V is written. A client that
@@ -40,7 +48,7 @@ from memory_service.manager.block_types import (
     OpResult,
     PoolStats,
 )
-from memory_service.manager.op_apply import BatchState, OpApplier, SequenceState
+from memory_service.manager.op_apply import NO_QUOTA, BatchState, OpApplier, SequenceState
 from memory_service.manager.op_validation import OpValidator
 from memory_service.manager.prefix_cache import PrefixCache
 
@@ -80,6 +88,8 @@ class BlockManager:
         # client_id -> its live sequences, in creation order (release frees them in that order).
         self._client_seqs: dict[str, dict[str, SequenceState]] = {}
         self._pending: dict[str, dict[int, None]] = {}  # client_id -> its uncommitted cache blocks
+        self._num_table_blocks: dict[str, int] = {}  # client_id -> entries of its block tables
+        self._max_table_blocks: dict[str, int] = {}  # client_id -> its quota of such entries
         self._validator = OpValidator(config.num_blocks * config.block_size, self._client_seqs)
         self._applier = OpApplier(
             self._pool, self._prefix_cache, config.block_size, config.reserved_min_priority, copy_block
@@ -87,18 +97,25 @@ class BlockManager:
 
     # --- clients ----------------------------------------------------------------------------
 
-    def add_client(self, client_id: str) -> None:
+    def add_client(self, client_id: str, max_blocks: int | None = None) -> None:
         """Registers a client (a lease) that may own sequences.
 
         Args:
             client_id: a new, non-empty id.
+            max_blocks: the client's quota of block-table entries (see the module docstring);
+                None: no quota beyond the pool.
         """
         if type(client_id) is not str or not client_id:
             raise InvalidArgument(f"client_id must be a non-empty string, got {echo(client_id)}")
         if client_id in self._client_seqs:
             raise InvalidArgument(f"client_id {echo(client_id)} is already attached")
+        if max_blocks is not None and (type(max_blocks) is not int or max_blocks < 0):
+            raise InvalidArgument(f"max_blocks must be an int >= 0 or None, got {echo(max_blocks)}")
         self._client_seqs[client_id] = {}
         self._pending[client_id] = {}
+        self._num_table_blocks[client_id] = 0
+        # No quota: a bound no count reaches (forks may list the pool's blocks many times over).
+        self._max_table_blocks[client_id] = NO_QUOTA if max_blocks is None else max_blocks
 
     def release_client(self, client_id: str) -> int:
         """Ends a client's lease: frees all its sequences and forgets it.
@@ -121,6 +138,8 @@ class BlockManager:
         for seq_id in list(seqs):
             self._applier.free_sequence(seqs, seq_id)
         del self._client_seqs[client_id]
+        del self._num_table_blocks[client_id]
+        del self._max_table_blocks[client_id]
         return num_freed
 
     def commit(self, client_id: str) -> None:
@@ -149,6 +168,17 @@ class BlockManager:
             True between ``add_client`` and ``release_client``.
         """
         return client_id in self._client_seqs
+
+    def num_quota_left(self, client_id: str) -> int:
+        """Tells how many more block-table entries a client's quota allows.
+
+        Args:
+            client_id: an attached client.
+
+        Returns:
+            Its quota minus its entries (negative after forks past it; see the module docstring).
+        """
+        return self._max_table_blocks[client_id] - self._num_table_blocks[client_id]
 
     def has_sequence(self, client_id: str, seq_id: str) -> bool:
         """Tells whether a client has a live sequence of this id.
@@ -188,8 +218,12 @@ class BlockManager:
         """
         encoded_token_ids, late_free_indices = self._validator.validate(client_id, ops)
         self.commit(client_id)
-        batch = BatchState(client_id, self._client_seqs[client_id], self._pending[client_id], late_free_indices)
-        return self._applier.apply(batch, ops, encoded_token_ids)
+        batch = BatchState(client_id, self._client_seqs[client_id], self._pending[client_id], late_free_indices,
+                           self._num_table_blocks[client_id], self._max_table_blocks[client_id])
+        try:
+            return self._applier.apply(batch, ops, encoded_token_ids)
+        finally:  # the ops applied before a copy_block failure count too
+            self._num_table_blocks[client_id] = batch.num_table_blocks
 
     def allocate(self, client_id: str, op: AllocateOp) -> OpResult:
         """Creates a sequence: shares its cached prefix, then takes blocks for its next tokens.
@@ -309,7 +343,7 @@ class BlockManager:
         refcount == number of block tables holding the block; free blocks have no cache key,
         evictable ones have one; the prefix cache's keys are unique and consistent; each table
         fits its sequence's token count; a pending block is referenced, and listed by exactly the client
-        that owns it.
+        that owns it; each client's count of block-table entries (its quota's) is the sum of its tables.
 
         Raises:
             AssertionError: naming the first broken invariant (a bug, never bad input).
@@ -317,3 +351,8 @@ class BlockManager:
         manager_checks.check_integrity(
             self._client_seqs, self._pending, self._pool, self._prefix_cache, self._block_size
         )
+        for client_id, seqs in self._client_seqs.items():
+            num_entries = sum(len(seq.block_table) for seq in seqs.values())
+            assert self._num_table_blocks[client_id] == num_entries, (
+                f"client {client_id!r} is counted {self._num_table_blocks[client_id]} block-table entries, "
+                f"holds {num_entries}")

@@ -20,6 +20,8 @@ from memory_service.manager.block_types import AllocateOp, AppendOp, ForkOp, Fre
 from memory_service.manager.prefix_cache import ROOT_ENTRY_ID, PrefixCache, namespace_key
 from memory_service.token_encoding import TOKEN_WIDTH
 
+NO_QUOTA = 1 << 62  # a client's quota of block-table entries when it has none
+
 
 @dataclass(slots=True)
 class SequenceState:
@@ -43,6 +45,9 @@ class BatchState:
     seqs: dict[str, SequenceState]  # the client's live sequences
     pending: dict[int, None]  # the client's blocks registered but not committed (ordered set)
     late_free_indices: set[int]
+    # Entries of the client's block tables, and the most it may hold (its quota; see BlockManager).
+    num_table_blocks: int = 0
+    max_table_blocks: int = NO_QUOTA
     failed_seq_ids: set[str] = field(default_factory=set)  # their AllocateOp (or their parent's) failed
     late_block_tables: list[list[int]] = field(default_factory=list)  # freed with tokens this batch writes
 
@@ -101,6 +106,7 @@ class OpApplier:
         finally:  # also when copy_block raised: the freed sequences are gone, their blocks must not leak
             for block_table in batch.late_block_tables:
                 self._pool.release(reversed(block_table))
+                batch.num_table_blocks -= len(block_table)
         return results
 
     def free_sequence(self, seqs: dict[str, SequenceState], seq_id: str) -> None:
@@ -132,12 +138,14 @@ class OpApplier:
         num_new_blocks = -(-num_tokens // block_size) - num_cached_blocks
 
         pool = self._pool
-        if num_new_blocks > pool.num_available(may_use_reserved, sharing=block_table):
+        if (num_new_blocks > pool.num_available(may_use_reserved, sharing=block_table)
+                or batch.num_table_blocks + num_cached_blocks + num_new_blocks > batch.max_table_blocks):
             batch.failed_seq_ids.add(op.seq_id)
             return OpResult(False, [])
         batch.failed_seq_ids.discard(op.seq_id)
         pool.share(block_table)
         block_table += pool.take(num_new_blocks, may_use_reserved)
+        batch.num_table_blocks += num_cached_blocks + num_new_blocks
         partial_token_bytes = b""
         if cache is not None:
             num_full_blocks = num_tokens // block_size
@@ -170,6 +178,8 @@ class OpApplier:
         new_num_tokens = num_tokens + len(token_bytes) // TOKEN_WIDTH
         num_new_blocks = -(-new_num_tokens // block_size) - len(block_table)
         copies: list[tuple[int, int]] = []
+        if num_new_blocks and batch.num_table_blocks + num_new_blocks > batch.max_table_blocks:
+            return OpResult(False, [])  # over the client's quota: as out of blocks, nothing changed
         if num_tokens % block_size and self._ref_counts[block_table[-1]] > 1:
             # A partially filled last block shared with a fork would receive this sequence's tokens
             # under the other sequence's feet: give this sequence its own copy first.
@@ -187,6 +197,7 @@ class OpApplier:
         else:  # the common decode step: the token fits in the last block
             new_block_ids = []
         seq.num_tokens = new_num_tokens
+        batch.num_table_blocks += num_new_blocks  # a copy replaces the entry it copies
         cache = self._prefix_cache
         if cache is not None:
             partial_token_bytes = seq.partial_token_bytes + token_bytes
@@ -240,6 +251,7 @@ class OpApplier:
         if index not in batch.late_free_indices:
             block_table = batch.seqs[op.seq_id].block_table
             self.free_sequence(batch.seqs, op.seq_id)
+            batch.num_table_blocks -= len(block_table)
             return OpResult(True, block_table)
         # Freed in the batch that wrote to it: its blocks outlive the batch, and what it filled in
         # this batch is never published (no later batch of it will acknowledge the write).
@@ -260,6 +272,9 @@ class OpApplier:
         batch.failed_seq_ids.discard(op.child_seq_id)
         parent = batch.seqs[op.parent_seq_id]
         self._pool.share(parent.block_table)
+        # Counted, never refused: a fork takes no block (the quota bounds the blocks taken, see
+        # BlockManager), and the compute service's scheduler relies on forks succeeding.
+        batch.num_table_blocks += len(parent.block_table)
         batch.seqs[op.child_seq_id] = SequenceState(
             list(parent.block_table),
             parent.num_tokens,

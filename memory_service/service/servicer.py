@@ -9,6 +9,9 @@ Leases: a client's lease lives while it has a KeepAlive stream open or has calle
 ``lease_ttl_s``. When the last stream ends the lease is NOT released at once: a stream may end for
 a transient reason (a proxy, a broken connection that the client reopens), so the TTL starts then,
 and a client that is really gone loses its sequences ``lease_ttl_s`` later. Detach releases at once.
+
+Trust: a client that presents the service's token at Attach is trusted (any cache namespace, the
+per-client quota); the others are confined (``trust.py`` says exactly to what).
 """
 
 from __future__ import annotations
@@ -25,15 +28,24 @@ from dataclasses import dataclass
 
 import grpc
 
-from pagedserve.errors import InvalidArgument, PreconditionError, ResourceExhaustedError, UnavailableError, echo
+from pagedserve.errors import (
+    InvalidArgument,
+    PreconditionError,
+    ResourceExhaustedError,
+    UnauthenticatedError,
+    UnavailableError,
+    echo,
+)
 from pagedserve.log import get_logger
 from pagedserve.memory.v1 import memory_pb2 as pb
 from pagedserve.memory.v1 import memory_pb2_grpc
+from pagedserve.service_auth import bearer_token
 
 from memory_service import convert
 from memory_service.manager.block_manager import BlockManager, BlockManagerConfig, BlockManagerStats
 from memory_service.config import MAX_NUM_BLOCKS, MemoryServiceConfig
 from memory_service.pool.kv_pool import KvLayout, KvPool, check_shm_space, create_pool, default_kv_budget
+from memory_service.service import trust
 
 log = get_logger("memory_service")
 
@@ -65,6 +77,7 @@ class Lease:
     name: str
     last_seen: float
     num_streams: int = 0  # open KeepAlive streams; a lease with one never expires by time
+    is_trusted: bool = True  # presented the service's token at Attach (or the service has none)
 
 
 class MemoryManagerServicer(memory_pb2_grpc.MemoryManagerServicer):
@@ -160,15 +173,24 @@ class MemoryManagerServicer(memory_pb2_grpc.MemoryManagerServicer):
 
     # --- leases -----------------------------------------------------------------------------
 
-    def _lease(self, client_id: str) -> Lease:
+    def _lease(self, client_id: str, context: grpc.aio.ServicerContext) -> Lease:
         lease = self._leases.get(client_id)
         if lease is None:
             raise PreconditionError(
                 f"client_id {echo(client_id)} is not attached (never attached, detached, or its lease expired): "
                 "attach again"
             )
+        if lease.is_trusted and not self._is_trusted_call(context):
+            # A trusted client's id is no credential: whoever names it must hold the token too.
+            raise UnauthenticatedError(f"client_id {echo(client_id)} attached with the service token: "
+                                       "every call naming it must carry it")
         lease.last_seen = time.monotonic()
         return lease
+
+    def _is_trusted_call(self, context: grpc.aio.ServicerContext) -> bool:
+        """Whether the call carries the service's token (every call does when there is none)."""
+        token = self.config.auth_token
+        return token is None or trust.is_trusted(token, bearer_token(context.invocation_metadata()))
 
     def _release(self, client_id: str, reason: str) -> int:
         lease = self._leases.pop(client_id, None)
@@ -203,6 +225,7 @@ class MemoryManagerServicer(memory_pb2_grpc.MemoryManagerServicer):
         if len(self._leases) >= self.config.max_clients:
             raise ResourceExhaustedError(f"{len(self._leases)} clients are attached, the most this service takes")
         client_id = f"{request.client_name or 'client'}-{secrets.token_hex(6)}"
+        is_trusted = self._is_trusted_call(context)
         bm_config = self.block_manager.config
         # Built before the client is added: a reply that cannot be built must not leave a lease behind.
         reply = pb.AttachResponse(
@@ -214,14 +237,15 @@ class MemoryManagerServicer(memory_pb2_grpc.MemoryManagerServicer):
             num_reserved_blocks=bm_config.reserved_blocks,
             reserved_min_priority=bm_config.reserved_min_priority,
         )
+        max_blocks = self.config.max_blocks_per_client if is_trusted else self.config.max_untrusted_client_blocks
         with self._lock:
-            self.block_manager.add_client(client_id)
-        self._leases[client_id] = Lease(name=request.client_name, last_seen=time.monotonic())
-        log.info("client_attached", client_id=client_id)
+            self.block_manager.add_client(client_id, max_blocks)
+        self._leases[client_id] = Lease(name=request.client_name, last_seen=time.monotonic(), is_trusted=is_trusted)
+        log.info("client_attached", client_id=client_id, is_trusted=is_trusted, max_blocks=max_blocks)
         return reply
 
     async def Detach(self, request: pb.DetachRequest, context: grpc.aio.ServicerContext) -> pb.DetachResponse:
-        self._lease(request.client_id)
+        self._lease(request.client_id, context)
         return pb.DetachResponse(num_freed_sequences=self._release(request.client_id, "detach"))
 
     async def KeepAlive(
@@ -235,7 +259,7 @@ class MemoryManagerServicer(memory_pb2_grpc.MemoryManagerServicer):
                 f"interval_s must be 0 (the default) or in [{MIN_KEEPALIVE_INTERVAL_S}, {MAX_KEEPALIVE_INTERVAL_S}], "
                 f"got {interval}"
             )
-        lease = self._lease(request.client_id)
+        lease = self._lease(request.client_id, context)
         if lease.num_streams >= MAX_STREAMS_PER_CLIENT:
             raise ResourceExhaustedError(
                 f"client_id {echo(request.client_id)} already holds {lease.num_streams} KeepAlive streams")
@@ -257,14 +281,21 @@ class MemoryManagerServicer(memory_pb2_grpc.MemoryManagerServicer):
         num_ops = len(request.ops) + len(request.appends.seq_ids) + len(request.late_ops)
         if num_ops > MAX_OPS_PER_STEP:
             raise InvalidArgument(f"the step has {num_ops} ops; at most {MAX_OPS_PER_STEP} per step")
-        self._lease(request.client_id)
+        lease = self._lease(request.client_id, context)
         early = [convert.op_from_pb(op) for op in request.ops]
         appends = convert.appends_from_pb(request.appends)
         late = [convert.op_from_pb(op) for op in request.late_ops]
+        if not lease.is_trusted:  # before anything applies: a refused namespace changes nothing
+            early = trust.confine(request.client_id, early)
+            late = trust.confine(request.client_id, late, "late_ops")
         with self._lock:
             # One apply() so that validation covers the whole step before anything changes.
             results = self.block_manager.apply(request.client_id, [*early, *appends, *late])
             num_available, num_available_reserved = self.block_manager.num_available_blocks()
+            # What this client may still take, for its scheduler's plan: the pool's count or its quota.
+            quota_left = max(0, self.block_manager.num_quota_left(request.client_id))
+        num_available_reserved = min(num_available_reserved, quota_left - min(num_available, quota_left))
+        num_available = min(num_available, quota_left)
         num_early = len(early)
         return pb.StepResponse(
             results=[convert.result_to_pb(r) for r in results[:num_early] + results[num_early + len(appends) :]],
@@ -276,7 +307,7 @@ class MemoryManagerServicer(memory_pb2_grpc.MemoryManagerServicer):
     async def GetBlockTable(
         self, request: pb.GetBlockTableRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetBlockTableResponse:
-        self._lease(request.client_id)
+        self._lease(request.client_id, context)
         with self._lock:
             return pb.GetBlockTableResponse(block_ids=self.block_manager.block_table(request.client_id, request.seq_id))
 

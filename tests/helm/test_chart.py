@@ -226,8 +226,8 @@ def test_model_sources() -> None:
 def test_optional_objects_follow_values() -> None:
     plain = render({})
     assert sorted(plain.kinds()) == [
-        "ConfigMap", "Deployment", "Deployment", "NetworkPolicy", "ResourceClaimTemplate", "Secret", "Service",
-        "Service", "Service"]
+        "ConfigMap", "Deployment", "Deployment", "NetworkPolicy", "ResourceClaimTemplate", "Secret", "Secret",
+        "Service", "Service", "Service"]
     assert container(gateway_pod(plain), "gateway")["args"].count("--api-keys-file") == 0
 
     full = render(VALUE_SETS["multi-replica"])
@@ -329,8 +329,29 @@ def test_engine_accepts_only_its_gateways(case) -> None:
     assert all(rule.get("from") for rule in policy["ingress"])  # no rule that admits everyone
 
 
+def test_memory_service_token_is_the_engine_pods_own(case) -> None:
+    """A second Secret, mounted in both engine containers and not in the gateway: the memory
+    service requires it, the compute service presents it (issue 27 item 11)."""
+    _, _, rendered = case
+    secret = rendered.one("Secret", "-engine-memory-token")
+    token = base64.b64decode(secret["data"]["token"])
+    assert len(token) == 48 and token.isalnum()
+    assert secret["data"]["token"] != rendered.one("Secret", "-engine-token")["data"]["token"]
+    engine, gateway = engine_pod(rendered), gateway_pod(rendered)
+    compute, memory = container(engine, "compute"), container(engine, "memory")
+    token_file = "/etc/pagedserve/memory-token/token"
+    assert flag(memory, "--auth-token-file") == flag(compute, "--memory-token-file") == token_file
+    assert mounts(memory)["memory-token"] == mounts(compute)["memory-token"] == "/etc/pagedserve/memory-token"
+    assert "memory-token" not in mounts(container(gateway, "gateway"))
+    [volume] = [v for v in engine["volumes"] if v["name"] == "memory-token"]
+    assert volume["secret"]["secretName"] == secret["metadata"]["name"]
+    assert volume["secret"]["defaultMode"] == 0o440
+    assert not [v for v in gateway["volumes"] if v["name"] == "memory-token"]
+
+
 def test_engine_auth_with_an_existing_secret_and_no_policy() -> None:
     rendered = render({"engine": {"auth": {"existingSecret": "my-token", "key": "t"},
+                                  "memory": {"auth": {"existingSecret": "my-memory-token", "key": "m"}},
                                   "networkPolicy": {"enabled": False}}})
     assert "Secret" not in rendered.kinds() and "NetworkPolicy" not in rendered.kinds()
     for pod in (engine_pod(rendered), gateway_pod(rendered)):
@@ -338,3 +359,7 @@ def test_engine_auth_with_an_existing_secret_and_no_policy() -> None:
         assert volume["secret"]["secretName"] == "my-token"
         assert volume["secret"]["items"] == [{"key": "t", "path": "t"}]
     assert flag(container(engine_pod(rendered), "compute"), "--auth-token-file") == "/etc/pagedserve/service-token/t"
+    [volume] = [v for v in engine_pod(rendered)["volumes"] if v["name"] == "memory-token"]
+    assert volume["secret"]["secretName"] == "my-memory-token"
+    assert volume["secret"]["items"] == [{"key": "m", "path": "m"}]
+    assert flag(container(engine_pod(rendered), "memory"), "--auth-token-file") == "/etc/pagedserve/memory-token/m"

@@ -734,3 +734,34 @@ def test_cache_namespace_is_unambiguous_and_bounded(make: MakeManager) -> None:
     run(manager, AllocateOp("a", tokens(0, 9), 9, namespace=huge))
     keys = [key for key in manager._prefix_cache.block_keys if key is not None]
     assert len(keys) == 2 and all(len(key[2]) == NAMESPACE_KEY_SIZE for key in keys)
+
+
+# --- per-client quotas (issue 27 item 11) ---------------------------------------------------
+
+
+def test_quota_refuses_beyond_n_block_table_entries(make: MakeManager) -> None:
+    """A client capped at 3 entries: an allocation or append past 3 fails as out of blocks and
+    changes nothing, though the pool has 16; a fork is counted, never refused; a free gives its
+    entries back. Before: no quota, one client could hold every block."""
+    manager = make(num_blocks=16)
+    manager.add_client("q", max_blocks=3)
+
+    def q(*ops: object) -> list[OpResult]:
+        return run(manager, *ops, client="q")
+
+    assert q(AllocateOp("a", tokens(0, 8), 1000))[0].block_ids == [0, 1]
+    assert manager.num_quota_left("q") == 1
+    assert q(AllocateOp("b", tokens(100, 5), 1000)) == [OpResult(False, [])]  # would be 2 more: 4 > 3
+    assert q(AppendOp("a", [8, 9, 10, 11])) == [OpResult(True, [2])]  # the third entry
+    assert q(AppendOp("a", [12])) == [OpResult(False, [])]
+    assert manager.num_quota_left("q") == 0 and manager.num_available_blocks() == (13, 0)
+    assert q(ForkOp("a", "f")) == [OpResult(True, [0, 1, 2])]  # counted: 6 entries, still 3 blocks
+    assert manager.num_quota_left("q") == -3
+    assert q(AllocateOp("c", tokens(200, 1), 1000)) == [OpResult(False, [])]
+    q(FreeOp("f"), FreeOp("a"))
+    assert manager.num_quota_left("q") == 3
+    assert q(AllocateOp("c", tokens(200, 12), 1000))[0].block_ids == [3, 4, 5]  # 3 new blocks: at the cap
+    # The unquoted client "c" is not limited by "q"'s quota.
+    assert len(alloc(manager, "big", tokens(500, 40)).block_ids) == 10
+    manager.release_client("q")
+    assert manager.stats().pools[0].num_used_blocks == 10

@@ -108,12 +108,34 @@ default
         path: {{ .Values.engine.auth.key }}
 {{- end }}
 
+{{/* The memory service's token (engine.memory.auth): in the engine pod only, read by both containers. */}}
+{{- define "pagedserve.memoryTokenSecretName" -}}
+{{- .Values.engine.memory.auth.existingSecret | default (printf "%s-memory-token" (include "pagedserve.engineName" .)) }}
+{{- end }}
+
+{{- define "pagedserve.memoryTokenFile" -}}
+{{- printf "/etc/pagedserve/memory-token/%s" .Values.engine.memory.auth.key }}
+{{- end }}
+
+{{- define "pagedserve.memoryTokenVolume" -}}
+- name: memory-token
+  secret:
+    secretName: {{ include "pagedserve.memoryTokenSecretName" . }}
+    defaultMode: 0440
+    items:
+      - key: {{ .Values.engine.memory.auth.key }}
+        path: {{ .Values.engine.memory.auth.key }}
+{{- end }}
+
 {{/* Mounts both engine containers have, at identical paths. */}}
 {{- define "pagedserve.engineMounts" -}}
 - name: tmp
   mountPath: /tmp
 - name: socket
   mountPath: {{ .Values.engine.socketDir }}
+- name: memory-token
+  mountPath: /etc/pagedserve/memory-token
+  readOnly: true
 - name: dshm
   mountPath: /dev/shm
 - name: cache
