@@ -5,10 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 # The ranges, defaults and limits live once, in pagedserve.sampling_rules: the gateway checks
-# public requests with the same functions.
-from pagedserve.sampling_rules import DEFAULT_MAX_TOKENS, check_constrained_sampling, check_sampling
+# public requests with the same functions, and resolves unset fields with the same defaults.
+from pagedserve.sampling_rules import check_constrained_sampling, check_sampling, resolve_sampling
 
 from compute_service.structured.constraint import Constraint
+
+_DEFAULT: dict = resolve_sampling({})  # every field's default: what an unset one means
 
 
 @dataclass(frozen=True)
@@ -32,21 +34,21 @@ class SamplingParams:
         logprobs: None = none; 0 = the sampled token's log-probability; N = also the N most likely.
     """
 
-    max_tokens: int = DEFAULT_MAX_TOKENS
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: tuple[str, ...] = field(default_factory=tuple)
-    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    n: int = 1
-    logprobs: int | None = None
+    max_tokens: int = _DEFAULT["max_tokens"]
+    temperature: float = _DEFAULT["temperature"]
+    top_p: float = _DEFAULT["top_p"]
+    top_k: int = _DEFAULT["top_k"]
+    min_p: float = _DEFAULT["min_p"]
+    seed: int | None = _DEFAULT["seed"]
+    stop: tuple[str, ...] = _DEFAULT["stop"]
+    stop_token_ids: tuple[int, ...] = _DEFAULT["stop_token_ids"]
+    ignore_eos: bool = _DEFAULT["ignore_eos"]
+    min_tokens: int = _DEFAULT["min_tokens"]
+    repetition_penalty: float = _DEFAULT["repetition_penalty"]
+    presence_penalty: float = _DEFAULT["presence_penalty"]
+    frequency_penalty: float = _DEFAULT["frequency_penalty"]
+    n: int = _DEFAULT["n"]
+    logprobs: int | None = _DEFAULT["logprobs"]
     constraint: Constraint | None = None
     stop_token_id_set: frozenset[int] = field(default=frozenset(), init=False, repr=False, compare=False)
     # What the engine derives from these fields once per request rather than once per step (the

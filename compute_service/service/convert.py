@@ -1,7 +1,8 @@
 """Protobuf <-> core types at the service's edge: the engine never sees a protobuf message.
 
-Unset ``optional`` fields take SamplingParams' defaults (proto3 zeros are not the defaults:
-temperature 1.0, top_p 1.0); validation errors name the field as the wire spells it.
+Unset fields (absent ``optional`` ones, a zero ``n``) take the defaults of
+``sampling_rules.resolve_sampling``, the one place that says them (proto3 zeros are not the
+defaults: temperature 1.0, top_p 1.0); validation errors name the field as the wire spells it.
 """
 
 from __future__ import annotations
@@ -49,14 +50,13 @@ def constraint_to_pb(constraint: Constraint, msg: pb.SamplingParams) -> None:
 def params_from_pb(msg: pb.SamplingParams) -> SamplingParams:
     """SamplingParams from the wire; raises InvalidArgument naming the bad field (``params.<name>``)."""
     rules.check_counts(len(msg.stop), len(msg.stop_token_ids))  # before the repeated fields are copied
-    values: dict = {name: getattr(msg, name) for name in _PLAIN_FIELDS}
-    values.update({name: getattr(msg, name) for name in _OPTIONAL_FIELDS if msg.HasField(name)})
-    values["n"] = msg.n or 1
-    values["stop"] = tuple(msg.stop)
-    values["stop_token_ids"] = tuple(msg.stop_token_ids)
+    given: dict = {name: getattr(msg, name) for name in _PLAIN_FIELDS}
+    given.update({name: getattr(msg, name) for name in _OPTIONAL_FIELDS if msg.HasField(name)})
+    given["n"] = msg.n or None  # a zero n is unset on this wire
+    given["stop"] = tuple(msg.stop)
+    given["stop_token_ids"] = tuple(msg.stop_token_ids)
     try:
-        values["constraint"] = constraint_from_pb(msg)
-        return SamplingParams(**values)
+        return SamplingParams(**rules.resolve_sampling(given), constraint=constraint_from_pb(msg))
     except InvalidArgument as exc:
         raise InvalidArgument(f"params.{exc}") from None
 
@@ -84,12 +84,12 @@ def generate_from_pb(msg: pb.GenerateRequest, default_request_id: str, max_model
     Sizes come first: the prompt's length is checked against the model before its ids are copied
     or read one by one (a prompt far beyond the model costs a length comparison, nothing more).
     """
-    max_tokens = msg.params.max_tokens if msg.params.HasField("max_tokens") else rules.DEFAULT_MAX_TOKENS
-    rules.check_prompt_length(len(msg.prompt_token_ids), max_tokens, max_model_len)
+    params = params_from_pb(msg.params)  # copies only bounded fields (their counts checked first)
+    rules.check_prompt_length(len(msg.prompt_token_ids), params.max_tokens, max_model_len)
     return GenerateInput(
         request_id=msg.request_id or default_request_id,
         prompt_token_ids=list(msg.prompt_token_ids),
-        params=params_from_pb(msg.params),
+        params=params,
         priority=msg.priority,
         cache_salt=msg.cache_salt,
     )

@@ -87,7 +87,7 @@ def completion_prompts(body: CompletionRequest, request_id: str) -> list[Prompt]
         prompts = prompt  # type: ignore[assignment]
     if not prompts:
         raise ParamError("prompt", "prompt must not be empty")
-    options, constraint_param = _options(body, 16 if body.max_tokens is None else body.max_tokens, body.logprobs)
+    options, constraint_param = _options(body, body.max_tokens, body.logprobs)  # unset: the API's default (16)
     out = []
     for i, one in enumerate(prompts):
         request = _request(body, options, request_id if len(prompts) == 1 else f"{request_id}-{i}")

@@ -177,3 +177,48 @@ def test_dns_backends_are_every_address_the_name_resolves_to() -> None:
     found = asyncio.run(resolve())
     assert "127.0.0.1:50099" in found and "127.0.0.1:50100" in found
     assert found <= {"127.0.0.1:50099", "[::1]:50099", "127.0.0.1:50100"}
+
+
+def test_unset_fields_mean_the_same_defaults_everywhere() -> None:
+    """Issue 26 item 3: one function (sampling_rules.resolve_sampling) says what unset means, for the
+    gateway's gRPC and HTTP edges, the compute service's edge and the engine's SamplingParams."""
+    from dataclasses import asdict
+
+    from compute_service.engine.sampling_params import SamplingParams
+    from gateway.openai_api import convert
+    from gateway.openai_api.schema import ChatCompletionRequest, CompletionRequest
+    from pagedserve import sampling_rules as rules
+
+    defaults = rules.resolve_sampling({})
+    assert defaults == dict(rules.SAMPLING_DEFAULTS)
+    engine = {k: v for k, v in asdict(SamplingParams()).items() if k in defaults}
+    assert engine == defaults
+    assert params_from_pb(compute_pb2.SamplingParams()) == SamplingParams()
+    grpc_request = request_from_pb(gateway_pb2.GenerateRequest(prompt="x"), 8)
+    [completion] = convert.completion_prompts(CompletionRequest.model_validate({"prompt": "x"}), "c")
+    chat = convert.chat_prompt(ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}]}),
+                               "c")
+    for request in (grpc_request, completion.request, chat.request):
+        resolved = check_request(request).params
+        assert {**resolved, "stop": tuple(resolved["stop"]), "stop_token_ids": tuple(resolved["stop_token_ids"])} \
+            == defaults
+    sent = to_compute_request(check_request(grpc_request).to_backend([1], ""), "id").params
+    assert params_from_pb(sent) == SamplingParams()
+
+
+def test_shared_messages_are_one_class_and_the_reply_size_is_exact() -> None:
+    """Issue 26 item 3: ChoiceList, TokenLogprobs and Usage live in common.proto, re-exported."""
+    from gateway.core.streaming import delta_bytes
+    from gateway.core.types import Delta, TokenLogprobs
+    from gateway.grpc_convert import logprobs_to_pb
+
+    assert gateway_pb2.Usage is compute_pb2.Usage and gateway_pb2.TokenLogprobs is compute_pb2.TokenLogprobs
+    assert gateway_pb2.ChoiceList is compute_pb2.ChoiceList
+    assert gateway_pb2.Usage.DESCRIPTOR.full_name == "pagedserve.common.v1.Usage"
+    # The reply budget's measure is the public reply's bytes, as protobuf counts them.
+    items = [TokenLogprobs(5, -0.25, [5, 300, 70000], [-0.25, -1.5, float("-inf")]), TokenLogprobs(0, 0.0),
+             TokenLogprobs(2**31 - 1, -3.0, [0], [0.0])]
+    delta = Delta(0, "héllo", [5, 300, 70000], items)
+    completion = gateway_pb2.Completion(text=delta.text, token_ids=delta.token_ids, logprobs=logprobs_to_pb(items))
+    # Less the text and token_ids fields' tags and lengths (once per completion, not per delta).
+    assert delta_bytes(delta) == completion.ByteSize() - 4

@@ -63,7 +63,8 @@ def test_completion_prompts_and_parameters() -> None:
     assert p.temperature is None
     assert (first.request.cache_salt, first.request.priority) == ("s", 2)
     [ids] = convert.completion_prompts(CompletionRequest.model_validate({"prompt": [5, 6]}), "c")
-    assert ids.request.prompt_token_ids == [5, 6] and ids.request.options.max_tokens == 16  # completions' default
+    assert ids.request.prompt_token_ids == [5, 6] and ids.request.options.max_tokens is None
+    assert validate(ids.request, INFO).params["max_tokens"] == 16  # completions' default
     assert len(convert.completion_prompts(CompletionRequest.model_validate({"prompt": [[5], [6, 7]]}), "c")) == 2
     for fields, param in (({"prompt": []}, "prompt"), ({"prompt": "a", "n": 0}, "n"),
                           ({"prompt": "a", "max_tokens": 0}, "max_tokens"), ({"prompt": "a", "top_p": 0}, "top_p"),

@@ -1,16 +1,14 @@
+from pagedserve.common.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+from pagedserve.common.v1.common_pb2 import ChoiceList as ChoiceList
+from pagedserve.common.v1.common_pb2 import TokenLogprobs as TokenLogprobs
+from pagedserve.common.v1.common_pb2 import Usage as Usage
 
 DESCRIPTOR: _descriptor.FileDescriptor
-
-class ChoiceList(_message.Message):
-    __slots__ = ("choices",)
-    CHOICES_FIELD_NUMBER: _ClassVar[int]
-    choices: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "ignore_eos", "min_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop", "logprobs", "n", "json_schema", "json_object", "regex", "choice", "grammar")
@@ -52,9 +50,9 @@ class SamplingParams(_message.Message):
     json_schema: str
     json_object: bool
     regex: str
-    choice: ChoiceList
+    choice: _common_pb2.ChoiceList
     grammar: str
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., stop: _Optional[_Iterable[str]] = ..., logprobs: _Optional[int] = ..., n: _Optional[int] = ..., json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[ChoiceList, _Mapping]] = ..., grammar: _Optional[str] = ...) -> None: ...
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., stop: _Optional[_Iterable[str]] = ..., logprobs: _Optional[int] = ..., n: _Optional[int] = ..., json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[_common_pb2.ChoiceList, _Mapping]] = ..., grammar: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "params", "priority", "cache_salt")
@@ -69,28 +67,6 @@ class GenerateRequest(_message.Message):
     priority: int
     cache_salt: str
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
-
-class TokenLogprobs(_message.Message):
-    __slots__ = ("token_id", "logprob", "top_token_ids", "top_logprobs")
-    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
-    LOGPROB_FIELD_NUMBER: _ClassVar[int]
-    TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
-    token_id: int
-    logprob: float
-    top_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
-
-class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens")
-    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    prompt_tokens: int
-    completion_tokens: int
-    cached_prompt_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "index", "token_ids", "text", "logprobs", "finish_reason", "stop_string", "stop_token_id", "usage")
@@ -107,12 +83,12 @@ class GenerateResponse(_message.Message):
     index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
-    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
     finish_reason: str
     stop_string: str
     stop_token_id: int
-    usage: Usage
-    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+    usage: _common_pb2.Usage
+    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., stop_string: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
