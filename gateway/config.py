@@ -48,6 +48,9 @@ class GatewayConfig(ServiceConfig):
             connections.
         http_max_connections: HTTP connections open at once (at most half the descriptor limit);
             one more is answered 503 and closed at once.
+        http_allowed_hosts: ``Host`` names the HTTP front answers (without the port; ``*``: any).
+            Loopback names (localhost, 127.0.0.1, [::1]) always; empty: those only without API keys (a
+            browser page cannot then read a keyless local server through DNS rebinding), any with keys.
         max_queued_requests: requests this gateway holds at once (waiting for or streaming from a
             backend); one more is answered RESOURCE_EXHAUSTED at once.
         health_interval_s: how often each backend's health and load are polled.
@@ -92,6 +95,7 @@ class GatewayConfig(ServiceConfig):
     tls_key_file: str | None = None
     http_read_timeout_s: float = 10.0
     http_max_connections: int = 1024
+    http_allowed_hosts: tuple[str, ...] = ()
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     backend_token_file: str | None = None
     backend_token: str | None = field(default=None, repr=False)
@@ -119,6 +123,10 @@ class GatewayConfig(ServiceConfig):
             path = getattr(self, name)
             if path is not None and not Path(path).is_file():
                 raise ValueError(f"{name} {path!r} is not a readable file")
+        if not isinstance(self.http_allowed_hosts, list | tuple) or not all(
+                isinstance(h, str) and h.strip() for h in self.http_allowed_hosts):
+            raise ValueError(f"http_allowed_hosts must be a list of host names, got {self.http_allowed_hosts!r}")
+        object.__setattr__(self, "http_allowed_hosts", tuple(h.strip().lower() for h in self.http_allowed_hosts))
         # A string where a list belongs would otherwise become one key per character.
         if not isinstance(self.api_keys, list | tuple) or not all(isinstance(k, str) for k in self.api_keys):
             raise ValueError(f"api_keys must be a list of strings, got {type(self.api_keys).__name__}")

@@ -23,6 +23,7 @@ from gateway.core.service import GatewayCore
 from gateway.dispatch import Dispatcher
 from gateway.metrics import GatewayMetrics
 from gateway.openai_api.app import OpenAIFront
+from gateway.openai_api.guard import RequestGuard, allowed_hosts
 from gateway.openai_api.server import HttpServer
 from gateway.routing import Router
 from gateway.servicer import GatewayServicer
@@ -62,7 +63,8 @@ class Gateway:
         if config.http_port is not None:
             front = OpenAIFront(self.core, lambda: self.health.is_serving and not self._stopping)
             # The gRPC front's certificate serves HTTPS here (TLS on one front only would be a gap).
-            self.http = HttpServer(front.app, config.http_bind_host, config.http_port, config.grace_period_s,
+            app = RequestGuard(front.app, allowed_hosts(config.http_allowed_hosts, self.tenants.requires_key))
+            self.http = HttpServer(app, config.http_bind_host, config.http_port, config.grace_period_s,
                                    config.tls_cert_file, config.tls_key_file, config.http_read_timeout_s,
                                    config.http_max_connections, self.metrics.http_connection_closed)
         self.address = ""

@@ -8,7 +8,10 @@ both fronts keep answering while they are open and after.
 from __future__ import annotations
 
 import re
+import signal
 import socket
+import subprocess
+import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +27,7 @@ from tests.e2e.conftest import Engine
 from tests.processes import lowered_open_files_limit, open_files_limits
 
 HALF_SENT = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"  # the headers never end
+PROBE = Path(__file__).resolve().parents[2] / "helm" / "pagedserve" / "files" / "health_probe.py"
 NUM_IDLE, MAX_CONNECTIONS = 30, 20
 RESET = b"<reset>"
 
@@ -106,3 +110,37 @@ def test_a_body_that_stops_coming_is_408_and_no_internal_error(front: Front) -> 
     assert httpx.get(f"{front.base_url}/health", timeout=30).status_code == 200
     # The handler saw its client gone, not a bug (no error line with a traceback).
     assert front.gateway.log_file is not None and "openai_internal_error" not in front.gateway.log_file.read_text()
+
+
+def test_the_liveness_probe_notices_a_stuck_gateway_that_tcp_does_not(front: Front) -> None:
+    """The chart's liveness probe (health_probe.py --alive --http-port): passes while both fronts
+    answer, fails while the gateway is stopped (SIGSTOP), when a TCP connect still succeeds."""
+    probe = [sys.executable, str(PROBE), "--alive", "--http-port", str(front.port), front.gateway.address,
+             "pagedserve.gateway.v1.Gateway"]
+    alive = subprocess.run(probe, capture_output=True, text=True, timeout=60)
+    assert alive.returncode == 0 and alive.stdout.split() == ["SERVING", "HTTP", "200"], alive
+    front.gateway.process.send_signal(signal.SIGSTOP)
+    try:
+        socket.create_connection(("127.0.0.1", front.port), timeout=10).close()  # the kernel's backlog answers
+        stuck = subprocess.run(probe, capture_output=True, text=True, timeout=60)
+    finally:
+        front.gateway.process.send_signal(signal.SIGCONT)
+    assert stuck.returncode == 1 and "failed" in stuck.stderr
+    assert subprocess.run(probe, capture_output=True, timeout=60).returncode == 0
+
+
+def test_a_keyless_gateway_answers_loopback_hosts_and_json_bodies_only(front: Front) -> None:
+    """Issue 27 item 9: a page using DNS rebinding (Host: evil.example) or a blind form POST gets an
+    OpenAI error; a loopback name with a JSON body is answered."""
+    url = f"{front.base_url}/v1/completions"
+    body = b'{"prompt": "hi", "max_tokens": 1}'
+    with httpx.Client(timeout=30) as client:
+        rebound = client.post(url, content=body, headers={"host": "evil.example:8000",
+                                                          "content-type": "application/json"})
+        untyped = client.post(url, content=body, headers={"host": "localhost"})
+        plain = client.post(url, content=body, headers={"content-type": "text/plain"})
+        fine = client.post(url, content=body, headers={"host": f"localhost:{front.port}",
+                                                       "content-type": "application/json"})
+    assert (rebound.status_code, untyped.status_code, plain.status_code, fine.status_code) == (421, 415, 415, 200)
+    assert rebound.json()["error"]["code"] == "host_not_allowed"
+    assert untyped.json()["error"]["message"] == "Content-Type must be application/json, got none"

@@ -100,9 +100,14 @@ def test_probes_are_grpc_health_with_a_generous_startup(case) -> None:
     gateway = container(gateway_pod(rendered), "gateway")
     assert flag(gateway, "--listen") == "0.0.0.0:50051"
     assert gateway["readinessProbe"]["grpc"] == {"port": 50051, "service": "pagedserve.gateway.v1.Gateway"}
-    # Not SERVING until an engine is ready (minutes): no restart for that, only readiness.
-    for kind in ("startupProbe", "livenessProbe"):
-        assert gateway[kind]["tcpSocket"] == {"port": "grpc"}
+    # Not SERVING until an engine is ready (minutes): no restart for that, only readiness. Liveness
+    # asks both fronts for an answer, any status (issue 27 item 3: a TCP probe passed while the
+    # gateway, out of descriptors, answered nothing).
+    assert gateway["startupProbe"]["tcpSocket"] == {"port": "grpc"}
+    live = gateway["livenessProbe"]["exec"]["command"]
+    assert live[:3] == ["python", mounts(gateway)["probe"] + "/health_probe.py", "--alive"]
+    assert live[live.index("--http-port") + 1] == "8000"
+    assert live[-2:] == ["127.0.0.1:50051", "pagedserve.gateway.v1.Gateway"]
     assert {"name": "grpc", "containerPort": 50051, "protocol": "TCP"} in gateway["ports"]
     # The OpenAI-compatible HTTP front: its flag, its container port, a port on the Service.
     assert flag(gateway, "--http-port") == "8000"
@@ -226,8 +231,8 @@ def test_model_sources() -> None:
 def test_optional_objects_follow_values() -> None:
     plain = render({})
     assert sorted(plain.kinds()) == [
-        "ConfigMap", "Deployment", "Deployment", "NetworkPolicy", "ResourceClaimTemplate", "Secret", "Secret",
-        "Service", "Service", "Service"]
+        "ConfigMap", "Deployment", "Deployment", "NetworkPolicy", "NetworkPolicy", "ResourceClaimTemplate", "Secret",
+        "Secret", "Service", "Service", "Service"]
     assert container(gateway_pod(plain), "gateway")["args"].count("--api-keys-file") == 0
 
     full = render(VALUE_SETS["multi-replica"])
@@ -285,6 +290,8 @@ def test_gateway_tls_from_an_existing_secret_or_from_values() -> None:
     command = gateway["readinessProbe"]["exec"]["command"]
     assert command[-2:] == ["127.0.0.1:50051", "pagedserve.gateway.v1.Gateway"]
     assert command[command.index("--tls-server-name") + 1] == "llm.example.com"
+    live = gateway["livenessProbe"]["exec"]["command"]  # the liveness probe's TLS, the same way
+    assert live[live.index("--tls-server-name") + 1] == "llm.example.com" and "--tls-ca" in live
     assert not [o for o in existing.objects if o["kind"] == "Secret" and o["metadata"]["name"].endswith("-tls")]
 
     inline = render({"gateway": {"tls": {"enabled": True, "certificate": "CERT PEM", "privateKey": "KEY PEM",
@@ -353,7 +360,8 @@ def test_engine_auth_with_an_existing_secret_and_no_policy() -> None:
     rendered = render({"engine": {"auth": {"existingSecret": "my-token", "key": "t"},
                                   "memory": {"auth": {"existingSecret": "my-memory-token", "key": "m"}},
                                   "networkPolicy": {"enabled": False}}})
-    assert "Secret" not in rendered.kinds() and "NetworkPolicy" not in rendered.kinds()
+    assert "Secret" not in rendered.kinds()
+    assert _policies(rendered) == ["demo-pagedserve-gateway"]
     for pod in (engine_pod(rendered), gateway_pod(rendered)):
         [volume] = [v for v in pod["volumes"] if v["name"] == "service-token"]
         assert volume["secret"]["secretName"] == "my-token"
@@ -363,3 +371,48 @@ def test_engine_auth_with_an_existing_secret_and_no_policy() -> None:
     assert volume["secret"]["secretName"] == "my-memory-token"
     assert volume["secret"]["items"] == [{"key": "m", "path": "m"}]
     assert flag(container(engine_pod(rendered), "memory"), "--auth-token-file") == "/etc/pagedserve/memory-token/m"
+
+
+def _policies(rendered) -> list[str]:
+    return [p["metadata"]["name"] for p in rendered.objects if p["kind"] == "NetworkPolicy"]
+
+
+def test_gateway_metrics_only_from_the_scraper(case) -> None:
+    """Issue 27 item 12: the gateway's metrics listen on the pod IP; a NetworkPolicy on gateway pods
+    admits the public ports from anyone (or apiFrom) and the metrics port from the scraper only."""
+    _, _, rendered = case
+    policy = rendered.one("NetworkPolicy", "-gateway")["spec"]
+    gateway_labels = rendered.one("Deployment", "-gateway")["spec"]["template"]["metadata"]["labels"]
+    assert policy["podSelector"]["matchLabels"].items() <= gateway_labels.items()
+    assert policy["policyTypes"] == ["Ingress"]
+    api_rule, metrics_rule = policy["ingress"]
+    assert api_rule == {"ports": [{"port": 50051, "protocol": "TCP"}, {"port": 8000, "protocol": "TCP"}]}
+    assert metrics_rule["from"] == [{"namespaceSelector": {}, "podSelector": {
+        "matchLabels": {"app.kubernetes.io/name": "prometheus"}}}]
+    assert metrics_rule["ports"] == [{"port": 9090, "protocol": "TCP"}]
+    probe = container(gateway_pod(rendered), "gateway")["livenessProbe"]["exec"]["command"]
+    assert "--tls-ca" not in probe  # plaintext unless gateway.tls is on (test_gateway_tls_...)
+
+
+def test_gateway_policy_values() -> None:
+    peers = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ingress"}}}]
+    rendered = render({"gateway": {"networkPolicy": {"apiFrom": peers, "metricsFrom": []}}})
+    [api_rule] = rendered.one("NetworkPolicy", "-gateway")["spec"]["ingress"]  # no metrics rule: nobody scrapes
+    assert api_rule["from"] == peers
+    rendered = render({"gateway": {"networkPolicy": {"enabled": False}}})
+    assert _policies(rendered) == ["demo-pagedserve-engine"]
+
+
+def test_a_keyless_gateway_answers_its_service_names_only() -> None:
+    """Issue 27 item 9: without keys the HTTP front refuses unknown Host names; the chart lists the
+    Service's names (and gateway.httpAllowedHosts); with keys, only the latter."""
+    def hosts(values: dict) -> list[str]:
+        args = container(gateway_pod(render(values)), "gateway")["args"]
+        return [args[i + 1] for i, a in enumerate(args) if a == "--http-allowed-hosts"]
+
+    service = "demo-pagedserve-gateway"
+    assert hosts({}) == [service, f"{service}.{NAMESPACE}", f"{service}.{NAMESPACE}.svc",
+                         f"{service}.{NAMESPACE}.svc.cluster.local"]
+    assert hosts({"gateway": {"httpAllowedHosts": ["llm.example.com"]}})[-1] == "llm.example.com"
+    assert hosts({"gateway": {"apiKeys": {"secretName": "keys"}}}) == []
+    assert hosts({"gateway": {"apiKeys": {"secretName": "keys"}, "httpAllowedHosts": ["*"]}}) == ["*"]

@@ -57,7 +57,7 @@ def _pods(values: dict, root: Path, overrides: dict[str, Path] | None = None) ->
     engine = LocalPod("engine", rendered.one("Deployment", "-engine")["spec"]["template"]["spec"], root,
                       config_maps=config_maps, secrets=secrets, overrides=overrides or {})
     gateway = LocalPod("gateway", rendered.one("Deployment", "-gateway")["spec"]["template"]["spec"], root,
-                       secrets=secrets, hosts={f"{engine_service}.llm.svc": "localhost"})
+                       config_maps=config_maps, secrets=secrets, hosts={f"{engine_service}.llm.svc": "localhost"})
     return engine, gateway, rendered.notes
 
 
