@@ -84,6 +84,9 @@ class MemoryManagerServicer:
         client's layout. Returns the client's id and the descriptor through which it maps the pool.
         A layout that does not match an existing pool is FAILED_PRECONDITION.
         At most max_clients (a flag) at once: more is RESOURCE_EXHAUSTED.
+        A service with a token trusts a client that sends it here as "authorization: Bearer TOKEN"
+        metadata (and on every later call naming its client_id, else UNAUTHENTICATED); any other client
+        is confined: see AllocateOp.namespace and memory_service/service/trust.py.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
