@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from pagedserve.errors import InvalidArgument, echo
+from pagedserve import grammar_limits
 
 DEFAULT_MAX_TOKENS = 16
 MAX_N = 64  # completions per request: n forks of the prompt, each with its own KV
@@ -221,6 +222,7 @@ def check_constraint(kind: str, spec: str = "", choices: Sequence[str] = (), *, 
             raise InvalidArgument(f"{name}: at most {_MAX_SPEC_CHARS[kind]} characters, got {len(spec)}")
         if not spec.strip():
             raise InvalidArgument(f"{name} must not be empty")
+        grammar_limits.check_spec(kind, spec, name)
     elif kind == "choice":
         if not 1 <= len(choices) <= MAX_CHOICES:
             raise InvalidArgument(f"{name}.choices must hold 1 to {MAX_CHOICES} strings, got {len(choices)}")

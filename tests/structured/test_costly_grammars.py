@@ -8,9 +8,13 @@ at the timeout and shared fairly between tenants.
 
 from __future__ import annotations
 
+import re
 import time
 
+import pytest
+
 from compute_service import LLM, Constraint, SamplingParams
+from pagedserve.errors import InvalidArgument
 from compute_service.structured.logits_mask import num_abandoned_fills
 from tests.structured.conftest import EOS, PROMPTS, VOCAB, ByteModel
 from compute_service.engine.outputs import RequestOutput, collect
@@ -64,3 +68,51 @@ def test_a_late_mask_ends_its_request_alone(llm: LLM, byte_model: ByteModel) -> 
     assert llm.engine.masker.pool.num_late - late_before == 1
     assert not llm.engine.requests
     _wait_for_abandoned_fills()
+
+
+def _nested_schema(depth: int) -> dict:
+    schema: dict = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+@pytest.mark.parametrize(("make", "message"), [
+    (lambda: Constraint.regex("(.{0,60}){0,60}x"), "regex: nested repetitions multiply to 3600 copies"),
+    (lambda: Constraint.regex("((a{0,10}){0,10}){0,11}"), "regex: nested repetitions multiply to 1100"),
+    (lambda: Constraint.regex("(" * 65 + "a" + ")" * 65), "regex: groups nest deeper than 64 levels"),
+    (lambda: Constraint.grammar('root ::= item{0,60} "x"\nitem ::= ([a-z]{0,30} ","){1,2}'),
+     "grammar: nested repetitions multiply to 3600"),
+    (lambda: Constraint.json_schema(_nested_schema(33)), "json_schema: subschemas nest deeper than 32"),
+    (lambda: Constraint.json_schema({"type": "object", "properties": {"title": {
+        "type": "array", "items": {"type": "string", "pattern": "(x{2,}){501}"}}}}),
+     "json_schema (pattern at #/properties/title/items): nested repetitions multiply to 1002"),
+    (lambda: Constraint.json_schema("[" * 5000 + "]" * 5000), "json_schema: nested deeper than"),
+])
+def test_static_limits_refuse_costly_shapes(make, message: str) -> None:
+    with pytest.raises(InvalidArgument, match=re.escape(message)):
+        make()
+
+
+@pytest.mark.parametrize("make", [
+    lambda: Constraint.regex("(.{0,30}){0,30}x"),  # 900: within the rule (the probe sees to it)
+    lambda: Constraint.regex(".{0,5000}x"),  # one bound is not nested
+    lambda: Constraint.regex(r"([a-z]+ )*\d{1,3}"),  # loops count as one copy
+    lambda: Constraint.grammar('root ::= a\na ::= ("x" a){0,40} | "y"'),  # recursion is not nesting
+    lambda: Constraint.json_schema(_nested_schema(32)),
+    lambda: Constraint.json_schema({"type": "string", "pattern": "[{(]{5}\\{3}"}),
+])
+def test_static_limits_let_ordinary_shapes_through(make) -> None:
+    make()
+
+
+def test_the_http_front_refuses_them_naming_its_parameter() -> None:
+    from gateway.openai_api import convert
+    from gateway.openai_api.schema import ChatCompletionRequest
+
+    body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}],
+                                                 "structured_outputs": {"regex": "(.{0,60}){0,60}x"}})
+    with pytest.raises(convert.ParamError) as info:
+        convert.chat_prompt(body, "c")
+    assert info.value.param == "structured_outputs.regex"
+    assert "nested repetitions multiply to 3600 copies" in str(info.value)
