@@ -55,23 +55,48 @@ class ModelTokenizer:
     def has_chat_template(self) -> bool:
         return self.hf_tokenizer is not None and bool(getattr(self.hf_tokenizer, "chat_template", None))
 
-    def encode_prompt(self, prompt: str) -> list[int]:
-        """Token ids of a plain prompt (special tokens such as BOS added as the model expects)."""
+    def encode_prompt(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a plain prompt (special tokens such as BOS added as the model expects,
+        unless ``add_special_tokens`` is False)."""
         if self.hf_tokenizer is None:
             raise InvalidArgument(f"prompt: model {self.info.model_name!r} has no tokenizer")
-        return list(self.hf_tokenizer.encode(prompt, add_special_tokens=True))
+        return list(self.hf_tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
 
-    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        """Token ids of a chat through the chat template, with the generation prompt appended."""
+    def encode_chat(self, messages: Sequence[dict[str, str]], add_special_tokens: bool = False) -> list[int]:
+        """Token ids of a chat through the chat template, with the generation prompt appended.
+
+        ``add_special_tokens``: also the tokenizer's own special tokens around the rendered chat
+        (vLLM's flag; off by default since a template writes its BOS itself).
+        """
         if not self.has_chat_template:
             raise InvalidArgument(f"messages: model {self.info.model_name!r} has no chat template; send a prompt")
         if any(text in m["content"] for m in messages for text in self.special_texts):
-            return self._encode_chat_escaped(messages)
-        # No special token's text in any content: the template's string tokenizes as it always has.
-        ids = self._render(messages, tokenize=True)
-        if hasattr(ids, "keys"):  # newer transformers return a BatchEncoding
-            ids = ids["input_ids"]
+            ids = self._encode_chat_escaped(messages)
+        else:
+            # No special token's text in any content: the template's string tokenizes as it always has.
+            ids = self._render(messages, tokenize=True)
+            if hasattr(ids, "keys"):  # newer transformers return a BatchEncoding
+                ids = ids["input_ids"]
+        if add_special_tokens:
+            prefix, suffix = self._special_around()
+            ids = [*prefix, *ids, *suffix]
         return [int(t) for t in ids]
+
+    def _special_around(self) -> tuple[list[int], list[int]]:
+        """The special tokens the tokenizer's post-processor puts before and after a text (BOS, EOS),
+        read off one encoded character (transformers has no API for it that every tokenizer class has)."""
+        plain = list(self.hf_tokenizer.encode("a", add_special_tokens=False))
+        full = list(self.hf_tokenizer.encode("a", add_special_tokens=True))
+        for start in range(len(full) - len(plain) + 1):
+            if full[start:start + len(plain)] == plain:
+                return full[:start], full[start + len(plain):]
+        return [], []
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """The text of ``token_ids`` (special tokens included), as vLLM's /detokenize gives it."""
+        if self.hf_tokenizer is None:
+            raise InvalidArgument(f"tokens: model {self.info.model_name!r} has no tokenizer")
+        return str(self.hf_tokenizer.decode(list(token_ids)))
 
     def _render(self, messages: Sequence[dict[str, str]], tokenize: bool) -> Any:
         try:

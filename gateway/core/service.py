@@ -24,7 +24,8 @@ from gateway.dispatch import Dispatcher, Route
 from gateway.metrics import GatewayMetrics
 from gateway.tenants import Admission, Tenant, Tenants
 from gateway.tokenizer import ModelTokenizer
-from pagedserve.errors import UnavailableError
+from pagedserve import sampling_rules as rules
+from pagedserve.errors import InvalidArgument, UnavailableError
 from pagedserve.log import get_logger
 from pagedserve.rpc import status_for
 
@@ -109,21 +110,31 @@ class GatewayCore:
             admission.release()
         self.metrics.queue_length.set(self.tenants.num_in_flight)
 
-    async def encode(self, request: GenerateRequest) -> list[int]:
-        """The tokens of a prompt or chat (its input already checked), on the tokenizer's threads."""
+    async def encode(self, request: GenerateRequest, add_special_tokens: bool | None = None) -> list[int]:
+        """The tokens of a prompt or chat (its input already checked), on the tokenizer's threads.
+
+        ``add_special_tokens``: None is what generation uses (a prompt gets them, a chat's template
+        writes its own).
+        """
         model = self.require_model()
         loop = asyncio.get_running_loop()
         if request.messages:
             messages = [{"role": m.role, "content": m.content} for m in request.messages]
-            return await loop.run_in_executor(self.tokenize_executor, model.encode_chat, messages)
-        return await loop.run_in_executor(self.tokenize_executor, model.encode_prompt, request.prompt or "")
+            return await loop.run_in_executor(self.tokenize_executor, model.encode_chat, messages,
+                                              bool(add_special_tokens))
+        return await loop.run_in_executor(self.tokenize_executor, model.encode_prompt, request.prompt or "",
+                                          add_special_tokens is not False)
 
-    async def tokenize(self, request: GenerateRequest, record: RequestRecord, tenant: Tenant) -> list[int]:
-        """A prompt's or chat's tokens; admitted like a generation (tokenizing costs this gateway)."""
+    async def tokenize(self, request: GenerateRequest, record: RequestRecord, tenant: Tenant,
+                       add_special_tokens: bool | None = None) -> list[int]:
+        """A prompt's or chat's tokens; admitted like a generation (tokenizing costs this gateway).
+
+        ``add_special_tokens``: see ``encode`` (None: as generation tokenizes it).
+        """
         [admission] = self.admit(tenant, record)
         try:
             check_prompt(request, self.require_model().info, self.prompt_limits)
-            token_ids = await self.encode(request)
+            token_ids = await self.encode(request, add_special_tokens)
             record.usage.prompt_tokens = len(token_ids)
             return token_ids
         except Exception as exc:  # the front answers it
@@ -132,6 +143,28 @@ class GatewayCore:
         finally:
             self.release([admission])
             self.finish(record, request)
+
+    async def detokenize(self, token_ids: list[int], record: RequestRecord, tenant: Tenant) -> str:
+        """The text of token ids (each in the vocabulary); admitted like a generation.
+
+        Raises:
+            InvalidArgument: an id outside the vocabulary, or more ids than a prompt may have.
+        """
+        [admission] = self.admit(tenant, record)
+        try:
+            model = self.require_model()
+            if len(token_ids) > rules.MAX_PROMPT_TOKENS:
+                raise InvalidArgument(f"tokens: at most {rules.MAX_PROMPT_TOKENS} ids, got {len(token_ids)}")
+            rules.check_token_ids("tokens", token_ids, model.info.vocab_size or None)
+            record.usage.prompt_tokens = len(token_ids)
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self.tokenize_executor, model.decode, token_ids)
+        except Exception as exc:  # the front answers it
+            record.status = status_for(exc).name
+            raise
+        finally:
+            self.release([admission])
+            self.finish(record, None)
 
     async def run(self, request: GenerateRequest, record: RequestRecord, tenant: Tenant, timeout_s: float | None,
                   *, admission: Admission | None = None, reply: ReplyBudget | None = None, num_prompts: int = 1,

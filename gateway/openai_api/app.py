@@ -24,6 +24,8 @@ import contextlib
 import re
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as package_version
 from typing import Any, TypeVar
 
 import anyio
@@ -43,7 +45,7 @@ from gateway.core.types import Delta
 from gateway.openai_api import convert
 from gateway.openai_api.errors import ParamError
 from gateway.openai_api.responses import Answer, events, merge
-from gateway.openai_api.schema import ChatCompletionRequest, CompletionRequest
+from gateway.openai_api.schema import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from gateway.tenants import Tenant
 from pagedserve import rpc
 from pagedserve import sampling_rules as rules
@@ -66,6 +68,13 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permi
 _CODES = {401: "invalid_api_key", 404: "model_not_found", 429: "rate_limit_exceeded"}
 # "params.top_p must be ...", "messages[2].role must be ...": the OpenAI parameter a message names.
 _PARAM = re.compile(r"^(?:params\.)?([a-z_]+)")
+
+
+def pagedserve_version() -> str:
+    try:
+        return package_version("pagedserve")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "0+unknown"
 
 
 class HttpError(Exception):
@@ -177,6 +186,9 @@ class OpenAIFront:
             Route("/v1/models/{model:path}", self.model, methods=["GET"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
+            Route("/version", self.version, methods=["GET"]),
         ], exception_handlers={HTTPException: self._http_exception})
 
     async def _http_exception(self, request: Request, exc: Exception) -> Response:
@@ -237,11 +249,51 @@ class OpenAIFront:
                 "max_model_len": model.info.max_model_len}
 
     async def models(self, request: Request) -> Response:
+        """The served model, once a backend is ready: 503 before (a client polling it for readiness
+        must not send while the model loads, nor when no backend is in rotation)."""
         try:
             self._tenant(request)
+            if self.core.model is None or not self.is_serving():
+                raise HttpError(503, "no backend is ready yet")
         except HttpError as exc:
             return _error(exc)
-        return JSONResponse({"object": "list", "data": [self._model_card()] if self.core.model else []})
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def version(self, request: Request) -> Response:
+        return JSONResponse({"version": pagedserve_version()})
+
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's ``/tokenize``: ``{"count", "max_model_len", "tokens": [ids], "token_strs"}`` (the gRPC
+        ``Tokenize`` names them the other way round: ``token_ids`` and ``tokens``)."""
+        try:
+            tenant = self._tenant(request)
+            body = await self._read(request, TokenizeRequest)
+            self._served(body.model)
+            converted = convert.tokenize_request(body)
+            record = RequestRecord("OpenAI.Tokenize", uuid.uuid4().hex)
+            token_ids = await until_disconnect(
+                request.receive, self.core.tokenize(converted, record, tenant, body.add_special_tokens))
+            model = self.core.require_model()
+            return JSONResponse({"count": len(token_ids), "max_model_len": model.info.max_model_len,
+                                 "tokens": token_ids, "token_strs": model.tokens(token_ids)})
+        except (ClientGone, ClientDisconnect):
+            return Response(status_code=499)
+        except Exception as exc:  # every failure becomes an OpenAI error object
+            return _error(exc)
+
+    async def detokenize(self, request: Request) -> Response:
+        """vLLM's ``/detokenize``: ``{"model", "tokens": [ids]}`` -> ``{"prompt"}``."""
+        try:
+            tenant = self._tenant(request)
+            body = await self._read(request, DetokenizeRequest)
+            self._served(body.model)
+            record = RequestRecord("OpenAI.Detokenize", uuid.uuid4().hex)
+            text = await until_disconnect(request.receive, self.core.detokenize(body.tokens, record, tenant))
+            return JSONResponse({"prompt": text})
+        except (ClientGone, ClientDisconnect):
+            return Response(status_code=499)
+        except Exception as exc:  # every failure becomes an OpenAI error object
+            return _error(exc)
 
     async def model(self, request: Request) -> Response:
         try:

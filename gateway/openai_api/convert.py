@@ -16,9 +16,10 @@ from dataclasses import dataclass
 from gateway.core.types import ChatMessage, GenerateRequest, SamplingOptions, TokenLogprobs, Usage
 from gateway.openai_api.constraints import constraint_of
 from gateway.openai_api.errors import ParamError
+from gateway.openai_api import schema
 from gateway.openai_api.schema import ChatCompletionRequest, CompletionRequest
 
-__all__ = ["ParamError", "Prompt", "chat_prompt", "completion_prompts", "num_prompts"]
+__all__ = ["ParamError", "Prompt", "chat_prompt", "completion_prompts", "num_prompts", "tokenize_request"]
 
 # Logprobs of -inf (a token the sampler could never pick) are not valid JSON: vLLM's clamp.
 MIN_LOGPROB = -9999.0
@@ -110,16 +111,25 @@ def chat_prompt(body: ChatCompletionRequest, request_id: str) -> Prompt:
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     options, constraint_param = _options(body, max_tokens, logprobs)
     request = _request(body, options, request_id)
-    messages = []
-    for i, message in enumerate(body.messages):
+    request.messages = _messages(body.messages)
+    return Prompt(request, constraint_param)
+
+
+def _messages(messages: Sequence[schema.ChatMessage]) -> list[ChatMessage]:
+    out = []
+    for i, message in enumerate(messages):
         content = message.content
         if isinstance(content, list):
             if any(part.type != "text" for part in content):
                 raise ParamError(f"messages[{i}].content", "only text content parts are supported")
             content = "".join(part.text or "" for part in content)
-        messages.append(ChatMessage(_ROLE_ALIASES.get(message.role, message.role), content or ""))
-    request.messages = messages
-    return Prompt(request, constraint_param)
+        out.append(ChatMessage(_ROLE_ALIASES.get(message.role, message.role), content or ""))
+    return out
+
+
+def tokenize_request(body: schema.TokenizeRequest) -> GenerateRequest:
+    """The core request of a ``/tokenize`` body (the core checks that exactly one is given)."""
+    return GenerateRequest(prompt=body.prompt, messages=_messages(body.messages) if body.messages else None)
 
 
 def finish_reason(reason: str) -> str | None:

@@ -92,4 +92,21 @@ class ChatCompletionRequest(_Sampling):
     function_call: Any | None = None
 
 
+class TokenizeRequest(_Body):
+    """vLLM's ``POST /tokenize``: a prompt, or messages through the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    # None: as generation tokenizes it (a prompt gets BOS, a chat's template writes its own).
+    add_special_tokens: bool | None = None
+
+
+class DetokenizeRequest(_Body):
+    """vLLM's ``POST /detokenize``."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
 Endpoint = Literal["completions", "chat"]

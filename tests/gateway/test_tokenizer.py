@@ -149,9 +149,9 @@ def test_tokenizing_runs_on_the_gateways_own_bounded_executor(model: ModelTokeni
     threads: list[str] = []
 
     class Recording(ModelTokenizer):
-        def encode_prompt(self, prompt: str) -> list[int]:
+        def encode_prompt(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
             threads.append(threading.current_thread().name)
-            return super().encode_prompt(prompt)
+            return super().encode_prompt(prompt, add_special_tokens)
 
     core = GatewayCore(GatewayConfig(backends=("h:1",), tokenize_threads=1), None, GatewayMetrics())
     core.model = Recording(model.hf_tokenizer, model.info)
@@ -162,3 +162,20 @@ def test_tokenizing_runs_on_the_gateways_own_bounded_executor(model: ModelTokeni
         core.close()
     assert len(threads) == 3 and all(name.startswith("gateway-tokenize") for name in threads)
     assert core.tokenize_executor._max_workers == 1
+
+
+def test_add_special_tokens_follows_the_tokenizers_post_processor() -> None:
+    from tokenizers import processors
+
+    hf = build_byte_tokenizer()
+    hf._tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", BOS)])
+    bos_model = ModelTokenizer(hf, ModelInfo(model_name="m", chat_template=TEMPLATE))
+    hi = hf.encode("hi", add_special_tokens=False)
+    assert len(hi) == 2 and BOS not in hi
+    assert bos_model.encode_prompt("hi") == [BOS, *hi]
+    assert bos_model.encode_prompt("hi", add_special_tokens=False) == hi
+    chat = [{"role": "user", "content": "hi"}]
+    plain = bos_model.encode_chat(chat)
+    assert plain[0] == BOS and plain[1] != BOS  # the template's own BOS only
+    assert bos_model.encode_chat(chat, add_special_tokens=True) == [BOS, *plain]
+    assert bos_model.decode([BOS, *hi]) == "<s>hi"

@@ -1,0 +1,108 @@
+"""The endpoints clients probe besides generation (issue 30 item 4): vLLM's ``/tokenize`` and
+``/detokenize``, ``/version``, and ``/v1/models`` answering only once a backend is ready.
+
+One gateway with its HTTP front in front of one of the session's engines, talked to with httpx;
+its gRPC ``Tokenize`` is the reference (same tokenizer, same template).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pagedserve.gateway.v1 import gateway_pb2
+from pagedserve.process import ServiceProcess, wait_until
+from pagedserve.sockets import free_port
+from pagedserve.testing.tiny_model import ServiceModel
+from tests.e2e.conftest import Engine
+from tests.e2e.test_openai import Http, _get, _start
+
+CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi </s> there"}]
+
+
+@pytest.fixture(scope="module")
+def http(engines: list[Engine], run_dir: Path) -> Iterator[Http]:
+    started = _start(engines, run_dir)
+    wait_until(lambda: started.gateway.num_healthy_backends() == 1, what="the backend in rotation")
+    yield started
+    assert started.gateway.stop() == 0
+
+
+def _post(http: Http, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{http.base_url}{path}", json=body, timeout=30)
+
+
+def test_tokenize_a_prompt_and_messages_as_the_grpc_tokenize_does(http: Http, service_model: ServiceModel) -> None:
+    reply = _post(http, "/tokenize", {"model": http.model, "prompt": "Hello, wörld"})
+    assert reply.status_code == 200, reply.text
+    want = http.gateway.stub.Tokenize(gateway_pb2.TokenizeRequest(prompt="Hello, wörld"), timeout=10)
+    body = reply.json()
+    assert body["tokens"] == list(want.token_ids) and body["token_strs"] == list(want.tokens)
+    assert body["count"] == len(want.token_ids) and body["max_model_len"] == 1024
+    plain = _post(http, "/tokenize", {"prompt": "Hello, wörld", "add_special_tokens": False}).json()
+    assert plain["tokens"] == service_model.tokenizer.encode("Hello, wörld", add_special_tokens=False)
+
+    chat = _post(http, "/tokenize", {"model": http.model, "messages": CHAT}).json()
+    messages = [gateway_pb2.ChatMessage(**m) for m in CHAT]
+    want = http.gateway.stub.Tokenize(gateway_pb2.TokenizeRequest(messages=messages), timeout=10)
+    assert chat["tokens"] == list(want.token_ids) and chat["count"] == len(want.token_ids)
+
+
+def test_detokenize_gives_back_the_text(http: Http, service_model: ServiceModel) -> None:
+    text = "Hello, wörld </s>!"
+    tokens = _post(http, "/tokenize", {"prompt": text, "add_special_tokens": False}).json()["tokens"]
+    reply = _post(http, "/detokenize", {"model": http.model, "tokens": tokens})
+    assert reply.status_code == 200 and reply.json() == {"prompt": text}
+    eos = service_model.tokenizer.convert_tokens_to_ids("</s>")
+    assert _post(http, "/detokenize", {"tokens": [eos]}).json() == {"prompt": "</s>"}
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/detokenize", {"tokens": [1, 258]}, "tokens"),
+    ("/detokenize", {"tokens": [-1]}, "tokens"),
+    ("/detokenize", {"tokens": "abc"}, "tokens"),
+    ("/detokenize", {}, "tokens"),
+    ("/tokenize", {"prompt": "x", "messages": CHAT}, "prompt"),
+    ("/tokenize", {}, "prompt"),
+    ("/tokenize", {"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
+    ("/tokenize", {"prompt": "x", "add_special_tokens": "maybe"}, "add_special_tokens"),
+])
+def test_bad_bodies_are_400_naming_the_parameter(http: Http, path: str, body: dict, param: str) -> None:
+    reply = _post(http, path, body)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error", error
+
+
+def test_unknown_model_is_404_and_version_answers(http: Http) -> None:
+    for path, body in (("/tokenize", {"model": "nope", "prompt": "x"}), ("/detokenize", {"model": "nope",
+                                                                                        "tokens": [1]})):
+        reply = _post(http, path, body)
+        assert reply.status_code == 404 and reply.json()["error"]["code"] == "model_not_found"
+    reply = httpx.get(f"{http.base_url}/version", timeout=10)
+    assert reply.status_code == 200 and reply.json()["version"]
+
+
+def test_models_is_503_until_a_backend_is_ready(run_dir: Path) -> None:
+    port, grpc_port = free_port(), free_port()
+    # A backend that does not exist: the gateway serves HTTP, but no model is ready.
+    process = ServiceProcess("gateway", ["--backend", f"127.0.0.1:{free_port()}", "--listen", f"127.0.0.1:{grpc_port}",
+                                         "--http-port", str(port), "--health-interval-s", "0.2"],
+                             address=f"127.0.0.1:{grpc_port}", log_file=run_dir / "gateway-models-503.log")
+    try:
+        wait_until(lambda: _get(f"http://127.0.0.1:{port}/health") is not None, what="the HTTP front")
+        reply = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5)
+        assert reply.status_code == 503, reply.text
+        assert reply.json()["error"]["type"] == "server_error"
+        assert httpx.get(f"http://127.0.0.1:{port}/version", timeout=5).status_code == 200
+        assert httpx.post(f"http://127.0.0.1:{port}/tokenize", json={"prompt": "x"}, timeout=5).status_code == 503
+    finally:
+        assert process.stop() == 0
+
+
+def test_models_lists_the_model_once_ready(http: Http) -> None:
+    reply = httpx.get(f"{http.base_url}/v1/models", timeout=5)
+    assert reply.status_code == 200 and [m["id"] for m in reply.json()["data"]] == [http.model]
