@@ -59,7 +59,10 @@ def _client_error(exc: grpc.aio.AioRpcError) -> Exception:
     kind = _PASSED_THROUGH.get(exc.code())
     if kind is not None:
         return kind(exc.details())
-    return UnavailableError(f"backend unavailable ({exc.code().name}: {exc.details()})")
+    # The transport's own words ("Stream removed (recvmsg:Connection reset by peer (104))", backend
+    # addresses) help no client and describe the backends to anyone: logged here, not sent.
+    log.info("backend_call_failed", code=exc.code().name, details=exc.details())
+    return UnavailableError("backend unavailable")
 
 
 @dataclass
@@ -150,7 +153,9 @@ class Dispatcher:
                 if has_first:
                     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                         raise DeadlineExceededError("deadline exceeded") from None
-                    raise UnavailableError(f"backend failed mid-stream ({code.name}: {exc.details()})") from None
+                    log.info("backend_call_failed", request_id=message.request_id, backend=backend.address,
+                             code=code.name, details=exc.details())
+                    raise UnavailableError("backend failed mid-stream") from None
                 error = _client_error(exc)
                 first_error = first_error or error
                 if code not in _RETRYABLE:

@@ -64,10 +64,15 @@ class UnauthenticatedError(Exception):
 def echo(value: object, limit: int = ECHO_CHARS) -> str:
     """``repr(value)`` cut to about ``limit`` characters (plus "..."), for error messages.
 
-    A string is cut before ``repr`` so that a megabyte-long value costs nothing to echo.
+    A string is cut before ``repr`` so that a megabyte-long value costs nothing to echo; a huge
+    integer is described by its size (its decimal text costs quadratic time, and beyond 4,300
+    digits Python refuses to make it at all).
     """
     if isinstance(value, str | bytes) and len(value) > limit:
         return repr(value[:limit]) + "..."
+    if isinstance(value, int) and value.bit_length() > 4 * limit:  # > limit decimal digits, surely
+        sign = "-" if value < 0 else ""
+        return f"{sign}an integer of about {int(value.bit_length() * 0.30103) + 1} digits"
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
 

@@ -110,12 +110,12 @@ def resolve_sampling(given: Mapping[str, object]) -> dict[str, object]:
 def check_range(name: str, value: float, low: float | None, high: float | None, *, low_open: bool = False) -> None:
     """``value`` is finite and within ``[low, high]`` (``(low, high]`` with ``low_open``)."""
     if isinstance(value, float) and not math.isfinite(value):
-        raise InvalidArgument(f"{name} must be a finite number, got {value}")
+        raise InvalidArgument(f"{name} must be a finite number, got {echo(value)}")
     too_low = low is not None and (value <= low if low_open else value < low)
     if too_low or (high is not None and value > high):
         left = "(" if low_open else "["
         bounds = f"in {left}{low}, {high}]" if high is not None else f"{'>' if low_open else '>='} {low}"
-        raise InvalidArgument(f"{name} must be {bounds}, got {value}")
+        raise InvalidArgument(f"{name} must be {bounds}, got {echo(value)}")
 
 
 def check_counts(num_stop: int, num_stop_token_ids: int, *, prefix: str = "params.",
@@ -156,7 +156,7 @@ def check_sampling(values: Mapping[str, object], *, prefix: str = "params.", lim
     if v["logprobs"] is not None:
         check_range(f"{prefix}logprobs", v["logprobs"], 0, limits.max_logprobs)
     if v["seed"] is not None and not 0 <= v["seed"] < 2**64:
-        raise InvalidArgument(f"{prefix}seed must be in [0, 2**64), got {v['seed']}")
+        raise InvalidArgument(f"{prefix}seed must be in [0, 2**64), got {echo(v['seed'])}")
     for i, stop in enumerate(v["stop"]):
         if not stop or len(stop) > limits.max_stop_string_chars:
             raise InvalidArgument(f"{prefix}stop[{i}] must have 1 to {limits.max_stop_string_chars} characters, "
@@ -174,7 +174,7 @@ def check_token_ids(name: str, token_ids: Sequence[int], vocab_size: int | None)
         return
     i, bad = next((i, t) for i, t in enumerate(token_ids) if t < 0 or (vocab_size is not None and t >= vocab_size))
     bounds = f"in [0, {vocab_size})" if vocab_size is not None else ">= 0"
-    raise InvalidArgument(f"{name}[{i}] must be {bounds}, got {bad}")
+    raise InvalidArgument(f"{name}[{i}] must be {bounds}, got {echo(bad)}")
 
 
 def check_string_id(name: str, value: str, max_chars: int) -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from gateway.core.types import BackendRequest, GenerateRequest, ModelInfo
 from pagedserve import sampling_rules as rules
-from pagedserve.errors import InvalidArgument
+from pagedserve.errors import InvalidArgument, echo
 
 _INT32 = 1 << 31
 
@@ -77,7 +77,7 @@ def limits_of(info: ModelInfo) -> rules.RequestLimits:
 def _check_int32(name: str, value: int) -> None:
     """A field the compute service's wire carries as int32 (beyond it the conversion would fail)."""
     if not -_INT32 <= value < _INT32:
-        raise InvalidArgument(f"{name} must be a 32-bit integer, got {str(value)[:40]}")
+        raise InvalidArgument(f"{name} must be a 32-bit integer, got {echo(value)}")
 
 
 def validate(request: GenerateRequest, info: ModelInfo, limits: PromptLimits = PromptLimits(),

@@ -45,7 +45,8 @@ from gateway.core.types import Delta
 from gateway.openai_api import convert
 from gateway.openai_api.errors import ParamError
 from gateway.openai_api.responses import Answer, events, merge
-from gateway.openai_api.schema import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from gateway.openai_api.schema import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                                       error_param, unknown_fields)
 from gateway.tenants import Tenant
 from pagedserve import rpc
 from pagedserve import sampling_rules as rules
@@ -231,10 +232,10 @@ class OpenAIFront:
             first = exc.errors()[0]
             if first["type"] == "json_invalid":
                 raise HttpError(400, f"the body is not valid JSON: {first['msg']}") from None
-            param = ".".join(str(part) for part in first["loc"]) or None
+            param = error_param(first["loc"])
             raise HttpError(400, f"{param or 'body'}: {first['msg']}", param) from None
         if body.model_extra:
-            log.info("openai_unknown_fields", path=request.url.path, fields=sorted(body.model_extra))
+            log.info("openai_unknown_fields", path=request.url.path, **unknown_fields(body))
         return body
 
     async def health(self, request: Request) -> Response:

@@ -1,4 +1,4 @@
-"""The HTTP front against hostile clients, on a real gateway process (issue 27 items 3 and 9).
+"""The HTTP front against hostile clients, on a real gateway process (issue 27 items 3, 8, 9, 10).
 
 One gateway with its HTTP front, a cap of 20 connections and a 1 s read deadline, started under a
 soft descriptor limit of 512: it runs with its hard limit, closes idle half-sent connections, and
@@ -7,6 +7,7 @@ both fronts keep answering while they are open and after.
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import socket
@@ -144,3 +145,22 @@ def test_a_keyless_gateway_answers_loopback_hosts_and_json_bodies_only(front: Fr
     assert (rebound.status_code, untyped.status_code, plain.status_code, fine.status_code) == (421, 415, 415, 200)
     assert rebound.json()["error"]["code"] == "host_not_allowed"
     assert untyped.json()["error"]["message"] == "Content-Type must be application/json, got none"
+
+
+def test_errors_and_log_lines_stay_short_whatever_the_body(front: Front) -> None:
+    """Issue 27 items 8 and 10: a 4300-digit seed is a short 400; 20,000 unknown fields are one
+    short log line (a count and five names), not every name."""
+    url = f"{front.base_url}/v1/completions"
+    with httpx.Client(timeout=60) as client:
+        seed = client.post(url, content=b'{"prompt": "hi", "max_tokens": 1, "seed": ' + b"9" * 4300 + b"}",
+                           headers={"content-type": "application/json"})
+        fields = ", ".join(f'"unknown_{i}": 0' for i in range(20_000))
+        client_body = client.post(url, content=f'{{"prompt": "hi", "max_tokens": 1, {fields}}}'.encode(),
+                                  headers={"content-type": "application/json"})
+    assert seed.status_code == 400 and seed.json()["error"]["param"] == "seed" and len(seed.content) < 400
+    assert client_body.status_code == 200
+    assert front.gateway.log_file is not None
+    wait_until(lambda: '"openai_unknown_fields"' in front.gateway.log_file.read_text(), what="the log line")
+    [line] = [json.loads(x) for x in front.gateway.log_file.read_text().splitlines() if "openai_unknown_fields" in x]
+    assert line["num_fields"] == 20_000 and line["fields"] == [f"unknown_{i}" for i in range(5)]
+    assert len(json.dumps(line)) < 1000
