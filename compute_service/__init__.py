@@ -3,7 +3,7 @@
 ``from compute_service import LLM`` gives the in-process engine.
 """
 
-from compute_service.engine.llm import LLM
+from compute_service.llm import LLM
 from compute_service.engine.outputs import CompletionOutput, RequestOutput
 from compute_service.engine.sampling_params import SamplingParams
 from compute_service.structured.constraint import Constraint

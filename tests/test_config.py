@@ -8,6 +8,8 @@ from memory_service.__main__ import build_parser
 from memory_service.config import MemoryServiceConfig
 from pagedserve.config import config_from_args
 
+pytestmark = pytest.mark.unit
+
 
 def test_config_file_keys_and_flag_override(tmp_path: Path) -> None:
     path = tmp_path / "config.json"

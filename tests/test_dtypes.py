@@ -5,6 +5,8 @@ import torch
 
 from pagedserve.dtypes import DTYPES, dtype_name, parse_dtype
 
+pytestmark = pytest.mark.unit
+
 
 def test_names_round_trip_and_aliases_parse() -> None:
     assert list(DTYPES) == ["float32", "float16", "bfloat16"]

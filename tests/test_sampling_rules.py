@@ -7,6 +7,8 @@ import pytest
 from pagedserve import sampling_rules as rules
 from pagedserve.errors import InvalidArgument
 
+pytestmark = pytest.mark.unit
+
 
 def test_kv_blocks_needed_shares_the_prompts_full_blocks() -> None:
     # 10-token prompt, blocks of 4: 2 full blocks shared; each completion copies the partial one

@@ -1,4 +1,4 @@
-"""The engine loop: schedule, run, postprocess; one memory-service RPC per step."""
+"""The engine loop: schedule, run, postprocess; one allocator step (a memory-service RPC) per step."""
 
 from __future__ import annotations
 
@@ -7,11 +7,12 @@ from typing import Any
 
 import torch
 
-from memory_service.api import MemoryClient, cache_namespace
+from memory_service.api import cache_namespace
 from pagedserve import sampling_rules as rules
 from pagedserve.errors import AlreadyExistsError, InvalidArgument, echo
 from pagedserve.log import get_logger
 
+from compute_service.engine.allocator import KvAllocator
 from compute_service.engine.config import EngineConfig
 from compute_service.model.model import CausalLM
 from compute_service.model.model_config import ModelConfig
@@ -31,7 +32,7 @@ from compute_service.structured.logits_mask import LogitsMasker
 log = get_logger("engine")
 
 class Engine:
-    """Continuous-batching engine over a model and a memory-service client.
+    """Continuous-batching engine over a model and a KV allocator.
 
     Not thread-safe: one thread calls ``add_request``/``abort``/``step`` (the service's engine loop
     thread, or the caller of ``LLM.generate``). ``check_request`` reads only constants and may be
@@ -39,14 +40,15 @@ class Engine:
 
     Args:
         model: our model; config: its ModelConfig; tokenizer: for text (None = token ids only).
-        memory: an attached MemoryClient (its pool is what the model reads and writes).
+        memory: the KV allocator (engine/allocator.py): a memory-service client, or the in-process one;
+            its pool is what the model reads and writes.
         config: budgets.
         grammars: compiles structured-output constraints for this tokenizer; shared by the engines
             a service builds around one model (None = made on the first constrained request).
     """
 
     def __init__(self, model: CausalLM, model_config: ModelConfig, tokenizer: Any | None,
-                 memory: MemoryClient, config: EngineConfig, grammars: GrammarCompiler | None = None) -> None:
+                 memory: KvAllocator, config: EngineConfig, grammars: GrammarCompiler | None = None) -> None:
         self.model_config = model_config
         self.tokenizer = tokenizer
         self._grammars = grammars

@@ -26,13 +26,14 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple, Protocol
 
 from pagedserve.errors import AlreadyExistsError, InvalidArgument, UnavailableError, echo
 from pagedserve.log import get_logger
 
 from memory_service.api import MemoryServiceUnavailable
 
+from compute_service.engine.allocator import KvAllocator
 from compute_service.engine.engine import Engine
 from compute_service.engine.outputs import RequestDelta
 from compute_service.engine.request import EngineLoad, GenerateInput
@@ -55,6 +56,25 @@ class EngineFailed(Exception):
 # Where a request's outputs go (called on the loop thread). It returns False when its consumer's
 # buffer is full: the loop then pauses the request until ``resume`` (see service/stream_buffer.py).
 Sink = Callable[[RequestDelta | Exception], bool]
+
+
+class MemoryLease(KvAllocator, Protocol):
+    """The allocator of a service's engine: a lease on a memory service, which can be lost
+    (``memory_service.client.MemoryClient``)."""
+
+    @property
+    def is_connected(self) -> bool: ...
+
+    def ping(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class Attached(NamedTuple):
+    """What one attach gives the loop: an engine, and the lease its allocator is (the same object)."""
+
+    engine: Engine
+    lease: MemoryLease
 
 
 @dataclass
@@ -94,14 +114,14 @@ class EngineLoop:
     """Owns an Engine in a thread of its own.
 
     Args:
-        attach: builds a fresh Engine attached to the memory service (raises when unreachable).
+        attach: builds a fresh Engine on a new lease of the memory service (raises when unreachable).
         on_ready: called from the loop thread with True once attached, False when the memory
             service is lost (the server's health follows it).
         retry_interval_s: pause between attach attempts.
         ping_interval_s: how often an idle loop checks the memory service.
     """
 
-    def __init__(self, attach: Callable[[], Engine], on_ready: Callable[[bool], None], *,
+    def __init__(self, attach: Callable[[], Attached], on_ready: Callable[[bool], None], *,
                  retry_interval_s: float = 0.5, ping_interval_s: float = 1.0) -> None:
         self._attach = attach
         self._on_ready = on_ready
@@ -148,11 +168,12 @@ class EngineLoop:
 
     def _run(self) -> None:
         while not self._stopping.is_set():
-            engine = self._attach_until_ready()
-            if engine is None:
+            attached = self._attach_until_ready()
+            if attached is None:
                 break
+            engine, lease = attached
             try:
-                self._serve(engine)
+                self._serve(engine, lease)
             except Exception as exc:  # re-raised as each request's error, never dropped
                 if isinstance(exc, UnavailableError):  # the memory client's one word for "gone"
                     log.warning("memory_service_lost", error=str(exc))
@@ -163,18 +184,18 @@ class EngineLoop:
                 self._on_ready(False)
             finally:
                 self.engine = None
-                engine.memory.close()  # releases the lease (or notices it is already gone)
+                lease.close()  # releases the lease (or notices it is already gone)
         self._fail_all(EngineUnavailable("the compute service is shutting down"))
 
-    def _attach_until_ready(self) -> Engine | None:
+    def _attach_until_ready(self) -> Attached | None:
         last_error = ""
         while not self._stopping.is_set():
             try:
-                engine = self._attach()
+                attached = self._attach()
                 try:
-                    self._warm_up(engine)
+                    self._warm_up(attached.engine)
                 except BaseException:
-                    engine.memory.close()
+                    attached.lease.close()
                     raise
             except Exception as exc:  # unreachable memory service: retry until it is back
                 # A service that is down is expected (debug); one that refuses us (a layout or block
@@ -187,11 +208,12 @@ class EngineLoop:
                 self._wake.wait(self.retry_interval_s)
                 self._wake.clear()
                 continue
+            engine, lease = attached
             self.engine = engine
             self.load = engine.load()
-            log.info("engine_attached", client_id=engine.memory.client_id, num_blocks=engine.memory.num_blocks)
+            log.info("engine_attached", client_id=lease.client_id, num_blocks=lease.num_blocks)
             self._on_ready(True)
-            return engine
+            return attached
         return None
 
     def _warm_up(self, engine: Engine) -> None:
@@ -204,13 +226,13 @@ class EngineLoop:
             engine.step()
         self._is_warm = True
 
-    def _serve(self, engine: Engine) -> None:
+    def _serve(self, engine: Engine, lease: MemoryLease) -> None:
         while not self._stopping.is_set():
             self._wake.clear()
             self._drain_commands(engine)
             if not engine.has_unfinished():
                 if not self._wake.wait(self.ping_interval_s):
-                    self._check_memory(engine)  # idle: notice a lost memory service without a request
+                    self._check_memory(lease)  # idle: notice a lost memory service without a request
                 continue
             num_steps = engine.num_steps
             num_drafts, num_accepted = engine.num_draft_tokens, engine.num_accepted_draft_tokens
@@ -231,11 +253,11 @@ class EngineLoop:
                     engine.pause(out.request_id)  # its consumer is behind: no more steps until it resumes
 
     @staticmethod
-    def _check_memory(engine: Engine) -> None:
+    def _check_memory(lease: MemoryLease) -> None:
         """Raise MemoryServiceUnavailable if the memory service is gone or forgot our lease."""
-        if not engine.memory.is_connected:  # its KeepAlive stream failed, or the lease is lost
+        if not lease.is_connected:  # its KeepAlive stream failed, or the lease is lost
             raise MemoryServiceUnavailable("memory service: the KeepAlive stream is down or the lease is lost")
-        engine.memory.ping()
+        lease.ping()
 
     def _drain_commands(self, engine: Engine | None) -> None:
         """Apply queued commands; with no engine (detached), requests fail at once."""

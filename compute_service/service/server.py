@@ -37,7 +37,7 @@ from compute_service.service.config import ComputeServiceConfig
 from compute_service.structured.grammar_compiler import GrammarCompiler, GrammarCompilerConfig
 from compute_service.structured.logits_mask import num_abandoned_fills
 from compute_service.engine.engine import Engine
-from compute_service.service.engine_loop import EngineLoop
+from compute_service.service.engine_loop import Attached, EngineLoop
 from compute_service.model.model_info import model_info
 from compute_service.model.model_loader import LoadedModel, load_model
 from compute_service.service.servicer import ComputeServicer
@@ -67,7 +67,7 @@ def make_grammar_compiler(loaded: LoadedModel, config: ComputeServiceConfig) -> 
 
 def make_attach(loaded: LoadedModel, target: str, engine_config: EngineConfig,
                 timeout_s: float, grammars: GrammarCompiler | None = None,
-                memory_token: str | None = None) -> Callable[[], Engine]:
+                memory_token: str | None = None) -> Callable[[], Attached]:
     """The engine loop's way to (re)attach: a fresh lease, pool mapping and Engine per call;
     ``memory_token`` is the memory service's token (memory_service/service/trust.py)."""
     layout = KvLayout(
@@ -76,14 +76,15 @@ def make_attach(loaded: LoadedModel, target: str, engine_config: EngineConfig,
         block_size=engine_config.block_size,
     )
 
-    def attach() -> Engine:
+    def attach() -> Attached:
         # Probe first (the probe closes its channel): a dead service costs no half-open client.
         if check_health(target, timeout_s=max(timeout_s, 0.2)) != health_pb2.HealthCheckResponse.SERVING:
             raise UnavailableError(f"memory service at {target} is not serving")
         memory = MemoryClient(target, layout, client_name="compute", connect_timeout_s=max(timeout_s, 1.0),
                               attach_timeout_s=ATTACH_TIMEOUT_S, token=memory_token)
         try:
-            return Engine(loaded.model, loaded.config, loaded.tokenizer, memory, engine_config, grammars)
+            return Attached(Engine(loaded.model, loaded.config, loaded.tokenizer, memory, engine_config, grammars),
+                            memory)
         except BaseException:
             memory.close()
             raise

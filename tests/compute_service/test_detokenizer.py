@@ -8,6 +8,8 @@ import pytest
 from compute_service.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.testing.tiny_model import build_byte_tokenizer
 
+pytestmark = pytest.mark.unit
+
 TEXT = "héllo wörld € 😀 done"
 
 

@@ -15,7 +15,8 @@ from transformers import LlamaForCausalLM
 from compute_service import LLM, SamplingParams
 from compute_service.engine.outputs import RequestOutput, collect
 
-from tests.compute_service.tiny_llama import EOS, VOCAB, hf_greedy, load_hf, save_tiny_llama
+from tests.compute_service.tiny_llama import (EOS, VOCAB, hf_greedy, in_process_engine, load_hf, save_tiny_llama,
+                                              to_causal_lm)
 
 
 
@@ -76,6 +77,33 @@ def test_preemption_by_recompute(tiny_dir: Path, hf_model: LlamaForCausalLM) -> 
         stats = llm.memory_stats()
     assert [o.token_ids for o in outs] == expected(hf_model, prompts, 24)
     assert stats.num_sequences == 0
+
+
+def test_in_process_allocator_runs_like_the_memory_service(tiny_dir: Path, hf_model: LlamaForCausalLM) -> None:
+    """The same engine on the memory service (a process, gRPC, shared memory) and on the in-process
+    allocator: the same tokens, steps, preemptions and blocks, step for step."""
+    prompts = make_prompts(6, seed=3)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+    def drive(engine) -> tuple[list[list[int]], list[list[list[int]]]]:
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"r{i}", prompt, params)
+        results: dict[str, RequestOutput] = {}
+        tables = []  # every running sequence's block table after each step
+        while engine.has_unfinished():
+            collect(results, engine.step())
+            tables.append([list(s.block_table) for s in engine.scheduler.running])
+        return [results[f"r{i}"].outputs[0].token_ids for i in range(len(prompts))], tables
+
+    with LLM(str(tiny_dir), block_size=4, max_num_blocks=24, max_num_seqs=6, admission_watermark=0.0) as llm:
+        remote = drive(llm.engine)
+        remote_counts = (llm.engine.num_steps, llm.engine.scheduler.num_preemptions)
+    local_engine = in_process_engine(*to_causal_lm(hf_model), num_blocks=24, max_num_seqs=6, admission_watermark=0.0)
+    local = drive(local_engine)
+    assert local == remote
+    assert (local_engine.num_steps, local_engine.scheduler.num_preemptions) == remote_counts
+    assert remote_counts[1] > 0  # the pool is small enough to preempt
+    assert remote[0] == [hf_greedy(hf_model, p, 12, ignore_eos=True) for p in prompts]
 
 
 def test_requests_arriving_while_others_decode(tiny_dir: Path, hf_model: LlamaForCausalLM) -> None:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from compute_service.engine.sampler import greedy_tokens
+
+pytestmark = pytest.mark.unit
 
 
 def test_greedy_tokens_equal_torch_argmax_on_ties_nan_and_inf() -> None:

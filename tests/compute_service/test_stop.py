@@ -9,6 +9,8 @@ from compute_service.engine.sampling_params import SamplingParams
 from compute_service.engine.sequence import FinishReason, Sequence
 from compute_service.engine.stop import check_stop
 
+pytestmark = pytest.mark.unit
+
 EOS = (2,)
 MAX_POSITION = 64
 

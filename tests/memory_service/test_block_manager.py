@@ -21,6 +21,8 @@ from memory_service.manager.block_manager import (
     PoolStats,
 )
 
+pytestmark = pytest.mark.unit
+
 BS = 4
 MakeManager = Callable[..., BlockManager]
 

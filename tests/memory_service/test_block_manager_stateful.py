@@ -25,11 +25,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import pytest
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from memory_service.manager.block_manager import AllocateOp, AppendOp, BlockManager, BlockManagerConfig, ForkOp, FreeOp
+
+pytestmark = pytest.mark.unit
 
 # A tiny alphabet and a few shared openings make prefix hits, twins and evictions frequent.
 TOKEN = st.integers(0, 2)

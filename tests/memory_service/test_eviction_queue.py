@@ -9,6 +9,8 @@ import pytest
 
 from memory_service.manager.eviction_queue import EvictionQueue
 
+pytestmark = pytest.mark.unit
+
 
 def test_pops_least_recently_joined_first_and_skips_removed_blocks() -> None:
     lru = EvictionQueue()

@@ -212,7 +212,7 @@ def test_close_block_count_cannot_overflow_the_reply() -> None:
 
 OWNER = """
 import sys, time
-from compute_service.engine.llm import MemoryServiceProcess
+from compute_service.llm import MemoryServiceProcess
 from memory_service.config import MemoryServiceConfig
 proc = MemoryServiceProcess(MemoryServiceConfig(max_num_blocks=16, block_size=4))
 print(proc.process.pid, proc.directory, flush=True)
@@ -244,7 +244,7 @@ def test_an_owner_that_never_closes_leaves_nothing_when_it_exits() -> None:
 @pytest.mark.parametrize("failure", ["exit", "interrupt"])
 def test_failed_or_interrupted_private_start_leaves_nothing(monkeypatch: pytest.MonkeyPatch, failure: str) -> None:
     """Before: a failed start left the temporary directory; a KeyboardInterrupt orphaned the child."""
-    from compute_service.engine.llm import MemoryServiceProcess
+    from compute_service.llm import MemoryServiceProcess
     from memory_service.config import MemoryServiceConfig
     from pagedserve.process import ServiceProcess
 
