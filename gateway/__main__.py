@@ -26,8 +26,8 @@ FLAGS = {
                            "(late headers: the connection is closed; a late body: 408)",
     "http_max_connections": "HTTP connections open at once (at most half the open-files limit); more are answered "
                             "503 and closed",
-    "http_allowed_hosts": "a Host name the HTTP API answers ('*': any); repeat for more. Loopback names always; "
-                          "without the flag, only those when there are no API keys and any with keys",
+    "http_allowed_hosts": "a Host name the HTTP API answers ('*': any); repeat for more. localhost and IP "
+                          "addresses always; without the flag, only those when there are no API keys and any with keys",
     "api_keys_file": "tenants and their keys, sent as 'authorization: Bearer KEY': a JSON file "
                      '{"tenants": {"NAME": {"keys": [...], "max_priority": 0, "max_concurrent": N}}} or one key '
                      f"per line (tenants key-1, key-2, ...); also ${API_KEYS_ENV} (comma-separated)",

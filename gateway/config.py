@@ -49,8 +49,8 @@ class GatewayConfig(ServiceConfig):
         http_max_connections: HTTP connections open at once (at most half the descriptor limit);
             one more is answered 503 and closed at once.
         http_allowed_hosts: ``Host`` names the HTTP front answers (without the port; ``*``: any).
-            Loopback names (localhost, 127.0.0.1, [::1]) always; empty: those only without API keys (a
-            browser page cannot then read a keyless local server through DNS rebinding), any with keys.
+            Loopback names and IP addresses always; empty: those only without API keys (a browser
+            page cannot then read a keyless server through DNS rebinding), any with keys.
         max_queued_requests: requests this gateway holds at once (waiting for or streaming from a
             backend); one more is answered RESOURCE_EXHAUSTED at once.
         health_interval_s: how often each backend's health and load are polled.

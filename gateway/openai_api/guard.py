@@ -5,9 +5,10 @@ local ``pagedserve up`` kind), which answers anyone who reaches it:
 
 - DNS rebinding: a page on ``evil.example`` gets the name re-pointed to 127.0.0.1, and the browser,
   taking the local server for ``evil.example``, lets the page read its answers. The browser still
-  sends ``Host: evil.example``: a keyless gateway answers only the names it is known by (loopback
-  ones unless ``--http-allowed-hosts`` says more), so the page reads a 421. With keys, the key is
-  the defence (the page cannot know it) and any ``Host`` is accepted unless the flag lists names.
+  sends ``Host: evil.example``: a keyless gateway answers only ``localhost``, IP addresses (a page
+  can be same-origin with an address only by being served from it, so rebinding needs a name) and
+  the names ``--http-allowed-hosts`` lists; anything else reads a 421. With keys, the key is the
+  defence (the page cannot know it) and any ``Host`` is accepted unless the flag lists names.
 - Blind cross-site requests: a page may POST to any address without asking first only with a
   "simple" content type (``text/plain``, forms). A body is accepted only as ``application/json``
   (or ``+json``), which a browser sends cross-site only after a CORS preflight the gateway never
@@ -16,6 +17,7 @@ local ``pagedserve up`` kind), which answers anyone who reaches it:
 
 from __future__ import annotations
 
+import ipaddress
 import json
 
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -45,12 +47,23 @@ class RequestGuard:
 
     Args:
         app: the application behind it.
-        allowed_hosts: host names answered (lower case, no port; see ``host_name``); None: any.
+        allowed_hosts: host names answered besides IP addresses (lower case, no port; see
+            ``host_name``); None: any.
     """
 
     def __init__(self, app: ASGIApp, allowed_hosts: frozenset[str] | None) -> None:
         self.app = app
         self.allowed_hosts = allowed_hosts
+
+    def is_allowed(self, name: str) -> bool:
+        """Whether a ``Host`` name (``host_name``'s) is answered: listed, or an IP address."""
+        if self.allowed_hosts is None or name in self.allowed_hosts:
+            return True
+        try:
+            ipaddress.ip_address(name[1:-1] if name.startswith("[") and name.endswith("]") else name)
+        except ValueError:
+            return False
+        return True
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -58,9 +71,10 @@ class RequestGuard:
             return
         headers = {k: v for k, v in scope["headers"] if k in (b"host", b"content-type")}
         host = headers.get(b"host", b"").decode("latin-1")
-        if self.allowed_hosts is not None and host_name(host) not in self.allowed_hosts:
+        if not self.is_allowed(host_name(host)):
             await _refuse(send, 421, f"Host {_echo(host)} is not served here: a gateway without API keys answers "
-                                     "loopback names only (more with --http-allowed-hosts)", "host_not_allowed")
+                                     "localhost and IP addresses only (more with --http-allowed-hosts)",
+                          "host_not_allowed")
             return
         content_type = headers.get(b"content-type", b"").decode("latin-1")
         if scope["method"] in _METHODS_WITH_BODY and not is_json(content_type):
@@ -88,7 +102,7 @@ def allowed_hosts(configured: tuple[str, ...], requires_key: bool) -> frozenset[
 
     ``*`` among ``configured``: any. Other names: those and the loopback ones (a rebinding page can
     never make the browser send a loopback name, and this machine's probes use them). None given:
-    the loopback names without keys, any with keys.
+    the loopback names without keys, any with keys. IP addresses are always answered (``is_allowed``).
     """
     if "*" in configured:
         return None

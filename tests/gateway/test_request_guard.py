@@ -34,14 +34,17 @@ def test_host_names() -> None:
     assert allowed_hosts(("x", "*"), requires_key=False) is None
 
 
-@pytest.mark.parametrize("host", ["localhost:8000", "127.0.0.1:8000", "[::1]:8000", "localhost"])
-def test_loopback_hosts_are_answered(host: str) -> None:
+@pytest.mark.parametrize("host", ["localhost:8000", "127.0.0.1:8000", "[::1]:8000", "localhost", "127.0.0.2",
+                                  "192.168.1.5:8000", "[fe80::1]:80"])
+def test_loopback_names_and_addresses_are_answered(host: str) -> None:
+    """A rebinding page needs a name of its own; an address is same-origin only with itself."""
     client = _client(LOOPBACK_HOSTS)
     assert client.get("/health", headers={"host": host}).status_code == 200
     assert client.post("/v1/completions", json={"prompt": "a"}, headers={"host": host}).status_code == 200
 
 
-@pytest.mark.parametrize("host", ["evil.example", "evil.example:8000", "localhost.evil.example", "127.0.0.2", ""])
+@pytest.mark.parametrize("host", ["evil.example", "evil.example:8000", "localhost.evil.example", "127.0.0.1.nip.io",
+                                  "[evil]", "1.2.3.4.5", ""])
 def test_other_hosts_are_421_with_an_openai_error(host: str) -> None:
     reply = _client(LOOPBACK_HOSTS).post("/v1/completions", json={"prompt": "a"}, headers={"host": host})
     assert reply.status_code == 421
