@@ -34,6 +34,7 @@ SERVICE_FLAGS = {
     "served_model_name": "model name reported by Info",
     "cache_dir": "where converted models are cached",
     "max_queued_requests": "requests in flight before RESOURCE_EXHAUSTED",
+    "max_queued_per_tenant": "of those, the most one tenant may hold (default: 3/4 of max_queued_requests)",
     "shutdown_grace_s": "on SIGTERM, seconds running requests may take to finish",
     "memory_retry_interval_s": "pause between attempts to reach the memory service",
     "memory_ping_interval_s": "how often an idle engine checks the memory service",

@@ -39,7 +39,8 @@ def to_compute_request(request: BackendRequest, backend_request_id: str) -> comp
         else:
             setattr(params, c.kind, c.spec)
     return compute_pb2.GenerateRequest(request_id=backend_request_id, prompt_token_ids=request.prompt_token_ids,
-                                       params=params, priority=request.priority, cache_salt=request.cache_salt)
+                                       params=params, priority=request.priority, cache_salt=request.cache_salt,
+                                       tenant=request.tenant)
 
 
 def usage_from_pb(usage: compute_pb2.Usage) -> Usage:

@@ -28,6 +28,10 @@ class GatewayMetrics:
         self.tenant_in_flight = Gauge("pagedserve_gateway_tenant_requests",
                                       "Requests each tenant holds in this gateway now (named, never keyed).",
                                       ["tenant"], registry=self.registry)
+        self.tenant_waiting = Gauge("pagedserve_gateway_tenant_waiting_requests",
+                                    "Requests of each tenant sent to a backend that has not answered their first "
+                                    "token yet: queued there, behind the backend's fair admission (named, never "
+                                    "keyed).", ["tenant"], registry=self.registry)
         self.write_stalls = Counter("pagedserve_gateway_write_stalls",
                                     "Streams ended because their client read nothing for write_stall_timeout_s.",
                                     registry=self.registry)

@@ -34,6 +34,7 @@ MAX_STOP_STRING_CHARS = 256  # the text held back while a stop string may be hal
 MAX_STOP_TOKEN_IDS = 1024  # a set built once per request
 MAX_REQUEST_ID_CHARS = 256  # ids appear in every log event
 MAX_CACHE_SALT_CHARS = 256  # hashed into every prompt's prefix-cache namespace
+MAX_TENANT_CHARS = 64  # a tenant's name: a metric label and a scheduling queue of the compute service
 MAX_MESSAGES = 1024  # chat messages of one request
 MAX_PROMPT_CHARS = 1 << 20  # a prompt, or the sum of its messages' contents
 MAX_PROMPT_TOKENS = 1 << 18  # whatever the model's context: the wire limits are sized from it
@@ -76,7 +77,8 @@ def max_message_bytes(max_prompt_tokens: int = MAX_PROMPT_TOKENS) -> int:
     request far beyond them is refused by gRPC before it is parsed at all.
     """
     ids = (max_prompt_tokens + MAX_STOP_TOKEN_IDS) * _MAX_VARINT_ID_BYTES
-    strings = (MAX_STOP_STRINGS * MAX_STOP_STRING_CHARS + MAX_REQUEST_ID_CHARS + MAX_CACHE_SALT_CHARS) * _MAX_UTF8_BYTES
+    strings = (MAX_STOP_STRINGS * MAX_STOP_STRING_CHARS + MAX_REQUEST_ID_CHARS + MAX_CACHE_SALT_CHARS
+               + MAX_TENANT_CHARS) * _MAX_UTF8_BYTES
     return ids + strings + MESSAGE_OVERHEAD_BYTES
 
 

@@ -19,7 +19,7 @@ from compute_service.model.model_config import ModelConfig
 from compute_service.engine.model_runner import ModelRunner
 from compute_service.engine.faults import DetokenizeFault
 from compute_service.engine.outputs import RequestDelta
-from compute_service.engine.request import EngineLoad, GenerateInput, Request
+from compute_service.engine.request import EngineLoad, GenerateInput, Request, TenantQueue
 from compute_service.engine.sampler import greedy_tokens, sample, token_logprobs
 from compute_service.engine.sampling_params import SamplingParams
 from compute_service.engine.scheduler import ScheduledSeq, Scheduler
@@ -82,6 +82,7 @@ class Engine:
         """
         request_id, prompt_token_ids, params = request.request_id, request.prompt_token_ids, request.params
         rules.check_ids(request_id, request.cache_salt)
+        rules.check_string_id("tenant", request.tenant, rules.MAX_TENANT_CHARS)
         limit = self.model_config.max_position
         rules.check_prompt_length(len(prompt_token_ids), params.max_tokens, limit)
         vocab = self.model_config.vocab_size
@@ -107,9 +108,11 @@ class Engine:
         return self._grammars
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    *, priority: int = 0, cache_salt: str = "", grammar: Any | None = None) -> None:
+                    *, priority: int = 0, cache_salt: str = "", tenant: str = "",
+                    grammar: Any | None = None) -> None:
         """Queue a request given by its fields (``add`` takes them in one object)."""
-        self.add(GenerateInput(request_id, list(prompt_token_ids), params, priority, cache_salt), grammar=grammar)
+        self.add(GenerateInput(request_id, list(prompt_token_ids), params, priority, cache_salt, tenant),
+                 grammar=grammar)
 
     def add(self, new: GenerateInput, grammar: Any | None = None) -> None:
         """Queue a request. Raises AlreadyExistsError for a duplicate id, InvalidArgument for a
@@ -127,7 +130,7 @@ class Engine:
         if new.params.constraint is not None and grammar is None:
             grammar = self.grammars.compile(new.params.constraint)
         request = Request(new.request_id, list(new.prompt_token_ids), new.params, self.tokenizer, new.priority,
-                          new.cache_salt, grammar=grammar)
+                          new.cache_salt, new.tenant, grammar=grammar)
         seq = self._new_seq(request, index=0)
         self.requests[new.request_id] = request
         self.scheduler.add(seq)
@@ -148,6 +151,7 @@ class Engine:
             params=request.params,
             priority=request.priority,
             cache_namespace=cache_namespace(self.model_config.name, request.cache_salt),
+            tenant=request.tenant,
             index=index,
             generator=generator,
             matcher=self.grammars.new_matcher(request.grammar) if request.grammar is not None else None,
@@ -196,12 +200,18 @@ class Engine:
             for s in itertools.chain(self.scheduler.running, self.scheduler.waiting)
         )
         admitted = self._num_prompt_tokens_admitted
+        tenants: dict[str, tuple[set[str], set[str]]] = {}  # tenant -> (running, waiting) request ids
+        for i, seqs in enumerate((self.scheduler.running, self.scheduler.waiting)):
+            for s in seqs:
+                tenants.setdefault(s.tenant, (set(), set()))[i].add(s.request_id)
         return EngineLoad(
             num_running=len(running),
             num_waiting=len(waiting),
             kv_usage=1.0 - self._num_available_blocks / self.memory.num_blocks,
             prefix_cache_hit_rate=self._num_prompt_tokens_cached / admitted if admitted else 0.0,
             num_pending_tokens=num_pending,
+            tenants=tuple(TenantQueue(name, len(run), len(wait - run))
+                          for name, (run, wait) in sorted(tenants.items())),
         )
 
     # --- the loop ---------------------------------------------------------------------------

@@ -27,6 +27,16 @@ class GenerateInput:
     params: SamplingParams
     priority: int = 0
     cache_salt: str = ""
+    tenant: str = ""  # who it is for: admission is fair between tenants (scheduler.py)
+
+
+@dataclass(frozen=True)
+class TenantQueue:
+    """One tenant's requests in the engine (the per-tenant queue gauges)."""
+
+    tenant: str
+    num_running: int
+    num_waiting: int
 
 
 @dataclass(frozen=True)
@@ -38,6 +48,7 @@ class EngineLoad:
     kv_usage: float
     prefix_cache_hit_rate: float
     num_pending_tokens: int
+    tenants: tuple[TenantQueue, ...] = ()  # the tenants with requests in the engine, by name
 
 
 @dataclass
@@ -97,6 +108,7 @@ class Request:
     tokenizer: Any | None
     priority: int = 0
     cache_salt: str = ""
+    tenant: str = ""
     grammar: Any | None = None  # params.constraint compiled (xgrammar CompiledGrammar); each completion its own matcher
     completions: dict[int, Completion] = field(default_factory=dict)  # by completion index
     is_paused: bool = False  # its consumer's buffer is full: not scheduled until resumed

@@ -6,7 +6,13 @@ engine), then reads the results back. Rules, in order:
 1. Budgets: at most ``max_num_seqs`` running sequences and ``max_num_batched_tokens`` new tokens per
    step. Running sequences go first (decodes cost one token each), so a long prompt, cut into
    chunks (chunked prefill), never stalls them; waiting sequences are admitted with what is left.
-2. Priorities: higher priority first; equal priorities first come, first served.
+2. Priorities: higher priority first. Among the waiting sequences of the highest priority, fair
+   between tenants (``Sequence.tenant``, from the gateway's tenant): the next admission goes to the
+   tenant with the fewest running sequences (counting those admitted earlier in the same step),
+   ties to the earliest arrival; within a tenant, first come, first served. So a tenant with
+   nothing running gets the next free slot however long another tenant's backlog is, admissions
+   alternate between tenants that all wait, and a tenant alone takes every slot as before.
+   Running sequences are never preempted for fairness: it works through the free slots.
 3. Out of blocks: the lowest-priority, most recently arrived running sequence is preempted (its
    blocks freed, recomputed later: preemption by recompute) and goes back to the front of its
    priority in the waiting queue. A waiting sequence may preempt only strictly lower priorities.
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 
 from memory_service.api import AllocateOp, AppendOp, ForkOp, FreeOp, OpResult
@@ -64,6 +71,28 @@ class StepPlan:
 
 def _blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
+
+
+def _next_fair(candidates: list[Sequence], num_running_by_tenant: Counter[str], num_tenants: int) -> Sequence:
+    """The waiting sequence whose turn it is (rule 2): of the highest priority, the head (earliest
+    arrival) of the tenant with the fewest running sequences, ties to the earliest head.
+
+    Args:
+        candidates: waiting sequences, sorted by (-priority, arrival) like ``Scheduler.waiting``.
+        num_running_by_tenant: running sequences per tenant, admissions of this step included.
+        num_tenants: how many tenants the candidates had at the step's start (the scan stops once it
+            has a head of each: one tenant alone costs one look, not a walk of its backlog).
+    """
+    top = candidates[0].priority
+    heads: dict[str, Sequence] = {}
+    for seq in candidates:
+        if seq.priority != top:
+            break
+        if seq.tenant not in heads:
+            heads[seq.tenant] = seq
+            if num_running_by_tenant[seq.tenant] == 0 or len(heads) == num_tenants:
+                break  # nothing runs for it (no later head beats its arrival), or every tenant has its head
+    return min(heads.values(), key=lambda s: (num_running_by_tenant[s.tenant], s.arrival))
 
 
 class Scheduler:
@@ -183,22 +212,26 @@ class Scheduler:
             budget -= n
 
         num_running = len(self.running)
-        for seq in list(self.waiting):
+        num_running_by_tenant = Counter(s.tenant for s in self.running)
+        candidates = [s for s in self.waiting if not s.is_paused]  # paused: admitted once their consumer reads
+        num_tenants = len({s.tenant for s in candidates})
+        while candidates:
             if budget == 0 or num_running >= self.config.max_num_seqs:
                 break
-            if seq.is_paused:
-                continue  # admitted once its consumer reads again
+            seq = _next_fair(candidates, num_running_by_tenant, num_tenants)
             n = min(seq.num_tokens, budget)  # planned as if nothing were cached: never over budget
             needed = _blocks_for(n, self.block_size)
             available = self._available_for(seq.priority)
             if num_running and needed <= available < needed + self.watermark_blocks:
                 break  # it fits, but would leave the running sequences no room to grow: wait
             if needed > available and not self._make_room(needed, seq, plan, strictly_lower=True):
-                break  # first come, first served: no one behind it jumps the queue
+                break  # its turn: no one behind it jumps the queue
             self._take(needed)
             plan.work.append((AllocateOp(seq.seq_id, seq.token_ids, n, seq.priority, seq.cache_namespace), seq))
             budget -= n
             num_running += 1
+            candidates.remove(seq)
+            num_running_by_tenant[seq.tenant] += 1
         return plan
 
     def apply_results(self, plan: StepPlan, results: list[OpResult], num_available_blocks: int,

@@ -47,6 +47,7 @@ class Sequence:
     params: SamplingParams
     priority: int = 0
     cache_namespace: str = ""
+    tenant: str = ""  # its request's tenant: the scheduler admits fairly between tenants
     index: int = 0  # which completion of its request
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

@@ -23,6 +23,9 @@ class ComputeServiceConfig(ServiceConfig):
         served_model_name: the name Info reports (default: the model's).
         cache_dir: where converted models are cached.
         max_queued_requests: requests in flight (running or waiting) before RESOURCE_EXHAUSTED.
+        max_queued_per_tenant: of those, the most one tenant (``GenerateRequest.tenant``) may hold,
+            so that one tenant's backlog never fills the queue against a newcomer; default: three
+            quarters of ``max_queued_requests`` (192 of 256), the rest kept for the others.
         shutdown_grace_s: on SIGTERM, how long running requests may finish before they are aborted.
         memory_retry_interval_s: pause between attempts to (re)attach to the memory service.
         memory_ping_interval_s: how often an idle engine checks that the memory service is there.
@@ -48,6 +51,7 @@ class ComputeServiceConfig(ServiceConfig):
     served_model_name: str | None = None
     cache_dir: str | None = None
     max_queued_requests: int = 256
+    max_queued_per_tenant: int | None = None
     shutdown_grace_s: float = 30.0
     memory_retry_interval_s: float = 0.5
     memory_ping_interval_s: float = 1.0
@@ -68,6 +72,12 @@ class ComputeServiceConfig(ServiceConfig):
         check_listen("listen", self.listen)
         if self.max_queued_requests < 1:
             raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
+        if self.max_queued_per_tenant is None:
+            object.__setattr__(self, "max_queued_per_tenant",
+                               max(1, self.max_queued_requests - self.max_queued_requests // 4))
+        elif not 1 <= self.max_queued_per_tenant <= self.max_queued_requests:
+            raise ValueError(f"max_queued_per_tenant must be in [1, max_queued_requests={self.max_queued_requests}], "
+                             f"got {self.max_queued_per_tenant}")
         for name in ("shutdown_grace_s", "memory_retry_interval_s", "memory_ping_interval_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

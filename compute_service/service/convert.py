@@ -92,6 +92,7 @@ def generate_from_pb(msg: pb.GenerateRequest, default_request_id: str, max_model
         params=params,
         priority=msg.priority,
         cache_salt=msg.cache_salt,
+        tenant=msg.tenant,
     )
 
 

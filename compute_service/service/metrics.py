@@ -26,6 +26,15 @@ class ComputeCollector(Collector):
         yield GaugeMetricFamily("pagedserve_compute_streams", "Open Generate streams", value=self._servicer.num_streams)
         yield GaugeMetricFamily("pagedserve_compute_requests_running", "Requests generating", value=load.num_running)
         yield GaugeMetricFamily("pagedserve_compute_requests_waiting", "Requests queued", value=load.num_waiting)
+        # Per tenant (the requests' ``tenant``; "" = none given): the fair queues of the scheduler.
+        # Only tenants with requests in the engine appear, so the label set is bounded by the queue.
+        per_tenant = GaugeMetricFamily("pagedserve_compute_tenant_requests",
+                                       "Requests of each tenant in the engine, by state (running, waiting)",
+                                       labels=["tenant", "state"])
+        for queue in load.tenants:
+            per_tenant.add_metric([queue.tenant, "running"], queue.num_running)
+            per_tenant.add_metric([queue.tenant, "waiting"], queue.num_waiting)
+        yield per_tenant
         yield GaugeMetricFamily("pagedserve_compute_kv_usage", "Share of KV blocks in use", value=load.kv_usage)
         yield GaugeMetricFamily("pagedserve_compute_pending_tokens", "Tokens still to compute",
                                 value=load.num_pending_tokens)

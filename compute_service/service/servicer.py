@@ -61,6 +61,7 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
         self._engine_config = engine_config
         # Open Generate streams by request id, each with its buffer of outputs (event loop only).
         self._streams: dict[str, StreamBuffer] = {}
+        self._num_streams_by_tenant: dict[str, int] = {}  # the same streams per tenant (its queue share)
         self.num_stalled_streams = 0  # aborted because their client stopped reading (metrics)
         self.is_ready = False  # model loaded and memory service attached (set by the server)
         self.is_draining = False  # SIGTERM: no new requests
@@ -111,6 +112,11 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
             raise ResourceExhaustedError(
                 f"{len(self._streams)} requests in flight: the limit (max_queued_requests) is reached; retry later"
             )
+        num_held = self._num_streams_by_tenant.get(req.tenant, 0)
+        if num_held >= self._config.max_queued_per_tenant:
+            # One tenant's backlog must not fill the queue: the rest is kept for the others.
+            raise ResourceExhaustedError(f"tenant {echo(req.tenant)} holds {num_held} requests in flight, its share "
+                                         "(max_queued_per_tenant); retry later")
         grammar = None
         if req.params.constraint is not None and self._grammars is not None:
             # Compiled in the compiler's threads (the loop awaits; the engine thread never waits):
@@ -122,6 +128,7 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
         buffer: StreamBuffer[RequestDelta | Exception] = StreamBuffer(
             asyncio.get_running_loop(), self._config.max_stream_buffer, lambda: loop.resume(req.request_id))
         self._streams[req.request_id] = buffer
+        self._num_streams_by_tenant[req.tenant] = self._num_streams_by_tenant.get(req.tenant, 0) + 1
         finished = False
         has_streamed = False
         try:
@@ -140,6 +147,9 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
                     has_streamed = True
         finally:
             del self._streams[req.request_id]
+            self._num_streams_by_tenant[req.tenant] -= 1
+            if not self._num_streams_by_tenant[req.tenant]:
+                del self._num_streams_by_tenant[req.tenant]
             if not finished:
                 loop.abort(req.request_id)  # cancelled, disconnected, stalled or past its deadline
 

@@ -193,18 +193,25 @@ class GatewayCore:
         if admission is None:
             [admission] = self.admit(tenant, record, request.priority)
         record.tenant = tenant.name
+        waiting = self.metrics.tenant_waiting.labels(tenant.name)
+        is_waiting = False
         try:
             model = self.require_model()
             validated = validate(request, model.info, self.prompt_limits, reply and reply.max_bytes, num_prompts)
             token_ids = request.prompt_token_ids if request.prompt_token_ids is not None else await self.encode(request)
             # The cache namespace is the tenant's: its hits are on its own prompts only.
             backend_request = validated.to_backend(list(token_ids), tenant.cache_salt(request.cache_salt),
-                                                   max_tokens_to_context)
+                                                   max_tokens_to_context, tenant.name)
             record.usage.prompt_tokens = len(token_ids)  # until the backend's usage arrives
             deltas = self.dispatcher.run(backend_request, model.info.model_name, record.route, timeout_s)
+            waiting.inc()  # until its first answer: the tenant's queue at the backends
+            is_waiting = True
             # aclosing: a client that goes away closes the backend call now, not at garbage collection.
             async with contextlib.aclosing(deltas):
                 async for delta in deltas:
+                    if is_waiting:
+                        is_waiting = False
+                        waiting.dec()
                     if reply is not None:
                         reply.spend(delta)  # closing the backend call aborts the request there
                     if delta.token_ids:
@@ -223,6 +230,8 @@ class GatewayCore:
             record.status = status_for(exc).name
             raise
         finally:
+            if is_waiting:
+                waiting.dec()
             self.release([admission])
             self.finish(record, request)
 

@@ -82,6 +82,7 @@ class BackendRequest:
     max_tokens: int
     priority: int
     cache_salt: str
+    tenant: str = ""  # the tenant's name: the compute service admits fairly between tenants
 
     @property
     def n(self) -> int:

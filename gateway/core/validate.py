@@ -43,7 +43,8 @@ class ValidatedRequest:
     def prompt_field(self) -> str:
         return "messages" if self.request.messages else "prompt"
 
-    def to_backend(self, token_ids: list[int], cache_salt: str, max_tokens_to_context: bool = False) -> BackendRequest:
+    def to_backend(self, token_ids: list[int], cache_salt: str, max_tokens_to_context: bool = False,
+                   tenant: str = "") -> BackendRequest:
         """The backend's request for the tokenized prompt, once it fits the model with max_tokens.
 
         Args:
@@ -51,6 +52,7 @@ class ValidatedRequest:
             cache_salt: the prefix-cache namespace (the tenant's, see ``Tenant.cache_salt``).
             max_tokens_to_context: without a client's max_tokens, generate up to the model's length
                 (OpenAI's chat default) instead of the API's default.
+            tenant: who sent it (the compute service's fair admission is per tenant).
         Raises:
             InvalidArgument: no tokens, or the prompt plus max_tokens exceed the model.
         """
@@ -63,7 +65,7 @@ class ValidatedRequest:
         rules.check_prompt_length(len(token_ids), max_tokens, max_model_len or rules.MAX_PROMPT_TOKENS,
                                   field=self.prompt_field)
         r = self.request
-        return BackendRequest(token_ids, r.options, max_tokens, r.priority, cache_salt)
+        return BackendRequest(token_ids, r.options, max_tokens, r.priority, cache_salt, tenant)
 
 
 def limits_of(info: ModelInfo) -> rules.RequestLimits:
