@@ -219,6 +219,10 @@ class Tenants:
         self.local = Tenant(LOCAL_TENANT, max_priority=None, max_concurrent=None)
         self.tenants = tuple(tenants) or (self.local,)
         self.max_in_flight = max_in_flight
+        # With several tenants, one holds at most 3/4 of the gateway (whatever its max_concurrent):
+        # the rest stays for the others, so one tenant's burst never gets a newcomer refused. The
+        # compute service keeps the same share of its queue (docs/design.md, "Fair admission").
+        self.max_per_tenant = max_in_flight - max_in_flight // 4 if len(self.tenants) > 1 else max_in_flight
         self.num_in_flight = 0
         self.num_active = {t.name: 0 for t in self.tenants}
         self._on_change = on_change or (lambda _name, _count: None)
@@ -270,6 +274,9 @@ class Tenants:
         if tenant.max_concurrent is not None and active + count > tenant.max_concurrent:
             raise ResourceExhaustedError(f"tenant {tenant.name!r} holds {active} requests, its max_concurrent "
                                          f"({tenant.max_concurrent}){asked}; retry later")
+        if active + count > self.max_per_tenant:
+            raise ResourceExhaustedError(f"tenant {tenant.name!r} holds {active} requests, its share of the gateway "
+                                         f"(3/4 of max_queued_requests: {self.max_per_tenant}){asked}; retry later")
         self.num_in_flight += count
         self.num_active[tenant.name] = active + count
         self._on_change(tenant.name, active + count)

@@ -106,6 +106,22 @@ def test_per_tenant_admission_names_the_limit_and_releases_once() -> None:
                     ("team-a", 0), ("team-b", 0)]
 
 
+def test_one_tenant_cannot_fill_the_gateway() -> None:
+    """Issue 27 item 7: a tenant whose max_concurrent reaches the gateway's whole queue still holds
+    at most 3/4 of it when there are other tenants, so a newcomer gets in; a tenant alone may hold it
+    all. Before: a took all 8 and b was refused (the gateway holds 8 requests)."""
+    a, b = Tenant("team-a", max_concurrent=100, keys=("ka",)), Tenant("team-b", keys=("kb",))
+    tenants = Tenants([a, b], max_in_flight=8)
+    held = [tenants.admit(a) for _ in range(6)]
+    with pytest.raises(ResourceExhaustedError, match=r"tenant 'team-a' holds 6 requests, its share of the gateway "
+                                                     r"\(3/4 of max_queued_requests: 6\)"):
+        tenants.admit(a)
+    held += [tenants.admit(b), tenants.admit(b)]
+    assert tenants.num_in_flight == 8
+    alone = Tenants([a], max_in_flight=8)
+    assert len([alone.admit(a) for _ in range(8)]) == 8
+
+
 def test_priority_above_the_tenants_maximum_is_permission_denied() -> None:
     """Issue 17 item 5: refused, never clamped; the local tenant (no keys) has no cap."""
     keyed = Tenant("team-b", keys=("kb",))  # max_priority defaults to 0
