@@ -56,7 +56,8 @@ ENGINE_FLAGS = {
     "num_speculative_tokens": "n-gram speculative drafts per greedy sequence and step, at most (0 = off)",
     "mask_fill_timeout_s": "a constrained request whose token mask takes longer than this fails alone (error)",
     "device": "cpu or cuda[:N] (default: cuda when available)",
-    "dtype": "float32, float16 or bfloat16 (default: float32 on CPU, bfloat16 on CUDA)",
+    "dtype": "auto, float32, float16 or bfloat16 (auto: bfloat16 on CUDA and on CPUs with native bf16, "
+             "AMX-BF16 or AVX512-BF16; float32 on other CPUs)",
 }
 _ENGINE_FIELDS = tuple(ENGINE_FLAGS)
 

@@ -15,12 +15,13 @@ is also imported as `kernels`, and falls back to importing ours and reading that
 import torch
 
 from kernels.cpu_attention import CpuAttentionPlan
-from kernels.cpu_linear import linear, prepack
+from kernels.cpu_linear import PACKED_DTYPES, linear, prepack
 from kernels.cpu_linear import available as can_prepack
 from kernels.reference import paged_attention_reference, write_kv_reference
 from kernels.step import StepKernels, TorchStep
 
-__all__ = ["StepKernels", "can_prepack", "linear", "paged_attention", "plan_step", "prepack", "write_kv"]
+__all__ = ["PACKED_DTYPES", "StepKernels", "can_prepack", "linear", "paged_attention", "plan_step", "prepack",
+           "write_kv"]
 
 
 def plan_step(slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,

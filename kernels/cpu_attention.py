@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from kernels import cpu_ops
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)  # instantiated in csrc/cpu_ops.cpp
+DTYPES = (torch.float32, torch.bfloat16)  # of the activations and the KV pool; the ops compute in float32
 
 
 @dataclass(frozen=True)
@@ -56,9 +57,9 @@ class CpuAttentionPlan:
     @classmethod
     def build(cls, slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
               cu_seqlens_q: torch.Tensor, *, dtype: torch.dtype, head_dim: int) -> CpuAttentionPlan | None:
-        """The plan, or None where the fused path does not apply (not a float32 CPU model, an
-        unsupported head size, or the extension unavailable): then run the PyTorch path."""
-        if slot_mapping.device.type != "cpu" or dtype != torch.float32 or head_dim not in SUPPORTED_HEAD_DIMS:
+        """The plan, or None where the fused path does not apply (not a float32 or bfloat16 CPU
+        model, an unsupported head size, or the extension unavailable): then run the PyTorch path."""
+        if slot_mapping.device.type != "cpu" or dtype not in DTYPES or head_dim not in SUPPORTED_HEAD_DIMS:
             return None
         ops = cpu_ops.load()
         if ops is None:

@@ -123,7 +123,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     from pagedserve.up import UpConfig, run_up
 
     return run_up(UpConfig(model=args.model, host=args.host, port=args.port, http_port=args.http_port,
-                           kv_cache_bytes=args.kv_cache_bytes, config_file=args.config, log_format=args.log_format))
+                           kv_cache_bytes=args.kv_cache_bytes, dtype=args.dtype, config_file=args.config,
+                           log_format=args.log_format))
 
 
 def _client_flags(parser: argparse.ArgumentParser) -> None:
@@ -155,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="KV pool size in bytes (default $PAGEDSERVE_KV_CACHE_BYTES, else 0 = the memory "
                          "service's own sizing: on CPU the least of 2 GiB, a quarter of available RAM and 90%% "
                          "of free /dev/shm, logged at start)")
+    up.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                    help="weights, activations and KV pool (default auto: bfloat16 where the CPU has native bf16, "
+                         "AMX-BF16 or AVX512-BF16, else float32; logged by the compute service)")
     up.set_defaults(func=cmd_up)
     gen = sub.add_parser("generate", help="send one prompt to the gateway and stream the answer")
     gen.add_argument("prompt")

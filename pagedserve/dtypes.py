@@ -8,6 +8,9 @@ types a dtype (``parse_dtype``), never stored.
 
 from __future__ import annotations
 
+import platform
+from pathlib import Path
+
 import torch
 
 DTYPES: dict[str, torch.dtype] = {
@@ -16,6 +19,11 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
 }
 DTYPE_ALIASES: dict[str, str] = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+# The default dtype setting: the best the device computes natively (`resolve_auto`).
+AUTO = "auto"
+# /proc/cpuinfo flags of native bfloat16 arithmetic, best first: AMX tiles (Intel Sapphire Rapids on),
+# then AVX512-BF16 (Intel Cooper Lake on, AMD Zen 4 on). oneDNN runs bf16 matmuls on either.
+NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -32,3 +40,37 @@ def dtype_name(dtype: torch.dtype) -> str:
         if candidate == dtype:
             return name
     raise ValueError(f"dtype {dtype} is not one of {', '.join(DTYPES)}")
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags (/proc/cpuinfo; empty where there is none to read)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return set()
+
+
+def native_bf16_flag(flags: set[str] | None = None) -> str | None:
+    """The CPU flag that makes bfloat16 native here (``NATIVE_BF16_FLAGS``), or None."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    have = cpu_flags() if flags is None else flags
+    return next((flag for flag in NATIVE_BF16_FLAGS if flag in have), None)
+
+
+def resolve_auto(device: str | torch.device, flags: set[str] | None = None) -> tuple[str, str]:
+    """The dtype ``auto`` means on ``device``, and why: (canonical name, reason).
+
+    CUDA: bfloat16. CPU: bfloat16 where it has native bf16 arithmetic (``native_bf16_flag``: then
+    bf16 weights halve the bytes every decode step reads and oneDNN multiplies them natively),
+    float32 elsewhere (without it, bf16 matmuls are emulated and slower than float32).
+    """
+    if torch.device(device).type == "cuda":
+        return "bfloat16", "cuda"
+    flag = native_bf16_flag(flags)
+    if flag is not None:
+        return "bfloat16", f"cpu has {flag}"
+    return "float32", "cpu has no native bf16 (" + ", ".join(NATIVE_BF16_FLAGS) + ")"

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from grpc_health.v1 import health_pb2
 
+from pagedserve.dtypes import AUTO, DTYPES
 from pagedserve.log import LOG_FORMATS
 from pagedserve.process import ServiceProcess, check_health
 from pagedserve.sockets import free_port
@@ -37,6 +38,8 @@ class UpConfig:
         port: the gateway's gRPC port (0 = any free port).
         http_port: its OpenAI-compatible HTTP port (0 = any free port).
         kv_cache_bytes: the KV pool's size (0, the default: the memory service's own sizing, logged).
+        dtype: the compute service's ``--dtype`` ("auto", the default: bfloat16 where the CPU has native
+            bf16, else float32; the KV pool follows it).
         config_file: JSON config passed to the memory and compute services.
         ready_timeout_s: how long each service may take to become SERVING (model conversion included).
         log_format: the services' log lines, "json" or "console" (None: console when ``up`` itself
@@ -49,6 +52,7 @@ class UpConfig:
     port: int = 50051
     http_port: int = 8000
     kv_cache_bytes: int = 0
+    dtype: str = AUTO
     config_file: str | None = None
     ready_timeout_s: float = 600.0
     log_format: str | None = None
@@ -59,6 +63,8 @@ class UpConfig:
                 raise ValueError(f"{name} must be in [0, 65536), got {getattr(self, name)}")
         if self.log_format not in (None, *LOG_FORMATS):
             raise ValueError(f"log_format must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}")
+        if self.dtype != AUTO and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be {AUTO!r} or one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.kv_cache_bytes < 0:
             raise ValueError(f"kv_cache_bytes must be >= 0, got {self.kv_cache_bytes}")
 
@@ -111,7 +117,9 @@ def stack_config(config: UpConfig, log_format: str, http_port: int) -> StackConf
     """The stack ``up`` starts: its services' output inherited, so their logs show with ``up``'s."""
     shared = ("--log-format", log_format, *(("--config", config.config_file) if config.config_file else ()))
     kv = ("--kv-cache-bytes", str(config.kv_cache_bytes)) if config.kv_cache_bytes else ()
-    return StackConfig(model=config.model, memory_args=(*kv, *shared), compute_args=shared,
+    # auto is the compute service's own default: not passed, so that a --config file's dtype holds.
+    dtype = ("--dtype", config.dtype) if config.dtype != AUTO else ()
+    return StackConfig(model=config.model, memory_args=(*kv, *shared), compute_args=(*dtype, *shared),
                        gateway_args=("--http-port", str(http_port), "--log-format", log_format),
                        gateway_host=config.host, gateway_port=config.port, log_to_files=False,
                        ready_timeout_s=config.ready_timeout_s)

@@ -92,7 +92,7 @@ def default_model():
     """The real default model (SmolLM2-135M-Instruct, float32 on CPU), loaded once via the cache."""
     from compute_service.model.model_loader import load_model
 
-    return load_model("default", device="cpu")
+    return load_model("default", device="cpu", dtype="float32")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -36,6 +36,8 @@ def test_help(cmd: list[str]) -> None:
     (["-m", "gateway", "--backend", "h:1", "--api-keys-file", "/nonexistent/keys"], "api_keys_file"),
     (["-m", "pagedserve.cli", "up", "--port", "70000"], "port"),
     (["-m", "pagedserve.cli", "up", "--http-port", "-1"], "http_port"),
+    (["-m", "pagedserve.cli", "up", "--dtype", "int8"], "--dtype"),
+    (["-m", "compute_service", "--dtype", "int8"], "dtype must be 'auto' or one of"),
     (["-m", "gateway", "--backend", "h:1", "--http-port", "70000"], "http_port"),
     (["-m", "gateway", "--backend", "h:1", "--listen", "127.0.0.1:0", "--http-port", "1", "--http-host", "192.0.2.1"],
      "http: cannot bind"),
@@ -139,3 +141,13 @@ def test_api_key_from_a_file_and_a_warning_for_one_on_the_command_line(tmp_path:
                          (["--api-key-file", str(key_file), "--api-key", "k"], "not both")):
         assert main(["generate", "hi", "--address", "127.0.0.1:1", *flags]) == 2
         assert named in capsys.readouterr().err
+
+
+def test_up_passes_dtype_to_the_compute_service_unless_auto() -> None:
+    from pagedserve.up import UpConfig, stack_config
+
+    assert stack_config(UpConfig(dtype="float32"), "json", 8000).compute_args[:2] == ("--dtype", "float32")
+    # auto is the compute service's default: not passed, so a --config file's dtype is not overridden
+    assert "--dtype" not in stack_config(UpConfig(), "json", 8000).compute_args
+    with pytest.raises(ValueError, match="dtype must be 'auto' or one of"):
+        UpConfig(dtype="int8")

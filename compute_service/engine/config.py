@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedserve.dtypes import DTYPES
+from pagedserve.dtypes import AUTO, DTYPES
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,9 @@ class EngineConfig:
     mask_fill_timeout_s: float = 1.0
     memory_socket: str | None = None
     device: str | None = None  # default: cuda when available, else cpu
-    dtype: str | None = None  # default: float32 on CPU, bfloat16 on CUDA
+    # "auto": bfloat16 on CUDA and on CPUs with native bf16 (AMX-BF16, AVX512-BF16), else float32
+    # (pagedserve.dtypes.resolve_auto); a dtype name always wins.
+    dtype: str = AUTO
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -49,7 +51,7 @@ class EngineConfig:
             raise ValueError(f"admission_watermark must be in [0, 1), got {self.admission_watermark}")
         if not self.mask_fill_timeout_s > 0:
             raise ValueError(f"mask_fill_timeout_s must be > 0, got {self.mask_fill_timeout_s}")
-        if self.dtype is not None and self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.dtype != AUTO and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be {AUTO!r} or one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.device is not None and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")

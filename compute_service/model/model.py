@@ -109,13 +109,13 @@ class CausalLM(nn.Module):
     @torch.no_grad()
     def prepack_cpu_weights(self) -> bool:
         """Reorder every projection and the head for oneDNN's matmul (kernels/cpu_linear.py), once,
-        after the weights are loaded; returns False, changing nothing, off a float32 CPU model.
+        after the weights are loaded; returns False, changing nothing, off a float32 or bfloat16 CPU model.
 
         The plain copies of the layers' projections are released (their packed copies replace them:
         the weights are not held twice); the head keeps its plain copy, which may be the embedding
         table. A packed model cannot load weights again: load a new one.
         """
-        if self.device.type != "cpu" or self.dtype != torch.float32 or not kernels.can_prepack():
+        if self.device.type != "cpu" or self.dtype not in kernels.PACKED_DTYPES or not kernels.can_prepack():
             return False
         for module, name in self._projections():
             weight = getattr(module, f"{name}_weight")

@@ -30,7 +30,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from pagedserve.dtypes import dtype_name, parse_dtype
+from pagedserve.dtypes import AUTO, dtype_name, parse_dtype, resolve_auto
 from pagedserve.paths import cache_dir as pagedserve_cache_dir
 
 from compute_service.model.model import CausalLM
@@ -103,7 +103,7 @@ def load_model(
     *,
     cache_dir: Path | None = None,
     device: torch.device | str | None = None,
-    dtype: torch.dtype | str | None = None,
+    dtype: torch.dtype | str | None = AUTO,
 ) -> LoadedModel:
     """Resolve `model`, then load its weights into a `CausalLM` and its tokenizer.
 
@@ -111,7 +111,8 @@ def load_model(
         model: "default" or a local Hugging Face directory (Llama, Mistral, Qwen2, SmolLM).
         cache_dir: cache root for converted models.
         device: default CUDA if available, else CPU.
-        dtype: default bfloat16 on CUDA, float32 on CPU; a torch dtype or a name ("bf16").
+        dtype: a torch dtype or a name ("bf16"); None or "auto" (the default): bfloat16 on CUDA and
+            on a CPU with native bf16, float32 on other CPUs (`pagedserve.dtypes.resolve_auto`, logged).
     Raises:
         ValueError: bad path, unsupported architecture, unknown dtype, or weights that do not fit.
     """
@@ -175,8 +176,10 @@ def _default_device() -> torch.device:
 
 
 def _resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
-    if dtype is None:
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype is None or dtype == AUTO:
+        name, reason = resolve_auto(device)
+        log.info("dtype_auto", dtype=name, device=str(device), reason=reason)
+        return parse_dtype(name)
     if isinstance(dtype, str):
         return parse_dtype(dtype)
     dtype_name(dtype)  # raises for an unsupported torch dtype

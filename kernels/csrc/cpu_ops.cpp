@@ -1,5 +1,8 @@
-// Fused CPU kernels of the engine's hot path (float32), registered as torch ops `pagedserve_cpu::*`
-// so that they show up by name in torch.profiler.
+// Fused CPU kernels of the engine's hot path, registered as torch ops `pagedserve_cpu::*` so that
+// they show up by name in torch.profiler. Every op takes float32 or bfloat16 tensors (all of one op's
+// tensors the same dtype) and computes in float32: bfloat16 values are widened on load and rounded
+// to nearest-even once, on store (norm statistics, rotary, softmax and the attention accumulators
+// are float32 throughout).
 //
 // paged_attention reads K/V blocks in place through the block table: no gathered copy of the
 // context, no padding to the longest sequence. One work item is (sequence, KV head, tile of query
@@ -13,6 +16,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -61,8 +65,21 @@ inline float exp_approx(float x) {
   return y * scale;
 }
 
-void check_f32(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, " must be a float32 CPU tensor");
+using BF16 = c10::BFloat16;
+
+// A CPU tensor of `dtype`, the dtype of the op's first tensor (float32 or bfloat16).
+void check_dtype(const at::Tensor& t, const char* name, at::ScalarType dtype) {
+  TORCH_CHECK(t.device().is_cpu() && (dtype == at::kFloat || dtype == at::kBFloat16) && t.scalar_type() == dtype,
+              name, " must be a CPU tensor of the op's dtype, float32 or bfloat16 (got ", t.scalar_type(), ", want ",
+              dtype, ")");
+}
+
+// Runs fn(T{}) with T = float or c10::BFloat16, the scalar type of `t`.
+template <typename Fn>
+decltype(auto) dispatch_float_or_bf16(const at::Tensor& t, Fn&& fn) {
+  if (t.scalar_type() == at::kBFloat16) return fn(BF16{});
+  TORCH_CHECK(t.scalar_type() == at::kFloat, "expected a float32 or bfloat16 tensor, got ", t.scalar_type());
+  return fn(float{});
 }
 
 // out[rows of seq] = attention of query rows over the sequence's paged context.
@@ -73,18 +90,18 @@ void check_f32(const at::Tensor& t, const char* name) {
 // One K/V block for every row of a work item: scores, online-softmax update, P @ V.
 //   q: (rows, D) pre-scaled; k, v: this head's first token of the block, `token_stride` apart;
 //   row r sees min(block_size, first_row_visible + r / group) tokens of the block (causal).
-template <int64_t D>
-inline void attend_block(const float* q, const float* k, const float* v, int64_t token_stride, int64_t block_size,
+template <int64_t D, typename T>
+inline void attend_block(const float* q, const T* k, const T* v, int64_t token_stride, int64_t block_size,
                          int64_t num_rows, int64_t group, int64_t first_row_visible, float* scores, float* row_max,
                          float* row_sum, float* acc) {
   const int64_t n_all = std::min(block_size, first_row_visible + (num_rows - 1) / group);
   for (int64_t t = 0; t < n_all; ++t) {  // K row t once, for every row (reused from L1)
-    const float* k_row = k + t * token_stride;
+    const T* k_row = k + t * token_stride;
     for (int64_t r = 0; r < num_rows; ++r) {
       const float* q_row = q + r * D;
       float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-      for (int64_t d = 0; d < D; ++d) dot += q_row[d] * k_row[d];
+      for (int64_t d = 0; d < D; ++d) dot += q_row[d] * static_cast<float>(k_row[d]);
       scores[r * block_size + t] = dot;
     }
   }
@@ -113,12 +130,12 @@ inline void attend_block(const float* q, const float* k, const float* v, int64_t
     for (int64_t d = 0; d < D; ++d) acc_row[d] *= correction;
   }
   for (int64_t t = 0; t < n_all; ++t) {
-    const float* v_row = v + t * token_stride;
+    const T* v_row = v + t * token_stride;
     for (int64_t r = 0; r < num_rows; ++r) {
       const float p = scores[r * block_size + t];
       float* acc_row = acc + r * D;
 #pragma omp simd
-      for (int64_t d = 0; d < D; ++d) acc_row[d] += p * v_row[d];
+      for (int64_t d = 0; d < D; ++d) acc_row[d] += p * static_cast<float>(v_row[d]);
     }
   }
 }
@@ -134,15 +151,16 @@ bool uses_avx512_attention(int64_t block_size) {
 #endif
 }
 
-template <int64_t D>
+template <int64_t D, typename T>
 void paged_attention_impl(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& cu_seqlens_q,
                      const at::Tensor& seq_ids, double scale, bool portable) {
   (void)portable;  // only the AVX-512 build has another kernel
-  check_f32(query, "query");
-  check_f32(out, "out");
-  check_f32(k_cache, "k_cache");
-  check_f32(v_cache, "v_cache");
+  const at::ScalarType dtype = query.scalar_type();
+  check_dtype(query, "query", dtype);
+  check_dtype(out, "out", dtype);
+  check_dtype(k_cache, "k_cache", dtype);
+  check_dtype(v_cache, "v_cache", dtype);
   TORCH_CHECK(query.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "query, out and the caches must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
@@ -154,10 +172,10 @@ void paged_attention_impl(at::Tensor out, const at::Tensor& query, const at::Ten
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2), num_blocks = k_cache.size(0);
   const int64_t group = num_q_heads / num_kv_heads, max_blocks = block_tables.size(1);
   TORCH_CHECK(k_cache.size(3) == head_dim && num_q_heads % num_kv_heads == 0, "head shapes do not match");
-  const float* q_ptr = query.data_ptr<float>();
-  float* o_ptr = out.data_ptr<float>();
-  const float* k_ptr = k_cache.data_ptr<float>();
-  const float* v_ptr = v_cache.data_ptr<float>();
+  const T* q_ptr = query.data_ptr<T>();
+  T* o_ptr = out.data_ptr<T>();
+  const T* k_ptr = k_cache.data_ptr<T>();
+  const T* v_ptr = v_cache.data_ptr<T>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* cu = cu_seqlens_q.data_ptr<int32_t>();
@@ -180,7 +198,7 @@ void paged_attention_impl(at::Tensor out, const at::Tensor& query, const at::Ten
   if (!portable && uses_avx512_attention(block_size)) {
     const avx512_attention::Shapes shapes{num_q_heads, num_kv_heads, group, block_size, num_blocks, max_blocks,
                                           token_stride, fscale};
-    avx512_attention::paged_attention<D>(o_ptr, q_ptr, k_ptr, v_ptr, tables, lens, cu, ids, num_seqs, shapes);
+    avx512_attention::paged_attention<D, T>(o_ptr, q_ptr, k_ptr, v_ptr, tables, lens, cu, ids, num_seqs, shapes);
     return;
   }
 #endif
@@ -199,9 +217,9 @@ void paged_attention_impl(at::Tensor out, const at::Tensor& query, const at::Ten
       const int64_t context = seq_len - q_len;  // absolute position of query 0 of the sequence
       const int64_t num_rows = num_q * group;  // row r: query position first_q + r / group, head r % group
       for (int64_t r = 0; r < num_rows; ++r) {
-        const float* src = q_ptr + ((cu[b] + first_q + r / group) * num_q_heads + kv_head * group + r % group) * head_dim;
+        const T* src = q_ptr + ((cu[b] + first_q + r / group) * num_q_heads + kv_head * group + r % group) * head_dim;
         float* dst = q_buf.data() + r * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) dst[d] = src[d] * fscale;
+        for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<float>(src[d]) * fscale;
       }
       std::fill(acc.begin(), acc.begin() + num_rows * head_dim, 0.0f);
       std::fill(row_max.begin(), row_max.begin() + num_rows, -std::numeric_limits<float>::infinity());
@@ -213,14 +231,14 @@ void paged_attention_impl(at::Tensor out, const at::Tensor& query, const at::Ten
         TORCH_CHECK(physical >= 0 && physical < num_blocks, "block id out of range");
         const int64_t base = physical * block_size * token_stride + kv_head * head_dim;
         const int64_t first_row_visible = context + first_q - blk * block_size + 1;  // tokens row 0 sees
-        attend_block<D>(q_buf.data(), k_ptr + base, v_ptr + base, token_stride, block_size, num_rows, group,
+        attend_block<D, T>(q_buf.data(), k_ptr + base, v_ptr + base, token_stride, block_size, num_rows, group,
                         first_row_visible, scores.data(), row_max.data(), row_sum.data(), acc.data());
       }
       for (int64_t r = 0; r < num_rows; ++r) {
-        float* dst = o_ptr + ((cu[b] + first_q + r / group) * num_q_heads + kv_head * group + r % group) * head_dim;
+        T* dst = o_ptr + ((cu[b] + first_q + r / group) * num_q_heads + kv_head * group + r % group) * head_dim;
         const float inv = 1.0f / row_sum[r];
         const float* acc_row = acc.data() + r * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) dst[d] = acc_row[d] * inv;
+        for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(acc_row[d] * inv);
       }
     }
   });
@@ -230,8 +248,10 @@ void paged_attention_dispatch(at::Tensor out, const at::Tensor& query, const at:
                               const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                               const at::Tensor& cu_seqlens_q, const at::Tensor& seq_ids, double scale, bool portable) {
   const auto run = [&](auto head_dim) {  // head_dim as a constant: unrolled rows, accumulators in registers
-    paged_attention_impl<decltype(head_dim)::value>(out, query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
-                                                    seq_ids, scale, portable);
+    dispatch_float_or_bf16(query, [&](auto scalar) {
+      paged_attention_impl<decltype(head_dim)::value, decltype(scalar)>(out, query, k_cache, v_cache, block_tables,
+                                                                        seq_lens, cu_seqlens_q, seq_ids, scale, portable);
+    });
   };
   switch (query.size(-1)) {
     case 16: return run(std::integral_constant<int64_t, 16>());
@@ -258,115 +278,136 @@ void paged_attention_portable(at::Tensor out, const at::Tensor& query, const at:
 
 // x (N, H) -> x / rms(x) * weight; with `residual`, first residual += x and normalise the sum
 // (the pre-norm block's "h = x + attn(x); norm(h)" in one pass).
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  check_f32(x, "x");
-  check_f32(weight, "weight");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.numel() == x.size(1), "x must be (N, H) contiguous");
-  at::Tensor out = at::empty_like(x);
-  const int64_t rows = x.size(0), hidden = x.size(1);
-  const float* xp = x.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const float feps = static_cast<float>(eps);
+template <typename T>
+void rms_norm_rows(const T* xp, const T* wp, T* op, int64_t rows, int64_t hidden, float eps) {
   at::parallel_for(0, rows, rows_per_thread(hidden), [=](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const float* row = xp + i * hidden;
+      const T* row = xp + i * hidden;
       float sq = 0.0f;
 #pragma omp simd reduction(+ : sq)
-      for (int64_t j = 0; j < hidden; ++j) sq += row[j] * row[j];
-      const float inv = 1.0f / std::sqrt(sq / static_cast<float>(hidden) + feps);
-      float* o = op + i * hidden;
-      for (int64_t j = 0; j < hidden; ++j) o[j] = wp[j] * (row[j] * inv);
+      for (int64_t j = 0; j < hidden; ++j) sq += static_cast<float>(row[j]) * static_cast<float>(row[j]);
+      const float inv = 1.0f / std::sqrt(sq / static_cast<float>(hidden) + eps);
+      T* o = op + i * hidden;
+      for (int64_t j = 0; j < hidden; ++j)
+        o[j] = static_cast<T>(static_cast<float>(wp[j]) * (static_cast<float>(row[j]) * inv));
     }
+  });
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_dtype(x, "x", x.scalar_type());
+  check_dtype(weight, "weight", x.scalar_type());
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.is_contiguous() && weight.numel() == x.size(1),
+              "x must be (N, H) contiguous");
+  at::Tensor out = at::empty_like(x);
+  dispatch_float_or_bf16(x, [&](auto scalar) {
+    using T = decltype(scalar);
+    rms_norm_rows<T>(x.data_ptr<T>(), weight.data_ptr<T>(), out.data_ptr<T>(), x.size(0), x.size(1),
+                     static_cast<float>(eps));
   });
   return out;
 }
 
 at::Tensor add_rms_norm(at::Tensor residual, const at::Tensor& x, const at::Tensor& weight, double eps) {
-  check_f32(residual, "residual");
-  check_f32(x, "x");
+  check_dtype(residual, "residual", residual.scalar_type());
+  check_dtype(x, "x", residual.scalar_type());
   TORCH_CHECK(residual.sizes() == x.sizes() && residual.is_contiguous() && x.is_contiguous(), "shape mismatch");
   const int64_t n = residual.numel();
-  float* rp = residual.data_ptr<float>();
-  const float* xp = x.data_ptr<float>();
-  at::parallel_for(0, n, kMinElementsPerThread, [=](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) rp[i] += xp[i];
+  dispatch_float_or_bf16(residual, [&](auto scalar) {
+    using T = decltype(scalar);
+    T* rp = residual.data_ptr<T>();
+    const T* xp = x.data_ptr<T>();
+    at::parallel_for(0, n, kMinElementsPerThread, [=](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) rp[i] = static_cast<T>(static_cast<float>(rp[i]) + static_cast<float>(xp[i]));
+    });
   });
   return rms_norm(residual, weight, eps);
 }
 
 // gate_up (N, 2I) rows [gate | up] -> (N, I) silu(gate) * up
-at::Tensor silu_mul(const at::Tensor& gate_up) {
-  check_f32(gate_up, "gate_up");
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0, "gate_up must be (N, 2I)");
-  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
-  at::Tensor out = at::empty({rows, inter}, gate_up.options());
-  const float* gp = gate_up.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+template <typename T>
+void silu_mul_rows(const T* gp, T* op, int64_t rows, int64_t inter) {
   at::parallel_for(0, rows, rows_per_thread(inter), [=](int64_t begin, int64_t end) {  // by value: a local bound vectorises
     for (int64_t i = begin; i < end; ++i) {
-      const float* __restrict__ gate = gp + i * 2 * inter;
-      const float* __restrict__ up = gate + inter;
-      float* __restrict__ o = op + i * inter;
+      const T* __restrict__ gate = gp + i * 2 * inter;
+      const T* __restrict__ up = gate + inter;
+      T* __restrict__ o = op + i * inter;
       int64_t j = 0;
 #ifdef __AVX512F__
       // GCC leaves the loop below scalar-speed (~3 cycles an element); 16 lanes at once: ~8x.
       const __m512 one = _mm512_set1_ps(1.0f);
       for (; j + 16 <= inter; j += 16) {
-        const __m512 g = _mm512_loadu_ps(gate + j);
+        const __m512 g = avx512_attention::load16(gate + j);
         const __m512 e = avx512_attention::exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
-        _mm512_storeu_ps(o + j, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one, e)), _mm512_loadu_ps(up + j)));
+        avx512_attention::store16(o + j, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one, e)),
+                                                       avx512_attention::load16(up + j)));
       }
 #endif
       for (; j < inter; ++j) {
-        const float g = gate[j];
-        o[j] = g / (1.0f + exp_approx(-g)) * up[j];
+        const float g = static_cast<float>(gate[j]);
+        o[j] = static_cast<T>(g / (1.0f + exp_approx(-g)) * static_cast<float>(up[j]));
       }
     }
+  });
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  check_dtype(gate_up, "gate_up", gate_up.scalar_type());
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0, "gate_up must be (N, 2I)");
+  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({rows, inter}, gate_up.options());
+  dispatch_float_or_bf16(gate_up, [&](auto scalar) {
+    using T = decltype(scalar);
+    silu_mul_rows<T>(gate_up.data_ptr<T>(), out.data_ptr<T>(), rows, inter);
   });
   return out;
 }
 
 // In place on the q and k heads of qkv (T, (H_q + 2 H_kv) D): rotate pairs (x[i], x[i + D/2]) by
-// the angles whose cos/sin (T, D) rows are [f | f]: x * cos + rotate_half(x) * sin.
+// the angles whose cos/sin (T, D) float32 rows are [f | f]: x * cos + rotate_half(x) * sin.
 void rotary_(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads, int64_t head_dim) {
-  check_f32(qkv, "qkv");
-  check_f32(cos, "cos");
-  check_f32(sin, "sin");
+  check_dtype(qkv, "qkv", qkv.scalar_type());
+  check_dtype(cos, "cos", at::kFloat);
+  check_dtype(sin, "sin", at::kFloat);
   TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && cos.is_contiguous() && sin.is_contiguous(), "bad layout");
   TORCH_CHECK(cos.size(0) == qkv.size(0) && cos.size(1) == head_dim && qkv.size(1) >= num_heads * head_dim,
               "cos/sin must be (T, D)");
   const int64_t tokens = qkv.size(0), width = qkv.size(1), half = head_dim / 2;
-  float* xp = qkv.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
-  at::parallel_for(0, tokens, rows_per_thread(num_heads * head_dim), [=](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* c = cp + t * head_dim;
-      const float* s = sp + t * head_dim;
-      for (int64_t h = 0; h < num_heads; ++h) {
-        float* x = xp + t * width + h * head_dim;
-        for (int64_t i = 0; i < half; ++i) {
-          const float x1 = x[i], x2 = x[i + half];
-          x[i] = x1 * c[i] - x2 * s[i];
-          x[i + half] = x2 * c[i + half] + x1 * s[i + half];
+  dispatch_float_or_bf16(qkv, [&](auto scalar) {
+    using T = decltype(scalar);
+    T* xp = qkv.data_ptr<T>();
+    at::parallel_for(0, tokens, rows_per_thread(num_heads * head_dim), [=](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const float* c = cp + t * head_dim;
+        const float* s = sp + t * head_dim;
+        for (int64_t h = 0; h < num_heads; ++h) {
+          T* x = xp + t * width + h * head_dim;
+          for (int64_t i = 0; i < half; ++i) {
+            const float x1 = static_cast<float>(x[i]), x2 = static_cast<float>(x[i + half]);
+            x[i] = static_cast<T>(x1 * c[i] - x2 * s[i]);
+            x[i + half] = static_cast<T>(x2 * c[i + half] + x1 * s[i + half]);
+          }
         }
       }
-    }
+    });
   });
 }
 
 // The step's new K/V into one layer's caches: row t of key/value goes to pool slot slots[t]
 // (slot = block * block_size + offset; negative: not written). key, value: (T, H_kv, D), heads
 // contiguous in a row, any row stride (views into the fused QKV); caches: (num_blocks, block_size,
-// H_kv, D) contiguous. One memcpy per row and cache, rows split between threads: `index_copy_`
-// on the pool view ran at ~2.4 GB/s on a 2048-token prompt (TensorIterator over a strided source).
+// H_kv, D) contiguous, the dtype of key and value (a copy, no conversion). One memcpy per row and
+// cache, rows split between threads: `index_copy_` on the pool view ran at ~2.4 GB/s on a
+// 2048-token prompt (TensorIterator over a strided source).
 void write_kv_(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& key, const at::Tensor& value,
                const at::Tensor& slots) {
-  check_f32(k_cache, "k_cache");
-  check_f32(v_cache, "v_cache");
-  check_f32(key, "key");
-  check_f32(value, "value");
+  const at::ScalarType dtype = k_cache.scalar_type();
+  check_dtype(k_cache, "k_cache", dtype);
+  check_dtype(v_cache, "v_cache", dtype);
+  check_dtype(key, "key", dtype);
+  check_dtype(value, "value", dtype);
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
               k_cache.sizes() == v_cache.sizes(), "k_cache, v_cache must be (num_blocks, block_size, H_kv, D) contiguous");
   const int64_t heads = k_cache.size(2), dim = k_cache.size(3), row = heads * dim;
@@ -379,16 +420,17 @@ void write_kv_(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& key, co
   const int64_t tokens = key.size(0), num_slots = k_cache.size(0) * k_cache.size(1);
   const int64_t* sp = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t) TORCH_CHECK(sp[t] < num_slots, "slot ", sp[t], " is past the cache");
-  const float* kp = key.data_ptr<float>();
-  const float* vp = value.data_ptr<float>();
-  const int64_t k_stride = key.stride(0), v_stride = value.stride(0);
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
+  const int64_t elem = k_cache.element_size(), row_bytes = row * elem;
+  const char* kp = static_cast<const char*>(key.data_ptr());
+  const char* vp = static_cast<const char*>(value.data_ptr());
+  const int64_t k_stride = key.stride(0) * elem, v_stride = value.stride(0) * elem;
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
   at::parallel_for(0, tokens, rows_per_thread(2 * row), [=](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       if (sp[t] < 0) continue;
-      std::memcpy(kc + sp[t] * row, kp + t * k_stride, row * sizeof(float));
-      std::memcpy(vc + sp[t] * row, vp + t * v_stride, row * sizeof(float));
+      std::memcpy(kc + sp[t] * row_bytes, kp + t * k_stride, row_bytes);
+      std::memcpy(vc + sp[t] * row_bytes, vp + t * v_stride, row_bytes);
     }
   });
 }

@@ -1,5 +1,13 @@
-// AVX-512 paged attention (float32), included by cpu_ops.cpp where __AVX512F__ is defined; the
-// portable omp-simd version there is the fallback (x86-64-v3 builds, other CPUs). Same contract.
+// AVX-512 paged attention (float32 or bfloat16 query, K/V and output; float32 arithmetic), included by
+// cpu_ops.cpp where __AVX512F__ is defined; the portable omp-simd version there is the fallback
+// (x86-64-v3 builds, other CPUs). Same contract.
+//
+// bfloat16 K/V: each block is widened to float32 once (a bf16 is the top half of a float32: a
+// 16-bit shift) into a per-thread scratch that stays in L1, and the float32 micro-kernels below run
+// on it unchanged: a decode item widens the whole block (all KV heads, one contiguous run) and
+// prefetches the next block's lines as it goes; a tile item widens its head's rows. Widening once
+// per block beats widening at every use: the decode kernel reads each K row once per query head of
+// the group, and the tile kernel broadcasts K element by element.
 //
 // Two micro-kernels, both one K/V block (block_size <= 16 tokens) of one KV head at a time:
 //  - decode rows (1-4 query positions x the G heads of a KV head): a row's 16 scores are 16 dot
@@ -19,6 +27,8 @@
 
 #include <immintrin.h>
 
+#include <c10/util/BFloat16.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -35,6 +45,42 @@ constexpr int64_t kTileRows = 48;      // rows of a tile item (3 zmm of lanes)
 // Query positions that still take the decode kernel (speculative verification: a few positions
 // over a long context read K/V once for all heads, as a decode does; longer chunks take tiles).
 constexpr int64_t kDecodeMaxQ = 4;
+
+// 16 elements as float32 lanes: a plain load, or 16 bfloat16 widened (shifted into the high half).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+// 16 float32 lanes stored as float32, or rounded to nearest-even bfloat16 (NaN kept a quiet NaN).
+inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
+inline void store16(c10::BFloat16* p, __m512 x) {
+#ifdef __AVX512BF16__
+  const __m256bh narrow = _mm512_cvtneps_pbh(x);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), reinterpret_cast<const __m256i&>(narrow));
+#else
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(rounded));
+#endif
+}
+
+// n rows of `width` (a multiple of 16) elements, `src_stride` apart, widened into dst (rows `width`
+// apart). With `next`, prefetches the same extent of another run (the next block) line by line.
+template <typename T>
+inline void widen_rows(const T* src, int64_t src_stride, int64_t n, int64_t width, float* dst,
+                       const T* next = nullptr) {
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t j = 0; j < width; j += 16) {
+      if (next != nullptr && (j * sizeof(T)) % 64 == 0)
+        _mm_prefetch(reinterpret_cast<const char*>(next + t * src_stride + j), _MM_HINT_T0);
+      _mm512_storeu_ps(dst + t * width + j, load16(src + t * src_stride + j));
+    }
+  }
+}
 
 inline __m512 exp512(__m512 x) {  // the Cephes polynomial of exp_approx, 16 lanes at once
   x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
@@ -256,9 +302,9 @@ struct Shapes {
   float scale;
 };
 
-template <int64_t D, int64_t RV>
-void run_tile_item(const Item& it, const Shapes& sh, const float* q_ptr, float* o_ptr, const float* k_ptr,
-                   const float* v_ptr, const int32_t* table, int64_t q_start, int64_t context, float* buf) {
+template <int64_t D, int64_t RV, typename T>
+void run_tile_item(const Item& it, const Shapes& sh, const T* q_ptr, T* o_ptr, const T* k_ptr,
+                   const T* v_ptr, const int32_t* table, int64_t q_start, int64_t context, float* buf) {
   constexpr int64_t RP = RV * 16;
   const int64_t g = it.gn, num_rows = it.num_q * g, head0 = it.kv_head * sh.group + it.g0;
   float* qt = buf;                      // D x RP
@@ -267,10 +313,12 @@ void run_tile_item(const Item& it, const Shapes& sh, const float* q_ptr, float* 
   float* m = st + kMaxBlockSize * RP;   // RP
   float* l = m + RP;
   float* corr = l + RP;
+  float* kf = corr + RP;                // bfloat16 K/V: this head's rows of a block, widened (2 x 16 x D)
+  float* vf = kf + kMaxBlockSize * D;
   std::fill(qt, qt + D * RP, 0.0f);
   for (int64_t r = 0; r < num_rows; ++r) {
-    const float* src = q_ptr + ((q_start + it.first_q + r / g) * sh.num_q_heads + head0 + r % g) * D;
-    for (int64_t d = 0; d < D; ++d) qt[d * RP + r] = src[d] * sh.scale;
+    const T* src = q_ptr + ((q_start + it.first_q + r / g) * sh.num_q_heads + head0 + r % g) * D;
+    for (int64_t d = 0; d < D; ++d) qt[d * RP + r] = static_cast<float>(src[d]) * sh.scale;
   }
   std::fill(acc, acc + RP * D, 0.0f);
   std::fill(m, m + RP, -std::numeric_limits<float>::infinity());
@@ -294,18 +342,29 @@ void run_tile_item(const Item& it, const Shapes& sh, const float* q_ptr, float* 
     __m512i limit[RV];
     for (int64_t j = 0; j < RV; ++j)
       limit[j] = _mm512_add_epi32(row_pos[j], _mm512_set1_epi32(static_cast<int>(first_row_visible)));
-    if (first_row_visible >= n_all) {  // every row sees the whole block (all but the diagonal ones)
-      tile_block<D, RV, false>(qt, limit, num_rows, k_ptr + base, v_ptr + base, sh.token_stride, n_all, m, l, acc, st,
-                               corr);
+    const float* k = nullptr;
+    const float* v = nullptr;
+    int64_t stride = sh.token_stride;
+    if constexpr (std::is_same_v<T, float>) {
+      k = k_ptr + base;
+      v = v_ptr + base;
     } else {
-      tile_block<D, RV, true>(qt, limit, num_rows, k_ptr + base, v_ptr + base, sh.token_stride, n_all, m, l, acc, st,
-                              corr);
+      widen_rows(k_ptr + base, sh.token_stride, n_all, D, kf);
+      widen_rows(v_ptr + base, sh.token_stride, n_all, D, vf);
+      k = kf;
+      v = vf;
+      stride = D;
+    }
+    if (first_row_visible >= n_all) {  // every row sees the whole block (all but the diagonal ones)
+      tile_block<D, RV, false>(qt, limit, num_rows, k, v, stride, n_all, m, l, acc, st, corr);
+    } else {
+      tile_block<D, RV, true>(qt, limit, num_rows, k, v, stride, n_all, m, l, acc, st, corr);
     }
   }
   for (int64_t r = 0; r < num_rows; ++r) {
-    float* dst = o_ptr + ((q_start + it.first_q + r / g) * sh.num_q_heads + head0 + r % g) * D;
-    const float inv = 1.0f / l[r];
-    for (int64_t d = 0; d < D; ++d) dst[d] = acc[r * D + d] * inv;
+    T* dst = o_ptr + ((q_start + it.first_q + r / g) * sh.num_q_heads + head0 + r % g) * D;
+    const __m512 inv = _mm512_set1_ps(1.0f / l[r]);
+    for (int64_t d = 0; d < D; d += 16) store16(dst + d, _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + d), inv));
   }
 }
 
@@ -313,9 +372,9 @@ void run_tile_item(const Item& it, const Shapes& sh, const float* q_ptr, float* 
 // decode, a few for speculative verification), blocks [blk_begin, blk_end). Rows are ordered by KV
 // head, then position, then head within the group. Unsplit items write the output; split ones
 // (single positions only) write their unnormalised partial (acc, max, sum per head) for the merge.
-template <int64_t D>
-void run_decode_item(const Item& it, const Shapes& sh, const float* q_ptr, float* o_ptr, const float* k_ptr,
-                     const float* v_ptr, const int32_t* table, int64_t q_row, int64_t seq_len, float* buf,
+template <int64_t D, typename T>
+void run_decode_item(const Item& it, const Shapes& sh, const T* q_ptr, T* o_ptr, const T* k_ptr,
+                     const T* v_ptr, const int32_t* table, int64_t q_row, int64_t seq_len, float* buf,
                      float* partials) {
   const int64_t hq = sh.num_q_heads, g = sh.group, nq = it.num_q, rows = nq * hq, head_rows = nq * g;
   float* q = buf;               // rows x D
@@ -324,13 +383,15 @@ void run_decode_item(const Item& it, const Shapes& sh, const float* q_ptr, float
   float* l = p + rows * 16;     // rows x 16
   float* m = l + rows * 16;
   float* corr = m + rows;
+  float* kf = corr + rows;  // bfloat16 K/V: the whole block, widened (2 x block_size x token_stride)
+  float* vf = kf + sh.block_size * sh.token_stride;
   const auto token_row = [&](int64_t r) {  // row r -> (query position, query head) as an offset in q/out
     const int64_t h = r / head_rows, i = (r % head_rows) / g, gg = r % g;
     return ((q_row + i) * hq + h * g + gg) * D;
   };
   for (int64_t r = 0; r < rows; ++r) {
-    const float* src = q_ptr + token_row(r);
-    for (int64_t d = 0; d < D; ++d) q[r * D + d] = src[d] * sh.scale;
+    const T* src = q_ptr + token_row(r);
+    for (int64_t d = 0; d < D; ++d) q[r * D + d] = static_cast<float>(src[d]) * sh.scale;
   }
   std::fill(acc, acc + rows * D, 0.0f);
   std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
@@ -349,18 +410,28 @@ void run_decode_item(const Item& it, const Shapes& sh, const float* q_ptr, float
       next_n = std::min(sh.block_size, seq_len - (blk + 1) * sh.block_size);
     }
     const int64_t first_row_visible = context + 1 - blk * sh.block_size;  // tokens position 0 sees
+    const float* k = nullptr;
+    const float* v = nullptr;
+    if constexpr (std::is_same_v<T, float>) {
+      k = k_ptr + base;
+      v = v_ptr + base;
+    } else {  // the block's n tokens, all heads: one contiguous run each of K and V
+      widen_rows(k_ptr + base, sh.token_stride, n, sh.token_stride, kf, next_base < 0 ? nullptr : k_ptr + next_base);
+      widen_rows(v_ptr + base, sh.token_stride, n, sh.token_stride, vf, next_base < 0 ? nullptr : v_ptr + next_base);
+      k = kf;
+      v = vf;
+      next_base = -1;  // prefetched above
+    }
     for (int64_t h = 0; h < sh.num_kv_heads; ++h) {
-      const float* next_k = next_base < 0 ? nullptr : k_ptr + next_base + h * D;
-      const float* next_v = next_base < 0 ? nullptr : v_ptr + next_base + h * D;
+      const float* next_k = next_base < 0 ? nullptr : reinterpret_cast<const float*>(k_ptr + next_base + h * D);
+      const float* next_v = next_base < 0 ? nullptr : reinterpret_cast<const float*>(v_ptr + next_base + h * D);
       const int64_t r0 = h * head_rows;
       if (n == kMaxBlockSize && first_row_visible >= n) {
-        decode_block<D, true>(q + r0 * D, head_rows, k_ptr + base + h * D, v_ptr + base + h * D, sh.token_stride, n,
-                              first_row_visible, g, m + r0, l + r0 * 16, acc + r0 * D, p + r0 * 16, corr + r0, next_k,
-                              next_v, next_n);
+        decode_block<D, true>(q + r0 * D, head_rows, k + h * D, v + h * D, sh.token_stride, n, first_row_visible, g,
+                              m + r0, l + r0 * 16, acc + r0 * D, p + r0 * 16, corr + r0, next_k, next_v, next_n);
       } else {
-        decode_block<D, false>(q + r0 * D, head_rows, k_ptr + base + h * D, v_ptr + base + h * D, sh.token_stride, n,
-                               first_row_visible, g, m + r0, l + r0 * 16, acc + r0 * D, p + r0 * 16, corr + r0,
-                               next_k, next_v, next_n);
+        decode_block<D, false>(q + r0 * D, head_rows, k + h * D, v + h * D, sh.token_stride, n, first_row_visible, g,
+                               m + r0, l + r0 * 16, acc + r0 * D, p + r0 * 16, corr + r0, next_k, next_v, next_n);
       }
     }
   }
@@ -368,9 +439,9 @@ void run_decode_item(const Item& it, const Shapes& sh, const float* q_ptr, float
   l = corr;
   if (it.part < 0) {
     for (int64_t r = 0; r < rows; ++r) {
-      float* dst = o_ptr + token_row(r);
-      const float inv = 1.0f / l[r];
-      for (int64_t d = 0; d < D; ++d) dst[d] = acc[r * D + d] * inv;
+      T* dst = o_ptr + token_row(r);
+      const __m512 inv = _mm512_set1_ps(1.0f / l[r]);
+      for (int64_t d = 0; d < D; d += 16) store16(dst + d, _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + d), inv));
     }
   } else {
     float* part = partials + it.part * hq * (D + 2);  // per head: acc (D), max, sum
@@ -382,8 +453,8 @@ void run_decode_item(const Item& it, const Shapes& sh, const float* q_ptr, float
   }
 }
 
-template <int64_t D>
-void paged_attention(float* o_ptr, const float* q_ptr, const float* k_ptr, const float* v_ptr, const int32_t* tables,
+template <int64_t D, typename T>
+void paged_attention(T* o_ptr, const T* q_ptr, const T* k_ptr, const T* v_ptr, const int32_t* tables,
                      const int32_t* lens, const int32_t* cu, const int64_t* ids, int64_t num_seqs, const Shapes& sh) {
   const int64_t g = sh.group;
   const int64_t tile_q = std::max<int64_t>(1, kTileRows / g);
@@ -426,8 +497,9 @@ void paged_attention(float* o_ptr, const float* q_ptr, const float* k_ptr, const
   std::vector<float> partials(num_parts * sh.num_q_heads * (D + 2));
   std::atomic<int64_t> next{0};
   const int64_t num_items = static_cast<int64_t>(items.size());
+  const int64_t widened = std::is_same_v<T, float> ? 0 : 2 * kMaxBlockSize * sh.token_stride;  // >= 2 x 16 x D
   const int64_t buf_floats = std::max(D * 64 + 64 * D + 16 * 64 + 3 * 64,
-                                      kDecodeMaxQ * sh.num_q_heads * (2 * D + 32 + 2));
+                                      kDecodeMaxQ * sh.num_q_heads * (2 * D + 32 + 2)) + widened;
   at::parallel_for(0, std::min(threads, num_items), 1, [&](int64_t, int64_t) {
     std::vector<float> buf(buf_floats);
     for (int64_t idx = next.fetch_add(1); idx < num_items; idx = next.fetch_add(1)) {
@@ -435,16 +507,16 @@ void paged_attention(float* o_ptr, const float* q_ptr, const float* k_ptr, const
       const int64_t b = ids[it.seq], q_len = cu[b + 1] - cu[b];
       const int32_t* table = tables + b * sh.max_blocks;
       if (it.kv_head < 0) {
-        run_decode_item<D>(it, sh, q_ptr, o_ptr, k_ptr, v_ptr, table, cu[b], lens[b], buf.data(), partials.data());
+        run_decode_item<D, T>(it, sh, q_ptr, o_ptr, k_ptr, v_ptr, table, cu[b], lens[b], buf.data(), partials.data());
         continue;
       }
       const int64_t rows = it.num_q * it.gn, context = lens[b] - q_len;
       if (rows <= 16) {
-        run_tile_item<D, 1>(it, sh, q_ptr, o_ptr, k_ptr, v_ptr, table, cu[b], context, buf.data());
+        run_tile_item<D, 1, T>(it, sh, q_ptr, o_ptr, k_ptr, v_ptr, table, cu[b], context, buf.data());
       } else if (rows <= 32) {
-        run_tile_item<D, 2>(it, sh, q_ptr, o_ptr, k_ptr, v_ptr, table, cu[b], context, buf.data());
+        run_tile_item<D, 2, T>(it, sh, q_ptr, o_ptr, k_ptr, v_ptr, table, cu[b], context, buf.data());
       } else {
-        run_tile_item<D, 3>(it, sh, q_ptr, o_ptr, k_ptr, v_ptr, table, cu[b], context, buf.data());
+        run_tile_item<D, 3, T>(it, sh, q_ptr, o_ptr, k_ptr, v_ptr, table, cu[b], context, buf.data());
       }
     }
   });
@@ -452,7 +524,7 @@ void paged_attention(float* o_ptr, const float* q_ptr, const float* k_ptr, const
     const int64_t b = ids[i], hq = sh.num_q_heads;
     const int64_t blocks = (lens[b] + sh.block_size - 1) / sh.block_size;
     const int64_t slices = (blocks + slice_blocks - 1) / slice_blocks;
-    float* dst = o_ptr + cu[b] * hq * D;
+    T* dst = o_ptr + cu[b] * hq * D;
     for (int64_t r = 0; r < hq; ++r) {
       float max = -std::numeric_limits<float>::infinity();
       for (int64_t s = 0; s < slices; ++s) max = std::max(max, partials[((first + s) * hq + r) * (D + 2) + D]);
@@ -463,7 +535,7 @@ void paged_attention(float* o_ptr, const float* q_ptr, const float* k_ptr, const
         sum += part[D + 1] * w;
         for (int64_t d = 0; d < D; ++d) out[d] += part[d] * w;
       }
-      for (int64_t d = 0; d < D; ++d) dst[r * D + d] = out[d] / sum;
+      for (int64_t d = 0; d < D; ++d) dst[r * D + d] = static_cast<T>(out[d] / sum);
     }
   }
 }

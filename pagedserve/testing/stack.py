@@ -94,11 +94,14 @@ class StackConfig:
     compute_max_queued: int = 64
     gateway_max_queued: int = 64
     gateway_args: tuple[str, ...] = ()
+    # float32, not the compute service's "auto": tests compare tokens with transformers' float32
+    dtype: str = "float32"
 
     def stack_config(self, metrics_port: int) -> launcher.StackConfig:
         memory = ("--max-num-blocks", str(self.max_num_blocks), "--block-size", str(self.block_size),
                   "--lease-ttl-s", str(LEASE_TTL_S))
-        compute = ("--block-size", str(self.block_size), "--max-num-seqs", str(self.max_num_seqs),
+        compute = ("--dtype", self.dtype, "--block-size", str(self.block_size), "--max-num-seqs",
+                   str(self.max_num_seqs),
                    "--max-queued-requests", str(self.compute_max_queued),
                    "--memory-retry-interval-s", "0.2", "--memory-ping-interval-s", "0.2")
         gateway = gateway_args(metrics_port, "--max-queued-requests", str(self.gateway_max_queued), *self.gateway_args)

@@ -30,7 +30,9 @@ def start_memory(socket: Path, *extra: str) -> ServiceProcess:
 
 def start_compute(model: Path | str, memory_socket: Path, listen: str, *extra: str,
                   log_file: Path | None = None) -> ServiceProcess:
-    args = ["--block-size", BLOCK_SIZE, "--memory-retry-interval-s", "0.2", "--memory-ping-interval-s", "0.2",
+    # float32 unless `extra` says otherwise (a later flag wins): tokens are compared with transformers'.
+    args = ["--dtype", "float32",
+            "--block-size", BLOCK_SIZE, "--memory-retry-interval-s", "0.2", "--memory-ping-interval-s", "0.2",
             "--log-level", "warning", *extra]
     return ready(compute_process(model, memory_socket, listen, args, log_file=log_file), 180)
 

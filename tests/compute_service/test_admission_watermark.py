@@ -16,7 +16,8 @@ def run(model_dir: str, watermark: float) -> tuple[list[list[int]], int]:
     prompts = [[rng.randrange(3, 128) for _ in range(rng.randrange(4, 24))] for _ in range(12)]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     # 40 blocks of 4 tokens for 12 sequences of up to 24 + 16 tokens: saturated.
-    with LLM(model_dir, block_size=4, max_num_blocks=40, max_num_seqs=12, admission_watermark=watermark) as llm:
+    with LLM(model_dir, dtype="float32",
+             block_size=4, max_num_blocks=40, max_num_seqs=12, admission_watermark=watermark) as llm:
         outs = llm.generate(prompts, params)
         return [o.token_ids for o in outs], llm.engine.scheduler.num_preemptions
 

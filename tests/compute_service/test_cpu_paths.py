@@ -37,7 +37,7 @@ def test_weights_are_prepacked_once_and_not_held_twice(make_tiny_model) -> None:
     if not cpu_linear.available():
         pytest.skip("this torch has no oneDNN to prepack weights with")
     tiny = make_tiny_model("llama")
-    model = load_model(str(tiny.path), device="cpu").model
+    model = load_model(str(tiny.path), device="cpu", dtype="float32").model
     attn, mlp = model.layers[0].attn, model.layers[0].mlp
     for packed, weight in ((attn.qkv_packed, attn.qkv_weight), (attn.o_packed, attn.o_weight),
                            (mlp.gate_up_packed, mlp.gate_up_weight), (mlp.down_packed, mlp.down_weight)):
@@ -50,7 +50,7 @@ def test_weights_are_prepacked_once_and_not_held_twice(make_tiny_model) -> None:
 def test_the_fused_path_is_taken_when_available(make_tiny_model) -> None:
     if not FUSED_AVAILABLE:
         pytest.skip("the fused CPU kernels could not be built here")
-    model = load_model(str(make_tiny_model("llama").path), device="cpu").model
+    model = load_model(str(make_tiny_model("llama").path), device="cpu", dtype="float32").model
     args = (torch.zeros(3, dtype=torch.int64), torch.zeros(1, 1, dtype=torch.int32),
             torch.tensor([3], dtype=torch.int32), torch.tensor([0, 3], dtype=torch.int32))
     assert kernels.plan_step(*args, dtype=model.dtype, head_dim=model.config.head_dim).name == "fused-cpu"
@@ -64,7 +64,7 @@ def test_the_fused_path_is_taken_when_available(make_tiny_model) -> None:
 @pytest.mark.parametrize("variant", ["llama", "qwen2", "mistral"])
 def test_prefill_chunk_and_decode_logits(make_tiny_model, variant: str, cpu_path: str) -> None:
     tiny = make_tiny_model(variant)
-    model = load_model(str(tiny.path), device="cpu").model
+    model = load_model(str(tiny.path), device="cpu", dtype="float32").model
     prompt, other = random_tokens(19, seed=21), random_tokens(6, seed=22)
     paged = PagedSequences(model)
     paged.step({"long": prompt[:7], "other": other})  # fresh prompts
@@ -77,7 +77,8 @@ def test_engine_greedy_tokens_equal_transformers(make_tiny_model, cpu_path: str)
     tiny = make_tiny_model("llama")
     prompts = [random_tokens(n, seed=30 + n) for n in (3, 17, 9, 30)]
     # 20 blocks of 4 tokens for 4 sequences of up to 30 + 12 tokens: preemption and recompute too.
-    with LLM(str(tiny.path), block_size=4, max_num_blocks=20, max_num_batched_tokens=16, max_num_seqs=4) as llm:
+    with LLM(str(tiny.path), dtype="float32",
+             block_size=4, max_num_blocks=20, max_num_batched_tokens=16, max_num_seqs=4) as llm:
         outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0))
         assert llm.engine.scheduler.num_preemptions > 0
     eos = tiny.hf_model.config.eos_token_id

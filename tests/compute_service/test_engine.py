@@ -46,7 +46,8 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
 @pytest.mark.parametrize("enable_prefix_caching", [True, False])
 def test_greedy_equals_transformers(tiny_dir: Path, hf_model: LlamaForCausalLM, enable_prefix_caching: bool) -> None:
     prompts = make_prompts(8, seed=1, shared_prefix=10)
-    with LLM(str(tiny_dir), block_size=4, max_num_blocks=256, enable_prefix_caching=enable_prefix_caching) as llm:
+    with LLM(str(tiny_dir), dtype="float32",
+             block_size=4, max_num_blocks=256, enable_prefix_caching=enable_prefix_caching) as llm:
         first = llm.generate(prompts, GREEDY)
         again = llm.generate(prompts, GREEDY)  # second round: the prompts' blocks are cached now
         stats = llm.memory_stats()
@@ -62,7 +63,8 @@ def test_greedy_equals_transformers(tiny_dir: Path, hf_model: LlamaForCausalLM, 
 
 def test_chunked_prefill_and_small_batches(tiny_dir: Path, hf_model: LlamaForCausalLM) -> None:
     prompts = make_prompts(6, seed=2, shared_prefix=30)
-    with LLM(str(tiny_dir), block_size=4, max_num_blocks=256, max_num_seqs=3, max_num_batched_tokens=8) as llm:
+    with LLM(str(tiny_dir), dtype="float32",
+             block_size=4, max_num_blocks=256, max_num_seqs=3, max_num_batched_tokens=8) as llm:
         outs = llm.generate(prompts, GREEDY)
         assert llm.engine.num_steps > sum(len(p) for p in prompts) // 8  # prompts really went in chunks
     assert [o.token_ids for o in outs] == expected(hf_model, prompts, 24)
@@ -71,7 +73,7 @@ def test_chunked_prefill_and_small_batches(tiny_dir: Path, hf_model: LlamaForCau
 def test_preemption_by_recompute(tiny_dir: Path, hf_model: LlamaForCausalLM) -> None:
     prompts = make_prompts(8, seed=3)
     # 24 blocks of 4 tokens: far too few for 8 sequences of up to 40 + 24 tokens at once.
-    with LLM(str(tiny_dir), block_size=4, max_num_blocks=24, max_num_seqs=8) as llm:
+    with LLM(str(tiny_dir), dtype="float32", block_size=4, max_num_blocks=24, max_num_seqs=8) as llm:
         outs = llm.generate(prompts, GREEDY)
         assert llm.engine.scheduler.num_preemptions > 0
         stats = llm.memory_stats()
@@ -108,7 +110,7 @@ def test_in_process_allocator_runs_like_the_memory_service(tiny_dir: Path, hf_mo
 
 def test_requests_arriving_while_others_decode(tiny_dir: Path, hf_model: LlamaForCausalLM) -> None:
     prompts = make_prompts(6, seed=4, shared_prefix=8)
-    with LLM(str(tiny_dir), block_size=4, max_num_blocks=256) as llm:
+    with LLM(str(tiny_dir), dtype="float32", block_size=4, max_num_blocks=256) as llm:
         engine = llm.engine
         done = {}
         results: dict[str, RequestOutput] = {}
@@ -125,7 +127,7 @@ def test_requests_arriving_while_others_decode(tiny_dir: Path, hf_model: LlamaFo
 def test_priority_jumps_the_queue(tiny_dir: Path) -> None:
     prompts = make_prompts(4, seed=5)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    with LLM(str(tiny_dir), block_size=4, max_num_blocks=64, max_num_seqs=1) as llm:
+    with LLM(str(tiny_dir), dtype="float32", block_size=4, max_num_blocks=64, max_num_seqs=1) as llm:
         engine = llm.engine
         for i, prompt in enumerate(prompts[:3]):
             engine.add_request(f"low{i}", prompt, params, priority=0)
@@ -142,7 +144,7 @@ def test_high_priority_preempts_lower_when_blocks_run_out(tiny_dir: Path, hf_mod
     low = [rng.randrange(2, VOCAB) for _ in range(30)]  # 8 blocks of 4
     high = [rng.randrange(2, VOCAB) for _ in range(12)]  # 3 blocks
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    with LLM(str(tiny_dir), block_size=4, max_num_blocks=10, max_num_seqs=2) as llm:
+    with LLM(str(tiny_dir), dtype="float32", block_size=4, max_num_blocks=10, max_num_seqs=2) as llm:
         engine = llm.engine
         engine.add_request("low", low, params, priority=0)
         results: dict[str, RequestOutput] = {}
@@ -159,7 +161,7 @@ def test_high_priority_preempts_lower_when_blocks_run_out(tiny_dir: Path, hf_mod
 
 def test_parallel_sampling_forks_share_the_prompt(tiny_dir: Path, hf_model: LlamaForCausalLM) -> None:
     prompt = make_prompts(1, seed=6)[0]
-    with LLM(str(tiny_dir), block_size=4, max_num_blocks=128) as llm:
+    with LLM(str(tiny_dir), dtype="float32", block_size=4, max_num_blocks=128) as llm:
         [greedy] = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, n=3))
         assert llm.memory_stats().num_copy_on_writes >= (1 if len(prompt) % 4 else 0)
         [sampled] = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=1.0, n=3, seed=7))
@@ -182,7 +184,7 @@ def test_stop_token_ids_at_their_limit_stop_at_the_right_token(tiny_dir: Path, h
     assert params.stop_token_id_set == frozenset([*others, stop_id]) and len(params.stop_token_ids) == 1024
     first = want.index(stop_id)
     held_back = SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=stop_ids, min_tokens=first + 2)
-    with LLM(str(tiny_dir), block_size=4, max_num_blocks=128) as llm:
+    with LLM(str(tiny_dir), dtype="float32", block_size=4, max_num_blocks=128) as llm:
         [out] = llm.generate([prompt], params)
         [masked] = llm.generate([prompt], held_back)  # the stop ids are masked under min_tokens
     assert out.outputs[0].token_ids == want[:first + 1] and out.outputs[0].finish_reason == "stop"
@@ -195,7 +197,7 @@ def test_stop_token_ids_at_their_limit_stop_at_the_right_token(tiny_dir: Path, h
 
 
 def test_abort_and_bad_input(tiny_dir: Path) -> None:
-    with LLM(str(tiny_dir), block_size=4, max_num_blocks=64) as llm:
+    with LLM(str(tiny_dir), dtype="float32", block_size=4, max_num_blocks=64) as llm:
         engine = llm.engine
         engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
         engine.step()

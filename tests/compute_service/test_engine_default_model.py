@@ -92,7 +92,7 @@ def run_staggered(llm: LLM, prompts: list[list[int]], every: int) -> dict[str, l
 
 def test_prefix_caching_preemption_and_late_arrivals(prompts, reference) -> None:
     # 40 blocks of 16 tokens cannot hold 16 requests of ~40 + 64 tokens: preemption must happen.
-    with LLM("default", enable_prefix_caching=True, max_num_blocks=40) as llm:
+    with LLM("default", dtype="float32", enable_prefix_caching=True, max_num_blocks=40) as llm:
         done = run_staggered(llm, prompts, every=2)
         assert llm.engine.scheduler.num_preemptions > 0
         assert llm.memory_stats().prefix_cache_hits > 0  # the shared system prompt
@@ -102,7 +102,8 @@ def test_prefix_caching_preemption_and_late_arrivals(prompts, reference) -> None
 
 
 def test_no_prefix_caching_and_chunked_prefill(prompts, reference) -> None:
-    with LLM("default", enable_prefix_caching=False, max_num_batched_tokens=32, max_num_seqs=16) as llm:
+    with LLM("default", dtype="float32",
+             enable_prefix_caching=False, max_num_batched_tokens=32, max_num_seqs=16) as llm:
         outs = llm.generate(prompts, GREEDY)
         stats = llm.memory_stats()
         longest = max(len(p) for p in prompts)
@@ -113,7 +114,7 @@ def test_no_prefix_caching_and_chunked_prefill(prompts, reference) -> None:
 
 
 def test_paris(default_model) -> None:
-    with LLM("default") as llm:
+    with LLM("default", dtype="float32") as llm:
         out = llm.chat([{"role": "user", "content": "What is the capital of France?"}], max_tokens=20, temperature=0.0)
     assert "Paris" in out.text
     assert out.finish_reason in ("eos", "length")

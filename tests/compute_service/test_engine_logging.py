@@ -17,7 +17,8 @@ def test_lifecycle_events_carry_the_request_id(make_tiny_model: Callable[[str], 
     low = [rng.randrange(3, 128) for _ in range(30)]  # 8 of the pool's 10 blocks of 4
     high = [rng.randrange(3, 128) for _ in range(12)]  # 3 blocks: low must make room
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    with LLM(str(make_tiny_model("llama").path), block_size=4, max_num_blocks=10, max_num_seqs=2) as llm:
+    with LLM(str(make_tiny_model("llama").path), dtype="float32",
+             block_size=4, max_num_blocks=10, max_num_seqs=2) as llm:
         engine = llm.engine
         with capture_logs() as events:
             engine.add_request("low", low, params, priority=0)

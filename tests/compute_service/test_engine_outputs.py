@@ -31,7 +31,7 @@ POISON_SUFFIX = [201, 202, 203]  # prompts ending so fail in detokenization afte
 def llm(tiny_dir: Path) -> Iterator[LLM]:  # noqa: F811 - the imported fixture
     os.environ[FAULT_ENV] = json.dumps([{"prompt_suffix": POISON_SUFFIX, "after_tokens": 2}])
     try:
-        with LLM(str(tiny_dir), block_size=4, max_num_blocks=512) as llm:
+        with LLM(str(tiny_dir), dtype="float32", block_size=4, max_num_blocks=512) as llm:
             yield llm
     finally:
         del os.environ[FAULT_ENV]

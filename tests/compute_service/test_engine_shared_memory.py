@@ -21,8 +21,8 @@ def test_waiting_request_is_admitted_when_another_client_frees(make_tiny_model: 
     socket = tmp_path / "memory.sock"
     model = str(make_tiny_model("llama").path)
     with start_memory(socket, "--max-num-blocks", "16", "--enable-prefix-caching", "false"):
-        with LLM(model, block_size=4, memory_socket=str(socket)) as a, \
-                LLM(model, block_size=4, memory_socket=str(socket)) as b:
+        with LLM(model, dtype="float32", block_size=4, memory_socket=str(socket)) as a, \
+                LLM(model, dtype="float32", block_size=4, memory_socket=str(socket)) as b:
             a.engine.add_request("big", list(range(3, 3 + 52)), PARAMS)  # 13 of the 16 blocks
             a.engine.step()
             b.engine.add_request("small", list(range(3, 3 + 20)), PARAMS)  # 5 blocks: waits
@@ -46,11 +46,12 @@ def test_llm_passes_the_whole_pool_config_to_its_private_memory_service(
     from memory_service.config import MemoryServiceConfig
 
     model = str(make_tiny_model("llama").path)
-    with LLM(model, block_size=4, max_num_blocks=16, reserved_fraction=0.25, max_num_seqs=2) as llm:
+    with LLM(model, dtype="float32", block_size=4, max_num_blocks=16, reserved_fraction=0.25, max_num_seqs=2) as llm:
         assert llm._memory_process.config.block_size == 4
         assert [pool.num_total_blocks for pool in llm.memory_stats().pools] == [12, 4]
-    with LLM(model, block_size=4, memory=MemoryServiceConfig(max_num_blocks=8, enable_prefix_caching=False)) as llm:
+    with LLM(model, dtype="float32",
+             block_size=4, memory=MemoryServiceConfig(max_num_blocks=8, enable_prefix_caching=False)) as llm:
         assert sum(pool.num_total_blocks for pool in llm.memory_stats().pools) == 8
         assert not llm._memory_process.config.enable_prefix_caching
     with pytest.raises(ValueError, match="max_num_blocks"):
-        LLM(model, memory_socket="/nonexistent/memory.sock", max_num_blocks=16)
+        LLM(model, dtype="float32", memory_socket="/nonexistent/memory.sock", max_num_blocks=16)

@@ -69,7 +69,7 @@ def random_tokens(n: int, seed: int) -> list[int]:
 def tiny(request, make_tiny_model) -> tuple[TinyModel, LoadedModel]:
     """Each tiny variant, and our model loaded from its saved directory by the real loader."""
     tiny = make_tiny_model(request.param)
-    return tiny, load_model(str(tiny.path), device="cpu")
+    return tiny, load_model(str(tiny.path), device="cpu", dtype="float32")
 
 
 def test_single_prefill_matches_transformers(tiny):
@@ -126,7 +126,7 @@ def test_bfloat16_stays_close_to_float32(make_tiny_model):
 
 
 def test_forward_rejects_a_pool_of_the_wrong_shape_or_dtype(make_tiny_model):
-    model = load_model(str(make_tiny_model("llama").path), device="cpu").model
+    model = load_model(str(make_tiny_model("llama").path), device="cpu", dtype="float32").model
     batch = ForwardBatch.build([[1, 2, 3]], [0], [[0]], BLOCK_SIZE)
     shape = model.config.kv_pool_shape(4, BLOCK_SIZE)
     with pytest.raises(ValueError, match="kv_pool must be"):
@@ -162,7 +162,7 @@ def test_forward_batch_rejects_bad_input():
 def test_load_weights_rejects_unknown_and_missing_tensors(make_tiny_model, monkeypatch):
     monkeypatch.setenv("PAGEDSERVE_CPU_PREPACK", "0")  # a prepacked model refuses any reload
     tiny = make_tiny_model("llama")
-    model = load_model(str(tiny.path), device="cpu").model
+    model = load_model(str(tiny.path), device="cpu", dtype="float32").model
     state = tiny.hf_model.state_dict()
     with pytest.raises(ValueError, match="no place"):
         model.load_weights([*state.items(), ("model.layers.9.mlp.up_proj.weight", torch.zeros(1))])

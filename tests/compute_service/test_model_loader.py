@@ -45,7 +45,7 @@ def test_directory_without_config_or_weights_raises(tmp_path, make_tiny_model):
 
 def test_tiny_llama_loads_with_its_config(make_tiny_model):
     tiny = make_tiny_model("llama")
-    loaded = load_model(str(tiny.path), device="cpu")
+    loaded = load_model(str(tiny.path), device="cpu", dtype="float32")
     config = loaded.config
     assert (config.num_layers, config.num_q_heads, config.num_kv_heads, config.head_dim) == (2, 4, 2, 16)
     assert (config.hidden_size, config.intermediate_size, config.vocab_size, config.max_position) == (64, 96, 128, 256)
@@ -58,13 +58,13 @@ def test_tiny_llama_loads_with_its_config(make_tiny_model):
 
 
 def test_variant_configs(make_tiny_model):
-    qwen2 = load_model(str(make_tiny_model("qwen2").path), device="cpu").config
+    qwen2 = load_model(str(make_tiny_model("qwen2").path), device="cpu", dtype="float32").config
     assert (qwen2.qkv_bias, qwen2.o_bias, qwen2.model_type) == (True, False, "qwen2")
-    mistral = load_model(str(make_tiny_model("mistral").path), device="cpu").config
+    mistral = load_model(str(make_tiny_model("mistral").path), device="cpu", dtype="float32").config
     assert mistral.head_dim == 32 and mistral.q_size == 128
-    tied = load_model(str(make_tiny_model("llama-tied").path), device="cpu")
+    tied = load_model(str(make_tiny_model("llama-tied").path), device="cpu", dtype="float32")
     assert tied.config.tie_word_embeddings and tied.model.lm_head is tied.model.embed_tokens
-    rope = load_model(str(make_tiny_model("llama3-rope").path), device="cpu").config.rope
+    rope = load_model(str(make_tiny_model("llama3-rope").path), device="cpu", dtype="float32").config.rope
     assert (rope.scaling_type, rope.theta, rope.factor, rope.original_max_position) == ("llama3", 500000.0, 8.0, 64)
 
 
@@ -125,7 +125,7 @@ def test_cache_dir_env_is_read_at_call_time(monkeypatch, tmp_path, fake_conversi
 def test_conversion_runs_once_then_the_cache_is_used(tmp_path, fake_conversion):
     stale = tmp_path / "models" / f".tmp-{DEFAULT_MODEL_NAME}-crashed"
     stale.mkdir(parents=True)  # left behind by a killed conversion
-    first = load_model("default", cache_dir=tmp_path, device="cpu")
+    first = load_model("default", cache_dir=tmp_path, device="cpu", dtype="float32")
     second = resolve_model("default", cache_dir=tmp_path)
     assert first.source.was_converted and not second.was_converted
     assert len(fake_conversion) == 1

@@ -85,7 +85,8 @@ def test_drafts_fit_the_last_block_max_tokens_and_the_row_budget() -> None:
 def test_speculative_greedy_equals_transformers_and_caches_only_real_tokens(
         tiny_dir: Path, hf_model: LlamaForCausalLM, block_size: int) -> None:
     batch = prompts(8, seed=1)
-    with LLM(str(tiny_dir), block_size=block_size, max_num_blocks=512, num_speculative_tokens=4) as llm:
+    with LLM(str(tiny_dir), dtype="float32",
+             block_size=block_size, max_num_blocks=512, num_speculative_tokens=4) as llm:
         first = llm.generate(batch, GREEDY)
         engine = llm.engine
         assert engine.num_accepted_draft_tokens > 0, "no draft was accepted: the test proves nothing"
@@ -106,7 +107,8 @@ def test_speculation_with_preemption_and_stop_tokens(tiny_dir: Path, hf_model: L
     batch = prompts(8, seed=2)
     want = [hf_greedy(hf_model, p, 40) for p in batch]
     # 40 blocks of 4 tokens: too few for 8 sequences of up to 70 tokens at once.
-    with LLM(str(tiny_dir), block_size=4, max_num_blocks=40, max_num_seqs=8, num_speculative_tokens=4) as llm:
+    with LLM(str(tiny_dir), dtype="float32",
+             block_size=4, max_num_blocks=40, max_num_seqs=8, num_speculative_tokens=4) as llm:
         outs = llm.generate(batch, GREEDY)
         assert llm.engine.scheduler.num_preemptions > 0
         assert llm.engine.num_accepted_draft_tokens > 0
@@ -121,21 +123,21 @@ def test_speculation_with_preemption_and_stop_tokens(tiny_dir: Path, hf_model: L
 
 def test_only_plain_greedy_sequences_get_drafts(tiny_dir: Path) -> None:
     batch = prompts(4, seed=3)
-    with LLM(str(tiny_dir), block_size=16, max_num_blocks=256, num_speculative_tokens=4) as llm:
+    with LLM(str(tiny_dir), dtype="float32", block_size=16, max_num_blocks=256, num_speculative_tokens=4) as llm:
         for params in (SamplingParams(max_tokens=30, temperature=0.8, seed=1, ignore_eos=True),
                        SamplingParams(max_tokens=30, temperature=0.0, logprobs=1, ignore_eos=True),
                        SamplingParams(max_tokens=30, temperature=0.0, repetition_penalty=1.2, ignore_eos=True),
                        SamplingParams(max_tokens=30, temperature=0.0, n=2, ignore_eos=True)):
             llm.generate(batch, params)
         assert llm.engine.num_draft_tokens == 0
-    with LLM(str(tiny_dir), block_size=16, max_num_blocks=256, num_speculative_tokens=0) as llm:
+    with LLM(str(tiny_dir), dtype="float32", block_size=16, max_num_blocks=256, num_speculative_tokens=0) as llm:
         llm.generate(batch, GREEDY)
         assert llm.engine.num_draft_tokens == 0  # turned off
 
 
 def test_no_drafts_in_a_step_that_computes_a_prompt(tiny_dir: Path) -> None:
     every_token = list(range(VOCAB))  # whatever a's last token, it occurred before: a always drafts
-    with LLM(str(tiny_dir), block_size=16, max_num_blocks=256, num_speculative_tokens=4) as llm:
+    with LLM(str(tiny_dir), dtype="float32", block_size=16, max_num_blocks=256, num_speculative_tokens=4) as llm:
         engine = llm.engine
         engine.add_request("a", every_token, GREEDY)
         engine.step()  # a's prompt

@@ -66,7 +66,8 @@ def start_engines(model_dir: Path, run_dir: Path, names: list[str]) -> list[Engi
     configs = [StackConfig(model=str(model_dir), name=f"{n}-", ready_timeout_s=120,
                            memory_args=("--max-num-blocks", "256", "--block-size", str(BLOCK_SIZE), "--log-level",
                                         "warning"),
-                           compute_args=("--block-size", str(BLOCK_SIZE), "--max-num-seqs", "16")) for n in names]
+                           compute_args=("--dtype", "float32", "--block-size", str(BLOCK_SIZE), "--max-num-seqs",
+                                         "16")) for n in names]
     stacks = start_stacks([Stack(c, run_dir) for c in configs], with_gateway=False)
     return [Engine(name, stack) for name, stack in zip(names, stacks)]
 

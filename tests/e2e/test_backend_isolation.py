@@ -86,7 +86,7 @@ def cluster(service_model: ServiceModel, run_dir: Path) -> Iterator[Cluster]:
         for i, port in enumerate(ports):
             listen = f"unix:{run_dir / f'iso-compute-{i}.sock'}"
             computes.append(compute_process(service_model.path, socket, listen, [
-                "--block-size", BLOCK_SIZE, "--max-num-seqs", "64", "--metrics-port", port,
+                "--dtype", "float32", "--block-size", BLOCK_SIZE, "--max-num-seqs", "64", "--metrics-port", port,
                 "--auth-token-file", token_file, "--write-stall-timeout-s", STALL_TIMEOUT_S,
                 "--max-stream-buffer", MAX_STREAM_BUFFER, "--log-level", "warning",
             ], env=_fault_env(service_model), log_file=run_dir / f"iso-compute-{i}.log"))

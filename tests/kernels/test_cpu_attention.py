@@ -144,7 +144,8 @@ def test_the_avx512_kernels_take_block_sizes_up_to_16_in_steps_of_4() -> None:
 def test_plan_is_none_where_the_fused_path_does_not_apply() -> None:
     args = (torch.zeros(2, dtype=torch.int64), torch.zeros(1, 1, dtype=torch.int32),
             torch.tensor([2], dtype=torch.int32), torch.tensor([0, 2], dtype=torch.int32))
-    assert CpuAttentionPlan.build(*args, dtype=torch.bfloat16, head_dim=64) is None
+    assert CpuAttentionPlan.build(*args, dtype=torch.float16, head_dim=64) is None
+    assert CpuAttentionPlan.build(*args, dtype=torch.bfloat16, head_dim=64) is not None
     assert CpuAttentionPlan.build(*args, dtype=torch.float32, head_dim=80) is None
     assert CpuAttentionPlan.build(*args, dtype=torch.float32, head_dim=64) is not None
 

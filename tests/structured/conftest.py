@@ -54,7 +54,7 @@ def build_byte_model(path: Path) -> ByteModel:
 
 @pytest.fixture(scope="module")
 def llm(byte_model: ByteModel) -> Iterator[LLM]:
-    with LLM(str(byte_model.path), block_size=4, max_num_blocks=1024) as engine:
+    with LLM(str(byte_model.path), dtype="float32", block_size=4, max_num_blocks=1024) as engine:
         yield engine
 
 

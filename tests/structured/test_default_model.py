@@ -38,7 +38,7 @@ def test_json_schema_on_the_default_model(default_model, prompt: list[int]) -> N
     from compute_service.model.model_loader import resolve_model
 
     config = default_model.config
-    with LLM("default") as llm:
+    with LLM("default", dtype="float32") as llm:
         [greedy] = llm.generate([prompt], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
                                                          constraint=Constraint.json_schema(SCHEMA)))
         [sampled] = llm.generate([prompt], SamplingParams(max_tokens=96, temperature=1.0, seed=11, n=8,

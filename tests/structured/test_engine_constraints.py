@@ -131,7 +131,7 @@ def test_preemption_keeps_the_grammar_state(byte_model: ByteModel, llm: LLM) -> 
                  for i, p in enumerate(PROMPTS)]
     roomy = run_batch(llm, requests)
     # 20 blocks of 4 tokens for 8 sequences of ~60 tokens: preempted and recomputed, mid-JSON.
-    with LLM(str(byte_model.path), block_size=4, max_num_blocks=20, max_num_seqs=8) as tight:
+    with LLM(str(byte_model.path), dtype="float32", block_size=4, max_num_blocks=20, max_num_seqs=8) as tight:
         squeezed = run_batch(tight, requests)
         assert tight.engine.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in squeezed] == [o.outputs[0].token_ids for o in roomy]

@@ -1,0 +1,86 @@
+"""bfloat16 as a CPU dtype: what ``auto`` picks, the fused path it runs, and its accuracy contract.
+
+The contract (the kernels' own tolerance is in tests/kernels/test_cpu_ops_bf16.py): logits finite;
+teacher-forced, our bf16 model's top-1 token agrees with transformers' bf16 model's at nearly every
+position (not all: two bf16 implementations round differently, and where the top two logits are
+within a rounding of each other either may win). The default model's rate over a few hundred
+positions of English text is measured by benchmarks/bf16_agreement.py (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from structlog.testing import capture_logs
+
+import kernels
+from compute_service import LLM, SamplingParams
+from compute_service.model.model_loader import load_model
+from memory_service.pool.kv_pool import KvLayout
+from pagedserve import dtypes
+from tests.compute_service.test_model import PagedSequences, random_tokens
+
+FUSED_AVAILABLE = kernels.cpu_ops.load() is not None
+MIN_TOP1_AGREEMENT = 0.95
+
+
+@pytest.mark.parametrize(("flags", "want"), [({"avx512f", "avx512_bf16"}, torch.bfloat16),
+                                              ({"avx512f", "avx2"}, torch.float32)])
+def test_auto_dtype_follows_the_cpu_and_is_logged(make_tiny_model, monkeypatch, flags, want) -> None:
+    monkeypatch.setattr(dtypes.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(dtypes, "cpu_flags", lambda: set(flags))
+    path = str(make_tiny_model("llama").path)
+    with capture_logs() as events:
+        assert load_model(path, device="cpu").model.dtype == want
+    [chosen] = [e for e in events if e["event"] == "dtype_auto"]
+    assert chosen["dtype"] == dtypes.dtype_name(want) and chosen["device"] == "cpu"
+    assert load_model(path, device="cpu", dtype="float32").model.dtype == torch.float32  # explicit wins
+    assert load_model(path, device="cpu", dtype="bfloat16").model.dtype == torch.bfloat16
+
+
+def test_bf16_model_runs_the_fused_path_on_packed_bf16_weights(make_tiny_model) -> None:
+    if not FUSED_AVAILABLE or not kernels.can_prepack():
+        pytest.skip("needs the fused CPU kernels and oneDNN")
+    model = load_model(str(make_tiny_model("llama").path), device="cpu", dtype="bfloat16").model
+    attn = model.layers[0].attn
+    assert attn.qkv_packed is not None and attn.qkv_packed.is_mkldnn and attn.qkv_weight.numel() == 0
+    assert attn.qkv_packed.dtype == torch.bfloat16
+    args = (torch.zeros(3, dtype=torch.int64), torch.zeros(1, 1, dtype=torch.int32),
+            torch.tensor([3], dtype=torch.int32), torch.tensor([0, 3], dtype=torch.int32))
+    assert kernels.plan_step(*args, dtype=torch.bfloat16, head_dim=model.config.head_dim).name == "fused-cpu"
+
+
+@pytest.mark.parametrize("variant", ["llama", "qwen2"])
+def test_bf16_teacher_forced_top1_agrees_with_transformers_bf16(make_tiny_model, variant: str) -> None:
+    tiny = make_tiny_model(variant)
+    model = load_model(str(tiny.path), device="cpu", dtype="bfloat16").model
+    hf = copy.deepcopy(tiny.hf_model).to(torch.bfloat16)
+    tokens = random_tokens(80, seed=40)
+    with torch.no_grad():
+        want = hf(torch.tensor([tokens])).logits[0].float()  # (80, vocab): after each position
+    paged = PagedSequences(model)
+    got = [paged.step({"s": tokens[:40]})[0]]  # a prefill (tile kernels), then teacher-forced decodes
+    got += [paged.step({"s": [token]})[0] for token in tokens[40:-1]]
+    got = torch.stack(got)  # (40, vocab): after positions 39..78
+    assert bool(torch.isfinite(got).all())
+    agreement = (got.argmax(-1) == want[39:-1].argmax(-1)).float().mean().item()
+    print(f"{variant}: bf16 top-1 agreement with transformers bf16 {agreement:.3f}")
+    assert agreement >= MIN_TOP1_AGREEMENT, agreement
+
+
+def test_bf16_kv_pool_holds_twice_the_blocks_and_the_engine_generates(make_tiny_model) -> None:
+    tiny = make_tiny_model("llama")
+    kv_bytes = 1 << 20
+    with LLM(str(tiny.path), dtype="bfloat16", block_size=4, kv_cache_bytes=kv_bytes) as llm:
+        config = llm.model_config
+        layouts = {name: KvLayout(num_layers=config.num_layers, num_kv_heads=config.num_kv_heads,
+                                  head_dim=config.head_dim, dtype=name, block_size=4)
+                   for name in ("float32", "bfloat16")}
+        assert layouts["float32"].bytes_per_block == 2 * layouts["bfloat16"].bytes_per_block
+        assert sum(pool.num_total_blocks for pool in llm.memory_stats().pools) == (
+            kv_bytes // layouts["bfloat16"].bytes_per_block)
+        [out] = llm.generate([random_tokens(9, seed=41)], SamplingParams(max_tokens=8, temperature=0.0,
+                                                                         ignore_eos=True))
+        assert len(out.token_ids) == 8

@@ -1,0 +1,105 @@
+"""The fused CPU kernels on bfloat16 tensors against float32 references (the bf16 contract).
+
+Each op reads bf16, computes in float32 and rounds once on store, so its output differs from the
+float32 reference run on the same (bf16-rounded) inputs by the output's own rounding: at most half
+a bf16 unit in the last place, 2^-9 relative (0.2%). The tolerance below, rtol 2^-8 with a small
+atol for values near zero, allows twice that; a kernel that rounded its accumulators to bf16 (or
+read K/V wrongly) would miss it by far. No output may be NaN or inf.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_ops
+from kernels.reference import paged_attention_naive
+from tests.kernels.helpers import make_paged_batch
+
+ops = cpu_ops.load()
+pytestmark = pytest.mark.skipif(ops is None, reason="the fused CPU kernels could not be built here")
+
+BF16_RTOL = 2**-8  # twice one bf16 rounding of the output
+BF16_ATOL = 1e-3
+
+
+def close_to_float32(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.dtype == torch.bfloat16 and bool(torch.isfinite(got).all())
+    torch.testing.assert_close(got.float(), want, rtol=BF16_RTOL, atol=BF16_ATOL)
+
+
+@pytest.mark.parametrize("kernel", ["paged_attention", "paged_attention_portable"])
+@pytest.mark.parametrize("block_size", [16, 4, 6])  # AVX-512 kernels (16, 4); the portable one (6)
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+def test_paged_attention_bf16_matches_float32(kernel: str, block_size: int, head_dim: int) -> None:
+    # decodes (one long enough to be split across threads), a chunk over cached context, a fresh
+    # prompt over two query tiles, a 3-token speculative-style chunk.
+    seq_lens, q_lens = [1, 17, 700, 60, 40, 33], [1, 1, 1, 21, 40, 3]
+    batch = make_paged_batch(seq_lens, q_lens, num_q_heads=9, num_kv_heads=3, head_dim=head_dim,
+                             block_size=block_size, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(5))
+    query = batch.query.bfloat16()
+    scale = head_dim**-0.5
+    want = paged_attention_naive(query.float(), batch.k_cache.float(), batch.v_cache.float(), *batch.args()[3:],
+                                 scale=scale)
+    out = torch.full_like(query, float("nan"))
+    getattr(ops, kernel)(out, query, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
+                         batch.cu_seqlens_q, torch.arange(len(seq_lens)), scale)
+    close_to_float32(out, want)
+
+
+def test_ops_refuse_mixed_dtypes() -> None:
+    batch = make_paged_batch([5], [1], num_q_heads=2, num_kv_heads=1, head_dim=16, block_size=4,
+                             dtype=torch.bfloat16)
+    out = torch.empty(1, 2, 16)
+    with pytest.raises(RuntimeError, match="dtype"):  # a float32 query over a bf16 pool
+        ops.paged_attention(out, out.clone(), batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
+                            batch.cu_seqlens_q, torch.arange(1), 0.25)
+    with pytest.raises(RuntimeError, match="dtype"):
+        ops.rms_norm(torch.randn(2, 16).bfloat16(), torch.ones(16), 1e-5)
+
+
+@pytest.mark.parametrize("rows", [5, 1500])  # decode-sized (one thread) and split across threads
+def test_elementwise_ops_bf16_match_float32(rows: int) -> None:
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(rows, 96, generator=gen).bfloat16()
+    weight = (1.0 + 0.1 * torch.randn(96, generator=gen)).bfloat16()
+    eps = 1e-5
+    x32, w32 = x.float(), weight.float()
+    close_to_float32(ops.rms_norm(x, weight, eps), x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * w32)
+
+    residual, delta = torch.randn(rows, 96, generator=gen).bfloat16(), torch.randn(rows, 96, generator=gen).bfloat16()
+    total = residual.float() + delta.float()
+    normed = ops.add_rms_norm(residual, delta, weight, eps)
+    close_to_float32(residual, total)  # updated in place, rounded once
+    want = residual.float() * torch.rsqrt(residual.float().pow(2).mean(-1, keepdim=True) + eps) * w32
+    close_to_float32(normed, want)
+
+    gate_up = (4 * torch.randn(rows, 2 * 50, generator=gen)).bfloat16()  # 3 vectors of 16 and a tail of 2
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    close_to_float32(ops.silu_mul(gate_up), F.silu(gate) * up)
+
+    num_tokens, num_heads, head_dim = rows, 3, 16
+    qkv = torch.randn(num_tokens, (num_heads + 1) * head_dim, generator=gen).bfloat16()  # last head: not rotated
+    angles = torch.randn(num_tokens, head_dim // 2, generator=gen).repeat(1, 2)  # (T, D) float32 as [f | f]
+    cos, sin = angles.cos(), angles.sin()
+    heads = qkv[:, : num_heads * head_dim].float().view(num_tokens, num_heads, head_dim)
+    x1, x2 = heads.chunk(2, dim=-1)
+    want = heads * cos[:, None] + torch.cat((-x2, x1), dim=-1) * sin[:, None]
+    untouched = qkv[:, num_heads * head_dim:].clone()
+    ops.rotary_(qkv, cos, sin, num_heads, head_dim)
+    close_to_float32(qkv[:, : num_heads * head_dim].view_as(want), want)
+    assert torch.equal(qkv[:, num_heads * head_dim:], untouched)
+
+
+def test_write_kv_bf16_copies_rows_exactly() -> None:
+    gen = torch.Generator().manual_seed(7)
+    num_blocks, block_size, num_kv_heads, head_dim, rows = 20, 4, 2, 16, 30
+    k_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=torch.bfloat16)
+    v_cache = torch.zeros_like(k_cache)
+    kv = torch.randn(rows, 2 * num_kv_heads * head_dim, generator=gen).bfloat16()  # strided rows [k | v]
+    key, value = (t.view(rows, num_kv_heads, head_dim) for t in kv.split(num_kv_heads * head_dim, dim=-1))
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:rows]
+    ops.write_kv_(k_cache, v_cache, key, value, slots)
+    assert torch.equal(k_cache.view(-1, num_kv_heads, head_dim)[slots], key)
+    assert torch.equal(v_cache.view(-1, num_kv_heads, head_dim)[slots], value)
