@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import Any
 
@@ -20,7 +21,7 @@ from compute_service.engine.model_runner import ModelRunner
 from compute_service.engine.faults import DetokenizeFault
 from compute_service.engine.outputs import RequestDelta
 from compute_service.engine.request import EngineLoad, GenerateInput, Request, TenantQueue
-from compute_service.engine.sampler import greedy_tokens, sample, token_logprobs
+from compute_service.engine.sampler import sample, token_logprobs
 from compute_service.engine.sampling_params import SamplingParams
 from compute_service.engine.scheduler import ScheduledSeq, Scheduler
 from compute_service.engine import speculative
@@ -237,30 +238,10 @@ class Engine:
         scheduled = self.scheduler.apply_results(plan, reply.results, reply.num_available_blocks,
                                                  reply.num_available_reserved_blocks)
         if self.config.num_speculative_tokens:
-            self._attach_drafts(scheduled)
+            speculative.attach_drafts(scheduled, self.config.num_speculative_tokens,
+                                      self.config.max_num_batched_tokens, self.memory.block_size,
+                                      self.model_config.max_position)
         return scheduled
-
-    def _attach_drafts(self, scheduled: list[ScheduledSeq]) -> None:
-        """N-gram drafts for the greedy decoding sequences, within the step's token budget."""
-        decodes = [item for item in scheduled
-                   if item.num_new_tokens == 1 and item.seq.num_computed_tokens + 1 == item.seq.num_tokens]
-        if len(decodes) < len(scheduled):
-            # The step computes prompt tokens, so arithmetic bounds it, not reading the weights: a
-            # draft row would cost as much as a prompt row and delay those prompts' first tokens.
-            return
-        decodes = [item for item in decodes if speculative.eligible(item.seq)]
-        per_seq = speculative.draft_budget(len(decodes), self.config.num_speculative_tokens)
-        budget = self.config.max_num_batched_tokens - len(scheduled)  # every item is a one-token decode
-        for item in decodes:
-            seq = item.seq
-            k = min(per_seq, budget, speculative.room_for_drafts(seq, self.memory.block_size,
-                                                                 self.model_config.max_position))
-            if k <= 0:
-                continue
-            if seq.ngrams is None:
-                seq.ngrams = speculative.NgramIndex()
-            item.draft_token_ids = seq.ngrams.propose(seq, k)
-            budget -= len(item.draft_token_ids)
 
     def _postprocess(self, scheduled: list[ScheduledSeq], logits: torch.Tensor | None) -> list[RequestDelta]:
         touched: dict[str, Request] = {}
@@ -279,28 +260,19 @@ class Engine:
             rows = logits if len(to_sample) == logits.shape[0] else logits[[row for row, _ in to_sample]]
             seqs = [seq for _, seq in to_sample]
             tokens = self._sample(rows, seqs)
-            # The greedy token after each draft (the runner's rows after the first B, in order); none
-            # of this when no sequence drafted.
-            drafts_of: dict[int, list[int]] = {}
-            if logits.shape[0] > len(scheduled):
-                draft_rows = iter(greedy_tokens(logits[len(scheduled):]))
-                drafts_of = {id(item.seq): item.draft_token_ids for item in scheduled if item.draft_token_ids}
-            for index, (seq, token) in enumerate(zip(seqs, tokens)):
+            drafts = speculative.StepDrafts(scheduled, logits)  # the model's verdict on the drafts
+            self.num_draft_tokens += drafts.num_draft_tokens
+            for index, ((row, seq), token) in enumerate(zip(to_sample, tokens)):
                 touched[seq.request_id] = self.requests[seq.request_id]
-                drafts = drafts_of.get(id(seq)) if drafts_of else None
-                if drafts:  # its rows are taken in order even if its request failed
-                    greedy = [token, *(next(draft_rows) for _ in drafts)]
-                    self.num_draft_tokens += len(drafts)
                 if token is None or seq.finish_reason is FinishReason.ERROR:
                     continue  # its request failed (this step): nothing more for it
                 # Per sequence, so that a failure of one request's own work ends that request alone.
                 try:
                     if seq.params.n > 1 and seq.index == 0 and not seq.output_token_ids:
                         self._fork_children(seq, rows[index])
-                    if drafts:
-                        self._append_verified(seq, drafts, greedy, rows, index)
-                    else:
-                        self._append_token(seq, token, rows, index)
+                    # (No logprobs with drafts: such sequences get none.)
+                    append_token = functools.partial(self._append_token, seq, logits=rows, row=index)
+                    self.num_accepted_draft_tokens += drafts.append(row, seq, token, append_token)
                 except Exception as exc:  # reported as the request's error, logged with its traceback
                     self._fail_request(seq.request_id, "postprocessing", exc)
         for request_id in self._aborted_ids:
@@ -382,21 +354,6 @@ class Engine:
                 self._fail_request(seqs[row].request_id, "masking", exc)
         tokens = sample(logits, seqs, self.model_config.eos_token_ids)
         return [None if seq.finish_reason is FinishReason.ERROR else token for seq, token in zip(seqs, tokens)]
-
-    def _append_verified(self, seq: Sequence, drafts: list[int], greedy: list[int], logits: torch.Tensor,
-                         row: int) -> None:
-        """Append the greedy tokens the drafts agreed with, and the one after, until a stop."""
-        num_accepted = speculative.accepted_prefix(drafts, greedy)
-        num_appended = 0
-        for token in greedy[: num_accepted + 1]:
-            self._append_token(seq, token, logits, row)  # (no logprobs: such sequences get no drafts)
-            num_appended += 1
-            if seq.is_finished:
-                break
-        # Drafts that became output (a stop may end the sequence before the last accepted one).
-        self.num_accepted_draft_tokens += min(num_accepted, num_appended)
-        if not seq.is_finished:
-            seq.accept_drafts(min(num_accepted, num_appended))
 
     def _append_token(self, seq: Sequence, token: int, logits: torch.Tensor, row: int) -> None:
         """Append ``token``, sampled from ``logits[row]`` (its logprobs come from there), and check

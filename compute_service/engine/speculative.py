@@ -30,6 +30,12 @@ rejected draft's slot is past the sequence's length and is overwritten by the re
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import torch
+
+from compute_service.engine.sampler import greedy_tokens
+from compute_service.engine.scheduler import ScheduledSeq
 from compute_service.engine.sequence import Sequence
 
 MAX_NGRAM = 4
@@ -109,3 +115,92 @@ def accepted_prefix(drafts: list[int], greedy: list[int]) -> int:
     while a < len(drafts) and drafts[a] == greedy[a]:
         a += 1
     return a
+
+
+# --- the engine's two calls: drafts after scheduling, verdicts after the forward ------------------
+
+
+def attach_drafts(scheduled: list[ScheduledSeq], max_per_seq: int, max_num_batched_tokens: int, block_size: int,
+                  max_position: int) -> None:
+    """Give the step's greedy decoding sequences their n-gram drafts (``ScheduledSeq.draft_token_ids``),
+    within the step's token budget. None in a step that computes prompt tokens."""
+    decodes = [item for item in scheduled
+               if item.num_new_tokens == 1 and item.seq.num_computed_tokens + 1 == item.seq.num_tokens]
+    if len(decodes) < len(scheduled):
+        # The step computes prompt tokens, so arithmetic bounds it, not reading the weights: a
+        # draft row would cost as much as a prompt row and delay those prompts' first tokens.
+        return
+    decodes = [item for item in decodes if eligible(item.seq)]
+    per_seq = draft_budget(len(decodes), max_per_seq)
+    budget = max_num_batched_tokens - len(scheduled)  # every item is a one-token decode
+    for item in decodes:
+        seq = item.seq
+        k = min(per_seq, budget, room_for_drafts(seq, block_size, max_position))
+        if k <= 0:
+            continue
+        if seq.ngrams is None:
+            seq.ngrams = NgramIndex()
+        item.draft_token_ids = seq.ngrams.propose(seq, k)
+        budget -= len(item.draft_token_ids)
+
+
+class StepDrafts:
+    """One step's drafts and the model's verdict on them, by scheduled row.
+
+    The runner's logits are (B + D, V): row b after scheduled sequence b's last token, then one row
+    after each of the D drafts, sequence after sequence (model_runner.py). For a sequence that
+    drafted, the token sampled from its own row (greedy: it is the argmax) is followed by the argmax
+    after each of its drafts; ``append`` keeps what the drafts agreed with.
+
+    Args:
+        scheduled: the step's sequences, in row order.
+        logits: the step's (B + D, V) logits (None when nothing ran).
+    """
+
+    def __init__(self, scheduled: list[ScheduledSeq], logits: torch.Tensor | None) -> None:
+        # row -> (its drafts, the greedy token after each draft); empty when nothing drafted.
+        self._verdicts: dict[int, tuple[list[int], list[int]]] = {}
+        self.num_draft_tokens = 0  # drafts computed this step
+        if logits is None or logits.shape[0] == len(scheduled):
+            return
+        after_drafts = greedy_tokens(logits[len(scheduled):])
+        start = 0
+        for row, item in enumerate(scheduled):
+            if item.draft_token_ids:
+                end = start + len(item.draft_token_ids)
+                self._verdicts[row] = (item.draft_token_ids, after_drafts[start:end])
+                start = end
+        if start != len(after_drafts):
+            raise RuntimeError(f"{len(after_drafts)} draft rows of logits for {start} drafts")
+        self.num_draft_tokens = start
+
+    def append(self, row: int, seq: Sequence, token: int, append_token: Callable[[int], None]) -> int:
+        """Append ``token`` (sampled from ``row``), then, if the sequence drafted, the greedy tokens
+        its drafts agreed with and the one after them, until a stop ends it.
+
+        Args:
+            row: the sequence's scheduled row.
+            seq: the sequence.
+            token: the token sampled from its row.
+            append_token: the engine's append (stop checks, detokenizing) of one token to ``seq``.
+
+        Returns:
+            The drafts that became output (a stop may end the sequence before the last accepted one).
+        """
+        verdict = self._verdicts.get(row)
+        if verdict is None:
+            append_token(token)
+            return 0
+        drafts, after_drafts = verdict
+        greedy = [token, *after_drafts]
+        num_accepted = accepted_prefix(drafts, greedy)
+        num_appended = 0
+        for greedy_token in greedy[: num_accepted + 1]:
+            append_token(greedy_token)
+            num_appended += 1
+            if seq.is_finished:
+                break
+        num_kept = min(num_accepted, num_appended)
+        if not seq.is_finished:
+            seq.accept_drafts(num_kept)
+        return num_kept

@@ -11,11 +11,13 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import LlamaForCausalLM
 
 from compute_service import LLM, SamplingParams
 from compute_service.engine import speculative
-from compute_service.engine.sequence import Sequence
+from compute_service.engine.scheduler import ScheduledSeq
+from compute_service.engine.sequence import FinishReason, Sequence
 
 from tests.compute_service.tiny_llama import VOCAB, hf_greedy, load_hf, save_tiny_llama
 
@@ -47,6 +49,7 @@ def prompts(num: int, seed: int) -> list[list[int]]:
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 
 
+@pytest.mark.unit
 def test_ngram_index_proposes_what_followed_the_latest_longest_match() -> None:
     seq = Sequence("s", "r", [5, 6, 7, 8, 9, 5, 6, 7, 3, 4, 6, 7], SamplingParams(temperature=0.0))
     index = speculative.NgramIndex()
@@ -62,6 +65,7 @@ def test_ngram_index_proposes_what_followed_the_latest_longest_match() -> None:
     assert speculative.NgramIndex().propose(loop, 7) == [3, 1, 2, 3, 1, 2, 3]
 
 
+@pytest.mark.unit
 def test_drafts_fit_the_last_block_max_tokens_and_the_row_budget() -> None:
     seq = Sequence("s", "r", list(range(10)), SamplingParams(temperature=0.0, max_tokens=20))
     seq.output_token_ids = [3]
@@ -79,6 +83,93 @@ def test_drafts_fit_the_last_block_max_tokens_and_the_row_budget() -> None:
     assert speculative.draft_budget(200, 4) == 0 and speculative.draft_budget(0, 4) == 0
     assert speculative.accepted_prefix([4, 5, 6], [4, 5, 9, 2]) == 2
     assert speculative.accepted_prefix([4], [3, 4]) == 0
+
+
+def decoding(seq_id: str, prompt: list[int], output: list[int], block_table: list[int],
+             params: SamplingParams = GREEDY) -> ScheduledSeq:
+    """A sequence scheduled for a one-token decode step (its last output token's K/V is computed now)."""
+    seq = Sequence(seq_id, seq_id, prompt, params)
+    seq.admit(block_table, 0)
+    seq.advance(len(prompt))
+    for token in output:
+        seq.append_token(token)
+    seq.advance(len(output) - 1)
+    return ScheduledSeq(seq, 1)
+
+
+def one_hot_rows(token_ids: list[int]) -> torch.Tensor:
+    """(R, VOCAB) logits whose argmax in row r is token_ids[r]."""
+    logits = torch.zeros(len(token_ids), VOCAB)
+    logits[torch.arange(len(token_ids)), torch.tensor(token_ids)] = 1.0
+    return logits
+
+
+@pytest.mark.unit
+def test_drafts_only_in_decode_steps_within_the_token_budget() -> None:
+    loop = [5, 6, 7] * 3
+    a = decoding("a", loop, [5], [0, 1, 2])  # 10 tokens in 3 blocks of 4: room for 1 draft... in 12 slots: 2
+    b = decoding("b", loop, [5], [3, 4, 5])
+    scheduled = [a, b]
+    speculative.attach_drafts(scheduled, max_per_seq=4, max_num_batched_tokens=3, block_size=4, max_position=512)
+    # 2 decodes leave 1 row of the 3-token budget: a takes it, b gets none.
+    assert (a.draft_token_ids, b.draft_token_ids) == ([6], [])
+    prompt = ScheduledSeq(Sequence("p", "p", [1, 2, 3], GREEDY), 3)  # a prompt chunk in the step
+    c = decoding("c", loop, [5], [6, 7, 8])
+    speculative.attach_drafts([c, prompt], max_per_seq=4, max_num_batched_tokens=64, block_size=4,
+                              max_position=512)
+    assert c.draft_token_ids == []
+
+
+@pytest.mark.unit
+def test_step_drafts_keep_the_agreed_prefix_and_one_more() -> None:
+    a = decoding("a", [2, 3], [4], [0])
+    b = decoding("b", [2, 3], [4], [1])
+    plain = decoding("c", [2, 3], [4], [2])
+    a.draft_token_ids, b.draft_token_ids = [10, 11, 12], [20, 21]
+    # Rows: a, b, c after their last tokens, then a's 3 drafts, then b's 2.
+    logits = one_hot_rows([10, 30, 40, 11, 99, 98, 31, 32])
+    drafts = speculative.StepDrafts([a, b, plain], logits)
+    assert drafts.num_draft_tokens == 5
+    appended: list[tuple[str, int]] = []
+
+    def appender(seq: Sequence):
+        def append(token: int) -> None:
+            appended.append((seq.seq_id, token))
+            seq.append_token(token)
+        return append
+
+    # a: greedy 10 (its own row), then 11 after draft 10, 99 after draft 11: drafts 10, 11 accepted.
+    assert drafts.append(0, a.seq, 10, appender(a.seq)) == 2
+    # b: greedy 30 rejects draft 20 at once: only its own token.
+    assert drafts.append(1, b.seq, 30, appender(b.seq)) == 0
+    assert drafts.append(2, plain.seq, 40, appender(plain.seq)) == 0
+    assert appended == [("a", 10), ("a", 11), ("a", 99), ("b", 30), ("c", 40)]
+    assert a.seq.num_unappended_tokens == 2 and b.seq.num_unappended_tokens == 0
+
+
+@pytest.mark.unit
+def test_step_drafts_stop_where_the_sequence_finishes() -> None:
+    a = decoding("a", [2, 3], [4], [0])
+    a.draft_token_ids = [10, 11, 12]
+    drafts = speculative.StepDrafts([a], one_hot_rows([10, 11, 12, 13]))
+
+    def append(token: int) -> None:
+        a.seq.append_token(token)
+        if token == 11:  # a stop token: the sequence ends there
+            a.seq.finish(FinishReason.STOP)
+
+    # All 3 drafts agree, but the stop at the second ends the run: drafts 10 and 11 became output.
+    assert drafts.append(0, a.seq, 10, append) == 2
+    assert a.seq.output_token_ids == [4, 10, 11] and a.seq.num_unappended_tokens == 0
+
+
+@pytest.mark.unit
+def test_no_drafts_no_verdicts() -> None:
+    a = decoding("a", [2, 3], [4], [0])
+    drafts = speculative.StepDrafts([a], one_hot_rows([10]))
+    assert drafts.num_draft_tokens == 0
+    assert drafts.append(0, a.seq, 10, a.seq.append_token) == 0 and a.seq.output_token_ids == [4, 10]
+    assert speculative.StepDrafts([], None).num_draft_tokens == 0
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
