@@ -97,7 +97,8 @@ def test_in_process_allocator_runs_like_the_memory_service(tiny_dir: Path, hf_mo
             tables.append([list(s.block_table) for s in engine.scheduler.running])
         return [results[f"r{i}"].outputs[0].token_ids for i in range(len(prompts))], tables
 
-    with LLM(str(tiny_dir), block_size=4, max_num_blocks=24, max_num_seqs=6, admission_watermark=0.0) as llm:
+    with LLM(str(tiny_dir), dtype="float32", block_size=4, max_num_blocks=24, max_num_seqs=6,
+             admission_watermark=0.0) as llm:
         remote = drive(llm.engine)
         remote_counts = (llm.engine.num_steps, llm.engine.scheduler.num_preemptions)
     local_engine = in_process_engine(*to_causal_lm(hf_model), num_blocks=24, max_num_seqs=6, admission_watermark=0.0)
