@@ -13,9 +13,8 @@ from MKL's in float rounding only (another summation order), like any two BLAS l
 
 bfloat16: oneDNN multiplies bf16 x bf16 with float32 accumulation and rounds the output to bf16
 once, on AMX tiles where the CPU has AMX-BF16 and with AVX512-BF16 dot products (vdpbf16ps)
-otherwise; which one runs is oneDNN's choice at run time (`ONEDNN_VERBOSE=1` prints it). Measured
-on one of the default model's projections (1536 x 576, 32 rows, one thread, AMD EPYC with
-AVX512-BF16 and no AMX): packed bf16 about 1.7x packed float32, and 1.2x bf16 through `F.linear`.
+otherwise; which one runs is oneDNN's choice at run time (`ONEDNN_VERBOSE=1` prints it). Packed
+bf16 reads half the bytes of packed float32 and beats bf16 through `F.linear` (docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -33,9 +34,19 @@ def _min_tokens_banned(params: SamplingParams, eos_token_ids: Seq[int], device: 
     return banned
 
 
+# How many of a row's most likely tokens the top-p fast path looks at: the nucleus of real text at
+# top_p 0.9-0.95 is a few to a few dozen tokens of the default model's 49152, and a `topk` of 256 is
+# a small fraction of a full sort's cost (docs/benchmarks.md). A nucleus that does not fit takes the sort.
+TOP_P_CANDIDATES = 256
+
+
 def _sample_row(row: torch.Tensor, seq: Sequence) -> int:
+    """The reference: one sequence, a full sort for top-p (ties in the order of their token ids).
+
+    `sample` computes the same distribution without the sort where it can (`_nucleus`), and with a
+    seeded generator draws the same token; tests compare the two.
+    """
     p = seq.params
-    # float64: a float32 temperature as small as 1e-45 overflows float32 logits to inf (NaN probs).
     row = row.double() / p.temperature
     if p.top_k and p.top_k < row.shape[0]:
         kth = torch.topk(row, p.top_k).values[-1]
@@ -44,14 +55,109 @@ def _sample_row(row: torch.Tensor, seq: Sequence) -> int:
     if p.min_p > 0:
         probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
     if p.top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (the token crossing it included).
-        drop = sorted_probs.cumsum(0) - sorted_probs > p.top_p
-        probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
+        probs = _top_p_sorted(probs, p.top_p)
     if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0:
-        # Every token penalised to -inf: no distribution is left; its limit is the argmax.
         return int(row.argmax())
     return int(torch.multinomial(probs, 1, generator=seq.generator))
+
+
+def _top_p_sorted(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """probs (V,) with every token outside the nucleus zeroed: the smallest prefix of the tokens sorted
+    by probability (ties by token id) whose mass reaches top_p, the token crossing it included."""
+    sorted_probs, order = probs.sort(descending=True, stable=True)
+    drop = sorted_probs.cumsum(0) - sorted_probs > top_p
+    return probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
+
+
+def _nucleus(values: torch.Tensor, ids: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The nucleus from a row's `TOP_P_CANDIDATES` most likely tokens, or None where they cannot tell.
+
+    Args:
+        values, ids: (K,) the row's K largest probabilities, descending, and their token ids.
+    Returns:
+        (ids, probabilities) of the nucleus, exactly the tokens `_top_p_sorted` keeps; None when the
+        nucleus may reach past the K (all K kept), or when its last token ties with the K-th value
+        (tokens of that value outside the K might come first by id).
+
+    Why it is exact: the exclusive prefix sums of the first n sorted probabilities depend on those n
+    alone (cumsum adds in order, and equal values added in any order give the same sums), so the
+    keep/drop decision of each of the K is the sort's; every token past the K has an exclusive sum at
+    least the K-th's, which exceeds top_p whenever one of the K is dropped.
+    """
+    if bool((values[1:] == values[:-1]).any()):  # ties: put them in token-id order, as the stable sort
+        ids, by_id = ids.sort()
+        values, by_value = values[by_id].sort(descending=True, stable=True)
+        ids = ids[by_value]
+    num_kept = int((values.cumsum(0) - values <= top_p).sum())
+    if num_kept == values.shape[0] or values[num_kept - 1] == values[-1]:
+        return None
+    return ids[:num_kept], values[:num_kept]
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """An index drawn with probability proportional to probs (R,) (non-negative, positive sum).
+
+    With a generator: `torch.multinomial` on the vector as given, the draw every earlier version made
+    (it draws one exponential per entry, the costliest part of a seeded row), so a seed gives the same
+    tokens. Without: inverse CDF, one uniform and a binary search over the cumulative sum.
+    """
+    if generator is not None:
+        return int(torch.multinomial(probs, 1, generator=generator))
+    cdf = probs.cumsum(0)
+    u = torch.rand((), dtype=cdf.dtype) * cdf[-1]
+    return min(int(torch.searchsorted(cdf, u, right=True)), probs.shape[0] - 1)
+
+
+def _sample_random(rows: torch.Tensor, seqs: Seq[Sequence]) -> list[int]:
+    """Random sampling of R rows (R, V) at once: temperature, top-k, softmax and min-p as (R, V) ops,
+    each row's nucleus from one batched `topk` (`_nucleus`), the full sort only where it cannot tell.
+
+    Every row's distribution is `_sample_row`'s, value for value (float64 as there; batched softmax
+    and min-p give each row the bits a single-row call does), and a seeded row draws its token from
+    the same full-vocabulary vector with the same call.
+    """
+    vocab = rows.shape[1]
+    params = [seq.params for seq in seqs]
+    # float64: a float32 temperature as small as 1e-45 overflows float32 logits to inf (NaN probs).
+    x = rows.double() / torch.tensor([p.temperature for p in params], dtype=torch.float64)[:, None]
+    top_ks = [p.top_k if p.top_k and p.top_k < vocab else 0 for p in params]
+    if any(top_ks):
+        kth = x.topk(max(top_ks), dim=-1).values  # (R, max k), descending
+        for r, k in enumerate(top_ks):
+            if k:
+                x[r] = x[r].masked_fill(x[r] < kth[r, k - 1], float("-inf"))
+    probs = torch.softmax(x, dim=-1)  # (R, V)
+    min_ps = [p.min_p for p in params]
+    if any(m > 0 for m in min_ps):
+        floor = torch.tensor(min_ps, dtype=torch.float64)[:, None] * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < floor, 0.0)  # rows with min_p 0: floor 0, nothing below it
+    totals = probs.sum(dim=-1).tolist()
+    nucleus_rows = [r for r, p in enumerate(params) if p.top_p < 1.0]
+    candidates = None
+    if nucleus_rows:
+        k = min(TOP_P_CANDIDATES, vocab)
+        candidates = probs[nucleus_rows].topk(k, dim=-1)  # (N, K) values, ids; descending
+    out = []
+    for r, seq in enumerate(seqs):
+        total = totals[r]
+        if not (total > 0 and math.isfinite(total)):  # every token masked or penalised to -inf
+            out.append(int(x[r].argmax()))  # no distribution is left; its limit is the argmax
+            continue
+        row, top_p = probs[r], params[r].top_p
+        if top_p < 1.0:
+            i = nucleus_rows.index(r)
+            found = _nucleus(candidates.values[i], candidates.indices[i], top_p)
+            if found is None:
+                row = _top_p_sorted(row, top_p)
+            elif seq.generator is None:
+                ids, values = found
+                out.append(int(ids[_draw(values, None)]))
+                continue
+            else:  # the same full vector the sort makes, for the seeded draw
+                ids, values = found
+                row = torch.zeros_like(row).index_put_((ids,), values)
+        out.append(_draw(row, seq.generator))
+    return out
 
 
 def greedy_tokens(logits: torch.Tensor) -> list[int]:
@@ -69,7 +175,7 @@ def sample(logits: torch.Tensor, seqs: Seq[Sequence], eos_token_ids: Seq[int]) -
     """Pick the next token of each sequence.
 
     Args:
-        logits: (B, V) float32, one row per sequence in ``seqs``.
+        logits: (B, V) float32, one row per sequence in ``seqs`` (not changed).
         seqs: the sequences; their params say greedy or random, penalties and min_tokens.
         eos_token_ids: the model's end tokens (masked while a sequence is under min_tokens).
     Returns:
@@ -78,14 +184,25 @@ def sample(logits: torch.Tensor, seqs: Seq[Sequence], eos_token_ids: Seq[int]) -
     plain = all(s.params.is_greedy and not s.params.has_penalties and not s.params.min_tokens for s in seqs)
     if plain:  # the common benchmark and test path: one argmax for the whole batch
         return greedy_tokens(logits)
-    out = []
-    for row, seq in zip(logits, seqs, strict=True):
-        row = row.clone()
-        if seq.num_output_tokens < seq.params.min_tokens:
-            row[_min_tokens_banned(seq.params, eos_token_ids, row.device)] = float("-inf")
-        row = _apply_penalties(row, seq)
-        out.append(int(row.argmax()) if seq.params.is_greedy else _sample_row(row, seq))
-    return out
+    under_min = [seq.num_output_tokens < seq.params.min_tokens for seq in seqs]
+    if any(under_min) or any(seq.params.has_penalties for seq in seqs):
+        logits = logits.clone()  # the raw rows stay for logprobs and for n > 1 forks sampling again
+        for row, seq, banned in zip(logits, seqs, under_min, strict=True):
+            if banned:
+                row[_min_tokens_banned(seq.params, eos_token_ids, row.device)] = float("-inf")
+            if seq.params.has_penalties:
+                _apply_penalties(row, seq)
+    out: list[int | None] = [None] * len(seqs)
+    greedy = [b for b, seq in enumerate(seqs) if seq.params.is_greedy]
+    if greedy:
+        for b, token in zip(greedy, greedy_tokens(logits[greedy])):
+            out[b] = token
+    randoms = [b for b, seq in enumerate(seqs) if not seq.params.is_greedy]
+    if randoms:
+        rows = logits if len(randoms) == len(seqs) else logits[randoms]
+        for b, token in zip(randoms, _sample_random(rows, [seqs[b] for b in randoms])):
+            out[b] = token
+    return out  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)

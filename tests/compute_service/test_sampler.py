@@ -1,11 +1,16 @@
-"""The greedy fast path: one argmax over the batch, identical to torch's (first maximum, NaN wins)."""
+"""The sampler: the greedy fast path (one argmax over the batch, identical to torch's: first maximum,
+NaN wins), and batched random sampling, exactly the per-row sorted reference's distributions and, with
+seeded generators, its tokens."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from compute_service.engine import sampler
 from compute_service.engine.sampler import greedy_tokens
+from compute_service.engine.sampling_params import SamplingParams
+from compute_service.engine.sequence import Sequence
 
 pytestmark = pytest.mark.unit
 
@@ -30,3 +35,99 @@ def test_greedy_tokens_equal_torch_argmax_on_ties_nan_and_inf() -> None:
     assert greedy_tokens(cases[2]) == [0, 0, 0] and greedy_tokens(nan)[0] == 5 and greedy_tokens(inf)[1] == 10
     half = torch.randn(5, 300, generator=g).bfloat16()  # not float32: torch's own argmax
     assert greedy_tokens(half) == half.argmax(dim=-1).tolist()
+
+
+# -- random sampling: the batched sampler against the per-row sorted reference ------------------------
+
+def _seqs(params: list[SamplingParams], seed: int) -> list[Sequence]:
+    seqs = []
+    for i, p in enumerate(params):
+        seq = Sequence(seq_id=f"s{i}", request_id=f"r{i}", prompt_token_ids=[1, 2, 3, 2], params=p)
+        seq.output_token_ids = [5, 5, 7]
+        if p.seed is not None:
+            seq.generator = torch.Generator().manual_seed(seed + i)
+        seqs.append(seq)
+    return seqs
+
+
+def _reference(logits: torch.Tensor, seqs: list[Sequence], eos: list[int]) -> list[int]:
+    """The per-row implementation every earlier version ran (a full sort for top-p)."""
+    out = []
+    for row, seq in zip(logits, seqs):
+        row = row.clone()
+        if seq.num_output_tokens < seq.params.min_tokens:
+            row[eos] = float("-inf")
+        sampler._apply_penalties(row, seq)
+        out.append(int(row.argmax()) if seq.params.is_greedy else sampler._sample_row(row, seq))
+    return out
+
+
+PARAMS = [
+    SamplingParams(temperature=0.8, top_p=0.95, seed=1),
+    SamplingParams(temperature=1.0, top_p=0.5, top_k=50, seed=2),
+    SamplingParams(temperature=0.7, top_p=0.9, min_p=0.05, seed=3),
+    SamplingParams(temperature=1.0, seed=4),  # no truncation: the full vector
+    SamplingParams(temperature=1.2, top_k=5, seed=5),
+    SamplingParams(temperature=0.9, top_p=0.1, repetition_penalty=1.3, presence_penalty=0.5, seed=6),
+    SamplingParams(temperature=0.0, repetition_penalty=1.2),  # greedy among random rows
+    SamplingParams(temperature=1.0, top_p=0.999, seed=7),  # a nucleus past the candidates: the sort
+    SamplingParams(temperature=0.8, top_p=0.95, min_tokens=10, seed=8),
+]
+
+
+@pytest.mark.parametrize("kind", ["peaked", "flat", "bf16-ties", "masked"])
+def test_seeded_tokens_equal_the_sorted_reference(kind: str) -> None:
+    g = torch.Generator().manual_seed(11)
+    vocab, eos = 3000, [0, 1]
+    logits = torch.randn(len(PARAMS), vocab, generator=g) * (6.0 if kind != "flat" else 0.3)
+    if kind == "bf16-ties":  # what a bf16 model's logits look like: many exact ties
+        logits = logits.bfloat16().float()
+    if kind == "masked":
+        logits[:, 100:] = float("-inf")
+        logits[3] = float("-inf")  # a row with nothing left: the argmax
+    for step in range(4):
+        raw = logits.roll(step * 37, dims=1)
+        before = raw.clone()
+        got = sampler.sample(raw, _seqs(PARAMS, seed=step), eos)
+        assert got == _reference(raw, _seqs(PARAMS, seed=step), eos)
+        assert torch.equal(raw, before)  # penalties and min_tokens in a copy: logprobs see raw rows
+
+
+def test_the_nucleus_from_candidates_is_the_sorted_one_or_none() -> None:
+    g = torch.Generator().manual_seed(12)
+    taken = 0
+    for trial in range(300):
+        scale = [0.2, 2.0, 8.0][trial % 3]
+        logits = torch.randn(5000, generator=g, dtype=torch.float64) * scale
+        if trial % 2:
+            logits = logits.bfloat16().double()  # ties
+        probs = torch.softmax(logits, 0)
+        top_p = [0.5, 0.9, 0.95, 0.99][trial % 4]
+        want = sampler._top_p_sorted(probs, top_p)
+        values, ids = probs.topk(sampler.TOP_P_CANDIDATES)
+        found = sampler._nucleus(values, ids, top_p)
+        if found is None:
+            continue
+        taken += 1
+        got = torch.zeros_like(probs).index_put_((found[0],), found[1])
+        assert torch.equal(got, want)
+    assert taken > 100  # the fast path is the common one
+
+
+def test_the_unseeded_draw_follows_the_distribution_and_never_picks_a_zero() -> None:
+    torch.manual_seed(13)
+    probs = torch.tensor([0.0, 0.5, 0.3, 0.0, 0.2], dtype=torch.float64)
+    counts = torch.bincount(torch.tensor([sampler._draw(probs, None) for _ in range(4000)]), minlength=5)
+    assert counts[0] == counts[3] == 0
+    assert abs(counts[1] / 4000 - 0.5) < 0.04 and abs(counts[2] / 4000 - 0.3) < 0.04
+
+
+def test_unseeded_rows_sample_inside_the_nucleus() -> None:
+    g = torch.Generator().manual_seed(14)
+    logits = torch.randn(8, 3000, generator=g) * 6.0
+    params = [SamplingParams(temperature=0.8, top_p=0.9)] * 8
+    probs = torch.softmax(logits.double() / 0.8, dim=-1)
+    allowed = [set(sampler._top_p_sorted(p, 0.9).nonzero().flatten().tolist()) for p in probs]
+    for _ in range(20):
+        tokens = sampler.sample(logits, _seqs(params, seed=0), [0])
+        assert all(t in ok for t, ok in zip(tokens, allowed))
