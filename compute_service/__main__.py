@@ -19,6 +19,7 @@ from pagedserve.errors import PreconditionError
 from pagedserve.log import configure_logging
 from pagedserve.process import die_with_parent, raise_open_files_limit
 from pagedserve.service_auth import TOKEN_ENV
+from pagedserve.test_hooks import read_test_hooks
 
 from memory_service.config import MemoryServiceConfig
 
@@ -105,14 +106,21 @@ def main(argv: list[str] | None = None) -> int:
     raise_open_files_limit()  # see pagedserve.process: connections are descriptors
     try:
         service, engine = configs_from_args(args)
+        hooks = read_test_hooks()  # the one place the compute service reads them (tests only)
         configure_logging(service.log_level, log_format=args.log_format)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    from compute_service.engine.faults import DetokenizeFault
     from compute_service.service.server import serve  # torch and the model code load only to serve
 
     try:
-        return asyncio.run(serve(service, engine))
+        fault = DetokenizeFault.from_entries(hooks.detokenize_fault)
+    except (ValueError, KeyError, TypeError) as exc:
+        print(f"error: test hook detokenize_fault: {exc!r}", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(serve(service, engine, fault))
     except PreconditionError as exc:  # an unsafe or taken --listen socket, found before serving
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -11,6 +11,7 @@ from pagedserve.config import add_config_flags, add_service_flags, config_from_a
 from pagedserve.errors import PreconditionError
 from pagedserve.log import configure_logging
 from pagedserve.process import die_with_parent, raise_open_files_limit
+from pagedserve.test_hooks import read_test_hooks
 
 from memory_service.config import MemoryServiceConfig
 
@@ -53,21 +54,22 @@ def main(argv: list[str] | None = None) -> int:
     raise_open_files_limit()  # see pagedserve.process: connections are descriptors
     try:
         config = config_from_args(MemoryServiceConfig, args)
+        hooks = read_test_hooks()  # the one place the memory service reads them (tests only)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     configure_logging(config.log_level, log_format=args.log_format)
     try:
-        return asyncio.run(_serve(config))
+        return asyncio.run(_serve(config, hooks.pool_creation_delay_s))
     except PreconditionError as exc:  # an unsafe or taken socket path, found before serving
         print(f"error: {exc}", file=sys.stderr)
         return 1
 
 
-async def _serve(config: MemoryServiceConfig) -> int:
+async def _serve(config: MemoryServiceConfig, pool_creation_delay_s: float) -> int:
     from memory_service.service.server import start
 
-    service = await start(config)
+    service = await start(config, pool_creation_delay_s=pool_creation_delay_s)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -46,10 +46,13 @@ class Engine:
         config: budgets.
         grammars: compiles structured-output constraints for this tokenizer; shared by the engines
             a service builds around one model (None = made on the first constrained request).
+        detokenize_fault: test only (engine/faults.py): requests it names fail in detokenization.
+            Also settable as the attribute of the same name before requests are added.
     """
 
     def __init__(self, model: CausalLM, model_config: ModelConfig, tokenizer: Any | None,
-                 memory: KvAllocator, config: EngineConfig, grammars: GrammarCompiler | None = None) -> None:
+                 memory: KvAllocator, config: EngineConfig, grammars: GrammarCompiler | None = None,
+                 detokenize_fault: DetokenizeFault | None = None) -> None:
         self.model_config = model_config
         self.tokenizer = tokenizer
         self._grammars = grammars
@@ -71,7 +74,7 @@ class Engine:
         self.num_failed_requests = 0  # ended by a failure of their own (finish_reason "error")
         self.num_draft_tokens = 0  # speculative drafts computed, and how many of them were accepted
         self.num_accepted_draft_tokens = 0
-        self._fault = DetokenizeFault.from_env()  # test-only hook (compute_service.engine.faults)
+        self.detokenize_fault = detokenize_fault
 
     # --- requests ---------------------------------------------------------------------------
 
@@ -157,8 +160,8 @@ class Engine:
             generator=generator,
             matcher=self.grammars.new_matcher(request.grammar) if request.grammar is not None else None,
         )
-        fault = self._fault and self._fault.detokenizer_for(request.prompt_token_ids, self.tokenizer,
-                                                            request.params.stop)
+        fault = self.detokenize_fault and self.detokenize_fault.detokenizer_for(
+            request.prompt_token_ids, self.tokenizer, request.params.stop)
         request.add_seq(seq, fault or None)
         return seq
 

@@ -1,26 +1,21 @@
-"""Test-only fault injection: one request's detokenization fails, inside a real service process.
+"""Test-only fault injection: one request's detokenization fails.
 
 Why it exists: a failure tied to one request (its sampling, detokenizing, stop checks) must end that
-request alone, and the tests prove it on a real compute service, where nothing can be patched from
-outside. With ``PAGEDSERVE_TEST_FAULT_DETOKENIZE`` set to a JSON list such as
-``[{"prompt_suffix": [70, 65, 85, 76, 84], "after_tokens": 2}]``, every request whose prompt ends
-with one entry's token ids gets a detokenizer that raises once it is handed more than that entry's
-``after_tokens`` tokens (0: at the first one, before anything streamed). Read when an Engine is built, never at import;
-unset (always, outside tests) nothing changes and no request pays for it.
+request alone, and the tests prove it in process and on a real compute service, where nothing can
+be patched from outside. A ``DetokenizeFault`` given to the ``Engine`` (``detokenize_fault=``; the
+compute service's ``__main__`` builds it from the test hooks, pagedserve/test_hooks.py) makes every
+request whose prompt ends with one entry's token ids get a detokenizer that raises once it is handed
+more than that entry's ``after_tokens`` tokens (0: at the first one, before anything streamed).
+Without one (always, outside tests) nothing changes and no request pays for it.
 """
 
 from __future__ import annotations
 
-import json
-import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from compute_service.engine.detokenizer import IncrementalDetokenizer, StopMatch
-
-FAULT_ENV = "PAGEDSERVE_TEST_FAULT_DETOKENIZE"
-
 
 class InjectedFault(RuntimeError):
     """The failure the hook injects (a bug as far as the engine can tell)."""
@@ -33,7 +28,7 @@ class _FailingDetokenizer(IncrementalDetokenizer):
 
     def add_tokens(self, token_ids: Sequence[int], *, check_stop: bool = True) -> StopMatch | None:
         if len(self.token_ids) + len(token_ids) > self._after_tokens:
-            raise InjectedFault(f"injected detokenizer failure ({FAULT_ENV})")
+            raise InjectedFault("injected detokenizer failure (test hook detokenize_fault)")
         return super().add_tokens(token_ids, check_stop=check_stop)
 
 
@@ -44,13 +39,17 @@ class DetokenizeFault:
     after_tokens_by_suffix: dict[tuple[int, ...], int]
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] = os.environ) -> DetokenizeFault | None:
-        text = environ.get(FAULT_ENV)
-        if not text:
+    def from_entries(cls, entries: Sequence[dict[str, Any]]) -> DetokenizeFault | None:
+        """From the test hook's list (``[{"prompt_suffix": [...], "after_tokens": N}, ...]``); None when empty.
+
+        Raises:
+            ValueError: an empty suffix or a negative ``after_tokens``.
+        """
+        if not entries:
             return None
-        faults = {tuple(int(t) for t in f["prompt_suffix"]): int(f.get("after_tokens", 0)) for f in json.loads(text)}
-        if not faults or not all(faults) or min(faults.values()) < 0:
-            raise ValueError(f"{FAULT_ENV}: each prompt_suffix must be non-empty and after_tokens >= 0")
+        faults = {tuple(int(t) for t in f["prompt_suffix"]): int(f.get("after_tokens", 0)) for f in entries}
+        if not all(faults) or min(faults.values()) < 0:
+            raise ValueError("detokenize_fault: each prompt_suffix must be non-empty and after_tokens >= 0")
         return cls(faults)
 
     def detokenizer_for(self, prompt_token_ids: Sequence[int], tokenizer: Any | None,

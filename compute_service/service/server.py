@@ -37,6 +37,7 @@ from compute_service.service.config import ComputeServiceConfig
 from compute_service.structured.grammar_compiler import GrammarCompiler, GrammarCompilerConfig
 from compute_service.structured.logits_mask import num_abandoned_fills
 from compute_service.engine.engine import Engine
+from compute_service.engine.faults import DetokenizeFault
 from compute_service.service.engine_loop import Attached, EngineLoop
 from compute_service.model.model_info import model_info
 from compute_service.model.model_loader import LoadedModel, load_model
@@ -67,9 +68,11 @@ def make_grammar_compiler(loaded: LoadedModel, config: ComputeServiceConfig) -> 
 
 def make_attach(loaded: LoadedModel, target: str, engine_config: EngineConfig,
                 timeout_s: float, grammars: GrammarCompiler | None = None,
-                memory_token: str | None = None) -> Callable[[], Attached]:
+                memory_token: str | None = None,
+                detokenize_fault: DetokenizeFault | None = None) -> Callable[[], Attached]:
     """The engine loop's way to (re)attach: a fresh lease, pool mapping and Engine per call;
-    ``memory_token`` is the memory service's token (memory_service/service/trust.py)."""
+    ``memory_token`` is the memory service's token (memory_service/service/trust.py);
+    ``detokenize_fault`` a test hook for each engine (engine/faults.py)."""
     layout = KvLayout(
         num_layers=loaded.config.num_layers, num_kv_heads=loaded.config.num_kv_heads,
         head_dim=loaded.config.head_dim, dtype=dtype_name(loaded.model.dtype),
@@ -83,8 +86,9 @@ def make_attach(loaded: LoadedModel, target: str, engine_config: EngineConfig,
         memory = MemoryClient(target, layout, client_name="compute", connect_timeout_s=max(timeout_s, 1.0),
                               attach_timeout_s=ATTACH_TIMEOUT_S, token=memory_token)
         try:
-            return Attached(Engine(loaded.model, loaded.config, loaded.tokenizer, memory, engine_config, grammars),
-                            memory)
+            engine = Engine(loaded.model, loaded.config, loaded.tokenizer, memory, engine_config, grammars,
+                            detokenize_fault)
+            return Attached(engine, memory)
         except BaseException:
             memory.close()
             raise
@@ -92,8 +96,10 @@ def make_attach(loaded: LoadedModel, target: str, engine_config: EngineConfig,
     return attach
 
 
-async def serve(config: ComputeServiceConfig, engine_config: EngineConfig) -> int:
-    """Serve until SIGTERM/SIGINT; returns the exit status."""
+async def serve(config: ComputeServiceConfig, engine_config: EngineConfig,
+                detokenize_fault: DetokenizeFault | None = None) -> int:
+    """Serve until SIGTERM/SIGINT; returns the exit status. ``detokenize_fault``: a test hook
+    (pagedserve/test_hooks.py), given to every engine."""
     event_loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -138,7 +144,7 @@ async def serve(config: ComputeServiceConfig, engine_config: EngineConfig) -> in
     grammars = make_grammar_compiler(loaded, config)
     loop = EngineLoop(
         make_attach(loaded, memory_target(config), engine_config, config.memory_retry_interval_s, grammars,
-                    config.memory_token),
+                    config.memory_token, detokenize_fault),
         on_ready, retry_interval_s=config.memory_retry_interval_s, ping_interval_s=config.memory_ping_interval_s,
     )
     servicer.start(loop, model_info(loaded, config.served_model_name), grammars)

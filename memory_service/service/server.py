@@ -35,8 +35,10 @@ class RunningMemoryService:
         await self.server.stop(grace)
 
 
-async def start(config: MemoryServiceConfig) -> RunningMemoryService:
+async def start(config: MemoryServiceConfig, *, pool_creation_delay_s: float = 0.0) -> RunningMemoryService:
     """Starts serving on the running event loop; returns at once. The caller stops it with ``await .stop()``.
+
+    ``pool_creation_delay_s``: a test hook (pagedserve/test_hooks.py), see ``MemoryManagerServicer``.
 
     Raises:
         PreconditionError: the socket path is unsafe or a live service answers there.
@@ -44,7 +46,7 @@ async def start(config: MemoryServiceConfig) -> RunningMemoryService:
     num_removed = remove_stale_segments()
     if num_removed:
         log.info("stale_segments_removed", num_segments=num_removed)
-    servicer = MemoryManagerServicer(config)
+    servicer = MemoryManagerServicer(config, pool_creation_delay_s=pool_creation_delay_s)
     server, health = rpc.create_aio_server(
         [lambda s: memory_pb2_grpc.add_MemoryManagerServicer_to_server(servicer, s)], [SERVICE_NAME]
     )

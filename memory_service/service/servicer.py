@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-import os
 import secrets
 import threading
 import time
@@ -51,10 +50,6 @@ log = get_logger("memory_service")
 
 # A single Step may not carry more ops than this (a guard against absurd requests).
 MAX_OPS_PER_STEP = 65536
-# Test-only: seconds the pool's creation takes at least (unset outside tests). The tests of what
-# happens while a big pool is created (calls answered, an Attach that gives up, a SIGTERM) then do
-# not depend on how fast this machine allocates pages; read at each creation, never at import.
-CREATION_DELAY_ENV = "PAGEDSERVE_TEST_POOL_CREATION_DELAY_S"
 # KeepAlive streams one client may hold at once: one, plus room for a reopened stream while the
 # server has not yet noticed that the old one ended. More is a client bug or an attack.
 MAX_STREAMS_PER_CLIENT = 4
@@ -62,11 +57,10 @@ MAX_STREAMS_PER_CLIENT = 4
 MIN_KEEPALIVE_INTERVAL_S, MAX_KEEPALIVE_INTERVAL_S = 0.05, 3600.0
 
 
-def _create_pool_now(layout: KvLayout, num_blocks: int, device: str) -> KvPool:
-    """``create_pool``, in the worker thread; then the test-only delay (``CREATION_DELAY_ENV``),
-    once the segment exists, as if allocating and mapping it took that long."""
+def _create_pool_now(layout: KvLayout, num_blocks: int, device: str, delay_s: float) -> KvPool:
+    """``create_pool``, in the worker thread; then the test-only delay, once the segment exists, as
+    if allocating and mapping it took that long (``MemoryManagerServicer``'s pool_creation_delay_s)."""
     pool = create_pool(layout, num_blocks, device)
-    delay_s = float(os.environ.get(CREATION_DELAY_ENV) or 0)
     if delay_s > 0:
         time.sleep(delay_s)
     return pool
@@ -85,10 +79,14 @@ class MemoryManagerServicer(memory_pb2_grpc.MemoryManagerServicer):
 
     Args:
         config: the service's configuration.
+        pool_creation_delay_s: test only (pagedserve/test_hooks.py): seconds the pool's creation
+            takes at least, so that the tests of what happens meanwhile (calls answered, an Attach
+            that gives up, a SIGTERM) do not depend on how fast this machine allocates pages.
     """
 
-    def __init__(self, config: MemoryServiceConfig) -> None:
+    def __init__(self, config: MemoryServiceConfig, *, pool_creation_delay_s: float = 0.0) -> None:
         self.config = config
+        self._pool_creation_delay_s = pool_creation_delay_s
         self._lock = threading.Lock()
         self._leases: dict[str, Lease] = {}
         self.layout: KvLayout | None = None
@@ -160,7 +158,8 @@ class MemoryManagerServicer(memory_pb2_grpc.MemoryManagerServicer):
         )
         # A CPU pool is allocated and mapped in full (seconds a GiB): in a worker thread, so that
         # health checks and every other call are answered meanwhile, not after the event loop is free.
-        self.pool = await asyncio.to_thread(_create_pool_now, layout, num_blocks, self.config.device)
+        self.pool = await asyncio.to_thread(_create_pool_now, layout, num_blocks, self.config.device,
+                                             self._pool_creation_delay_s)
         self.layout = layout
         self.block_manager = BlockManager(bm_config, copy_block=self.pool.copy_block)
         log.info(

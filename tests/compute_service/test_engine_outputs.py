@@ -11,15 +11,13 @@
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from compute_service import LLM, SamplingParams
-from compute_service.engine.faults import FAULT_ENV
+from compute_service.engine.faults import DetokenizeFault
 from compute_service.engine.outputs import RequestOutput, collect
 from compute_service.service.stream_buffer import StreamBuffer
 from tests.compute_service.test_engine import hf_greedy, hf_model, tiny_dir  # noqa: F401 - fixtures
@@ -29,12 +27,9 @@ POISON_SUFFIX = [201, 202, 203]  # prompts ending so fail in detokenization afte
 
 @pytest.fixture(scope="module")
 def llm(tiny_dir: Path) -> Iterator[LLM]:  # noqa: F811 - the imported fixture
-    os.environ[FAULT_ENV] = json.dumps([{"prompt_suffix": POISON_SUFFIX, "after_tokens": 2}])
-    try:
-        with LLM(str(tiny_dir), dtype="float32", block_size=4, max_num_blocks=512) as llm:
-            yield llm
-    finally:
-        del os.environ[FAULT_ENV]
+    with LLM(str(tiny_dir), dtype="float32", block_size=4, max_num_blocks=512) as llm:
+        llm.engine.detokenize_fault = DetokenizeFault({tuple(POISON_SUFFIX): 2})  # the in-process double
+        yield llm
 
 
 def test_step_deltas_carry_only_the_news(llm: LLM, hf_model) -> None:  # noqa: F811

@@ -26,7 +26,7 @@ from pagedserve.compute.v1 import compute_pb2 as cpb
 from pagedserve.process import check_health, wait_until
 
 from pagedserve.testing.tiny_model import ServiceModel, hf_greedy
-from memory_service.service.servicer import CREATION_DELAY_ENV
+from pagedserve.test_hooks import TEST_HOOKS_ENV, encode_test_hooks
 from pagedserve.stack import COMPUTE_SERVICE, shm_segments
 from tests.compute_service.service_fixtures import Services, running_services, start_memory
 
@@ -205,7 +205,7 @@ def test_a_pool_slow_to_create_is_attached_once(service_model: ServiceModel, mon
     test-only delay makes it 3 s), longer than the compute service's retry interval. Its Attach call
     waits for that; a deadline of the retry interval left the first client attached with nobody
     behind it (the long lease keeps it visible) and attached a second."""
-    monkeypatch.setenv(CREATION_DELAY_ENV, "3")
+    monkeypatch.setenv(TEST_HOOKS_ENV, encode_test_hooks(pool_creation_delay_s=3))
     with running_services(service_model.path, memory_args=("--max-num-blocks", "300", "--lease-ttl-s", "60"),
                           compute_args=("--memory-retry-interval-s", "0.2")) as services:
         assert services.memory_stats().num_clients == 1

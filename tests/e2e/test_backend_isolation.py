@@ -13,7 +13,6 @@ services that require a service token (one memory service under both), a gateway
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import urllib.request
@@ -31,6 +30,7 @@ from pagedserve.testing.tiny_model import ServiceModel, hf_greedy
 from pagedserve.process import ServiceProcess, wait_until
 from pagedserve.sockets import free_port
 from pagedserve.stack import COMPUTE_SERVICE, compute_process, memory_process, ready, shm_segments
+from pagedserve.test_hooks import TEST_HOOKS_ENV, encode_test_hooks
 from tests.e2e.conftest import BLOCK_SIZE, Gateway, start_gateway
 
 TOKEN = "test-service-token-7c1e9b2a40d3"
@@ -68,7 +68,7 @@ class Cluster:
 def _fault_env(model: ServiceModel) -> dict[str, str]:
     faults = [{"prompt_suffix": model.tokenizer.encode(FAULT_AFTER_3), "after_tokens": 3},
               {"prompt_suffix": model.tokenizer.encode(FAULT_AT_ONCE), "after_tokens": 0}]
-    return {**os.environ, "PAGEDSERVE_TEST_FAULT_DETOKENIZE": json.dumps(faults)}
+    return {**os.environ, TEST_HOOKS_ENV: encode_test_hooks(detokenize_fault=faults)}
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from pagedserve.memory.v1 import memory_pb2 as pb
 from pagedserve.memory.v1 import memory_pb2_grpc
 from pagedserve.process import wait_until
 from pagedserve.stack import shm_segments
-from memory_service.service.servicer import CREATION_DELAY_ENV
+from pagedserve.test_hooks import TEST_HOOKS_ENV, encode_test_hooks
 from tests.memory_service.conftest import TINY_LAYOUT, start_memory_service
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -284,7 +284,7 @@ LAYOUT = pb.KvLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype="float32", 
 def _start_with_slow_creation(monkeypatch: pytest.MonkeyPatch, *extra: str) -> tuple:
     """A service whose pool takes 3 s to create once its segment exists (the test-only delay), as a
     big pool does (~2.5 s a GiB here), whatever this machine's speed."""
-    monkeypatch.setenv(CREATION_DELAY_ENV, "3")
+    monkeypatch.setenv(TEST_HOOKS_ENV, encode_test_hooks(pool_creation_delay_s=3))
     return start_memory_service("--max-num-blocks", "16", *extra)
 
 
