@@ -30,6 +30,8 @@ def to_compute_request(request: BackendRequest, backend_request_id: str) -> comp
         value = getattr(o, name)
         if value is not None:
             setattr(params, name, value)
+    if o.logit_bias:
+        params.logit_bias.update(o.logit_bias)
     c = o.constraint
     if c is not None:
         if c.kind == "json_object":

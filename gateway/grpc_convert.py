@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from gateway.core.types import (ChatMessage, Constraint, Delta, GenerateRequest, Reply, SamplingOptions,
                                 TokenLogprobs, Usage)
 from gateway.core.validate import check_message_count
+from pagedserve import sampling_rules as rules
 from pagedserve.errors import InvalidArgument
 from pagedserve.gateway.v1 import gateway_pb2
 
@@ -39,9 +40,11 @@ def options_from_pb(p: gateway_pb2.SamplingParams) -> SamplingOptions:
     values: dict = {name: getattr(p, name) or None for name in _ZERO_IS_UNSET}
     values.update((name, getattr(p, name)) for name in _PLAIN)
     values.update((name, getattr(p, name)) for name in _OPTIONAL if p.HasField(name))
+    if len(p.logit_bias) > rules.MAX_LOGIT_BIAS_ENTRIES:
+        rules.check_logit_bias(p.logit_bias)  # names the count before the map is copied
     # The repeated fields are referenced, not copied: validation counts them before reading any.
     return SamplingOptions(stop=p.stop, stop_token_ids=p.stop_token_ids,  # type: ignore[arg-type]
-                           constraint=constraint_from_pb(p), **values)
+                           constraint=constraint_from_pb(p), logit_bias=dict(p.logit_bias) or None, **values)
 
 
 def messages_from_pb(messages: Sequence[gateway_pb2.ChatMessage], max_messages: int) -> list[ChatMessage] | None:

@@ -39,6 +39,8 @@ MAX_MESSAGES = 1024  # chat messages of one request
 MAX_PROMPT_CHARS = 1 << 20  # a prompt, or the sum of its messages' contents
 MAX_PROMPT_TOKENS = 1 << 18  # whatever the model's context: the wire limits are sized from it
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2] (as OpenAI's)
+MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's bound: one index_put per step over every entry of the batch
+MAX_LOGIT_BIAS = 100.0  # biases lie in [-100, 100] (OpenAI's: +-100 bans or forces a token)
 ROLES = ("system", "user", "assistant", "tool")
 
 # Bytes of a request or reply besides its prompt ids and the bounded fields above (sampling
@@ -89,7 +91,7 @@ def max_message_bytes(max_prompt_tokens: int = MAX_PROMPT_TOKENS) -> int:
 SAMPLING_DEFAULTS: Mapping[str, object] = {
     "max_tokens": DEFAULT_MAX_TOKENS, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": None,
     "stop": (), "stop_token_ids": (), "ignore_eos": False, "min_tokens": 0, "repetition_penalty": 1.0,
-    "presence_penalty": 0.0, "frequency_penalty": 0.0, "n": 1, "logprobs": None,
+    "presence_penalty": 0.0, "frequency_penalty": 0.0, "n": 1, "logprobs": None, "logit_bias": (),
 }
 
 
@@ -130,13 +132,30 @@ def check_counts(num_stop: int, num_stop_token_ids: int, *, prefix: str = "param
                               f"got {num_stop_token_ids}")
 
 
+def logit_bias_pairs(logit_bias: Mapping[int, float] | Sequence[tuple[int, float]]) -> Sequence[tuple[int, float]]:
+    """``(token id, bias)`` pairs of a logit_bias given as a mapping (the wires') or as pairs (the engine's)."""
+    return list(logit_bias.items()) if isinstance(logit_bias, Mapping) else logit_bias
+
+
+def check_logit_bias(logit_bias: Mapping[int, float] | Sequence[tuple[int, float]], *, prefix: str = "params.",
+                     vocab_size: int | None = None) -> None:
+    """At most ``MAX_LOGIT_BIAS_ENTRIES`` entries (counted first), each a token id in the vocabulary
+    and a finite bias in [-100, 100]."""
+    if len(logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise InvalidArgument(f"{prefix}logit_bias: at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(logit_bias)}")
+    pairs = logit_bias_pairs(logit_bias)
+    check_token_ids(f"{prefix}logit_bias", [token_id for token_id, _ in pairs], vocab_size)
+    for token_id, bias in pairs:
+        check_range(f"{prefix}logit_bias[{token_id}]", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+
+
 def check_sampling(values: Mapping[str, object], *, prefix: str = "params.", limits: RequestLimits = DEFAULT_LIMITS,
                    vocab_size: int | None = None) -> None:
     """Every sampling field, defaults already applied (the engine's ``SamplingParams`` fields).
 
     Args:
         values: max_tokens, temperature, top_p, top_k, min_p, seed, stop, stop_token_ids,
-            min_tokens, repetition_penalty, presence_penalty, frequency_penalty, n, logprobs.
+            min_tokens, repetition_penalty, presence_penalty, frequency_penalty, n, logprobs, logit_bias.
         prefix: put before each field's name in messages (``params.`` as the wires spell it).
         limits: the bounds (the compute service's own, or what a backend reported).
         vocab_size: stop token ids must be below it (None: only >= 0 is checked).
@@ -164,6 +183,7 @@ def check_sampling(values: Mapping[str, object], *, prefix: str = "params.", lim
             raise InvalidArgument(f"{prefix}stop[{i}] must have 1 to {limits.max_stop_string_chars} characters, "
                                   f"got {len(stop)}")
     check_token_ids(f"{prefix}stop_token_ids", v["stop_token_ids"], vocab_size)
+    check_logit_bias(v.get("logit_bias", ()), prefix=prefix, vocab_size=vocab_size)
 
 
 def check_token_ids(name: str, token_ids: Sequence[int], vocab_size: int | None) -> None:

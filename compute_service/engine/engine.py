@@ -21,7 +21,7 @@ from compute_service.engine.model_runner import ModelRunner
 from compute_service.engine.faults import DetokenizeFault
 from compute_service.engine.outputs import RequestDelta
 from compute_service.engine.request import EngineLoad, GenerateInput, Request, TenantQueue
-from compute_service.engine.sampler import sample, token_logprobs
+from compute_service.engine.sampler import apply_logit_bias, sample, token_logprobs
 from compute_service.engine.sampling_params import SamplingParams
 from compute_service.engine.scheduler import ScheduledSeq, Scheduler
 from compute_service.engine import speculative
@@ -92,6 +92,7 @@ class Engine:
         vocab = self.model_config.vocab_size
         rules.check_token_ids("prompt_token_ids", prompt_token_ids, vocab)
         rules.check_token_ids("params.stop_token_ids", params.stop_token_ids, vocab)
+        rules.check_logit_bias(params.logit_bias, vocab_size=vocab)
         if params.stop and self.tokenizer is None:
             raise InvalidArgument("params.stop: this model has no tokenizer, so stop strings cannot match; "
                                   "use stop_token_ids")
@@ -339,17 +340,21 @@ class Engine:
                 self._append_token(child, token, row[None], 0)
 
     def _mask_and_sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int | None]:
-        """Next tokens from (B, V) logits, rows of this step's logits that nothing else reads. Constrained
-        rows are masked: in place, unless a sequence asks for logprobs (the raw rows' log-softmax),
-        then in a copy. n > 1 forks sample again from a parent's row: their matchers are in the
-        parent's state, so a row already masked for it is the row they would mask.
+        """Next tokens from (B, V) logits, rows of this step's logits that nothing else reads. Logit
+        biases are added first, into a copy (the raw rows stay for logprobs, and for n > 1 forks,
+        which add their bias again). Constrained rows are masked: in place, unless a sequence asks for
+        logprobs (the raw rows' log-softmax) and no bias made a copy already, then in a copy. n > 1
+        forks sample again from a parent's row: their matchers are in the parent's state, so a row
+        already masked for it is the row they would mask.
 
         A sequence whose mask failed (or came too late: ``LogitsMasker``) fails its request here and
         gets None, and so does any sequence of an already failed request (its matcher may still be
         in an abandoned fill: it is never touched again)."""
         failures: dict[int, Exception] = {}
+        raw = logits
+        logits = apply_logit_bias(logits, seqs)  # a new tensor when any sequence has a bias
         if any(seq.matcher is not None for seq in seqs):
-            keep_raw = any(seq.params.logprobs is not None for seq in seqs)
+            keep_raw = logits is raw and any(seq.params.logprobs is not None for seq in seqs)
             matchers = [None if seq.finish_reason is FinishReason.ERROR else seq.matcher for seq in seqs]
             masked = self.masker.apply(logits, matchers, keep_raw=keep_raw)
             logits, failures = masked.logits, masked.failures

@@ -158,6 +158,35 @@ def _sample_random(rows: torch.Tensor, seqs: Seq[Sequence]) -> list[int]:
                 row = torch.zeros_like(row).index_put_((ids,), values)
         out.append(_draw(row, seq.generator))
     return out
+def _logit_bias_tensors(params: SamplingParams, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A request's logit_bias as (ids, biases) tensors, built once per request (in ``derived``)."""
+    cached = params.derived.get("logit_bias")
+    if not isinstance(cached, tuple) or cached[0].device != device:
+        ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long, device=device)
+        biases = torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32, device=device)
+        cached = params.derived["logit_bias"] = (ids, biases)
+    return cached
+
+
+def apply_logit_bias(logits: torch.Tensor, seqs: Seq[Sequence]) -> torch.Tensor:
+    """``logits`` plus each sequence's logit_bias: one index_put over every entry of the batch.
+
+    Args:
+        logits: (B, V), one row per sequence in ``seqs``.
+    Returns:
+        A new (B, V) tensor, or ``logits`` itself when no sequence has a bias. Never in place: the
+        raw rows give logprobs, and an n > 1 fork samples again from its parent's raw row.
+    """
+    rows, ids, biases = [], [], []
+    for row, seq in enumerate(seqs):
+        if seq.params.logit_bias:
+            seq_ids, seq_biases = _logit_bias_tensors(seq.params, logits.device)
+            rows.append(torch.full_like(seq_ids, row))
+            ids.append(seq_ids)
+            biases.append(seq_biases)
+    if not rows:
+        return logits
+    return logits.index_put((torch.cat(rows), torch.cat(ids)), torch.cat(biases).to(logits.dtype), accumulate=True)
 
 
 def greedy_tokens(logits: torch.Tensor) -> list[int]:

@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 
 # The ranges, defaults and limits live once, in pagedserve.sampling_rules: the gateway checks
 # public requests with the same functions, and resolves unset fields with the same defaults.
-from pagedserve.sampling_rules import check_constrained_sampling, check_sampling, resolve_sampling
+from pagedserve.sampling_rules import (MAX_LOGIT_BIAS_ENTRIES, check_constrained_sampling, check_sampling,
+                                       logit_bias_pairs, resolve_sampling)
 
 from compute_service.structured.constraint import Constraint
 
@@ -32,6 +33,8 @@ class SamplingParams:
             constant / a per-occurrence amount for tokens already generated.
         n: completions per prompt (forked sequences share the prompt's blocks).
         logprobs: None = none; 0 = the sampled token's log-probability; N = also the N most likely.
+        logit_bias: (token id, bias) pairs, sorted by id, added to the logits before anything else
+            (penalties, a constraint's mask, sampling); a mapping given is turned into them.
     """
 
     max_tokens: int = _DEFAULT["max_tokens"]
@@ -49,6 +52,7 @@ class SamplingParams:
     frequency_penalty: float = _DEFAULT["frequency_penalty"]
     n: int = _DEFAULT["n"]
     logprobs: int | None = _DEFAULT["logprobs"]
+    logit_bias: tuple[tuple[int, float], ...] = _DEFAULT["logit_bias"]
     constraint: Constraint | None = None
     stop_token_id_set: frozenset[int] = field(default=frozenset(), init=False, repr=False, compare=False)
     # What the engine derives from these fields once per request rather than once per step (the
@@ -58,6 +62,9 @@ class SamplingParams:
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if len(self.logit_bias) <= MAX_LOGIT_BIAS_ENTRIES:  # else check_sampling names the count
+            pairs = logit_bias_pairs(self.logit_bias)
+            object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in pairs)))
         # Raises InvalidArgument naming the field (without the wire's "params." prefix: the
         # service's edge adds it). Counts are checked before any element.
         check_sampling(vars(self), prefix="")

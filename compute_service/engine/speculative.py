@@ -88,10 +88,11 @@ class NgramIndex:
 def eligible(seq: Sequence) -> bool:
     """Whether the sequence's next tokens are plain argmaxes that drafts can be checked against:
     greedy, no penalties or min_tokens (they depend on the tokens before), no logprobs, a single
-    completion (forked sequences share their last block), no grammar."""
+    completion (forked sequences share their last block), no grammar, no logit_bias (draft rows are
+    plain argmaxes of the raw logits)."""
     p = seq.params
     return (p.is_greedy and not p.has_penalties and seq.num_output_tokens >= p.min_tokens and p.n == 1
-            and p.logprobs is None and seq.matcher is None and seq.num_output_tokens > 0)
+            and p.logprobs is None and seq.matcher is None and not p.logit_bias and seq.num_output_tokens > 0)
 
 
 def draft_budget(num_decodes: int, max_per_seq: int) -> int:

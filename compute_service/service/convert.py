@@ -55,6 +55,9 @@ def params_from_pb(msg: pb.SamplingParams) -> SamplingParams:
     given["n"] = msg.n or None  # a zero n is unset on this wire
     given["stop"] = tuple(msg.stop)
     given["stop_token_ids"] = tuple(msg.stop_token_ids)
+    if msg.logit_bias:
+        rules.check_logit_bias(msg.logit_bias)  # the count before the map is copied
+        given["logit_bias"] = dict(msg.logit_bias)
     try:
         return SamplingParams(**rules.resolve_sampling(given), constraint=constraint_from_pb(msg))
     except InvalidArgument as exc:
@@ -75,6 +78,7 @@ def params_to_pb(params: SamplingParams) -> pb.SamplingParams:
         msg.logprobs = params.logprobs
     if params.constraint is not None:
         constraint_to_pb(params.constraint, msg)
+    msg.logit_bias.update(dict(params.logit_bias))
     return msg
 
 

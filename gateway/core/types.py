@@ -44,6 +44,7 @@ class SamplingOptions:
     ignore_eos: bool = False
     min_tokens: int | None = None
     constraint: Constraint | None = None
+    logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit
 
 
 @dataclass(frozen=True)

@@ -104,6 +104,8 @@ def validate(request: GenerateRequest, info: ModelInfo, limits: PromptLimits = P
     _check_int32("params.top_k", params["top_k"])  # type: ignore[arg-type]
     if o.stop_token_ids and not info.vocab_size:
         _check_int32("params.stop_token_ids", max(o.stop_token_ids))
+    if o.logit_bias and not info.vocab_size:
+        _check_int32("params.logit_bias", max(o.logit_bias))
     if o.constraint is not None:
         c = o.constraint
         rules.check_constrained_sampling(c.kind, ignore_eos=o.ignore_eos, min_tokens=o.min_tokens or 0)

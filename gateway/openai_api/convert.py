@@ -17,6 +17,8 @@ from gateway.core.types import ChatMessage, GenerateRequest, SamplingOptions, To
 from gateway.openai_api.constraints import constraint_of
 from gateway.openai_api.errors import ParamError
 from gateway.openai_api import schema
+from pagedserve import sampling_rules as rules
+from pagedserve.errors import echo
 from gateway.openai_api.schema import ChatCompletionRequest, CompletionRequest
 
 __all__ = ["ParamError", "Prompt", "chat_prompt", "completion_prompts", "num_prompts", "tokenize_request"]
@@ -44,8 +46,6 @@ class Prompt:
 def _options(body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
              logprobs: int | None) -> tuple[SamplingOptions, str | None]:
     """The sampling options, and the OpenAI parameter that gave their constraint (None: none)."""
-    if body.logit_bias:
-        raise ParamError("logit_bias", "logit_bias is not supported")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or ())
     constraint, constraint_param = constraint_of(body)
     options = SamplingOptions(
@@ -54,8 +54,23 @@ def _options(body: CompletionRequest | ChatCompletionRequest, max_tokens: int | 
         min_p=body.min_p, seed=body.seed, stop=stop, stop_token_ids=list(body.stop_token_ids or ()),
         repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty, logprobs=logprobs, n=body.n, ignore_eos=bool(body.ignore_eos),
-        min_tokens=body.min_tokens, constraint=constraint)
+        min_tokens=body.min_tokens, constraint=constraint, logit_bias=_logit_bias(body.logit_bias))
     return options, constraint_param
+
+
+def _logit_bias(given: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias (token ids as JSON keys, so strings) as ids; the core checks the ids and biases."""
+    if not given:
+        return None
+    if len(given) > rules.MAX_LOGIT_BIAS_ENTRIES:
+        raise ParamError("logit_bias", f"logit_bias: at most {rules.MAX_LOGIT_BIAS_ENTRIES} entries, got {len(given)}")
+    bias = {}
+    for key, value in given.items():
+        try:
+            bias[int(key)] = value
+        except ValueError:
+            raise ParamError("logit_bias", f"logit_bias keys must be token ids, got {echo(key)}") from None
+    return bias
 
 
 def _request(body: CompletionRequest | ChatCompletionRequest, options: SamplingOptions,

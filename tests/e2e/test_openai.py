@@ -238,7 +238,7 @@ def test_bad_parameters_are_400_naming_them(http: Http) -> None:
     client = http.client()
     for kwargs, param in [({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"n": 0}, "n"),
                           ({"max_tokens": 100000}, "max_tokens"), ({"extra_body": {"top_k": -5}}, "top_k"),
-                          ({"seed": -1}, "seed"), ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+                          ({"seed": -1}, "seed"), ({"logit_bias": {"5": 101.0}}, "logit_bias"),
                           ({"extra_body": {"stop_token_ids": [10**6]}}, "stop_token_ids")]:
         with pytest.raises(openai.BadRequestError) as info:
             client.completions.create(model=http.model, prompt="x", **{"max_tokens": 4, **kwargs})

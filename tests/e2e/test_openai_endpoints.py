@@ -1,5 +1,6 @@
-"""The endpoints clients probe besides generation (issue 30 item 4): vLLM's ``/tokenize`` and
-``/detokenize``, ``/version``, and ``/v1/models`` answering only once a backend is ready.
+"""Issue 30's additions to both APIs: the endpoints clients probe besides generation (item 4: vLLM's
+``/tokenize`` and ``/detokenize``, ``/version``, ``/v1/models`` answering only once a backend is
+ready) and ``logit_bias`` (item 2) through the ``openai`` SDK and gRPC.
 
 One gateway with its HTTP front in front of one of the session's engines, talked to with httpx;
 its gRPC ``Tokenize`` is the reference (same tokenizer, same template).
@@ -10,7 +11,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import httpx
+import openai
 import pytest
 
 from pagedserve.gateway.v1 import gateway_pb2
@@ -106,3 +109,59 @@ def test_models_is_503_until_a_backend_is_ready(run_dir: Path) -> None:
 def test_models_lists_the_model_once_ready(http: Http) -> None:
     reply = httpx.get(f"{http.base_url}/v1/models", timeout=5)
     assert reply.status_code == 200 and [m["id"] for m in reply.json()["data"]] == [http.model]
+
+
+# --- logit_bias ---------------------------------------------------------------------------------
+
+
+def _greedy(http: Http, bias: dict[int, float] | None = None, max_tokens: int = 1) -> list[int]:
+    return [lp.token_id for lp in _greedy_logprobs(http, bias, max_tokens)]
+
+
+def _greedy_logprobs(http: Http, bias: dict[int, float] | None = None,
+                     max_tokens: int = 1) -> list[gateway_pb2.TokenLogprobs]:
+    params = gateway_pb2.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logit_bias=bias,
+                                        logprobs=0)
+    reply = http.gateway.stub.Generate(gateway_pb2.GenerateRequest(prompt="The quick brown fox", params=params),
+                                       timeout=60)
+    return list(reply.choices[0].logprobs)
+
+
+def test_logit_bias_bans_and_forces_tokens_on_both_apis(http: Http, service_model: ServiceModel) -> None:
+    decode = service_model.tokenizer.decode
+    [greedy] = _greedy_logprobs(http)
+    [other] = _greedy_logprobs(http, {greedy.token_id: -100.0})
+    assert other.token_id != greedy.token_id and other.logprob < greedy.logprob  # logprobs: the raw logits'
+    [forced] = [t for t in service_model.tokenizer.encode("QZ", add_special_tokens=False) if t != greedy.token_id][:1]
+    assert _greedy(http, {forced: 100.0}, max_tokens=5) == [forced] * 5
+
+    client = http.client()
+    # The SDK's token and its logprob equal gRPC's (a lone byte token's text may read U+FFFD).
+    for bias, want in ((None, greedy), ({str(greedy.token_id): -100}, other)):
+        reply = client.completions.create(model=http.model, prompt="The quick brown fox", max_tokens=1,
+                                          temperature=0, logit_bias=bias, logprobs=0,
+                                          extra_body={"ignore_eos": True})
+        assert reply.choices[0].logprobs.tokens == [decode([want.token_id])]
+        assert reply.choices[0].logprobs.token_logprobs == [pytest.approx(want.logprob, abs=1e-5)]
+    for seed in range(2):
+        reply = client.chat.completions.create(model=http.model, messages=CHAT, max_tokens=4, temperature=1.0,
+                                               seed=seed, logit_bias={str(forced): 100},
+                                               extra_body={"ignore_eos": True})
+        assert reply.choices[0].message.content == decode([forced] * 4)
+
+
+@pytest.mark.parametrize("bias", [{"abc": 1}, {"5": 200}, {"5": -100.5}, {str(i): 1 for i in range(301)},
+                                  {"258": 1}, {"-1": 1}])
+def test_bad_logit_bias_is_400_naming_it(http: Http, bias: dict) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        http.client().completions.create(model=http.model, prompt="x", max_tokens=1, logit_bias=bias)
+    assert info.value.body["param"] == "logit_bias", info.value.body
+
+
+@pytest.mark.parametrize("bias", [{5: 200.0}, {258: 1.0}, {i: 1.0 for i in range(301)}])
+def test_bad_logit_bias_is_invalid_argument_on_grpc(http: Http, bias: dict) -> None:
+    params = gateway_pb2.SamplingParams(max_tokens=1, logit_bias=bias)
+    with pytest.raises(grpc.RpcError) as info:
+        http.gateway.stub.Generate(gateway_pb2.GenerateRequest(prompt="x", params=params), timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith("params.logit_bias"), info.value.details()

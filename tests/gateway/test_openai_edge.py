@@ -69,7 +69,9 @@ def test_completion_prompts_and_parameters() -> None:
     for fields, param in (({"prompt": []}, "prompt"), ({"prompt": "a", "n": 0}, "n"),
                           ({"prompt": "a", "max_tokens": 0}, "max_tokens"), ({"prompt": "a", "top_p": 0}, "top_p"),
                           ({"prompt": "a", "seed": -1}, "seed"), ({"prompt": "a", "echo": True}, "echo"),
-                          ({"prompt": "a", "logit_bias": {"1": 2}}, "logit_bias"),
+                          ({"prompt": "a", "logit_bias": {"1": 200}}, "logit_bias"),
+                          ({"prompt": "a", "logit_bias": {"x": 2}}, "logit_bias"),
+                          ({"prompt": "a", "logit_bias": {"1000": 2}}, "logit_bias"),
                           ({"prompt": "a", "n": 2**40}, "n"), ({"prompt": "a", "top_k": 2**40}, "top_k"),
                           ({"prompt": "a", "priority": 2**40}, "priority"), ({"prompt": [5, 100]}, "prompt")):
         # Shapes fail converting; every bound is the core's validate, its message naming the gRPC
