@@ -437,7 +437,7 @@ def test_a_response_is_not_held_back_by_nagle(http: Http) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         gaps = []
         for _ in range(7):
-            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
             data, first = b"", None
             while not data.endswith(b'{"status":"ok"}'):
                 data += sock.recv(65536)
