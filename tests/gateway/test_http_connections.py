@@ -16,6 +16,7 @@ from starlette.routing import Route
 from gateway.openai_api.connections import BODY_TIMEOUT, HEADERS_TIMEOUT, OVER_CAPACITY
 from gateway.openai_api.server import HttpServer
 from pagedserve.process import async_wait_until
+from tests.processes import lowered_open_files_limit
 
 HALF_SENT = b"POST /echo HTTP/1.1\r\nHost: x\r\n"  # the headers never end
 
@@ -128,3 +129,10 @@ def test_limits_are_checked(value: float) -> None:
         HttpServer(APP, "127.0.0.1", 0, 1, read_timeout_s=value)
     with pytest.raises(ValueError, match="max_connections"):
         HttpServer(APP, "127.0.0.1", 0, 1, max_connections=int(value))
+
+
+def test_the_cap_is_kept_to_half_the_descriptor_limit() -> None:
+    """Idle HTTP clients must never take the descriptors the gRPC front and the backends need."""
+    with lowered_open_files_limit(256):
+        assert HttpServer(APP, "127.0.0.1", 0, 1, max_connections=1024).guard.max_connections == 128
+        assert HttpServer(APP, "127.0.0.1", 0, 1, max_connections=20).guard.max_connections == 20
