@@ -1,8 +1,10 @@
 """Throughput benchmark: the paged engine vs transformers' generate and continuous batching.
 
-One seeded heterogeneous workload (random token-id prompts avoiding special ids, ``ignore_eos``,
-greedy) runs, in this process and this run, through the engine and the baselines (``--baselines``,
-each on the same seeded subset of ``--baseline-requests`` requests; see hf_baselines.py):
+One seeded heterogeneous workload runs (``--workload``: ``random``, the default, random token-id
+prompts avoiding special ids, greedy; or ``realistic``, English chat prompts of ShareGPT-like
+lengths sampled at temperature 0.8, top_p 0.95, throughput/realistic.py; both ``ignore_eos``), in
+this process and this run, through the engine and the baselines (``--baselines``, each on the same
+seeded subset of ``--baseline-requests`` requests; see hf_baselines.py; the random workload only):
 
 - ``engine``: ``compute_service.LLM``, its pool sized by ``--kv-cache-bytes`` (512 MiB), driven step
   by step so that the scheduler state can be sampled after every step;
@@ -27,6 +29,7 @@ From the repository root (``python benchmarks/bench_throughput.py ...`` also wor
 package is installed, e.g. ``pip install -e .``):
 
     python -m benchmarks.bench_throughput --quick [--profile] [--threads 1]
+    python -m benchmarks.bench_throughput --workload realistic --num-requests 48 --dtype bfloat16
     python -m benchmarks.bench_throughput [--kv-cache-bytes 512MiB] [--baseline-requests 32]
     python -m benchmarks.bench_throughput --peer vllm --num-requests 48 [--vllm-budgets 256:2048,256:2048:2]
     python -m benchmarks.bench_throughput --random-model-config 1b --device cuda --kv-cache-bytes 8GiB
@@ -56,7 +59,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.throughput import hf_baselines, peer
+from benchmarks.throughput import hf_baselines, peer, realistic
 from benchmarks.throughput import step_profile
 from benchmarks.throughput.workload import (
     Request, RunResult, kv_bytes_per_token, make_workload, seeded_subset, warmup_prompt,
@@ -65,7 +68,7 @@ from compute_service import LLM, SamplingParams
 from compute_service.engine.outputs import RequestOutput, collect
 from compute_service.model.model_config import ModelConfig
 from compute_service.model.model_loader import load_tokenizer, resolve_model
-from pagedserve.dtypes import DTYPES
+from pagedserve.dtypes import AUTO, DTYPES, resolve_auto
 from pagedserve.log import configure_logging
 
 _BASELINES = ("hf_static_best", "hf_cb_default", "hf_static", "hf_cb")
@@ -152,7 +155,8 @@ def run_engine(model: str, workload: list[Request], args: argparse.Namespace) ->
         num_steps = 0
         started = time.perf_counter()
         for i, req in enumerate(workload):
-            params = SamplingParams(max_tokens=req.max_tokens, temperature=0.0, ignore_eos=True)
+            params = SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
+                                    ignore_eos=True)
             engine.add_request(f"bench-{i}", req.prompt_token_ids, params)
         while engine.has_unfinished():
             finished = collect(results, engine.step())
@@ -222,8 +226,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--random-model-config", choices=sorted(_RANDOM_SHAPES),
                         help="use a random-weight Llama of this shape (built in a temp dir) for all three systems")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                        help="default: float32 on CPU, bfloat16 on CUDA")
+    parser.add_argument("--workload", choices=["random", "realistic"], default="random",
+                        help="random token ids, greedy (default); or English chat prompts, sampled")
+    parser.add_argument("--dtype", choices=[AUTO, *sorted(DTYPES)], default=AUTO,
+                        help="default auto, as the engine's: bfloat16 on CUDA and on CPUs with native bf16, "
+                             "else float32")
     parser.add_argument("--kv-cache-bytes", type=parse_bytes, default=None,
                         help="KV budget of every system, e.g. 512MiB (default 512MiB; --quick 48MiB; --peer 1GiB)")
     parser.add_argument("--num-requests", type=int, default=None, help="default 128 (--quick 32)")
@@ -275,12 +282,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.prompt_len = tuple(args.prompt_len or ((16, 128) if quick else (16, 512)))
     args.output_len = tuple(args.output_len or ((16, 64) if quick else (16, 256)))
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    if args.dtype == AUTO:  # the engine's default, resolved here: the baselines need a dtype too
+        args.dtype = resolve_auto(args.device)[0]
     if args.peer and args.device != "cpu":
         parser.error("--peer vllm runs vLLM's CPU build: use --device cpu")
     args.threads = args.threads or len(os.sched_getaffinity(0))
     args.baseline_requests = args.baseline_requests or (16 if quick else 32)
-    args.baselines = args.baselines or ("none" if args.peer else "hf_static_best,hf_cb_default")
+    if args.workload == "realistic" and (args.peer or args.baselines not in (None, "none")):
+        parser.error("--workload realistic samples: the baselines and --peer run greedy id workloads only")
+    args.baselines = args.baselines or ("none" if args.peer or args.workload == "realistic"
+                                        else "hf_static_best,hf_cb_default")
     args.baselines = [] if args.baselines == "none" else args.baselines.split(",")
     unknown = set(args.baselines) - set(_BASELINES)
     if unknown:
@@ -307,8 +318,11 @@ def main() -> None:
         config = ModelConfig.from_dir(model_dir, name=model_dir.name)
         special = {*config.eos_token_ids, *([config.bos_token_id] if config.bos_token_id is not None else [])}
         special |= set(getattr(load_tokenizer(model_dir), "all_special_ids", None) or [])
-        workload = make_workload(args.num_requests, args.prompt_len, args.output_len, config.vocab_size, special,
-                                 args.seed)
+        if args.workload == "realistic":
+            workload = realistic.make_realistic_workload(load_tokenizer(model_dir), args.num_requests, args.seed)
+        else:
+            workload = make_workload(args.num_requests, args.prompt_len, args.output_len, config.vocab_size,
+                                     special, args.seed)
         bytes_per_token = kv_bytes_per_token(config, dtype)
         naive_seqs = max(1, args.kv_cache_bytes // (config.max_position * bytes_per_token))
 
@@ -397,7 +411,8 @@ def report(args: argparse.Namespace, workload: list[Request], results: list[RunR
     summary |= {
         "kv_cache_bytes": args.kv_cache_bytes, "kv_bytes_per_token": bytes_per_token,
         "max_position": config.max_position, "model": config.name, "device": args.device, "dtype": args.dtype,
-        "threads": args.threads, "quick": args.quick, "seed": args.seed, "load_avg_end": round(os.getloadavg()[0], 2),
+        "threads": args.threads, "quick": args.quick, "seed": args.seed, "workload": args.workload,
+        "load_avg_end": round(os.getloadavg()[0], 2),
         "peak_rss_mib": round(peak_rss / 1024),  # largest single process (ru_maxrss is in KiB on Linux)
         "cpu_preload": os.environ.get("LD_PRELOAD", "") if cpu_preload_active() else None,
     }

@@ -14,6 +14,8 @@ from compute_service.model.model_config import ModelConfig
 class Request:
     prompt_token_ids: list[int]
     max_tokens: int  # generated exactly (ignore_eos)
+    temperature: float = 0.0  # 0: greedy (the random-id workload); the realistic one samples
+    top_p: float = 1.0
 
 
 def make_workload(num_requests: int, prompt_lens: tuple[int, int], output_lens: tuple[int, int],

@@ -36,8 +36,10 @@ def _min_tokens_banned(params: SamplingParams, eos_token_ids: Seq[int], device: 
 
 # How many of a row's most likely tokens the top-p fast path looks at: the nucleus of real text at
 # top_p 0.9-0.95 is a few to a few dozen tokens of the default model's 49152, and a `topk` of 256 is
-# a small fraction of a full sort's cost (docs/benchmarks.md). A nucleus that does not fit takes the sort.
+# a small fraction of a full sort's cost (docs/benchmarks.md). A nucleus that does not fit tries
+# `TOP_P_CANDIDATES_WIDE` (flat distributions: the start of a sentence), then takes the sort.
 TOP_P_CANDIDATES = 256
+TOP_P_CANDIDATES_WIDE = 4096
 
 
 def _sample_row(row: torch.Tensor, seq: Sequence) -> int:
@@ -119,7 +121,8 @@ def _sample_random(rows: torch.Tensor, seqs: Seq[Sequence]) -> list[int]:
     vocab = rows.shape[1]
     params = [seq.params for seq in seqs]
     # float64: a float32 temperature as small as 1e-45 overflows float32 logits to inf (NaN probs).
-    x = rows.double() / torch.tensor([p.temperature for p in params], dtype=torch.float64)[:, None]
+    temperatures = torch.tensor([p.temperature for p in params], dtype=torch.float64)[:, None]
+    x = rows.to(torch.float64, copy=True).div_(temperatures)
     top_ks = [p.top_k if p.top_k and p.top_k < vocab else 0 for p in params]
     if any(top_ks):
         kth = x.topk(max(top_ks), dim=-1).values  # (R, max k), descending
@@ -136,7 +139,8 @@ def _sample_random(rows: torch.Tensor, seqs: Seq[Sequence]) -> list[int]:
     candidates = None
     if nucleus_rows:
         k = min(TOP_P_CANDIDATES, vocab)
-        candidates = probs[nucleus_rows].topk(k, dim=-1)  # (N, K) values, ids; descending
+        nucleus_probs = probs if len(nucleus_rows) == len(params) else probs[nucleus_rows]
+        candidates = nucleus_probs.topk(k, dim=-1)  # (N, K) values, ids; descending
     out = []
     for r, seq in enumerate(seqs):
         total = totals[r]
@@ -147,6 +151,8 @@ def _sample_random(rows: torch.Tensor, seqs: Seq[Sequence]) -> list[int]:
         if top_p < 1.0:
             i = nucleus_rows.index(r)
             found = _nucleus(candidates.values[i], candidates.indices[i], top_p)
+            if found is None and vocab > TOP_P_CANDIDATES_WIDE:
+                found = _nucleus(*row.topk(TOP_P_CANDIDATES_WIDE), top_p)
             if found is None:
                 row = _top_p_sorted(row, top_p)
             elif seq.generator is None:

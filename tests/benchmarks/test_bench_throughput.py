@@ -16,7 +16,7 @@ def test_tiny_run_reports_baselines_profile_and_recompute() -> None:
     cmd = [sys.executable, "-m", "benchmarks.bench_throughput", "--random-model-config", "tiny", "--threads", "1",
            "--num-requests", "6", "--prompt-len", "8", "24", "--output-len", "4", "8", "--baseline-requests", "4",
            "--static-batch-sizes", "2", "4", "--kv-cache-bytes", "4MiB", "--profile", "--profile-seqs", "3",
-           "--profile-steps", "1"]
+           "--profile-steps", "1", "--dtype", "float32"]  # token agreement with the baselines: float32
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]

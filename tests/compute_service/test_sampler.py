@@ -75,11 +75,12 @@ PARAMS = [
 ]
 
 
-@pytest.mark.parametrize("kind", ["peaked", "flat", "bf16-ties", "masked"])
-def test_seeded_tokens_equal_the_sorted_reference(kind: str) -> None:
+@pytest.mark.parametrize("kind", ["peaked", "flat", "flatter", "bf16-ties", "masked"])
+def test_seeded_tokens_equal_the_sorted_reference(kind: str, monkeypatch) -> None:
     g = torch.Generator().manual_seed(11)
     vocab, eos = 3000, [0, 1]
-    logits = torch.randn(len(PARAMS), vocab, generator=g) * (6.0 if kind != "flat" else 0.3)
+    monkeypatch.setattr(sampler, "TOP_P_CANDIDATES_WIDE", 1024)  # the wide tier on a small vocabulary
+    logits = torch.randn(len(PARAMS), vocab, generator=g) * {"flat": 2.0, "flatter": 0.3}.get(kind, 6.0)
     if kind == "bf16-ties":  # what a bf16 model's logits look like: many exact ties
         logits = logits.bfloat16().float()
     if kind == "masked":
@@ -131,3 +132,17 @@ def test_unseeded_rows_sample_inside_the_nucleus() -> None:
     for _ in range(20):
         tokens = sampler.sample(logits, _seqs(params, seed=0), [0])
         assert all(t in ok for t, ok in zip(tokens, allowed))
+
+
+def test_each_tier_of_the_nucleus_search_is_taken(monkeypatch) -> None:
+    """256 candidates for a peaked row, the wide tier for a flatter one, the sort for a flat one."""
+    calls = []
+    monkeypatch.setattr(sampler, "TOP_P_CANDIDATES_WIDE", 1024)
+    nucleus, sort = sampler._nucleus, sampler._top_p_sorted
+    monkeypatch.setattr(sampler, "_nucleus", lambda v, i, p: calls.append(len(v)) or nucleus(v, i, p))
+    monkeypatch.setattr(sampler, "_top_p_sorted", lambda probs, p: calls.append("sort") or sort(probs, p))
+    g = torch.Generator().manual_seed(15)
+    for scale, want in ((8.0, [256]), (2.0, [256, 1024]), (0.1, [256, 1024, "sort"])):
+        calls.clear()
+        sampler.sample(torch.randn(1, 3000, generator=g) * scale, _seqs([SamplingParams(top_p=0.9, seed=1)], 0), [0])
+        assert calls == want, (scale, calls)
