@@ -46,7 +46,9 @@ SERVICE_FLAGS = {
     "memory_token_file": "send this file's token to the memory service (its --auth-token-file; also "
                          "$PAGEDSERVE_MEMORY_TOKEN): only then may this service name cache namespaces there",
     "grammar_compile_timeout_s": "longest compile of one structured-output constraint before it is refused",
-    "grammar_compile_threads": "threads that compile structured-output constraints",
+    "grammar_compile_threads": "worker processes that compile structured-output constraints",
+    "grammar_compiles_per_tenant": "compiles one tenant may have running at once (its others wait)",
+    "grammar_probe_max_fill_s": "CPU seconds one token mask may take when a new grammar is probed",
     "grammar_cache_size": "compiled structured-output constraints kept for reuse",
 }
 # EngineConfig fields that a service sets (the pool's own settings belong to the memory service).

@@ -211,6 +211,9 @@ class LLM:
 
     def close(self) -> None:
         """Detach from the memory service and stop it if this LLM started it."""
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.close()  # its grammar compile workers
         if self._memory is not None:
             self._memory.close()
             self._memory = None

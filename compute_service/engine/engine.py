@@ -56,6 +56,7 @@ class Engine:
         self.model_config = model_config
         self.tokenizer = tokenizer
         self._grammars = grammars
+        self._owns_grammars = grammars is None  # made here on first use: closed by ``close``
         self.masker = LogitsMasker(model_config.vocab_size, timeout_s=config.mask_fill_timeout_s)
         self.memory = memory
         self.config = config
@@ -111,6 +112,12 @@ class Engine:
             config = self.model_config
             self._grammars = GrammarCompiler(self.tokenizer, config.vocab_size, config.eos_token_ids)
         return self._grammars
+
+    def close(self) -> None:
+        """Stop what this engine started itself: the grammar compiler's worker processes."""
+        if self._owns_grammars and self._grammars is not None:
+            self._grammars.close()
+            self._grammars = None
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     *, priority: int = 0, cache_salt: str = "", tenant: str = "",

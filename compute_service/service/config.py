@@ -39,10 +39,13 @@ class ComputeServiceConfig(ServiceConfig):
         memory_token_file: a file holding the memory service's token, sent at Attach and on every
             call to it (trusted: it may name cache namespaces); else ``$PAGEDSERVE_MEMORY_TOKEN``.
         memory_token: that token itself (read from the file or the environment when not given).
-        grammar_compile_threads: workers that compile structured-output constraints.
+        grammar_compile_threads: worker processes that compile structured-output constraints.
         grammar_compile_timeout_s: the longest one constraint may compile before its request is
             refused (INVALID_ARGUMENT: too complex).
         grammar_cache_size: compiled constraints (and failures) kept.
+        grammar_compiles_per_tenant: compiles one tenant may have running at once (the others wait).
+        grammar_probe_max_fill_s: CPU seconds one token mask may take when a new grammar's masks are
+            probed along sampled outputs (more: INVALID_ARGUMENT, too costly).
     """
 
     model: str = "default"
@@ -64,6 +67,8 @@ class ComputeServiceConfig(ServiceConfig):
     grammar_compile_threads: int = 2
     grammar_compile_timeout_s: float = 5.0
     grammar_cache_size: int = 256
+    grammar_compiles_per_tenant: int = 1
+    grammar_probe_max_fill_s: float = 0.05
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -81,11 +86,12 @@ class ComputeServiceConfig(ServiceConfig):
         for name in ("shutdown_grace_s", "memory_retry_interval_s", "memory_ping_interval_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("grammar_compile_threads", "grammar_cache_size"):
+        for name in ("grammar_compile_threads", "grammar_cache_size", "grammar_compiles_per_tenant"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not self.grammar_compile_timeout_s > 0:
-            raise ValueError(f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}")
+        for name in ("grammar_compile_timeout_s", "grammar_probe_max_fill_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not self.write_stall_timeout_s > 0:
             raise ValueError(f"write_stall_timeout_s must be > 0, got {self.write_stall_timeout_s}")
         if self.max_stream_buffer < 2:

@@ -34,7 +34,7 @@ from memory_service.api import KvLayout, MemoryClient
 from compute_service.engine.config import EngineConfig
 
 from compute_service.service.config import ComputeServiceConfig
-from compute_service.structured.grammar_compiler import GrammarCompiler, GrammarCompilerConfig
+from compute_service.structured.grammar_compiler import GrammarCompiler, GrammarCompilerConfig, ProbeConfig
 from compute_service.structured.logits_mask import num_abandoned_fills
 from compute_service.engine.engine import Engine
 from compute_service.engine.faults import DetokenizeFault
@@ -63,7 +63,9 @@ def make_grammar_compiler(loaded: LoadedModel, config: ComputeServiceConfig) -> 
     return GrammarCompiler(loaded.tokenizer, loaded.config.vocab_size, loaded.config.eos_token_ids,
                            GrammarCompilerConfig(num_threads=config.grammar_compile_threads,
                                                  timeout_s=config.grammar_compile_timeout_s,
-                                                 cache_size=config.grammar_cache_size))
+                                                 cache_size=config.grammar_cache_size,
+                                                 max_jobs_per_tenant=config.grammar_compiles_per_tenant,
+                                                 probe=ProbeConfig(max_fill_s=config.grammar_probe_max_fill_s)))
 
 
 def make_attach(loaded: LoadedModel, target: str, engine_config: EngineConfig,
@@ -159,13 +161,14 @@ async def serve(config: ComputeServiceConfig, engine_config: EngineConfig,
     await server.stop(1.0)  # streams still open are cancelled: their requests are aborted
     await asyncio.to_thread(loop.stop)  # detaches: the memory service frees what is left
     _remove_socket(address)
+    if grammars is not None:
+        grammars.close()  # its worker processes (a compile in progress is killed)
     log.info("compute_service_stopped")
-    if num_abandoned_fills() or (grammars is not None and grammars.num_running):
-        # A compile past its timeout or a mask fill past its deadline still runs in C++:
-        # interpreter finalization would destroy the grammar engine under it (std::terminate,
-        # SIGABRT). Everything is shut down and flushed, so leave without finalizing.
-        log.warning("grammar_work_abandoned", num_fills=num_abandoned_fills(),
-                    num_compiles=grammars.num_running if grammars is not None else 0)
+    if num_abandoned_fills():
+        # A mask fill past its deadline still runs in C++: interpreter finalization would destroy
+        # the grammar engine under it (std::terminate, SIGABRT). Everything is shut down and
+        # flushed, so leave without finalizing.
+        log.warning("mask_fills_abandoned", num_fills=num_abandoned_fills())
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)

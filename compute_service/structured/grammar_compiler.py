@@ -1,69 +1,80 @@
-"""Compiling constraints into xgrammar grammars: off the engine thread and the event loop, cached, bounded.
+"""Compiling constraints into xgrammar grammars: in worker processes, cached, bounded, shared fairly.
 
-Why a pool of our own daemon threads, not a ``ThreadPoolExecutor``: a compile cannot be interrupted
-(it runs in C++), so one that exceeds its timeout keeps its thread until it finishes. An executor's
-workers are joined at interpreter exit, so a runaway compile would hold a SIGTERM-ed service for as
-long as it runs; daemon threads let the process exit. xgrammar releases the GIL while it compiles,
-so the engine thread and the event loop keep running beside it.
+Why processes, not threads: a compile cannot be interrupted (it runs in C++), so a thread past its
+timeout kept its worker until the compile ended on its own (minutes, for a schema nested 900
+deep), and four such requests starved every tenant's constraints. A worker process past the
+timeout is killed and a fresh one started. Each worker also probes the grammar's mask cost before
+answering (``compile_worker.probe_masks``): a grammar whose masks are slow is refused here, with
+INVALID_ARGUMENT naming the field, instead of slowing the engine's steps. The compiled grammar comes
+back serialized and is rebuilt here against the same tokenizer.
 
 The timeout counts from the moment a worker starts the job, not from submission: a request whose
-job is still queued behind runaway compiles a timeout after it asked is told the compiler is busy
-(RESOURCE_EXHAUSTED, retry), and is not blamed for a cost that is not its own. A constraint that
-timed out is remembered as too costly, so asking again is refused at once instead of occupying
-another worker. Failures (invalid schemas, regexes, grammars) are cached like successes: the
-engine's message is the answer each time.
+job is still queued behind other compiles a timeout after it asked is told the compiler is busy
+(RESOURCE_EXHAUSTED, retry), and is not blamed for a cost that is not its own. A job nobody waits
+for any more (its requests were cancelled or gave up) is dropped from the queue, and killed if
+it runs. Each tenant (``owner``) has its own queue, served round-robin, and may have at most
+``max_jobs_per_tenant`` jobs running: one tenant's costly compiles wait behind each other, not in
+front of another tenant's.
 
-Cache key: sha256 of (tokenizer digest, compile options, kind, text); one compiler serves one
-tokenizer, and the tokenizer digest keeps keys apart should the cache ever be shared.
+Verdicts are cached like grammars: invalid text, too costly (killed at the timeout, or slow masks)
+are answered at once the next time. Cache key: sha256 of (tokenizer digest, compile options,
+kind, text), the text of a JSON schema normalized first (annotations such as ``title`` dropped,
+compact; ``pagedserve.grammar_limits.normalized_json_schema``), so variants that differ only there
+share a grammar and a verdict. One compiler serves one tokenizer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import hashlib
 import json
-import queue
-import re
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from typing import Any
 
 import xgrammar as xgr
 
 from pagedserve.errors import InvalidArgument, ResourceExhaustedError
+from pagedserve.grammar_limits import normalized_json_schema
 from pagedserve.log import get_logger
 
+from compute_service.structured import compile_worker
+from compute_service.structured.compile_worker import COMPILE_OPTIONS, ProbeConfig, choice_grammar, engine_message
 from compute_service.structured.constraint import Constraint
+
+__all__ = ["GrammarCompiler", "GrammarCompilerConfig", "ProbeConfig", "choice_grammar", "engine_message"]
 
 log = get_logger("grammar_compiler")
 
-# Part of every cache key: change it when the options below change what a constraint compiles to.
-_COMPILE_OPTIONS = "xgrammar-v1:any_whitespace=False,strict_mode=True"
-# xgrammar prefixes its messages with "[time] /path/file.cc:line: " and sometimes a failed check's text.
-_ENGINE_PREFIX = re.compile(r"^\s*\[[^\]]*\]\s*\S+:\d+:\s*(Check failed: \(.*?\) is false:\s*)?")
-_MAX_MESSAGE_CHARS = 500
-# xgrammar 0.2's rule for the characters of a length-bounded JSON string (maxLength/minLength)
-# lets raw control characters through, which no strict JSON parser accepts (its unbounded string
-# rule excludes them). We compile the schema's EBNF with that one character class corrected.
-_BOUNDED_STRING_CHAR = r'[^\"\\\r\n]'
-_JSON_STRING_CHAR = r'[^\0-\x1f\"\\\r\n]'
+_POLL_S = 0.05  # how often a supervisor looks whether anyone still waits for its running job
 
 
 @dataclass(frozen=True)
 class GrammarCompilerConfig:
     """Attributes:
-        num_threads: compile workers (vLLM uses (cpus + 1) // 2).
-        timeout_s: the longest one compile may run before its request is refused.
+        num_threads: compile worker processes (vLLM uses (cpus + 1) // 2 threads).
+        timeout_s: the longest one compile (and its mask probe) may run before it is killed and
+            its request refused.
         cache_size: compiled grammars (and failures) kept, least recently used dropped first.
+        max_jobs_per_tenant: compiles one tenant may have running at once (its others wait).
+        probe: how each grammar's mask cost is probed before it is accepted.
+        start_timeout_s: how long the constructor waits for the workers to start.
     """
 
     num_threads: int = 2
     timeout_s: float = 5.0
     cache_size: int = 256
+    max_jobs_per_tenant: int = 1
+    probe: ProbeConfig = field(default_factory=ProbeConfig)
+    start_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         if self.num_threads < 1:
@@ -72,55 +83,94 @@ class GrammarCompilerConfig:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
         if self.cache_size < 1:
             raise ValueError(f"cache_size must be >= 1, got {self.cache_size}")
+        if self.max_jobs_per_tenant < 1:
+            raise ValueError(f"max_jobs_per_tenant must be >= 1, got {self.max_jobs_per_tenant}")
 
 
 @dataclass(eq=False)
 class _Job:
-    constraint: Constraint
-    started_at: float | None = None  # set by the worker
-    timed_out: bool = False
-    # (grammar, None) or (None, the engine's message): failures are results, not exceptions.
+    constraint: Constraint  # as compiled (a schema normalized)
+    key: str
+    owner: str | None
+    num_waiters: int = 0
+    state: str = "queued"  # queued -> running -> done, or queued/running -> dropped (nobody waits)
+    started_at: float | None = None  # set by the supervisor
+    # (grammar, None) or (None, the reason it is refused): failures are results, not exceptions.
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 
 
-def engine_message(exc: BaseException) -> str:
-    """The grammar engine's own words, without its source-file prefix, bounded in length."""
-    text = _ENGINE_PREFIX.sub("", str(exc)).strip() or type(exc).__name__
-    return text if len(text) <= _MAX_MESSAGE_CHARS else text[:_MAX_MESSAGE_CHARS] + "..."
+class _Worker:
+    """One compile worker process and its two pipes (parent side)."""
 
+    def __init__(self) -> None:
+        p2c_read, p2c_write = os.pipe()
+        c2p_read, c2p_write = os.pipe()
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, compile_worker.__file__, "--parent-pid", str(os.getpid()),
+                 "--read-fd", str(p2c_read), "--write-fd", str(c2p_write)],
+                pass_fds=(p2c_read, c2p_write), stdin=subprocess.DEVNULL)
+        finally:
+            os.close(p2c_read)
+            os.close(c2p_write)
+        self.to_worker = Connection(p2c_write, readable=False)
+        self.from_worker = Connection(c2p_read, writable=False)
 
-def choice_grammar(choices: Sequence[str]) -> str:
-    """An EBNF alternation of string literals; JSON escaping is also EBNF string escaping."""
-    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+    def start(self, setup: tuple[str, dict], timeout_s: float) -> None:
+        """Send the tokenizer and probe settings; return once the worker is ready for jobs."""
+        self.to_worker.send(setup)
+        if not self.from_worker.poll(timeout_s):
+            raise RuntimeError(f"the grammar compile worker did not start within {timeout_s} s")
+        self.from_worker.recv()  # ("ready", "")
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait()
+        self.to_worker.close()
+        self.from_worker.close()
 
 
 class GrammarCompiler:
-    """Compiles constraints for one tokenizer; thread-safe.
+    """Compiles constraints for one tokenizer; thread-safe. ``close`` stops its worker processes.
 
     Args:
         tokenizer: the model's Hugging Face tokenizer.
         vocab_size: the model's vocabulary (logits width; may exceed the tokenizer's).
         stop_token_ids: every token that ends the model's generation: the grammar allows them only
             where it may end, and the engine stops on them.
-        config: threads, timeout and cache size.
+        config: workers, timeout, cache size, per-tenant quota, the mask probe.
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int],
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int] | tuple[int, ...],
                  config: GrammarCompilerConfig | None = None) -> None:
         self.config = config or GrammarCompilerConfig()
         self.vocab_size = vocab_size
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                                  stop_token_ids=list(stop_token_ids))
-        # One thread per compile: the pool gives the parallelism; xgrammar's own cache is off (ours
-        # also keeps failures and timeouts).
-        self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=1, cache_enabled=False)
         self.tokenizer_digest = self._tokenizer_digest()
+        self._setup = compile_worker.setup_message(self.tokenizer_info.serialize_json(), self.config.probe)
         self._lock = threading.Lock()
+        self._has_jobs = threading.Condition(self._lock)
         self._cache: OrderedDict[str, _Job] = OrderedDict()
-        self._queue: queue.SimpleQueue[_Job] = queue.SimpleQueue()
-        self.num_running = 0  # compiles in progress (the workers' counter; read anywhere)
-        for i in range(self.config.num_threads):
-            threading.Thread(target=self._work, name=f"grammar-compile-{i}", daemon=True).start()
+        # Queued jobs per owner, served round-robin (an owner's first job moves it to the back).
+        self._queues: OrderedDict[str | None, collections.deque[_Job]] = OrderedDict()
+        self._running_of: dict[str | None, int] = {}  # owner -> its jobs running
+        self._closed = False
+        self.num_running = 0  # compiles in progress
+        self.num_started = 0  # compiles a worker took
+        self.num_killed = 0  # compiles killed: past the timeout, or nobody waited any more
+        self._workers: list[_Worker | None] = [None] * self.config.num_threads
+        try:
+            workers = [_Worker() for _ in range(self.config.num_threads)]  # they import in parallel
+            self._workers = list(workers)
+            for worker in workers:
+                worker.start(self._setup, self.config.start_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+        for slot in range(self.config.num_threads):
+            threading.Thread(target=self._supervise, args=(slot,), name=f"grammar-compile-{slot}",
+                             daemon=True).start()
 
     def _tokenizer_digest(self) -> str:
         info = self.tokenizer_info
@@ -131,37 +181,68 @@ class GrammarCompiler:
         return h.hexdigest()
 
     def cache_key(self, constraint: Constraint) -> str:
-        return hashlib.sha256(f"{self.tokenizer_digest}|{_COMPILE_OPTIONS}|{constraint.digest()}".encode()).hexdigest()
+        return hashlib.sha256(f"{self.tokenizer_digest}|{COMPILE_OPTIONS}|{constraint.digest()}".encode()).hexdigest()
+
+    def worker_pids(self) -> list[int]:
+        """The live worker processes' ids (fewer than ``num_threads`` while a killed one is
+        replaced; tests check that none outlives ``close``)."""
+        return [w.process.pid for w in self._workers if w is not None]
+
+    def close(self) -> None:
+        """Stop the workers (a compile in progress is killed); waiting callers get no answer."""
+        with self._lock:
+            self._closed = True
+            workers, self._workers = self._workers, [None] * len(self._workers)
+            self._has_jobs.notify_all()
+        for worker in workers:
+            if worker is not None:
+                worker.kill()
+
+    def __enter__(self) -> GrammarCompiler:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # --- callers -----------------------------------------------------------------------------
 
-    def compile(self, constraint: Constraint) -> xgr.CompiledGrammar:
+    def compile(self, constraint: Constraint, owner: str | None = None) -> xgr.CompiledGrammar:
         """Blocking compile (in-process callers). Raises InvalidArgument naming the field when the
-        constraint is invalid or too costly, ResourceExhaustedError when every worker is busy."""
-        job, since = self._submit(constraint), time.monotonic()
-        while True:
-            try:
-                return self._result(job, job.future.result(timeout=self._remaining(job, since)))
-            except concurrent.futures.TimeoutError:
-                self._check_deadline(job, since)
+        constraint is invalid or too costly, ResourceExhaustedError when every worker is busy or
+        ``owner`` (a tenant; None: no quota) has its quota of compiles in progress."""
+        job, since = self._submit(constraint, owner), time.monotonic()
+        try:
+            while True:
+                timeout = self._queued_wait(job, since)
+                try:
+                    return self._result(job, job.future.result(timeout=timeout))
+                except concurrent.futures.TimeoutError:
+                    self._check_started(job)
+        finally:
+            self._leave(job)
 
-    async def compile_async(self, constraint: Constraint) -> xgr.CompiledGrammar:
-        """``compile`` for the event loop: it waits without blocking the loop."""
-        job, since = self._submit(constraint), time.monotonic()
-        if job.future.done():
-            return self._result(job, job.future.result())
-        waiter = self._waiter(job)
-        while True:
-            done, _ = await asyncio.wait({waiter}, timeout=self._remaining(job, since))
-            if done:
-                return self._result(job, waiter.result())
-            self._check_deadline(job, since)
+    async def compile_async(self, constraint: Constraint, owner: str | None = None) -> xgr.CompiledGrammar:
+        """``compile`` for the event loop: it waits without blocking the loop. A cancelled caller
+        stops waiting, and a job nobody else waits for is dropped."""
+        job, since = self._submit(constraint, owner), time.monotonic()
+        try:
+            if job.future.done():
+                return self._result(job, job.future.result())
+            waiter = self._waiter(job)
+            while True:
+                timeout = self._queued_wait(job, since)
+                done, _ = await asyncio.wait({waiter}, timeout=timeout)
+                if done:
+                    return self._result(job, waiter.result())
+                self._check_started(job)
+        finally:
+            self._leave(job)
 
     @staticmethod
     def _waiter(job: _Job) -> asyncio.Future:
         """An event-loop future that follows the job's. Not ``asyncio.wrap_future``: cancelling that
-        would cancel a queued job (whose worker then fails setting its result), and a compile that
-        ends after the loop closed must not raise in the worker."""
+        would cancel the job's future, which other callers may share, and a compile that ends
+        after the loop closed must not raise in the supervisor."""
         loop = asyncio.get_running_loop()
         waiter = loop.create_future()
 
@@ -173,7 +254,7 @@ class GrammarCompiler:
             else:
                 waiter.set_result(done.result())
 
-        def on_done(done: concurrent.futures.Future) -> None:  # in the worker thread
+        def on_done(done: concurrent.futures.Future) -> None:  # in the supervisor thread
             try:
                 loop.call_soon_threadsafe(copy, done)
             except RuntimeError:
@@ -188,45 +269,71 @@ class GrammarCompiler:
 
     # --- internals ---------------------------------------------------------------------------
 
-    def _submit(self, constraint: Constraint) -> _Job:
+    @staticmethod
+    def _normalized(constraint: Constraint) -> Constraint:
+        if constraint.kind != "json_schema":
+            return constraint
+        try:
+            return Constraint("json_schema", normalized_json_schema(constraint.spec))
+        except (ValueError, RecursionError):
+            return constraint  # not JSON: the worker says why
+
+    def _submit(self, constraint: Constraint, owner: str | None) -> _Job:
+        constraint = self._normalized(constraint)
         key = self.cache_key(constraint)
         with self._lock:
+            if self._closed:
+                raise ResourceExhaustedError(f"params.{constraint.kind}: the grammar compiler is shut down")
             job = self._cache.get(key)
             if job is not None:
                 self._cache.move_to_end(key)
             else:
-                job = self._cache[key] = _Job(constraint)
+                job = self._cache[key] = _Job(constraint, key, owner)
                 while len(self._cache) > self.config.cache_size:
                     self._cache.popitem(last=False)  # waiters still hold their job
-                self._queue.put(job)
-        if job.timed_out:
-            raise self._too_costly(job)
+                self._queues.setdefault(owner, collections.deque()).append(job)
+                self._has_jobs.notify()
+            job.num_waiters += 1
         return job
 
-    def _deadline(self, job: _Job, since: float) -> float:
-        """A running job's clock runs from its start; a queued one's from when this caller came."""
-        started = job.started_at
-        return (started if started is not None else since) + self.config.timeout_s
+    def _leave(self, job: _Job) -> None:
+        """A caller stops waiting: a queued job nobody waits for is dropped (a running one is
+        killed by its supervisor, which looks every _POLL_S)."""
+        with self._lock:
+            job.num_waiters -= 1
+            if job.num_waiters == 0 and job.state == "queued":
+                self._drop(job)
 
-    def _remaining(self, job: _Job, since: float) -> float:
-        return max(0.0, self._deadline(job, since) - time.monotonic())
+    def _drop(self, job: _Job) -> None:  # under the lock
+        job.state = "dropped"
+        if self._cache.get(job.key) is job:
+            del self._cache[job.key]  # not a verdict: whoever asks again compiles afresh
+        job.future.set_result((None, "dropped: nobody waited for it"))
 
-    def _check_deadline(self, job: _Job, since: float) -> None:
-        """Called when a wait ran out: raise if the job is really past its deadline."""
-        if time.monotonic() < self._deadline(job, since):
-            return  # it started while we waited: its own clock runs from then
-        if job.started_at is None:
-            raise ResourceExhaustedError(
-                f"params.{job.constraint.kind}: every grammar compile worker is busy; retry later")
-        if not job.timed_out:
-            job.timed_out = True
-            log.warning("grammar_compile_timeout", kind=job.constraint.kind, timeout_s=self.config.timeout_s,
-                        num_chars=len(job.constraint.spec) + sum(map(len, job.constraint.choices)))
-        raise self._too_costly(job)
+    def _finished(self, job: _Job) -> None:  # under the lock: a running job ended, its owner may run another
+        self.num_running -= 1
+        self._running_of[job.owner] -= 1
+        if not self._running_of[job.owner]:
+            del self._running_of[job.owner]
+        self._has_jobs.notify()
 
-    def _too_costly(self, job: _Job) -> InvalidArgument:
-        return InvalidArgument(f"params.{job.constraint.kind}: compiling took longer than {self.config.timeout_s} s; "
-                          "the constraint is too complex")
+    def _queued_wait(self, job: _Job, since: float) -> float | None:
+        """How long a caller still waits for a queued job to start (None: it runs; the supervisor
+        answers within the timeout)."""
+        return None if job.started_at is not None else max(0.0, since + self.config.timeout_s - time.monotonic())
+
+    def _check_started(self, job: _Job) -> None:
+        """A queued job's wait ran out: raise unless it has started meanwhile."""
+        if job.started_at is not None:
+            return
+        kind, quota = job.constraint.kind, self.config.max_jobs_per_tenant
+        if job.owner is not None and self._running_of.get(job.owner, 0) >= quota:
+            raise ResourceExhaustedError(f"params.{kind}: this tenant's other grammar compiles take the "
+                                         f"{quota} worker(s) a tenant may use; retry later")
+        raise ResourceExhaustedError(f"params.{kind}: every grammar compile worker is busy; retry later")
+
+    def _too_costly(self, job: _Job) -> str:
+        return f"compiling took longer than {self.config.timeout_s} s; the constraint is too complex"
 
     @staticmethod
     def _result(job: _Job, result: tuple[xgr.CompiledGrammar | None, str | None]) -> xgr.CompiledGrammar:
@@ -235,45 +342,106 @@ class GrammarCompiler:
             raise InvalidArgument(f"params.{job.constraint.kind}: {error}")
         return grammar
 
-    def _work(self) -> None:
-        while True:
-            job = self._queue.get()
-            job.started_at = time.monotonic()
-            with self._lock:
-                self.num_running += 1
+    def _next_job(self) -> _Job | None:
+        with self._lock:
+            while True:
+                if self._closed:
+                    return None
+                for owner in list(self._queues):
+                    queue = self._queues[owner]
+                    while queue and queue[0].state != "queued":
+                        queue.popleft()  # dropped: nobody waited
+                    if not queue:
+                        del self._queues[owner]
+                        continue
+                    if owner is not None and self._running_of.get(owner, 0) >= self.config.max_jobs_per_tenant:
+                        continue
+                    job = queue.popleft()
+                    self._queues.move_to_end(owner)
+                    job.state, job.started_at = "running", time.monotonic()
+                    self.num_running += 1
+                    self.num_started += 1
+                    self._running_of[owner] = self._running_of.get(owner, 0) + 1
+                    return job
+                self._has_jobs.wait()
+
+    def _supervise(self, slot: int) -> None:
+        while (job := self._next_job()) is not None:
+            killed = False
             try:
-                result = (self._compile(job.constraint), None)
-            except (RuntimeError, ValueError, TypeError) as exc:  # the engine's verdict on the input
-                result = (None, engine_message(exc))
-            except BaseException as exc:  # a bug: it reaches the waiter and the log, never lost
+                outcome, killed = self._run(slot, job)
+            except BaseException as exc:  # a bug (or the compiler closed under it): never lost
+                with self._lock:
+                    self._finished(job)
+                    if self._closed:
+                        return
                 log.exception("grammar_compile_failed", kind=job.constraint.kind)
                 job.future.set_exception(exc)
+                self._restart(slot)
                 continue
-            finally:
-                with self._lock:
-                    self.num_running -= 1
-            log.debug("grammar_compiled", kind=job.constraint.kind, ok=result[1] is None,
-                      seconds=round(time.monotonic() - job.started_at, 4))
-            job.future.set_result(result)
+            with self._lock:
+                self._finished(job)
+                if outcome is None:  # killed: nobody waited
+                    self._drop(job)
+                else:
+                    job.state = "done"
+            if outcome is not None:
+                log.debug("grammar_compiled", kind=job.constraint.kind, ok=outcome[0] is not None,
+                          seconds=round(time.monotonic() - job.started_at, 4))
+                job.future.set_result(outcome)  # the verdict first, then the slot's new worker
+            if killed:
+                self._restart(slot)
 
-    def _compile(self, c: Constraint) -> xgr.CompiledGrammar:
-        # Compact JSON (any_whitespace=False: ", " and ": " only) so a model cannot pad with
-        # whitespace until max_tokens.
-        if c.kind == "json_schema":
+    def _run(self, slot: int, job: _Job) -> tuple[tuple[xgr.CompiledGrammar | None, str | None] | None, bool]:
+        """The job on the slot's worker: (its outcome, or None when it was killed because nobody
+        waited for it any more; whether the worker was killed). A worker past the timeout is killed."""
+        worker = self._workers[slot]
+        c = job.constraint
+        worker.to_worker.send((c.kind, c.spec, c.choices))
+        deadline = job.started_at + self.config.timeout_s
+        while not worker.from_worker.poll(min(_POLL_S, max(0.0, deadline - time.monotonic()))):
+            if job.num_waiters == 0:
+                self._kill(slot)
+                return None, True
+            if time.monotonic() >= deadline:
+                self._kill(slot)
+                log.warning("grammar_compile_timeout", kind=c.kind, timeout_s=self.config.timeout_s,
+                            num_chars=len(c.spec) + sum(map(len, c.choices)))
+                return (None, self._too_costly(job)), True
+        status, payload = worker.from_worker.recv()
+        if status == "ok":
+            return (xgr.CompiledGrammar.deserialize_json(payload, self.tokenizer_info), None), False
+        return (None, payload), False
+
+    def _kill(self, slot: int) -> None:
+        worker, self._workers[slot] = self._workers[slot], None
+        if worker is not None:
+            worker.kill()
+        with self._lock:
+            self.num_killed += 1
+
+    def _restart(self, slot: int) -> None:
+        """A fresh worker in the slot (the supervisor waits for it: its slot takes no job meanwhile)."""
+        old = self._workers[slot]
+        if old is not None:
+            old.kill()
+        while True:
+            with self._lock:
+                if self._closed:
+                    return
+            worker = None
             try:
-                json.loads(c.spec)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"not valid JSON: {exc}") from None
-            return self._compile_json_schema(c.spec, strict_mode=True)
-        if c.kind == "json_object":
-            # strict_mode=False: any keys and values (strict mode would forbid undeclared properties).
-            return self._compile_json_schema('{"type": "object"}', strict_mode=False)
-        if c.kind == "regex":
-            return self._compiler.compile_regex(c.spec)
-        if c.kind == "choice":
-            return self._compiler.compile_grammar(choice_grammar(c.choices))
-        return self._compiler.compile_grammar(c.spec)
-
-    def _compile_json_schema(self, schema: str, *, strict_mode: bool) -> xgr.CompiledGrammar:
-        ebnf = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict_mode))
-        return self._compiler.compile_grammar(ebnf.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR))
+                worker = _Worker()
+                worker.start(self._setup, self.config.start_timeout_s)
+            except (OSError, RuntimeError, EOFError):
+                log.exception("grammar_worker_start_failed", slot=slot)
+                if worker is not None:
+                    worker.kill()
+                time.sleep(1.0)
+                continue
+            with self._lock:
+                if self._closed:
+                    worker.kill()
+                    return
+                self._workers[slot] = worker
+            return

@@ -8,13 +8,19 @@ at the timeout and shared fairly between tenants.
 
 from __future__ import annotations
 
+import asyncio
+import os
 import re
+import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 
 from compute_service import LLM, Constraint, SamplingParams
-from pagedserve.errors import InvalidArgument
+from pagedserve.errors import InvalidArgument, ResourceExhaustedError
+from pagedserve.process import wait_until
+from compute_service.structured.grammar_compiler import GrammarCompiler, GrammarCompilerConfig
 from compute_service.structured.logits_mask import num_abandoned_fills
 from tests.structured.conftest import EOS, PROMPTS, VOCAB, ByteModel
 from compute_service.engine.outputs import RequestOutput, collect
@@ -48,10 +54,12 @@ def test_a_late_mask_ends_its_request_alone(llm: LLM, byte_model: ByteModel) -> 
     # Compiled here, past the admission checks that would refuse it: the engine's deadline is the
     # last line of defence, for grammars whose cost shows only after the probe's steps.
     info = xgr.TokenizerInfo.from_huggingface(byte_model.tokenizer, vocab_size=VOCAB, stop_token_ids=[EOS])
-    costly = xgr.GrammarCompiler(info, cache_enabled=False).compile_regex(GROWING_REGEX)
+    xgr_compiler = xgr.GrammarCompiler(info, cache_enabled=False)
+    costly = xgr_compiler.compile_regex(GROWING_REGEX)
     others = {"plain": (PROMPTS[1], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True), None),
               "regex": (PROMPTS[2], SamplingParams(max_tokens=40, temperature=0.0,
-                                                   constraint=Constraint.regex("[ab]{1,30}c")), None)}
+                                                   constraint=Constraint.regex("[ab]{1,30}c")),
+                        xgr_compiler.compile_regex("[ab]{1,30}c"))}
     alone = run(llm, others)
     failed_before, late_before = llm.engine.num_failed_requests, llm.engine.masker.pool.num_late
 
@@ -116,3 +124,107 @@ def test_the_http_front_refuses_them_naming_its_parameter() -> None:
         convert.chat_prompt(body, "c")
     assert info.value.param == "structured_outputs.regex"
     assert "nested repetitions multiply to 3600 copies" in str(info.value)
+
+
+# --- the compiler: killable workers, the mask probe, tenants, dropped jobs -------------------------
+
+TIMEOUT_S = 1.0
+
+
+def _slow(prefix: str, title: str = "") -> Constraint:
+    """A schema that compiles for seconds (1500 optional properties: the time grows with the cube of
+    their number, ~5 s on an idle core), within every static limit; ``title`` changes only its text."""
+    schema: dict = {"type": "object", "properties": {f"{prefix}{i}": {} for i in range(1500)}}
+    return Constraint.json_schema({"title": title, **schema} if title else schema)
+
+
+@pytest.fixture(scope="module")
+def compiler(byte_model: ByteModel) -> Iterator[GrammarCompiler]:
+    config = GrammarCompilerConfig(num_threads=2, timeout_s=TIMEOUT_S, max_jobs_per_tenant=1)
+    with GrammarCompiler(byte_model.tokenizer, VOCAB, [EOS], config) as compiler:
+        yield compiler
+    for pid in compiler.worker_pids():
+        assert not _alive(pid)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _ready(compiler: GrammarCompiler) -> None:
+    wait_until(lambda: compiler.num_running == 0 and len(compiler.worker_pids()) == 2, 120, "idle workers")
+
+
+def test_a_compile_past_its_timeout_is_killed_and_every_title_shares_the_verdict(compiler: GrammarCompiler) -> None:
+    _ready(compiler)
+    pids, num_started, num_killed = compiler.worker_pids(), compiler.num_started, compiler.num_killed
+    with pytest.raises(InvalidArgument, match=f"^params.json_schema: compiling took longer than {TIMEOUT_S} s"):
+        compiler.compile(_slow("p", title="variant 0"), owner="a")
+    assert compiler.num_running == 0  # killed, not compiling on in the background
+    assert compiler.num_killed - num_killed == 1
+    assert [_alive(pid) for pid in pids].count(False) == 1
+    for title in ("variant 1", "variant 2", "variant 3"):  # the same schema but for its title: refused at once
+        with pytest.raises(InvalidArgument, match="too complex"):
+            compiler.compile(_slow("p", title=title), owner="a")
+    assert compiler.num_started - num_started == 1
+    _ready(compiler)  # the killed worker was replaced
+    assert len(set(compiler.worker_pids()) - set(pids)) == 1
+
+
+def test_the_probe_refuses_a_grammar_whose_masks_grow(compiler: GrammarCompiler) -> None:
+    with pytest.raises(InvalidArgument, match=r"^params.regex: too costly to follow: one token mask took"):
+        compiler.compile(Constraint.regex(GROWING_REGEX))
+    assert compiler.compile(Constraint.regex("[ab]{1,30}c|(de)+")) is not None
+
+
+def test_one_tenants_compiles_take_one_worker_and_another_tenant_gets_the_other(compiler: GrammarCompiler) -> None:
+    _ready(compiler)
+    num_started = compiler.num_started
+    outcomes: dict[str, str] = {}
+
+    def tenant_a(prefix: str) -> None:
+        try:
+            compiler.compile(_slow(prefix), owner="a")
+        except (InvalidArgument, ResourceExhaustedError) as exc:
+            outcomes[prefix] = type(exc).__name__
+
+    first = threading.Thread(target=tenant_a, args=("x",))
+    first.start()
+    wait_until(lambda: compiler.num_running == 1, 60, "tenant a's first compile running")
+    second = threading.Thread(target=tenant_a, args=("y",))  # queued: tenant a's worker is taken
+    second.start()
+    wait_until(lambda: any(job.state == "queued" for job in list(compiler._cache.values())), 60, "a's second queued")
+    assert compiler.compile(Constraint.regex("[xy]{2,9}z"), owner="b") is not None  # the other worker
+    assert compiler.num_started - num_started == 2  # a's first, b's: a's second waited its turn
+    first.join(120)
+    second.join(120)
+    assert outcomes["x"] == "InvalidArgument"  # killed at the timeout
+    # a's second: busy (a's worker was still taken when its wait ran out), or killed in its turn
+    assert outcomes["y"] in ("ResourceExhaustedError", "InvalidArgument")
+    _ready(compiler)
+
+
+def test_a_job_nobody_waits_for_is_dropped_or_killed(compiler: GrammarCompiler) -> None:
+    _ready(compiler)
+    num_started, num_killed = compiler.num_started, compiler.num_killed
+
+    async def give_up() -> None:
+        running = asyncio.create_task(compiler.compile_async(_slow("r"), owner="c"))
+        while not compiler.num_running:
+            await asyncio.sleep(0.01)
+        queued = asyncio.create_task(compiler.compile_async(_slow("s"), owner="c"))
+        await asyncio.sleep(0.05)
+        queued.cancel()  # its requests were cancelled: nobody waits any more
+        running.cancel()
+        assert [r.__class__ for r in await asyncio.gather(running, queued, return_exceptions=True)] == \
+            [asyncio.CancelledError] * 2
+
+    asyncio.run(give_up())
+    wait_until(lambda: compiler.num_running == 0, 60, "the running job killed")
+    assert compiler.num_killed - num_killed == 1  # the running one, long before its timeout
+    assert compiler.num_started - num_started == 1  # the queued one never ran
+    _ready(compiler)

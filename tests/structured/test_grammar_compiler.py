@@ -1,8 +1,10 @@
-"""The constraint compiler on its own: busy workers, timeouts, cached verdicts, keys per tokenizer."""
+"""The constraint compiler on its own: busy workers, timeouts, cached verdicts, keys per tokenizer.
+(Killed compiles, mask probes, tenants and dropped jobs: test_costly_grammars.py.)"""
 
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 
@@ -20,13 +22,17 @@ from tests.structured.conftest import EOS, VOCAB, ByteModel
 SLOW = Constraint.json_schema(json.dumps({"type": "object", "properties": {f"p{i}": {} for i in range(800)}}))
 
 
-def _wait_idle(compiler: GrammarCompiler) -> None:
-    # A compile still running when the interpreter exits would abort it (see server.py).
-    wait_until(lambda: compiler.num_running == 0, 120, "every compile finished")
+def assert_closed(compiler: GrammarCompiler, pids: list[int]) -> None:
+    """``close`` left no worker process behind."""
+    compiler.close()
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
 
 
 def test_queued_job_is_busy_and_the_slow_one_too_complex(byte_model: ByteModel) -> None:
     compiler = GrammarCompiler(byte_model.tokenizer, VOCAB, [EOS], GrammarCompilerConfig(num_threads=1, timeout_s=0.05))
+    pids = compiler.worker_pids()
     errors: list[Exception] = []
 
     def slow() -> None:
@@ -54,21 +60,23 @@ def test_queued_job_is_busy_and_the_slow_one_too_complex(byte_model: ByteModel) 
         except ResourceExhaustedError:
             return False
 
-    wait_until(compiles, 60, "the queued job compiled", interval_s=0)
-    _wait_idle(compiler)
+    wait_until(compiles, 120, "the queued job compiled", interval_s=0.01)
+    assert_closed(compiler, pids + compiler.worker_pids())
 
 
 def test_verdicts_are_cached_and_keys_depend_on_the_tokenizer(byte_model: ByteModel) -> None:
-    compiler = GrammarCompiler(byte_model.tokenizer, VOCAB, [EOS])
+    compiler = GrammarCompiler(byte_model.tokenizer, VOCAB, [EOS], GrammarCompilerConfig(num_threads=1))
     bad = Constraint.regex("(ab")
     for _ in range(2):
         with pytest.raises(InvalidArgument, match=r"^params.regex: Regex parsing error at position 4"):
             compiler.compile(bad)
     grammar = compiler.compile(Constraint.choice(["a", "b"]))
     assert compiler.compile(Constraint.choice(["a", "b"])) is grammar  # one compile, shared by every matcher
-    other = GrammarCompiler(byte_model.tokenizer, VOCAB, [256, EOS])  # another stop set: another grammar
-    assert other.tokenizer_digest != compiler.tokenizer_digest
-    assert other.cache_key(bad) != compiler.cache_key(bad)
+    # another stop set: another grammar
+    with GrammarCompiler(byte_model.tokenizer, VOCAB, [256, EOS], GrammarCompilerConfig(num_threads=1)) as other:
+        assert other.tokenizer_digest != compiler.tokenizer_digest
+        assert other.cache_key(bad) != compiler.cache_key(bad)
+    assert_closed(compiler, compiler.worker_pids())
     assert Constraint.choice(["ab", "c"]).digest() != Constraint.choice(["a", "bc"]).digest()
 
 

@@ -1,0 +1,179 @@
+"""A grammar compile worker: its own process, so that a compile past its timeout can be killed.
+
+    python compute_service/structured/compile_worker.py --parent-pid PID --read-fd R --write-fd W
+
+Started by ``GrammarCompiler`` (grammar_compiler.py), one per worker slot, as a script: it imports
+xgrammar and numpy only, not the compute_service package (the model, transformers: seconds more
+at every start, and a worker is restarted after each kill). It receives the tokenizer once, then
+one job at a time: (kind, spec, choices) in, ("ok", the compiled grammar serialized as JSON) or
+("invalid", the reason) out. Before a grammar is answered "ok" its mask cost is probed
+(``probe_masks``): a constraint whose masks are slow is refused here, at admission, rather than
+slowing the engine's steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import dataclasses
+import json
+import os
+import signal
+import sys
+import random
+import re
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+import numpy as np
+import xgrammar as xgr
+
+# Part of every cache key: change it when the options below change what a constraint compiles to.
+COMPILE_OPTIONS = "xgrammar-v1:any_whitespace=False,strict_mode=True"
+# xgrammar prefixes its messages with "[time] /path/file.cc:line: " and sometimes a failed check's text.
+_ENGINE_PREFIX = re.compile(r"^\s*\[[^\]]*\]\s*\S+:\d+:\s*(Check failed: \(.*?\) is false:\s*)?")
+_MAX_MESSAGE_CHARS = 500
+# xgrammar 0.2's rule for the characters of a length-bounded JSON string (maxLength/minLength)
+# lets raw control characters through, which no strict JSON parser accepts (its unbounded string
+# rule excludes them). We compile the schema's EBNF with that one character class corrected.
+_BOUNDED_STRING_CHAR = r'[^\"\\\r\n]'
+_JSON_STRING_CHAR = r'[^\0-\x1f\"\\\r\n]'
+
+
+@dataclass(frozen=True)
+class ProbeConfig:
+    """How a compiled grammar's mask cost is probed before it is accepted.
+
+    Attributes:
+        num_paths: sampled outputs walked, each from the start.
+        num_steps: tokens along each (a path ends early where only a stop token is allowed).
+        max_fill_s: CPU seconds one token mask may take (CPU, not wall: a loaded machine does not
+            make a grammar costly). Ordinary grammars fill in well under a millisecond.
+        seed: the paths' seed, so a constraint's verdict does not depend on the draw.
+    """
+
+    num_paths: int = 2
+    num_steps: int = 32
+    max_fill_s: float = 0.05
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_paths < 0 or self.num_steps < 0:
+            raise ValueError(f"num_paths and num_steps must be >= 0, got {self.num_paths}, {self.num_steps}")
+        if not self.max_fill_s > 0:
+            raise ValueError(f"max_fill_s must be > 0, got {self.max_fill_s}")
+
+
+def engine_message(exc: BaseException) -> str:
+    """The grammar engine's own words, without its source-file prefix, bounded in length."""
+    text = _ENGINE_PREFIX.sub("", str(exc)).strip() or type(exc).__name__
+    return text if len(text) <= _MAX_MESSAGE_CHARS else text[:_MAX_MESSAGE_CHARS] + "..."
+
+
+def choice_grammar(choices: Sequence[str]) -> str:
+    """An EBNF alternation of string literals; JSON escaping is also EBNF string escaping."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def compile_constraint(compiler: xgr.GrammarCompiler, kind: str, spec: str,
+                       choices: Sequence[str]) -> xgr.CompiledGrammar:
+    """Raises RuntimeError/ValueError/TypeError (the engine's verdict) when the text is invalid."""
+    # Compact JSON (any_whitespace=False: ", " and ": " only) so a model cannot pad with
+    # whitespace until max_tokens.
+    if kind == "json_schema":
+        try:
+            json.loads(spec)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"not valid JSON: {exc}") from None
+        return _compile_json_schema(compiler, spec, strict_mode=True)
+    if kind == "json_object":
+        # strict_mode=False: any keys and values (strict mode would forbid undeclared properties).
+        return _compile_json_schema(compiler, '{"type": "object"}', strict_mode=False)
+    if kind == "regex":
+        return compiler.compile_regex(spec)
+    if kind == "choice":
+        return compiler.compile_grammar(choice_grammar(choices))
+    return compiler.compile_grammar(spec)
+
+
+def _compile_json_schema(compiler: xgr.GrammarCompiler, schema: str, *, strict_mode: bool) -> xgr.CompiledGrammar:
+    ebnf = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict_mode))
+    return compiler.compile_grammar(ebnf.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR))
+
+
+def probe_masks(grammar: xgr.CompiledGrammar, config: ProbeConfig) -> str | None:
+    """Walk sampled outputs (a uniformly random allowed token at each step, stop tokens aside),
+    filling the mask at every step; the reason the grammar is too costly, or None.
+
+    Why sampled paths: a mask's cost depends on the state the output has reached (an ambiguous
+    grammar's Earley states multiply with every token), and a model may take any allowed path."""
+    info = grammar.tokenizer_info
+    vocab_size = info.vocab_size
+    stop_ids = set(info.stop_token_ids)
+    bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+    rng = random.Random(config.seed)
+    for _ in range(config.num_paths):
+        matcher = xgr.GrammarMatcher(grammar)
+        for step in range(config.num_steps):
+            start = time.thread_time()
+            matcher.fill_next_token_bitmask(bitmask)
+            spent = time.thread_time() - start
+            if spent > config.max_fill_s:
+                return (f"too costly to follow: one token mask took {spent:.3f} s at token {step + 1} of a "
+                        f"sampled output (the limit is {config.max_fill_s} s)")
+            bits = np.unpackbits(bitmask.numpy().view(np.uint8), bitorder="little")[:vocab_size]
+            allowed = [t for t in np.flatnonzero(bits).tolist() if t not in stop_ids]
+            if not allowed or not matcher.accept_token(rng.choice(allowed)):
+                break
+    return None
+
+
+def serve(conn_in: Connection, conn_out: Connection) -> None:
+    """The worker's loop: the setup message, then jobs until the parent closes the pipe."""
+    tokenizer_json, probe_fields = conn_in.recv()
+    probe = ProbeConfig(**probe_fields)  # sent as a dict: unpickling our class would import the package
+    info = xgr.TokenizerInfo.deserialize_json(tokenizer_json)
+    compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    conn_out.send(("ready", ""))
+    while True:
+        try:
+            kind, spec, choices = conn_in.recv()
+        except EOFError:
+            return
+        try:
+            grammar = compile_constraint(compiler, kind, spec, choices)
+            reason = probe_masks(grammar, probe)
+        except (RuntimeError, ValueError, TypeError) as exc:  # the engine's verdict on the input
+            conn_out.send(("invalid", engine_message(exc)))
+            continue
+        conn_out.send(("invalid", reason) if reason is not None else ("ok", grammar.serialize_json()))
+
+
+def setup_message(tokenizer_json: str, probe: ProbeConfig) -> tuple[str, dict]:
+    """What the parent sends first (plain data only)."""
+    return tokenizer_json, dataclasses.asdict(probe)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """SIGTERM when the parent dies, even by SIGKILL (``pagedserve.process.die_with_parent``, which
+    this script does not import: it would bring gRPC in)."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent_pid:
+            sys.exit(1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m compute_service.structured.compile_worker")
+    parser.add_argument("--parent-pid", type=int, required=True)
+    parser.add_argument("--read-fd", type=int, required=True)
+    parser.add_argument("--write-fd", type=int, required=True)
+    args = parser.parse_args()
+    _die_with_parent(args.parent_pid)
+    serve(Connection(args.read_fd, writable=False), Connection(args.write_fd, readable=False))
+
+
+if __name__ == "__main__":
+    main()
