@@ -88,11 +88,30 @@ def make_tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str],
 
 
 @pytest.fixture(scope="session")
+def service_model(tmp_path_factory: pytest.TempPathFactory):
+    """The tiny random Llama with a byte-level tokenizer (pagedserve.testing.tiny_model) of the
+    service, end-to-end and reliability tests, built once per session and only read."""
+    from pagedserve.testing.tiny_model import build_service_model
+
+    return build_service_model(tmp_path_factory.mktemp("service-model"))
+
+
+@pytest.fixture(scope="session")
 def default_model():
     """The real default model (SmolLM2-135M-Instruct, float32 on CPU), loaded once via the cache."""
     from compute_service.model.model_loader import load_model
 
     return load_model("default", device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def default_hf_model(default_model):
+    """transformers' model over the same converted directory (float32, its default attention): the
+    reference of every default-model test, loaded once. Tests only run it, never change it."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(default_model.source.path, torch_dtype=torch.float32,
+                                                local_files_only=True).eval()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

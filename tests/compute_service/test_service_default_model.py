@@ -36,15 +36,13 @@ def prompts(default_model) -> list[list[int]]:
     return [chat, *(tok.encode(text) for text in RAW)]
 
 
-def test_greedy_over_the_wire_equals_transformers(services: Services, default_model, prompts) -> None:
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(default_model.source.path, torch_dtype=torch.float32).eval()
+def test_greedy_over_the_wire_equals_transformers(services: Services, default_model, default_hf_model,
+                                                  prompts) -> None:
     for prompt in prompts:
         with torch.no_grad():
             ids = torch.tensor([prompt])
-            want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
-                               do_sample=False)[0, len(prompt):].tolist()
+            want = default_hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
+                                             do_sample=False)[0, len(prompt):].tolist()
         messages = services.generate(prompt, max_tokens=MAX_TOKENS, temperature=0.0)
         tokens = [t for m in messages for t in m.token_ids]
         assert tokens == want

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from pagedserve.testing.stack import Gateway, compute_load, memory_stats, start_gateway
-from pagedserve.testing.tiny_model import ServiceModel, build_service_model
+from pagedserve.testing.tiny_model import ServiceModel
 from pagedserve.compute.v1 import compute_pb2
 from pagedserve.memory.v1 import memory_pb2
 from pagedserve.process import ServiceProcess, wait_until
@@ -70,12 +70,6 @@ def start_engines(model_dir: Path, run_dir: Path, names: list[str]) -> list[Engi
                                          "16")) for n in names]
     stacks = start_stacks([Stack(c, run_dir) for c in configs], with_gateway=False)
     return [Engine(name, stack) for name, stack in zip(names, stacks)]
-
-
-@pytest.fixture(scope="session")
-def service_model(tmp_path_factory: pytest.TempPathFactory) -> ServiceModel:
-    """The tiny random Llama with a byte-level tokenizer (the compute service tests' model)."""
-    return build_service_model(tmp_path_factory.mktemp("e2e-model"))
 
 
 @pytest.fixture(scope="session")

@@ -10,16 +10,10 @@ from pathlib import Path
 import pytest
 
 from pagedserve.testing.stack import Stack, StackConfig, start_stack
-from pagedserve.testing.tiny_model import ServiceModel, build_service_model
+from pagedserve.testing.tiny_model import ServiceModel
 
 # Requests the session gateway holds at once: the overload test sends more than this.
 GATEWAY_MAX_QUEUED = 32
-
-
-@pytest.fixture(scope="session")
-def service_model(tmp_path_factory: pytest.TempPathFactory) -> ServiceModel:
-    """The tiny random Llama with a byte-level tokenizer (the compute service tests' model)."""
-    return build_service_model(tmp_path_factory.mktemp("rel-model"))
 
 
 @pytest.fixture(scope="session")

@@ -30,12 +30,9 @@ def prompt(default_model) -> list[int]:
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
-def test_json_schema_on_the_default_model(default_model, prompt: list[int]) -> None:
+def test_json_schema_on_the_default_model(default_model, default_hf_model, prompt: list[int]) -> None:
     import xgrammar as xgr
-    from transformers import AutoModelForCausalLM
     from xgrammar.contrib.hf import LogitsProcessor
-
-    from compute_service.model.model_loader import resolve_model
 
     config = default_model.config
     with LLM("default", dtype="float32") as llm:
@@ -47,12 +44,11 @@ def test_json_schema_on_the_default_model(default_model, prompt: list[int]) -> N
                                               stop_token_ids=list(config.eos_token_ids))
     grammar = xgr.GrammarCompiler(info, cache_enabled=False).compile_json_schema(json.dumps(SCHEMA),
                                                                                   any_whitespace=False)
-    hf = AutoModelForCausalLM.from_pretrained(resolve_model("default").path, torch_dtype=torch.float32).eval()
     with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False,
-                          logits_processor=[LogitsProcessor(grammar)], attention_mask=torch.ones(1, len(prompt),
-                                                                                                 dtype=torch.long),
-                          eos_token_id=list(config.eos_token_ids), pad_token_id=config.eos_token_ids[0])
+        out = default_hf_model.generate(
+            torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False,
+            logits_processor=[LogitsProcessor(grammar)], attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            eos_token_id=list(config.eos_token_ids), pad_token_id=config.eos_token_ids[0])
     assert greedy.outputs[0].token_ids == out[0, len(prompt):].tolist()
     completions = [greedy.outputs[0], *sampled.outputs]
     for c in completions:
