@@ -14,7 +14,6 @@ is also imported as `kernels`, and falls back to importing ours and reading that
 
 import torch
 
-from kernels.cpu_attention import CpuAttentionPlan
 from kernels.cpu_linear import PACKED_DTYPES, linear, prepack
 from kernels.cpu_linear import available as can_prepack
 from kernels.reference import paged_attention_reference, write_kv_reference
@@ -32,6 +31,10 @@ def plan_step(slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: 
         slot_mapping, block_tables, seq_lens, cu_seqlens_q: the step's ForwardBatch index tensors.
         dtype: the model's (activations and KV pool); head_dim: its head size.
     """
+    # Imported here: `python -m kernels.cpu_ops` (the image's build step) must not find the module
+    # already imported by this package.
+    from kernels.cpu_attention import CpuAttentionPlan
+
     plan = CpuAttentionPlan.build(slot_mapping, block_tables, seq_lens, cu_seqlens_q, dtype=dtype, head_dim=head_dim)
     if plan is not None:
         return plan

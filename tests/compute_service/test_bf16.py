@@ -16,13 +16,14 @@ import torch
 from structlog.testing import capture_logs
 
 import kernels
+from kernels import cpu_ops
 from compute_service import LLM, SamplingParams
 from compute_service.model.model_loader import load_model
 from memory_service.pool.kv_pool import KvLayout
 from pagedserve import dtypes
 from tests.compute_service.test_model import PagedSequences, random_tokens
 
-FUSED_AVAILABLE = kernels.cpu_ops.load() is not None
+FUSED_AVAILABLE = cpu_ops.load() is not None
 MIN_TOP1_AGREEMENT = 0.95
 
 
