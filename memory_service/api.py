@@ -16,6 +16,7 @@ from memory_service.manager.block_types import (
     Op,
     OpResult,
     PoolStats,
+    ReservedPool,
     cache_namespace,
 )
 from memory_service.client import MemoryClient, MemoryServiceUnavailable, StepResult, channel_target
@@ -33,6 +34,7 @@ __all__ = [
     "Op",
     "OpResult",
     "PoolStats",
+    "ReservedPool",
     "StepResult",
     "cache_namespace",
     "channel_target",

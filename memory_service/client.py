@@ -17,7 +17,7 @@ from pagedserve.memory.v1 import memory_pb2 as pb
 from pagedserve.memory.v1 import memory_pb2_grpc
 
 from memory_service import convert
-from memory_service.manager.block_types import AppendOp, BlockManagerStats, Op, OpResult
+from memory_service.manager.block_types import AppendOp, BlockManagerStats, Op, OpResult, ReservedPool
 from memory_service.pool.mapped_pool import MappedPool
 from memory_service.pool.kv_pool import KvLayout
 
@@ -101,8 +101,7 @@ class MemoryClient:
         self.client_id = reply.client_id
         self.num_blocks = reply.num_blocks
         self.block_size = reply.block_size
-        self.num_reserved_blocks = reply.num_reserved_blocks
-        self.reserved_min_priority = reply.reserved_min_priority
+        self.reserved = ReservedPool(reply.num_reserved_blocks, reply.reserved_min_priority)
         self.lease_ttl_s = reply.lease_ttl_s
         try:
             self._mapped = MappedPool(convert.descriptor_from_pb(reply.pool), layout, reply.num_blocks)

@@ -43,8 +43,7 @@ class InProcessAllocator:
         self.client_id = client_id
         self.block_size = config.block_size
         self.num_blocks = config.num_blocks
-        self.num_reserved_blocks = config.reserved_blocks
-        self.reserved_min_priority = config.reserved_min_priority
+        self.reserved = config.reserved_pool
         # (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim): the memory service's layout.
         self.pool = torch.zeros(layout.shape(config.num_blocks), dtype=DTYPES[layout.dtype], device=device)
         self.block_manager = BlockManager(config, copy_block=self._copy_block)

@@ -120,11 +120,11 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from pagedserve.up import UpConfig, run_up
+    from pagedserve.up import PASS_THROUGH, UpConfig, run_up
 
     return run_up(UpConfig(model=args.model, host=args.host, port=args.port, http_port=args.http_port,
-                           kv_cache_bytes=args.kv_cache_bytes, dtype=args.dtype, config_file=args.config,
-                           log_format=args.log_format))
+                           service_flags={item.field: getattr(args, item.field) for item in PASS_THROUGH},
+                           config_file=args.config, log_format=args.log_format))
 
 
 def _client_flags(parser: argparse.ArgumentParser) -> None:
@@ -139,7 +139,9 @@ def _client_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--connect-timeout", type=float, default=5.0, help=argparse.SUPPRESS)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(with_up_flags: bool = True) -> argparse.ArgumentParser:
+    """The command line. ``with_up_flags``: derive ``up``'s pass-through flags from the services'
+    configs, which imports them (torch included): ``main`` does so only for ``up``."""
     parser = argparse.ArgumentParser(prog="pagedserve", description="PagedAttention LLM inference server.")
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="start memory, compute and gateway locally (Ctrl-C stops them)")
@@ -152,13 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--log-format", choices=LOG_FORMATS,
                     help="the services' log lines: json or console (default: console on a terminal, json otherwise)")
     up.add_argument("--config", help="JSON config file for the memory and compute services")
-    up.add_argument("--kv-cache-bytes", type=int, default=int(os.environ.get("PAGEDSERVE_KV_CACHE_BYTES", 0)),
-                    help="KV pool size in bytes (default $PAGEDSERVE_KV_CACHE_BYTES, else 0 = the memory "
-                         "service's own sizing: on CPU the least of 2 GiB, a quarter of available RAM and 90%% "
-                         "of free /dev/shm, logged at start)")
-    up.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                    help="weights, activations and KV pool (default auto: bfloat16 where the CPU has native bf16, "
-                         "AMX-BF16 or AVX512-BF16, else float32; logged by the compute service)")
+    if with_up_flags:  # the services' own flags that up passes on (pagedserve/up.py's PASS_THROUGH)
+        from pagedserve.up import add_pass_through_flags
+
+        add_pass_through_flags(up)
     up.set_defaults(func=cmd_up)
     gen = sub.add_parser("generate", help="send one prompt to the gateway and stream the answer")
     gen.add_argument("prompt")
@@ -174,7 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(with_up_flags=argv[:1] == ["up"]).parse_args(argv)
     try:
         return args.func(args)
     except ValueError as exc:

@@ -302,12 +302,19 @@ def check_prompt_length(num_prompt_tokens: int, max_tokens: int, max_model_len: 
 # --- what a request costs -------------------------------------------------------------------------
 
 
+def num_blocks_for(num_tokens: int, block_size: int) -> int:
+    """Blocks that hold ``num_tokens`` tokens, ``block_size`` a block: the last one may be partly
+    filled (ceil division). The one statement of it, for the scheduler, the block manager and the
+    capacity check alike."""
+    return -(-num_tokens // block_size)
+
+
 def kv_blocks_needed(num_prompt_tokens: int, max_tokens: int, n: int, block_size: int) -> int:
     """KV blocks a request holds at its largest: the prompt's full blocks are shared by its ``n``
     completions; each completion has its own copy of the prompt's last partial block and its own
     blocks for up to ``max_tokens`` new tokens."""
     shared = num_prompt_tokens // block_size
-    own = -(-(num_prompt_tokens % block_size + max_tokens) // block_size)
+    own = num_blocks_for(num_prompt_tokens % block_size + max_tokens, block_size)
     return shared + n * own
 
 

@@ -12,20 +12,82 @@ memory service last (it owns the KV pool's shared memory, which it unlinks as it
 
 from __future__ import annotations
 
+import argparse
+import os
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 from grpc_health.v1 import health_pb2
 
-from pagedserve.dtypes import AUTO, DTYPES
+from pagedserve.config import add_config_flags
 from pagedserve.log import LOG_FORMATS
 from pagedserve.process import ServiceProcess, check_health
 from pagedserve.sockets import free_port
 from pagedserve.stack import Stack, StackConfig
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+@dataclass(frozen=True)
+class PassThrough:
+    """A service flag that ``pagedserve up`` passes on: named, typed, explained and validated by the
+    service's own config dataclass and flag table, never typed again here.
+
+    Args:
+        service: "memory" (``MemoryServiceConfig``, memory_service/__main__.py's FLAGS) or "compute"
+            (``EngineConfig``, compute_service/__main__.py's ENGINE_FLAGS).
+        field: the config field; the flag is the service's own, ``--field-name``.
+        env: an environment variable that gives the flag's default, if any.
+    """
+
+    service: str
+    field: str
+    env: str | None = None
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.field.replace("_", "-")
+
+
+# What ``up`` passes through, one line each (the KV tier's flags go here next). Not given, a flag
+# is not passed: the service's default, or the --config file's value, holds.
+PASS_THROUGH = (
+    PassThrough("memory", "kv_cache_bytes", env="PAGEDSERVE_KV_CACHE_BYTES"),
+    PassThrough("compute", "dtype"),
+)
+
+
+def _service_schema(service: str) -> tuple[type, Mapping[str, str]]:
+    """A service's config dataclass and its flags' help texts (imported only when ``up`` needs them)."""
+    if service == "memory":
+        from memory_service.__main__ import FLAGS
+        from memory_service.config import MemoryServiceConfig
+
+        return MemoryServiceConfig, FLAGS
+    from compute_service.__main__ import ENGINE_FLAGS
+    from compute_service.engine.config import EngineConfig
+
+    return EngineConfig, ENGINE_FLAGS
+
+
+def add_pass_through_flags(parser: argparse.ArgumentParser) -> None:
+    """``up``'s flags for ``PASS_THROUGH``, each derived from its service's config field."""
+    for item in PASS_THROUGH:
+        cls, helps = _service_schema(item.service)
+        help_text = f"{helps[item.field]}; passed to the {item.service} service"
+        if item.env is not None:
+            help_text += f" (default ${item.env})"
+        add_config_flags(parser, cls, {item.field: help_text})
+        if os.environ.get(item.env or ""):
+            parser.set_defaults(**{item.field: os.environ[item.env]})  # parsed with the flag's type
+
+
+def _flag_value(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 @dataclass(frozen=True)
@@ -37,9 +99,8 @@ class UpConfig:
         host: the gateway's bind host (both fronts).
         port: the gateway's gRPC port (0 = any free port).
         http_port: its OpenAI-compatible HTTP port (0 = any free port).
-        kv_cache_bytes: the KV pool's size (0, the default: the memory service's own sizing, logged).
-        dtype: the compute service's ``--dtype`` ("auto", the default: bfloat16 where the CPU has native
-            bf16, else float32; the KV pool follows it).
+        service_flags: values of ``PASS_THROUGH`` fields (``kv_cache_bytes``, ``dtype``, ...) for the
+            services; a field absent or None is not passed (the service's default or --config holds).
         config_file: JSON config passed to the memory and compute services.
         ready_timeout_s: how long each service may take to become SERVING (model conversion included).
         log_format: the services' log lines, "json" or "console" (None: console when ``up`` itself
@@ -51,8 +112,7 @@ class UpConfig:
     host: str = "127.0.0.1"
     port: int = 50051
     http_port: int = 8000
-    kv_cache_bytes: int = 0
-    dtype: str = AUTO
+    service_flags: Mapping[str, Any] = field(default_factory=dict)
     config_file: str | None = None
     ready_timeout_s: float = 600.0
     log_format: str | None = None
@@ -63,10 +123,17 @@ class UpConfig:
                 raise ValueError(f"{name} must be in [0, 65536), got {getattr(self, name)}")
         if self.log_format not in (None, *LOG_FORMATS):
             raise ValueError(f"log_format must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}")
-        if self.dtype != AUTO and self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be {AUTO!r} or one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.kv_cache_bytes < 0:
-            raise ValueError(f"kv_cache_bytes must be >= 0, got {self.kv_cache_bytes}")
+        known = {item.field: item for item in PASS_THROUGH}
+        unknown = sorted(set(self.service_flags) - set(known))
+        if unknown:
+            raise ValueError(f"service_flags: {unknown} are not passed through; known: {sorted(known)}")
+        for name, value in self.service_flags.items():
+            if value is not None:
+                cls, _ = _service_schema(known[name].service)
+                try:
+                    cls(**{name: value})  # the service's own validation of that value
+                except ValueError as exc:
+                    raise ValueError(f"{known[name].flag}: {exc}") from None
 
 
 def _say(text: str, *, end: str = "\n") -> None:
@@ -116,10 +183,13 @@ def _url_host(host: str) -> str:
 def stack_config(config: UpConfig, log_format: str, http_port: int) -> StackConfig:
     """The stack ``up`` starts: its services' output inherited, so their logs show with ``up``'s."""
     shared = ("--log-format", log_format, *(("--config", config.config_file) if config.config_file else ()))
-    kv = ("--kv-cache-bytes", str(config.kv_cache_bytes)) if config.kv_cache_bytes else ()
-    # auto is the compute service's own default: not passed, so that a --config file's dtype holds.
-    dtype = ("--dtype", config.dtype) if config.dtype != AUTO else ()
-    return StackConfig(model=config.model, memory_args=(*kv, *shared), compute_args=(*dtype, *shared),
+    passed: dict[str, list[str]] = {"memory": [], "compute": []}
+    for item in PASS_THROUGH:
+        value = config.service_flags.get(item.field)
+        if value is not None:
+            passed[item.service] += [item.flag, _flag_value(value)]
+    return StackConfig(model=config.model, memory_args=(*passed["memory"], *shared),
+                       compute_args=(*passed["compute"], *shared),
                        gateway_args=("--http-port", str(http_port), "--log-format", log_format),
                        gateway_host=config.host, gateway_port=config.port, log_to_files=False,
                        ready_timeout_s=config.ready_timeout_s)

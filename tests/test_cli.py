@@ -143,11 +143,45 @@ def test_api_key_from_a_file_and_a_warning_for_one_on_the_command_line(tmp_path:
         assert named in capsys.readouterr().err
 
 
-def test_up_passes_dtype_to_the_compute_service_unless_auto() -> None:
+@pytest.mark.unit
+def test_up_passes_the_service_flags_it_is_given_and_no_others() -> None:
     from pagedserve.up import UpConfig, stack_config
 
-    assert stack_config(UpConfig(dtype="float32"), "json", 8000).compute_args[:2] == ("--dtype", "float32")
-    # auto is the compute service's default: not passed, so a --config file's dtype is not overridden
+    config = UpConfig(service_flags={"dtype": "float32", "kv_cache_bytes": 1 << 20})
+    stack = stack_config(config, "json", 8000)
+    assert stack.compute_args[:2] == ("--dtype", "float32")
+    assert stack.memory_args[:2] == ("--kv-cache-bytes", str(1 << 20))
+    # Not given: not passed, so the service's default (or a --config file's value) holds.
     assert "--dtype" not in stack_config(UpConfig(), "json", 8000).compute_args
-    with pytest.raises(ValueError, match="dtype must be 'auto' or one of"):
-        UpConfig(dtype="int8")
+    assert "--kv-cache-bytes" not in stack_config(UpConfig(service_flags={"dtype": None}), "json", 8000).memory_args
+    with pytest.raises(ValueError, match="--dtype: dtype must be 'auto' or one of"):
+        UpConfig(service_flags={"dtype": "int8"})
+    with pytest.raises(ValueError, match="--kv-cache-bytes: kv_cache_bytes must be >= 1"):
+        UpConfig(service_flags={"kv_cache_bytes": 0})
+    with pytest.raises(ValueError, match=r"\['max_num_seqs'\] are not passed through"):
+        UpConfig(service_flags={"max_num_seqs": 4})
+
+
+@pytest.mark.unit
+def test_up_flags_are_derived_from_the_services_configs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each pass-through flag takes the service's name, type, help and default; adding one is one line."""
+    import compute_service.__main__ as compute_main
+    import memory_service.__main__ as memory_main
+    from pagedserve import up
+    from pagedserve.cli import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["up", "--kv-cache-bytes", "4096", "--dtype", "bfloat16"])
+    assert (args.kv_cache_bytes, args.dtype) == (4096, "bfloat16")
+    assert (parser.parse_args(["up"]).kv_cache_bytes, parser.parse_args(["up"]).dtype) == (None, None)
+    up_help = build_parser()._subparsers._group_actions[0].choices["up"].format_help()
+    assert memory_main.FLAGS["kv_cache_bytes"] in up_help and "(default auto)" in up_help
+    assert compute_main.ENGINE_FLAGS["dtype"].split(" (")[0] in up_help
+    monkeypatch.setenv("PAGEDSERVE_KV_CACHE_BYTES", "8192")
+    assert build_parser().parse_args(["up"]).kv_cache_bytes == 8192  # typed by the flag
+    # A new pass-through (a KV-tier flag next): one entry, and the flag, its type and its value follow.
+    monkeypatch.setattr(up, "PASS_THROUGH", (*up.PASS_THROUGH, up.PassThrough("memory", "enable_prefix_caching")))
+    args = build_parser().parse_args(["up", "--enable-prefix-caching", "false"])
+    assert args.enable_prefix_caching is False
+    config = up.UpConfig(service_flags={"enable_prefix_caching": False})
+    assert up.stack_config(config, "json", 8000).memory_args[:2] == ("--enable-prefix-caching", "false")

@@ -20,7 +20,7 @@ from typing import Protocol
 
 import torch
 
-from memory_service.api import Op, StepResult
+from memory_service.api import Op, ReservedPool, StepResult
 
 __all__ = ["KvAllocator", "StepResult"]
 
@@ -33,8 +33,7 @@ class KvAllocator(Protocol):
             among every client of a shared allocator.
         block_size: tokens per block.
         num_blocks: blocks in the pool, reserved ones included.
-        num_reserved_blocks: blocks only priorities ``>= reserved_min_priority`` may take.
-        reserved_min_priority: see ``num_reserved_blocks``.
+        reserved: the priority-reserved pool and who may take it (the memory service's rule).
         pool: (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), the model's dtype
             and device: the K/V the model runner reads and writes.
     """
@@ -42,8 +41,7 @@ class KvAllocator(Protocol):
     client_id: str
     block_size: int
     num_blocks: int
-    num_reserved_blocks: int
-    reserved_min_priority: int
+    reserved: ReservedPool
     pool: torch.Tensor
 
     def step_with_counts(self, ops: Sequence[Op]) -> StepResult:

@@ -61,9 +61,7 @@ class Engine:
         self.memory = memory
         self.config = config
         self.runner = ModelRunner(model, memory.pool, memory.block_size)
-        available = memory.num_blocks - memory.num_reserved_blocks
-        self.scheduler = Scheduler(config, memory.block_size, available, memory.num_reserved_blocks,
-                                   memory.reserved_min_priority)
+        self.scheduler = Scheduler(config, memory.block_size, memory.num_blocks, memory.reserved)
         self.requests: dict[str, Request] = {}
         self._aborted_ids: set[str] = set()
         self._seq_counter = itertools.count()
@@ -103,7 +101,7 @@ class Engine:
         # Rejected up front: waiting for blocks that can never be free at once would starve it
         # (or preempt its own completions) forever. n completions hold n copies of max_tokens.
         rules.check_capacity(len(prompt_token_ids), params.max_tokens, params.n, self.memory.block_size,
-                             self.memory.num_blocks - self.memory.num_reserved_blocks)
+                             self.scheduler.num_general_blocks)
 
     @property
     def grammars(self) -> GrammarCompiler:

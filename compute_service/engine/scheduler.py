@@ -34,8 +34,9 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
-from memory_service.api import AllocateOp, AppendOp, ForkOp, FreeOp, OpResult
+from memory_service.api import AllocateOp, AppendOp, ForkOp, FreeOp, OpResult, ReservedPool
 from pagedserve.log import get_logger
+from pagedserve.sampling_rules import num_blocks_for
 
 from compute_service.engine.config import EngineConfig
 from compute_service.engine.sequence import Sequence
@@ -69,10 +70,6 @@ class StepPlan:
         return [*self.forks, *self.frees, *(op for op, _ in self.work)]
 
 
-def _blocks_for(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
-
-
 def _next_fair(candidates: list[Sequence], num_running_by_tenant: Counter[str], num_tenants: int) -> Sequence:
     """The waiting sequence whose turn it is (rule 2): of the highest priority, the head (earliest
     arrival) of the tenant with the fewest running sequences, ties to the earliest head.
@@ -98,19 +95,21 @@ def _next_fair(candidates: list[Sequence], num_running_by_tenant: Counter[str], 
 class Scheduler:
     """Owns the waiting and running queues; knows nothing about tensors or protobuf."""
 
-    def __init__(self, config: EngineConfig, block_size: int, num_available_blocks: int,
-                 num_available_reserved_blocks: int, reserved_min_priority: int) -> None:
+    def __init__(self, config: EngineConfig, block_size: int, num_blocks: int, reserved: ReservedPool) -> None:
+        """Args: the engine's budgets; the allocator's block size, pool size and reserved pool (all
+        of the pool available at first: counts come with each step's answer afterwards)."""
         self.config = config
         self.block_size = block_size
         self.waiting: list[Sequence] = []  # sorted by (-priority, arrival)
         self.running: list[Sequence] = []
         self._pending_free_ids: list[str] = []
         self._pending_forks: list[tuple[Sequence, Sequence]] = []  # (parent, child)
-        self.num_available_blocks = num_available_blocks
-        self.num_available_reserved_blocks = num_available_reserved_blocks
-        self.reserved_min_priority = reserved_min_priority
+        self.reserved = reserved
+        self.num_general_blocks = num_blocks - reserved.num_blocks
+        self.num_available_blocks = self.num_general_blocks
+        self.num_available_reserved_blocks = reserved.num_blocks
         self.num_preemptions = 0
-        self.watermark_blocks = math.ceil(config.admission_watermark * num_available_blocks)
+        self.watermark_blocks = math.ceil(config.admission_watermark * self.num_general_blocks)
 
     # --- queue management -------------------------------------------------------------------
 
@@ -162,9 +161,7 @@ class Scheduler:
         self.add(seq)
 
     def _available_for(self, priority: int) -> int:
-        if priority >= self.reserved_min_priority:
-            return self.num_available_blocks + self.num_available_reserved_blocks
-        return self.num_available_blocks
+        return self.reserved.num_available_for(priority, self.num_available_blocks, self.num_available_reserved_blocks)
 
     def _take(self, num_blocks: int) -> None:
         from_general = min(num_blocks, self.num_available_blocks)
@@ -202,7 +199,7 @@ class Scheduler:
             if seq not in self.running or budget == 0 or seq.is_paused:
                 continue  # preempted by a higher-priority sequence earlier in this loop, or paused
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            needed = _blocks_for(seq.num_computed_tokens + n, self.block_size) - len(seq.block_table)
+            needed = num_blocks_for(seq.num_computed_tokens + n, self.block_size) - len(seq.block_table)
             if (needed > self._available_for(seq.priority)
                     and not self._make_room(needed, seq, plan, strictly_lower=False)):
                 self._preempt(seq, "out_of_blocks", plan)  # it is itself the lowest: make way for the others
@@ -220,7 +217,7 @@ class Scheduler:
                 break
             seq = _next_fair(candidates, num_running_by_tenant, num_tenants)
             n = min(seq.num_tokens, budget)  # planned as if nothing were cached: never over budget
-            needed = _blocks_for(n, self.block_size)
+            needed = num_blocks_for(n, self.block_size)
             available = self._available_for(seq.priority)
             if num_running and needed <= available < needed + self.watermark_blocks:
                 break  # it fits, but would leave the running sequences no room to grow: wait

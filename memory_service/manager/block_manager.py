@@ -92,7 +92,7 @@ class BlockManager:
         self._max_table_blocks: dict[str, int] = {}  # client_id -> its quota of such entries
         self._validator = OpValidator(config.num_blocks * config.block_size, self._client_seqs)
         self._applier = OpApplier(
-            self._pool, self._prefix_cache, config.block_size, config.reserved_min_priority, copy_block
+            self._pool, self._prefix_cache, config.block_size, config.reserved_pool, copy_block
         )
 
     # --- clients ----------------------------------------------------------------------------

@@ -20,6 +20,33 @@ def _require_int(name: str, value: object, minimum: int | None = None) -> None:
 
 
 @dataclass(frozen=True)
+class ReservedPool:
+    """The priority-reserved pool and who may take its blocks: the one owner of that rule.
+
+    Both sides of the wire apply it: the block manager to every op (``OpApplier``), the compute
+    side's scheduler when it plans a step with the counts the service sent (its plan must agree with
+    what the service will grant, or it admits sequences whose ops then fail). The service sends
+    its two numbers at attach; each side builds this object from them and asks it, never compares
+    priorities itself.
+
+    Args:
+        num_blocks: blocks of the reserved pool (the top ids of the pool).
+        min_priority: the lowest priority that may take them.
+    """
+
+    num_blocks: int = 0
+    min_priority: int = 1
+
+    def admits(self, priority: int) -> bool:
+        """Whether a sequence of ``priority`` may take reserved blocks (once the general pool is empty)."""
+        return priority >= self.min_priority
+
+    def num_available_for(self, priority: int, num_general: int, num_reserved: int) -> int:
+        """Blocks a sequence of ``priority`` may take, of ``num_general`` and ``num_reserved`` available."""
+        return num_general + num_reserved if self.admits(priority) else num_general
+
+
+@dataclass(frozen=True)
 class BlockManagerConfig:
     """How the KV pool is split into blocks.
 
@@ -58,6 +85,11 @@ class BlockManagerConfig:
     def num_general_blocks(self) -> int:
         """Blocks of the general pool, ids ``[0, num_general_blocks)``."""
         return self.num_blocks - self.reserved_blocks
+
+    @property
+    def reserved_pool(self) -> ReservedPool:
+        """The reserved pool's rule (see ``ReservedPool``)."""
+        return ReservedPool(self.reserved_blocks, self.reserved_min_priority)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from pagedserve.sampling_rules import num_blocks_for
+
 from memory_service.manager.block_pool import BlockPool
 from memory_service.manager.block_types import BlockManagerStats
 from memory_service.manager.op_apply import OpApplier, SequenceState
@@ -83,7 +85,7 @@ def check_integrity(
     for seqs in client_seqs.values():
         for seq_id, seq in seqs.items():
             table = seq.block_table
-            if seq.num_tokens < 1 or len(table) != -(-seq.num_tokens // block_size):
+            if seq.num_tokens < 1 or len(table) != num_blocks_for(seq.num_tokens, block_size):
                 raise AssertionError(f"seq {seq_id!r}: {len(table)} blocks for {seq.num_tokens} tokens")
             if len(set(table)) != len(table) or not all(0 <= b < num_blocks for b in table):
                 raise AssertionError(f"seq {seq_id!r}: bad block table {table}")

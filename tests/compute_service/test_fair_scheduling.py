@@ -7,11 +7,16 @@ a's backlog (test_a_newcomer_gets_the_next_free_slot admitted a2 where b0 belong
 
 from __future__ import annotations
 
+import pytest
+
+from memory_service.api import ReservedPool
 from memory_service.manager.block_manager import BlockManager, BlockManagerConfig
 from compute_service.engine.config import EngineConfig
 from compute_service.engine.sampling_params import SamplingParams
 from compute_service.engine.scheduler import Scheduler
 from compute_service.engine.sequence import Sequence
+
+pytestmark = pytest.mark.unit
 
 BLOCK_SIZE = 4
 
@@ -24,7 +29,7 @@ class Harness:
         self.manager.add_client("c")
         config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=64, block_size=BLOCK_SIZE,
                               admission_watermark=0.0)
-        self.scheduler = Scheduler(config, BLOCK_SIZE, num_blocks, 0, 1)
+        self.scheduler = Scheduler(config, BLOCK_SIZE, num_blocks, ReservedPool())
         self.seqs: dict[str, Sequence] = {}
         self.admitted: list[str] = []
 

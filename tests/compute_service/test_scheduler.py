@@ -35,9 +35,8 @@ class Harness:
             num_blocks=num_blocks, block_size=BLOCK_SIZE, enable_prefix_caching=enable_prefix_caching,
             reserved_blocks=reserved_blocks))
         a = self.allocator
-        self.scheduler = Scheduler(EngineConfig(block_size=BLOCK_SIZE, **config), BLOCK_SIZE,
-                                   a.num_blocks - a.num_reserved_blocks, a.num_reserved_blocks,
-                                   a.reserved_min_priority)
+        self.scheduler = Scheduler(EngineConfig(block_size=BLOCK_SIZE, **config), BLOCK_SIZE, a.num_blocks,
+                                   a.reserved)
         self.last_plan = StepPlan()
 
     def add(self, name: str, num_prompt_tokens: int, *, priority: int = 0, max_tokens: int = 8) -> Sequence:
