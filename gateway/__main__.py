@@ -31,6 +31,7 @@ FLAGS = {
     "api_keys_file": "tenants and their keys, sent as 'authorization: Bearer KEY': a JSON file "
                      '{"tenants": {"NAME": {"keys": [...], "max_priority": 0, "max_concurrent": N}}} or one key '
                      f"per line (tenants key-1, key-2, ...); also ${API_KEYS_ENV} (comma-separated)",
+    "max_prompts_per_request": "most prompts one HTTP /v1/completions request may list; more are a 400",
     "write_stall_timeout_s": "end a stream whose client reads nothing for this long, aborting its backend request",
     "tokenize_threads": "threads that tokenize prompts",
     "tls_cert_file": "PEM certificate chain: serve TLS (with --tls-key)",

@@ -60,6 +60,9 @@ class GatewayConfig(ServiceConfig):
             reports NOT_SERVING (the time load balancers need to notice and stop sending).
         max_prompt_chars: longest prompt (or sum of message contents) accepted.
         max_messages: most chat messages accepted.
+        max_prompts_per_request: most prompts one HTTP completions request may list (a batch runs
+            as that many requests; evaluation harnesses send tens at once). Counted, with the
+            tenant's free slots, before any prompt is converted.
         max_message_bytes: largest gRPC request accepted (grpc answers RESOURCE_EXHAUSTED beyond).
         affinity_max_blocks: leading prompt blocks hashed for prefix affinity.
         affinity_max_load_gap: affinity yields when its backend's outstanding tokens exceed the
@@ -84,6 +87,7 @@ class GatewayConfig(ServiceConfig):
     drain_delay_s: float = 0.0
     max_prompt_chars: int = sampling_rules.MAX_PROMPT_CHARS
     max_messages: int = sampling_rules.MAX_MESSAGES
+    max_prompts_per_request: int = 256
     max_message_bytes: int = 4 << 20
     affinity_max_blocks: int = 32
     affinity_max_load_gap: int = 4096
@@ -110,7 +114,8 @@ class GatewayConfig(ServiceConfig):
         check_listen("listen", self.listen, allow_unix=False)
         if self.http_port is not None and not 0 <= self.http_port < 65536:
             raise ValueError(f"http_port must be in [0, 65536), got {self.http_port}")
-        for name in ("max_queued_requests", "max_prompt_chars", "max_messages", "max_message_bytes",
+        for name in ("max_queued_requests", "max_prompt_chars", "max_messages", "max_prompts_per_request",
+                     "max_message_bytes",
                      "affinity_max_blocks", "health_interval_s", "dns_refresh_s", "affinity_max_load_ratio",
                      "write_stall_timeout_s", "tokenize_threads", "http_read_timeout_s", "http_max_connections"):
             _positive(name, getattr(self, name))

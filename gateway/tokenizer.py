@@ -50,6 +50,10 @@ class ModelTokenizer:
         # The texts that tokenize to control tokens (special added tokens: BOS, EOS, turn markers).
         decoder = getattr(hf_tokenizer, "added_tokens_decoder", {}) if hf_tokenizer is not None else {}
         self.special_texts = tuple(sorted({t.content for t in decoder.values() if t.special and t.content}))
+        # Every token's text alone, decoded once here (build the tokenizer off the event loop, as
+        # fetch_tokenizer does): an answer with logprobs names 1 + N tokens per generated token, and
+        # a decode call per name was millions of calls on the event loop for one large reply.
+        self.token_texts: list[str] = _token_texts(hf_tokenizer) if hf_tokenizer is not None else []
 
     @property
     def has_chat_template(self) -> bool:
@@ -132,9 +136,11 @@ class ModelTokenizer:
 
     def token_text(self, token_id: int) -> str:
         """The text of one token alone (a piece of a character reads as U+FFFD), as OpenAI's logprobs show it."""
+        if 0 <= token_id < len(self.token_texts):
+            return self.token_texts[token_id]
         if self.hf_tokenizer is None:
             return str(token_id)
-        return self.hf_tokenizer.decode([token_id])
+        return self.hf_tokenizer.decode([token_id])  # beyond the vocabulary the table covers
 
     def tokens(self, token_ids: Sequence[int]) -> list[str]:
         """The vocabulary entries of ``token_ids``."""
@@ -208,7 +214,13 @@ async def fetch_tokenizer(stub: compute_pb2_grpc.ComputeStub, info: compute_pb2.
         except Exception as exc:  # whatever transformers raises on files it cannot use
             raise TokenizerFetchError(f"transformers cannot load the tokenizer: {type(exc).__name__}: "
                                       f"{str(exc)[:200]}") from None
-    return ModelTokenizer(hf_tokenizer, model_info_from_pb(info))
+    # Built in a thread too: its table of token texts decodes the whole vocabulary.
+    return await asyncio.to_thread(ModelTokenizer, hf_tokenizer, model_info_from_pb(info))
+
+
+def _token_texts(hf_tokenizer: Any) -> list[str]:
+    """``decode([i])`` of every id of the vocabulary (added tokens included), in one batch."""
+    return list(hf_tokenizer.batch_decode([[i] for i in range(len(hf_tokenizer))]))
 
 
 def _load(directory: Path) -> Any:

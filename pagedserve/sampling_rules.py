@@ -347,12 +347,14 @@ def min_reply_bytes(n: int, max_tokens: int, logprobs: int | None) -> int:
     return n * max_tokens * per_token
 
 
-def check_reply_fits(n: int, max_tokens: int, logprobs: int | None, max_bytes: int) -> None:
-    """A unary reply that cannot fit the send limit is refused before any work: stream it."""
+def check_reply_fits(n: int, max_tokens: int, logprobs: int | None, max_bytes: int,
+                     stream_hint: str = "use GenerateStream") -> None:
+    """A unary reply that cannot fit the send limit is refused before any work: stream it
+    (``stream_hint`` says how on the caller's API)."""
     size = min_reply_bytes(n, max_tokens, logprobs)
     if size > max_bytes:
         raise InvalidArgument(
             f"params.n, params.max_tokens, params.logprobs: a reply of n ({n}) x max_tokens ({max_tokens}) tokens "
             f"with logprobs ({logprobs}) takes at least {size} bytes, more than the {max_bytes} one unary reply may "
-            f"carry; use GenerateStream, or lower them"
+            f"carry; {stream_hint}, or lower them"
         )

@@ -197,7 +197,7 @@ class GatewayCore:
         is_waiting = False
         try:
             model = self.require_model()
-            validated = validate(request, model.info, self.prompt_limits, reply and reply.max_bytes, num_prompts)
+            validated = validate(request, model.info, self.prompt_limits, reply, num_prompts)
             token_ids = request.prompt_token_ids if request.prompt_token_ids is not None else await self.encode(request)
             # The cache namespace is the tenant's: its hits are on its own prompts only.
             backend_request = validated.to_backend(list(token_ids), tenant.cache_salt(request.cache_salt),

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gateway.core.streaming import ReplyBudget
 from gateway.core.types import BackendRequest, GenerateRequest, ModelInfo
 from pagedserve import sampling_rules as rules
 from pagedserve.errors import InvalidArgument, echo
@@ -83,14 +84,14 @@ def _check_int32(name: str, value: int) -> None:
 
 
 def validate(request: GenerateRequest, info: ModelInfo, limits: PromptLimits = PromptLimits(),
-             reply_limit: int | None = None, num_prompts: int = 1) -> ValidatedRequest:
+             reply: ReplyBudget | None = None, num_prompts: int = 1) -> ValidatedRequest:
     """Every rule of the request besides its tokenized length, cheap ones first.
 
     Args:
         request: the request as a front converted it.
         info: the model's limits.
         limits: the gateway's prompt bounds.
-        reply_limit: for a unary answer, the bytes it may carry (a reply that cannot fit is refused
+        reply: for a unary answer, the bytes it may carry (a reply that cannot fit is refused
             before any work); None for a stream.
         num_prompts: prompts sharing that reply (the HTTP API's prompt lists).
     Raises:
@@ -110,9 +111,9 @@ def validate(request: GenerateRequest, info: ModelInfo, limits: PromptLimits = P
         c = o.constraint
         rules.check_constrained_sampling(c.kind, ignore_eos=o.ignore_eos, min_tokens=o.min_tokens or 0)
         rules.check_constraint(c.kind, c.spec, c.choices)
-    if reply_limit is not None:
+    if reply is not None:
         rules.check_reply_fits(params["n"] * num_prompts, params["max_tokens"], params["logprobs"],  # type: ignore
-                               reply_limit)
+                               reply.max_bytes, reply.hint)
     check_prompt(request, info, limits)
     return ValidatedRequest(request, params, info)
 

@@ -40,14 +40,14 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.auth import bearer_token
 from gateway.core.service import GatewayCore, RequestRecord
-from gateway.core.streaming import collect, pieces
+from gateway.core.streaming import ReplyBudget, collect, pieces, send_within
 from gateway.core.types import Delta
 from gateway.openai_api import convert
 from gateway.openai_api.errors import ParamError
 from gateway.openai_api.responses import Answer, events, merge
 from gateway.openai_api.schema import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                                        error_param, unknown_fields)
-from gateway.tenants import Tenant
+from gateway.tenants import Admission, Tenant
 from pagedserve import rpc
 from pagedserve import sampling_rules as rules
 from pagedserve.errors import echo
@@ -147,13 +147,43 @@ async def until_disconnect(receive: Receive, work: Awaitable[T]) -> T:
 
 
 class EventStream(StreamingResponse):
-    """An SSE response that stops (closing its generator, so aborting the request) on disconnect.
+    """An SSE response that stops (closing its generator, so aborting the request) on disconnect,
+    and when its client reads nothing for the write-stall timeout.
 
     Starlette watches for the disconnect only under ASGI specs before 2.4; a stream that is silent
-    while its request queues must notice it too, so this one always races the two.
+    while its request queues must notice it too, so this one always races the two. A client that
+    stays connected but reads nothing fills its socket buffers, and then uvicorn's ``send`` waits:
+    each send gets ``stall_timeout_s`` (the gRPC front's ``write_stall_timeout_s``), after which
+    ``on_stall`` is told and the stream ends (its requests aborted, their slots freed).
+
+    Args:
+        content: the SSE text.
+        stall_timeout_s: how long one send may wait.
+        on_stall: called once when a send waited that long.
+        on_close: called when the response is over, however it ended (releases what it holds).
     """
 
     media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[str], stall_timeout_s: float, on_stall: Callable[[], None],
+                 on_close: Callable[[], None]) -> None:
+        super().__init__(content)
+        self.stall_timeout_s, self.on_stall, self.on_close = stall_timeout_s, on_stall, on_close
+
+    async def stream_response(self, send: Send) -> None:
+        """Starlette's, with each send given ``stall_timeout_s``."""
+        async with contextlib.aclosing(self._messages()) as messages:
+            async for message in messages:
+                if not await send_within(send(message), self.stall_timeout_s):
+                    self.on_stall()
+                    return  # the response is left incomplete: uvicorn closes the connection
+
+    async def _messages(self) -> AsyncIterator[dict]:
+        yield {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+        async for chunk in self.body_iterator:
+            body = chunk.encode(self.charset) if isinstance(chunk, str) else chunk
+            yield {"type": "http.response.body", "body": body, "more_body": True}
+        yield {"type": "http.response.body", "body": b"", "more_body": False}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -167,7 +197,10 @@ class EventStream(StreamingResponse):
                 await _disconnected(receive)
                 group.cancel_scope.cancel()
         finally:
-            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            try:
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            finally:
+                self.on_close()
 
 
 class OpenAIFront:
@@ -326,32 +359,56 @@ class OpenAIFront:
         model_name = self._served(body.model)
         request_id = request.headers.get("x-request-id") or f"{'chatcmpl' if endpoint == 'chat' else 'cmpl'}-" \
                                                             f"{uuid.uuid4().hex}"
+        method = "OpenAI.ChatCompletions" if endpoint == "chat" else "OpenAI.Completions"
+        num_prompts = 1 if endpoint == "chat" else convert.num_prompts(body)
+        limit = self.core.config.max_prompts_per_request
+        if num_prompts > limit:
+            raise ParamError("prompt", f"prompt: at most {limit} prompts per request "
+                                       f"(max_prompts_per_request), got {num_prompts}")
+        # The tenant's slots for every prompt, all or none, before any prompt is converted: a list
+        # beyond its free slots costs a comparison, not a request object and a task per prompt.
+        admissions = self.core.admit(tenant, RequestRecord(method, request_id), body.priority or 0,
+                                     max(num_prompts, 1))
+        try:
+            return await self._run(request, body, endpoint, method, request_id, model_name, tenant, admissions,
+                                   constraint_param)
+        except BaseException:
+            self.core.release(admissions)  # idempotent: also those of requests that never started
+            raise
+
+    async def _run(self, request: Request, body: Any, endpoint: str, method: str, request_id: str, model_name: str,
+                   tenant: Tenant, admissions: list[Admission], constraint_param: list[str]) -> Response:
+        """The admitted request: converted, run through the core, answered (whole or streamed)."""
         prompts = [convert.chat_prompt(body, request_id)] if endpoint == "chat" else \
             convert.completion_prompts(body, request_id)
         constraint_param.extend(p.constraint_param for p in prompts[:1] if p.constraint_param)
-        model = self.core.model
-        assert model is not None
+        model = self.core.require_model()
         answer = Answer(request_id, model_name, endpoint, n=body.n or 1, logprobs=body.logprobs is not None
                         and body.logprobs is not False, decode=model.token_text,
                         include_usage=bool(body.stream_options and body.stream_options.include_usage))
-        method = "OpenAI.ChatCompletions" if endpoint == "chat" else "OpenAI.Completions"
+        # One unary answer carries what one gRPC reply may (the same cap, the same measure).
+        reply = None if body.stream else ReplyBudget(self.core.config.max_message_bytes, hint="use stream: true")
+        records: list[RequestRecord] = []
 
-        def run(prompt: convert.Prompt) -> AsyncIterator[Delta]:
-            record = RequestRecord(method, prompt.request.request_id)
-            return self.core.run(prompt.request, record, tenant, None, max_tokens_to_context=endpoint == "chat")
+        def run(prompt: convert.Prompt, admission: Admission) -> AsyncIterator[Delta]:
+            records.append(RequestRecord(method, prompt.request.request_id))
+            return self.core.run(prompt.request, records[-1], tenant, None, admission=admission, reply=reply,
+                                 num_prompts=len(prompts), max_tokens_to_context=endpoint == "chat")
 
         if not body.stream:
             async def whole() -> list:
                 async with asyncio.TaskGroup() as group:  # one prompt failing cancels the others
-                    tasks = [group.create_task(collect(p.request.request_id, run(p))) for p in prompts]
+                    tasks = [group.create_task(collect(p.request.request_id, run(p, a)))
+                             for p, a in zip(prompts, admissions)]
                 return [t.result() for t in tasks]
 
             try:
                 replies = await until_disconnect(request.receive, whole())
             except ExceptionGroup as group:
                 raise group.exceptions[0] from None
-            return JSONResponse(answer.body(replies))
-        merged = merge([pieces(run(p)) for p in prompts])
+            # Rendered off the event loop: a large answer's JSON (its logprobs' texts) takes a while.
+            return await asyncio.to_thread(lambda: JSONResponse(answer.body(replies)))
+        merged = merge([pieces(run(p, a)) for p, a in zip(prompts, admissions)])
         try:
             first = await until_disconnect(request.receive, anext(merged))
         except BaseException:
@@ -362,4 +419,6 @@ class OpenAIFront:
             error = as_http_error(exc, constraint_param[0] if constraint_param else None)
             return error_body(error.status, error.message, error.param)
 
-        return EventStream(events(answer, first, merged, stream_error))
+        return EventStream(events(answer, first, merged, stream_error), self.core.config.write_stall_timeout_s,
+                           on_stall=lambda: self.core.stalled(records),
+                           on_close=lambda: self.core.release(admissions))

@@ -176,3 +176,39 @@ def test_stream_events_shape() -> None:
     assert all(c["usage"] is None for c in chunks[:-1])
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == {
         "prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5, "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+def test_a_stalled_sse_send_ends_the_stream_and_frees_its_requests() -> None:
+    """Issue 27 item 4, in process: a send that never completes (the client's socket buffers full)
+    ends the stream after the stall timeout: the stall is told once, the events' generator is
+    closed (which aborts the requests) and the response's slots released."""
+    from gateway.openai_api.app import EventStream
+
+    closed, stalls, released, sent = [], [], [], []
+
+    async def body():
+        try:
+            for i in range(1000):
+                yield f"data: {i}\n\n"
+        finally:
+            closed.append(True)
+
+    async def run() -> None:
+        never = asyncio.Event()
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+            if len(sent) == 3:  # the client reads nothing from here on
+                await never.wait()
+
+        async def receive() -> dict:
+            await never.wait()  # connected all along: no http.disconnect
+            return {}
+
+        stream = EventStream(body(), 0.05, on_stall=lambda: stalls.append(1), on_close=lambda: released.append(1))
+        await stream({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send)
+
+    asyncio.run(run())
+    assert (len(sent), stalls, released, closed) == (3, [1], [1], [True])
+    assert sent[0]["type"] == "http.response.start"
+    assert [m["body"] for m in sent[1:]] == [b"data: 0\n\n", b"data: 1\n\n"]

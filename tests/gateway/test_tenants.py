@@ -144,3 +144,21 @@ def test_cache_namespace_is_the_tenants_narrowed_by_the_clients_salt() -> None:
     assert len({a.cache_salt(""), b.cache_salt(""), a.cache_salt("x"), b.cache_salt("x")}) == 4
     assert a.cache_salt("x") != a.cache_salt("")
     assert all(len(t.cache_salt("s" * 256)) <= 256 and "team" not in t.cache_salt("") for t in (a, b))
+
+
+def test_a_batch_is_admitted_all_or_none() -> None:
+    """Issue 27 item 2: an HTTP prompt list takes every slot it needs at once, or none."""
+    from pagedserve.errors import ResourceExhaustedError
+
+    small = Tenant("small", max_concurrent=3)
+    tenants = Tenants([small, Tenant("other")], 5)
+    with pytest.raises(ResourceExhaustedError, match=r"holds 0 requests, its max_concurrent \(3\) and this request "
+                                                     r"asks for 4 more"):
+        tenants.admit_many(small, 4)
+    assert (tenants.num_in_flight, tenants.num_active["small"]) == (0, 0)
+    held = tenants.admit_many(small, 3)
+    with pytest.raises(ResourceExhaustedError, match="the gateway holds 3 requests"):
+        tenants.admit_many(Tenant("other"), 3)
+    for admission in held + held:  # release is idempotent
+        admission.release()
+    assert (tenants.num_in_flight, tenants.num_active["small"]) == (0, 0)

@@ -179,3 +179,26 @@ def test_add_special_tokens_follows_the_tokenizers_post_processor() -> None:
     assert plain[0] == BOS and plain[1] != BOS  # the template's own BOS only
     assert bos_model.encode_chat(chat, add_special_tokens=True) == [BOS, *plain]
     assert bos_model.decode([BOS, *hi]) == "<s>hi"
+
+
+def test_logprob_texts_come_from_a_table_built_off_the_event_loop(files: dict[str, bytes], monkeypatch) -> None:
+    """Issue 27 item 5: one reply's logprobs named 1.3M tokens, each a decode([id]) on the event loop.
+    Now the whole vocabulary is decoded once, in a worker thread, and token_text is a lookup."""
+    import threading
+
+    import gateway.tokenizer as tokenizer
+
+    built_in: list[str] = []
+    table = tokenizer._token_texts
+
+    def recording(hf_tokenizer: object) -> list[str]:
+        built_in.append(threading.current_thread().name)
+        return table(hf_tokenizer)
+
+    monkeypatch.setattr(tokenizer, "_token_texts", recording)
+    model = _fetch(_chunks(files), _info(files))
+    assert built_in and built_in[0] != threading.main_thread().name
+    expected = [model.hf_tokenizer.decode([i]) for i in range(len(model.hf_tokenizer))]
+    model.hf_tokenizer.decode = None  # no decode call any more: the table answers
+    assert [model.token_text(i) for i in range(len(expected))] == expected
+    assert model.token_text(BOS) == "<s>" and model.token_text(71) == "h"
