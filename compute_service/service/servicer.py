@@ -121,8 +121,8 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
         if req.params.constraint is not None and self._grammars is not None:
             # Compiled in the compiler's worker processes (the loop awaits; the engine thread never
             # waits): an invalid or too costly constraint is refused here, before any engine work.
-            # The compile quota is the tenant's (its cache namespace until requests name a tenant).
-            owner = getattr(req, "tenant", "") or req.cache_salt or None  # None: no quota (no gateway)
+            # The compile quota is the tenant's (else its cache namespace; neither: no quota).
+            owner = req.tenant or req.cache_salt or None
             grammar = await self._grammars.compile_async(req.params.constraint, owner=owner)
             if req.request_id in self._streams:  # the same id arrived while this one compiled
                 raise AlreadyExistsError(f"request_id {echo(req.request_id)} is already running")

@@ -176,7 +176,10 @@ def test_a_compile_past_its_timeout_is_killed_and_every_title_shares_the_verdict
 
 
 def test_the_probe_refuses_a_grammar_whose_masks_grow(compiler: GrammarCompiler) -> None:
-    with pytest.raises(InvalidArgument, match=r"^params.regex: too costly to follow: one token mask took"):
+    # It compiles in milliseconds; walking its masks is what refuses it: a mask over the probe's
+    # limit, or (on a loaded machine) the walk killed at the timeout.
+    with pytest.raises(InvalidArgument, match=r"^params.regex: (too costly to follow: one token mask took|"
+                                              r"compiling took longer than)"):
         compiler.compile(Constraint.regex(GROWING_REGEX))
     assert compiler.compile(Constraint.regex("[ab]{1,30}c|(de)+")) is not None
 
