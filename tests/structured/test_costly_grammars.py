@@ -12,14 +12,13 @@ import asyncio
 import os
 import re
 import threading
-import time
 from collections.abc import Iterator
 
 import pytest
 
 from compute_service import LLM, Constraint, SamplingParams
 from pagedserve.errors import InvalidArgument, ResourceExhaustedError
-from pagedserve.process import wait_until
+from pagedserve.process import async_wait_until, wait_until
 from compute_service.structured.grammar_compiler import GrammarCompiler, GrammarCompilerConfig
 from compute_service.structured.logits_mask import num_abandoned_fills
 from tests.structured.conftest import EOS, PROMPTS, VOCAB, ByteModel
@@ -42,10 +41,7 @@ def run(llm: LLM, requests: dict[str, tuple[list[int], SamplingParams, object]])
 
 
 def _wait_for_abandoned_fills() -> None:
-    deadline = time.monotonic() + 120
-    while num_abandoned_fills() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert num_abandoned_fills() == 0
+    wait_until(lambda: num_abandoned_fills() == 0, 120, "every abandoned mask fill finished")
 
 
 def test_a_late_mask_ends_its_request_alone(llm: LLM, byte_model: ByteModel) -> None:
@@ -217,10 +213,10 @@ def test_a_job_nobody_waits_for_is_dropped_or_killed(compiler: GrammarCompiler) 
 
     async def give_up() -> None:
         running = asyncio.create_task(compiler.compile_async(_slow("r"), owner="c"))
-        while not compiler.num_running:
-            await asyncio.sleep(0.01)
+        await async_wait_until(lambda: compiler.num_running, 60, "the first job running")
         queued = asyncio.create_task(compiler.compile_async(_slow("s"), owner="c"))
-        await asyncio.sleep(0.05)
+        await async_wait_until(lambda: any(job.state == "queued" for job in list(compiler._cache.values())), 60,
+                               "the second job queued")
         queued.cancel()  # its requests were cancelled: nobody waits any more
         running.cancel()
         assert [r.__class__ for r in await asyncio.gather(running, queued, return_exceptions=True)] == \
