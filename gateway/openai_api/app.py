@@ -6,69 +6,45 @@ validation, tokenizing, routing, metrics and access line every gRPC call gets) a
 core's answer into OpenAI's JSON (``responses``). Keys name the gRPC front's tenants (the same
 ``Tenants.identify``), so each tenant's limits, priority cap and cache namespace hold here too.
 
-Errors are OpenAI error objects, ``{"error": {"message", "type", "param", "code"}}``, with the
-HTTP status of the gRPC code the same request gets on the gRPC front (``STATUS``). A body is read
-up to the gateway's ``max_message_bytes`` (a larger one is 413 before it is read) and parsed by
-pydantic, so malformed JSON and wrong types are 400s naming the field.
-
-A client that disconnects aborts its request: the handler races the work against the ASGI
-``http.disconnect`` message (awaiting it directly, since ``request.is_disconnected()`` does not see
-it behind middleware, as vLLM found), and cancelling the work closes the backend call, which frees
-the request's KV blocks.
+Errors are OpenAI error objects with the gRPC code's HTTP status (``errors``). A body is read up
+to the gateway's ``max_message_bytes`` (a larger one is 413 before it is read) and parsed by
+pydantic, so malformed JSON and wrong types are 400s naming the field. A client that disconnects,
+or stops reading a stream, aborts its requests (``transport``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import re
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as package_version
-from typing import Any, TypeVar
+from typing import Any
 
-import anyio
-import grpc
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
 
 from gateway.auth import bearer_token
 from gateway.core.service import GatewayCore, RequestRecord
-from gateway.core.streaming import ReplyBudget, collect, pieces, send_within
+from gateway.core.streaming import ReplyBudget, collect, pieces
 from gateway.core.types import Delta
 from gateway.openai_api import convert
-from gateway.openai_api.errors import ParamError
+from gateway.openai_api.errors import HttpError, ParamError, as_http_error, error_body, error_response
 from gateway.openai_api.responses import Answer, events, merge
 from gateway.openai_api.schema import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                                        error_param, unknown_fields)
+from gateway.openai_api.transport import ClientGone, EventStream, until_disconnect
 from gateway.tenants import Admission, Tenant
-from pagedserve import rpc
-from pagedserve import sampling_rules as rules
 from pagedserve.errors import echo
 from pagedserve.log import get_logger
 
-log = get_logger("gateway.openai")
-T = TypeVar("T")
+__all__ = ["OpenAIFront", "as_http_error", "error_body"]
 
-# The HTTP status of each gRPC code, as the same request gets it on the gRPC front.
-STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.FAILED_PRECONDITION: 400,
-    grpc.StatusCode.UNAUTHENTICATED: 401, grpc.StatusCode.PERMISSION_DENIED: 403, grpc.StatusCode.NOT_FOUND: 404,
-    grpc.StatusCode.ALREADY_EXISTS: 409, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
-    grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504,
-}
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
-          415: "invalid_request_error", 429: "rate_limit_error"}
-_CODES = {401: "invalid_api_key", 404: "model_not_found", 429: "rate_limit_exceeded"}
-# "params.top_p must be ...", "messages[2].role must be ...": the OpenAI parameter a message names.
-_PARAM = re.compile(r"^(?:params\.)?([a-z_]+)")
+log = get_logger("gateway.openai")
 
 
 def pagedserve_version() -> str:
@@ -76,131 +52,6 @@ def pagedserve_version() -> str:
         return package_version("pagedserve")
     except PackageNotFoundError:  # run from a source tree that was never installed
         return "0+unknown"
-
-
-class HttpError(Exception):
-    """An answer other than 200, with its OpenAI error object."""
-
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-
-
-class ClientGone(Exception):
-    """The client disconnected before its answer was ready."""
-
-
-def error_body(status: int, message: str, param: str | None = None) -> dict:
-    kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": _CODES.get(status)}}
-
-
-def as_http_error(exc: BaseException, constraint_param: str | None = None) -> HttpError:
-    """The HTTP answer of a failed request: the status its gRPC code has, the message naming the field.
-
-    ``constraint_param``: the OpenAI parameter that gave the request's constraint (``response_format``,
-    ``structured_outputs.json``, ...); the compute service's verdict on the constraint names the
-    gRPC field (``params.json_schema``), so the answer names this parameter instead.
-    """
-    if isinstance(exc, HttpError):
-        return exc
-    if isinstance(exc, ParamError):
-        return HttpError(400, str(exc), exc.param)
-    code = rpc.status_for(exc)
-    message = str(exc)
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
-        match = _PARAM.match(message)
-        param = match.group(1) if match else None
-        if constraint_param and param in rules.CONSTRAINT_KINDS:
-            return HttpError(400, f"{constraint_param}: {message.removeprefix('params.')}", constraint_param)
-        return HttpError(400, message.removeprefix("params."), param)
-    if code not in STATUS:  # a bug: logged with its traceback, answered 500
-        log.error("openai_internal_error", error=repr(exc), exc_info=exc)
-        return HttpError(500, "internal error")
-    return HttpError(STATUS[code], message)
-
-
-def _error(exc: BaseException, constraint_param: str | None = None) -> JSONResponse:
-    error = as_http_error(exc, constraint_param)
-    return JSONResponse(error_body(error.status, error.message, error.param), status_code=error.status)
-
-
-async def _disconnected(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-async def until_disconnect(receive: Receive, work: Awaitable[T]) -> T:
-    """``work``'s result; if the client disconnects first, ``work`` is cancelled and ClientGone raised."""
-    task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(_disconnected(receive))
-    try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-    if task.cancelled():
-        raise ClientGone
-    return task.result()
-
-
-class EventStream(StreamingResponse):
-    """An SSE response that stops (closing its generator, so aborting the request) on disconnect,
-    and when its client reads nothing for the write-stall timeout.
-
-    Starlette watches for the disconnect only under ASGI specs before 2.4; a stream that is silent
-    while its request queues must notice it too, so this one always races the two. A client that
-    stays connected but reads nothing fills its socket buffers, and then uvicorn's ``send`` waits:
-    each send gets ``stall_timeout_s`` (the gRPC front's ``write_stall_timeout_s``), after which
-    ``on_stall`` is told and the stream ends (its requests aborted, their slots freed).
-
-    Args:
-        content: the SSE text.
-        stall_timeout_s: how long one send may wait.
-        on_stall: called once when a send waited that long.
-        on_close: called when the response is over, however it ended (releases what it holds).
-    """
-
-    media_type = "text/event-stream"
-
-    def __init__(self, content: AsyncIterator[str], stall_timeout_s: float, on_stall: Callable[[], None],
-                 on_close: Callable[[], None]) -> None:
-        super().__init__(content)
-        self.stall_timeout_s, self.on_stall, self.on_close = stall_timeout_s, on_stall, on_close
-
-    async def stream_response(self, send: Send) -> None:
-        """Starlette's, with each send given ``stall_timeout_s``."""
-        async with contextlib.aclosing(self._messages()) as messages:
-            async for message in messages:
-                if not await send_within(send(message), self.stall_timeout_s):
-                    self.on_stall()
-                    return  # the response is left incomplete: uvicorn closes the connection
-
-    async def _messages(self) -> AsyncIterator[dict]:
-        yield {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
-        async for chunk in self.body_iterator:
-            body = chunk.encode(self.charset) if isinstance(chunk, str) else chunk
-            yield {"type": "http.response.body", "body": body, "more_body": True}
-        yield {"type": "http.response.body", "body": b"", "more_body": False}
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            async with anyio.create_task_group() as group:
-                async def stream() -> None:
-                    with contextlib.suppress(OSError):  # the client went away mid-write
-                        await self.stream_response(send)
-                    group.cancel_scope.cancel()
-
-                group.start_soon(stream)
-                await _disconnected(receive)
-                group.cancel_scope.cancel()
-        finally:
-            try:
-                await self.body_iterator.aclose()  # type: ignore[attr-defined]
-            finally:
-                self.on_close()
 
 
 class OpenAIFront:
@@ -290,7 +141,7 @@ class OpenAIFront:
             if self.core.model is None or not self.is_serving():
                 raise HttpError(503, "no backend is ready yet")
         except HttpError as exc:
-            return _error(exc)
+            return error_response(exc)
         return JSONResponse({"object": "list", "data": [self._model_card()]})
 
     async def version(self, request: Request) -> Response:
@@ -313,7 +164,7 @@ class OpenAIFront:
         except (ClientGone, ClientDisconnect):
             return Response(status_code=499)
         except Exception as exc:  # every failure becomes an OpenAI error object
-            return _error(exc)
+            return error_response(exc)
 
     async def detokenize(self, request: Request) -> Response:
         """vLLM's ``/detokenize``: ``{"model", "tokens": [ids]}`` -> ``{"prompt"}``."""
@@ -327,14 +178,14 @@ class OpenAIFront:
         except (ClientGone, ClientDisconnect):
             return Response(status_code=499)
         except Exception as exc:  # every failure becomes an OpenAI error object
-            return _error(exc)
+            return error_response(exc)
 
     async def model(self, request: Request) -> Response:
         try:
             self._tenant(request)
             self._served(request.path_params["model"])
         except HttpError as exc:
-            return _error(exc)
+            return error_response(exc)
         return JSONResponse(self._model_card())
 
     async def completions(self, request: Request) -> Response:
@@ -350,7 +201,7 @@ class OpenAIFront:
         except (ClientGone, ClientDisconnect):  # gone mid-body too (or cut off by the body read deadline)
             return Response(status_code=499)  # nobody reads it; the access line says CANCELLED
         except Exception as exc:  # every failure becomes an OpenAI error object
-            return _error(exc, constraint_param[0] if constraint_param else None)
+            return error_response(exc, constraint_param[0] if constraint_param else None)
 
     async def _answer(self, request: Request, endpoint: str, constraint_param: list[str]) -> Response:
         tenant = self._tenant(request)

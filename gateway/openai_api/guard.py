@@ -89,7 +89,7 @@ def _echo(value: str) -> str:
 
 
 async def _refuse(send: Send, status: int, message: str, code: str | None) -> None:
-    """Answers with an OpenAI error object (the shape of ``app.error_body``) without reading the body."""
+    """Answers with an OpenAI error object (the shape of ``errors.error_body``) without reading the body."""
     body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
                                  "code": code}}).encode()
     await send({"type": "http.response.start", "status": status,
