@@ -75,7 +75,10 @@ def up() -> Iterator[Up]:
     assert _readme_lines("bash scripts/up.sh"), "the README's first command is no longer scripts/up.sh"
     assert "exec pagedserve up" in (ROOT / "scripts" / "up.sh").read_text()
     port, http_port = free_port(), free_port()  # not the default 8000: other runs may hold it
-    proc = subprocess.Popen([*_command("pagedserve"), "up", "--port", str(port), "--http-port", str(http_port)],
+    # --dtype float32: the greedy answer is compared token for token with transformers' float32 (the
+    # default, auto, is bf16 on a CPU with native bf16).
+    proc = subprocess.Popen([*_command("pagedserve"), "up", "--port", str(port), "--http-port", str(http_port),
+                             "--dtype", "float32"],
                             stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, cwd=ROOT,
                             start_new_session=True)  # its own process group, like a job in a terminal
