@@ -7,6 +7,7 @@ forks) must produce exactly the greedy tokens of `transformers` `generate` with 
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -160,20 +161,29 @@ def test_high_priority_preempts_lower_when_blocks_run_out(tiny_dir: Path, hf_mod
     assert finished["high"] == hf_greedy(hf_model, high, 6)
 
 
-def test_parallel_sampling_forks_share_the_prompt(tiny_dir: Path, hf_model: LlamaForCausalLM) -> None:
-    prompt = make_prompts(1, seed=6)[0]
+@pytest.fixture(scope="module")
+def llm128(tiny_dir: Path) -> Iterator[LLM]:
+    """128 blocks of 4 tokens, the defaults otherwise: shared by the tests that need no pool of
+    their own (each leaves it idle and counts from where it starts)."""
     with LLM(str(tiny_dir), dtype="float32", block_size=4, max_num_blocks=128) as llm:
-        [greedy] = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, n=3))
-        assert llm.memory_stats().num_copy_on_writes >= (1 if len(prompt) % 4 else 0)
-        [sampled] = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=1.0, n=3, seed=7))
-        [again] = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=1.0, n=3, seed=7))
+        yield llm
+
+
+def test_parallel_sampling_forks_share_the_prompt(llm128: LLM, hf_model: LlamaForCausalLM) -> None:
+    prompt = make_prompts(1, seed=6)[0]
+    llm = llm128
+    copies = llm.memory_stats().num_copy_on_writes
+    [greedy] = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, n=3))
+    assert llm.memory_stats().num_copy_on_writes - copies >= (1 if len(prompt) % 4 else 0)
+    [sampled] = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=1.0, n=3, seed=7))
+    [again] = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=1.0, n=3, seed=7))
     want = hf_greedy(hf_model, prompt, 12)
     assert [c.token_ids for c in greedy.outputs] == [want] * 3
     assert [c.token_ids for c in sampled.outputs] == [c.token_ids for c in again.outputs]
     assert len({tuple(c.token_ids) for c in sampled.outputs}) > 1
 
 
-def test_stop_token_ids_at_their_limit_stop_at_the_right_token(tiny_dir: Path, hf_model: LlamaForCausalLM) -> None:
+def test_stop_token_ids_at_their_limit_stop_at_the_right_token(llm128: LLM, hf_model: LlamaForCausalLM) -> None:
     """1,024 stop ids (the limit) are looked up in a set built once per request, and stop exactly
     where the one that the model generates first appears."""
     prompt = make_prompts(1, seed=8)[0]
@@ -185,9 +195,8 @@ def test_stop_token_ids_at_their_limit_stop_at_the_right_token(tiny_dir: Path, h
     assert params.stop_token_id_set == frozenset([*others, stop_id]) and len(params.stop_token_ids) == 1024
     first = want.index(stop_id)
     held_back = SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=stop_ids, min_tokens=first + 2)
-    with LLM(str(tiny_dir), dtype="float32", block_size=4, max_num_blocks=128) as llm:
-        [out] = llm.generate([prompt], params)
-        [masked] = llm.generate([prompt], held_back)  # the stop ids are masked under min_tokens
+    [out] = llm128.generate([prompt], params)
+    [masked] = llm128.generate([prompt], held_back)  # the stop ids are masked under min_tokens
     assert out.outputs[0].token_ids == want[:first + 1] and out.outputs[0].finish_reason == "stop"
     tokens = masked.outputs[0].token_ids
     assert tokens[:first] == want[:first] and stop_id not in tokens[:first + 2] and len(tokens) >= first + 2

@@ -8,6 +8,7 @@ that they were (a test whose drafts never ran would prove nothing).
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -212,31 +213,41 @@ def test_speculation_with_preemption_and_stop_tokens(tiny_dir: Path, hf_model: L
     assert stats.num_sequences == 0
 
 
-def test_only_plain_greedy_sequences_get_drafts(tiny_dir: Path) -> None:
-    batch = prompts(4, seed=3)
+@pytest.fixture(scope="module")
+def llm16(tiny_dir: Path) -> Iterator[LLM]:
+    """Blocks of 16, four drafts: shared by the tests that count drafts from where they start."""
     with LLM(str(tiny_dir), dtype="float32", block_size=16, max_num_blocks=256, num_speculative_tokens=4) as llm:
-        for params in (SamplingParams(max_tokens=30, temperature=0.8, seed=1, ignore_eos=True),
-                       SamplingParams(max_tokens=30, temperature=0.0, logprobs=1, ignore_eos=True),
-                       SamplingParams(max_tokens=30, temperature=0.0, repetition_penalty=1.2, ignore_eos=True),
-                       SamplingParams(max_tokens=30, temperature=0.0, n=2, ignore_eos=True)):
-            llm.generate(batch, params)
-        assert llm.engine.num_draft_tokens == 0
+        yield llm
+
+
+def test_only_plain_greedy_sequences_get_drafts(tiny_dir: Path, llm16: LLM) -> None:
+    batch = prompts(4, seed=3)
+    drafted = llm16.engine.num_draft_tokens
+    for params in (SamplingParams(max_tokens=30, temperature=0.8, seed=1, ignore_eos=True),
+                   SamplingParams(max_tokens=30, temperature=0.0, logprobs=1, ignore_eos=True),
+                   SamplingParams(max_tokens=30, temperature=0.0, repetition_penalty=1.2, ignore_eos=True),
+                   SamplingParams(max_tokens=30, temperature=0.0, n=2, ignore_eos=True)):
+        llm16.generate(batch, params)
+    assert llm16.engine.num_draft_tokens == drafted
     with LLM(str(tiny_dir), dtype="float32", block_size=16, max_num_blocks=256, num_speculative_tokens=0) as llm:
         llm.generate(batch, GREEDY)
         assert llm.engine.num_draft_tokens == 0  # turned off
 
 
-def test_no_drafts_in_a_step_that_computes_a_prompt(tiny_dir: Path) -> None:
+def test_no_drafts_in_a_step_that_computes_a_prompt(llm16: LLM) -> None:
     every_token = list(range(VOCAB))  # whatever a's last token, it occurred before: a always drafts
-    with LLM(str(tiny_dir), dtype="float32", block_size=16, max_num_blocks=256, num_speculative_tokens=4) as llm:
-        engine = llm.engine
-        engine.add_request("a", every_token, GREEDY)
-        engine.step()  # a's prompt
-        engine.step()  # a decodes with drafts
-        drafted = engine.num_draft_tokens
-        assert drafted > 0, "a drafted nothing: the test proves nothing"
-        engine.add_request("b", every_token[:20], GREEDY)
-        engine.step()  # b's prompt with a's decode: bound by arithmetic, so no drafts
-        assert engine.num_draft_tokens == drafted
-        engine.step()  # both decode: drafts again
-        assert engine.num_draft_tokens > drafted
+    engine = llm16.engine
+    assert not engine.has_unfinished()
+    before = engine.num_draft_tokens
+    engine.add_request("a", every_token, GREEDY)
+    engine.step()  # a's prompt
+    engine.step()  # a decodes with drafts
+    drafted = engine.num_draft_tokens
+    assert drafted > before, "a drafted nothing: the test proves nothing"
+    engine.add_request("b", every_token[:20], GREEDY)
+    engine.step()  # b's prompt with a's decode: bound by arithmetic, so no drafts
+    assert engine.num_draft_tokens == drafted
+    engine.step()  # both decode: drafts again
+    assert engine.num_draft_tokens > drafted
+    while engine.has_unfinished():  # the module's LLM is left idle
+        engine.step()
