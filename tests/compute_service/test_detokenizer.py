@@ -8,8 +8,6 @@ import pytest
 from compute_service.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.testing.tiny_model import build_byte_tokenizer
 
-pytestmark = pytest.mark.unit
-
 TEXT = "héllo wörld € 😀 done"
 
 
@@ -30,6 +28,7 @@ def feed(detok: IncrementalDetokenizer, token_ids: list[int], min_tokens: int = 
     return pieces
 
 
+@pytest.mark.unit
 def test_pieces_are_whole_characters_and_concatenate_to_the_decode(tokenizer) -> None:
     ids = tokenizer.encode(TEXT)
     assert len(ids) > len(TEXT)  # multi-byte characters span several tokens
@@ -40,6 +39,7 @@ def test_pieces_are_whole_characters_and_concatenate_to_the_decode(tokenizer) ->
     assert pieces.count("") >= 3 + 2 + 3  # the bytes held back inside é, ö, € and 😀
 
 
+@pytest.mark.unit
 def test_stop_string_across_tokens_is_cut_and_never_emitted(tokenizer) -> None:
     ids = tokenizer.encode(TEXT)
     detok = IncrementalDetokenizer(tokenizer, stop=("ld €", "zzz"))
@@ -51,12 +51,14 @@ def test_stop_string_across_tokens_is_cut_and_never_emitted(tokenizer) -> None:
     assert len(detok.token_ids) == len(tokenizer.encode("héllo wörld €"))
 
 
+@pytest.mark.unit
 def test_the_earliest_of_several_stop_strings_wins(tokenizer) -> None:
     detok = IncrementalDetokenizer(tokenizer, stop=("done", "o w"))
     assert "".join(feed(detok, tokenizer.encode(TEXT))) == "héll"
     assert detok.stop_match.stop == "o w"
 
 
+@pytest.mark.unit
 def test_stop_strings_before_min_tokens_do_not_count(tokenizer) -> None:
     ids = tokenizer.encode(TEXT)
     detok = IncrementalDetokenizer(tokenizer, stop=("l",))
@@ -65,6 +67,7 @@ def test_stop_strings_before_min_tokens_do_not_count(tokenizer) -> None:
     assert "".join(pieces) == "héllo wör"
 
 
+@pytest.mark.unit
 def test_without_a_tokenizer_there_is_no_text() -> None:
     detok = IncrementalDetokenizer(None)
     assert detok.add_tokens([1, 2, 3]) is None
@@ -82,6 +85,7 @@ def test_default_model_tokenizer_pieces_concatenate_to_the_decode(default_model)
     assert not any("\ufffd" in p for p in pieces)
 
 
+@pytest.mark.unit
 def test_a_tokenizer_that_decodes_its_own_way_is_called_as_is(tokenizer) -> None:
     """The text comes straight from the Rust tokenizer only where ``decode`` would do nothing more:
     a subclass's own ``_decode`` (or clean-up of spaces) still runs."""
