@@ -56,6 +56,12 @@ class ModelTokenizer:
         self.token_texts: list[str] = _token_texts(hf_tokenizer) if hf_tokenizer is not None else []
 
     @property
+    def renders_tools(self) -> bool:
+        """Whether the chat template renders tools and tool calls itself (it reads ``tools``);
+        otherwise ``gateway.core.tools`` writes them into the messages."""
+        return self.has_chat_template and "tools" in str(self.hf_tokenizer.chat_template)
+
+    @property
     def has_chat_template(self) -> bool:
         return self.hf_tokenizer is not None and bool(getattr(self.hf_tokenizer, "chat_template", None))
 
@@ -66,19 +72,21 @@ class ModelTokenizer:
             raise InvalidArgument(f"prompt: model {self.info.model_name!r} has no tokenizer")
         return list(self.hf_tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
 
-    def encode_chat(self, messages: Sequence[dict[str, str]], add_special_tokens: bool = False) -> list[int]:
+    def encode_chat(self, messages: Sequence[dict[str, Any]], add_special_tokens: bool = False,
+                    tools: list[dict] | None = None) -> list[int]:
         """Token ids of a chat through the chat template, with the generation prompt appended.
 
         ``add_special_tokens``: also the tokenizer's own special tokens around the rendered chat
-        (vLLM's flag; off by default since a template writes its BOS itself).
+        (vLLM's flag; off by default since a template writes its BOS itself). ``tools``: OpenAI's
+        tool list, for a template that renders it (``renders_tools``).
         """
         if not self.has_chat_template:
             raise InvalidArgument(f"messages: model {self.info.model_name!r} has no chat template; send a prompt")
         if any(text in m["content"] for m in messages for text in self.special_texts):
-            ids = self._encode_chat_escaped(messages)
+            ids = self._encode_chat_escaped(messages, tools)
         else:
             # No special token's text in any content: the template's string tokenizes as it always has.
-            ids = self._render(messages, tokenize=True)
+            ids = self._render(messages, tools, tokenize=True)
             if hasattr(ids, "keys"):  # newer transformers return a BatchEncoding
                 ids = ids["input_ids"]
         if add_special_tokens:
@@ -102,14 +110,15 @@ class ModelTokenizer:
             raise InvalidArgument(f"tokens: model {self.info.model_name!r} has no tokenizer")
         return str(self.hf_tokenizer.decode(list(token_ids)))
 
-    def _render(self, messages: Sequence[dict[str, str]], tokenize: bool) -> Any:
+    def _render(self, messages: Sequence[dict[str, Any]], tools: list[dict] | None, tokenize: bool) -> Any:
         try:
-            return self.hf_tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=tokenize)
+            return self.hf_tokenizer.apply_chat_template(list(messages), tools=tools, add_generation_prompt=True,
+                                                         tokenize=tokenize)
         except Exception as exc:  # the template itself raised (jinja's raise_exception: bad roles/order)
             # The template's message may quote the caller's content: echoed, cut short.
             raise InvalidArgument(f"messages: the chat template rejected them: {echo(str(exc), 200)}") from None
 
-    def _encode_chat_escaped(self, messages: Sequence[dict[str, str]]) -> list[int]:
+    def _encode_chat_escaped(self, messages: Sequence[dict[str, Any]], tools: list[dict] | None) -> list[int]:
         """The chat's ids with each message's content tokenized with special tokens split.
 
         Each content is wrapped in markers the caller cannot know (private-use characters around
@@ -119,7 +128,7 @@ class ModelTokenizer:
         """
         nonce = secrets.token_hex(8)
         open_mark, close_mark = f"\ue000{nonce}\ue001", f"\ue001{nonce}\ue000"
-        text = self._render([{**m, "content": f"{open_mark}{m['content']}{close_mark}"} for m in messages],
+        text = self._render([{**m, "content": f"{open_mark}{m['content']}{close_mark}"} for m in messages], tools,
                             tokenize=False)
         ids: list[int] = []
         rest = text

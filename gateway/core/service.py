@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from gateway.config import GatewayConfig
+from gateway.core import tools
 from gateway.core.streaming import ReplyBudget
 from gateway.core.types import Delta, GenerateRequest, Usage
 from gateway.core.validate import PromptLimits, check_prompt, validate
@@ -119,9 +120,9 @@ class GatewayCore:
         model = self.require_model()
         loop = asyncio.get_running_loop()
         if request.messages:
-            messages = [{"role": m.role, "content": m.content} for m in request.messages]
+            messages, tool_specs = tools.template_messages(request, model.renders_tools)
             return await loop.run_in_executor(self.tokenize_executor, model.encode_chat, messages,
-                                              bool(add_special_tokens))
+                                              bool(add_special_tokens), tool_specs)
         return await loop.run_in_executor(self.tokenize_executor, model.encode_prompt, request.prompt or "",
                                           add_special_tokens is not False)
 
@@ -197,6 +198,8 @@ class GatewayCore:
         is_waiting = False
         try:
             model = self.require_model()
+            tool_plan = tools.plan(request)
+            request = tools.constrained(request, tool_plan)
             validated = validate(request, model.info, self.prompt_limits, reply, num_prompts)
             token_ids = request.prompt_token_ids if request.prompt_token_ids is not None else await self.encode(request)
             # The cache namespace is the tenant's: its hits are on its own prompts only.
@@ -204,6 +207,8 @@ class GatewayCore:
                                                    max_tokens_to_context, tenant.name)
             record.usage.prompt_tokens = len(token_ids)  # until the backend's usage arrives
             deltas = self.dispatcher.run(backend_request, model.info.model_name, record.route, timeout_s)
+            if tool_plan is not None:
+                deltas = tools.with_tool_calls(deltas, tool_plan, model.token_text)
             waiting.inc()  # until its first answer: the tenant's queue at the backends
             is_waiting = True
             # aclosing: a client that goes away closes the backend call now, not at garbage collection.

@@ -44,7 +44,8 @@ def logprobs_bytes(lp: TokenLogprobs) -> int:
 def delta_bytes(delta: Delta) -> int:
     """What ``delta`` adds to a unary reply on the wire: its ids, text and logprobs entries."""
     entries = (size + 1 + _varint_bytes(size) for size in map(logprobs_bytes, delta.logprobs))
-    return sum(map(_varint_bytes, delta.token_ids)) + len(delta.text.encode()) + sum(entries)
+    calls = sum(len(c.id) + len(c.name) + len(c.arguments.encode()) + 8 for c in delta.tool_calls)
+    return sum(map(_varint_bytes, delta.token_ids)) + len(delta.text.encode()) + sum(entries) + calls
 
 
 @dataclass
@@ -78,6 +79,7 @@ async def collect(request_id: str, deltas: AsyncIterator[Delta]) -> Reply:
             choice.text += delta.text
             choice.token_ids += delta.token_ids
             choice.logprobs += delta.logprobs
+            choice.tool_calls += delta.tool_calls
             if delta.finish_reason:
                 choice.finish_reason, choice.stop_string = delta.finish_reason, delta.stop_string
             if delta.usage is not None:
@@ -107,7 +109,7 @@ async def pieces(deltas: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
                 continue
             held[delta.index] = _Held()
             yield Delta(delta.index, delta.text, h.token_ids, h.logprobs, delta.finish_reason, delta.stop_string,
-                        delta.usage)
+                        delta.usage, delta.tool_calls)
 
 
 async def send_within(write: Awaitable[None], timeout_s: float) -> bool:

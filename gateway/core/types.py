@@ -48,9 +48,32 @@ class SamplingOptions:
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """One function call: ``arguments`` is the JSON text of an object."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A function the model may call: ``parameters`` is the JSON text of its arguments' schema
+    ("" = no parameters)."""
+
+    name: str
+    description: str = ""
+    parameters: str = ""
+
+
+@dataclass(frozen=True)
 class ChatMessage:
+    """One turn: an assistant's may carry the calls it made, a tool's names the call it answers."""
+
     role: str
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str = ""
 
 
 @dataclass
@@ -68,6 +91,12 @@ class GenerateRequest:
     priority: int = 0
     request_id: str = ""
     cache_salt: str = ""
+    # Tool calling (chats only; ``gateway.core.tools``): the functions, and "none", "auto",
+    # "required" or "function" (then ``tool_function`` names it); None: "auto" with tools, else "none".
+    tools: list[Tool] | None = None
+    tool_choice: str | None = None
+    tool_function: str = ""
+    parallel_tool_calls: bool | None = None  # None: True
 
 
 @dataclass
@@ -119,6 +148,7 @@ class Delta:
     finish_reason: str = ""
     stop_string: str = ""
     usage: Usage | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)  # with finish_reason "tool_calls"
 
 
 @dataclass
@@ -131,6 +161,7 @@ class Completion:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str = ""
     stop_string: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
 
 @dataclass

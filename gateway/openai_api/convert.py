@@ -9,11 +9,12 @@ not "unset".
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from gateway.core.types import ChatMessage, GenerateRequest, SamplingOptions, TokenLogprobs, Usage
+from gateway.core.types import ChatMessage, GenerateRequest, SamplingOptions, TokenLogprobs, Tool, ToolCall, Usage
 from gateway.openai_api.constraints import constraint_of
 from gateway.openai_api.errors import ParamError
 from gateway.openai_api import schema
@@ -28,7 +29,7 @@ MIN_LOGPROB = -9999.0
 # The finish reasons of the public API, as OpenAI's. "eos" is a stop at the end-of-sequence token;
 # "abort" (the backend dropped the request: the gateway shut down, the engine restarted) has no
 # OpenAI value and stays "abort", as vLLM sends it.
-FINISH_REASONS = {"stop": "stop", "eos": "stop", "length": "length", "abort": "abort"}
+FINISH_REASONS = {"stop": "stop", "eos": "stop", "length": "length", "abort": "abort", "tool_calls": "tool_calls"}
 # Chat roles OpenAI has that the public API names otherwise.
 _ROLE_ALIASES = {"developer": "system"}
 
@@ -117,9 +118,9 @@ def completion_prompts(body: CompletionRequest, request_id: str) -> list[Prompt]
 
 def chat_prompt(body: ChatCompletionRequest, request_id: str) -> Prompt:
     """The core request of a chat body."""
-    if body.tools or (body.tool_choice is not None and body.tool_choice != "none") or body.functions \
-            or body.function_call is not None:
-        raise ParamError("tools", "tools and tool_choice are not supported yet")
+    if body.functions or body.function_call is not None:
+        raise ParamError("functions", "functions and function_call are deprecated and not supported; "
+                                      "use tools and tool_choice")
     if body.top_logprobs is not None and not body.logprobs:
         raise ParamError("top_logprobs", "top_logprobs needs logprobs: true")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -127,7 +128,37 @@ def chat_prompt(body: ChatCompletionRequest, request_id: str) -> Prompt:
     options, constraint_param = _options(body, max_tokens, logprobs)
     request = _request(body, options, request_id)
     request.messages = _messages(body.messages)
+    _tools(body, request)
+    if request.tool_choice in ("required", "function") and constraint_param is None:
+        constraint_param = "tools"  # the grammar built from them: the engine's verdict on it names them
     return Prompt(request, constraint_param)
+
+
+def _tools(body: ChatCompletionRequest, request: GenerateRequest) -> None:
+    """The body's tools and tool choice into the request (the core checks them)."""
+    if body.tools is not None:
+        tools = []
+        for i, tool in enumerate(body.tools):
+            if tool.type != "function":
+                raise ParamError("tools", f"tools[{i}].type must be 'function', got {echo(tool.type)}")
+            f = tool.function
+            parameters = json.dumps(f.parameters) if f.parameters is not None else ""
+            tools.append(Tool(f.name, f.description or "", parameters))
+        request.tools = tools
+    choice = body.tool_choice
+    if isinstance(choice, dict):
+        function = choice.get("function")
+        if choice.get("type") != "function" or not isinstance(function, dict) \
+                or not isinstance(function.get("name"), str):
+            raise ParamError("tool_choice", 'tool_choice must be "none", "auto", "required" or '
+                                            '{"type": "function", "function": {"name": ...}}')
+        request.tool_choice, request.tool_function = "function", function["name"]
+    elif choice is not None:
+        if choice not in ("none", "auto", "required"):
+            raise ParamError("tool_choice", f'tool_choice must be "none", "auto", "required" or a function, '
+                                            f"got {echo(choice)}")
+        request.tool_choice = choice
+    request.parallel_tool_calls = body.parallel_tool_calls
 
 
 def _messages(messages: Sequence[schema.ChatMessage]) -> list[ChatMessage]:
@@ -138,8 +169,15 @@ def _messages(messages: Sequence[schema.ChatMessage]) -> list[ChatMessage]:
             if any(part.type != "text" for part in content):
                 raise ParamError(f"messages[{i}].content", "only text content parts are supported")
             content = "".join(part.text or "" for part in content)
-        out.append(ChatMessage(_ROLE_ALIASES.get(message.role, message.role), content or ""))
+        calls = tuple(ToolCall(c.id or "", c.function.name, c.function.arguments) for c in message.tool_calls or ())
+        out.append(ChatMessage(_ROLE_ALIASES.get(message.role, message.role), content or "", calls,
+                               message.tool_call_id or ""))
     return out
+
+
+def tool_call_json(call: ToolCall) -> dict:
+    """A call as OpenAI's message and delta carry it."""
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
 def tokenize_request(body: schema.TokenizeRequest) -> GenerateRequest:

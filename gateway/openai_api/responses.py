@@ -10,6 +10,8 @@ choice with its own ``index``; a chat choice's first chunk is ``{"role": "assist
 sent only when ``stream_options.include_usage`` is true, then as ``null`` on every chunk and once,
 with the totals, in a final chunk with ``choices: []``; the stream ends with ``data: [DONE]``. An
 error after the first chunk is a chunk with a top-level ``"error"`` (the SDK raises on it).
+A chat completion's tool calls (``gateway.core.tools``) are ``message.tool_calls`` (content null
+when there is none besides them), streamed whole as ``delta.tool_calls`` in its last chunk.
 """
 
 from __future__ import annotations
@@ -54,6 +56,9 @@ class Answer:
                                 "finish_reason": convert.finish_reason(c.finish_reason)}
                 if self.endpoint == "chat":
                     choice["message"] = {"role": "assistant", "content": c.text}
+                    if c.tool_calls:
+                        choice["message"] = {"role": "assistant", "content": c.text or None,
+                                             "tool_calls": [convert.tool_call_json(t) for t in c.tool_calls]}
                 else:
                     choice["text"] = c.text
                 choices.append(choice)
@@ -101,6 +106,9 @@ async def events(answer: Answer, first: tuple[int, Delta], rest: AsyncIterator[t
                             "finish_reason": reason}
             if answer.endpoint == "chat":
                 choice["delta"] = {"content": piece.text} if piece.text else {}
+                if piece.tool_calls:  # a completion's calls, whole, in its last chunk
+                    choice["delta"]["tool_calls"] = [{"index": k, **convert.tool_call_json(call)}
+                                                     for k, call in enumerate(piece.tool_calls)]
             else:
                 choice["text"] = piece.text
             offsets[index] = offsets.get(index, 0) + len(piece.text)

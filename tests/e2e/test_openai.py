@@ -245,8 +245,8 @@ def test_bad_parameters_are_400_naming_them(http: Http) -> None:
         assert info.value.status_code == 400 and info.value.body["param"] == param, (kwargs, info.value.body)
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=http.model, messages=[{"role": "user", "content": "x"}],
-                                       tools=[{"type": "function", "function": {"name": "f"}}])
-    assert "not supported" in info.value.body["message"] and info.value.body["param"] == "tools"
+                                       functions=[{"name": "f"}])
+    assert "not supported" in info.value.body["message"] and info.value.body["param"] == "functions"
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=http.model, messages=[{"role": "user", "content": "x"}], top_logprobs=2)
     assert info.value.body["param"] == "top_logprobs"

@@ -92,7 +92,10 @@ def test_chat_prompt_conversion() -> None:
     assert [(m.role, m.content) for m in request.messages] == [("system", "be brief"), ("user", "ab")]
     assert request.options.max_tokens == 7 and request.options.logprobs == 3  # max_completion_tokens wins
     assert convert.chat_prompt(_chat(), "c").request.options.logprobs is None
-    for fields, param in (({"tools": [{"type": "function"}]}, "tools"), ({"tool_choice": "auto"}, "tools"),
+    for fields, param in (({"tools": [{"type": "code", "function": {"name": "f"}}]}, "tools"),
+                          ({"tool_choice": "sometimes"}, "tool_choice"),
+                          ({"tool_choice": {"type": "function"}}, "tool_choice"),
+                          ({"functions": [{"name": "f"}]}, "functions"),
                           ({"top_logprobs": 2}, "top_logprobs"),
                           ({"response_format": {"type": "yaml"}}, "response_format"),
                           ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},

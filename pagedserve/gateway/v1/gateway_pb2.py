@@ -26,7 +26,7 @@ from pagedserve.common.v1 import common_pb2 as pagedserve_dot_common_dot_v1_dot_
 
 from pagedserve.common.v1.common_pb2 import *
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#pagedserve/gateway/v1/gateway.proto\x12\x15pagedserve.gateway.v1\x1a!pagedserve/common/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xf5\x04\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x1a\n\x12repetition_penalty\x18\t \x01(\x02\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x02\x12\x15\n\x08logprobs\x18\x0c \x01(\x05H\x03\x88\x01\x01\x12\t\n\x01n\x18\r \x01(\x05\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x12\x12\n\nmin_tokens\x18\x0f \x01(\x05\x12\x15\n\x0bjson_schema\x18\x10 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x11 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x12 \x01(\tH\x00\x12\x32\n\x06\x63hoice\x18\x13 \x01(\x0b\x32 .pagedserve.common.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x14 \x01(\tH\x00\x12H\n\nlogit_bias\x18\x15 \x03(\x0b\x32\x34.pagedserve.gateway.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0c\n\nconstraintB\x0e\n\x0c_temperatureB\x07\n\x05_seedB\x0b\n\t_logprobs\"\xc8\x01\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x34\n\x08messages\x18\x02 \x03(\x0b\x32\".pagedserve.gateway.v1.ChatMessage\x12\x35\n\x06params\x18\x03 \x01(\x0b\x32%.pagedserve.gateway.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x12\n\ncache_salt\x18\x06 \x01(\t\"\x9f\x01\n\nCompletion\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x35\n\x08logprobs\x18\x05 \x03(\x0b\x32#.pagedserve.common.v1.TokenLogprobs\x12\x13\n\x0bstop_string\x18\x06 \x01(\t\"\x86\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x32\n\x07\x63hoices\x18\x02 \x03(\x0b\x32!.pagedserve.gateway.v1.Completion\x12*\n\x05usage\x18\x03 \x01(\x0b\x32\x1b.pagedserve.common.v1.Usage\"\xeb\x01\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12*\n\x05usage\x18\x06 \x01(\x0b\x32\x1b.pagedserve.common.v1.Usage\x12\x35\n\x08logprobs\x18\x07 \x03(\x0b\x32#.pagedserve.common.v1.TokenLogprobs\x12\x13\n\x0bstop_string\x18\x08 \x01(\t\"W\n\x0fTokenizeRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x34\n\x08messages\x18\x02 \x03(\x0b\x32\".pagedserve.gateway.v1.ChatMessage\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x13\n\x11ListModelsRequest\"\xe6\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x12\n\nblock_size\x18\x04 \x01(\x05\x12\x19\n\x11has_chat_template\x18\x05 \x01(\x08\x12\x1c\n\x14num_healthy_backends\x18\x06 \x01(\x05\x12\x14\n\x0cnum_backends\x18\x07 \x01(\x05\x12\r\n\x05max_n\x18\x08 \x01(\x05\x12\x14\n\x0cmax_logprobs\x18\t \x01(\x05\x12\x18\n\x10max_stop_strings\x18\n \x01(\x05\"F\n\x12ListModelsResponse\x12\x30\n\x06models\x18\x01 \x03(\x0b\x32 .pagedserve.gateway.v1.ModelInfo2\x91\x03\n\x07Gateway\x12[\n\x08Generate\x12&.pagedserve.gateway.v1.GenerateRequest\x1a\'.pagedserve.gateway.v1.GenerateResponse\x12i\n\x0eGenerateStream\x12&.pagedserve.gateway.v1.GenerateRequest\x1a-.pagedserve.gateway.v1.GenerateStreamResponse0\x01\x12[\n\x08Tokenize\x12&.pagedserve.gateway.v1.TokenizeRequest\x1a\'.pagedserve.gateway.v1.TokenizeResponse\x12\x61\n\nListModels\x12(.pagedserve.gateway.v1.ListModelsRequest\x1a).pagedserve.gateway.v1.ListModelsResponseP\x00\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#pagedserve/gateway/v1/gateway.proto\x12\x15pagedserve.gateway.v1\x1a!pagedserve/common/v1/common.proto\"w\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x33\n\ntool_calls\x18\x03 \x03(\x0b\x32\x1f.pagedserve.gateway.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"1\n\nToolChoice\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x15\n\rfunction_name\x18\x02 \x01(\t\"\xf5\x04\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x1a\n\x12repetition_penalty\x18\t \x01(\x02\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x02\x12\x15\n\x08logprobs\x18\x0c \x01(\x05H\x03\x88\x01\x01\x12\t\n\x01n\x18\r \x01(\x05\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x12\x12\n\nmin_tokens\x18\x0f \x01(\x05\x12\x15\n\x0bjson_schema\x18\x10 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x11 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x12 \x01(\tH\x00\x12\x32\n\x06\x63hoice\x18\x13 \x01(\x0b\x32 .pagedserve.common.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x14 \x01(\tH\x00\x12H\n\nlogit_bias\x18\x15 \x03(\x0b\x32\x34.pagedserve.gateway.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0c\n\nconstraintB\x0e\n\x0c_temperatureB\x07\n\x05_seedB\x0b\n\t_logprobs\"\xe6\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x34\n\x08messages\x18\x02 \x03(\x0b\x32\".pagedserve.gateway.v1.ChatMessage\x12\x35\n\x06params\x18\x03 \x01(\x0b\x32%.pagedserve.gateway.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12*\n\x05tools\x18\x07 \x03(\x0b\x32\x1b.pagedserve.gateway.v1.Tool\x12\x36\n\x0btool_choice\x18\x08 \x01(\x0b\x32!.pagedserve.gateway.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\t \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_parallel_tool_calls\"\xd4\x01\n\nCompletion\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x35\n\x08logprobs\x18\x05 \x03(\x0b\x32#.pagedserve.common.v1.TokenLogprobs\x12\x13\n\x0bstop_string\x18\x06 \x01(\t\x12\x33\n\ntool_calls\x18\x07 \x03(\x0b\x32\x1f.pagedserve.gateway.v1.ToolCall\"\x86\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x32\n\x07\x63hoices\x18\x02 \x03(\x0b\x32!.pagedserve.gateway.v1.Completion\x12*\n\x05usage\x18\x03 \x01(\x0b\x32\x1b.pagedserve.common.v1.Usage\"\xa0\x02\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12*\n\x05usage\x18\x06 \x01(\x0b\x32\x1b.pagedserve.common.v1.Usage\x12\x35\n\x08logprobs\x18\x07 \x03(\x0b\x32#.pagedserve.common.v1.TokenLogprobs\x12\x13\n\x0bstop_string\x18\x08 \x01(\t\x12\x33\n\ntool_calls\x18\t \x03(\x0b\x32\x1f.pagedserve.gateway.v1.ToolCall\"W\n\x0fTokenizeRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x34\n\x08messages\x18\x02 \x03(\x0b\x32\".pagedserve.gateway.v1.ChatMessage\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x13\n\x11ListModelsRequest\"\xe6\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x12\n\nblock_size\x18\x04 \x01(\x05\x12\x19\n\x11has_chat_template\x18\x05 \x01(\x08\x12\x1c\n\x14num_healthy_backends\x18\x06 \x01(\x05\x12\x14\n\x0cnum_backends\x18\x07 \x01(\x05\x12\r\n\x05max_n\x18\x08 \x01(\x05\x12\x14\n\x0cmax_logprobs\x18\t \x01(\x05\x12\x18\n\x10max_stop_strings\x18\n \x01(\x05\"F\n\x12ListModelsResponse\x12\x30\n\x06models\x18\x01 \x03(\x0b\x32 .pagedserve.gateway.v1.ModelInfo2\x91\x03\n\x07Gateway\x12[\n\x08Generate\x12&.pagedserve.gateway.v1.GenerateRequest\x1a\'.pagedserve.gateway.v1.GenerateResponse\x12i\n\x0eGenerateStream\x12&.pagedserve.gateway.v1.GenerateRequest\x1a-.pagedserve.gateway.v1.GenerateStreamResponse0\x01\x12[\n\x08Tokenize\x12&.pagedserve.gateway.v1.TokenizeRequest\x1a\'.pagedserve.gateway.v1.TokenizeResponse\x12\x61\n\nListModels\x12(.pagedserve.gateway.v1.ListModelsRequest\x1a).pagedserve.gateway.v1.ListModelsResponseP\x00\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,29 +36,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_CHATMESSAGE']._serialized_start=97
-  _globals['_CHATMESSAGE']._serialized_end=141
-  _globals['_SAMPLINGPARAMS']._serialized_start=144
-  _globals['_SAMPLINGPARAMS']._serialized_end=773
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=673
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=721
-  _globals['_GENERATEREQUEST']._serialized_start=776
-  _globals['_GENERATEREQUEST']._serialized_end=976
-  _globals['_COMPLETION']._serialized_start=979
-  _globals['_COMPLETION']._serialized_end=1138
-  _globals['_GENERATERESPONSE']._serialized_start=1141
-  _globals['_GENERATERESPONSE']._serialized_end=1275
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1278
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1513
-  _globals['_TOKENIZEREQUEST']._serialized_start=1515
-  _globals['_TOKENIZEREQUEST']._serialized_end=1602
-  _globals['_TOKENIZERESPONSE']._serialized_start=1604
-  _globals['_TOKENIZERESPONSE']._serialized_end=1657
-  _globals['_LISTMODELSREQUEST']._serialized_start=1659
-  _globals['_LISTMODELSREQUEST']._serialized_end=1678
-  _globals['_MODELINFO']._serialized_start=1681
-  _globals['_MODELINFO']._serialized_end=1911
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1913
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1983
-  _globals['_GATEWAY']._serialized_start=1986
-  _globals['_GATEWAY']._serialized_end=2387
+  _globals['_CHATMESSAGE']._serialized_end=216
+  _globals['_TOOL']._serialized_start=218
+  _globals['_TOOL']._serialized_end=279
+  _globals['_TOOLCALL']._serialized_start=281
+  _globals['_TOOLCALL']._serialized_end=336
+  _globals['_TOOLCHOICE']._serialized_start=338
+  _globals['_TOOLCHOICE']._serialized_end=387
+  _globals['_SAMPLINGPARAMS']._serialized_start=390
+  _globals['_SAMPLINGPARAMS']._serialized_end=1019
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=919
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=967
+  _globals['_GENERATEREQUEST']._serialized_start=1022
+  _globals['_GENERATEREQUEST']._serialized_end=1380
+  _globals['_COMPLETION']._serialized_start=1383
+  _globals['_COMPLETION']._serialized_end=1595
+  _globals['_GENERATERESPONSE']._serialized_start=1598
+  _globals['_GENERATERESPONSE']._serialized_end=1732
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1735
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=2023
+  _globals['_TOKENIZEREQUEST']._serialized_start=2025
+  _globals['_TOKENIZEREQUEST']._serialized_end=2112
+  _globals['_TOKENIZERESPONSE']._serialized_start=2114
+  _globals['_TOKENIZERESPONSE']._serialized_end=2167
+  _globals['_LISTMODELSREQUEST']._serialized_start=2169
+  _globals['_LISTMODELSREQUEST']._serialized_end=2188
+  _globals['_MODELINFO']._serialized_start=2191
+  _globals['_MODELINFO']._serialized_end=2421
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2423
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2493
+  _globals['_GATEWAY']._serialized_start=2496
+  _globals['_GATEWAY']._serialized_end=2897
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,159 @@
+"""Tool calling in the gateway core (issue 30 item 1), in process: the checks, the generic
+rendering into a plain template, the grammar of required and named choices, and the parser over
+streamed deltas (the Hermes format; unfinished or unparseable calls stay content)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+import jsonschema
+import pytest
+
+from gateway.core import tools
+from gateway.core.streaming import collect, pieces
+from gateway.core.types import ChatMessage, Delta, GenerateRequest, Tool, ToolCall
+from gateway.core.validate import validate
+from gateway.compute_convert import model_info_from_pb
+from gateway.tokenizer import ModelTokenizer
+from pagedserve.compute.v1 import compute_pb2
+from pagedserve.errors import InvalidArgument
+from pagedserve.testing.tiny_model import build_byte_tokenizer
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["city", "days"], "additionalProperties": False}
+TOOLS = [Tool("get_weather", "Weather by city", json.dumps(WEATHER)), Tool("now", "The time")]
+CHAT = [ChatMessage("user", "Weather in Oslo?")]
+INFO = model_info_from_pb(compute_pb2.InfoResponse(model_name="m", max_model_len=512, vocab_size=258))
+
+
+def _request(**fields: object) -> GenerateRequest:
+    return GenerateRequest(**{"messages": list(CHAT), "tools": list(TOOLS), **fields})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"tools": [Tool("a b")]}, r"^tools\[0\]\.name must be"),
+    ({"tools": [Tool("f"), Tool("f")]}, r"^tools\[1\]\.name: 'f' is given twice"),
+    ({"tools": [Tool("f", parameters="{nope")]}, r"^tools\[0\]\.parameters: not valid JSON"),
+    ({"tools": [Tool("f", parameters='{"type": "object", "properties": {"x": {"type": 5}}}')]},
+     r"^tools\[0\]\.parameters: invalid JSON schema"),
+    ({"tools": [Tool("f", parameters='{"type": "string"}')]},
+     r"^tools\[0\]\.parameters must be a JSON schema of an object"),
+    ({"tool_choice": "function", "tool_function": "other"}, r"^tool_choice: function 'other' is not one of the tools"),
+    ({"tool_choice": "sometimes"}, r"^tool_choice must be one of"),
+    ({"tools": None, "tool_choice": "required"}, r"^tool_choice 'required' needs tools"),
+    ({"messages": [ChatMessage("user", "x", (ToolCall("c", "f", "{}"),))]},
+     r"^messages\[0\]\.tool_calls: only an assistant"),
+    ({"messages": [ChatMessage("assistant", "", (ToolCall("c", "f", "[1]"),))]},
+     r"^messages\[0\]\.tool_calls\[0\]\.arguments must be the JSON text of an object"),
+    ({"tools": [Tool(f"f{i}") for i in range(129)]}, r"^tools: at most 128 tools"),
+])
+def test_bad_tools_name_the_field(fields: dict, message: str) -> None:
+    with pytest.raises(InvalidArgument, match=message):
+        tools.plan(_request(**fields))
+
+
+def test_required_and_named_choices_are_json_schemas_the_engine_compiles() -> None:
+    named = tools.plan(_request(tool_choice="function", tool_function="get_weather"))
+    assert json.loads(named.constraint().spec) == WEATHER
+    required = tools.plan(_request(tool_choice="required", parallel_tool_calls=False))
+    schema = json.loads(required.constraint().spec)
+    assert schema["minItems"] == schema["maxItems"] == 1
+    jsonschema.validate([{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}], schema)
+    jsonschema.validate([{"name": "now", "arguments": {}}], schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "now", "arguments": {}}, {"name": "now", "arguments": {}}], schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "get_weather", "arguments": {"city": "Oslo"}}], schema)
+    assert tools.plan(_request()).constraint() is None  # auto
+    assert tools.plan(_request(tool_choice="none")) is None
+    # The constraint goes through the core's validate like any other.
+    request = tools.constrained(_request(tool_choice="required"), required)
+    assert validate(request, INFO).request.options.constraint.kind == "json_schema"
+    with pytest.raises(InvalidArgument, match="^tool_choice 'required' constrains the output itself"):
+        tools.plan(request)
+
+
+def test_the_generic_rendering_writes_tools_calls_and_results_into_a_plain_template() -> None:
+    model = ModelTokenizer(build_byte_tokenizer(), INFO)
+    assert not model.renders_tools
+    history = [ChatMessage("system", "Be brief."), *CHAT,
+               ChatMessage("assistant", "", (ToolCall("call_1", "get_weather", '{"city": "Oslo", "days": 1}'),)),
+               ChatMessage("tool", "sunny", tool_call_id="call_1")]
+    messages, specs = tools.template_messages(_request(messages=history), native=False)
+    assert specs is None and [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
+    system = messages[0]["content"]
+    assert system.startswith("Be brief.\n\n# Tools") and '"name": "get_weather"' in system
+    assert messages[2]["content"] == ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 1}}'
+                                      '\n</tool_call>')
+    assert messages[3]["content"] == "<tool_response>\nsunny\n</tool_response>"
+    text = model.hf_tokenizer.decode(model.encode_chat(messages))
+    assert "<tools>" in text and "<tool_response>" in text
+    # No system turn: one is added; tool_choice none leaves the tools out.
+    assert tools.template_messages(_request(), native=False)[0][0]["role"] == "system"
+    assert tools.template_messages(_request(tool_choice="none"), native=False)[0] == [{"role": "user",
+                                                                                     "content": CHAT[0].content}]
+    native, specs = tools.template_messages(_request(messages=history), native=True)
+    assert specs[0]["function"]["parameters"] == WEATHER
+    assert native[2]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo", "days": 1}
+    assert native[3] == {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}
+
+
+async def _deltas(texts: list[str], finish: str, index: int = 0) -> AsyncIterator[Delta]:
+    for i, text in enumerate(texts):
+        last = i == len(texts) - 1
+        yield Delta(index, text, [i], finish_reason=finish if last else "")
+
+
+def _run(plan: tools.ToolPlan, texts: list[str], finish: str = "stop") -> tuple:
+    async def go() -> tuple:
+        unary = await collect("r", tools.with_tool_calls(_deltas(texts, finish), plan, lambda t: "<eos>"))
+        streamed = [p async for p in pieces(tools.with_tool_calls(_deltas(texts, finish), plan, lambda t: "<eos>"))]
+        return unary.choices[0], streamed
+    return asyncio.run(go())
+
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("split", [1, 3, 7, 1000])
+def test_auto_parses_hermes_calls_from_any_split_of_the_stream(split: int) -> None:
+    plan = tools.plan(_request())
+    text = "Let me check.\n" + CALL + "\n" + CALL.replace("Oslo", "Bergen")
+    choice, streamed = _run(plan, [text[i:i + split] for i in range(0, len(text), split)])
+    assert choice.finish_reason == "tool_calls" and choice.text == "Let me check.\n"
+    assert [(c.name, json.loads(c.arguments)) for c in choice.tool_calls] == [
+        ("get_weather", {"city": "Oslo", "days": 2}), ("get_weather", {"city": "Bergen", "days": 2})]
+    assert "".join(p.text for p in streamed) == choice.text  # no part of a call streamed as content
+    assert [(c.name, c.arguments) for p in streamed for c in p.tool_calls] == \
+        [(c.name, c.arguments) for c in choice.tool_calls]
+    assert all(c.id.startswith("call_") for c in choice.tool_calls)
+
+
+@pytest.mark.parametrize("text", [
+    "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": ",  # unfinished
+    "<tool_call>\n{\"name\": \"nope\", \"arguments\": {}}\n</tool_call>",  # no such tool
+    "<tool_call>not json</tool_call>",
+    CALL + " and then some words",
+    "a plain answer with < and <tool_ but no call",
+])
+def test_auto_leaves_unparseable_calls_as_content(text: str) -> None:
+    choice, streamed = _run(tools.plan(_request()), [text[i:i + 4] for i in range(0, len(text), 4)], "length")
+    assert (choice.text, choice.finish_reason, choice.tool_calls) == (text, "length", [])
+    assert "".join(p.text for p in streamed) == text
+
+
+def test_required_and_named_outputs_become_calls_without_the_eos_text() -> None:
+    named = tools.plan(_request(tool_choice="function", tool_function="get_weather"))
+    choice, _ = _run(named, ['{"city":', '"Oslo","days":3}<eos>'], "eos")
+    assert choice.finish_reason == "tool_calls" and choice.text == ""
+    assert [(c.name, json.loads(c.arguments)) for c in choice.tool_calls] == [("get_weather",
+                                                                              {"city": "Oslo", "days": 3})]
+    required = tools.plan(_request(tool_choice="required"))
+    choice, _ = _run(required, ['[{"name":"now","arguments":{}},', '{"name":"now","arguments":{}}]'])
+    assert [c.name for c in choice.tool_calls] == ["now", "now"] and choice.finish_reason == "tool_calls"
+    assert len({c.id for c in choice.tool_calls}) == 2
+    choice, _ = _run(named, ['{"city":"Os'], "length")  # cut short: the partial text, as content
+    assert (choice.text, choice.finish_reason, choice.tool_calls) == ('{"city":"Os', "length", [])
