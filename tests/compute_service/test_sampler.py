@@ -146,3 +146,23 @@ def test_each_tier_of_the_nucleus_search_is_taken(monkeypatch) -> None:
         calls.clear()
         sampler.sample(torch.randn(1, 3000, generator=g) * scale, _seqs([SamplingParams(top_p=0.9, seed=1)], 0), [0])
         assert calls == want, (scale, calls)
+
+
+def test_apply_logit_bias_is_one_batched_add_leaving_the_raw_rows() -> None:
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 50, generator=g)
+    raw = logits.clone()
+
+    class Seq:
+        def __init__(self, params: SamplingParams) -> None:
+            self.params = params
+
+    seqs = [Seq(SamplingParams(logit_bias={4: -100.0, 7: 2.5})), Seq(SamplingParams()),
+            Seq(SamplingParams(logit_bias={4: 1.0}))]
+    biased = sampler.apply_logit_bias(logits, seqs)
+    expected = raw.clone()
+    expected[0, 4] -= 100.0
+    expected[0, 7] += 2.5
+    expected[2, 4] += 1.0
+    assert torch.equal(biased, expected) and torch.equal(logits, raw)
+    assert sampler.apply_logit_bias(logits, [Seq(SamplingParams())] * 3) is logits

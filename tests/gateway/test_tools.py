@@ -26,6 +26,7 @@ WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLengt
            "required": ["city", "days"], "additionalProperties": False}
 TOOLS = [Tool("get_weather", "Weather by city", json.dumps(WEATHER)), Tool("now", "The time")]
 CHAT = [ChatMessage("user", "Weather in Oslo?")]
+pytestmark = pytest.mark.unit  # in process, no model file
 INFO = model_info_from_pb(compute_pb2.InfoResponse(model_name="m", max_model_len=512, vocab_size=258))
 
 

@@ -1,14 +1,13 @@
 """logit_bias in the engine (issue 30 item 2), in process on the tiny byte-tokenizer Llama: added
 before sampling and before a constraint's mask, one batched op for the whole step; logprobs stay
-the raw logits'; n > 1 forks and speculative drafts respect it."""
+the raw logits'; n > 1 forks and speculative drafts respect it. The batched add itself is a unit
+test of the sampler (tests/compute_service/test_sampler.py)."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from compute_service import LLM, Constraint, SamplingParams
-from compute_service.engine.sampler import apply_logit_bias
 from pagedserve.errors import InvalidArgument
 from tests.structured.conftest import PROMPTS, VOCAB
 from tests.structured.test_engine_constraints import run_batch
@@ -78,23 +77,3 @@ def test_bad_biases_name_the_field(llm: LLM) -> None:
         SamplingParams(logit_bias={3: float("nan")})
     with pytest.raises(InvalidArgument, match=rf"^params.logit_bias\[0\] must be in \[0, {VOCAB}\), got {VOCAB}"):
         llm.engine.add_request("bad-bias", PROMPTS[0], SamplingParams(logit_bias={VOCAB: 1.0}))
-
-
-def test_apply_logit_bias_is_one_batched_add_leaving_the_raw_rows() -> None:
-    g = torch.Generator().manual_seed(0)
-    logits = torch.randn(3, 50, generator=g)
-    raw = logits.clone()
-
-    class Seq:
-        def __init__(self, params: SamplingParams) -> None:
-            self.params = params
-
-    seqs = [Seq(SamplingParams(logit_bias={4: -100.0, 7: 2.5})), Seq(SamplingParams()),
-            Seq(SamplingParams(logit_bias={4: 1.0}))]
-    biased = apply_logit_bias(logits, seqs)
-    expected = raw.clone()
-    expected[0, 4] -= 100.0
-    expected[0, 7] += 2.5
-    expected[2, 4] += 1.0
-    assert torch.equal(biased, expected) and torch.equal(logits, raw)
-    assert apply_logit_bias(logits, [Seq(SamplingParams())] * 3) is logits
