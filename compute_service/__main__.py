@@ -58,6 +58,7 @@ ENGINE_FLAGS = {
     "block_size": "tokens per KV block; must equal the memory service's",
     "num_speculative_tokens": "n-gram speculative drafts per greedy sequence and step, at most (0 = off)",
     "mask_fill_timeout_s": "a constrained request whose token mask takes longer than this fails alone (error)",
+    "mask_fill_max_cpu_s": "... or whose token mask takes more CPU seconds than this",
     "device": "cpu or cuda[:N] (default: cuda when available)",
     "dtype": "auto, float32, float16 or bfloat16 (auto: bfloat16 on CUDA and on CPUs with native bf16, "
              "AMX-BF16 or AVX512-BF16; float32 on other CPUs)",

@@ -29,6 +29,8 @@ class EngineConfig:
     # How long a step waits for a constrained sequence's token mask before that request alone
     # fails (finish_reason "error"); see compute_service/structured/logits_mask.py.
     mask_fill_timeout_s: float = 1.0
+    # ... and the CPU seconds one mask may take (measured where it is filled, so load does not count).
+    mask_fill_max_cpu_s: float = 0.1
     memory_socket: str | None = None
     device: str | None = None  # default: cuda when available, else cpu
     # "auto": bfloat16 on CUDA and on CPUs with native bf16 (AMX-BF16, AVX512-BF16), else float32
@@ -49,8 +51,9 @@ class EngineConfig:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if not 0.0 <= self.admission_watermark < 1.0:
             raise ValueError(f"admission_watermark must be in [0, 1), got {self.admission_watermark}")
-        if not self.mask_fill_timeout_s > 0:
-            raise ValueError(f"mask_fill_timeout_s must be > 0, got {self.mask_fill_timeout_s}")
+        for name in ("mask_fill_timeout_s", "mask_fill_max_cpu_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.dtype != AUTO and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be {AUTO!r} or one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.device is not None and not (self.device == "cpu" or self.device.startswith("cuda")):

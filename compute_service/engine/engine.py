@@ -57,7 +57,8 @@ class Engine:
         self.tokenizer = tokenizer
         self._grammars = grammars
         self._owns_grammars = grammars is None  # made here on first use: closed by ``close``
-        self.masker = LogitsMasker(model_config.vocab_size, timeout_s=config.mask_fill_timeout_s)
+        self.masker = LogitsMasker(model_config.vocab_size, timeout_s=config.mask_fill_timeout_s,
+                                   max_fill_cpu_s=config.mask_fill_max_cpu_s)
         self.memory = memory
         self.config = config
         self.runner = ModelRunner(model, memory.pool, memory.block_size)

@@ -12,7 +12,10 @@ every token it accepts (``(.{0,60}){0,60}x`` goes from 0.3 ms to seconds within 
 one such fill would stall every request of every tenant. So each constrained row is one job for a
 small pool (xgrammar releases the GIL while it fills); the engine waits for the step's jobs until
 ``timeout_s``. A job still running then is *late*: its request alone fails (``MaskFillTimeout``)
-and the step goes on without it. Its thread is abandoned (it finishes in the background and
+and the step goes on without it. A fill that returns in time but took more than ``max_fill_cpu_s``
+of CPU (measured in its worker: a loaded machine does not inflate it) fails its request too, so
+that a mask whose cost grows with every token stops the step a few times briefly rather than
+until it reaches the deadline. Its thread is abandoned (it finishes in the background and
 exits) and a fresh one takes its place, so the pool keeps its size; a late job writes into a
 bitmask buffer that is never reused (the masker allocates a new one). Rows are separate jobs
 rather than one batched fill so that a late fill names exactly one request, and no abandoned
@@ -31,6 +34,7 @@ import torch
 import xgrammar as xgr
 
 DEFAULT_FILL_TIMEOUT_S = 1.0
+DEFAULT_MAX_FILL_CPU_S = 0.1  # ordinary fills take well under a millisecond, even for 49k tokens
 _IDLE_EXIT_S = 60.0  # an idle worker exits after this long (engines are rebuilt on re-attach)
 
 _abandoned_lock = threading.Lock()
@@ -54,6 +58,7 @@ class _FillJob:
     row: int
     state: str = "queued"  # queued -> running -> done, or running -> late (abandoned)
     error: Exception | None = None
+    cpu_s: float = 0.0  # the fill's CPU time in its worker
 
 
 @dataclass
@@ -130,10 +135,12 @@ class MaskFillPool:
                 job = self._queue.popleft()
                 job.state = "running"
             error: Exception | None = None
+            start = time.thread_time()
             try:
                 job.matcher.fill_next_token_bitmask(job.bitmask, job.row)
             except Exception as exc:  # the request's error, reported by the engine
                 error = exc
+            job.cpu_s = time.thread_time() - start
             with self._lock:
                 if job.state == "late":  # the engine went on without it; a new worker replaced this one
                     _count_abandoned(-1)
@@ -156,14 +163,18 @@ class LogitsMasker:
     Args:
         vocab_size: width of the logits (the model's vocabulary).
         timeout_s: how long one step waits for a row's mask before that row's request fails.
+        max_fill_cpu_s: CPU seconds one row's fill may take before its request fails.
         num_threads: fill workers.
     """
 
-    def __init__(self, vocab_size: int, *, timeout_s: float = DEFAULT_FILL_TIMEOUT_S, num_threads: int = 2) -> None:
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    def __init__(self, vocab_size: int, *, timeout_s: float = DEFAULT_FILL_TIMEOUT_S,
+                 max_fill_cpu_s: float = DEFAULT_MAX_FILL_CPU_S, num_threads: int = 2) -> None:
+        if not timeout_s > 0 or not max_fill_cpu_s > 0:
+            raise ValueError(f"timeout_s and max_fill_cpu_s must be > 0, got {timeout_s}, {max_fill_cpu_s}")
         self.vocab_size = vocab_size
         self.timeout_s = timeout_s
+        self.max_fill_cpu_s = max_fill_cpu_s
+        self.num_failed_fills = 0  # rows whose mask was late or too costly (their requests failed)
         self.pool = MaskFillPool(num_threads)
         self._bitmask = xgr.allocate_token_bitmask(8, vocab_size)  # (rows, ceil(V / 32)) int32, grown on demand
         # What masking has cost so far (benchmarks read them): steps with a constrained row, wall
@@ -203,6 +214,10 @@ class LogitsMasker:
                 failures[job.row] = MaskFillTimeout(f"the grammar's token mask took longer than {self.timeout_s} s")
             elif job.error is not None:
                 failures[job.row] = job.error
+            elif job.cpu_s > self.max_fill_cpu_s:
+                failures[job.row] = MaskFillTimeout(f"the grammar's token mask took {job.cpu_s:.3f} s of CPU "
+                                                    f"(the limit is {self.max_fill_cpu_s} s)")
+        self.num_failed_fills += sum(isinstance(e, MaskFillTimeout) for e in failures.values())
         if any(job.state == "late" for job in jobs):
             # A late fill still writes into this buffer: never hand it out again.
             self._bitmask = xgr.allocate_token_bitmask(self._bitmask.shape[0], self.vocab_size)

@@ -57,7 +57,7 @@ def test_a_late_mask_ends_its_request_alone(llm: LLM, byte_model: ByteModel) -> 
                                                    constraint=Constraint.regex("[ab]{1,30}c")),
                         xgr_compiler.compile_regex("[ab]{1,30}c"))}
     alone = run(llm, others)
-    failed_before, late_before = llm.engine.num_failed_requests, llm.engine.masker.pool.num_late
+    failed_before, fills_before = llm.engine.num_failed_requests, llm.engine.masker.num_failed_fills
 
     params = SamplingParams(max_tokens=40, temperature=0.0, constraint=Constraint.regex(GROWING_REGEX))
     outs = run(llm, {"costly": (PROMPTS[0], params, costly), **others})
@@ -69,7 +69,7 @@ def test_a_late_mask_ends_its_request_alone(llm: LLM, byte_model: ByteModel) -> 
         assert outs[request_id].outputs[0].finish_reason == ref.outputs[0].finish_reason
     assert len(outs["plain"].outputs[0].token_ids) == 40
     assert llm.engine.num_failed_requests - failed_before == 1
-    assert llm.engine.masker.pool.num_late - late_before == 1
+    assert llm.engine.masker.num_failed_fills - fills_before == 1  # its mask: too costly or late
     assert not llm.engine.requests
     _wait_for_abandoned_fills()
 
