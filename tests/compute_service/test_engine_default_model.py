@@ -1,11 +1,14 @@
 """The engine on the real default model (SmolLM2-135M-Instruct, float32 on CPU) against transformers.
 
-16 varied prompts x 64 new tokens, greedy, token for token, in every scheduling regime: prefix
+16 varied prompts x 32 new tokens, greedy, token for token, in every scheduling regime: prefix
 caching on and off, chunked prefill, a pool so small that preemption happens, and requests
-arriving while others decode. transformers' outputs are computed once per session.
+arriving while others decode. transformers' outputs are computed once per module, and the model is
+loaded into an engine twice (each run asserts that its regimes really happened).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -16,7 +19,7 @@ from compute_service.engine.outputs import RequestOutput, collect
 # The real model on a busy 2-core machine can take far longer than the 600 s default.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
-MAX_TOKENS = 64
+MAX_TOKENS = 32
 QUESTIONS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",
@@ -54,17 +57,13 @@ def prompts(default_model) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def reference(prompts: list[list[int]]) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    from compute_service.model.model_loader import resolve_model
-
-    hf = AutoModelForCausalLM.from_pretrained(resolve_model("default").path, torch_dtype=torch.float32).eval()
+def reference(prompts: list[list[int]], default_hf_model) -> list[list[int]]:
     outs = []
     with torch.no_grad():
         for prompt in prompts:
             ids = torch.tensor([prompt])
-            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False)
+            out = default_hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
+                                            do_sample=False)
             outs.append(out[0, len(prompt):].tolist())
     return outs
 
@@ -90,9 +89,19 @@ def run_staggered(llm: LLM, prompts: list[list[int]], every: int) -> dict[str, l
 # real model's tests stay within the suite's time budget on two cores.
 
 
+@pytest.fixture(scope="module")
+def llm_without_prefix_caching() -> Iterator[LLM]:
+    """Chunked prefill (32 tokens a step), no prefix caching; shared by the tests that do not need
+    a pool of their own."""
+    with LLM("default", dtype="float32", enable_prefix_caching=False, max_num_batched_tokens=32,
+             max_num_seqs=16) as llm:
+        yield llm
+
+
 def test_prefix_caching_preemption_and_late_arrivals(prompts, reference) -> None:
-    # 40 blocks of 16 tokens cannot hold 16 requests of ~40 + 64 tokens: preemption must happen.
-    with LLM("default", dtype="float32", enable_prefix_caching=True, max_num_blocks=40) as llm:
+    # 24 blocks of 16 tokens cannot hold 16 requests of ~5-33 + 32 tokens (59 blocks), even
+    # staggered: preemption must happen.
+    with LLM("default", dtype="float32", enable_prefix_caching=True, max_num_blocks=24) as llm:
         done = run_staggered(llm, prompts, every=2)
         assert llm.engine.scheduler.num_preemptions > 0
         assert llm.memory_stats().prefix_cache_hits > 0  # the shared system prompt
@@ -101,20 +110,19 @@ def test_prefix_caching_preemption_and_late_arrivals(prompts, reference) -> None
         assert done[f"r{i}"] == want, f"prompt {i} differs"
 
 
-def test_no_prefix_caching_and_chunked_prefill(prompts, reference) -> None:
-    with LLM("default", dtype="float32",
-             enable_prefix_caching=False, max_num_batched_tokens=32, max_num_seqs=16) as llm:
-        outs = llm.generate(prompts, GREEDY)
-        stats = llm.memory_stats()
-        longest = max(len(p) for p in prompts)
-        assert longest > 32  # so at least one prompt went in several chunks
+def test_no_prefix_caching_and_chunked_prefill(prompts, reference, llm_without_prefix_caching: LLM) -> None:
+    llm = llm_without_prefix_caching
+    outs = llm.generate(prompts, GREEDY)
+    stats = llm.memory_stats()
+    longest = max(len(p) for p in prompts)
+    assert longest > 32  # so at least one prompt went in several chunks
     assert stats.prefix_cache_hits == 0 and all(o.num_cached_tokens == 0 for o in outs)
     for i, (out, want) in enumerate(zip(outs, reference)):
         assert out.token_ids == want, f"prompt {i} differs"
 
 
-def test_paris(default_model) -> None:
-    with LLM("default", dtype="float32") as llm:
-        out = llm.chat([{"role": "user", "content": "What is the capital of France?"}], max_tokens=20, temperature=0.0)
+def test_paris(llm_without_prefix_caching: LLM) -> None:
+    out = llm_without_prefix_caching.chat([{"role": "user", "content": "What is the capital of France?"}],
+                                          max_tokens=20, temperature=0.0)
     assert "Paris" in out.text
     assert out.finish_reason in ("eos", "length")
