@@ -18,6 +18,7 @@ the extension off.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import logging
 import os
@@ -139,10 +140,20 @@ def _build(march: str, directory: Path) -> Any:
     if shutil.which("ninja") is None:  # pip's ninja sits beside this interpreter, maybe off PATH
         os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     directory.mkdir(parents=True, exist_ok=True)
-    # is_python_module=False: the library registers torch ops (visible to the profiler by name).
-    # Copies of the flag lists: torch appends to the ones it is given, which changed build_dir()'s key.
-    load_extension(name=_NAME, sources=[str(_SOURCE)], extra_cflags=_cflags(march), extra_ldflags=list(_LDFLAGS),
-                   build_directory=str(directory), is_python_module=False, verbose=False)
+    # Why our own lock: torch's build lock is a plain file (`lock`) that a build killed midway leaves
+    # behind, and every later start then waits on it forever. An flock dies with its holder, so
+    # whoever holds ours knows no build is running and may clear a leftover `lock`.
+    with open(directory.parent / f"{directory.name}.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        stale = directory / "lock"
+        if stale.exists():
+            _log.warning("fused CPU kernels: removing a stale build lock left by a killed build (%s)", stale)
+            stale.unlink(missing_ok=True)
+        # is_python_module=False: the library registers torch ops (visible to the profiler by name).
+        # Copies of the flag lists: torch appends to the ones it is given, which changed build_dir()'s key.
+        load_extension(name=_NAME, sources=[str(_SOURCE)], extra_cflags=_cflags(march),
+                       extra_ldflags=list(_LDFLAGS), build_directory=str(directory), is_python_module=False,
+                       verbose=False)
     return torch.ops.pagedserve_cpu
 
 

@@ -1,0 +1,30 @@
+"""A build lock left by a killed kernel build must not make every later start wait forever."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from kernels import cpu_ops
+
+
+def test_a_stale_build_lock_is_cleared(tmp_path):
+    built = cpu_ops.build_dir()
+    if not (built / f"{cpu_ops._NAME}.so").is_file():
+        pytest.skip("the fused CPU kernels are not built on this machine")
+    env = {**os.environ, "PAGEDSERVE_CACHE_DIR": str(tmp_path)}
+    # The same build under a fresh cache root (up to date, so nothing compiles), plus torch's lock file
+    # as a build killed midway leaves it.
+    probe = "from kernels import cpu_ops; print(cpu_ops.build_dir())"
+    directory = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True,
+                               check=True).stdout.strip()
+    shutil.copytree(built, directory)
+    (tmp_path / "cpu_ops" / os.path.basename(directory) / "lock").touch()
+    load = "from kernels import cpu_ops; ops = cpu_ops.load(); print(ops is not None, cpu_ops.origin())"
+    # Before the fix torch waited on the lock file for ever: the timeout fails the test.
+    done = subprocess.run([sys.executable, "-c", load], env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("True built for this machine"), done.stdout + done.stderr[-2000:]
+    assert not (tmp_path / "cpu_ops" / os.path.basename(directory) / "lock").exists()
