@@ -109,17 +109,11 @@ class StackConfig:
                                     ready_timeout_s=300)
 
 
-@dataclass
-class Stack:
-    """A running memory + compute + gateway (``pagedserve.stack.Stack``) and a client of each."""
+class EngineServices:
+    """The memory and compute processes of a started ``pagedserve.stack.Stack`` (``self.services``)
+    and what every scenario asks of them: shared by the reliability stack and the e2e engine pairs."""
 
-    config: StackConfig
     services: launcher.Stack
-    gateway: Gateway
-
-    @property
-    def run_dir(self) -> Path:
-        return self.services.directory
 
     @property
     def memory(self) -> ServiceProcess:
@@ -139,6 +133,19 @@ class Stack:
 
     def num_used_blocks(self) -> int:
         return used_blocks(self.memory_stats())
+
+
+@dataclass
+class Stack(EngineServices):
+    """A running memory + compute + gateway (``pagedserve.stack.Stack``) and a client of each."""
+
+    config: StackConfig
+    services: launcher.Stack
+    gateway: Gateway
+
+    @property
+    def run_dir(self) -> Path:
+        return self.services.directory
 
     def compute_health(self) -> int | None:
         return check_health(self.compute.address, launcher.COMPUTE_SERVICE)

@@ -16,45 +16,28 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve.testing.stack import Gateway, compute_load, memory_stats, start_gateway
+from pagedserve.testing.stack import EngineServices, Gateway, start_gateway
 from pagedserve.testing.tiny_model import ServiceModel
 from pagedserve.compute.v1 import compute_pb2
-from pagedserve.memory.v1 import memory_pb2
-from pagedserve.process import ServiceProcess, wait_until
+from pagedserve.process import wait_until
 from pagedserve.stack import Stack, StackConfig, shm_segments, start_stacks
 
 BLOCK_SIZE = 16
 
 
 @dataclass
-class Engine:
+class Engine(EngineServices):
     """One engine pod: a memory service and the compute service attached to it (a stack without gateway)."""
 
     name: str
     services: Stack
 
     @property
-    def memory(self) -> ServiceProcess:
-        assert self.services.memory is not None
-        return self.services.memory
-
-    @property
-    def compute(self) -> ServiceProcess:
-        assert self.services.compute is not None
-        return self.services.compute
-
-    @property
     def address(self) -> str:
         return self.compute.address
 
     def load(self) -> compute_pb2.LoadResponse:
-        return compute_load(self.compute.address)
-
-    def memory_stats(self) -> memory_pb2.StatsResponse:
-        return memory_stats(self.memory.address)
-
-    def num_used_blocks(self) -> int:
-        return sum(pool.num_used_blocks for pool in self.memory_stats().pools)
+        return self.compute_load()
 
     def restart_compute(self) -> None:
         """A new compute process on the same socket, attached to the same memory service."""
