@@ -10,16 +10,22 @@ a small queue) start only that gateway.
 from __future__ import annotations
 
 import os
+import socket
+import ssl
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
+import openai
 import pytest
 
 from pagedserve.testing.stack import EngineServices, Gateway, start_gateway
 from pagedserve.testing.tiny_model import ServiceModel
 from pagedserve.compute.v1 import compute_pb2
+from pagedserve.gateway.v1 import gateway_pb2
 from pagedserve.process import wait_until
+from pagedserve.sockets import free_port
 from pagedserve.stack import Stack, StackConfig, shm_segments, start_stacks
 
 BLOCK_SIZE = 16
@@ -80,3 +86,48 @@ def gateway(engines: list[Engine], run_dir: Path) -> Iterator[Gateway]:
     wait_until(lambda: started.num_healthy_backends() == 2, what="both backends in rotation")
     yield started
     assert started.stop() == 0
+
+
+# --- the HTTP front (test_openai*.py) ---
+
+
+class Http:
+    """A gateway process with its HTTP front."""
+
+    def __init__(self, gateway: Gateway, http_port: int, key: str | None = None) -> None:
+        self.gateway = gateway
+        self.base_url = f"http://127.0.0.1:{http_port}"
+        self.port = http_port
+        metadata = [("authorization", f"Bearer {key}")] if key else []
+        models = gateway.stub.ListModels(gateway_pb2.ListModelsRequest(), timeout=5, metadata=metadata).models
+        self.model = models[0].name
+
+    def client(self, api_key: str = "unused", **kwargs: object) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=api_key, max_retries=0, **kwargs)
+
+    def async_client(self, api_key: str = "unused") -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.base_url}/v1", api_key=api_key, max_retries=0)
+
+
+def start_http(engines: list[Engine], run_dir: Path, *extra: str, key: str | None = None) -> Http:
+    """A gateway with its HTTP front on a free port, in front of the first engine."""
+    port = free_port()
+    gateway = start_gateway([engines[0].address], run_dir, "--http-port", str(port), *extra)
+    return Http(gateway, port, key)
+
+
+@pytest.fixture(scope="module")
+def http(engines: list[Engine], run_dir: Path) -> Iterator[Http]:
+    started = start_http(engines, run_dir)
+    wait_until(lambda: started.gateway.num_healthy_backends() == 1, what="the backend in rotation")
+    yield started
+    assert started.gateway.stop() == 0
+    with pytest.raises(OSError):  # the HTTP port is closed with the gateway
+        socket.create_connection(("127.0.0.1", started.port), timeout=2).close()
+
+
+def http_get(url: str, verify: ssl.SSLContext | bool = True) -> httpx.Response | None:
+    try:
+        return httpx.get(url, timeout=2, verify=verify)
+    except httpx.TransportError:
+        return None

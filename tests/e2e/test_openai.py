@@ -25,50 +25,16 @@ import torch
 from pagedserve.gateway.v1 import gateway_pb2
 from pagedserve.process import wait_until
 from pagedserve.sockets import free_port
-from tests.e2e.conftest import Engine, Gateway, start_gateway
+from tests.e2e.conftest import Engine, Http, http_get, start_http
 
 KEY = "http-key-0123456789"
-
-
-class Http:
-    """A gateway process with its HTTP front."""
-
-    def __init__(self, gateway: Gateway, http_port: int, key: str | None = None) -> None:
-        self.gateway = gateway
-        self.base_url = f"http://127.0.0.1:{http_port}"
-        self.port = http_port
-        metadata = [("authorization", f"Bearer {key}")] if key else []
-        models = gateway.stub.ListModels(gateway_pb2.ListModelsRequest(), timeout=5, metadata=metadata).models
-        self.model = models[0].name
-
-    def client(self, api_key: str = "unused", **kwargs: object) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=api_key, max_retries=0, **kwargs)
-
-    def async_client(self, api_key: str = "unused") -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=f"{self.base_url}/v1", api_key=api_key, max_retries=0)
-
-
-def _start(engines: list[Engine], run_dir: Path, *extra: str, key: str | None = None) -> Http:
-    port = free_port()
-    gateway = start_gateway([engines[0].address], run_dir, "--http-port", str(port), *extra)
-    return Http(gateway, port, key)
-
-
-@pytest.fixture(scope="module")
-def http(engines: list[Engine], run_dir: Path) -> Iterator[Http]:
-    started = _start(engines, run_dir)
-    wait_until(lambda: started.gateway.num_healthy_backends() == 1, what="the backend in rotation")
-    yield started
-    assert started.gateway.stop() == 0
-    with pytest.raises(OSError):  # the HTTP port is closed with the gateway
-        socket.create_connection(("127.0.0.1", started.port), timeout=2).close()
 
 
 @pytest.fixture(scope="module")
 def guarded(engines: list[Engine], run_dir: Path) -> Iterator[Http]:
     keys = run_dir / "http-keys.txt"
     keys.write_text(f"{KEY}\n")
-    started = _start(engines, run_dir, "--api-keys-file", str(keys), "--max-queued-requests", "1", key=KEY)
+    started = start_http(engines, run_dir, "--api-keys-file", str(keys), "--max-queued-requests", "1", key=KEY)
     yield started
     started.gateway.stop()
 
@@ -288,7 +254,7 @@ def test_two_tenants_have_their_own_limits_priority_caps_and_caches(engines: lis
     tenants.write_text(json.dumps({"tenants": {"team-a": {"keys": ["KEY-A-0123456789"], "max_concurrent": 1,
                                                           "max_priority": 2},
                                                "team-b": {"keys": ["KEY-B-0123456789"], "max_concurrent": 1}}}))
-    served = _start(engines, run_dir, "--api-keys-file", str(tenants), key="KEY-A-0123456789")
+    served = start_http(engines, run_dir, "--api-keys-file", str(tenants), key="KEY-A-0123456789")
     a, b = served.client("KEY-A-0123456789"), served.client("KEY-B-0123456789")
     try:
         prompt = "the same prompt, long enough to fill two blocks of sixteen tokens for the cache " * 2
@@ -330,7 +296,7 @@ def test_https_with_the_grpc_fronts_certificate(engines: list[Engine], run_dir: 
                              address=f"127.0.0.1:{grpc_port}", log_file=run_dir / "gateway-https.log")
     try:
         url, trust = f"https://127.0.0.1:{port}", ssl.create_default_context(cafile=str(cert))
-        wait_until(lambda: (_get(f"{url}/health", verify=trust) or httpx.Response(0)).status_code == 200,
+        wait_until(lambda: (http_get(f"{url}/health", verify=trust) or httpx.Response(0)).status_code == 200,
                    timeout_s=60, what="HTTPS serving")
         # A client that closes its connections (an idle TLS one held open keeps a stopping gateway
         # waiting for its close_notify, up to the grace period).
@@ -339,7 +305,7 @@ def test_https_with_the_grpc_fronts_certificate(engines: list[Engine], run_dir: 
             reply = client.completions.create(model=client.models.list().data[0].id, prompt="tls", max_tokens=3,
                                               extra_body={"ignore_eos": True})
         assert reply.usage.completion_tokens == 3
-        assert _get(f"http://127.0.0.1:{port}/health") is None  # no plaintext on the TLS port
+        assert http_get(f"http://127.0.0.1:{port}/health") is None  # no plaintext on the TLS port
     finally:
         assert process.stop() == 0
 
@@ -354,8 +320,8 @@ def test_no_backend_is_503(engines: list[Engine], run_dir: Path) -> None:
                                          "--http-port", str(port), "--health-interval-s", "0.2"],
                              address=f"127.0.0.1:{grpc_port}", log_file=run_dir / "gateway-503.log")
     try:
-        wait_until(lambda: _get(f"http://127.0.0.1:{port}/health") is not None, what="the HTTP front")
-        assert _get(f"http://127.0.0.1:{port}/health").status_code == 503
+        wait_until(lambda: http_get(f"http://127.0.0.1:{port}/health") is not None, what="the HTTP front")
+        assert http_get(f"http://127.0.0.1:{port}/health").status_code == 503
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
         with pytest.raises(openai.InternalServerError) as info:
             client.completions.create(model="m", prompt="x", max_tokens=2)
@@ -365,7 +331,7 @@ def test_no_backend_is_503(engines: list[Engine], run_dir: Path) -> None:
 
 
 def test_sigterm_lets_an_http_stream_finish_and_health_says_503(engines: list[Engine], run_dir: Path) -> None:
-    draining = _start(engines, run_dir, "--drain-delay-s", "2")
+    draining = start_http(engines, run_dir, "--drain-delay-s", "2")
     wait_until(lambda: draining.gateway.num_healthy_backends() == 1, what="the backend in rotation")
     body = {"prompt": "drain", "max_tokens": 900, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
@@ -381,13 +347,6 @@ def test_sigterm_lets_an_http_stream_finish_and_health_says_503(engines: list[En
     assert rest[-1] == "data: [DONE]" and chunks[-1]["usage"]["completion_tokens"] == 900
     assert draining.gateway.process.proc.wait(timeout=30) == 0
     draining.gateway.channel.close()
-
-
-def _get(url: str, verify: ssl.SSLContext | bool = True) -> httpx.Response | None:
-    try:
-        return httpx.get(url, timeout=2, verify=verify)
-    except httpx.TransportError:
-        return None
 
 
 # --- raw HTTP edge cases ------------------------------------------------------------------------

@@ -8,7 +8,6 @@ its gRPC ``Tokenize`` is the reference (same tokenizer, same template).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -20,18 +19,9 @@ from pagedserve.gateway.v1 import gateway_pb2
 from pagedserve.process import ServiceProcess, wait_until
 from pagedserve.sockets import free_port
 from pagedserve.testing.tiny_model import ServiceModel
-from tests.e2e.conftest import Engine
-from tests.e2e.test_openai import Http, _get, _start
+from tests.e2e.conftest import Http, http_get
 
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi </s> there"}]
-
-
-@pytest.fixture(scope="module")
-def http(engines: list[Engine], run_dir: Path) -> Iterator[Http]:
-    started = _start(engines, run_dir)
-    wait_until(lambda: started.gateway.num_healthy_backends() == 1, what="the backend in rotation")
-    yield started
-    assert started.gateway.stop() == 0
 
 
 def _post(http: Http, path: str, body: dict) -> httpx.Response:
@@ -96,7 +86,7 @@ def test_models_is_503_until_a_backend_is_ready(run_dir: Path) -> None:
                                          "--http-port", str(port), "--health-interval-s", "0.2"],
                              address=f"127.0.0.1:{grpc_port}", log_file=run_dir / "gateway-models-503.log")
     try:
-        wait_until(lambda: _get(f"http://127.0.0.1:{port}/health") is not None, what="the HTTP front")
+        wait_until(lambda: http_get(f"http://127.0.0.1:{port}/health") is not None, what="the HTTP front")
         reply = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5)
         assert reply.status_code == 503, reply.text
         assert reply.json()["error"]["type"] == "server_error"

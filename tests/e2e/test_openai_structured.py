@@ -11,29 +11,17 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
-from pathlib import Path
 
 import jsonschema
 import openai
 import pytest
 
 from pagedserve.testing.tiny_model import ServiceModel
-from pagedserve.process import wait_until
-from tests.e2e.conftest import Engine
-from tests.e2e.test_openai import Http, _start
+from tests.e2e.conftest import Http
 
 SCHEMA = {"type": "object", "required": ["id", "ok"],
           "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999}, "ok": {"type": "boolean"}}}
 MESSAGES = [{"role": "user", "content": "Give me a record as JSON."}]
-
-
-@pytest.fixture(scope="module")
-def http(engines: list[Engine], run_dir: Path) -> Iterator[Http]:
-    started = _start(engines, run_dir)
-    wait_until(lambda: started.gateway.num_healthy_backends() == 1, what="the backend in rotation")
-    yield started
-    assert started.gateway.stop() == 0
 
 
 def _text(service_model: ServiceModel, text: str, finish_reason: str) -> str:

@@ -9,8 +9,6 @@ parses and validates (jsonschema) whatever the random model prefers.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import jsonschema
@@ -18,9 +16,7 @@ import openai
 import pytest
 
 from pagedserve.gateway.v1 import gateway_pb2
-from pagedserve.process import wait_until
-from tests.e2e.conftest import Engine
-from tests.e2e.test_openai import Http, _start
+from tests.e2e.conftest import Http
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6},
                                             "days": {"type": "integer", "minimum": 1, "maximum": 7}},
@@ -33,14 +29,6 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 SCHEMAS = {"get_weather": WEATHER, "set_unit": UNITS, "now": {"type": "object", "additionalProperties": False}}
 MESSAGES = [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": "Weather in Oslo?"}]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
-
-
-@pytest.fixture(scope="module")
-def http(engines: list[Engine], run_dir: Path) -> Iterator[Http]:
-    started = _start(engines, run_dir)
-    wait_until(lambda: started.gateway.num_healthy_backends() == 1, what="the backend in rotation")
-    yield started
-    assert started.gateway.stop() == 0
 
 
 def _check_calls(calls: list, parallel: bool = True) -> None:
