@@ -21,12 +21,14 @@ class KvLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
-    __slots__ = ("client_name", "layout")
+    __slots__ = ("client_name", "layout", "model_fingerprint")
     CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     client_name: str
     layout: KvLayout
-    def __init__(self, client_name: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ...) -> None: ...
+    model_fingerprint: str
+    def __init__(self, client_name: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
 
 class PoolDescriptor(_message.Message):
     __slots__ = ("shape", "dtype", "device", "shm_name", "cuda_ipc", "num_bytes")
@@ -167,16 +169,18 @@ class AppendBatch(_message.Message):
     def __init__(self, seq_ids: _Optional[_Iterable[str]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("client_id", "ops", "appends", "late_ops")
+    __slots__ = ("client_id", "ops", "appends", "late_ops", "prefill_tokens_per_s")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     OPS_FIELD_NUMBER: _ClassVar[int]
     APPENDS_FIELD_NUMBER: _ClassVar[int]
     LATE_OPS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     ops: _containers.RepeatedCompositeFieldContainer[SequenceOp]
     appends: AppendBatch
     late_ops: _containers.RepeatedCompositeFieldContainer[SequenceOp]
-    def __init__(self, client_id: _Optional[str] = ..., ops: _Optional[_Iterable[_Union[SequenceOp, _Mapping]]] = ..., appends: _Optional[_Union[AppendBatch, _Mapping]] = ..., late_ops: _Optional[_Iterable[_Union[SequenceOp, _Mapping]]] = ...) -> None: ...
+    prefill_tokens_per_s: float
+    def __init__(self, client_id: _Optional[str] = ..., ops: _Optional[_Iterable[_Union[SequenceOp, _Mapping]]] = ..., appends: _Optional[_Union[AppendBatch, _Mapping]] = ..., late_ops: _Optional[_Iterable[_Union[SequenceOp, _Mapping]]] = ..., prefill_tokens_per_s: _Optional[float] = ...) -> None: ...
 
 class BlockCopy(_message.Message):
     __slots__ = ("src", "dst", "seq_index")
@@ -189,18 +193,20 @@ class BlockCopy(_message.Message):
     def __init__(self, src: _Optional[int] = ..., dst: _Optional[int] = ..., seq_index: _Optional[int] = ...) -> None: ...
 
 class OpResult(_message.Message):
-    __slots__ = ("ok", "block_ids", "num_cached_tokens", "num_new_tokens", "copies")
+    __slots__ = ("ok", "block_ids", "num_cached_tokens", "num_new_tokens", "copies", "loading")
     OK_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COPIES_FIELD_NUMBER: _ClassVar[int]
+    LOADING_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_cached_tokens: int
     num_new_tokens: int
     copies: _containers.RepeatedCompositeFieldContainer[BlockCopy]
-    def __init__(self, ok: _Optional[bool] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., num_new_tokens: _Optional[int] = ..., copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ...) -> None: ...
+    loading: bool
+    def __init__(self, ok: _Optional[bool] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., num_new_tokens: _Optional[int] = ..., copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., loading: _Optional[bool] = ...) -> None: ...
 
 class AppendBatchResult(_message.Message):
     __slots__ = ("ok", "num_new_blocks", "new_block_ids", "copies")
@@ -215,16 +221,18 @@ class AppendBatchResult(_message.Message):
     def __init__(self, ok: _Optional[_Iterable[bool]] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("results", "append_results", "num_available_blocks", "num_available_reserved_blocks")
+    __slots__ = ("results", "append_results", "num_available_blocks", "num_available_reserved_blocks", "loaded_seq_ids")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     APPEND_RESULTS_FIELD_NUMBER: _ClassVar[int]
     NUM_AVAILABLE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_AVAILABLE_RESERVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LOADED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[OpResult]
     append_results: AppendBatchResult
     num_available_blocks: int
     num_available_reserved_blocks: int
-    def __init__(self, results: _Optional[_Iterable[_Union[OpResult, _Mapping]]] = ..., append_results: _Optional[_Union[AppendBatchResult, _Mapping]] = ..., num_available_blocks: _Optional[int] = ..., num_available_reserved_blocks: _Optional[int] = ...) -> None: ...
+    loaded_seq_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, results: _Optional[_Iterable[_Union[OpResult, _Mapping]]] = ..., append_results: _Optional[_Union[AppendBatchResult, _Mapping]] = ..., num_available_blocks: _Optional[int] = ..., num_available_reserved_blocks: _Optional[int] = ..., loaded_seq_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GetBlockTableRequest(_message.Message):
     __slots__ = ("client_id", "seq_id")
@@ -259,7 +267,7 @@ class PoolStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("pools", "kv_utilization", "fragmentation", "prefix_cache_queries", "prefix_cache_hits", "num_evictions", "num_copy_on_writes", "num_sequences", "num_clients", "block_size")
+    __slots__ = ("pools", "kv_utilization", "fragmentation", "prefix_cache_queries", "prefix_cache_hits", "num_evictions", "num_copy_on_writes", "num_sequences", "num_clients", "block_size", "tiers")
     POOLS_FIELD_NUMBER: _ClassVar[int]
     KV_UTILIZATION_FIELD_NUMBER: _ClassVar[int]
     FRAGMENTATION_FIELD_NUMBER: _ClassVar[int]
@@ -270,6 +278,7 @@ class StatsResponse(_message.Message):
     NUM_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     NUM_CLIENTS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
     pools: _containers.RepeatedCompositeFieldContainer[PoolStats]
     kv_utilization: float
     fragmentation: float
@@ -280,7 +289,36 @@ class StatsResponse(_message.Message):
     num_sequences: int
     num_clients: int
     block_size: int
-    def __init__(self, pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., kv_utilization: _Optional[float] = ..., fragmentation: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_evictions: _Optional[int] = ..., num_copy_on_writes: _Optional[int] = ..., num_sequences: _Optional[int] = ..., num_clients: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+    tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
+    def __init__(self, pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., kv_utilization: _Optional[float] = ..., fragmentation: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_evictions: _Optional[int] = ..., num_copy_on_writes: _Optional[int] = ..., num_sequences: _Optional[int] = ..., num_clients: _Optional[int] = ..., block_size: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ...) -> None: ...
+
+class TierStats(_message.Message):
+    __slots__ = ("kind", "num_blocks", "num_bytes", "capacity_bytes", "num_hits", "num_misses", "num_bytes_written", "num_bytes_read", "num_write_errors", "num_bad_files", "num_loads", "num_loads_skipped")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_HITS_FIELD_NUMBER: _ClassVar[int]
+    NUM_MISSES_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_READ_FIELD_NUMBER: _ClassVar[int]
+    NUM_WRITE_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BAD_FILES_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOADS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOADS_SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    num_blocks: int
+    num_bytes: int
+    capacity_bytes: int
+    num_hits: int
+    num_misses: int
+    num_bytes_written: int
+    num_bytes_read: int
+    num_write_errors: int
+    num_bad_files: int
+    num_loads: int
+    num_loads_skipped: int
+    def __init__(self, kind: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., num_hits: _Optional[int] = ..., num_misses: _Optional[int] = ..., num_bytes_written: _Optional[int] = ..., num_bytes_read: _Optional[int] = ..., num_write_errors: _Optional[int] = ..., num_bad_files: _Optional[int] = ..., num_loads: _Optional[int] = ..., num_loads_skipped: _Optional[int] = ...) -> None: ...
 
 class PingRequest(_message.Message):
     __slots__ = ()
