@@ -19,6 +19,7 @@ from memory_service.manager.block_types import (
     ReservedPool,
     cache_namespace,
 )
+from memory_service.identity import KvTierInfo
 from memory_service.client import MemoryClient, MemoryServiceUnavailable, StepResult, channel_target
 from memory_service.pool.kv_pool import KvLayout
 
@@ -29,6 +30,7 @@ __all__ = [
     "ForkOp",
     "FreeOp",
     "KvLayout",
+    "KvTierInfo",
     "MemoryClient",
     "MemoryServiceUnavailable",
     "Op",

@@ -103,6 +103,9 @@ class MemoryClient:
         self.block_size = reply.block_size
         self.reserved = ReservedPool(reply.num_reserved_blocks, reply.reserved_min_priority)
         self.lease_ttl_s = reply.lease_ttl_s
+        # Clients with the same id share the pool; the compute service reports both in its Info.
+        self.memory_service_id = reply.memory_service_id
+        self.tiers = convert.tiers_from_pb(reply.tiers)
         try:
             self._mapped = MappedPool(convert.descriptor_from_pb(reply.pool), layout, reply.num_blocks)
         except BaseException:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pagedserve.errors import InvalidArgument
 from pagedserve.memory.v1 import memory_pb2 as pb
 
+from memory_service.identity import KvTierInfo
 from memory_service.manager.block_types import (
     AllocateOp,
     AppendOp,
@@ -86,6 +87,15 @@ def descriptor_from_pb(msg: pb.PoolDescriptor) -> PoolDescriptor:
         shm_name=msg.shm_name if which == "shm_name" else None,
         cuda_ipc=ipc,
     )
+
+
+def tiers_to_pb(tiers: tuple[KvTierInfo, ...]) -> list[pb.KvTier]:
+    return [pb.KvTier(kind=t.kind, capacity_bytes=t.capacity_bytes) for t in tiers]
+
+
+def tiers_from_pb(msgs: list[pb.KvTier]) -> tuple[KvTierInfo, ...]:
+    """The tiers as the service sent them; a malformed one is the service's bug (ValueError)."""
+    return tuple(KvTierInfo(m.kind, m.capacity_bytes) for m in msgs)
 
 
 def stats_to_pb(stats: BlockManagerStats) -> pb.StatsResponse:

@@ -11,6 +11,8 @@ from pagedserve import sampling_rules as rules
 from pagedserve.compute.v1 import compute_pb2 as pb
 from pagedserve.errors import InvalidArgument
 
+from memory_service.api import KvTierInfo
+
 from compute_service.model.model_info import ModelInfo
 from compute_service.engine.outputs import CompletionDelta, RequestDelta
 from compute_service.engine.request import EngineLoad, GenerateInput
@@ -139,7 +141,8 @@ def load_to_pb(load: EngineLoad, max_queued_requests: int) -> pb.LoadResponse:
     )
 
 
-def info_to_pb(info: ModelInfo, *, block_size: int, num_kv_blocks: int) -> pb.InfoResponse:
+def info_to_pb(info: ModelInfo, *, block_size: int, num_kv_blocks: int, memory_service_id: str = "",
+               kv_tiers: tuple[KvTierInfo, ...] = ()) -> pb.InfoResponse:
     return pb.InfoResponse(
         model_name=info.model_name, max_model_len=info.max_model_len, block_size=block_size, dtype=info.dtype,
         device=info.device, vocab_size=info.vocab_size, eos_token_ids=info.eos_token_ids,
@@ -148,4 +151,6 @@ def info_to_pb(info: ModelInfo, *, block_size: int, num_kv_blocks: int) -> pb.In
                          for f in info.tokenizer_files],
         max_n=rules.MAX_N, max_logprobs=rules.MAX_LOGPROBS, max_stop_strings=rules.MAX_STOP_STRINGS,
         default_params=params_to_pb(SamplingParams()), num_kv_blocks=num_kv_blocks,
+        memory_service_id=memory_service_id,
+        kv_tiers=[pb.KvTier(kind=t.kind, capacity_bytes=t.capacity_bytes) for t in kv_tiers],
     )

@@ -31,7 +31,7 @@ from typing import Any, NamedTuple, Protocol
 from pagedserve.errors import AlreadyExistsError, InvalidArgument, UnavailableError, echo
 from pagedserve.log import get_logger
 
-from memory_service.api import MemoryServiceUnavailable
+from memory_service.api import KvTierInfo, MemoryServiceUnavailable
 
 from compute_service.engine.allocator import KvAllocator
 from compute_service.engine.engine import Engine
@@ -60,7 +60,15 @@ Sink = Callable[[RequestDelta | Exception], bool]
 
 class MemoryLease(KvAllocator, Protocol):
     """The allocator of a service's engine: a lease on a memory service, which can be lost
-    (``memory_service.client.MemoryClient``)."""
+    (``memory_service.client.MemoryClient``).
+
+    Attributes:
+        memory_service_id: the memory service's identity (leases with the same one share the pool).
+        tiers: its tiers below the pool, fastest first (memory_service/identity.py).
+    """
+
+    memory_service_id: str
+    tiers: tuple[KvTierInfo, ...]
 
     @property
     def is_connected(self) -> bool: ...
@@ -132,6 +140,8 @@ class EngineLoop:
         self._stopping = threading.Event()
         self._sinks: dict[str, Sink] = {}  # loop thread only
         self.engine: Engine | None = None  # loop thread only (tests may read it when idle)
+        # The engine's lease (the same object as engine.memory), for what Info reports of the memory service.
+        self.lease: MemoryLease | None = None
         self.load = EngineLoad(0, 0, 0.0, 0.0, 0)  # replaced (never mutated) after each step
         self.totals = LoopTotals()  # written by the loop thread only
         self._is_warm = False
@@ -183,7 +193,7 @@ class EngineLoop:
                     self._fail_all(EngineFailed(f"engine failure: {exc!r}"))
                 self._on_ready(False)
             finally:
-                self.engine = None
+                self.engine = self.lease = None
                 lease.close()  # releases the lease (or notices it is already gone)
         self._fail_all(EngineUnavailable("the compute service is shutting down"))
 
@@ -209,7 +219,7 @@ class EngineLoop:
                 self._wake.clear()
                 continue
             engine, lease = attached
-            self.engine = engine
+            self.engine, self.lease = engine, lease
             self.load = engine.load()
             log.info("engine_attached", client_id=lease.client_id, num_blocks=lease.num_blocks)
             self._on_ready(True)

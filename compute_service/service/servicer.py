@@ -192,10 +192,11 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
         loop, info = self._started()
-        engine = loop.engine
-        block_size = engine.memory.block_size if engine is not None else self._engine_config.block_size
-        num_blocks = engine.memory.num_blocks if engine is not None else 0
-        return convert.info_to_pb(info, block_size=block_size, num_kv_blocks=num_blocks)
+        lease = loop.lease
+        if lease is None:  # not attached (yet, or again): no pool to describe
+            return convert.info_to_pb(info, block_size=self._engine_config.block_size, num_kv_blocks=0)
+        return convert.info_to_pb(info, block_size=lease.block_size, num_kv_blocks=lease.num_blocks,
+                                  memory_service_id=lease.memory_service_id, kv_tiers=lease.tiers)
 
     async def GetTokenizer(self, request: pb.GetTokenizerRequest,
                            context: grpc.aio.ServicerContext) -> AsyncIterator[pb.TokenizerChunk]:

@@ -65,5 +65,6 @@ async def start(config: MemoryServiceConfig, *, pool_creation_delay_s: float = 0
         registry = CollectorRegistry()
         registry.register(MemoryStatsCollector(servicer.stats))
         start_http_server(config.metrics_port, addr=config.metrics_host, registry=registry)
-    log.info("memory_service_started", addresses=addresses, metrics_port=config.metrics_port)
+    log.info("memory_service_started", addresses=addresses, metrics_port=config.metrics_port,
+             memory_service_id=servicer.service_id)
     return RunningMemoryService(server=server, servicer=servicer, addresses=addresses, health=health)

@@ -43,6 +43,7 @@ from pagedserve.service_auth import bearer_token
 from memory_service import convert
 from memory_service.manager.block_manager import BlockManager, BlockManagerConfig, BlockManagerStats
 from memory_service.config import MAX_NUM_BLOCKS, MemoryServiceConfig
+from memory_service.identity import KvTierInfo, service_id
 from memory_service.pool.kv_pool import KvLayout, KvPool, check_shm_space, create_pool, default_kv_budget
 from memory_service.service import trust
 
@@ -96,6 +97,10 @@ class MemoryManagerServicer(memory_pb2_grpc.MemoryManagerServicer):
         self._reaper: asyncio.Task | None = None
         self._pool_lock = asyncio.Lock()  # one first attach creates the pool; the others wait for it
         self._creating: asyncio.Task | None = None  # the pool's creation (see _ensure_pool)
+        # Told to every client at Attach (memory_service/identity.py). Hook for the tier: pass its
+        # directory, so the id outlives a restart, and list its tiers (kind, capacity) here.
+        self.service_id = service_id(None)
+        self.tiers: tuple[KvTierInfo, ...] = ()
 
     def start(self) -> None:
         """Starts the lease reaper; call on the server's event loop."""
@@ -235,6 +240,8 @@ class MemoryManagerServicer(memory_pb2_grpc.MemoryManagerServicer):
             lease_ttl_s=self.config.lease_ttl_s,
             num_reserved_blocks=bm_config.reserved_blocks,
             reserved_min_priority=bm_config.reserved_min_priority,
+            memory_service_id=self.service_id,
+            tiers=convert.tiers_to_pb(self.tiers),
         )
         max_blocks = self.config.max_blocks_per_client if is_trusted else self.config.max_untrusted_client_blocks
         with self._lock:

@@ -169,6 +169,8 @@ def test_info_and_tokenizer_files_rebuild_the_tokenizer(services: Services, mode
         258, 1024, 4, "float32", "cpu")
     assert list(info.eos_token_ids) == [model.eos_token_id, 257] and info.bos_token_id == 256
     assert info.num_kv_blocks == 128 and info.max_n == 64 and info.default_params.temperature == 1.0
+    # The memory service it is attached to (the gateway routes backends with one id as one cache).
+    assert info.memory_service_id.startswith("ms-") and len(info.kv_tiers) == 0
     assert info.chat_template == model.tokenizer.chat_template
     chunks = list(services.stub.GetTokenizer(cpb.GetTokenizerRequest()))
     for f in info.tokenizer_files:

@@ -68,6 +68,14 @@ def test_step_allocates_shares_prefix_and_frees(memory_service: str) -> None:
         assert stats.num_sequences == 2 and stats.prefix_cache_hits == 8
 
 
+def test_clients_of_one_service_are_told_the_same_identity(memory_service: str) -> None:
+    with (MemoryClient(f"unix:{memory_service}", TINY_LAYOUT, "a") as a,
+          MemoryClient(f"unix:{memory_service}", TINY_LAYOUT, "b") as b):
+        assert a.memory_service_id == b.memory_service_id
+        assert a.memory_service_id.startswith("ms-") and len(a.memory_service_id) == 35
+        assert a.tiers == b.tiers == ()  # no tier configured
+
+
 def test_out_of_blocks_is_a_result_not_an_error(memory_service: str) -> None:
     with MemoryClient(f"unix:{memory_service}", TINY_LAYOUT, "t") as client:
         # 12 general blocks hold 48 tokens; priority 0 cannot take the 4 reserved ones.

@@ -67,7 +67,7 @@ class CudaIpcHandle(_message.Message):
     def __init__(self, device_index: _Optional[int] = ..., storage_handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
-    __slots__ = ("client_id", "pool", "num_blocks", "block_size", "lease_ttl_s", "num_reserved_blocks", "reserved_min_priority")
+    __slots__ = ("client_id", "pool", "num_blocks", "block_size", "lease_ttl_s", "num_reserved_blocks", "reserved_min_priority", "memory_service_id", "tiers")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +75,8 @@ class AttachResponse(_message.Message):
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     NUM_RESERVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     RESERVED_MIN_PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_SERVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     pool: PoolDescriptor
     num_blocks: int
@@ -82,7 +84,17 @@ class AttachResponse(_message.Message):
     lease_ttl_s: float
     num_reserved_blocks: int
     reserved_min_priority: int
-    def __init__(self, client_id: _Optional[str] = ..., pool: _Optional[_Union[PoolDescriptor, _Mapping]] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ..., num_reserved_blocks: _Optional[int] = ..., reserved_min_priority: _Optional[int] = ...) -> None: ...
+    memory_service_id: str
+    tiers: _containers.RepeatedCompositeFieldContainer[KvTier]
+    def __init__(self, client_id: _Optional[str] = ..., pool: _Optional[_Union[PoolDescriptor, _Mapping]] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ..., num_reserved_blocks: _Optional[int] = ..., reserved_min_priority: _Optional[int] = ..., memory_service_id: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[KvTier, _Mapping]]] = ...) -> None: ...
+
+class KvTier(_message.Message):
+    __slots__ = ("kind", "capacity_bytes")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    capacity_bytes: int
+    def __init__(self, kind: _Optional[str] = ..., capacity_bytes: _Optional[int] = ...) -> None: ...
 
 class DetachRequest(_message.Message):
     __slots__ = ("client_id",)

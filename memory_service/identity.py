@@ -1,0 +1,83 @@
+"""Who a memory service is, and what it keeps below its pool: what its clients report upstream.
+
+Compute services attached to one memory service share its pool (and the tiers below it): a prefix
+that one of them cached is a cache hit for every other. A gateway cannot learn that from its own
+routing history, so the service names itself at Attach (``AttachResponse.memory_service_id``), each
+compute service reports that name in its ``Info``, and the gateway treats backends with the same
+name as one cache (gateway/routing.py).
+
+The id is random, made when the service starts. With a tier directory it is kept there instead
+(``memory-service-id``), because the directory is what outlives a restart: a new service on the same
+directory finds yesterday's blocks, so it is, for routing, the same cache. A file that is not a
+well-formed id (torn, edited) is replaced by a new one: a wrong id only costs affinity, never
+correctness, since the id predicts hits and decides nothing about which KV is served.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+from pagedserve.log import get_logger
+
+log = get_logger("memory_service.identity")
+
+ID_FILE_NAME = "memory-service-id"
+_ID_PATTERN = re.compile(r"ms-[0-9a-f]{32}")
+TIER_KINDS = ("host", "disk")
+
+
+@dataclass(frozen=True)
+class KvTierInfo:
+    """A tier below the pool, as clients are told of it.
+
+    Args:
+        kind: "host" (pinned host RAM) or "disk".
+        capacity_bytes: bytes of block data it may hold (> 0).
+    """
+
+    kind: str
+    capacity_bytes: int
+
+    def __post_init__(self) -> None:
+        if self.kind not in TIER_KINDS:
+            raise ValueError(f"kind must be one of {TIER_KINDS}, got {self.kind!r}")
+        if type(self.capacity_bytes) is not int or self.capacity_bytes < 1:
+            raise ValueError(f"capacity_bytes must be an int >= 1, got {self.capacity_bytes!r}")
+
+
+def new_service_id() -> str:
+    """A fresh id: 128 random bits, so two services never share one by chance."""
+    return f"ms-{secrets.token_hex(16)}"
+
+
+def service_id(directory: str | Path | None) -> str:
+    """This service's id: a fresh one, or, given a tier directory, the one kept there (made on first use).
+
+    Args:
+        directory: the tier's directory (created 0700 if missing), or None when there is no tier.
+    """
+    if directory is None:
+        return new_service_id()
+    path = Path(directory)
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    id_file = path / ID_FILE_NAME
+    try:
+        kept = id_file.read_text().strip()
+    except FileNotFoundError:
+        kept = None
+    if kept is not None and _ID_PATTERN.fullmatch(kept):
+        return kept
+    if kept is not None:
+        log.warning("memory_service_id_replaced", path=str(id_file), reason="not a well-formed id")
+    fresh = new_service_id()
+    # Written whole under another name, then renamed: a crash leaves the old file or the new one.
+    tmp = path / f".{ID_FILE_NAME}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(fresh + "\n")
+    os.replace(tmp, id_file)
+    return fresh
