@@ -142,7 +142,8 @@ def load_to_pb(load: EngineLoad, max_queued_requests: int) -> pb.LoadResponse:
 
 
 def info_to_pb(info: ModelInfo, *, block_size: int, num_kv_blocks: int, memory_service_id: str = "",
-               kv_tiers: tuple[KvTierInfo, ...] = ()) -> pb.InfoResponse:
+               kv_tiers: tuple[KvTierInfo, ...] = (), bytes_per_block: int = 1) -> pb.InfoResponse:
+    """Args: ``bytes_per_block`` of the model's KV layout, to state the tiers' capacities in blocks."""
     return pb.InfoResponse(
         model_name=info.model_name, max_model_len=info.max_model_len, block_size=block_size, dtype=info.dtype,
         device=info.device, vocab_size=info.vocab_size, eos_token_ids=info.eos_token_ids,
@@ -152,5 +153,6 @@ def info_to_pb(info: ModelInfo, *, block_size: int, num_kv_blocks: int, memory_s
         max_n=rules.MAX_N, max_logprobs=rules.MAX_LOGPROBS, max_stop_strings=rules.MAX_STOP_STRINGS,
         default_params=params_to_pb(SamplingParams()), num_kv_blocks=num_kv_blocks,
         memory_service_id=memory_service_id,
-        kv_tiers=[pb.KvTier(kind=t.kind, capacity_bytes=t.capacity_bytes) for t in kv_tiers],
+        kv_tiers=[pb.KvTier(kind=t.kind, capacity_bytes=t.capacity_bytes,
+                            capacity_blocks=t.capacity_bytes // bytes_per_block) for t in kv_tiers],
     )

@@ -195,8 +195,10 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
         lease = loop.lease
         if lease is None:  # not attached (yet, or again): no pool to describe
             return convert.info_to_pb(info, block_size=self._engine_config.block_size, num_kv_blocks=0)
+        pool = lease.pool  # (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
         return convert.info_to_pb(info, block_size=lease.block_size, num_kv_blocks=lease.num_blocks,
-                                  memory_service_id=lease.memory_service_id, kv_tiers=lease.tiers)
+                                  memory_service_id=lease.memory_service_id, kv_tiers=lease.tiers,
+                                  bytes_per_block=pool.numel() * pool.element_size() // lease.num_blocks)
 
     async def GetTokenizer(self, request: pb.GetTokenizerRequest,
                            context: grpc.aio.ServicerContext) -> AsyncIterator[pb.TokenizerChunk]:

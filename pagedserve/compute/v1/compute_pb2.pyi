@@ -188,12 +188,14 @@ class InfoResponse(_message.Message):
     def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., pad_token_id: _Optional[int] = ..., chat_template: _Optional[str] = ..., tokenizer_files: _Optional[_Iterable[_Union[TokenizerFile, _Mapping]]] = ..., max_n: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., max_stop_strings: _Optional[int] = ..., default_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_kv_blocks: _Optional[int] = ..., memory_service_id: _Optional[str] = ..., kv_tiers: _Optional[_Iterable[_Union[KvTier, _Mapping]]] = ...) -> None: ...
 
 class KvTier(_message.Message):
-    __slots__ = ("kind", "capacity_bytes")
+    __slots__ = ("kind", "capacity_bytes", "capacity_blocks")
     KIND_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     kind: str
     capacity_bytes: int
-    def __init__(self, kind: _Optional[str] = ..., capacity_bytes: _Optional[int] = ...) -> None: ...
+    capacity_blocks: int
+    def __init__(self, kind: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., capacity_blocks: _Optional[int] = ...) -> None: ...
 
 class GetTokenizerRequest(_message.Message):
     __slots__ = ()
