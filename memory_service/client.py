@@ -34,11 +34,13 @@ class MemoryServiceUnavailable(UnavailableError):
 
 
 class StepResult(NamedTuple):
-    """Answer to one Step: a result per op, and the blocks available for the next step."""
+    """Answer to one Step: a result per op, the blocks available for the next step, and the
+    sequences whose tier load ended (retry their AllocateOp: memory.proto's OpResult.loading)."""
 
     results: list[OpResult]
     num_available_blocks: int
     num_available_reserved_blocks: int
+    loaded_seq_ids: Sequence[str] = ()
 
 
 def channel_target(socket: str | None = None, address: str | None = None) -> str:

@@ -18,6 +18,8 @@ MAX_NUM_BLOCKS = 1 << 20
 # was measured: docs/benchmarks.md, "Figures behind the code's choices"). 2 GiB holds ~45k tokens of
 # SmolLM2-135M in float32 and leaves a small host usable. The one constant of that default.
 DEFAULT_CPU_KV_CAP_BYTES = 2 << 30
+# The disk tier's budget when --kv-disk-dir is given without --kv-disk-bytes.
+DEFAULT_KV_DISK_BYTES = 10 << 30
 
 
 # The fields that size the pool and share it out, beside the layout (block_size) and the device: the

@@ -4,12 +4,16 @@
 ``StepResult``, the same ``BlockManager`` behind them), without a process, a socket or shared memory:
 the pool is an ordinary torch tensor on the model's device. It is the engine's allocator in unit
 tests (exact admission, preemption and block counts in milliseconds) and wherever one engine owns
-its pool alone. Not shared between processes, and single-threaded like the block manager.
+its pool alone. Not shared between processes, and single-threaded like the block manager (with a
+disk tier, its worker threads share the manager under a lock, as in the service).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import threading
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -17,8 +21,11 @@ from pagedserve.dtypes import DTYPES
 
 from memory_service.client import StepResult
 from memory_service.manager.block_manager import BlockManager
+from memory_service.config import DEFAULT_KV_DISK_BYTES
 from memory_service.manager.block_types import BlockManagerConfig, BlockManagerStats, Op, OpResult
 from memory_service.pool.kv_pool import KvLayout
+from memory_service.tier.disk_tier import DiskTier, TierIdentity
+from memory_service.tier.worker import TierWorker
 
 
 class InProcessAllocator:
@@ -29,13 +36,18 @@ class InProcessAllocator:
         config: pool size, prefix caching and the reserved pool (the block manager's own config).
         device: where the pool tensor lives ("cpu", "cuda", "cuda:N").
         client_id: the engine's client id (its sequence ids start with it).
+        kv_disk_dir: a disk tier below the pool (memory_service/tier), as the service's
+            ``--kv-disk-dir``; it needs ``model_fingerprint``. None: no tier.
+        kv_disk_bytes: the disk tier's budget.
+        model_fingerprint: the model's fingerprint (compute_service/model/fingerprint.py).
 
     Raises:
-        ValueError: the layout's and the config's block sizes differ.
+        ValueError: the layout's and the config's block sizes differ; a tier without a fingerprint.
     """
 
     def __init__(self, layout: KvLayout, config: BlockManagerConfig, *, device: str | torch.device = "cpu",
-                 client_id: str = "local") -> None:
+                 client_id: str = "local", kv_disk_dir: str | Path | None = None,
+                 kv_disk_bytes: int = DEFAULT_KV_DISK_BYTES, model_fingerprint: str = "") -> None:
         if layout.block_size != config.block_size:
             raise ValueError(f"layout.block_size {layout.block_size} differs from config.block_size "
                              f"{config.block_size}")
@@ -47,21 +59,42 @@ class InProcessAllocator:
         # (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim): the memory service's layout.
         self.pool = torch.zeros(layout.shape(config.num_blocks), dtype=DTYPES[layout.dtype], device=device)
         self.block_manager = BlockManager(config, copy_block=self._copy_block)
-        self.block_manager.add_client(client_id)
+        self._lock = threading.Lock()  # the tier's threads call the manager too
+        self.tier: TierWorker | None = None
+        tier_identity = None
+        if kv_disk_dir is not None:
+            if not model_fingerprint:
+                raise ValueError("kv_disk_dir needs a model_fingerprint: tier blocks are keyed by the model")
+            disk = DiskTier(kv_disk_dir, kv_disk_bytes)
+            identity = TierIdentity(model_fingerprint, layout.dtype, layout.block_size, layout.num_layers,
+                                    layout.num_kv_heads, layout.head_dim)
+            disk.open(identity)
+            self.tier = TierWorker(disk, self.block_manager, self._lock, self.pool)
+            self.block_manager.enable_tier(self.tier)
+            tier_identity = identity.digest
+        self.block_manager.add_client(client_id, tier_identity=tier_identity)
 
     def _copy_block(self, src: int, dst: int) -> None:
         """Copy-on-write: one block's K and V, every layer."""
         self.pool[:, :, dst].copy_(self.pool[:, :, src])
 
-    def step_with_counts(self, ops: Sequence[Op]) -> StepResult:
-        """Apply ops in order; one result per op (``ok=False`` = out of blocks), then the counts.
+    def step_with_counts(self, ops: Sequence[Op], prefill_tokens_per_s: float = 0.0) -> StepResult:
+        """Apply ops in order; one result per op (``ok=False`` = out of blocks; ``loading``: wait for
+        the sequence in ``loaded_seq_ids``, then retry), then the counts and the ended loads.
 
         Raises:
             InvalidArgument: a bad batch (a caller bug; nothing was applied).
         """
-        results = self.block_manager.apply(self.client_id, ops)
-        num_general, num_reserved = self.block_manager.num_available_blocks()
-        return StepResult(results, num_general, num_reserved)
+        manager = self.block_manager
+        with self._lock:
+            manager.set_prefill_speed(self.client_id, prefill_tokens_per_s)
+            results = manager.apply(self.client_id, ops)
+            num_general, num_reserved = manager.num_available_blocks()
+            loaded_seq_ids = manager.take_load_reports(self.client_id)
+            new_loads = manager.take_new_loads()
+        if self.tier is not None:
+            self.tier.submit(new_loads)
+        return StepResult(results, num_general, num_reserved, loaded_seq_ids)
 
     def step(self, ops: Sequence[Op]) -> list[OpResult]:
         """Like ``step_with_counts``, the results only (``MemoryClient.step``)."""
@@ -69,21 +102,36 @@ class InProcessAllocator:
 
     def commit(self) -> None:
         """The K/V of the last step is written: its full blocks may be shared (``MemoryClient.commit``)."""
-        self.block_manager.commit(self.client_id)
+        with self._lock:
+            self.block_manager.commit(self.client_id)
+        if self.tier is not None:
+            self.tier.submit([])  # wakes the writer for the blocks just committed
 
     def block_table(self, seq_id: str) -> list[int]:
         """The whole block table of one of this client's sequences."""
-        return self.block_manager.block_table(self.client_id, seq_id)
+        with self._lock:
+            return self.block_manager.block_table(self.client_id, seq_id)
 
     def stats(self) -> BlockManagerStats:
-        """The block manager's block, cache and client statistics."""
-        return self.block_manager.stats()
+        """The block manager's block, cache and client statistics (and the tier's)."""
+        with self._lock:
+            stats = self.block_manager.stats()
+            if self.tier is not None:
+                stats = dataclasses.replace(stats, tiers=(self.tier.stats(),))
+        return stats
+
+    def close(self) -> None:
+        """Stops the tier's threads (nothing else to release)."""
+        if self.tier is not None:
+            self.tier.close()
+            self.tier = None
 
     def check_integrity(self) -> str | None:
         """None when every invariant of the block manager holds, else the first broken one
         (``MemoryClient.check_integrity``'s answer)."""
         try:
-            self.block_manager.check_integrity()
+            with self._lock:
+                self.block_manager.check_integrity()
         except AssertionError as exc:
             return str(exc) or "integrity check failed"
         return None

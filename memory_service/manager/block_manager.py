@@ -27,6 +27,10 @@ Commit before share: blocks that fill in a client's batch are registered in the 
 once the client's next batch (or ``commit``) acknowledges that their K/V is written. A client that
 frees such a sequence in the same batch, or is released, never publishes them: their entries are
 dropped and the blocks go back to the free list, not to the cache.
+
+A tier below the pool (``enable_tier``; the book in ``tier_book``, the IO in ``memory_service/tier``):
+committed blocks of clients with a tier identity are queued for write-behind, and an AllocateOp
+whose cached prefix continues in the tier answers ``loading`` while its blocks are loaded.
 """
 
 from __future__ import annotations
@@ -50,7 +54,8 @@ from memory_service.manager.block_types import (
 )
 from memory_service.manager.op_apply import NO_QUOTA, BatchState, OpApplier, SequenceState
 from memory_service.manager.op_validation import OpValidator
-from memory_service.manager.prefix_cache import PrefixCache
+from memory_service.manager.prefix_cache import ROOT_ENTRY_ID, PrefixCache
+from memory_service.manager.tier_book import TierBook, TierDirectory, TierLoad
 
 __all__ = [
     "AllocateOp",
@@ -94,16 +99,36 @@ class BlockManager:
         self._applier = OpApplier(
             self._pool, self._prefix_cache, config.block_size, config.reserved_pool, copy_block
         )
+        self._tier: TierBook | None = None
 
     # --- clients ----------------------------------------------------------------------------
 
-    def add_client(self, client_id: str, max_blocks: int | None = None) -> None:
+    def enable_tier(self, directory: TierDirectory) -> TierBook:
+        """Puts a tier below the pool (tier_book.py): clients added from now on with a tier identity
+        use it. Needs prefix caching.
+
+        Args:
+            directory: the tier's index and cost estimate.
+
+        Returns:
+            The book the tier's worker threads take their work from.
+        """
+        if self._prefix_cache is None:
+            raise ValueError("a tier below the pool needs prefix caching")
+        self._tier = self._applier.tier = TierBook(directory)
+        for client_id in self._client_seqs:
+            self._tier.add_client(client_id, None)
+        return self._tier
+
+    def add_client(self, client_id: str, max_blocks: int | None = None, tier_identity: bytes | None = None) -> None:
         """Registers a client (a lease) that may own sequences.
 
         Args:
             client_id: a new, non-empty id.
             max_blocks: the client's quota of block-table entries (see the module docstring);
                 None: no quota beyond the pool.
+            tier_identity: ``TierIdentity.digest`` of its model and layout when it uses the tier
+                (only trusted clients may: their committed blocks are persisted); None otherwise.
         """
         if type(client_id) is not str or not client_id:
             raise InvalidArgument(f"client_id must be a non-empty string, got {echo(client_id)}")
@@ -116,6 +141,8 @@ class BlockManager:
         self._num_table_blocks[client_id] = 0
         # No quota: a bound no count reaches (forks may list the pool's blocks many times over).
         self._max_table_blocks[client_id] = NO_QUOTA if max_blocks is None else max_blocks
+        if self._tier is not None:
+            self._tier.add_client(client_id, tier_identity)
 
     def release_client(self, client_id: str) -> int:
         """Ends a client's lease: frees all its sequences and forgets it.
@@ -140,6 +167,8 @@ class BlockManager:
         del self._client_seqs[client_id]
         del self._num_table_blocks[client_id]
         del self._max_table_blocks[client_id]
+        if self._tier is not None:
+            self._tier.release_client(client_id)
         return num_freed
 
     def commit(self, client_id: str) -> None:
@@ -156,6 +185,11 @@ class BlockManager:
             raise InvalidArgument(f"client_id {echo(client_id)} is not attached")
         if pending:
             self._prefix_cache.commit(pending)
+            if self._tier is not None:
+                tier_hashes, to_persist = self._prefix_cache.tier_hashes, self._tier.to_persist
+                for block_id in pending:
+                    if tier_hashes[block_id] is not None:
+                        to_persist[block_id] = tier_hashes[block_id]
             pending.clear()
 
     def has_client(self, client_id: str) -> bool:
@@ -321,6 +355,71 @@ class BlockManager:
         """
         return self._pool.num_available_blocks()
 
+    # --- the tier (tier_book.py) -------------------------------------------------------------
+
+    def set_prefill_speed(self, client_id: str, prefill_tokens_per_s: float) -> None:
+        """Records the client's measured prefill speed (0 = unknown): loads are weighed against it."""
+        if self._tier is not None and client_id in self._client_seqs:
+            self._tier.prefill_speeds[client_id] = prefill_tokens_per_s
+
+    def take_tier_writes(self, max_blocks: int) -> list[tuple[int, bytes, bytes]]:
+        """The oldest committed blocks waiting for write-behind that still hold their content.
+
+        Args:
+            max_blocks: at most this many.
+
+        Returns:
+            ``(block_id, tier key, namespace key)`` each; the caller copies their bytes before
+            releasing the manager's lock (after it the block may be evicted and reused).
+        """
+        if self._tier is None:
+            return []
+        to_persist, cache = self._tier.to_persist, self._prefix_cache
+        writes: list[tuple[int, bytes, bytes]] = []
+        while to_persist and len(writes) < max_blocks:
+            block_id = next(iter(to_persist))
+            tier_hash = to_persist.pop(block_id)
+            if cache.tier_hashes[block_id] == tier_hash:  # not evicted (or its content came back)
+                writes.append((block_id, tier_hash, cache.block_keys[block_id][2]))
+        return writes
+
+    def take_new_loads(self) -> list[TierLoad]:
+        """Loads started since the last call, for the loader thread."""
+        return self._tier.take_new_loads() if self._tier is not None else []
+
+    def take_load_reports(self, client_id: str) -> list[str]:
+        """The client's sequences whose load ended since it last asked: it retries their AllocateOp."""
+        return self._tier.take_reports(client_id) if self._tier is not None else []
+
+    def finish_load(self, load: TierLoad, num_loaded: int) -> None:
+        """Ends a load: its first ``num_loaded`` blocks hold their tier bytes now.
+
+        They register as committed cache entries after the pinned prefix (a block whose twin got
+        cached meanwhile stays unregistered and goes back to the free list), then every pin drops,
+        tail first, so they join the LRU's young end for the client's retried AllocateOp.
+
+        Args:
+            load: a load of ``take_new_loads``.
+            num_loaded: how many of its blocks, from the first, were loaded (0: it failed).
+        """
+        cache, prefix = self._prefix_cache, load.prefix_block_ids
+        if num_loaded and (not prefix or cache.block_keys[prefix[-1]] is not None):
+            parent_entry_id = cache.entry_ids[prefix[-1]] if prefix else ROOT_ENTRY_ID
+            loaded: dict[int, None] = {}
+            block_ids = load.block_ids[:num_loaded]
+            cache.register(block_ids, load.token_bytes, 0, load.ns_key, parent_entry_id, load.client_id, loaded)
+            cache.commit(loaded)
+            for block_id, tier_hash in zip(block_ids, load.hashes):
+                if block_id in loaded:
+                    cache.tier_hashes[block_id] = tier_hash  # on disk already: never queued for writing
+        self._pool.release(reversed([*prefix, *load.block_ids]))
+        self._tier.end_load(load)
+
+    def tier_counters(self) -> tuple[int, int, int, int]:
+        """(hits, misses, loads, loads skipped) of the tier's lookups (TierStats)."""
+        t = self._tier
+        return (t.num_hits, t.num_misses, t.num_loads, t.num_loads_skipped) if t is not None else (0, 0, 0, 0)
+
     def _apply_one(self, client_id: str, op: Op, op_type: type) -> OpResult:
         if type(op) is not op_type:
             raise InvalidArgument(f"expected an {op_type.__name__}, got {type(op).__name__}")
@@ -349,7 +448,8 @@ class BlockManager:
             AssertionError: naming the first broken invariant (a bug, never bad input).
         """
         manager_checks.check_integrity(
-            self._client_seqs, self._pending, self._pool, self._prefix_cache, self._block_size
+            self._client_seqs, self._pending, self._pool, self._prefix_cache, self._block_size,
+            self._tier.pinned_block_ids() if self._tier is not None else (),
         )
         for client_id, seqs in self._client_seqs.items():
             num_entries = sum(len(seq.block_table) for seq in seqs.values())

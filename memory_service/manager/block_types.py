@@ -185,6 +185,10 @@ class OpResult:
         num_new_tokens: AllocateOp: tokens that got blocks in this step beyond the cached ones.
         copies: AppendOp: ``(src, dst)`` copy-on-write pairs; ``dst`` replaced ``src`` at the same
             position of the table and already holds ``src``'s bytes.
+        loading: AllocateOp, with ``ok=False``: its cached prefix continues in a tier below the
+            pool and is being loaded; nothing was allocated. Send the same op again once the
+            sequence is listed as loaded (``BlockManager.take_load_reports``; memory.proto's
+            ``OpResult.loading``).
     """
 
     ok: bool
@@ -192,6 +196,7 @@ class OpResult:
     num_cached_tokens: int = 0
     num_new_tokens: int = 0
     copies: list[tuple[int, int]] = field(default_factory=list)
+    loading: bool = False
 
 
 @dataclass(frozen=True)
@@ -214,6 +219,24 @@ class PoolStats:
 
 
 @dataclass(frozen=True)
+class TierStats:
+    """Counters of one tier below the pool (memory.proto's TierStats says what each counts)."""
+
+    kind: str
+    num_blocks: int = 0
+    num_bytes: int = 0
+    capacity_bytes: int = 0
+    num_hits: int = 0
+    num_misses: int = 0
+    num_bytes_written: int = 0
+    num_bytes_read: int = 0
+    num_write_errors: int = 0
+    num_bad_files: int = 0
+    num_loads: int = 0
+    num_loads_skipped: int = 0
+
+
+@dataclass(frozen=True)
 class BlockManagerStats:
     """A snapshot of the block manager.
 
@@ -228,6 +251,7 @@ class BlockManagerStats:
         num_sequences: live sequences.
         num_clients: attached clients.
         block_size: tokens per block.
+        tiers: the tiers below the pool, fastest first (empty without one).
     """
 
     pools: tuple[PoolStats, ...]
@@ -240,6 +264,7 @@ class BlockManagerStats:
     num_sequences: int
     num_clients: int = 0
     block_size: int = 0
+    tiers: tuple[TierStats, ...] = ()
 
     @classmethod
     def empty(cls, block_size: int, num_clients: int = 0) -> BlockManagerStats:

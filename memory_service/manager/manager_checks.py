@@ -6,7 +6,7 @@ functions read the manager's state and change nothing.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from pagedserve.sampling_rules import num_blocks_for
 
@@ -61,6 +61,7 @@ def check_integrity(
     pool: BlockPool,
     prefix_cache: PrefixCache | None,
     block_size: int,
+    pinned_block_ids: Iterable[int] = (),
 ) -> None:
     """Checks every invariant of the block manager; O(pool size), for tests and debugging.
 
@@ -76,12 +77,15 @@ def check_integrity(
         pool: the block pool.
         prefix_cache: the prefix cache (None: disabled).
         block_size: tokens per block.
+        pinned_block_ids: references held outside the block tables (tier loads in flight), one per entry.
 
     Raises:
         AssertionError: naming the first broken invariant (a bug, never bad input).
     """
     num_blocks = pool.num_blocks
     expected_ref_counts = [0] * num_blocks
+    for block_id in pinned_block_ids:
+        expected_ref_counts[block_id] += 1
     for seqs in client_seqs.values():
         for seq_id, seq in seqs.items():
             table = seq.block_table

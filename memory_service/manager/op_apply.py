@@ -21,6 +21,8 @@ from pagedserve.sampling_rules import num_blocks_for
 from memory_service.manager.block_pool import BlockPool
 from memory_service.manager.block_types import AllocateOp, AppendOp, ForkOp, FreeOp, Op, OpResult, ReservedPool
 from memory_service.manager.prefix_cache import ROOT_ENTRY_ID, PrefixCache, namespace_key
+from memory_service.manager.tier_book import TierBook
+from memory_service.tier.chain import chain_hashes, root_hash
 from memory_service.token_encoding import TOKEN_WIDTH
 
 NO_QUOTA = 1 << 62  # a client's quota of block-table entries when it has none
@@ -38,6 +40,8 @@ class SequenceState:
     # key it once it fills; and the cache entry id of the content of the last full block.
     partial_token_bytes: bytes
     last_entry_id: int
+    # With a tier (its client has a tier identity): the tier key of its last full block (tier/chain.py).
+    tier_hash: bytes | None = None
 
 
 @dataclass(slots=True)
@@ -64,7 +68,12 @@ class OpApplier:
         block_size: tokens per block.
         reserved: the reserved pool's rule (who may take its blocks).
         copy_block: ``copy_block(src, dst)`` copies a block's bytes (copy-on-write), or None.
+
+    Attributes:
+        tier: the book of a tier below the pool (tier_book.py), set by ``BlockManager.enable_tier``.
     """
+
+    tier: TierBook | None = None
 
     def __init__(
         self,
@@ -127,11 +136,22 @@ class OpApplier:
         num_prompt_tokens = len(prompt_bytes) // TOKEN_WIDTH
         may_use_reserved = self._reserved.admits(op.priority)
         cache = self._prefix_cache
+        tier_hashes = tier_root = None
         if cache is not None:
             ns_key = namespace_key(op.namespace)
-            block_table, parent_entry_id = cache.match(
-                prompt_bytes, ns_key, (num_prompt_tokens - 1) // block_size, batch.client_id
-            )
+            max_num_cached_blocks = (num_prompt_tokens - 1) // block_size
+            block_table, parent_entry_id = cache.match(prompt_bytes, ns_key, max_num_cached_blocks, batch.client_id)
+            tier = self.tier
+            identity = tier.identities.get(batch.client_id) if tier is not None else None
+            if identity is not None:
+                block_width = block_size * TOKEN_WIDTH
+                tier_root = root_hash(identity, ns_key)
+                tier_hashes = chain_hashes(tier_root, prompt_bytes, block_width, num_prompt_tokens // block_size)
+                if len(block_table) < max_num_cached_blocks and tier.start_load(
+                        batch.client_id, op.seq_id, tier_hashes, block_table, max_num_cached_blocks, prompt_bytes,
+                        block_width, ns_key, may_use_reserved, self._pool):
+                    batch.failed_seq_ids.add(op.seq_id)  # like a failed allocation: nothing exists yet
+                    return OpResult(False, [], loading=True)
         else:
             ns_key, block_table, parent_entry_id = b"", [], ROOT_ENTRY_ID
         num_cached_blocks = len(block_table)
@@ -146,6 +166,8 @@ class OpApplier:
             batch.failed_seq_ids.add(op.seq_id)
             return OpResult(False, [])
         batch.failed_seq_ids.discard(op.seq_id)
+        if tier_hashes is not None:
+            self.tier.loaded[batch.client_id].discard(op.seq_id)  # allocated: a later one may load again
         pool.share(block_table)
         block_table += pool.take(num_new_blocks, may_use_reserved)
         batch.num_table_blocks += num_cached_blocks + num_new_blocks
@@ -162,11 +184,16 @@ class OpApplier:
                     batch.client_id,
                     batch.pending,
                 )
+                if tier_hashes is not None:
+                    new_hashes = tier_hashes[num_cached_blocks:num_full_blocks]
+                    _set_tier_hashes(cache, block_table, num_cached_blocks, new_hashes)
+            if tier_hashes is not None:
+                tier_root = tier_hashes[num_full_blocks - 1] if num_full_blocks else tier_root
             partial_token_bytes = prompt_bytes[num_full_blocks * block_size * TOKEN_WIDTH : num_tokens * TOKEN_WIDTH]
             self.num_prefix_cache_queries += num_prompt_tokens
             self.num_prefix_cache_hits += num_cached_tokens
         batch.seqs[op.seq_id] = SequenceState(
-            block_table, num_tokens, may_use_reserved, ns_key, partial_token_bytes, parent_entry_id
+            block_table, num_tokens, may_use_reserved, ns_key, partial_token_bytes, parent_entry_id, tier_root
         )
         return OpResult(True, list(block_table), num_cached_tokens, num_new_tokens)
 
@@ -216,6 +243,10 @@ class OpApplier:
                     batch.client_id,
                     batch.pending,
                 )
+                if seq.tier_hash is not None:
+                    hashes = chain_hashes(seq.tier_hash, partial_token_bytes, block_size * TOKEN_WIDTH, num_filled)
+                    _set_tier_hashes(cache, block_table, first, hashes)
+                    seq.tier_hash = hashes[-1]
                 partial_token_bytes = partial_token_bytes[num_filled * block_size * TOKEN_WIDTH :]
             seq.partial_token_bytes = partial_token_bytes
         return OpResult(True, new_block_ids, 0, 0, copies)
@@ -285,5 +316,15 @@ class OpApplier:
             parent.ns_key,
             parent.partial_token_bytes,  # immutable: shared until either side appends
             parent.last_entry_id,
+            parent.tier_hash,
         )
         return OpResult(True, list(parent.block_table))
+
+
+def _set_tier_hashes(cache: PrefixCache, block_table: list[int], first: int, hashes: list[bytes]) -> None:
+    """Gives the tier keys ``hashes`` to the blocks ``block_table[first:]`` that just registered (a
+    block whose twin was cached already has no cache key, and gets none)."""
+    block_keys, tier_hashes = cache.block_keys, cache.tier_hashes
+    for block_id, tier_hash in zip(block_table[first : first + len(hashes)], hashes):
+        if block_keys[block_id] is not None:
+            tier_hashes[block_id] = tier_hash

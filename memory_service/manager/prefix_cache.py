@@ -89,6 +89,9 @@ class PrefixCache:
         self.entry_ids: list[int] = [ROOT_ENTRY_ID] * num_blocks  # meaningful while the block has a key
         # The client whose write of the block is not acknowledged yet; None once committed.
         self.pending_owners: list[str | None] = [None] * num_blocks
+        # The block's key in a tier below the pool (tier/chain.py), set by the tier's book for
+        # clients that use one; cleared with the cache key, so it never outlives the content.
+        self.tier_hashes: list[bytes | None] = [None] * num_blocks
         self._next_entry_id = ROOT_ENTRY_ID + 1
 
     def __len__(self) -> int:
@@ -190,6 +193,7 @@ class PrefixCache:
         del self._block_ids[self.block_keys[block_id]]
         self.block_keys[block_id] = None
         self.pending_owners[block_id] = None
+        self.tier_hashes[block_id] = None
 
     def evict(self, lru: EvictionQueue, num_blocks: int) -> list[int]:
         """Takes the least recently used blocks off an LRU and forgets them, for reuse.
@@ -201,11 +205,12 @@ class PrefixCache:
         Returns:
             The evicted block ids, least recently used first.
         """
-        index, block_keys = self._block_ids, self.block_keys
+        index, block_keys, tier_hashes = self._block_ids, self.block_keys, self.tier_hashes
         evicted = lru.pop_oldest(num_blocks)
         for block_id in evicted:
             del index[block_keys[block_id]]
             block_keys[block_id] = None  # its entry id goes stale: read only while a key is set
+            tier_hashes[block_id] = None
         return evicted
 
     def check_integrity(self) -> None:
@@ -215,8 +220,8 @@ class PrefixCache:
         block_width = self.block_size * TOKEN_WIDTH
         for block_id, key in enumerate(self.block_keys):
             if key is None:
-                if self.pending_owners[block_id] is not None:
-                    raise AssertionError(f"block {block_id} is pending but has no key")
+                if self.pending_owners[block_id] is not None or self.tier_hashes[block_id] is not None:
+                    raise AssertionError(f"block {block_id} is pending or has a tier key but has no cache key")
                 continue
             entry_id = self.entry_ids[block_id]
             num_cached += 1

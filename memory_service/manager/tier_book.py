@@ -1,0 +1,160 @@
+"""The block manager's book of a tier below the pool: which blocks to write out, which loads run.
+
+Pure bookkeeping under the manager's lock, like the rest of ``manager/``; the file IO happens in
+``memory_service/tier/worker.py``'s threads, which take their work from here and report back.
+
+Write-behind. A full block of a client that uses the tier gets a tier key (``tier/chain.py``) when
+it registers in the prefix cache, kept in ``PrefixCache.tier_hashes`` (cleared when the block loses
+its cache key). When the client commits it (its K/V is written), the block joins ``to_persist``;
+the writer thread takes it from there, checks under the lock that the block still holds that key
+(it was not evicted and reused meanwhile), copies its bytes and writes them out. Eviction inside a
+Step never waits for any of it: a block evicted before its turn is simply not written. Only clients
+with a tier identity get keys, and only trusted clients get one (the servicer decides), so a block
+that a foreign client committed is never persisted.
+
+Loads. An AllocateOp whose pool prefix stops short while the tier holds the blocks that follow
+starts a load, if ``TierDirectory.worth_loading`` says it beats recomputing: the pool prefix is
+pinned (a reference held by the load, so its cache entries stay valid as the loaded blocks' parent),
+fresh blocks are taken for the tier's blocks, and the op answers ``loading`` having allocated
+nothing. The loader thread fills the fresh blocks (nobody else can see them: no table holds them,
+no key names them), then ``BlockManager.finish_load`` registers them as committed cache entries and
+drops the pins: they sit at the young end of the LRU, and the client's retried AllocateOp finds them
+in the pool. One load per sequence: the retry never starts another (a load that failed, or blocks
+evicted before the retry, mean recompute, never a loop).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from memory_service.manager.block_pool import BlockPool
+
+
+class TierDirectory(Protocol):
+    """What the manager asks a tier while it applies an op (both answers are in-memory, no IO)."""
+
+    def num_leading(self, keys: list[bytes]) -> int:
+        """How many of ``keys``, from the first, the tier holds."""
+        ...
+
+    def worth_loading(self, num_blocks: int, prefill_tokens_per_s: float) -> bool:
+        """Whether loading ``num_blocks`` blocks is expected to beat recomputing their tokens."""
+        ...
+
+
+@dataclass(slots=True)
+class TierLoad:
+    """One allocation's blocks on their way from the tier into the pool.
+
+    Args:
+        client_id, seq_id: the allocation that waits for them.
+        ns_key: its namespace key.
+        hashes: the tier keys of the blocks to load, in prompt order.
+        token_bytes: the encoded tokens of those blocks (to register them in the prefix cache).
+        prefix_block_ids: the pool's cached prefix before them, pinned by the load.
+        block_ids: fresh pool blocks, one per key, pinned by the load.
+    """
+
+    client_id: str
+    seq_id: str
+    ns_key: bytes
+    hashes: list[bytes]
+    token_bytes: bytes
+    prefix_block_ids: list[int]
+    block_ids: list[int]
+
+
+class TierBook:
+    """Write-behind queue, loads in flight and their reports (module docstring).
+
+    Args:
+        directory: the tier's in-memory index and cost estimate.
+    """
+
+    def __init__(self, directory: TierDirectory) -> None:
+        self.directory = directory
+        self.identities: dict[str, bytes] = {}  # client_id -> its TierIdentity.digest (tier users only)
+        self.prefill_speeds: dict[str, float] = {}  # client_id -> prompt tokens/s it last reported
+        self.to_persist: dict[int, bytes] = {}  # committed block -> its tier key, oldest first
+        self.loads: dict[tuple[str, str], TierLoad] = {}  # in flight, by (client_id, seq_id)
+        self.new_loads: list[TierLoad] = []  # started, not yet handed to the loader
+        self.loaded: dict[str, set[str]] = {}  # client_id -> seq_ids whose load ended (no second one)
+        self.reports: dict[str, list[str]] = {}  # client_id -> seq_ids to report in its next Step
+        self.num_hits = 0  # blocks found in the tier past a pool prefix
+        self.num_misses = 0  # lookups that ended on a block the tier lacks
+        self.num_loads = 0
+        self.num_loads_skipped = 0  # recompute estimated faster
+
+    def add_client(self, client_id: str, identity_digest: bytes | None) -> None:
+        if identity_digest is not None:
+            self.identities[client_id] = identity_digest
+        self.loaded[client_id] = set()
+        self.reports[client_id] = []
+
+    def release_client(self, client_id: str) -> None:
+        """Forgets a client; its loads in flight still end (``finish_load``), unreported."""
+        for table in (self.identities, self.prefill_speeds, self.loaded, self.reports):
+            table.pop(client_id, None)
+
+    def pinned_block_ids(self) -> list[int]:
+        """Every block a load in flight holds a reference to (for the integrity check)."""
+        return [b for load in self.loads.values() for b in (*load.prefix_block_ids, *load.block_ids)]
+
+    def start_load(self, client_id: str, seq_id: str, hashes: list[bytes], prefix_block_ids: list[int],
+                   max_num_blocks: int, prompt_bytes: bytes, block_width: int, ns_key: bytes,
+                   may_use_reserved: bool, pool: BlockPool) -> bool:
+        """Starts a load for an allocation whose pool prefix (``prefix_block_ids``) is short of
+        ``max_num_blocks``, when the tier holds what follows and loading is worth it.
+
+        Args:
+            hashes: tier keys of the prompt's full blocks (at least ``max_num_blocks``).
+            prompt_bytes: the encoded prompt; block_width: bytes per block of it.
+
+        Returns:
+            True when the allocation must wait for a load (started now, or still running).
+        """
+        key = (client_id, seq_id)
+        if key in self.loads:
+            return True  # retried before its load ended: keep waiting
+        if seq_id in self.loaded[client_id]:
+            return False  # its one load is over: what is not in the pool now is recomputed
+        num_pool = len(prefix_block_ids)
+        num_tier = self.directory.num_leading(hashes[num_pool:max_num_blocks])
+        self.num_hits += num_tier
+        self.num_misses += num_pool + num_tier < max_num_blocks
+        if not num_tier:
+            return False
+        if not self.directory.worth_loading(num_tier, self.prefill_speeds.get(client_id, 0.0)):
+            self.num_loads_skipped += 1
+            return False
+        if num_tier > pool.num_available(may_use_reserved, sharing=prefix_block_ids):
+            return False  # no room to load into: recompute as the pool allows
+        pool.share(prefix_block_ids)
+        block_ids = pool.take(num_tier, may_use_reserved)
+        end = num_pool + num_tier
+        load = TierLoad(client_id, seq_id, ns_key, hashes[num_pool:end],
+                        prompt_bytes[num_pool * block_width : end * block_width], list(prefix_block_ids), block_ids)
+        self.loads[key] = load
+        self.new_loads.append(load)
+        self.num_loads += 1
+        return True
+
+    def end_load(self, load: TierLoad) -> None:
+        """The load is over (``finish_load`` registered what it could): report it to its client."""
+        del self.loads[(load.client_id, load.seq_id)]
+        if load.client_id in self.reports:  # still attached
+            self.loaded[load.client_id].add(load.seq_id)
+            self.reports[load.client_id].append(load.seq_id)
+
+    def take_reports(self, client_id: str) -> list[str]:
+        """The client's sequences whose load ended since it last asked (each reported once)."""
+        reports = self.reports.get(client_id)
+        if not reports:
+            return []
+        self.reports[client_id] = []
+        return reports
+
+    def take_new_loads(self) -> list[TierLoad]:
+        new_loads, self.new_loads = self.new_loads, []
+        return new_loads

@@ -1,0 +1,395 @@
+"""The disk tier: KV blocks kept as files, found again by a new memory service on the same directory.
+
+One file per block, named by its chained key (``chain.py``): ``<64 hex digits>.kv``, mode 0600 in
+a directory of mode 0700 (other users must not read a tenant's KV, nor plant blocks). A file is a
+fixed header, then the block's bytes exactly as the pool holds them, ``(num_layers, 2, block_size,
+num_kv_heads, head_dim)`` in the pool's dtype:
+
+    magic "PSKVBLK\\x01", layout version, header size, dtype, block size, layers, KV heads, head dim,
+    model fingerprint (its BLAKE2b-256), namespace key, chained block key, payload length,
+    CRC-32 of the payload, CRC-32 of the header before it
+
+Never serve wrong KV: a file is used only when every header field equals what the reader expects
+(the model, dtype, block size and layout of the pool, the namespace and the key it was looked up
+by) and the payload's checksum matches; anything else (a torn, truncated or flipped file, another
+model or layout) is a miss, the file is removed and the reason logged (``kv_tier_file_removed``).
+CRC-32 rather than a cryptographic digest: it guards against accidents (torn writes, bit flips),
+not against a writer, and the directory's mode already keeps other users out; it checks a 4,000-token
+prompt's ~180 MB at several GB/s where BLAKE2b would take a visible share of the load.
+
+Writes are atomic: a temporary file (``.tmp-*``), then ``rename``. No fsync: the tier is a cache,
+and a file that a power loss leaves torn fails its checksum and is dropped, so durability would buy
+nothing but latency. A write that fails (ENOSPC, EACCES, EIO) drops that block with a log line;
+serving goes on.
+
+Warm restart: ``open`` rebuilds the index by reading every file's header (no separate index file to
+keep consistent with the files: the files are the index), least recently used first by mtime, which
+a hit refreshes. Files of another identity are removed then: a tier serves one model and layout.
+LRU within ``capacity_bytes``: a write evicts the least recently used files until it fits.
+
+Thread safety: one lock over the index and the counters, never held during file IO. One writer
+thread (``TierWorker``) calls ``put``; any thread may call ``get``.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import re
+import secrets
+import struct
+import threading
+import zlib
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pagedserve.dtypes import DTYPES
+from pagedserve.errors import PreconditionError
+from pagedserve.log import get_logger
+
+from memory_service.tier.chain import HASH_SIZE
+
+log = get_logger("memory_service.tier")
+
+MAGIC = b"PSKVBLK\x01"
+LAYOUT_VERSION = 1
+# magic, layout version, header size, dtype, block size, layers, KV heads, head dim, fingerprint
+# digest, namespace key, block key, payload length, payload CRC-32; then the header's own CRC-32.
+_FIELDS = struct.Struct("<8sHH16sIIII32s16s32sQI")
+_HEADER_CRC = struct.Struct("<I")
+HEADER_SIZE = _FIELDS.size + _HEADER_CRC.size
+FILE_SUFFIX = ".kv"
+TMP_PREFIX = ".tmp-"
+_NAME_PATTERN = re.compile(rf"[0-9a-f]{{{2 * HASH_SIZE}}}\.kv")
+NAMESPACE_KEY_SIZE = 16
+# A write error is logged the first time and then every this many (a read-only disk fails them all).
+LOG_EVERY_WRITE_ERRORS = 1000
+
+
+@dataclass(frozen=True)
+class TierIdentity:
+    """What a tier block's bytes depend on besides its tokens: the model and the pool's layout.
+
+    Args:
+        fingerprint: the model weights' fingerprint, as the client sent it at Attach.
+        dtype, block_size, num_layers, num_kv_heads, head_dim: the pool's layout (KvLayout).
+    """
+
+    fingerprint: str
+    dtype: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def fingerprint_digest(self) -> bytes:
+        return hashlib.blake2b(self.fingerprint.encode(), digest_size=32).digest()
+
+    @property
+    def digest(self) -> bytes:
+        """Every field and the layout version, hashed: the salt of the chained block keys."""
+        fields = (LAYOUT_VERSION, self.fingerprint, self.dtype, self.block_size, self.num_layers,
+                  self.num_kv_heads, self.head_dim)
+        return hashlib.blake2b(repr(fields).encode(), digest_size=32).digest()
+
+    @property
+    def block_shape(self) -> tuple[int, int, int, int, int]:
+        """(num_layers, 2, block_size, num_kv_heads, head_dim): one block of the pool."""
+        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def bytes_per_block(self) -> int:
+        elem = torch.empty((), dtype=DTYPES[self.dtype]).element_size()
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+
+@dataclass(frozen=True)
+class DiskTierCounters:
+    """What the disk tier holds and has done (TierStats' share that the files know)."""
+
+    num_blocks: int
+    num_bytes: int
+    capacity_bytes: int
+    num_bytes_written: int
+    num_bytes_read: int
+    num_write_errors: int
+    num_bad_files: int
+
+
+class DiskTier:
+    """Block files in one directory, LRU within a byte budget (module docstring).
+
+    Args:
+        directory: created (0700) if missing; an existing one must belong to this user and is set
+            to 0700.
+        capacity_bytes: the most its files may take together.
+
+    Raises:
+        PreconditionError: the directory belongs to another user or cannot be made.
+    """
+
+    def __init__(self, directory: str | Path, capacity_bytes: int) -> None:
+        self.directory = Path(directory)
+        self.capacity_bytes = capacity_bytes
+        try:
+            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            st = os.stat(self.directory, follow_symlinks=False)
+        except OSError as exc:
+            raise PreconditionError(f"kv_disk_dir {str(self.directory)!r}: {exc.strerror}") from exc
+        if not self.directory.is_dir() or self.directory.is_symlink():
+            raise PreconditionError(f"kv_disk_dir {str(self.directory)!r} is not a directory")
+        if st.st_uid != os.getuid():
+            raise PreconditionError(f"kv_disk_dir {str(self.directory)!r} belongs to another user")
+        if st.st_mode & 0o777 != 0o700:
+            os.chmod(self.directory, 0o700)
+        self.identity: TierIdentity | None = None
+        self._lock = threading.Lock()
+        self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> file size, least recently used first
+        self._num_bytes = 0
+        self._num_bytes_written = 0
+        self._num_bytes_read = 0
+        self._num_write_errors = 0
+        self._num_bad_files = 0
+
+    # --- opening ------------------------------------------------------------------------------
+
+    def open(self, identity: TierIdentity) -> int:
+        """Binds the tier to a model and layout, and indexes the files already there (warm restart).
+
+        Leftover temporary files (a write cut short) are removed, and so are files that are not
+        this identity's or whose header is damaged (logged, each). Payloads are checked at load.
+
+        Args:
+            identity: the model and layout whose blocks this tier keeps from now on.
+
+        Returns:
+            The number of blocks found.
+        """
+        found: list[tuple[float, bytes, int]] = []
+        for entry in os.scandir(self.directory):
+            if entry.name.startswith(TMP_PREFIX):
+                self._unlink(Path(entry.path))
+                continue
+            if not _NAME_PATTERN.fullmatch(entry.name) or not entry.is_file(follow_symlinks=False):
+                continue  # not ours (e.g. the service's id file)
+            key = bytes.fromhex(entry.name[: -len(FILE_SUFFIX)])
+            try:
+                with open(entry.path, "rb") as f:
+                    header = f.read(HEADER_SIZE)
+                st = entry.stat(follow_symlinks=False)
+            except OSError as exc:
+                self._remove_bad(Path(entry.path), f"unreadable ({exc.strerror})")
+                continue
+            problem = _check_header(header, identity, key, None)
+            if problem is None and st.st_size != HEADER_SIZE + identity.bytes_per_block:
+                problem = f"truncated ({st.st_size} bytes, expected {HEADER_SIZE + identity.bytes_per_block})"
+            if problem is not None:
+                self._remove_bad(Path(entry.path), problem)
+                continue
+            found.append((st.st_mtime, key, st.st_size))
+        found.sort()
+        with self._lock:
+            self.identity = identity
+            self._index = OrderedDict((key, size) for _, key, size in found)
+            self._num_bytes = sum(size for _, _, size in found)
+        log.info("kv_tier_opened", directory=str(self.directory), num_blocks=len(found),
+                 num_bytes=self._num_bytes, capacity_bytes=self.capacity_bytes)
+        self._evict_until(0)  # a smaller budget than last time
+        return len(found)
+
+    # --- lookups ------------------------------------------------------------------------------
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._index  # a dict lookup: atomic under the GIL
+
+    def num_leading(self, keys: list[bytes]) -> int:
+        """How many of ``keys``, from the first, the tier holds (a prefix continues while it finds them)."""
+        index = self._index
+        num = 0
+        for key in keys:
+            if key not in index:
+                break
+            num += 1
+        return num
+
+    def get(self, key: bytes, ns_key: bytes) -> bytearray | None:
+        """Reads and checks a block (module docstring); a bad file is removed.
+
+        Args:
+            key: its chained key.
+            ns_key: the namespace key it must carry.
+
+        Returns:
+            The block's payload (``identity.bytes_per_block`` bytes), or None (missing or bad).
+        """
+        identity = self.identity
+        with self._lock:
+            if identity is None or key not in self._index:
+                return None
+            self._index.move_to_end(key)
+        path = self._path(key)
+        size = HEADER_SIZE + identity.bytes_per_block
+        buffer = bytearray(size)
+        try:
+            with open(path, "rb", buffering=0) as f:
+                num_read = f.readinto(buffer)
+                if num_read == size and f.read(1):
+                    num_read += 1  # longer than a block: not ours to trust
+        except FileNotFoundError:
+            self._forget(key)
+            return None
+        except OSError as exc:
+            log.warning("kv_tier_read_failed", path=str(path), error=exc.strerror)
+            return None
+        view = memoryview(buffer)
+        problem = _check_header(bytes(view[:HEADER_SIZE]), identity, key, ns_key) if num_read >= HEADER_SIZE else None
+        if num_read != size:
+            problem = f"truncated ({num_read} bytes, expected {size})"
+        elif problem is None:
+            (payload_crc,) = struct.unpack_from("<I", buffer, _FIELDS.size - 4)
+            if zlib.crc32(view[HEADER_SIZE:]) != payload_crc:
+                problem = "payload checksum mismatch"
+        if problem is not None:
+            self._forget(key)
+            self._remove_bad(path, problem)
+            return None
+        with self._lock:
+            self._num_bytes_read += size
+        try:
+            os.utime(path)  # LRU order for the next restart
+        except OSError:
+            pass
+        del view
+        del buffer[:HEADER_SIZE]
+        return buffer
+
+    # --- writes -------------------------------------------------------------------------------
+
+    def put(self, key: bytes, ns_key: bytes, payload: memoryview) -> bool:
+        """Writes a block atomically, evicting least recently used files to fit (one writer thread).
+
+        Args:
+            key: its chained key.
+            ns_key: its namespace key.
+            payload: ``identity.bytes_per_block`` bytes, the block as the pool holds it.
+
+        Returns:
+            True when the block is in the tier afterwards; False when it was dropped (logged).
+        """
+        identity = self.identity
+        if identity is None or len(payload) != identity.bytes_per_block or len(ns_key) != NAMESPACE_KEY_SIZE:
+            raise ValueError("put: the tier is not open, or the block does not fit its identity")
+        if key in self._index:
+            return True
+        size = HEADER_SIZE + len(payload)
+        if size > self.capacity_bytes:
+            return False
+        self._evict_until(size)
+        fields = _FIELDS.pack(MAGIC, LAYOUT_VERSION, HEADER_SIZE, identity.dtype.encode(), identity.block_size,
+                              identity.num_layers, identity.num_kv_heads, identity.head_dim,
+                              identity.fingerprint_digest, ns_key, key, len(payload), zlib.crc32(payload))
+        header = fields + _HEADER_CRC.pack(zlib.crc32(fields))
+        tmp = self.directory / f"{TMP_PREFIX}{key.hex()}-{secrets.token_hex(4)}"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            try:
+                with os.fdopen(fd, "wb", buffering=0) as f:
+                    fd = -1
+                    f.write(header)
+                    f.write(payload)
+            finally:
+                if fd >= 0:
+                    os.close(fd)
+            os.rename(tmp, self._path(key))
+        except OSError as exc:
+            self._unlink(tmp)
+            with self._lock:
+                self._num_write_errors += 1
+                num_errors = self._num_write_errors
+            if num_errors == 1 or num_errors % LOG_EVERY_WRITE_ERRORS == 0:
+                log.warning("kv_tier_write_failed", directory=str(self.directory),
+                            error=errno.errorcode.get(exc.errno, str(exc.errno)), detail=exc.strerror,
+                            num_write_errors=num_errors, action="block dropped, serving goes on")
+            return False
+        with self._lock:
+            self._index[key] = size
+            self._num_bytes += size
+            self._num_bytes_written += size
+        return True
+
+    # --- state --------------------------------------------------------------------------------
+
+    def counters(self) -> DiskTierCounters:
+        with self._lock:
+            return DiskTierCounters(len(self._index), self._num_bytes, self.capacity_bytes, self._num_bytes_written,
+                                    self._num_bytes_read, self._num_write_errors, self._num_bad_files)
+
+    def _path(self, key: bytes) -> Path:
+        return self.directory / f"{key.hex()}{FILE_SUFFIX}"
+
+    def _evict_until(self, num_new_bytes: int) -> None:
+        """Removes least recently used files until ``num_new_bytes`` more fit the budget."""
+        victims: list[bytes] = []
+        with self._lock:
+            while self._index and self._num_bytes + num_new_bytes > self.capacity_bytes:
+                key, size = self._index.popitem(last=False)
+                self._num_bytes -= size
+                victims.append(key)
+        for key in victims:
+            self._unlink(self._path(key))
+
+    def _forget(self, key: bytes) -> None:
+        with self._lock:
+            size = self._index.pop(key, None)
+            if size is not None:
+                self._num_bytes -= size
+
+    def _remove_bad(self, path: Path, problem: str) -> None:
+        with self._lock:
+            self._num_bad_files += 1
+        log.warning("kv_tier_file_removed", path=str(path), problem=problem)
+        self._unlink(path)
+
+    @staticmethod
+    def _unlink(path: Path) -> None:
+        try:
+            path.unlink(missing_ok=True)
+        except OSError:
+            pass  # a read-only directory: the file stays, and is checked again when read
+
+
+def _check_header(header: bytes, identity: TierIdentity, key: bytes, ns_key: bytes | None) -> str | None:
+    """None when ``header`` is a sound header of ``identity``'s block ``key`` (in namespace ``ns_key``
+    when given), else what is wrong."""
+    if len(header) < HEADER_SIZE:
+        return f"truncated header ({len(header)} bytes)"
+    fields = header[: _FIELDS.size]
+    if header[:8] != MAGIC:
+        return "not a tier block (bad magic)"
+    if _HEADER_CRC.unpack_from(header, _FIELDS.size)[0] != zlib.crc32(fields):
+        return "header checksum mismatch"
+    (_, version, header_size, dtype, block_size, num_layers, num_kv_heads, head_dim, fingerprint, file_ns_key,
+     file_key, payload_len, _) = _FIELDS.unpack(fields)
+    if version != LAYOUT_VERSION or header_size != HEADER_SIZE:
+        return f"layout version {version}, this service reads {LAYOUT_VERSION}"
+    if fingerprint != identity.fingerprint_digest:
+        return "another model (fingerprint differs)"
+    file_dtype = dtype.rstrip(b"\0").decode(errors="replace")
+    if file_dtype != identity.dtype:
+        return f"another dtype ({file_dtype}, the pool's is {identity.dtype})"
+    if block_size != identity.block_size:
+        return f"another block size ({block_size}, the pool's is {identity.block_size})"
+    if (num_layers, num_kv_heads, head_dim) != (identity.num_layers, identity.num_kv_heads, identity.head_dim):
+        return f"another layout ({num_layers} layers, {num_kv_heads} KV heads, head dim {head_dim})"
+    if file_key != key:
+        return "its key differs from its name"
+    if ns_key is not None and file_ns_key != ns_key:
+        return "another namespace"
+    if payload_len != identity.bytes_per_block:
+        return f"payload of {payload_len} bytes, a block is {identity.bytes_per_block}"
+    return None

@@ -1,0 +1,127 @@
+"""The disk tier's files: round trip, modes, warm restart, damaged and foreign files, budget, write errors."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from memory_service.tier.chain import chain_hashes, root_hash
+from memory_service.tier.disk_tier import HEADER_SIZE, DiskTier, TierIdentity
+
+pytestmark = pytest.mark.unit
+
+IDENTITY = TierIdentity("model-a", "float32", 4, 2, 2, 4)  # 2 layers, 2 KV heads, head dim 4, 4 tokens a block
+BLOCK_BYTES = IDENTITY.bytes_per_block  # 2 * 2 * 4 * 2 * 4 * 4 = 512
+NS = bytes(range(16))
+KEYS = chain_hashes(root_hash(IDENTITY.digest, NS), bytes(range(64)), 16, 4)
+
+
+def payload(seed: int) -> memoryview:
+    return memoryview(bytes((seed + i) % 256 for i in range(BLOCK_BYTES)))
+
+
+def open_tier(directory: Path, capacity: int = 1 << 20, identity: TierIdentity = IDENTITY) -> DiskTier:
+    tier = DiskTier(directory, capacity)
+    tier.open(identity)
+    return tier
+
+
+def files(directory: Path) -> list[str]:
+    return sorted(name for name in os.listdir(directory) if name.endswith(".kv"))
+
+
+def test_round_trip_modes_and_warm_restart(tmp_path: Path) -> None:
+    directory = tmp_path / "tier"
+    tier = open_tier(directory)
+    assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
+    for i, key in enumerate(KEYS[:3]):
+        assert tier.put(key, NS, payload(i))
+    assert files(directory) == sorted(f"{key.hex()}.kv" for key in KEYS[:3])
+    for name in files(directory):
+        assert stat.S_IMODE(os.stat(directory / name).st_mode) == 0o600
+    assert bytes(tier.get(KEYS[1], NS)) == bytes(payload(1))
+    assert tier.get(KEYS[1], bytes(16)) is None  # another namespace: a miss, and a bad file
+    assert tier.num_leading(KEYS) == 1  # the namespace mismatch removed KEYS[1]
+
+    restarted = open_tier(directory)  # a new service on the same directory
+    assert restarted.num_leading(KEYS) == 1 and KEYS[2] in restarted
+    assert bytes(restarted.get(KEYS[2], NS)) == bytes(payload(2))
+    counters = restarted.counters()
+    assert (counters.num_blocks, counters.num_bytes) == (2, 2 * (HEADER_SIZE + BLOCK_BYTES))
+
+
+@pytest.mark.parametrize("damage", ["flip_payload", "truncate", "flip_header"])
+def test_damaged_file_is_a_miss_and_removed(tmp_path: Path, damage: str) -> None:
+    tier = open_tier(tmp_path)
+    assert tier.put(KEYS[0], NS, payload(0))
+    path = tmp_path / f"{KEYS[0].hex()}.kv"
+    data = bytearray(path.read_bytes())
+    if damage == "flip_payload":
+        data[HEADER_SIZE + 100] ^= 1
+    elif damage == "flip_header":
+        data[20] ^= 1
+    else:
+        del data[-10:]
+    path.write_bytes(data)
+    assert tier.get(KEYS[0], NS) is None
+    assert not path.exists()
+    assert tier.counters().num_bad_files == 1
+    assert tier.num_leading(KEYS) == 0
+
+
+@pytest.mark.parametrize("other", [
+    TierIdentity("model-b", "float32", 4, 2, 2, 4),
+    TierIdentity("model-a", "bfloat16", 4, 2, 2, 4),
+    TierIdentity("model-a", "float32", 8, 2, 2, 4),
+    TierIdentity("model-a", "float32", 4, 3, 2, 4),
+])
+def test_another_model_dtype_block_size_or_layout_is_removed_at_open(tmp_path: Path, other: TierIdentity) -> None:
+    tier = open_tier(tmp_path)
+    assert tier.put(KEYS[0], NS, payload(0))
+    (tmp_path / ".tmp-leftover").write_bytes(b"cut short")  # a write a SIGKILL interrupted
+    (tmp_path / "memory-service-id").write_text("not a block")  # not ours: left alone
+    reopened = open_tier(tmp_path, identity=other)
+    assert files(tmp_path) == [] and reopened.counters().num_bad_files == 1
+    assert sorted(os.listdir(tmp_path)) == ["memory-service-id"]
+
+
+def test_truncated_file_is_removed_at_open(tmp_path: Path) -> None:
+    tier = open_tier(tmp_path)
+    assert tier.put(KEYS[0], NS, payload(0)) and tier.put(KEYS[1], NS, payload(1))
+    path = tmp_path / f"{KEYS[1].hex()}.kv"
+    path.write_bytes(path.read_bytes()[: HEADER_SIZE + 7])
+    reopened = open_tier(tmp_path)
+    assert KEYS[0] in reopened and KEYS[1] not in reopened and not path.exists()
+
+
+def test_lru_within_the_budget(tmp_path: Path) -> None:
+    tier = open_tier(tmp_path, capacity=2 * (HEADER_SIZE + BLOCK_BYTES))
+    assert tier.put(KEYS[0], NS, payload(0)) and tier.put(KEYS[1], NS, payload(1))
+    assert tier.get(KEYS[0], NS) is not None  # KEYS[0] is now the most recently used
+    assert tier.put(KEYS[2], NS, payload(2))
+    assert [key in tier for key in KEYS[:3]] == [True, False, True]
+    assert len(files(tmp_path)) == 2
+    too_small = open_tier(tmp_path / "small", capacity=BLOCK_BYTES)  # a block never fits: dropped
+    assert not too_small.put(KEYS[0], NS, payload(0))
+
+
+def test_write_error_drops_the_block_and_goes_on(tmp_path: Path) -> None:
+    directory = tmp_path / "tier"
+    tier = open_tier(directory)
+    assert tier.put(KEYS[0], NS, payload(0))
+    # A real write error whoever runs the test (root ignores a read-only mode): the directory's path
+    # turns into a plain file, so creating the temporary file fails (ENOTDIR).
+    directory.rename(tmp_path / "away")
+    directory.write_bytes(b"")
+    try:
+        assert not tier.put(KEYS[1], NS, payload(1))
+        assert not tier.put(KEYS[2], NS, payload(2))
+        assert tier.counters().num_write_errors == 2
+    finally:
+        directory.unlink()
+        (tmp_path / "away").rename(directory)
+    assert bytes(tier.get(KEYS[0], NS)) == bytes(payload(0))  # reads went on
+    assert tier.put(KEYS[1], NS, payload(1))
