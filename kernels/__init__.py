@@ -20,7 +20,7 @@ from kernels.reference import paged_attention_reference, write_kv_reference
 from kernels.step import StepKernels, TorchStep
 
 __all__ = ["PACKED_DTYPES", "StepKernels", "can_prepack", "linear", "paged_attention", "plan_step", "prepack",
-           "write_kv"]
+           "step_path", "write_kv"]
 
 
 def plan_step(slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
@@ -39,6 +39,29 @@ def plan_step(slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: 
     if plan is not None:
         return plan
     return TorchStep(slot_mapping, block_tables, seq_lens, cu_seqlens_q)
+
+
+def step_path(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
+    """Which kernels a model on `device` in `dtype` with heads of `head_dim` runs every step, for the
+    compute service's Info and metrics (on CPU this loads the fused kernels, or builds them: call it at
+    start).
+
+    Returns:
+        "triton" (CUDA: the Triton attention kernels); "fused-cpp LEVEL" (the C++ kernels, LEVEL the
+        prebuilt x86-64 level or "native"); "torch-fallback" (the model is one they take, but they
+        could not be loaded: logged at error level by kernels.cpu_ops, or turned off); "torch" (a
+        dtype or head size they do not take).
+    """
+    from kernels import cpu_ops
+    from kernels.cpu_attention import covers
+
+    if device.type == "cuda":
+        return "triton"
+    if not covers(device, dtype, head_dim):
+        return "torch"
+    if cpu_ops.load() is None:
+        return "torch-fallback"
+    return f"fused-cpp {cpu_ops.level()}"
 
 
 def write_kv(

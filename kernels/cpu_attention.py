@@ -31,6 +31,11 @@ SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)  # instantiated in csrc/cpu_ops.cpp
 DTYPES = (torch.float32, torch.bfloat16)  # of the activations and the KV pool; the ops compute in float32
 
 
+def covers(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the fused kernels take a model on `device` in `dtype` with heads of `head_dim`."""
+    return device.type == "cpu" and dtype in DTYPES and head_dim in SUPPORTED_HEAD_DIMS
+
+
 @dataclass(frozen=True)
 class CpuAttentionPlan:
     """One step's index tensors for the fused CPU path (built once, used by every layer), and its ops.
@@ -59,7 +64,7 @@ class CpuAttentionPlan:
               cu_seqlens_q: torch.Tensor, *, dtype: torch.dtype, head_dim: int) -> CpuAttentionPlan | None:
         """The plan, or None where the fused path does not apply (not a float32 or bfloat16 CPU
         model, an unsupported head size, or the extension unavailable): then run the PyTorch path."""
-        if slot_mapping.device.type != "cpu" or dtype not in DTYPES or head_dim not in SUPPORTED_HEAD_DIMS:
+        if not covers(slot_mapping.device, dtype, head_dim):
             return None
         ops = cpu_ops.load()
         if ops is None:

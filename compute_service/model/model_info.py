@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
 
+import kernels
 from pagedserve.dtypes import dtype_name
 
 from compute_service.model.model_loader import LoadedModel
@@ -49,10 +50,14 @@ class ModelInfo:
     pad_token_id: int  # -1 = none
     chat_template: str
     tokenizer_files: tuple[TokenizerFile, ...]
+    kernels: str  # what every step runs: kernels.step_path ("fused-cpp x86-64-v4", "torch-fallback", ...)
 
 
 def model_info(loaded: LoadedModel, served_model_name: str | None = None) -> ModelInfo:
-    """Describe ``loaded``; ``served_model_name`` overrides the model's own name."""
+    """Describe ``loaded``; ``served_model_name`` overrides the model's own name.
+
+    On CPU this loads (or builds, about a minute on a first start) the fused kernels: call it while
+    starting, off the event loop."""
     config, tokenizer = loaded.config, loaded.tokenizer
     template = getattr(tokenizer, "chat_template", None)
     pad = getattr(tokenizer, "pad_token_id", None)
@@ -72,4 +77,5 @@ def model_info(loaded: LoadedModel, served_model_name: str | None = None) -> Mod
         pad_token_id=pad if pad is not None else -1,
         chat_template=template if isinstance(template, str) else "",
         tokenizer_files=files,
+        kernels=kernels.step_path(loaded.model.device, loaded.model.dtype, config.head_dim),
     )

@@ -24,6 +24,15 @@ class ComputeCollector(Collector):
         yield GaugeMetricFamily("pagedserve_compute_ready", "1 when attached to the memory service and serving",
                                 value=float(self._servicer.is_ready and not self._servicer.is_draining))
         yield GaugeMetricFamily("pagedserve_compute_streams", "Open Generate streams", value=self._servicer.num_streams)
+        info = self._servicer.info
+        if info is not None:  # always, once serving: the metrics server starts after the model loads
+            # Info's `kernels` as labels, value 1: alert on path="torch-fallback".
+            path, _, level = info.kernels.partition(" ")
+            kernels = GaugeMetricFamily("pagedserve_compute_kernels",
+                                        "The kernels every step runs: path fused-cpp (level: the x86-64 level or "
+                                        "native), torch-fallback, torch or triton", labels=["path", "level"])
+            kernels.add_metric([path, level], 1.0)
+            yield kernels
         yield GaugeMetricFamily("pagedserve_compute_requests_running", "Requests generating", value=load.num_running)
         yield GaugeMetricFamily("pagedserve_compute_requests_waiting", "Requests queued", value=load.num_waiting)
         # Per tenant (the requests' ``tenant``; "" = none given): the fair queues of the scheduler.

@@ -39,7 +39,7 @@ from compute_service.structured.logits_mask import num_abandoned_fills
 from compute_service.engine.engine import Engine
 from compute_service.engine.faults import DetokenizeFault
 from compute_service.service.engine_loop import Attached, EngineLoop
-from compute_service.model.model_info import model_info
+from compute_service.model.model_info import ModelInfo, model_info
 from compute_service.model.model_loader import LoadedModel, load_model
 from compute_service.service.servicer import ComputeServicer
 
@@ -98,6 +98,20 @@ def make_attach(loaded: LoadedModel, target: str, engine_config: EngineConfig,
     return attach
 
 
+def _load(config: ComputeServiceConfig, engine_config: EngineConfig) -> tuple[LoadedModel, ModelInfo]:
+    """The model and its description, which loads (or builds) the kernels it runs: both at start, in a
+    worker thread. A CPU model on the slower PyTorch path is said loudly here (and in Info, metrics)."""
+    loaded = load_model(config.model, cache_dir=Path(config.cache_dir) if config.cache_dir else None,
+                        device=engine_config.device, dtype=engine_config.dtype)
+    info = model_info(loaded, config.served_model_name)
+    if info.kernels == "torch-fallback":
+        log.error("compute_kernels", kernels=info.kernels, device=info.device, dtype=info.dtype,
+                  why="no usable fused CPU kernels (see the kernels.cpu_ops error above)")
+    else:
+        log.info("compute_kernels", kernels=info.kernels, device=info.device, dtype=info.dtype)
+    return loaded, info
+
+
 async def serve(config: ComputeServiceConfig, engine_config: EngineConfig,
                 detokenize_fault: DetokenizeFault | None = None) -> int:
     """Serve until SIGTERM/SIGINT; returns the exit status. ``detokenize_fault``: a test hook
@@ -122,17 +136,14 @@ async def serve(config: ComputeServiceConfig, engine_config: EngineConfig,
     print(f"compute service listening on {address}", flush=True)
     log.info("compute_service_started", address=address, model=config.model, auth=bool(config.auth_token))
 
-    loading = asyncio.ensure_future(asyncio.to_thread(
-        load_model, config.model, cache_dir=Path(config.cache_dir) if config.cache_dir else None,
-        device=engine_config.device, dtype=engine_config.dtype,
-    ))
+    loading = asyncio.ensure_future(asyncio.to_thread(_load, config, engine_config))
     stopping = asyncio.ensure_future(stop.wait())
     await asyncio.wait([loading, stopping], return_when=asyncio.FIRST_COMPLETED)
     if stop.is_set():
         await server.stop(0)
         _remove_socket(address)
         return 0
-    loaded = loading.result()
+    loaded, info = loading.result()
 
     async def set_ready(ready: bool) -> None:
         servicer.is_ready = ready
@@ -149,7 +160,7 @@ async def serve(config: ComputeServiceConfig, engine_config: EngineConfig,
                     config.memory_token, detokenize_fault),
         on_ready, retry_interval_s=config.memory_retry_interval_s, ping_interval_s=config.memory_ping_interval_s,
     )
-    servicer.start(loop, model_info(loaded, config.served_model_name), grammars)
+    servicer.start(loop, info, grammars)
     loop.start()
     if config.metrics_port is not None:
         from compute_service.service.metrics import start_metrics_server

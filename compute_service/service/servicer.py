@@ -79,6 +79,11 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
         return self._loop, self._info
 
     @property
+    def info(self) -> ModelInfo | None:
+        """The served model's description (Info), once it is loaded."""
+        return self._info
+
+    @property
     def num_streams(self) -> int:
         return len(self._streams)
 

@@ -5,6 +5,7 @@ byte-tokenizer Llama of ``pagedserve/testing/tiny_model.py``.
 
 from __future__ import annotations
 
+import os
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -29,12 +30,12 @@ def start_memory(socket: Path, *extra: str) -> ServiceProcess:
 
 
 def start_compute(model: Path | str, memory_socket: Path, listen: str, *extra: str,
-                  log_file: Path | None = None) -> ServiceProcess:
+                  log_file: Path | None = None, env: dict[str, str] | None = None) -> ServiceProcess:
     # float32 unless `extra` says otherwise (a later flag wins): tokens are compared with transformers'.
     args = ["--dtype", "float32",
             "--block-size", BLOCK_SIZE, "--memory-retry-interval-s", "0.2", "--memory-ping-interval-s", "0.2",
             "--log-level", "warning", *extra]
-    return ready(compute_process(model, memory_socket, listen, args, log_file=log_file), 180)
+    return ready(compute_process(model, memory_socket, listen, args, log_file=log_file, env=env), 180)
 
 
 @dataclass
@@ -69,17 +70,20 @@ class Services:
 
 @contextmanager
 def running_services(model: Path | str, *, memory_args: tuple[str, ...] = ("--max-num-blocks", "128"),
-                     compute_args: tuple[str, ...] = (), compute_log: Path | None = None) -> Iterator[Services]:
+                     compute_args: tuple[str, ...] = (), compute_log: Path | None = None,
+                     compute_env: dict[str, str] | None = None) -> Iterator[Services]:
     """Start a memory and a compute service in a private directory; stop both by PID and check that
     both exited cleanly and left no socket and no shared-memory segment behind. A test that swaps
     the memory service (kill, restart) stores the new one in ``services.memory``. ``compute_log``
-    collects the compute service's output (else it shows with the test's)."""
+    collects the compute service's output (else it shows with the test's); ``compute_env``: variables
+    set for it on top of this process's environment."""
     with tempfile.TemporaryDirectory(prefix="pscmp-") as directory:
         memory_socket = Path(directory) / "memory.sock"
         listen = f"unix:{directory}/compute.sock"
         memory = start_memory(memory_socket, *memory_args)
         try:
-            compute = start_compute(model, memory_socket, listen, *compute_args, log_file=compute_log)
+            compute = start_compute(model, memory_socket, listen, *compute_args, log_file=compute_log,
+                                    env={**os.environ, **compute_env} if compute_env else None)
         except BaseException:
             memory.stop()
             raise

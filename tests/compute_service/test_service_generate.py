@@ -15,6 +15,7 @@ import grpc
 import pytest
 import torch
 
+import kernels
 from pagedserve.compute.v1 import compute_pb2 as cpb
 
 from pagedserve.testing.tiny_model import EOS_PROMPT, ServiceModel, hf_greedy
@@ -172,6 +173,7 @@ def test_info_and_tokenizer_files_rebuild_the_tokenizer(services: Services, mode
     # The memory service it is attached to (the gateway routes backends with one id as one cache).
     assert info.memory_service_id.startswith("ms-") and len(info.kv_tiers) == 0
     assert info.chat_template == model.tokenizer.chat_template
+    assert info.kernels == kernels.step_path(torch.device("cpu"), torch.float32, 16)  # "fused-cpp native" here
     chunks = list(services.stub.GetTokenizer(cpb.GetTokenizerRequest()))
     for f in info.tokenizer_files:
         data = b"".join(c.data for c in chunks if c.name == f.name)

