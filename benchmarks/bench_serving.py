@@ -1,7 +1,19 @@
 """Serving benchmark through the gateway: Poisson arrivals at several request rates, streaming clients.
 
-Starts memory, compute and gateway as real processes (benchmarks/serving/stack.py), or targets a running
-gateway (``--gateway ADDR``; ``--memory ADDR`` adds the KV usage samples). In order:
+The workload (``--workload``): ``realistic``, the headline and the default with a model that has a
+chat template: English chat turns, prompts ~50-1,500 tokens, outputs 30-400, sampled at temperature
+0.8, top_p 0.95 (benchmarks/throughput/realistic.py); or ``random``, the second line: prompts of
+common words (``--prompt-len``), greedy. Every request sets ``ignore_eos`` (exact output lengths).
+
+``--client vllm-bench`` measures with vLLM's own client instead (``vllm bench serve --dataset-name
+custom`` from vLLM's venv, the realistic workload, serving/vllm_bench.py): one request at a time,
+then each rate (default 0.5 and inf, 64 requests), against our gateway's HTTP front and, with
+``--peer vllm``, vLLM's OpenAI server, both result blocks printed and the ratios computed:
+
+    python -m benchmarks.bench_serving --client vllm-bench --peer vllm [--vllm-dtype bfloat16]
+
+Otherwise it starts memory, compute and gateway as real processes (benchmarks/serving/stack.py), or
+targets a running gateway (``--gateway ADDR``; ``--memory ADDR`` adds the KV usage samples). In order:
 
 1. an unloaded baseline: the workload's requests one at a time (nothing else in the engine);
 2. the rate sweep: the same requests again at each ``--rates`` value (requests/s, Poisson
@@ -31,6 +43,9 @@ our stack has stopped (serving/peer.py), and adds both sides' figures and ours/v
 the KV budget defaults to 1 GiB then (vLLM takes whole GiB). ``--skip-prefix`` leaves out phase 3.
 
     python -m benchmarks.bench_serving --peer vllm --skip-prefix --rates 0.5 1 2 inf --num-requests 32
+
+vLLM runs at ``--vllm-dtype`` (default: our compute service's dtype, bfloat16 on a CPU with native
+bf16); ours at ``--dtype`` (default auto).
 """
 
 from __future__ import annotations
@@ -51,13 +66,26 @@ from benchmarks.serving.client import (
     KvSampler, RequestResult, Target, describe_target, run_arrivals, run_one_at_a_time,
 )
 from benchmarks.serving.stack import StackConfig, start_stacks
-from benchmarks.serving.workload import RequestSpec, make_requests, make_shared_prefix, make_text, poisson_arrivals
+from benchmarks.serving.workload import (
+    RequestSpec, make_realistic_requests, make_requests, make_shared_prefix, make_text, poisson_arrivals,
+)
 
 WARMUP = RequestSpec("Hello, how are you today?", 4)
 
 
+def make_specs(args: argparse.Namespace, tokens_per_word: float) -> list[RequestSpec]:
+    """The sweep's requests: the realistic mix (chat-templated by ``--model``'s tokenizer), or the
+    random-word mix sized through the target's tokens per word."""
+    if args.workload == "realistic":
+        from compute_service.model.model_loader import load_tokenizer, resolve_model
+
+        return make_realistic_requests(load_tokenizer(resolve_model(args.model).path), args.num_requests, args.seed)
+    return make_requests(args.num_requests, args.prompt_len, args.output_len, tokens_per_word, args.seed)
+
+
 @dataclass
 class SweepResults:
+    specs: list[RequestSpec]
     baseline: list[RequestResult]
     runs: list[tuple[float, list[RequestResult]]]
     prefix_cached: list[RequestResult]
@@ -79,7 +107,7 @@ async def _phase(sampler: KvSampler | None, label: str, work) -> list[RequestRes
 async def sweep(target: Target, memory_address: str | None, args: argparse.Namespace) -> SweepResults:
     """Baseline, every rate and the cached shared-prefix run, against one gateway."""
     target, model_name, block_size, tpw = await describe_target(target, make_text(random.Random(args.seed), 200))
-    specs = make_requests(args.num_requests, args.prompt_len, args.output_len, tpw, args.seed)
+    specs = make_specs(args, tpw)
     sampler = KvSampler(memory_address, args.kv_sample_interval_s) if memory_address else None
     stop = asyncio.Event()
     sampling = asyncio.create_task(sampler.run(stop)) if sampler else None
@@ -107,7 +135,7 @@ async def sweep(target: Target, memory_address: str | None, args: argparse.Names
         stop.set()
         if sampling:
             await sampling
-    return SweepResults(baseline, runs, cached, sampler, tpw, model_name, block_size or args.block_size)
+    return SweepResults(specs, baseline, runs, cached, sampler, tpw, model_name, block_size or args.block_size)
 
 
 async def run_uncached_prefix(target: Target, args: argparse.Namespace, tpw: float, distinct_salts: bool
@@ -125,11 +153,23 @@ def stack_config(args: argparse.Namespace, enable_prefix_caching: bool) -> Stack
     return StackConfig(model=args.model, kv_cache_bytes=args.kv_cache_bytes, block_size=args.block_size,
                        enable_prefix_caching=enable_prefix_caching, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens,
-                       num_speculative_tokens=args.num_speculative_tokens)
+                       num_speculative_tokens=args.num_speculative_tokens, dtype=args.dtype)
+
+
+def start_http_stack(args: argparse.Namespace):
+    """One stack with prefix caching (``--client vllm-bench``'s server): the stack and its HTTP front's URL."""
+    started = time.perf_counter()
+    stack = start_stacks([stack_config(args, True)])[0]
+    say(f"stack up in {time.perf_counter() - started:.0f} s")
+    return stack, stack.target("openai").address
 
 
 def run(args: argparse.Namespace) -> dict:
     """Everything, stacks started and stopped here when no --gateway is given."""
+    if args.client == "vllm-bench":
+        from benchmarks.serving import vllm_bench
+
+        return vllm_bench.run(args, lambda: start_http_stack(args), say)
     load_start = os.getloadavg()[0]
     stack_info: dict = {}
     uncached = None
@@ -168,9 +208,11 @@ def run(args: argparse.Namespace) -> dict:
         summary["kv_num_samples"] = len(sampler.samples)
         summary["kv_evictions"] = sampler.samples[-1].num_evictions - sampler.samples[0].num_evictions
     summary |= {
-        "api": args.api, "model": results.served_model, "num_requests": args.num_requests,
-        "prompt_len": list(args.prompt_len),
-        "output_len": list(args.output_len), "tokens_per_word": round(results.tokens_per_word, 3),
+        "api": args.api, "model": results.served_model, "workload": args.workload, "num_requests": args.num_requests,
+        "prompt_len": [min(len(s.prompt) for s in results.specs), max(len(s.prompt) for s in results.specs)]
+        if args.workload == "realistic" else list(args.prompt_len),  # realistic: characters, the texts sent
+        "output_len": [min(s.max_tokens for s in results.specs), max(s.max_tokens for s in results.specs)],
+        "tokens_per_word": round(results.tokens_per_word, 3), "dtype": args.dtype,
         "block_size": results.block_size, "seed": args.seed,
         # What this benchmark started; unknown for a gateway it did not start.
         "kv_cache_bytes": None if args.gateway else args.kv_cache_bytes,
@@ -185,17 +227,17 @@ def run(args: argparse.Namespace) -> dict:
     report.print_table(baseline, runs)
     report.print_headline(headline, prefix)
     if args.peer == "vllm":
-        run_peer(args, results.tokens_per_word, summary)
+        run_peer(args, results.specs, summary)
     return summary
 
 
-def run_peer(args: argparse.Namespace, tokens_per_word: float, summary: dict) -> None:
+def run_peer(args: argparse.Namespace, specs: list[RequestSpec], summary: dict) -> None:
     """vLLM on the same requests, after our stack stopped; its figures and the ratios join ``summary``."""
     from benchmarks.serving import peer
     from compute_service.model.model_loader import resolve_model
 
     with tempfile.TemporaryDirectory(prefix="bench-serving-vllm-") as tmp:
-        theirs = peer.run_vllm(resolve_model(args.model).path, tokens_per_word, args, Path(tmp) / "vllm.log", say)
+        theirs = peer.run_vllm(resolve_model(args.model).path, specs, args, Path(tmp) / "vllm.log", say)
     report.print_table(theirs["baseline"], theirs["rates"])
     comparison = peer.compare(summary, theirs)
     peer.print_comparison(comparison)
@@ -232,10 +274,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                      "any OpenAI-compatible server's base URL, http://host:port")
     p.add_argument("--memory", help="with --gateway: its memory service's address (unix:PATH), for KV usage")
     p.add_argument("--model", default="default", help='"default" or a local Hugging Face directory')
-    p.add_argument("--rates", type=parse_rate, nargs="+", default=[0.25, 0.5, 0.75, 1.0, 1.5, float("inf")],
-                   help="request rates (req/s, Poisson arrivals; inf = all at once), increasing")
-    p.add_argument("--num-requests", type=int, default=24, help="requests per rate (default 24)")
-    p.add_argument("--baseline-requests", type=int, default=None, help="of them, one at a time (default: all)")
+    p.add_argument("--workload", choices=("realistic", "random"), default="realistic",
+                   help="realistic: English chat turns, sampled (default); random: common words, greedy "
+                        "(--prompt-len, --output-len)")
+    p.add_argument("--client", choices=("ours", "vllm-bench"), default="ours",
+                   help="ours: this benchmark's streaming clients (default); vllm-bench: vLLM's `vllm bench serve` "
+                        "on the realistic workload (from vLLM's venv)")
+    p.add_argument("--dtype", default=None, help="the compute service's --dtype (default: its own, auto)")
+    p.add_argument("--vllm-dtype", default=None,
+                   help="with --peer vllm: vLLM's --dtype (default: ours, resolved: bfloat16 on a CPU with "
+                        "native bf16)")
+    p.add_argument("--rates", type=parse_rate, nargs="+", default=None,
+                   help="request rates (req/s, Poisson arrivals; inf = all at once), increasing (default "
+                        "0.25 0.5 0.75 1 1.5 inf; --client vllm-bench 0.5 inf)")
+    p.add_argument("--num-requests", type=int, default=None,
+                   help="requests per rate (default 24; --client vllm-bench 64)")
+    p.add_argument("--baseline-requests", type=int, default=None,
+                   help="of them, one at a time (default: all; --client vllm-bench 8)")
     p.add_argument("--prompt-len", type=int, nargs=2, default=(32, 384), metavar=("MIN", "MAX"),
                    help="prompt tokens, about (default 32 384)")
     p.add_argument("--output-len", type=int, nargs=2, default=(16, 128), metavar=("MIN", "MAX"),
@@ -266,6 +321,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-prefix", action="store_true", help="leave out the shared-prefix phase (and its stack)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    bench = args.client == "vllm-bench"
+    args.rates = args.rates or ([0.5, float("inf")] if bench else [0.25, 0.5, 0.75, 1.0, 1.5, float("inf")])
+    args.num_requests = args.num_requests or (64 if bench else 24)
+    args.baseline_requests = args.baseline_requests or (min(8, args.num_requests) if bench else None)
+    if bench and (args.workload != "realistic" or args.api != "grpc" or args.memory or args.plot_dir):
+        p.error("--client vllm-bench sends the realistic workload to the HTTP front: no --workload random, --api, "
+                "--memory or --plot-dir")
+    if args.dtype is not None:
+        from pagedserve.dtypes import AUTO, DTYPES
+
+        if args.dtype not in (AUTO, *DTYPES):
+            p.error(f"--dtype: choose among {[AUTO, *sorted(DTYPES)]}, got {args.dtype!r}")
+    if args.peer:
+        from pagedserve.dtypes import AUTO, DTYPES, resolve_auto
+
+        ours = resolve_auto("cpu")[0] if args.dtype in (None, AUTO) else args.dtype
+        args.vllm_dtype = args.vllm_dtype or ours
+        if args.vllm_dtype not in DTYPES:
+            p.error(f"--vllm-dtype: choose among {sorted(DTYPES)}, got {args.vllm_dtype!r}")
     args.kv_cache_bytes = args.kv_cache_bytes or (1 << 30 if args.peer else 512 << 20)
     if args.peer:
         from benchmarks import vllm_peer

@@ -1,10 +1,12 @@
 """Throughput benchmark: the paged engine vs transformers' generate and continuous batching.
 
-One seeded heterogeneous workload runs (``--workload``: ``random``, the default, random token-id
-prompts avoiding special ids, greedy; or ``realistic``, English chat prompts of ShareGPT-like
-lengths sampled at temperature 0.8, top_p 0.95, throughput/realistic.py; both ``ignore_eos``), in
-this process and this run, through the engine and the baselines (``--baselines``, each on the same
-seeded subset of ``--baseline-requests`` requests; see hf_baselines.py; the random workload only):
+One seeded heterogeneous workload runs (``--workload``: ``realistic``, the headline and the default
+with a real model: English chat prompts of ShareGPT-like lengths, 50-1,500 tokens, outputs 30-400,
+sampled at temperature 0.8, top_p 0.95, throughput/realistic.py; or ``random``, the second line and
+the only one for ``--random-model-config``: random token-id prompts avoiding special ids, greedy;
+both ``ignore_eos``), in this process and this run, through the engine and the baselines
+(``--baselines``, each on the same seeded subset of ``--baseline-requests`` requests; see
+hf_baselines.py; the random workload only):
 
 - ``engine``: ``compute_service.LLM``, its pool sized by ``--kv-cache-bytes`` (512 MiB), driven step
   by step so that the scheduler state can be sampled after every step;
@@ -14,8 +16,9 @@ seeded subset of ``--baseline-requests`` requests; see hf_baselines.py; the rand
 - ``hf_static``: static batches of as many requests as fit the KV budget when each pre-allocates
   the model's maximum length (the source document's contiguous allocation);
 - ``hf_cb``: transformers' continuous batching with the same KV budget and page size;
-- ``--peer vllm``: vLLM's CPU build on the whole workload, after the engine (throughput/peer.py);
-  the KV budget defaults to 1 GiB then (vLLM takes whole GiB) and the HF baselines to none.
+- ``--peer vllm``: vLLM's CPU build on the whole workload, after the engine (throughput/peer.py),
+  at each of ``--vllm-dtypes`` (default: our dtype; ``bfloat16,float32`` for both, the best
+  reported); the KV budget defaults to 1 GiB then (vLLM takes whole GiB) and the HF baselines to none.
 
 Metrics: tokens/s = generated tokens / wall seconds (model loading excluded, every system warmed up
 by one tiny request); the engine's peak concurrent sequences; KV utilisation = live tokens stored /
@@ -28,10 +31,11 @@ Prints a table, then as its last line one JSON object.
 From the repository root (``python benchmarks/bench_throughput.py ...`` also works where the
 package is installed, e.g. ``pip install -e .``):
 
-    python -m benchmarks.bench_throughput --quick [--profile] [--threads 1]
-    python -m benchmarks.bench_throughput --workload realistic --num-requests 48 --dtype bfloat16
-    python -m benchmarks.bench_throughput [--kv-cache-bytes 512MiB] [--baseline-requests 32]
-    python -m benchmarks.bench_throughput --peer vllm --num-requests 48 [--vllm-budgets 256:2048,256:2048:2]
+    python -m benchmarks.bench_throughput --num-requests 48 [--dtype bfloat16] [--profile]
+    python -m benchmarks.bench_throughput --workload random --quick [--profile] [--threads 1]
+    python -m benchmarks.bench_throughput --workload random [--kv-cache-bytes 512MiB] [--baseline-requests 32]
+    python -m benchmarks.bench_throughput --peer vllm --num-requests 48 --vllm-dtypes bfloat16,float32
+    python -m benchmarks.bench_throughput --workload random --peer vllm --num-requests 48 [--vllm-budgets 256:2048:2]
     python -m benchmarks.bench_throughput --random-model-config 1b --device cuda --kv-cache-bytes 8GiB
 """
 
@@ -226,8 +230,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--random-model-config", choices=sorted(_RANDOM_SHAPES),
                         help="use a random-weight Llama of this shape (built in a temp dir) for all three systems")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    parser.add_argument("--workload", choices=["random", "realistic"], default="random",
-                        help="random token ids, greedy (default); or English chat prompts, sampled")
+    parser.add_argument("--workload", choices=["realistic", "random"], default=None,
+                        help="realistic: English chat prompts, sampled (default); random: random token ids, greedy "
+                             "(the default with --random-model-config, which has no tokenizer)")
     parser.add_argument("--dtype", choices=[AUTO, *sorted(DTYPES)], default=AUTO,
                         help="default auto, as the engine's: bfloat16 on CUDA and on CPUs with native bf16, "
                              "else float32")
@@ -239,10 +244,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--output-len", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
                         help="default 16 256 (--quick 16 64)")
     parser.add_argument("--peer", choices=["vllm"], help="also run vLLM's CPU build on the whole workload")
+    parser.add_argument("--vllm-dtypes", default=None,
+                        help="with --peer vllm: comma-separated dtypes vLLM runs at, one run each, the best reported "
+                             "(default: the engine's dtype; bfloat16,float32 compares with vLLM at its best)")
     parser.add_argument("--vllm-budgets", type=peer.parse_budgets, default=None,
                         help="with --peer vllm: MAX_NUM_SEQS:MAX_NUM_BATCHED_TOKENS[:NGRAM_K][,...], one vLLM run "
                              "each, the best reported; NGRAM_K > 0 = its n-gram speculative decoding (default: "
-                             "the engine's --max-num-seqs:--max-num-batched-tokens, with NGRAM_K 0 and 2)")
+                             "the engine's --max-num-seqs:--max-num-batched-tokens, with NGRAM_K 0, and 2 for the "
+                             "greedy random workload)")
     parser.add_argument("--baselines", default=None,
                         help="comma-separated, of: hf_static_best (generate, static batches without a memory cap, "
                              "best of --static-batch-sizes), hf_cb_default (transformers CB, its own defaults), "
@@ -270,26 +279,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     quick = args.quick
+    args.workload = args.workload or ("random" if args.random_model_config else "realistic")
+    if args.workload == "realistic" and args.random_model_config:
+        parser.error("--workload realistic needs the model's tokenizer: a --random-model-config has none")
     args.kv_cache_bytes = args.kv_cache_bytes or (1 << 30 if args.peer else 48 << 20 if quick else 512 << 20)
     if args.peer:
         try:
             peer.vllm_peer.kv_space_gib(args.kv_cache_bytes)
         except ValueError as exc:
             parser.error(f"--kv-cache-bytes: {exc}")
-        # vLLM with and without its n-gram drafts (2 measured best of 2 and 4 here), as ours drafts.
-        args.vllm_budgets = args.vllm_budgets or [(args.max_num_seqs, args.max_num_batched_tokens, k) for k in (0, 2)]
+        # vLLM with and without its n-gram drafts (2 measured best of 2 and 4 here), as ours drafts;
+        # drafts are for greedy requests (ours makes none for sampled ones), so not on the realistic mix.
+        ngram_ks = (0, 2) if args.workload == "random" else (0,)
+        args.vllm_budgets = args.vllm_budgets or [(args.max_num_seqs, args.max_num_batched_tokens, k)
+                                                  for k in ngram_ks]
     args.num_requests = args.num_requests or (32 if quick else 128)
     args.prompt_len = tuple(args.prompt_len or ((16, 128) if quick else (16, 512)))
     args.output_len = tuple(args.output_len or ((16, 64) if quick else (16, 256)))
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.dtype == AUTO:  # the engine's default, resolved here: the baselines need a dtype too
         args.dtype = resolve_auto(args.device)[0]
+    args.vllm_dtypes = args.vllm_dtypes.split(",") if args.vllm_dtypes else [args.dtype]
+    if set(args.vllm_dtypes) - set(DTYPES):
+        parser.error(f"--vllm-dtypes: choose among {sorted(DTYPES)}, got {args.vllm_dtypes}")
     if args.peer and args.device != "cpu":
         parser.error("--peer vllm runs vLLM's CPU build: use --device cpu")
     args.threads = args.threads or len(os.sched_getaffinity(0))
     args.baseline_requests = args.baseline_requests or (16 if quick else 32)
-    if args.workload == "realistic" and (args.peer or args.baselines not in (None, "none")):
-        parser.error("--workload realistic samples: the baselines and --peer run greedy id workloads only")
+    if args.workload == "realistic" and args.baselines not in (None, "none"):
+        parser.error("--workload realistic samples: the transformers baselines run the greedy random workload only")
     args.baselines = args.baselines or ("none" if args.peer or args.workload == "realistic"
                                         else "hf_static_best,hf_cb_default")
     args.baselines = [] if args.baselines == "none" else args.baselines.split(",")
@@ -301,6 +319,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    args.load_avg_start = round(os.getloadavg()[0], 2)
     torch.set_num_threads(args.threads)
     if args.device == "cpu" and args.threads > 1 and os.getloadavg()[0] >= args.threads:
         # Seen on a shared 2-CPU machine: 2 threads ran up to 10x slower than 1 while tests ran beside.
@@ -354,8 +373,8 @@ def main() -> None:
             del hf_model
             gc.collect()
         if args.peer == "vllm":
-            results.append(progress(peer.run_vllm(model_dir, workload, args.kv_cache_bytes, args.dtype, args.seed,
-                                                  args.vllm_budgets, say)))
+            results.append(progress(peer.run_vllm(model_dir, workload, args.kv_cache_bytes, args.vllm_dtypes,
+                                                  args.seed, args.vllm_budgets, say)))
     report(args, workload, results, naive_seqs, bytes_per_token, config, profile)
 
 
@@ -406,20 +425,25 @@ def report(args: argparse.Namespace, workload: list[Request], results: list[RunR
             summary |= r.extra
             subset = workload if r.num_requests == len(workload) else seeded_subset(
                 workload, args.baseline_requests, args.seed)
-            summary[f"{r.name}_token_agreement"] = round(agreement(engine, r, workload, subset), 3)
+            # Sampled outputs (the realistic workload, unseeded) differ by design: no agreement then.
+            greedy = all(req.temperature == 0.0 for req in subset)
+            summary[f"{r.name}_token_agreement"] = round(agreement(engine, r, workload, subset), 3) if greedy else None
     peak_rss = max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
     summary |= {
         "kv_cache_bytes": args.kv_cache_bytes, "kv_bytes_per_token": bytes_per_token,
         "max_position": config.max_position, "model": config.name, "device": args.device, "dtype": args.dtype,
         "threads": args.threads, "quick": args.quick, "seed": args.seed, "workload": args.workload,
-        "load_avg_end": round(os.getloadavg()[0], 2),
+        "load_avg_start": args.load_avg_start, "load_avg_end": round(os.getloadavg()[0], 2),
         "peak_rss_mib": round(peak_rss / 1024),  # largest single process (ru_maxrss is in KiB on Linux)
         "cpu_preload": os.environ.get("LD_PRELOAD", "") if cpu_preload_active() else None,
     }
 
-    print(f"workload: {len(workload)} requests, prompts {args.prompt_len[0]}-{args.prompt_len[1]} tokens "
-          f"({sum(len(r.prompt_token_ids) for r in workload)} in all), outputs {args.output_len[0]}-"
-          f"{args.output_len[1]} ({sum(r.max_tokens for r in workload)} in all), ignore_eos, greedy, seed {args.seed}")
+    prompt_lens, output_lens = [len(r.prompt_token_ids) for r in workload], [r.max_tokens for r in workload]
+    sampling = ("greedy" if workload[0].temperature == 0.0
+                else f"temperature {workload[0].temperature}, top_p {workload[0].top_p}, unseeded")
+    print(f"{args.workload} workload: {len(workload)} requests, prompts {min(prompt_lens)}-{max(prompt_lens)} tokens "
+          f"({sum(prompt_lens)} in all), outputs {min(output_lens)}-{max(output_lens)} ({sum(output_lens)} in all), "
+          f"ignore_eos, {sampling}, seed {args.seed}")
     print(f"model {config.name} on {args.device} in {args.dtype}, {args.threads} torch thread(s)")
     print(f"KV budget {args.kv_cache_bytes / 2**20:.0f} MiB = {args.kv_cache_bytes // bytes_per_token} tokens at "
           f"{bytes_per_token} B/token; pre-allocating {config.max_position} tokens per request fits {naive_seqs}")

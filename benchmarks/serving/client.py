@@ -51,8 +51,10 @@ class RequestResult:
 
 
 def generate_request(spec: RequestSpec, cache_salt: str) -> gateway_pb2.GenerateRequest:
-    """Greedy, ``ignore_eos``: every request generates exactly ``max_tokens`` tokens."""
-    params = gateway_pb2.SamplingParams(max_tokens=spec.max_tokens, temperature=0.0, ignore_eos=True)
+    """``ignore_eos``: every request generates exactly ``max_tokens`` tokens, greedy or sampled as
+    ``spec`` says (never seeded)."""
+    params = gateway_pb2.SamplingParams(max_tokens=spec.max_tokens, temperature=spec.temperature, top_p=spec.top_p,
+                                        ignore_eos=True)
     return gateway_pb2.GenerateRequest(prompt=spec.prompt, params=params, cache_salt=cache_salt)
 
 

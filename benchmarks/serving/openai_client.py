@@ -21,8 +21,10 @@ from benchmarks.serving.workload import RequestSpec
 
 
 def completion_body(model: str, spec: RequestSpec, cache_salt: str) -> dict:
-    """Greedy, ``ignore_eos`` (a vLLM extension ours shares): exactly ``max_tokens`` tokens each."""
-    return {"model": model, "prompt": spec.prompt, "max_tokens": spec.max_tokens, "temperature": 0.0,
+    """``ignore_eos`` (a vLLM extension ours shares): exactly ``max_tokens`` tokens each; greedy or
+    sampled as ``spec`` says."""
+    return {"model": model, "prompt": spec.prompt, "max_tokens": spec.max_tokens, "temperature": spec.temperature,
+            "top_p": spec.top_p,
             "ignore_eos": True, "cache_salt": cache_salt, "stream": True, "stream_options": {"include_usage": True}}
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from benchmarks import vllm_peer
 from benchmarks.serving import vllm_client
 from benchmarks.serving import report as report
-from benchmarks.serving.workload import RequestSpec, make_requests, poisson_arrivals
+from benchmarks.serving.workload import RequestSpec, poisson_arrivals
 from benchmarks.serving.vllm_server import VllmServer
 
 SATURATION_GOAL = 1.2  # our saturation output tokens/s over vLLM's
@@ -44,17 +44,18 @@ async def sweep(base_url: str, model: str, specs: list[RequestSpec], args: argpa
     return {**headline, "baseline": summary_baseline, "rates": summary_runs}
 
 
-def run_vllm(model_dir: Path, tokens_per_word: float, args: argparse.Namespace, log_file: Path, say) -> dict:
-    """Start vLLM's server, run the sweep, stop it; returns its summary (bench_serving's shape)."""
-    specs = make_requests(args.num_requests, args.prompt_len, args.output_len, tokens_per_word, args.seed)
+def run_vllm(model_dir: Path, specs: list[RequestSpec], args: argparse.Namespace, log_file: Path, say) -> dict:
+    """Start vLLM's server, run the sweep of ``specs`` (the requests our side was sent), stop it;
+    returns its summary (bench_serving's shape)."""
     server = VllmServer(model_dir, args.kv_cache_bytes, args.max_num_seqs, args.max_num_batched_tokens,
-                        ngram_k=args.vllm_ngram, log_file=log_file)
-    say("vllm: starting its OpenAI server (compiles its model, ~1-2 min, not timed)")
+                        ngram_k=args.vllm_ngram, log_file=log_file, dtype=args.vllm_dtype)
+    say(f"vllm {args.vllm_dtype}: starting its OpenAI server (compiles its model, ~1-2 min, not timed)")
     with server:
         summary = asyncio.run(sweep(server.base_url, server.served_model, specs, args, say))
     summary["exit_status"] = server.stop()
     summary["env"] = server.settings
     summary["ngram_k"] = args.vllm_ngram
+    summary["dtype"] = args.vllm_dtype
     return summary
 
 

@@ -29,6 +29,7 @@ class StackConfig:
         max_num_batched_tokens: the engine's new tokens per step, prompt chunks included (None = its
             default): how long one step's prefill may stall the running sequences' next tokens.
         num_speculative_tokens: the engine's n-gram drafts per greedy sequence (None = its default).
+        dtype: the compute service's ``--dtype`` (None = its default, auto).
         ready_timeout_s: how long each service may take to become SERVING (model loading included).
     """
 
@@ -39,6 +40,7 @@ class StackConfig:
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     num_speculative_tokens: int | None = None
+    dtype: str | None = None
     ready_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
@@ -54,7 +56,8 @@ class StackConfig:
         compute = ["--block-size", str(self.block_size), *quiet]
         for flag, value in (("--max-num-seqs", self.max_num_seqs),
                             ("--max-num-batched-tokens", self.max_num_batched_tokens),
-                            ("--num-speculative-tokens", self.num_speculative_tokens)):
+                            ("--num-speculative-tokens", self.num_speculative_tokens),
+                            ("--dtype", self.dtype)):
             if value is not None:
                 compute += [flag, str(value)]
         return stack.StackConfig(model=self.model, memory_args=memory, compute_args=tuple(compute),

@@ -20,13 +20,15 @@ from benchmarks.serving.workload import RequestSpec
 
 
 def completion_body(model: str, spec: RequestSpec, cache_salt: str) -> dict:
-    """Greedy, ``ignore_eos``, streamed: every request generates exactly ``max_tokens`` tokens.
+    """``ignore_eos``, streamed: every request generates exactly ``max_tokens`` tokens, greedy or
+    sampled as ``spec`` says (never seeded: vLLM 0.32's CPU build fails on per-request seeds).
 
     ``cache_salt`` (vLLM's prefix-cache namespace, as our gateway's) is the one our side sends for
     the same phase: the rates send the same prompts, and without it vLLM would find each rate's
     prompts cached by the phases before it while ours computes them afresh.
     """
-    return {"model": model, "prompt": spec.prompt, "max_tokens": spec.max_tokens, "temperature": 0.0,
+    return {"model": model, "prompt": spec.prompt, "max_tokens": spec.max_tokens, "temperature": spec.temperature,
+            "top_p": spec.top_p,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
             "return_token_ids": True, "cache_salt": cache_salt}
 

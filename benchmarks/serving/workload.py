@@ -29,10 +29,12 @@ WORDS = (
 
 @dataclass(frozen=True)
 class RequestSpec:
-    """One request: its prompt text and the exact number of tokens to generate."""
+    """One request: its prompt text, the exact number of tokens to generate, and how to pick them."""
 
     prompt: str
     max_tokens: int
+    temperature: float = 0.0  # greedy (the random-word mix); the realistic workload samples
+    top_p: float = 1.0
 
 
 def make_text(rng: random.Random, num_words: int) -> str:
@@ -55,6 +57,16 @@ def make_requests(num_requests: int, prompt_len: tuple[int, int], output_len: tu
         num_prompt = rng.randint(*prompt_len)
         specs.append(RequestSpec(make_text(rng, words_for(num_prompt, tokens_per_word)), rng.randint(*output_len)))
     return specs
+
+
+def make_realistic_requests(tokenizer, num_requests: int, seed: int) -> list[RequestSpec]:
+    """The realistic mix (benchmarks/throughput/realistic.py: English chat turns, prompts ~50-1,500
+    tokens, outputs 30-400, temperature 0.8, top_p 0.95), each prompt the chat-templated text of
+    its turn, as ``vllm bench serve`` sends a custom dataset's prompts."""
+    from benchmarks.throughput import realistic
+
+    return [RequestSpec(realistic.chat_text(tokenizer, turn.content), turn.max_tokens, realistic.TEMPERATURE,
+                        realistic.TOP_P) for turn in realistic.make_realistic_turns(tokenizer, num_requests, seed)]
 
 
 def make_shared_prefix(num_requests: int, prefix_tokens: int, question_tokens: int, max_tokens: int,

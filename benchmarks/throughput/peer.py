@@ -1,10 +1,11 @@
 """``bench_throughput --peer vllm``: vLLM's CPU build on the same seeded workload, after our engine.
 
-Each setting of ``--vllm-budgets`` (``max_num_seqs:max_num_batched_tokens[:ngram_k]``; default:
-our budgets, with and without vLLM's n-gram speculative decoding, since ours drafts too) is one
-vLLM process (benchmarks/throughput/vllm_offline.py in vLLM's venv), started after our engine has
-finished and been closed, so that the two never share the CPUs. The best setting is the peer's
-figure; every one is reported.
+Each dtype of ``--vllm-dtypes`` (default: ours) and each setting of ``--vllm-budgets``
+(``max_num_seqs:max_num_batched_tokens[:ngram_k]``; default: our budgets, and for a greedy workload
+also with vLLM's n-gram speculative decoding, since ours drafts greedy requests too) is one vLLM
+process (benchmarks/throughput/vllm_offline.py in vLLM's venv), started after our engine has
+finished and been closed, so that the two never share the CPUs. The best run is the peer's
+figure; every one is reported, and the best of each dtype.
 
 ``ngram_k`` > 0 runs vLLM with ``speculative_config={"method": "ngram", "num_speculative_tokens":
 ngram_k, "prompt_lookup_min": 1, "prompt_lookup_max": 4}``, the same n-gram sizes as our proposer.
@@ -13,6 +14,7 @@ ngram_k, "prompt_lookup_min": 1, "prompt_lookup_max": 4}``, the same n-gram size
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import tempfile
 import time
@@ -61,19 +63,25 @@ def engine_args(budget: Budget) -> dict:
     return args
 
 
-def run_vllm(model_dir: Path, workload: list[Request], kv_cache_bytes: int, dtype: str, seed: int,
+def offline_job(model_dir: Path, workload: list[Request], dtype: str, seed: int, budget: Budget) -> dict:
+    """vllm_offline.py's input: each request with its own sampling (greedy or temperature/top_p)."""
+    return {"model": str(model_dir), "dtype": dtype, "seed": seed, "engine_args": engine_args(budget),
+            "requests": [[r.prompt_token_ids, r.max_tokens, r.temperature, r.top_p] for r in workload]}
+
+
+def run_vllm(model_dir: Path, workload: list[Request], kv_cache_bytes: int, dtypes: list[str], seed: int,
              budgets: list[Budget], say=print) -> RunResult:
-    """vLLM on ``workload`` once per budget; returns the fastest run, with every run in ``extra``."""
+    """vLLM on ``workload`` once per dtype and budget; returns the fastest run, with every run and
+    each dtype's best in ``extra``."""
     python = vllm_peer.vllm_python()
     env, settings = vllm_peer.vllm_env(python, kv_cache_bytes)
     runs = []
     with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp:
-        for budget in budgets:
-            job = {"model": str(model_dir), "dtype": dtype, "seed": seed, "engine_args": engine_args(budget),
-                   "requests": [[r.prompt_token_ids, r.max_tokens] for r in workload]}
+        for dtype, budget in ((d, b) for d in dtypes for b in budgets):
+            job = offline_job(model_dir, workload, dtype, seed, budget)
             in_path, out_path, log_path = (Path(tmp) / n for n in ("in.json", "out.json", "vllm.log"))
             in_path.write_text(json.dumps(job))
-            say(f"vllm: {job['engine_args']} (startup, compile included, ~1-2 min, is not timed)")
+            say(f"vllm {dtype}: {job['engine_args']} (startup, compile included, ~1-2 min, is not timed)")
             started = time.perf_counter()
             kmp_before = vllm_peer.kmp_files()
             with open(log_path, "w") as log:
@@ -85,14 +93,21 @@ def run_vllm(model_dir: Path, workload: list[Request], kv_cache_bytes: int, dtyp
                 raise RuntimeError(f"vLLM exited with {proc.returncode}; its log ends:\n{tail}")
             result = json.loads(out_path.read_text())
             result["process_s"] = round(time.perf_counter() - started, 1)
+            result["load_avg"] = round(os.getloadavg()[0], 2)
             runs.append(result)
-            say(f"vllm: {result['generated_tokens']} tokens in {result['wall_s']:.1f} s = "
+            say(f"vllm {dtype}: {result['generated_tokens']} tokens in {result['wall_s']:.1f} s = "
                 f"{result['generated_tokens'] / result['wall_s']:.2f} tok/s")
-    best = min(runs, key=lambda r: r["wall_s"] / r["generated_tokens"])
+    def tok_s(run: dict) -> float:
+        return run["generated_tokens"] / run["wall_s"]
+
+    best = max(runs, key=tok_s)
     return RunResult("vllm", len(workload), best["generated_tokens"], best["wall_s"], best["outputs"], {
         "vllm_version": best["vllm_version"],
+        "vllm_best_dtype": best["dtype"],
         "vllm_best_engine_args": best["engine_args"],
-        "vllm_runs": [{**r["engine_args"], "tok_s": round(r["generated_tokens"] / r["wall_s"], 2),
-                       "startup_s": r["startup_s"]} for r in runs],
+        # Each dtype's best run: vLLM at bf16 and at float32 side by side (bf16 ~2x here).
+        **{f"vllm_{d}_tok_s": round(max(tok_s(r) for r in runs if r["dtype"] == d), 2) for d in dtypes},
+        "vllm_runs": [{"dtype": r["dtype"], **r["engine_args"], "tok_s": round(tok_s(r), 2),
+                       "startup_s": r["startup_s"], "load_avg": r["load_avg"]} for r in runs],
         "vllm_env": settings,
     })

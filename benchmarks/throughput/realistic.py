@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import dataclass
 
 from benchmarks.throughput.workload import Request
 
@@ -40,24 +41,45 @@ def english_text() -> str:
     return "\n\n".join(topics[key] for key in sorted(topics))
 
 
-def _chat_ids(tokenizer, content: str) -> list[int]:
-    text = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+def chat_text(tokenizer, content: str) -> str:
+    """``content`` as one user turn through ``tokenizer``'s chat template, ready for the assistant."""
+    return tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
                                          tokenize=False)
-    return tokenizer(text, add_special_tokens=False).input_ids
 
 
-def make_realistic_workload(tokenizer, num_requests: int, seed: int) -> list[Request]:
-    """``num_requests`` chat prompts (token ids through ``tokenizer``'s chat template) with their
-    output lengths and sampling settings."""
+def _chat_ids(tokenizer, content: str) -> list[int]:
+    return tokenizer(chat_text(tokenizer, content), add_special_tokens=False).input_ids
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One realistic request as a client sends it: the user's text and the tokens to generate."""
+
+    content: str  # an instruction and an excerpt, before the chat template
+    max_tokens: int
+
+
+def make_realistic_turns(tokenizer, num_requests: int, seed: int) -> list[Turn]:
+    """``num_requests`` user turns whose chat-templated prompts have the length mix above.
+
+    The serving benchmark sends these as text (each server applies the template, or vLLM's client
+    does); ``make_realistic_workload`` turns the same turns into token ids.
+    """
     rng = random.Random(seed)
     text_ids = tokenizer(english_text(), add_special_tokens=False).input_ids
-    workload = []
+    turns = []
     for _ in range(num_requests):
         instruction = rng.choice(_INSTRUCTIONS)
         overhead = len(_chat_ids(tokenizer, instruction + "\n\n"))
         excerpt_len = max(8, _lognormal(rng, PROMPT_TOKENS) - overhead)
         start = rng.randrange(0, len(text_ids) - excerpt_len)
         excerpt = tokenizer.decode(text_ids[start:start + excerpt_len])
-        prompt = _chat_ids(tokenizer, f"{instruction}\n\n{excerpt}")
-        workload.append(Request(prompt, _lognormal(rng, OUTPUT_TOKENS), temperature=TEMPERATURE, top_p=TOP_P))
-    return workload
+        turns.append(Turn(f"{instruction}\n\n{excerpt}", _lognormal(rng, OUTPUT_TOKENS)))
+    return turns
+
+
+def make_realistic_workload(tokenizer, num_requests: int, seed: int) -> list[Request]:
+    """``num_requests`` chat prompts (token ids through ``tokenizer``'s chat template) with their
+    output lengths and sampling settings."""
+    return [Request(_chat_ids(tokenizer, turn.content), turn.max_tokens, temperature=TEMPERATURE, top_p=TOP_P)
+            for turn in make_realistic_turns(tokenizer, num_requests, seed)]

@@ -8,7 +8,9 @@ inclusive CPU milliseconds of each range, summed over the profiled steps and div
 
 - prefill: fresh prompts of the workload, in order, filling one step's token budget;
 - decode: as many of the workload's requests as fit in 80% of the pool (at most ``--profile-seqs``)
-  are prefilled first, then ``--profile-steps`` steps in which every one of them decodes are timed.
+  are prefilled first, then ``--profile-steps`` steps in which every one of them decodes are timed,
+  each sampled as the workload asks (the realistic workload: temperature 0.8, top_p 0.95, so the
+  sampler's cost is in "other"; the random one greedy, with the engine's drafts).
 """
 
 from __future__ import annotations
@@ -69,7 +71,8 @@ def profile_steps(model: str, workload: list[Request], args: argparse.Namespace,
             need = len(req.prompt_token_ids) + max_tokens
             if seqs >= args.profile_seqs or used + need > 0.8 * pool_tokens:
                 break
-            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+            params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+                                    ignore_eos=True)
             engine.add_request(f"decode-{i}", req.prompt_token_ids, params)
             seqs, used = seqs + 1, used + need
         while engine.scheduler.waiting or any(not s.output_token_ids for s in engine.scheduler.running):

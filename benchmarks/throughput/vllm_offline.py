@@ -2,11 +2,14 @@
 
 Run by vLLM's own venv python (benchmarks/vllm_peer.py), never imported by ours: it reads only the
 standard library and vLLM. Input: a JSON file ``{"model": DIR, "dtype": ..., "seed": ...,
-"engine_args": {...}, "requests": [[prompt_token_ids, max_tokens], ...]}``; output: a JSON file
-``{"wall_s", "generated_tokens", "outputs", "startup_s", "engine_args", "vllm_version"}``.
+"engine_args": {...}, "requests": [[prompt_token_ids, max_tokens, temperature, top_p], ...]}``;
+output: a JSON file ``{"wall_s", "generated_tokens", "outputs", "startup_s", "engine_args",
+"dtype", "vllm_version"}``.
 
-Greedy, ``ignore_eos``, exactly ``max_tokens`` per request, as on our side. Startup (vLLM compiles
-its model) and one warm-up request stay outside the timed region.
+Each request as on our side: ``ignore_eos``, exactly ``max_tokens``, greedy (temperature 0) or
+sampled with its temperature and top_p, without a per-request seed (vLLM 0.32's CPU build fails
+on them: "CPU Generator does not use offset"). Startup (vLLM compiles its model) and one warm-up
+request stay outside the timed region.
 
     .venv-vllm/bin/python benchmarks/throughput/vllm_offline.py IN.json OUT.json
 """
@@ -31,8 +34,9 @@ def main(in_path: str, out_path: str) -> None:
     warmup = TokensPrompt(prompt_token_ids=[requests[0][0][0]] * 8)
     llm.generate([warmup], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True), use_tqdm=False)
     startup_s = time.perf_counter() - started
-    prompts = [TokensPrompt(prompt_token_ids=ids) for ids, _ in requests]
-    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for _, n in requests]
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids, *_ in requests]
+    params = [SamplingParams(max_tokens=n, temperature=temperature, top_p=top_p, ignore_eos=True)
+              for _, n, temperature, top_p in requests]
     started = time.perf_counter()
     results = llm.generate(prompts, params, use_tqdm=False)
     wall_s = time.perf_counter() - started
@@ -40,7 +44,7 @@ def main(in_path: str, out_path: str) -> None:
     with open(out_path, "w") as f:
         json.dump({"wall_s": wall_s, "generated_tokens": sum(map(len, outputs)), "outputs": outputs,
                    "startup_s": round(startup_s, 1), "engine_args": job["engine_args"],
-                   "vllm_version": vllm.__version__}, f)
+                   "dtype": job["dtype"], "vllm_version": vllm.__version__}, f)
 
 
 if __name__ == "__main__":

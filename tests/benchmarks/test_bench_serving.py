@@ -28,7 +28,8 @@ def _is_alive(pid: int) -> bool:
 def test_tiny_run_reports_every_rate_prefix_caching_and_cleans_up(tmp_path: Path) -> None:
     model = build_service_model(tmp_path / "model")
     plots = tmp_path / "plots"
-    cmd = [sys.executable, "-m", "benchmarks.bench_serving", "--model", str(model.path), "--rates", "4", "inf",
+    cmd = [sys.executable, "-m", "benchmarks.bench_serving", "--workload", "random", "--model", str(model.path),
+           "--rates", "4", "inf",
            "--num-requests", str(NUM_REQUESTS), "--prompt-len", "16", "64", "--output-len", "8", "24",
            "--prefix-tokens", "200", "--question-tokens", "8", "--prefix-requests", "3", "--block-size", "4",
            "--kv-cache-bytes", str(4 << 20), "--kv-sample-interval-s", "0.01", "--plot-dir", str(plots),
@@ -82,7 +83,8 @@ def test_tiny_run_reports_every_rate_prefix_caching_and_cleans_up(tmp_path: Path
 def test_tiny_run_through_the_openai_http_front(tmp_path: Path) -> None:
     """``--api openai``: the same workload as streamed /v1/completions through the gateway's HTTP front."""
     model = build_service_model(tmp_path / "model")
-    cmd = [sys.executable, "-m", "benchmarks.bench_serving", "--api", "openai", "--model", str(model.path),
+    cmd = [sys.executable, "-m", "benchmarks.bench_serving", "--workload", "random", "--api", "openai",
+           "--model", str(model.path),
            "--rates", "inf", "--num-requests", "4", "--prompt-len", "16", "32", "--output-len", "8", "16",
            "--prefix-tokens", "100", "--question-tokens", "8", "--prefix-requests", "2", "--block-size", "4",
            "--kv-cache-bytes", str(4 << 20), "--kv-sample-interval-s", "0.05", "--report-stack"]

@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 
 from benchmarks import bench_serving, bench_throughput, vllm_peer
-from benchmarks.serving import vllm_client
+from benchmarks.serving import vllm_bench, vllm_client
 from benchmarks.serving import peer as serving_peer
 from benchmarks.serving.workload import RequestSpec
 from benchmarks.throughput import peer as throughput_peer
+from benchmarks.throughput.workload import Request
 
 
 def test_budgets_and_kv_space() -> None:
@@ -62,9 +63,21 @@ def test_stale_kmp_files_of_dead_processes_are_removed_others_kept() -> None:
 
 
 def test_throughput_peer_arguments() -> None:
-    args = bench_throughput.parse_args(["--peer", "vllm", "--device", "cpu", "--max-num-batched-tokens", "4096"])
+    args = bench_throughput.parse_args(["--peer", "vllm", "--device", "cpu", "--max-num-batched-tokens", "4096",
+                                        "--workload", "random"])
     assert args.kv_cache_bytes == 1 << 30 and args.baselines == []
     assert args.vllm_budgets == [(256, 4096, 0), (256, 4096, 2)]  # ours, with and without n-gram drafts
+    # The realistic workload is the default and samples: no drafts on either side; vLLM at our dtype
+    # unless told, or at both to find its best.
+    args = bench_throughput.parse_args(["--peer", "vllm", "--device", "cpu", "--dtype", "float32"])
+    assert args.workload == "realistic" and args.vllm_budgets == [(256, 2048, 0)] and args.vllm_dtypes == ["float32"]
+    args = bench_throughput.parse_args(["--peer", "vllm", "--device", "cpu", "--vllm-dtypes", "bfloat16,float32"])
+    assert args.vllm_dtypes == ["bfloat16", "float32"]
+    with pytest.raises(SystemExit):
+        bench_throughput.parse_args(["--peer", "vllm", "--device", "cpu", "--vllm-dtypes", "int8"])
+    assert bench_throughput.parse_args(["--random-model-config", "tiny", "--device", "cpu"]).workload == "random"
+    with pytest.raises(SystemExit):  # a random-weight model has no tokenizer for English prompts
+        bench_throughput.parse_args(["--random-model-config", "tiny", "--workload", "realistic"])
     args = bench_throughput.parse_args(["--peer", "vllm", "--device", "cpu", "--vllm-budgets", "64:1024,256:8192"])
     assert args.vllm_budgets == [(64, 1024, 0), (256, 8192, 0)]
     assert bench_throughput.parse_args(["--device", "cpu"]).kv_cache_bytes == 512 << 20  # unchanged without a peer
@@ -78,6 +91,63 @@ def test_serving_peer_arguments() -> None:
     assert bench_serving.parse_args([]).kv_cache_bytes == 512 << 20
     with pytest.raises(SystemExit):
         bench_serving.parse_args(["--peer", "vllm", "--kv-cache-bytes", str(3 << 29)])
+    args = bench_serving.parse_args(["--peer", "vllm", "--dtype", "float32"])
+    assert args.vllm_dtype == "float32" and args.workload == "realistic"  # vLLM at our dtype unless told
+    assert bench_serving.parse_args(["--peer", "vllm", "--vllm-dtype", "bfloat16"]).vllm_dtype == "bfloat16"
+    # vLLM's client: the issue's phases by default (8 one at a time, 64 at 0.5 req/s and all at once).
+    args = bench_serving.parse_args(["--client", "vllm-bench", "--peer", "vllm"])
+    assert (args.rates, args.num_requests, args.baseline_requests) == ([0.5, float("inf")], 64, 8)
+    assert [(p.label, p.num_prompts, p.max_concurrency) for p in vllm_bench.phases(args)] == [
+        ("one_at_a_time", 8, 1), ("rate-0.5", 64, None), ("rate-inf", 64, None)]
+    assert len({p.seed for p in vllm_bench.phases(args)}) == 3  # each phase its own prompts
+    for bad in (["--workload", "random"], ["--api", "openai"], ["--vllm-dtype", "int8", "--peer", "vllm"]):
+        with pytest.raises(SystemExit):
+            bench_serving.parse_args(["--client", "vllm-bench", *bad])
+
+
+def test_vllm_bench_serve_command_line() -> None:
+    phase = vllm_bench.Phase("rate-0.5", 64, 0.5, None, 4)
+    args = vllm_bench.client_args("http://127.0.0.1:9", Path("/m"), "served", Path("d.jsonl"), phase)
+    assert "--ignore-eos" in args  # every request generates exactly its output_tokens
+    assert args[args.index("--request-rate") + 1] == "0.5" and args[args.index("--seed") + 1] == "4"
+    assert args[args.index("--dataset-name") + 1] == "custom" and args[args.index("--custom-output-len") + 1] == "-1"
+    assert args[args.index("--temperature") + 1] == "0.8" and args[args.index("--top-p") + 1] == "0.95"
+    assert args[args.index("--served-model-name") + 1] == "served" and "--max-concurrency" not in args
+    one = vllm_bench.client_args("u", Path("/m"), "s", Path("d"), vllm_bench.Phase("one_at_a_time", 8, float("inf"),
+                                                                                   1, 0))
+    assert one[one.index("--request-rate") + 1] == "inf" and one[one.index("--max-concurrency") + 1] == "1"
+
+
+def test_vllm_bench_result_block_summary_and_ratios() -> None:
+    stdout = "noise\n" + "=" * 16 + " Serving Benchmark Result " + "=" * 16 + "\nSuccessful requests: 8\n" + \
+        "=" * 50 + "\nafter\n"
+    assert vllm_bench.result_block(stdout).splitlines()[1:] == ["Successful requests: 8", "=" * 50]
+    assert vllm_bench.result_block("no block") == ""
+
+    def result(out_tok_s: float, ttft_ms: float, tpot_ms: float) -> dict:
+        r = {"completed": 8, "failed": 0, "duration": 10.0, "request_throughput": 0.8, "output_throughput": out_tok_s,
+             "total_output_tokens": 800, "total_input_tokens": 4000}
+        for metric, ms in (("ttft", ttft_ms), ("tpot", tpot_ms), ("itl", tpot_ms), ("e2el", 1000.0)):
+            r |= {f"mean_{metric}_ms": ms, **{f"p{q}_{metric}_ms": ms for q in ("50", "90", "99")}}
+        return r
+
+    ours = vllm_bench.summarise(result(240.0, 500.0, 40.0))
+    assert ours["ttft_s"]["p99"] == 0.5 and ours["tpot_s"]["p50"] == 0.04 and ours["out_tok_s"] == 240.0
+    theirs = vllm_bench.summarise(result(200.0, 400.0, 50.0))
+    comparison = vllm_bench.compare({"phases": {"rate-inf": ours, "rate-0.5": ours, "one_at_a_time": ours}},
+                                    {"phases": {"rate-inf": theirs, "rate-0.5": theirs, "one_at_a_time": theirs}})
+    assert comparison["vs_vllm"]["rate-inf"] == {"out_tok_s_ratio": 1.2, "ttft_p50_ratio": 1.25,
+                                                 "ttft_p99_ratio": 1.25, "tpot_p50_ratio": 0.8}
+    assert comparison["goals"] == {"saturation_ratio": 1.2, "saturation_goal_met": True,
+                                   "rate-0.5_latency_no_worse": False,  # TTFT p99 1.25x vLLM's
+                                   "one_at_a_time_tpot_no_worse": True}
+
+
+def test_offline_job_carries_each_requests_sampling() -> None:
+    workload = [Request([5, 6], 3), Request([7], 4, temperature=0.8, top_p=0.95)]
+    job = throughput_peer.offline_job(Path("/m"), workload, "bfloat16", 0, (256, 2048, 0))
+    assert job["requests"] == [[[5, 6], 3, 0.0, 1.0], [[7], 4, 0.8, 0.95]] and job["dtype"] == "bfloat16"
+    assert "seed" not in str(job["requests"])  # no per-request seed (vLLM 0.32's CPU build fails on them)
 
 
 def _run(rate: str, tpot_p50: float, ttft_p99: float, out_tok_s: float) -> dict:
@@ -104,6 +174,8 @@ def test_openai_stream_body_and_events() -> None:
     body = vllm_client.completion_body("m", RequestSpec("hi there", 7), "rate-inf")
     assert body["cache_salt"] == "rate-inf"  # the same prefix-cache namespace as our side's phase
     assert body["max_tokens"] == 7 and body["ignore_eos"] and body["temperature"] == 0.0 and body["stream"]
+    sampled = vllm_client.completion_body("m", RequestSpec("hi", 7, temperature=0.8, top_p=0.95), "rate-inf")
+    assert (sampled["temperature"], sampled["top_p"]) == (0.8, 0.95) and "seed" not in sampled
     assert body["return_token_ids"] and body["stream_options"] == {"include_usage": True}
     assert vllm_client.parse_event('data: {"choices": [{"token_ids": [5]}]}') == {"choices": [{"token_ids": [5]}]}
     assert vllm_client.parse_event("data: [DONE]") is None and vllm_client.parse_event("") is None
