@@ -3,6 +3,13 @@
 A backend is in rotation while its last health poll said SERVING and its model matches the one the
 gateway serves. A failed request marks it out at once (passive check); the next poll that
 succeeds brings it back, so a restarted compute service rejoins without anyone's help.
+
+The routing's model of a prefix cache belongs to the memory service, not to the backend
+(``SharedCaches``): backends whose Info names the same memory service share one ``CacheModel``.
+That model outlives a backend's failure. A compute service that restarts finds the same pool; a
+memory service that restarts without a tier comes back under a new id (a new, empty model); one
+with a tier keeps its id (memory_service/identity.py) and its blocks, in the tier if no longer in
+the pool, so the model stays right but for which tier a block sits in.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.config import GatewayConfig, parse_backend
-from gateway.routing import AffinityIndex
+from gateway.routing import CacheModel
 from pagedserve import sampling_rules
 from pagedserve.compute.v1 import compute_pb2, compute_pb2_grpc
 from pagedserve.log import get_logger
@@ -26,9 +33,51 @@ log = get_logger("gateway.backends")
 
 # Index size before a backend has told its block count.
 _DEFAULT_INDEX_CAPACITY = 4096
+
 # A backend that refuses connections or says NOT_SERVING leaves the rotation at once; one that is
 # merely slow to answer a poll (a busy machine) only after this many slow polls in a row.
 _MAX_SLOW_POLLS = 3
+
+
+class SharedCaches:
+    """One ``CacheModel`` per memory service, shared by every backend that reports its id.
+
+    A backend that names no memory service (an older compute service, or one not attached yet)
+    gets a model of its own, keyed by its address. Models no backend uses any more are dropped.
+    """
+
+    def __init__(self) -> None:
+        self._models: dict[str, CacheModel] = {}
+        self._key_of: dict[str, str] = {}  # backend address -> its model's key
+
+    @staticmethod
+    def key(address: str, info: compute_pb2.InfoResponse | None) -> str:
+        if info is not None and info.memory_service_id:
+            return f"memory:{info.memory_service_id}"
+        return f"backend:{address}"
+
+    def model_for(self, address: str, info: compute_pb2.InfoResponse | None) -> CacheModel:
+        """The model of the cache behind ``address`` (whose Info is ``info``), sized by that Info."""
+        key = self.key(address, info)
+        pool_capacity = (info.num_kv_blocks if info is not None else 0) or _DEFAULT_INDEX_CAPACITY
+        tier_capacity = sum(t.capacity_blocks for t in info.kv_tiers) if info is not None else 0
+        model = self._models.get(key)
+        if model is None:
+            model = self._models[key] = CacheModel(pool_capacity, tier_capacity)
+        else:
+            model.resize(pool_capacity, tier_capacity)
+        self._key_of[address] = key
+        self._drop_unused()
+        return model
+
+    def release(self, address: str) -> None:
+        """The backend is gone (DNS no longer lists it)."""
+        self._key_of.pop(address, None)
+        self._drop_unused()
+
+    def _drop_unused(self) -> None:
+        for key in set(self._models) - set(self._key_of.values()):
+            del self._models[key]
 
 
 class Ticket:
@@ -61,8 +110,10 @@ class Ticket:
 class Backend:
     """One compute service: its channel, health, reported load and this gateway's work on it."""
 
-    def __init__(self, address: str, options: list[tuple[str, int]], token: str | None = None) -> None:
+    def __init__(self, address: str, options: list[tuple[str, int]], token: str | None = None,
+                 caches: SharedCaches | None = None) -> None:
         self.address = address
+        self._caches = caches or SharedCaches()
         # With a token, every call on this channel carries it (the compute service refuses others).
         interceptors = token_interceptors(token) if token else None
         self.channel = grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
@@ -71,7 +122,7 @@ class Backend:
         self.is_healthy = False
         self.info: compute_pb2.InfoResponse | None = None
         self.load: compute_pb2.LoadResponse | None = None
-        self.affinity = AffinityIndex(_DEFAULT_INDEX_CAPACITY)
+        self.cache = self._caches.model_for(address, None)  # what the router predicts it holds
         self.num_outstanding = 0  # requests routed here by this gateway, not yet finished
         self.outstanding_tokens = 0  # their prompts not yet prefilled plus tokens not yet generated
         self._other_tokens = 0  # reported pending tokens that are not this gateway's
@@ -92,7 +143,10 @@ class Backend:
         if self.is_healthy:
             log.warning("backend_out_of_rotation", backend=self.address, reason=reason)
         self.is_healthy = False
-        self.affinity.clear()  # its cache may be gone (restart); stale affinity would only mislead
+        if self.info is None or not self.info.memory_service_id:
+            # Its cache may be gone (a restart), and nothing will tell: stale affinity would only mislead.
+            # A named memory service's model stays (see the module's docstring).
+            self.cache.forget_pool()
 
     async def poll(self, timeout_s: float) -> None:
         """Health check + Load (+ Info once); updates ``is_healthy`` and the reported load."""
@@ -103,7 +157,7 @@ class Backend:
             )
             if self.info is None or not self.is_healthy:  # (re)joining: it may serve another model now
                 self.info = await self.stub.Info(compute_pb2.InfoRequest(), timeout=timeout_s)
-                self.affinity.resize(self.info.num_kv_blocks or _DEFAULT_INDEX_CAPACITY)
+                self.cache = self._caches.model_for(self.address, self.info)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 self._num_slow_polls += 1
@@ -137,6 +191,7 @@ class BackendPool:
     def __init__(self, config: GatewayConfig, on_poll: Callable[[BackendPool], None]) -> None:
         self.config = config
         self.backends: dict[str, Backend] = {}
+        self.caches = SharedCaches()
         self._on_poll = on_poll
         # The compute service's own wire limit, both ways (sized from the request limits).
         wire_bytes = sampling_rules.max_message_bytes()
@@ -153,7 +208,7 @@ class BackendPool:
 
     def _add(self, address: str) -> None:
         if address not in self.backends:
-            self.backends[address] = Backend(address, self._options, self.config.backend_token)
+            self.backends[address] = Backend(address, self._options, self.config.backend_token, self.caches)
 
     def in_rotation(self, model_name: str | None) -> list[Backend]:
         """Healthy backends that serve ``model_name`` (any model when None)."""
@@ -197,6 +252,7 @@ class BackendPool:
             self._add(address)
         for address in set(self.backends) - found - static:
             backend = self.backends.pop(address)
+            self.caches.release(address)
             log.info("backend_removed", backend=address)
             # Streams still running on it keep their channel until they end.
             asyncio.get_running_loop().call_later(self.config.grace_period_s, asyncio.ensure_future, backend.close())

@@ -69,6 +69,9 @@ class GatewayConfig(ServiceConfig):
             least loaded backend's by more than this ...
         affinity_max_load_ratio: ... and by more than this factor (both must hold, as in SGLang's
             router: a small absolute gap or a small ratio is noise, not imbalance).
+        affinity_tier_weight: what a prompt block predicted only in a backend's KV tier (below its
+            memory service's pool: a load, not a pool hit) is worth for affinity, a pool block being
+            worth 1; in [0, 1] (docs/design.md, "Prefix affinity across shared pools and tiers").
         log_prompts: put prompt text into access log lines (off: prompts are user data).
         backend_token_file: a file holding the token the compute services require (sent as
             ``authorization: Bearer TOKEN`` on every call to them); else ``$PAGEDSERVE_COMPUTE_TOKEN``.
@@ -92,6 +95,7 @@ class GatewayConfig(ServiceConfig):
     affinity_max_blocks: int = 32
     affinity_max_load_gap: int = 4096
     affinity_max_load_ratio: float = 2.0
+    affinity_tier_weight: float = 0.5
     log_prompts: bool = False
     write_stall_timeout_s: float = 30.0
     tokenize_threads: int = 2
@@ -122,6 +126,8 @@ class GatewayConfig(ServiceConfig):
         for name in ("grace_period_s", "drain_delay_s", "affinity_max_load_gap"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0.0 <= self.affinity_tier_weight <= 1.0:
+            raise ValueError(f"affinity_tier_weight must be in [0, 1], got {self.affinity_tier_weight}")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError("tls_cert_file, tls_key_file: give both (or neither)")
         for name in ("tls_cert_file", "tls_key_file"):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -26,7 +26,7 @@ import grpc
 from gateway.backends import Backend, BackendPool
 from gateway.compute_convert import delta_from_pb, to_compute_request
 from gateway.core.types import BackendRequest, Delta
-from gateway.routing import Router, block_hashes
+from gateway.routing import RouteDecision, Router, block_hashes
 from pagedserve.compute.v1 import compute_pb2
 from pagedserve.errors import (
     DeadlineExceededError,
@@ -94,12 +94,15 @@ class Dispatcher:
         pool: the backends.
         router: the routing policy.
         affinity_max_blocks: leading prompt blocks hashed for affinity.
+        on_route: called with every routing decision (the routing metrics).
     """
 
-    def __init__(self, pool: BackendPool, router: Router, affinity_max_blocks: int) -> None:
+    def __init__(self, pool: BackendPool, router: Router, affinity_max_blocks: int,
+                 on_route: Callable[[RouteDecision], None] | None = None) -> None:
         self.pool = pool
         self.router = router
         self.affinity_max_blocks = affinity_max_blocks
+        self._on_route = on_route
 
     async def run(self, request: BackendRequest, model_name: str, route: Route,
                   timeout_s: float | None) -> AsyncIterator[Delta]:
@@ -126,10 +129,13 @@ class Dispatcher:
             block_size = candidates[0].info.block_size if candidates[0].info else 16
             hashes = block_hashes(request.prompt_token_ids, block_size or 16,
                                   f"{model_name}|{request.cache_salt}", self.affinity_max_blocks)
-            backend = self.router.choose(candidates, hashes)
+            decision = self.router.decide(candidates, hashes)
+            backend = decision.target
             assert isinstance(backend, Backend)
             # Counted now, before the first await: concurrent requests see this one's load.
             ticket = backend.acquire(len(request.prompt_token_ids) + request.n * request.max_tokens)
+            if self._on_route is not None:
+                self._on_route(decision)
             tried.add(backend.address)
             route.backend, route.num_attempts = backend.address, attempt + 1
             message = to_compute_request(request, f"gw-{uuid.uuid4().hex}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from gateway.routing import RouteDecision
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 # Latencies of an LLM: first tokens in tens of ms to seconds; tokens in a few to hundreds of ms.
@@ -50,6 +51,30 @@ class GatewayMetrics:
                                             "Tokens each backend reported still to compute (every gateway's "
                                             "requests), as of this gateway's last poll.",
                                             ["backend"], registry=self.registry)
+
+        self.routing_decisions = Counter(
+            "pagedserve_gateway_routing_decisions",
+            "Requests routed, by backend and by what the backend's cache was predicted to hold of the prompt: "
+            "pool (its leading blocks, in the memory service's pool), tier (some of them only in a tier below "
+            "the pool), none. Backends attached to one memory service share its predictions.",
+            ["backend", "prediction"], registry=self.registry)
+        self.routing_predicted_blocks = Counter(
+            "pagedserve_gateway_routing_predicted_blocks",
+            "Prompt blocks predicted cached on the backend each request was routed to, by where: pool or tier.",
+            ["where"], registry=self.registry)
+        self.routing_affinity_yielded = Counter(
+            "pagedserve_gateway_routing_affinity_yielded",
+            "Requests not sent to the backend with the best predicted cache hit, because it was too loaded.",
+            registry=self.registry)
+
+    def routed(self, decision: RouteDecision) -> None:
+        """The dispatcher's callback: one routing decision."""
+        backend = getattr(decision.target, "address", "?")
+        self.routing_decisions.labels(backend, decision.prediction).inc()
+        self.routing_predicted_blocks.labels("pool").inc(decision.match.num_pool_blocks)
+        self.routing_predicted_blocks.labels("tier").inc(decision.match.num_tier_blocks)
+        if decision.yielded:
+            self.routing_affinity_yielded.inc()
 
     def tenant_changed(self, tenant: str, num_requests: int) -> None:
         """``Tenants``' callback: a tenant's requests in flight changed."""

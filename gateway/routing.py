@@ -19,6 +19,13 @@ hash of (previous block's hash, the block's token ids, namespace), the shape of 
 service's prefix-cache key, with the backend's block size, so "the index has the first k blocks"
 means "the backend most likely has them cached". It is an LRU bounded by the blocks the backend
 reports, because a backend cannot cache more than that either.
+
+The cache is the memory service's, not the backend's: backends attached to one memory service
+(they report the same ``memory_service_id`` in Info) share one ``CacheModel``, so a prefix sent to
+one is a predicted hit on all of them, and the least loaded of them takes it. A memory service with
+a tier below its pool (``--kv-disk-dir``) keeps blocks after the pool evicts them: the model has a
+second, larger LRU for the tier, and a block found only there counts ``tier_weight`` of a pool
+block (docs/design.md, "Prefix affinity across shared pools and tiers", says why 0.5).
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import hashlib
 import random
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 
@@ -95,14 +103,102 @@ class AffinityIndex:
         self._hashes.clear()
 
 
+@dataclass(frozen=True)
+class CacheMatch:
+    """A prompt's leading blocks predicted in a cache: first ``num_pool_blocks + num_tier_blocks``
+    blocks, each found in the pool or, failing that, in a tier."""
+
+    num_pool_blocks: int = 0
+    num_tier_blocks: int = 0
+
+    def score(self, tier_weight: float) -> float:
+        """Blocks the backend would not have to compute, a tier block counting ``tier_weight``."""
+        return self.num_pool_blocks + tier_weight * self.num_tier_blocks
+
+
+class CacheModel:
+    """What one memory service most likely holds: its pool's blocks and its tiers' (two LRUs of hashes).
+
+    Every block routed to the cache goes into both: a tier is written behind the pool's back
+    (write-behind), so it holds the pool's blocks too, and keeps them after the pool evicts them,
+    until its own, larger, capacity is spent.
+
+    Args:
+        pool_capacity: blocks of the pool (Info.num_kv_blocks).
+        tier_capacity: blocks of its tiers together (0: no tier).
+    """
+
+    def __init__(self, pool_capacity: int, tier_capacity: int = 0) -> None:
+        self.pool = AffinityIndex(pool_capacity)
+        self.tier = AffinityIndex(tier_capacity) if tier_capacity > 0 else None
+
+    def match(self, hashes: Sequence[bytes]) -> CacheMatch:
+        """The leading ``hashes`` found, each in the pool if there, else in the tier; stops at the first miss."""
+        num_pool = num_tier = 0
+        for digest in hashes:
+            if self.pool.match((digest,)):
+                num_pool += 1
+            elif self.tier is not None and self.tier.match((digest,)):
+                num_tier += 1
+            else:
+                break
+        return CacheMatch(num_pool, num_tier)
+
+    def insert(self, hashes: Sequence[bytes]) -> None:
+        """Records that the cache now holds these blocks (most recently used in both LRUs)."""
+        self.pool.insert(hashes)
+        if self.tier is not None:
+            self.tier.insert(hashes)
+
+    def resize(self, pool_capacity: int, tier_capacity: int) -> None:
+        """Bounds the model by the capacities the backend reported (a tier may appear or go)."""
+        self.pool.resize(pool_capacity)
+        if tier_capacity <= 0:
+            self.tier = None
+        elif self.tier is None:
+            self.tier = AffinityIndex(tier_capacity)
+        else:
+            self.tier.resize(tier_capacity)
+
+    def forget_pool(self) -> None:
+        """Forgets the pool's blocks (a backend failed: the memory service may have restarted); a
+        tier's blocks stay, since they outlive a restart."""
+        self.pool.clear()
+
+
 class RouteTarget(Protocol):
     """What the router needs of a backend."""
 
-    affinity: AffinityIndex
+    cache: CacheModel
 
     def work(self) -> int:
         """Outstanding tokens (prompts to prefill plus tokens to generate), all gateways together."""
         ...
+
+
+@dataclass(frozen=True)
+class RouteDecision:
+    """Where a request goes, and why (for the routing metrics).
+
+    Attributes:
+        target: the chosen backend.
+        match: what its cache was predicted to hold of the prompt.
+        yielded: a backend with a better prediction was passed over because it was too loaded.
+    """
+
+    target: RouteTarget
+    match: CacheMatch
+    yielded: bool
+
+    @property
+    def prediction(self) -> str:
+        """"pool" (blocks predicted in the pool only), "tier" (some only in a tier) or "none"."""
+        if self.match.num_tier_blocks:
+            return "tier"
+        return "pool" if self.match.num_pool_blocks else "none"
+
+
+_NO_MATCH = CacheMatch()
 
 
 class Router:
@@ -112,12 +208,17 @@ class Router:
         max_load_gap: affinity yields when its backend's work exceeds the least loaded one's by
             more than this many tokens ...
         max_load_ratio: ... and is more than this factor of it.
+        tier_weight: what a block predicted only in a tier is worth, a pool block being worth 1.
         rng: random source for tie breaks (seeded in tests).
     """
 
-    def __init__(self, max_load_gap: int, max_load_ratio: float, rng: random.Random | None = None) -> None:
+    def __init__(self, max_load_gap: int, max_load_ratio: float, rng: random.Random | None = None,
+                 tier_weight: float = 0.5) -> None:
+        if not 0.0 <= tier_weight <= 1.0:
+            raise ValueError(f"tier_weight must be in [0, 1], got {tier_weight}")
         self.max_load_gap = max_load_gap
         self.max_load_ratio = max_load_ratio
+        self.tier_weight = tier_weight
         self._rng = rng or random.Random()
 
     def is_imbalanced(self, work: int, min_work: int) -> bool:
@@ -125,8 +226,15 @@ class Router:
         return work - min_work > self.max_load_gap and work > self.max_load_ratio * min_work
 
     def choose(self, candidates: Sequence[RouteTarget], hashes: Sequence[bytes]) -> RouteTarget:
-        """The backend for a prompt with these block hashes; records the blocks in its index.
+        """``decide``'s backend."""
+        return self.decide(candidates, hashes).target
 
+    def decide(self, candidates: Sequence[RouteTarget], hashes: Sequence[bytes]) -> RouteDecision:
+        """The backend for a prompt with these block hashes; records the blocks in its cache model.
+
+        Among the backends whose load is not imbalanced (the least loaded one never is), the one
+        with the best predicted cache score; among equal scores the least loaded; among equal
+        loads one at random. With no prediction anywhere that is simply the least loaded backend.
         The caller must count the request's load on the result before it awaits anything.
 
         Raises:
@@ -136,17 +244,20 @@ class Router:
             raise ValueError("no backend to choose from")
         work = [target.work() for target in candidates]
         min_work = min(work)
-        chosen: RouteTarget | None = None
-        if hashes:
-            matched = [target.affinity.match(hashes) for target in candidates]
-            best = max(matched)
-            if best > 0:
-                holders = [i for i, m in enumerate(matched) if m == best]
-                least = min(work[i] for i in holders)
-                pick = self._rng.choice([i for i in holders if work[i] == least])
-                if not self.is_imbalanced(work[pick], min_work):
-                    chosen = candidates[pick]
-        if chosen is None:
-            chosen = candidates[self._rng.choice([i for i, w in enumerate(work) if w == min_work])]
-        chosen.affinity.insert(hashes)
-        return chosen
+        # Backends sharing one memory service share one CacheModel: match each model once.
+        matches_by_model: dict[int, CacheMatch] = {}
+        matches = []
+        for target in candidates:
+            key = id(target.cache)
+            if key not in matches_by_model:
+                matches_by_model[key] = target.cache.match(hashes) if hashes else _NO_MATCH
+            matches.append(matches_by_model[key])
+        scores = [m.score(self.tier_weight) for m in matches]
+        eligible = [i for i, w in enumerate(work) if not self.is_imbalanced(w, min_work)]
+        best = max(scores[i] for i in eligible)
+        best_ids = [i for i in eligible if scores[i] == best]
+        least = min(work[i] for i in best_ids)
+        pick = self._rng.choice([i for i in best_ids if work[i] == least])
+        chosen = candidates[pick]
+        chosen.cache.insert(hashes)
+        return RouteDecision(chosen, matches[pick], yielded=best < max(scores))

@@ -49,8 +49,9 @@ class Gateway:
         # One core; each front is an edge over it.
         self.core = GatewayCore(
             config,
-            Dispatcher(self.pool, Router(config.affinity_max_load_gap, config.affinity_max_load_ratio),
-                       config.affinity_max_blocks),
+            Dispatcher(self.pool, Router(config.affinity_max_load_gap, config.affinity_max_load_ratio,
+                                         tier_weight=config.affinity_tier_weight),
+                       config.affinity_max_blocks, self.metrics.routed),
             self.metrics,
             self.tenants,
         )

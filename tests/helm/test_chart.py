@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import posixpath
 
+import helm_python as helm
 import kubernetes_validate
 import pytest
 
@@ -29,6 +30,9 @@ VALUE_SETS = {
                     "apiKeys": {"secretName": "gateway-keys"}},
         "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
     },
+    "kv-tier-emptydir": {"gpu": {"mode": "none"}, "engine": {"memory": {"kvTier": {"enabled": True}}}},
+    "kv-tier-pvc": {"engine": {"memory": {"kvTier": {"enabled": True, "existingClaim": "kv-tier",
+                                                    "bytes": 100 << 30}}}},
 }
 
 
@@ -416,3 +420,43 @@ def test_a_keyless_gateway_answers_its_service_names_only() -> None:
     assert hosts({"gateway": {"httpAllowedHosts": ["llm.example.com"]}})[-1] == "llm.example.com"
     assert hosts({"gateway": {"apiKeys": {"secretName": "keys"}}}) == []
     assert hosts({"gateway": {"apiKeys": {"secretName": "keys"}, "httpAllowedHosts": ["*"]}}) == ["*"]
+
+
+def test_kv_tier_is_off_by_default() -> None:
+    pod = engine_pod(render({}))
+    memory = container(pod, "memory")
+    assert flag(memory, "--kv-disk-dir") is None and flag(memory, "--kv-disk-bytes") is None
+    assert "kv-tier" not in {v["name"] for v in pod["volumes"]}
+
+
+@pytest.mark.parametrize("claim", ["", "kv-tier"])
+def test_kv_tier_volume_is_mounted_into_the_memory_service_and_passed_as_flags(claim: str) -> None:
+    """Issue 29: the disk tier's directory is a private subdirectory of its own volume (an emptyDir
+    of sizeLimit, or an existing claim), in the memory container only, and its budget the flag's."""
+    tier = {"enabled": True, "existingClaim": claim, "bytes": 4 << 30, "sizeLimit": "5Gi",
+            "mountPath": "/var/lib/kv"}
+    pod = engine_pod(render({"engine": {"memory": {"kvTier": tier}}}))
+    memory, compute = container(pod, "memory"), container(pod, "compute")
+    assert flag(memory, "--kv-disk-dir") == "/var/lib/kv/tier"
+    assert flag(memory, "--kv-disk-bytes") == str(4 << 30)
+    assert mounts(memory)["kv-tier"] == "/var/lib/kv"
+    assert "kv-tier" not in mounts(compute)  # the compute service reads tier blocks through the pool
+    [volume] = [v for v in pod["volumes"] if v["name"] == "kv-tier"]
+    if claim:
+        assert volume == {"name": "kv-tier", "persistentVolumeClaim": {"claimName": claim}}
+    else:
+        assert volume == {"name": "kv-tier", "emptyDir": {"sizeLimit": "5Gi"}}
+
+
+def test_kv_tier_values_that_cannot_work_fail_at_install() -> None:
+    # A budget beyond the emptyDir would get the pod evicted when the tier fills.
+    with pytest.raises(helm.HelmRenderError) as info:
+        render({"engine": {"memory": {"kvTier": {"enabled": True, "bytes": 30 << 30, "sizeLimit": "20Gi"}}}})
+    assert "engine.memory.kvTier.bytes (32212254720) must be at most its emptyDir's sizeLimit (20Gi)" in str(info.value)
+    # One claim under several replicas: several memory services on one tier directory.
+    with pytest.raises(helm.HelmRenderError) as info:
+        render({"engine": {"replicas": 2, "memory": {"kvTier": {"enabled": True, "existingClaim": "kv"}}}})
+    assert "engine.memory.kvTier.existingClaim serves one engine replica" in str(info.value)
+    # Disabled, nothing about the tier is checked; the emptyDir is per pod, so replicas are fine.
+    render({"engine": {"replicas": 2, "memory": {"kvTier": {"enabled": False, "existingClaim": "kv"}}}})
+    render({"engine": {"replicas": 2, "memory": {"kvTier": {"enabled": True}}}})

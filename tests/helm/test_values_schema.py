@@ -24,6 +24,10 @@ BAD_VALUES = {
                                   "/gateway/tls/serverName"),
     "tls without a certificate": ({"gateway": {"tls": {"enabled": True, "serverName": "n"}}}, "/gateway/tls"),
     "zero write-stall timeout": ({"gateway": {"writeStallTimeoutSeconds": 0}}, "/gateway/writeStallTimeoutSeconds"),
+    "relative kv tier mount": ({"engine": {"memory": {"kvTier": {"mountPath": "kv"}}}},
+                               "/engine/memory/kvTier/mountPath"),
+    "bad kv tier size": ({"engine": {"memory": {"kvTier": {"sizeLimit": "big"}}}}, "/engine/memory/kvTier/sizeLimit"),
+    "zero kv tier bytes": ({"engine": {"memory": {"kvTier": {"bytes": 0}}}}, "/engine/memory/kvTier/bytes"),
 }
 
 
