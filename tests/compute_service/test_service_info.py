@@ -7,7 +7,7 @@ from compute_service.service import convert
 from memory_service.api import KvTierInfo
 
 INFO = ModelInfo(model_name="m", max_model_len=64, dtype="float32", device="cpu", vocab_size=10, eos_token_ids=(1,),
-                 bos_token_id=-1, pad_token_id=-1, chat_template="", tokenizer_files=())
+                 bos_token_id=-1, pad_token_id=-1, chat_template="", tokenizer_files=(), kernels="torch-fallback")
 
 
 def test_info_states_the_memory_service_and_its_tiers_in_blocks() -> None:
