@@ -14,6 +14,7 @@ import functools
 import random
 
 import pytest
+import torch
 from transformers import LlamaForCausalLM
 
 from compute_service import SamplingParams
@@ -115,6 +116,26 @@ def test_speculative_drafts_keep_the_tokens(tiny, hf_model) -> None:
     assert plain.num_draft_tokens == 0 and drafted.num_draft_tokens > 0
     assert drafted.num_steps <= plain.num_steps
     assert_intact(drafted)
+
+
+def test_unseeded_rows_draw_without_the_full_vocabulary_multinomial(tiny, monkeypatch) -> None:
+    # An unseeded request has no generator of its own: its rows take the nucleus draw, never the
+    # seeded path's torch.multinomial over the whole vocabulary (~4 ms a row on the default model).
+    # A seeded one still draws through it, and repeats its tokens.
+    from compute_service.engine import sampler
+
+    draws = []
+    real = torch.multinomial
+    monkeypatch.setattr(sampler.torch, "multinomial", lambda *a, **k: draws.append(1) or real(*a, **k))
+    [prompt] = prompts(1, seed=3, length=9)
+    engine = in_process_engine(*tiny, num_blocks=64)
+    unseeded = SamplingParams(max_tokens=6, temperature=0.8, top_p=0.95, ignore_eos=True)
+    out = run(engine, {"u": prompt}, unseeded)
+    assert len(out["u"]) == 6 and draws == []
+    seeded = SamplingParams(max_tokens=6, temperature=0.8, top_p=0.95, ignore_eos=True, seed=5)
+    first, again = run(engine, {"s": prompt}, seeded), run(engine, {"t": prompt}, seeded)
+    assert first["s"] == again["t"] and len(draws) == 12
+    assert_intact(engine)
 
 
 # --- admission and blocks: exact counts -------------------------------------------------------
