@@ -304,6 +304,7 @@ def prebuild(root: Path, levels: list[str] | None = None) -> list[Path]:
         for leftover in directory.iterdir():  # object files, ninja state: not needed to load
             if leftover != library:
                 leftover.unlink() if leftover.is_file() else shutil.rmtree(leftover)
+        (root / f"{directory.name}.flock").unlink(missing_ok=True)  # the build's lock: the root holds builds only
         built.append(library)
     return built
 
