@@ -32,6 +32,10 @@ FLAGS = {
     "max_clients": "clients attached at once",
     "max_blocks_per_client": "block-table entries one client's sequences may hold together (default: the pool)",
     "max_untrusted_client_blocks": "the same for a client without the token, when there is one",
+    "kv_disk_dir": "directory of the disk tier: cached blocks are written behind there (files 0600, directory "
+                   "0700) and found again after eviction or a restart on the same directory",
+    "kv_disk_bytes": "the disk tier's budget in bytes, least recently used blocks dropped beyond it "
+                     "(default with --kv-disk-dir: 10 GiB)",
     "auth_token_file": "file holding the token clients present at Attach ('authorization: Bearer TOKEN'; "
                        "also $PAGEDSERVE_MEMORY_TOKEN): only they may name cache namespaces",
 }

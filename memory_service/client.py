@@ -77,11 +77,13 @@ class MemoryClient:
             attach creates the pool, allocating and mapping all of it: seconds a GiB on a CPU.
         token: the memory service's token, sent on every call (``authorization: Bearer TOKEN``):
             with it this client is trusted (any cache namespace; memory_service/service/trust.py).
+        model_fingerprint: the model weights' fingerprint (compute_service/model/fingerprint.py),
+            sent at Attach: with it (and the token) this client uses the service's KV tier.
     """
 
     def __init__(self, target: str, layout: KvLayout, client_name: str = "compute", connect_timeout_s: float = 30.0,
                  step_timeout_s: float = 30.0, attach_timeout_s: float | None = None,
-                 token: str | None = None) -> None:
+                 token: str | None = None, model_fingerprint: str = "") -> None:
         self._channel = grpc.insecure_channel(target)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self._closed = threading.Event()
@@ -95,7 +97,8 @@ class MemoryClient:
                 raise MemoryServiceUnavailable(
                     f"memory service at {target}: no answer in {connect_timeout_s} s") from None
             self._stub = memory_pb2_grpc.MemoryManagerStub(self._channel)
-            reply = self._attach(pb.AttachRequest(client_name=client_name, layout=convert.layout_to_pb(layout)),
+            reply = self._attach(pb.AttachRequest(client_name=client_name, layout=convert.layout_to_pb(layout),
+                                                  model_fingerprint=model_fingerprint),
                                  connect_timeout_s if attach_timeout_s is None else attach_timeout_s)
         except BaseException:
             self._channel.close()
@@ -159,8 +162,10 @@ class MemoryClient:
         """Apply ops in one RPC; one result per op (``ok=False`` = out of blocks for that op)."""
         return self.step_with_counts(ops).results
 
-    def step_with_counts(self, ops: Sequence[Op]) -> StepResult:
-        """Like ``step``, plus the available block counts after it (what the scheduler plans with).
+    def step_with_counts(self, ops: Sequence[Op], prefill_tokens_per_s: float = 0.0) -> StepResult:
+        """Like ``step``, plus the available block counts after it (what the scheduler plans with)
+        and the sequences whose tier load ended. ``prefill_tokens_per_s``: this engine's measured
+        prefill speed (0 = unknown), for the service's choice between loading and recomputing.
 
         Raises:
             MemoryServiceUnavailable: see the class docstring.
@@ -179,11 +184,13 @@ class MemoryClient:
             ops=[convert.op_to_pb(op) for op in ops[:first]],
             appends=convert.appends_to_pb(list(ops[first:end])),
             late_ops=[convert.op_to_pb(op) for op in ops[end:]],
+            prefill_tokens_per_s=prefill_tokens_per_s,
         )
         reply = self._call(self._stub.Step, request)
         results = [convert.result_from_pb(r) for r in reply.results]
         results[first:first] = convert.append_results_from_pb(reply.append_results)
-        return StepResult(results, reply.num_available_blocks, reply.num_available_reserved_blocks)
+        return StepResult(results, reply.num_available_blocks, reply.num_available_reserved_blocks,
+                          list(reply.loaded_seq_ids))
 
     def commit(self) -> None:
         """Tells the service that the K/V of the last step is written (an empty Step), so other

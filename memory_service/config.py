@@ -25,7 +25,7 @@ DEFAULT_KV_DISK_BYTES = 10 << 30
 # The fields that size the pool and share it out, beside the layout (block_size) and the device: the
 # keywords ``LLM`` passes on to its private memory service.
 POOL_FIELDS = ("max_num_blocks", "kv_cache_bytes", "enable_prefix_caching", "memory_utilization_threshold",
-               "reserved_fraction", "reserved_min_priority")
+               "reserved_fraction", "reserved_min_priority", "kv_disk_dir", "kv_disk_bytes")
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,10 @@ class MemoryServiceConfig(ServiceConfig):
     ``$PAGEDSERVE_MEMORY_TOKEN``), only clients that present it at Attach may name cache namespaces;
     the others are confined to a namespace of their own and ``max_untrusted_client_blocks``. TCP
     (``address``) needs a token: a port reaches beyond this user.
+
+    Tier (memory_service/tier): with ``kv_disk_dir``, cached blocks of trusted clients that sent a
+    model fingerprint are written behind to files there (at most ``kv_disk_bytes``, default
+    ``DEFAULT_KV_DISK_BYTES``, LRU), and found again after eviction or a restart.
     """
 
     socket: str | None = None  # Unix socket path (the default transport)
@@ -62,6 +66,8 @@ class MemoryServiceConfig(ServiceConfig):
     # statistics, never take a block).
     max_untrusted_client_blocks: int = 0
     auth_token_file: str | None = None  # file holding the token (else $PAGEDSERVE_MEMORY_TOKEN)
+    kv_disk_dir: str | None = None  # directory of the disk tier (None: no tier)
+    kv_disk_bytes: int | None = None  # its budget (None: DEFAULT_KV_DISK_BYTES)
     # The token itself: never written out by write_config_file, never in repr or logs.
     auth_token: str | None = field(default=None, repr=False, metadata={"secret": True})
 
@@ -91,6 +97,12 @@ class MemoryServiceConfig(ServiceConfig):
             raise ValueError(f"max_blocks_per_client must be >= 1, got {self.max_blocks_per_client}")
         if self.max_untrusted_client_blocks < 0:
             raise ValueError(f"max_untrusted_client_blocks must be >= 0, got {self.max_untrusted_client_blocks}")
+        if self.kv_disk_bytes is not None and self.kv_disk_bytes < 1:
+            raise ValueError(f"kv_disk_bytes must be >= 1, got {self.kv_disk_bytes}")
+        if self.kv_disk_bytes is not None and self.kv_disk_dir is None:
+            raise ValueError("kv_disk_bytes needs kv_disk_dir (the disk tier's directory)")
+        if self.kv_disk_dir is not None and not self.enable_prefix_caching:
+            raise ValueError("kv_disk_dir needs enable_prefix_caching: the tier keeps cached blocks")
         if self.auth_token is not None:
             check_token(self.auth_token, "auth_token")
         else:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from pagedserve.errors import InvalidArgument
 from pagedserve.memory.v1 import memory_pb2 as pb
 
@@ -15,6 +17,7 @@ from memory_service.manager.block_types import (
     Op,
     OpResult,
     PoolStats,
+    TierStats,
 )
 from memory_service.pool.kv_pool import CudaIpcHandle, KvLayout, PoolDescriptor
 
@@ -119,6 +122,7 @@ def stats_to_pb(stats: BlockManagerStats) -> pb.StatsResponse:
         num_sequences=stats.num_sequences,
         num_clients=stats.num_clients,
         block_size=stats.block_size,
+        tiers=[pb.TierStats(**dataclasses.asdict(t)) for t in stats.tiers],
     )
 
 
@@ -138,6 +142,8 @@ def stats_from_pb(msg: pb.StatsResponse) -> BlockManagerStats:
         num_sequences=msg.num_sequences,
         num_clients=msg.num_clients,
         block_size=msg.block_size,
+        tiers=tuple(TierStats(**{f.name: getattr(t, f.name) for f in dataclasses.fields(TierStats)})
+                    for t in msg.tiers),
     )
 
 
@@ -180,6 +186,7 @@ def result_to_pb(result: OpResult) -> pb.OpResult:
         num_cached_tokens=result.num_cached_tokens,
         num_new_tokens=result.num_new_tokens,
         copies=[pb.BlockCopy(src=s, dst=d) for s, d in result.copies],
+        loading=result.loading,
     )
 
 
@@ -190,6 +197,7 @@ def result_from_pb(msg: pb.OpResult) -> OpResult:
         num_cached_tokens=msg.num_cached_tokens,
         num_new_tokens=msg.num_new_tokens,
         copies=[(c.src, c.dst) for c in msg.copies],
+        loading=msg.loading,
     )
 
 

@@ -68,9 +68,9 @@ def time_decode_steps(
         rpc_s: list[float] = []
         step_with_counts = engine.memory.step_with_counts
 
-        def timed_step_with_counts(ops):  # the engine's one RPC per step, timed where it is sent
+        def timed_step_with_counts(ops, prefill_tokens_per_s=0.0):  # the engine's one RPC per step, timed
             started = time.perf_counter()
-            reply = step_with_counts(ops)
+            reply = step_with_counts(ops, prefill_tokens_per_s)
             rpc_s.append(time.perf_counter() - started)
             return reply
 

@@ -44,7 +44,9 @@ class KvAllocator(Protocol):
     reserved: ReservedPool
     pool: torch.Tensor
 
-    def step_with_counts(self, ops: Sequence[Op]) -> StepResult:
+    def step_with_counts(self, ops: Sequence[Op], prefill_tokens_per_s: float = 0.0) -> StepResult:
         """Apply one step's ops in order (a bad batch raises and changes nothing); one result per op,
-        then the blocks available afterwards (general pool, reserved pool)."""
+        then the blocks available afterwards (general pool, reserved pool), and the sequences whose
+        tier load ended (memory.proto's OpResult.loading). ``prefill_tokens_per_s``: the engine's
+        measured prefill speed (0 = unknown), against which the allocator weighs a tier load."""
         ...

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import time
 from typing import Any
 
 import torch
@@ -31,6 +32,11 @@ from compute_service.structured.grammar_compiler import GrammarCompiler
 from compute_service.structured.logits_mask import LogitsMasker
 
 log = get_logger("engine")
+
+# Weight of the newest step in the prefill speed's moving average (sent to the memory service).
+PREFILL_SPEED_EWMA = 0.3
+# How long a step with nothing to run but sequences parked on tier loads waits before asking again.
+LOADING_POLL_S = 0.002
 
 class Engine:
     """Continuous-batching engine over a model and a KV allocator.
@@ -72,6 +78,9 @@ class Engine:
         self._num_prompt_tokens_admitted = 0
         self._num_prompt_tokens_cached = 0
         self.num_failed_requests = 0  # ended by a failure of their own (finish_reason "error")
+        # Prompt tokens per second of the steps that ran a prefill (0 until one has): the memory
+        # service weighs loading a cached prefix from its tier against it.
+        self.prefill_tokens_per_s = 0.0
         self.num_draft_tokens = 0  # speculative drafts computed, and how many of them were accepted
         self.num_accepted_draft_tokens = 0
         self.detokenize_fault = detokenize_fault
@@ -233,23 +242,41 @@ class Engine:
     def step(self) -> list[RequestDelta]:
         """One step; returns what is new for each request that produced tokens or finished."""
         scheduled = self._schedule()
-        logits = self.runner.run(scheduled) if scheduled else None
+        logits = self._run(scheduled) if scheduled else None
         return self._postprocess(scheduled, logits)
+
+    def _run(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
+        """The model's forward; a step that prefills (a chunk of more than one token) also updates
+        ``prefill_tokens_per_s``."""
+        start = time.perf_counter()
+        logits = self.runner.run(scheduled)
+        if any(item.num_new_tokens > 1 for item in scheduled):
+            elapsed_s = time.perf_counter() - start
+            if elapsed_s > 0:
+                speed = sum(item.num_new_tokens for item in scheduled) / elapsed_s
+                old = self.prefill_tokens_per_s
+                self.prefill_tokens_per_s = speed if not old else old + PREFILL_SPEED_EWMA * (speed - old)
+        return logits
 
     def _schedule(self) -> list[ScheduledSeq]:
         plan = self.scheduler.schedule()
         if not plan.ops:
             if self.scheduler.waiting:
+                if not self.scheduler.has_admissible():
+                    time.sleep(LOADING_POLL_S)  # only tier loads to wait for: do not spin on the RPC
                 # Nothing fits by the counts of the last step, and without a step they never change:
-                # ask again (another client of the memory service may have freed blocks since).
-                reply = self.memory.step_with_counts([])
+                # ask again (another client of the memory service may have freed blocks since, or a
+                # tier load ended).
+                reply = self.memory.step_with_counts([], self.prefill_tokens_per_s)
                 self.scheduler.apply_results(plan, [], reply.num_available_blocks, reply.num_available_reserved_blocks)
+                self.scheduler.loads_ended(reply.loaded_seq_ids)
             return []
-        reply = self.memory.step_with_counts(plan.ops)  # the step's one memory-service RPC
+        reply = self.memory.step_with_counts(plan.ops, self.prefill_tokens_per_s)  # the step's one RPC
         self.num_steps += 1
         self._num_available_blocks = reply.num_available_blocks + reply.num_available_reserved_blocks
         scheduled = self.scheduler.apply_results(plan, reply.results, reply.num_available_blocks,
                                                  reply.num_available_reserved_blocks)
+        self.scheduler.loads_ended(reply.loaded_seq_ids)
         if self.config.num_speculative_tokens:
             speculative.attach_drafts(scheduled, self.config.num_speculative_tokens,
                                       self.config.max_num_batched_tokens, self.memory.block_size,

@@ -20,7 +20,11 @@ engine), then reads the results back. Rules, in order:
    still fails (the count was stale), that sequence is preempted instead, nothing is lost.
 4. Paused sequences (their stream's client is not reading; see the service's stream buffer) keep
    their blocks but get no tokens and no admission until resumed; they may still be preempted.
-5. Admission watermark: while sequences run, a waiting one is admitted only if the
+5. Tier loads: an admission the memory service answers ``loading`` (its cached prefix continues in
+   a tier below the pool, memory.proto's OpResult.loading) stays waiting, parked: it is skipped
+   by admission, and the others go ahead, until a later step reports its load over
+   (``loads_ended``); its next AllocateOp then finds the prefix in the pool.
+6. Admission watermark: while sequences run, a waiting one is admitted only if the
    ``admission_watermark`` share of the pool stays free afterwards, for the running ones to grow
    into. Without it a saturated engine fills the pool with prompts, then preempts (and later
    recomputes) the latest arrivals as soon as decodes need blocks (the preemptions and KV
@@ -210,7 +214,8 @@ class Scheduler:
 
         num_running = len(self.running)
         num_running_by_tenant = Counter(s.tenant for s in self.running)
-        candidates = [s for s in self.waiting if not s.is_paused]  # paused: admitted once their consumer reads
+        # Paused: admitted once their consumer reads; loading: once the memory service has their prefix.
+        candidates = [s for s in self.waiting if not s.is_paused and not s.is_loading]
         num_tenants = len({s.tenant for s in candidates})
         while candidates:
             if budget == 0 or num_running >= self.config.max_num_seqs:
@@ -231,6 +236,19 @@ class Scheduler:
             num_running_by_tenant[seq.tenant] += 1
         return plan
 
+    def loads_ended(self, seq_ids: list[str]) -> None:
+        """The memory service's tier loads for these sequences are over: admit them again (rule 5).
+        Unknown ids (finished or aborted while loading) are ignored."""
+        if seq_ids:
+            ended = set(seq_ids)
+            for seq in self.waiting:
+                if seq.seq_id in ended:
+                    seq.is_loading = False
+
+    def has_admissible(self) -> bool:
+        """Whether a waiting sequence could be admitted now if blocks allowed (not parked on a load)."""
+        return any(not s.is_loading for s in self.waiting)
+
     def apply_results(self, plan: StepPlan, results: list[OpResult], num_available_blocks: int,
                       num_available_reserved_blocks: int) -> list[ScheduledSeq]:
         """Read the memory service's answers; returns what runs this step."""
@@ -250,6 +268,7 @@ class Scheduler:
                 scheduled.append(ScheduledSeq(seq, num_new))
             elif isinstance(op, AllocateOp):
                 if not result.ok:
+                    seq.is_loading = result.loading  # parked until its load ends (rule 5)
                     continue  # stays waiting; the service changed nothing
                 self.waiting.remove(seq)
                 self.running.append(seq)

@@ -58,6 +58,9 @@ class Sequence:
     arrival: int = field(default_factory=lambda: next(_arrival))
     generator: torch.Generator | None = None
     is_paused: bool = False  # its request's consumer is not keeping up: keep the blocks, skip the steps
+    # Waiting for the memory service to load its cached prefix from a tier (memory.proto's
+    # OpResult.loading): not admitted again until the service reports the load over.
+    is_loading: bool = False
     # xgrammar GrammarMatcher of a constrained completion: it has accepted exactly output_token_ids
     # (advanced once per sampled token; recompute after preemption leaves it alone).
     matcher: Any | None = None

@@ -39,6 +39,7 @@ from compute_service.structured.logits_mask import num_abandoned_fills
 from compute_service.engine.engine import Engine
 from compute_service.engine.faults import DetokenizeFault
 from compute_service.service.engine_loop import Attached, EngineLoop
+from compute_service.model.fingerprint import weights_fingerprint
 from compute_service.model.model_info import ModelInfo, model_info
 from compute_service.model.model_loader import LoadedModel, load_model
 from compute_service.service.servicer import ComputeServicer
@@ -80,13 +81,14 @@ def make_attach(loaded: LoadedModel, target: str, engine_config: EngineConfig,
         head_dim=loaded.config.head_dim, dtype=dtype_name(loaded.model.dtype),
         block_size=engine_config.block_size,
     )
+    fingerprint = weights_fingerprint(loaded.model, loaded.config)  # keys the memory service's KV tier
 
     def attach() -> Attached:
         # Probe first (the probe closes its channel): a dead service costs no half-open client.
         if check_health(target, timeout_s=max(timeout_s, 0.2)) != health_pb2.HealthCheckResponse.SERVING:
             raise UnavailableError(f"memory service at {target} is not serving")
         memory = MemoryClient(target, layout, client_name="compute", connect_timeout_s=max(timeout_s, 1.0),
-                              attach_timeout_s=ATTACH_TIMEOUT_S, token=memory_token)
+                              attach_timeout_s=ATTACH_TIMEOUT_S, token=memory_token, model_fingerprint=fingerprint)
         try:
             engine = Engine(loaded.model, loaded.config, loaded.tokenizer, memory, engine_config, grammars,
                             detokenize_fault)

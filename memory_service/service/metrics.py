@@ -4,21 +4,26 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from memory_service.manager.block_types import BlockManagerStats
 
 
 class MemoryStatsCollector(Collector):
-    """Exposes the same figures as the Stats RPC under ``pagedserve_memory_*``.
+    """Exposes the same figures as the Stats RPC under ``pagedserve_memory_*`` (the tiers' under
+    ``pagedserve_memory_tier_*``, labelled by tier), and the tier's load latency histogram.
 
     Args:
         stats: returns a snapshot; called from the metrics server's thread at each scrape.
+        load_latency: returns the tier's load latency buckets (cumulative ``(upper bound s, count)``,
+            +Inf last) and their sum, or None without a tier (``TierWorker.load_latency``).
     """
 
-    def __init__(self, stats: Callable[[], BlockManagerStats]) -> None:
+    def __init__(self, stats: Callable[[], BlockManagerStats],
+                 load_latency: Callable[[], tuple[list[tuple[float, int]], float] | None] = lambda: None) -> None:
         self._stats = stats
+        self._load_latency = load_latency
 
     def collect(self) -> Iterator:
         s = self._stats()
@@ -42,3 +47,31 @@ class MemoryStatsCollector(Collector):
         yield CounterMetricFamily("pagedserve_memory_evictions", "Cached blocks evicted", value=s.num_evictions)
         yield CounterMetricFamily("pagedserve_memory_copy_on_writes", "Blocks copied on write",
                                   value=s.num_copy_on_writes)
+        yield from self._collect_tiers(s)
+
+    def _collect_tiers(self, s: BlockManagerStats) -> Iterator:
+        gauges = {"blocks": ("num_blocks", "Blocks a tier below the pool holds"),
+                  "bytes": ("num_bytes", "Bytes of a tier's block files"),
+                  "capacity_bytes": ("capacity_bytes", "The most bytes a tier may hold")}
+        counters = {"hits_blocks": ("num_hits", "Blocks found in a tier past the pool's cached prefix"),
+                    "misses": ("num_misses", "Tier lookups that ended on a missing block"),
+                    "written_bytes": ("num_bytes_written", "Bytes written to a tier (write-behind)"),
+                    "read_bytes": ("num_bytes_read", "Bytes read from a tier (loads)"),
+                    "write_errors": ("num_write_errors", "Blocks dropped by a failed write (disk full, I/O)"),
+                    "bad_files": ("num_bad_files", "Tier files found damaged or foreign, removed"),
+                    "loads": ("num_loads", "Tier loads started"),
+                    "loads_skipped": ("num_loads_skipped", "Tier loads skipped: recompute estimated faster")}
+        for families, kind in ((gauges, GaugeMetricFamily), (counters, CounterMetricFamily)):
+            for suffix, (field, text) in families.items():
+                family = kind(f"pagedserve_memory_tier_{suffix}", text, labels=["tier"])
+                for tier in s.tiers:
+                    family.add_metric([tier.kind], getattr(tier, field))
+                yield family
+        latency = self._load_latency()
+        if latency is not None:
+            buckets, total_s = latency
+            family = HistogramMetricFamily("pagedserve_memory_tier_load_seconds",
+                                           "Time to load one allocation's blocks from a tier", labels=["tier"])
+            family.add_metric(["disk"], [(str(bound) if bound != float("inf") else "+Inf", count)
+                                         for bound, count in buckets], total_s)
+            yield family

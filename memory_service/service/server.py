@@ -63,7 +63,7 @@ async def start(config: MemoryServiceConfig, *, pool_creation_delay_s: float = 0
     servicer.start()
     if config.metrics_port is not None:
         registry = CollectorRegistry()
-        registry.register(MemoryStatsCollector(servicer.stats))
+        registry.register(MemoryStatsCollector(servicer.stats, servicer.load_latency))
         start_http_server(config.metrics_port, addr=config.metrics_host, registry=registry)
     log.info("memory_service_started", addresses=addresses, metrics_port=config.metrics_port,
              memory_service_id=servicer.service_id)

@@ -12,12 +12,19 @@ and a client that is really gone loses its sequences ``lease_ttl_s`` later. Deta
 
 Trust: a client that presents the service's token at Attach is trusted (any cache namespace, the
 per-client quota); the others are confined (``trust.py`` says exactly to what).
+
+Tier (``--kv-disk-dir``, memory_service/tier): the directory is made at start; the tier opens (its
+files indexed, in a worker thread) at the first Attach of a trusted client with a model fingerprint,
+which binds it to that model and the pool's layout. Trusted clients of that fingerprint use it; the
+others (untrusted, no fingerprint, another model) never do: their blocks are not persisted and they
+get no tier hits. The tier's threads share ``_lock`` with the RPCs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import math
 import secrets
 import threading
@@ -42,10 +49,12 @@ from pagedserve.service_auth import bearer_token
 
 from memory_service import convert
 from memory_service.manager.block_manager import BlockManager, BlockManagerConfig, BlockManagerStats
-from memory_service.config import MAX_NUM_BLOCKS, MemoryServiceConfig
+from memory_service.config import DEFAULT_KV_DISK_BYTES, MAX_NUM_BLOCKS, MemoryServiceConfig
 from memory_service.identity import KvTierInfo, service_id
 from memory_service.pool.kv_pool import KvLayout, KvPool, check_shm_space, create_pool, default_kv_budget
 from memory_service.service import trust
+from memory_service.tier.disk_tier import DiskTier, TierIdentity
+from memory_service.tier.worker import TierWorker
 
 log = get_logger("memory_service")
 
@@ -54,6 +63,8 @@ MAX_OPS_PER_STEP = 65536
 # KeepAlive streams one client may hold at once: one, plus room for a reopened stream while the
 # server has not yet noticed that the old one ended. More is a client bug or an attack.
 MAX_STREAMS_PER_CLIENT = 4
+# Longest model fingerprint an Attach may carry.
+MAX_FINGERPRINT_LENGTH = 128
 # Accepted KeepAlive heartbeat intervals (0 = the server's default, lease_ttl_s / 3).
 MIN_KEEPALIVE_INTERVAL_S, MAX_KEEPALIVE_INTERVAL_S = 0.05, 3600.0
 
@@ -97,10 +108,16 @@ class MemoryManagerServicer(memory_pb2_grpc.MemoryManagerServicer):
         self._reaper: asyncio.Task | None = None
         self._pool_lock = asyncio.Lock()  # one first attach creates the pool; the others wait for it
         self._creating: asyncio.Task | None = None  # the pool's creation (see _ensure_pool)
-        # Told to every client at Attach (memory_service/identity.py). Hook for the tier: pass its
-        # directory, so the id outlives a restart, and list its tiers (kind, capacity) here.
-        self.service_id = service_id(None)
-        self.tiers: tuple[KvTierInfo, ...] = ()
+        self._disk: DiskTier | None = None
+        self.tier: TierWorker | None = None  # once the disk tier is open (the module docstring)
+        self._tier_lock = asyncio.Lock()
+        if config.kv_disk_dir is not None:  # made (0700) now: a bad directory fails the start
+            self._disk = DiskTier(config.kv_disk_dir, config.kv_disk_bytes or DEFAULT_KV_DISK_BYTES)
+        # Told to every client at Attach (memory_service/identity.py); kept in the tier's directory,
+        # which is what outlives a restart.
+        self.service_id = service_id(config.kv_disk_dir)
+        self.tiers: tuple[KvTierInfo, ...] = (
+            (KvTierInfo("disk", self._disk.capacity_bytes),) if self._disk is not None else ())
 
     def start(self) -> None:
         """Starts the lease reaper; call on the server's event loop."""
@@ -223,13 +240,17 @@ class MemoryManagerServicer(memory_pb2_grpc.MemoryManagerServicer):
         layout = convert.layout_from_pb(request.layout, self.config.block_size)
         if len(request.client_name) > 128:
             raise InvalidArgument(f"client_name has {len(request.client_name)} characters, at most 128")
+        if len(request.model_fingerprint) > MAX_FINGERPRINT_LENGTH:
+            raise InvalidArgument(f"model_fingerprint has {len(request.model_fingerprint)} characters, "
+                                  f"at most {MAX_FINGERPRINT_LENGTH}")
         await self._ensure_pool(layout)
+        is_trusted = self._is_trusted_call(context)
+        tier_identity = await self._tier_identity(request.model_fingerprint, is_trusted)
         # After the await, with no other until the lease is added: attaches that waited for the pool
         # together cannot all pass the check.
         if len(self._leases) >= self.config.max_clients:
             raise ResourceExhaustedError(f"{len(self._leases)} clients are attached, the most this service takes")
         client_id = f"{request.client_name or 'client'}-{secrets.token_hex(6)}"
-        is_trusted = self._is_trusted_call(context)
         bm_config = self.block_manager.config
         # Built before the client is added: a reply that cannot be built must not leave a lease behind.
         reply = pb.AttachResponse(
@@ -245,10 +266,32 @@ class MemoryManagerServicer(memory_pb2_grpc.MemoryManagerServicer):
         )
         max_blocks = self.config.max_blocks_per_client if is_trusted else self.config.max_untrusted_client_blocks
         with self._lock:
-            self.block_manager.add_client(client_id, max_blocks)
+            self.block_manager.add_client(client_id, max_blocks, tier_identity)
         self._leases[client_id] = Lease(name=request.client_name, last_seen=time.monotonic(), is_trusted=is_trusted)
-        log.info("client_attached", client_id=client_id, is_trusted=is_trusted, max_blocks=max_blocks)
+        log.info("client_attached", client_id=client_id, is_trusted=is_trusted, max_blocks=max_blocks,
+                 uses_tier=tier_identity is not None)
         return reply
+
+    async def _tier_identity(self, fingerprint: str, is_trusted: bool) -> bytes | None:
+        """The tier identity of a client about to attach (None: it does not use the tier); opens the
+        tier on the first one that may use it (the module docstring)."""
+        if self._disk is None or not fingerprint or not is_trusted:
+            return None
+        async with self._tier_lock:
+            if self.tier is None:
+                layout = self.layout
+                identity = TierIdentity(fingerprint, layout.dtype, layout.block_size, layout.num_layers,
+                                        layout.num_kv_heads, layout.head_dim)
+                await asyncio.to_thread(self._disk.open, identity)
+                with self._lock:
+                    self.tier = TierWorker(self._disk, self.block_manager, self._lock, self.pool.tensor)
+                    self.block_manager.enable_tier(self.tier)
+        identity = self._disk.identity
+        if identity.fingerprint != fingerprint:
+            log.warning("kv_tier_not_for_this_model", reason="the tier keeps another model's blocks: "
+                        "this client does not use it", tier_fingerprint=identity.fingerprint, fingerprint=fingerprint)
+            return None
+        return identity.digest
 
     async def Detach(self, request: pb.DetachRequest, context: grpc.aio.ServicerContext) -> pb.DetachResponse:
         self._lease(request.client_id, context)
@@ -288,18 +331,27 @@ class MemoryManagerServicer(memory_pb2_grpc.MemoryManagerServicer):
         if num_ops > MAX_OPS_PER_STEP:
             raise InvalidArgument(f"the step has {num_ops} ops; at most {MAX_OPS_PER_STEP} per step")
         lease = self._lease(request.client_id, context)
+        prefill_tokens_per_s = request.prefill_tokens_per_s
+        if not (math.isfinite(prefill_tokens_per_s) and prefill_tokens_per_s >= 0):
+            raise InvalidArgument(f"prefill_tokens_per_s must be a finite number >= 0, got {prefill_tokens_per_s}")
         early = [convert.op_from_pb(op) for op in request.ops]
         appends = convert.appends_from_pb(request.appends)
         late = [convert.op_from_pb(op) for op in request.late_ops]
         if not lease.is_trusted:  # before anything applies: a refused namespace changes nothing
             early = trust.confine(request.client_id, early)
             late = trust.confine(request.client_id, late, "late_ops")
+        manager = self.block_manager
         with self._lock:
+            manager.set_prefill_speed(request.client_id, prefill_tokens_per_s)
             # One apply() so that validation covers the whole step before anything changes.
-            results = self.block_manager.apply(request.client_id, [*early, *appends, *late])
-            num_available, num_available_reserved = self.block_manager.num_available_blocks()
+            results = manager.apply(request.client_id, [*early, *appends, *late])
+            num_available, num_available_reserved = manager.num_available_blocks()
             # What this client may still take, for its scheduler's plan: the pool's count or its quota.
-            quota_left = max(0, self.block_manager.num_quota_left(request.client_id))
+            quota_left = max(0, manager.num_quota_left(request.client_id))
+            loaded_seq_ids = manager.take_load_reports(request.client_id)
+            new_loads = manager.take_new_loads()
+        if self.tier is not None:
+            self.tier.submit(new_loads)  # and wakes the writer for the blocks this step committed
         num_available_reserved = min(num_available_reserved, quota_left - min(num_available, quota_left))
         num_available = min(num_available, quota_left)
         num_early = len(early)
@@ -308,6 +360,7 @@ class MemoryManagerServicer(memory_pb2_grpc.MemoryManagerServicer):
             append_results=convert.append_results_to_pb(results[num_early : num_early + len(appends)]),
             num_available_blocks=num_available,
             num_available_reserved_blocks=num_available_reserved,
+            loaded_seq_ids=loaded_seq_ids,
         )
 
     async def GetBlockTable(
@@ -336,7 +389,15 @@ class MemoryManagerServicer(memory_pb2_grpc.MemoryManagerServicer):
         with self._lock:
             if self.block_manager is None:  # before the first attach there is no pool
                 return BlockManagerStats.empty(self.config.block_size, num_clients=len(self._leases))
-            return self.block_manager.stats()
+            stats = self.block_manager.stats()
+            if self.tier is not None:
+                stats = dataclasses.replace(stats, tiers=(self.tier.stats(),))
+            return stats
+
+    def load_latency(self) -> tuple[list[tuple[float, int]], float] | None:
+        """The tier's load latency histogram (``TierWorker.load_latency``), None without a tier."""
+        tier = self.tier
+        return tier.load_latency() if tier is not None else None
 
     def check_integrity(self) -> str | None:
         """None when every block-manager invariant holds, else the first broken one (logged as an error)."""
@@ -358,6 +419,8 @@ class MemoryManagerServicer(memory_pb2_grpc.MemoryManagerServicer):
         if self._creating is not None:
             with contextlib.suppress(Exception):  # its Attach reports a failure; here only the pool matters
                 await self._creating
+        if self.tier is not None:  # before the pool goes: its threads read and write it
+            await asyncio.to_thread(self.tier.close)
         with self._lock:
             if self.pool is not None:
                 self.pool.close()

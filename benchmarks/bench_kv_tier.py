@@ -1,0 +1,209 @@
+"""KV tier benchmark (issue 29): what the memory service's disk tier (--kv-disk-dir) buys and costs.
+
+Prints a table, then as its last line one JSON object:
+
+- ``returning``: a long prompt (``--prompt-tokens``, 4,000 by default), then other prompts that evict
+  it from a small pool, then the same prompt again: TTFT computed from scratch (``recompute_ttft_s``,
+  its first time, nothing cached) against TTFT served from the tier (``tier_ttft_s``), their ratio
+  (goal >= 5) and the share of its tokens counted as cached (goal >= 0.95).
+- ``warm_restart``: the engine and its memory service stopped, a new pair started on the same
+  directory: the prompt's TTFT against a cold pair on an empty directory (goal >= 5x), and whether the
+  greedy tokens are the same.
+- ``working_set``: ``--docs`` documents of ``--doc-tokens`` tokens asked about (a document and a short
+  question) in a skewed (Zipf) order, the pool a tenth of the documents: prefix hit rate and mean
+  TTFT with and without the tier.
+- ``no_reuse``: unique prompts, nothing shared: generated tokens per second with the tier on against
+  off (goal: within 3%; the write-behind must not slow the engine).
+- ``disk``: the tier directory's read bandwidth, measured on a file dropped from the page cache
+  (``cold_read_mb_s``) and read again from it (``cached_read_mb_s``): loads of blocks written a moment
+  ago read from the page cache.
+
+Each scenario runs ``LLM`` (the engine in this process, its memory service a process of its own, as
+in ``pagedserve up`` minus the gateway), the default model unless ``--model``. The machine is shared:
+compare runs of one machine, and read the CPU and the disk figures with them.
+
+    python -m benchmarks.bench_kv_tier [--model default] [--prompt-tokens 4000] [--docs 12] [--doc-tokens 512]
+                                       [--requests 24] [--no-reuse-prompts 8] [--dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from compute_service import LLM
+from compute_service.engine.sampling_params import SamplingParams
+from pagedserve.log import configure_logging
+
+BLOCK_SIZE = 16
+
+
+def ttft_and_tokens(llm: LLM, prompt: list[int], max_tokens: int, request_id: str) -> tuple[float, list[int], int]:
+    """Runs one greedy request alone: (seconds to its first token, its tokens, its cached prompt tokens)."""
+    engine = llm.engine
+    start = time.perf_counter()
+    engine.add_request(request_id, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    ttft, tokens, num_cached = None, [], 0
+    while True:
+        for delta in engine.step():
+            if delta.request_id != request_id:
+                continue
+            tokens += delta.completions[0].token_ids if delta.completions else []
+            num_cached = delta.num_cached_tokens
+            if ttft is None and tokens:
+                ttft = time.perf_counter() - start
+            if delta.finished:
+                engine.step()  # frees its blocks now
+                return ttft, tokens, num_cached
+
+
+def wait_for_tier(llm: LLM, num_blocks: int, timeout_s: float = 300.0) -> None:
+    """Until the write-behind has written ``num_blocks`` blocks (or the timeout: measured all the same)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        tiers = llm.memory_stats().tiers
+        if tiers and tiers[0].num_blocks >= num_blocks:
+            return
+        time.sleep(0.1)
+
+
+def read_bandwidth(directory: Path, num_bytes: int = 256 << 20) -> dict[str, float]:
+    """MB/s reading a file of the tier's file system, out of the page cache and then from it."""
+    path = directory / ".bandwidth-probe"
+    with open(path, "wb") as f:
+        f.write(os.urandom(1 << 20) * (num_bytes >> 20))
+        f.flush()
+        os.fsync(f.fileno())
+    figures = {}
+    try:
+        for name in ("cold_read_mb_s", "cached_read_mb_s"):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                if name == "cold_read_mb_s":
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                start = time.perf_counter()
+                while os.read(fd, 8 << 20):
+                    pass
+                figures[name] = round(num_bytes / (time.perf_counter() - start) / 1e6, 1)
+            finally:
+                os.close(fd)
+    finally:
+        path.unlink()
+    return figures
+
+
+def returning_and_restart(args: argparse.Namespace, root: Path, rng: random.Random) -> dict[str, Any]:
+    """The returning long prompt, then the warm restart against a cold pair."""
+    prompt = [rng.randrange(100, 40000) for _ in range(args.prompt_tokens)]
+    pool_tokens = args.prompt_tokens + 1024
+    num_blocks = -(-pool_tokens // BLOCK_SIZE)
+    evictors = [[rng.randrange(100, 40000) for _ in range(pool_tokens // 2)] for _ in range(3)]
+    tier_dir = root / "returning"
+    common = {"max_num_blocks": num_blocks, "block_size": BLOCK_SIZE, "max_num_batched_tokens": 2048}
+    with LLM(args.model, kv_disk_dir=str(tier_dir), **common) as llm:
+        ttft_and_tokens(llm, [rng.randrange(100, 40000) for _ in range(64)], 1, "warm-up")
+        recompute_s, first_tokens, _ = ttft_and_tokens(llm, prompt, args.max_tokens, "first")
+        wait_for_tier(llm, args.prompt_tokens // BLOCK_SIZE - 1)
+        for i, evictor in enumerate(evictors):
+            ttft_and_tokens(llm, evictor, 1, f"evict-{i}")
+        tier_s, again_tokens, num_cached = ttft_and_tokens(llm, prompt, args.max_tokens, "again")
+        tier_stats = llm.memory_stats().tiers[0]
+    returning = {
+        "prompt_tokens": args.prompt_tokens, "pool_blocks": num_blocks, "recompute_ttft_s": round(recompute_s, 3),
+        "tier_ttft_s": round(tier_s, 3), "speedup": round(recompute_s / tier_s, 2),
+        "cached_share": round(num_cached / args.prompt_tokens, 3), "same_tokens": again_tokens == first_tokens,
+        "tier_loads": tier_stats.num_loads, "tier_bytes_read": tier_stats.num_bytes_read,
+    }
+    with LLM(args.model, kv_disk_dir=str(tier_dir), **common) as llm:  # a new pair on the same directory
+        ttft_and_tokens(llm, [rng.randrange(100, 40000) for _ in range(64)], 1, "warm-up")
+        warm_s, warm_tokens, warm_cached = ttft_and_tokens(llm, prompt, args.max_tokens, "warm")
+    with LLM(args.model, kv_disk_dir=str(root / "cold"), **common) as llm:  # a cold pair: empty directory
+        ttft_and_tokens(llm, [rng.randrange(100, 40000) for _ in range(64)], 1, "warm-up")
+        cold_s, cold_tokens, _ = ttft_and_tokens(llm, prompt, args.max_tokens, "cold")
+    restart = {
+        "warm_ttft_s": round(warm_s, 3), "cold_ttft_s": round(cold_s, 3), "speedup": round(cold_s / warm_s, 2),
+        "cached_share": round(warm_cached / args.prompt_tokens, 3),
+        "same_tokens": warm_tokens == cold_tokens == first_tokens,
+    }
+    return {"returning": returning, "warm_restart": restart}
+
+
+def working_set_and_no_reuse(args: argparse.Namespace, root: Path, rng: random.Random) -> dict[str, Any]:
+    """The skewed working set 10x the pool, then unique prompts, each with the tier on and off."""
+    docs = [[rng.randrange(100, 40000) for _ in range(args.doc_tokens)] for _ in range(args.docs)]
+    weights = [1 / (rank + 1) ** 1.1 for rank in range(args.docs)]  # Zipf
+    order = rng.choices(range(args.docs), weights, k=args.requests)
+    questions = [[rng.randrange(100, 40000) for _ in range(16)] for _ in order]
+    num_blocks = max(-(-args.docs * args.doc_tokens // (10 * BLOCK_SIZE)), -(-(args.doc_tokens + 64) // BLOCK_SIZE))
+    unique = [[rng.randrange(100, 40000) for _ in range(256)] for _ in range(args.no_reuse_prompts)]
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    results: dict[str, Any] = {"working_set": {"docs": args.docs, "doc_tokens": args.doc_tokens,
+                                               "requests": args.requests, "pool_blocks": num_blocks},
+                               "no_reuse": {"prompts": args.no_reuse_prompts}}
+    for label, tier in (("tier", True), ("no_tier", False)):
+        extra = {"kv_disk_dir": str(root / f"ws-{label}")} if tier else {}
+        with LLM(args.model, max_num_blocks=num_blocks, block_size=BLOCK_SIZE, max_num_batched_tokens=2048,
+                 **extra) as llm:
+            ttft_and_tokens(llm, [rng.randrange(100, 40000) for _ in range(64)], 1, "warm-up")
+            ttfts, num_cached, num_prompt = [], 0, 0
+            for i, (doc, question) in enumerate(zip(order, questions)):
+                ttft, _, cached = ttft_and_tokens(llm, docs[doc] + question, 1, f"ws-{i}")
+                ttfts.append(ttft)
+                num_cached += cached
+                num_prompt += args.doc_tokens + len(question)
+            results["working_set"][label] = {"hit_rate": round(num_cached / num_prompt, 3),
+                                             "mean_ttft_s": round(statistics.mean(ttfts), 3)}
+            start = time.perf_counter()
+            outputs = llm.generate(unique, sampling_params=params)
+            elapsed = time.perf_counter() - start
+            results["no_reuse"][f"{label}_tok_s"] = round(sum(len(o.token_ids) for o in outputs) / elapsed, 2)
+    nr = results["no_reuse"]
+    nr["tier_vs_no_tier"] = round(nr["tier_tok_s"] / nr["no_tier_tok_s"], 3)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--prompt-tokens", type=int, default=4000)
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--docs", type=int, default=12)
+    parser.add_argument("--doc-tokens", type=int, default=512)
+    parser.add_argument("--requests", type=int, default=24)
+    parser.add_argument("--no-reuse-prompts", type=int, default=8)
+    parser.add_argument("--dir", default=None, help="where the tier directories go (default: a temporary one)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    configure_logging("warning")
+    root = Path(tempfile.mkdtemp(prefix="bench-kv-tier-", dir=args.dir))
+    rng = random.Random(args.seed)
+    try:
+        result: dict[str, Any] = {"machine": {"cpu": platform.processor() or platform.machine(),
+                                              "cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0]},
+                                  "disk": read_bandwidth(root)}
+        result |= returning_and_restart(args, root, rng)
+        result |= working_set_and_no_reuse(args, root, rng)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print(f"{'figure':<40} value")
+    for section, figures in result.items():
+        for name, value in figures.items():
+            if isinstance(value, dict):
+                for sub, v in value.items():
+                    print(f"{section}.{name}.{sub:<24} {v}")
+            else:
+                print(f"{section}.{name:<32} {value}")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

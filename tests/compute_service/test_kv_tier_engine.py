@@ -1,0 +1,82 @@
+"""The memory service's disk tier end to end (real memory-service processes, a tiny random Llama):
+a prompt evicted from the pool comes back from the disk with the same greedy tokens, counted as
+cached; a new memory service on the same directory finds it (warm restart); another model's weights
+under the same name find nothing and the files are removed."""
+
+from __future__ import annotations
+
+import os
+import random
+import stat
+import time
+from pathlib import Path
+
+import torch
+
+from compute_service import LLM
+from compute_service.model.fingerprint import weights_fingerprint
+from tests.compute_service.tiny_llama import build_tiny_llama, save_tiny_llama, to_causal_lm
+
+BLOCK = 16
+PROMPT_TOKENS = 100  # 6 full blocks (96 tokens) can be cached, the 100th token is always computed
+GREEDY = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+
+
+def tier_files(directory: Path) -> list[str]:
+    return [name for name in os.listdir(directory) if name.endswith(".kv")]
+
+
+def wait_for_tier_blocks(llm: LLM, num_blocks: int, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not llm.memory_stats().tiers or llm.memory_stats().tiers[0].num_blocks < num_blocks:
+        assert time.monotonic() < deadline, f"the tier holds {llm.memory_stats().tiers}"
+        time.sleep(0.05)
+
+
+def test_evicted_prompt_comes_back_from_disk_and_after_a_restart(tmp_path: Path) -> None:
+    rng = random.Random(7)
+    prompt = [rng.randrange(2, 256) for _ in range(PROMPT_TOKENS)]
+    others = [[rng.randrange(2, 256) for _ in range(150)] for _ in range(2)]
+    tier_dir = tmp_path / "tier"
+    pool = {"max_num_blocks": 14, "block_size": BLOCK, "kv_disk_dir": str(tier_dir)}
+    model_dir = save_tiny_llama(tmp_path / "a" / "tiny", seed=0)
+
+    with LLM(str(model_dir), **pool) as llm:
+        [first] = llm.generate([prompt], **GREEDY)
+        assert first.num_cached_tokens == 0
+        wait_for_tier_blocks(llm, 6)  # written behind while cached
+        for other in others:  # 10 blocks each, of a 14-block pool: the prompt's blocks are evicted
+            llm.generate([other], **GREEDY)
+        [again] = llm.generate([prompt], **GREEDY)
+        assert again.token_ids == first.token_ids
+        assert again.num_cached_tokens == 96
+        tier = llm.memory_stats().tiers[0]
+        assert tier.num_loads >= 1 and tier.num_hits >= 6 and tier.num_bytes_read > 0
+    assert stat.S_IMODE(os.stat(tier_dir).st_mode) == 0o700
+    assert tier_files(tier_dir) and all(
+        stat.S_IMODE(os.stat(tier_dir / name).st_mode) == 0o600 for name in tier_files(tier_dir))
+
+    with LLM(str(model_dir), **pool) as llm:  # a new memory service on the same directory
+        [warm] = llm.generate([prompt], **GREEDY)
+        assert warm.token_ids == first.token_ids
+        assert warm.num_cached_tokens == 96
+
+    model_a_files = set(tier_files(tier_dir))
+    other_weights = save_tiny_llama(tmp_path / "b" / "tiny", seed=1)  # same name, other weights
+    with LLM(str(other_weights), **pool) as llm:
+        [result] = llm.generate([prompt], **GREEDY)
+        assert result.num_cached_tokens == 0
+        assert llm.memory_stats().tiers[0].num_bad_files == len(model_a_files)
+    assert not model_a_files & set(tier_files(tier_dir))  # another model's blocks: removed at open
+
+
+def test_fingerprint_follows_the_weights() -> None:
+    model, config = to_causal_lm(build_tiny_llama(seed=0))
+    again, _ = to_causal_lm(build_tiny_llama(seed=0))
+    other, _ = to_causal_lm(build_tiny_llama(seed=1))
+    fingerprint = weights_fingerprint(model, config)
+    assert len(fingerprint) == 64 and fingerprint == weights_fingerprint(again, config)
+    assert weights_fingerprint(other, config) != fingerprint
+    with torch.no_grad():
+        model.layers[1].mlp.down_weight[0, 0] += 1.0  # one sampled element (the first of a tensor)
+    assert weights_fingerprint(model, config) != fingerprint

@@ -1,0 +1,79 @@
+"""The disk tier over gRPC, against real memory-service processes: the ``loading`` contract, the
+bytes that come back, an untrusted client's blocks never persisted, the Stats RPC's and Prometheus'
+tier figures, and a restarted service on the same directory."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+from pathlib import Path
+
+from memory_service.api import AllocateOp, FreeOp, MemoryClient
+from pagedserve.process import wait_until
+from pagedserve.sockets import free_port
+from tests.memory_service.conftest import TINY_LAYOUT, start_memory_service
+
+TOKEN = "memory-token-0123456789abcdef"
+PROMPT = list(range(100, 113))  # block size 4: 3 full blocks and one token
+
+
+def wait_for_tier_blocks(client: MemoryClient, num_blocks: int) -> None:
+    wait_until(lambda: client.stats().tiers and client.stats().tiers[0].num_blocks >= num_blocks, 30,
+               f"{num_blocks} blocks in the tier", interval_s=0.02)
+
+
+def load_prompt(client: MemoryClient, seq_id: str):
+    """PROMPT's AllocateOp: answered ``loading``, reported loaded by a later Step, then a pool hit."""
+    op = AllocateOp(seq_id, PROMPT, len(PROMPT), namespace="ns")
+    [result] = client.step([op])
+    assert result.loading and not result.ok and result.block_ids == []
+    reported: list[str] = []
+    deadline = time.monotonic() + 30
+    while seq_id not in reported:
+        assert time.monotonic() < deadline, "the load was never reported"
+        time.sleep(0.01)
+        reported += client.step_with_counts([]).loaded_seq_ids
+    [result] = client.step([op])
+    assert result.ok and result.num_cached_tokens == 12
+    return result
+
+
+def test_tier_over_grpc_and_after_a_restart(tmp_path: Path) -> None:
+    token_file = tmp_path / "memory.token"
+    token_file.write_text(TOKEN)
+    token_file.chmod(0o600)
+    tier_dir, port = tmp_path / "tier", free_port()
+    flags = ("--max-num-blocks", "8", "--kv-disk-dir", str(tier_dir), "--auth-token-file", str(token_file),
+             "--max-untrusted-client-blocks", "8")
+    service, socket = start_memory_service(*flags, "--metrics-port", str(port))
+    try:
+        with MemoryClient(f"unix:{socket}", TINY_LAYOUT, token=TOKEN, model_fingerprint="model-a") as client, \
+                MemoryClient(f"unix:{socket}", TINY_LAYOUT, client_name="guest") as guest:
+            [result] = guest.step([AllocateOp("g", list(range(900, 913)), 13)])  # untrusted: never persisted
+            guest.step([FreeOp("g")])
+            [result] = client.step([AllocateOp("s1", PROMPT, len(PROMPT), namespace="ns")])
+            for position, block_id in enumerate(result.block_ids):
+                client.pool[:, :, block_id] = float(position + 1)
+            client.step([FreeOp("s1")])
+            wait_for_tier_blocks(client, 3)
+            client.step([AllocateOp("big", list(range(500, 532)), 32, namespace="ns")])  # evicts everything
+            client.step([FreeOp("big")])
+            wait_for_tier_blocks(client, 11)
+            client.pool.zero_()
+            result = load_prompt(client, "s2")
+            for position, block_id in enumerate(result.block_ids[:3]):
+                assert (client.pool[:, :, block_id] == float(position + 1)).all()
+            [tier] = client.stats().tiers
+            assert (tier.kind, tier.num_blocks, tier.num_hits, tier.num_loads) == ("disk", 11, 3, 1)
+            assert client.check_integrity() is None
+            body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        assert 'pagedserve_memory_tier_blocks{tier="disk"} 11.0' in body
+        assert 'pagedserve_memory_tier_load_seconds_count{tier="disk"} 1.0' in body
+        assert service.stop() == 0
+
+        service, socket = start_memory_service(*flags)  # a new service on the same directory
+        with MemoryClient(f"unix:{socket}", TINY_LAYOUT, token=TOKEN, model_fingerprint="model-a") as client:
+            result = load_prompt(client, "s1")
+            assert (client.pool[:, :, result.block_ids[1]] == 2.0).all()
+    finally:
+        service.stop()
