@@ -23,6 +23,19 @@ def is_gone(pid: int) -> bool:
         return True
 
 
+def child_pids(pid: int) -> list[int]:
+    """The live processes whose parent is ``pid`` (every thread's children, from /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(") ", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue  # gone meanwhile
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.append(int(stat.parent.name))
+    return sorted(found)
+
+
 def open_files_limits(pid: int) -> tuple[int, int]:
     """The (soft, hard) RLIMIT_NOFILE of a running process, read from ``/proc/PID/limits``."""
     for line in Path(f"/proc/{pid}/limits").read_text().splitlines():

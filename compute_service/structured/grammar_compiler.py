@@ -8,9 +8,13 @@ answering (``compile_worker.probe_masks``): a grammar whose masks are slow is re
 INVALID_ARGUMENT naming the field, instead of slowing the engine's steps. The compiled grammar comes
 back serialized and is rebuilt here against the same tokenizer.
 
-The timeout counts from the moment a worker starts the job, not from submission: a request whose
-job is still queued behind other compiles a timeout after it asked is told the compiler is busy
-(RESOURCE_EXHAUSTED, retry), and is not blamed for a cost that is not its own. A job nobody waits
+The workers start with the first constraint (or ``start()``), not with the compiler: most services
+never see a constraint, and each worker costs seconds of CPU to import xgrammar. The first
+request's job waits for them to boot (up to ``start_timeout_s``) without that wait counting
+against it. The timeout counts from the moment a worker starts the job, not from submission: a
+request whose job is still queued behind other compiles a timeout after it asked (or after the
+workers became ready) is told the compiler is busy (RESOURCE_EXHAUSTED, retry), and is not blamed
+for a cost that is not its own. A job nobody waits
 for any more (its requests were cancelled or gave up) is dropped from the queue, and killed if
 it runs. Each tenant (``owner``) has its own queue, served round-robin, and may have at most
 ``max_jobs_per_tenant`` jobs running: one tenant's costly compiles wait behind each other, not in
@@ -55,6 +59,7 @@ __all__ = ["GrammarCompiler", "GrammarCompilerConfig", "ProbeConfig", "choice_gr
 log = get_logger("grammar_compiler")
 
 _POLL_S = 0.05  # how often a supervisor looks whether anyone still waits for its running job
+_BOOT_POLL_S = 0.25  # how often a caller waiting for the workers to start looks at its deadline
 
 
 @dataclass(frozen=True)
@@ -66,7 +71,8 @@ class GrammarCompilerConfig:
         cache_size: compiled grammars (and failures) kept, least recently used dropped first.
         max_jobs_per_tenant: compiles one tenant may have running at once (its others wait).
         probe: how each grammar's mask cost is probed before it is accepted.
-        start_timeout_s: how long the constructor waits for the workers to start.
+        start_timeout_s: how long a worker may take to start (import xgrammar, take the tokenizer),
+            and how long the first constraints wait for the workers before they are told to retry.
     """
 
     num_threads: int = 2
@@ -159,18 +165,28 @@ class GrammarCompiler:
         self.num_running = 0  # compiles in progress
         self.num_started = 0  # compiles a worker took
         self.num_killed = 0  # compiles killed: past the timeout, or nobody waited any more
-        self._workers: list[_Worker | None] = [None] * self.config.num_threads
-        try:
-            workers = [_Worker() for _ in range(self.config.num_threads)]  # they import in parallel
-            self._workers = list(workers)
-            for worker in workers:
-                worker.start(self._setup, self.config.start_timeout_s)
-        except BaseException:
-            self.close()
-            raise
-        for slot in range(self.config.num_threads):
+        self._workers: list[_Worker | None] = [None] * self.config.num_threads  # ready ones
+        self._starting: dict[int, _Worker] = {}  # slot -> its worker, started and not yet ready
+        self._workers_changed = threading.Condition(self._lock)
+        self._start_requested = False  # the first job (or start()) has asked for the workers
+        self._ready_at: float | None = None  # when the first worker was ready for jobs
+        for slot in range(self.config.num_threads):  # each starts its slot's worker when asked to
             threading.Thread(target=self._supervise, args=(slot,), name=f"grammar-compile-{slot}",
                              daemon=True).start()
+
+    def start(self) -> None:
+        """Start every worker now and wait until they are ready (otherwise the first constraint
+        starts them). Raises RuntimeError when they are not ready within ``start_timeout_s``."""
+        with self._lock:
+            self._request_start()
+            if not self._workers_changed.wait_for(
+                    lambda: self._closed or all(w is not None for w in self._workers), self.config.start_timeout_s):
+                raise RuntimeError(f"the grammar compile workers did not start within {self.config.start_timeout_s} s")
+
+    def _request_start(self) -> None:  # under the lock
+        if not self._start_requested:
+            self._start_requested = True
+            self._has_jobs.notify_all()  # every supervisor starts its worker (they import in parallel)
 
     def _tokenizer_digest(self) -> str:
         info = self.tokenizer_info
@@ -184,8 +200,9 @@ class GrammarCompiler:
         return hashlib.sha256(f"{self.tokenizer_digest}|{COMPILE_OPTIONS}|{constraint.digest()}".encode()).hexdigest()
 
     def worker_pids(self) -> list[int]:
-        """The live worker processes' ids (fewer than ``num_threads`` while a killed one is
-        replaced; tests check that none outlives ``close``)."""
+        """The ready worker processes' ids (none before the first constraint or ``start()``; fewer
+        than ``num_threads`` while they start or a killed one is replaced; tests check that none
+        outlives ``close``)."""
         return [w.process.pid for w in self._workers if w is not None]
 
     def close(self) -> None:
@@ -193,10 +210,15 @@ class GrammarCompiler:
         with self._lock:
             self._closed = True
             workers, self._workers = self._workers, [None] * len(self._workers)
+            starting = list(self._starting.values())
             self._has_jobs.notify_all()
+            self._workers_changed.notify_all()
         for worker in workers:
             if worker is not None:
                 worker.kill()
+        for worker in starting:  # its supervisor, waiting for it to be ready, sees the pipe close
+            worker.process.kill()
+            worker.process.wait()
 
     def __enter__(self) -> GrammarCompiler:
         return self
@@ -217,7 +239,7 @@ class GrammarCompiler:
                 try:
                     return self._result(job, job.future.result(timeout=timeout))
                 except concurrent.futures.TimeoutError:
-                    self._check_started(job)
+                    self._check_started(job, since)
         finally:
             self._leave(job)
 
@@ -234,7 +256,7 @@ class GrammarCompiler:
                 done, _ = await asyncio.wait({waiter}, timeout=timeout)
                 if done:
                     return self._result(job, waiter.result())
-                self._check_started(job)
+                self._check_started(job, since)
         finally:
             self._leave(job)
 
@@ -293,6 +315,7 @@ class GrammarCompiler:
                     self._cache.popitem(last=False)  # waiters still hold their job
                 self._queues.setdefault(owner, collections.deque()).append(job)
                 self._has_jobs.notify()
+                self._request_start()
             job.num_waiters += 1
         return job
 
@@ -319,14 +342,28 @@ class GrammarCompiler:
 
     def _queued_wait(self, job: _Job, since: float) -> float | None:
         """How long a caller still waits for a queued job to start (None: it runs; the supervisor
-        answers within the timeout)."""
-        return None if job.started_at is not None else max(0.0, since + self.config.timeout_s - time.monotonic())
+        answers within the timeout). While the workers start, the wait is not counted: it is
+        looked at again every _BOOT_POLL_S, up to ``start_timeout_s``."""
+        if job.started_at is not None:
+            return None
+        now, ready_at = time.monotonic(), self._ready_at
+        if ready_at is None:
+            return min(_BOOT_POLL_S, max(0.0, since + self.config.start_timeout_s - now))
+        return max(0.0, max(since, ready_at) + self.config.timeout_s - now)
 
-    def _check_started(self, job: _Job) -> None:
-        """A queued job's wait ran out: raise unless it has started meanwhile."""
+    def _check_started(self, job: _Job, since: float) -> None:
+        """A queued job's wait ran out: raise unless it has started meanwhile (or the workers are
+        still starting, within ``start_timeout_s``)."""
         if job.started_at is not None:
             return
         kind, quota = job.constraint.kind, self.config.max_jobs_per_tenant
+        if self._closed:
+            raise ResourceExhaustedError(f"params.{kind}: the grammar compiler is shut down")
+        if self._ready_at is None:
+            if time.monotonic() < since + self.config.start_timeout_s:
+                return
+            raise ResourceExhaustedError(f"params.{kind}: the grammar compile workers did not start within "
+                                         f"{self.config.start_timeout_s} s; retry later")
         if job.owner is not None and self._running_of.get(job.owner, 0) >= quota:
             raise ResourceExhaustedError(f"params.{kind}: this tenant's other grammar compiles take the "
                                          f"{quota} worker(s) a tenant may use; retry later")
@@ -366,6 +403,9 @@ class GrammarCompiler:
                 self._has_jobs.wait()
 
     def _supervise(self, slot: int) -> None:
+        with self._lock:
+            self._has_jobs.wait_for(lambda: self._closed or self._start_requested)
+        self._restart(slot)  # the slot's first worker (returns at once when closed)
         while (job := self._next_job()) is not None:
             killed = False
             try:
@@ -426,22 +466,30 @@ class GrammarCompiler:
         if old is not None:
             old.kill()
         while True:
-            with self._lock:
-                if self._closed:
-                    return
-            worker = None
             try:
-                worker = _Worker()
+                with self._lock:
+                    if self._closed:
+                        return
+                    worker = self._starting[slot] = _Worker()  # known to close() while it starts
                 worker.start(self._setup, self.config.start_timeout_s)
             except (OSError, RuntimeError, EOFError):
+                with self._lock:
+                    failed = self._starting.pop(slot, None)
+                    closed = self._closed
+                if failed is not None:
+                    failed.kill()
+                if closed:  # close() killed it while it started
+                    return
                 log.exception("grammar_worker_start_failed", slot=slot)
-                if worker is not None:
-                    worker.kill()
                 time.sleep(1.0)
                 continue
             with self._lock:
+                del self._starting[slot]
                 if self._closed:
                     worker.kill()
                     return
                 self._workers[slot] = worker
+                if self._ready_at is None:
+                    self._ready_at = time.monotonic()
+                self._workers_changed.notify_all()
             return

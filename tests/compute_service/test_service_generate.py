@@ -20,6 +20,7 @@ from pagedserve.compute.v1 import compute_pb2 as cpb
 
 from pagedserve.testing.tiny_model import EOS_PROMPT, ServiceModel, hf_greedy
 from tests.compute_service.service_fixtures import Services, running_services
+from tests.processes import child_pids
 
 PROMPTS = [EOS_PROMPT, [40, 97, 109, 32, 97, 32, 116, 105, 110, 121], list(range(33, 33 + 21))]
 
@@ -184,6 +185,13 @@ def test_info_and_tokenizer_files_rebuild_the_tokenizer(services: Services, mode
     text = "héllo, wörld €"
     assert rebuilt.encode(text) == model.tokenizer.encode(text)
     assert rebuilt.chat_template == model.tokenizer.chat_template
+
+
+def test_no_grammar_compile_worker_runs_before_the_first_constraint(services: Services) -> None:
+    """This module sends no constraint: the compute service started no worker process (each costs
+    seconds of CPU importing xgrammar). Before: two compile workers at every start."""
+    services.generate(PROMPTS[0], max_tokens=2)
+    assert child_pids(services.compute.pid) == []
 
 
 def test_load_reports_idle_engine(services: Services) -> None:

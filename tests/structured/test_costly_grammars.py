@@ -138,6 +138,7 @@ def _slow(prefix: str, title: str = "") -> Constraint:
 def compiler(byte_model: ByteModel) -> Iterator[GrammarCompiler]:
     config = GrammarCompilerConfig(num_threads=2, timeout_s=TIMEOUT_S, max_jobs_per_tenant=1)
     with GrammarCompiler(byte_model.tokenizer, VOCAB, [EOS], config) as compiler:
+        compiler.start()  # both workers ready before the first test counts them
         yield compiler
     for pid in compiler.worker_pids():
         assert not _alive(pid)

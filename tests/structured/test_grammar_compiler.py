@@ -64,6 +64,43 @@ def test_queued_job_is_busy_and_the_slow_one_too_complex(byte_model: ByteModel) 
     assert_closed(compiler, pids + compiler.worker_pids())
 
 
+def test_workers_start_with_the_first_constraint_and_their_start_is_not_its_wait(byte_model: ByteModel) -> None:
+    """No process at construction (most services never see a constraint, and a worker imports
+    xgrammar: seconds of CPU). The first compile starts them and waits for them without its
+    queued wait running: a timeout shorter than a worker's start still compiles. Before: the
+    constructor started both workers and waited for them."""
+    compiler = GrammarCompiler(byte_model.tokenizer, VOCAB, [EOS], GrammarCompilerConfig(num_threads=2, timeout_s=0.5))
+    assert compiler.worker_pids() == [] and not compiler._starting
+    assert compiler.compile(Constraint.regex("[ab]+")) is not None
+    wait_until(lambda: len(compiler.worker_pids()) == 2, 120, "both workers ready")
+    assert_closed(compiler, compiler.worker_pids())
+
+
+def test_close_while_the_workers_start_leaves_no_process_and_answers_the_waiting_caller(
+        byte_model: ByteModel) -> None:
+    compiler = GrammarCompiler(byte_model.tokenizer, VOCAB, [EOS], GrammarCompilerConfig(num_threads=2))
+    errors: list[Exception] = []
+
+    def first() -> None:
+        try:
+            compiler.compile(Constraint.regex("[ab]+"))
+        except ResourceExhaustedError as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    wait_until(lambda: len(compiler._starting) == 2, 60, "both workers starting", interval_s=0.001)
+    starting = [worker.process.pid for worker in list(compiler._starting.values())]
+    compiler.close()
+    thread.join(10)
+    assert not thread.is_alive()
+    assert [str(e) for e in errors] == ["params.regex: the grammar compiler is shut down"]
+    for pid in starting:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert compiler.worker_pids() == []
+
+
 def test_verdicts_are_cached_and_keys_depend_on_the_tokenizer(byte_model: ByteModel) -> None:
     compiler = GrammarCompiler(byte_model.tokenizer, VOCAB, [EOS], GrammarCompilerConfig(num_threads=1))
     bad = Constraint.regex("(ab")
