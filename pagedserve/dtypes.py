@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import platform
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
+# Bytes per element of each canonical name: all the memory service needs, so that it never imports
+# torch on the CPU path (seconds of CPU at every start). ``DTYPES`` (name -> torch dtype) imports
+# torch on first use.
+ELEMENT_SIZES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
 DTYPE_ALIASES: dict[str, str] = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 # The default dtype setting: the best the device computes natively (`resolve_auto`).
 AUTO = "auto"
@@ -26,20 +27,38 @@ AUTO = "auto"
 NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 
 
+def _torch_dtypes() -> dict[str, torch.dtype]:
+    table = globals().get("DTYPES")
+    if table is None:
+        import torch
+
+        table = globals()["DTYPES"] = {"float32": torch.float32, "float16": torch.float16,
+                                       "bfloat16": torch.bfloat16}
+    return table
+
+
+def __getattr__(name: str) -> object:
+    """``DTYPES``: name -> torch dtype, the canonical names of ``ELEMENT_SIZES``; built (importing
+    torch) the first time it is asked for."""
+    if name == "DTYPES":
+        return _torch_dtypes()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def parse_dtype(name: str) -> torch.dtype:
     """The torch dtype of a canonical name or an alias; ValueError naming the choices otherwise."""
-    dtype = DTYPES.get(DTYPE_ALIASES.get(name, name))
+    dtype = _torch_dtypes().get(DTYPE_ALIASES.get(name, name))
     if dtype is None:
-        raise ValueError(f"dtype {name!r} is not one of {sorted([*DTYPES, *DTYPE_ALIASES])}")
+        raise ValueError(f"dtype {name!r} is not one of {sorted([*ELEMENT_SIZES, *DTYPE_ALIASES])}")
     return dtype
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     """The canonical name of a supported torch dtype; ValueError for any other."""
-    for name, candidate in DTYPES.items():
+    for name, candidate in _torch_dtypes().items():
         if candidate == dtype:
             return name
-    raise ValueError(f"dtype {dtype} is not one of {', '.join(DTYPES)}")
+    raise ValueError(f"dtype {dtype} is not one of {', '.join(ELEMENT_SIZES)}")
 
 
 def cpu_flags() -> set[str]:
@@ -68,6 +87,8 @@ def resolve_auto(device: str | torch.device, flags: set[str] | None = None) -> t
     bf16 weights halve the bytes every decode step reads and oneDNN multiplies them natively),
     float32 elsewhere (without it, bf16 matmuls are emulated and slower than float32).
     """
+    import torch
+
     if torch.device(device).type == "cuda":
         return "bfloat16", "cuda"
     flag = native_bf16_flag(flags)

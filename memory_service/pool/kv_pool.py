@@ -4,7 +4,8 @@ Layout (fixed, see docs/design.md): ``(num_layers, 2, num_blocks, block_size, nu
 CPU: POSIX shared memory (``/dev/shm/pagedserve-kv-<pid>-<random>``) that the compute process maps
 by name. CUDA: one device allocation whose CUDA IPC handle the compute process opens (same device).
 Either way both processes index the very same bytes, and the pool outlives any compute service
-that attached to it.
+that attached to it. The CPU pool is plain bytes to the service (it only copies whole blocks), so
+the service imports torch only for a CUDA pool: importing it costs seconds of CPU at every start.
 
 This module is the service's side; ``mapped_pool`` is the client's, which trusts nothing it is sent.
 
@@ -24,12 +25,13 @@ import re
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
-
-import torch
+from typing import TYPE_CHECKING, Protocol
 
 from memory_service.config import DEFAULT_CPU_KV_CAP_BYTES
-from pagedserve.dtypes import DTYPES
+from pagedserve.dtypes import ELEMENT_SIZES
+
+if TYPE_CHECKING:
+    import torch
 from pagedserve.errors import PreconditionError
 
 SHM_DIR = Path("/dev/shm")
@@ -70,12 +72,12 @@ class KvLayout:
             value = getattr(self, name)
             if not 1 <= value <= 65536:
                 raise ValueError(f"layout.{name} must be in [1, 65536], got {value}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"layout.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in ELEMENT_SIZES:
+            raise ValueError(f"layout.dtype must be one of {sorted(ELEMENT_SIZES)}, got {self.dtype!r}")
 
     @property
     def bytes_per_block(self) -> int:
-        elem = torch.empty((), dtype=DTYPES[self.dtype]).element_size()
+        elem = ELEMENT_SIZES[self.dtype]
         return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
 
     def shape(self, num_blocks: int) -> tuple[int, ...]:
@@ -111,13 +113,11 @@ class PoolDescriptor:
 
     @property
     def num_bytes(self) -> int:
-        return math.prod(self.shape) * torch.empty((), dtype=DTYPES[self.dtype]).element_size()
+        return math.prod(self.shape) * ELEMENT_SIZES[self.dtype]
 
 
 class KvPool(Protocol):
     """A KV pool owned by the memory service (CPU shared memory or a CUDA allocation)."""
-
-    tensor: torch.Tensor  # (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
 
     def descriptor(self) -> PoolDescriptor: ...
 
@@ -127,7 +127,8 @@ class KvPool(Protocol):
 
 
 class SharedMemoryPool:
-    """POSIX shared memory viewed as a torch tensor; the service owns it, holds its lock, unlinks it.
+    """POSIX shared memory; the service owns it, holds its lock, unlinks it, and copies blocks in it
+    as bytes (``tensor`` views it as a torch tensor, for tests).
 
     Not ``multiprocessing.shared_memory``: its resource tracker is a second process that unlinks
     the segment only if it outlives the service, and the segment's lock (module docstring) needs
@@ -136,7 +137,12 @@ class SharedMemoryPool:
 
     def __init__(self, shape: tuple[int, ...], dtype: str) -> None:
         self._dtype = dtype
-        num_bytes = math.prod(shape) * torch.empty((), dtype=DTYPES[dtype]).element_size()
+        self.shape = tuple(shape)
+        num_bytes = math.prod(shape) * ELEMENT_SIZES[dtype]
+        # (num_layers * 2) runs of num_blocks blocks, each block_bytes long (the layout's order)
+        self._num_runs, self._num_blocks = shape[0] * shape[1], shape[2]
+        self._block_bytes = math.prod(shape[3:]) * ELEMENT_SIZES[dtype]
+        self._tensor: torch.Tensor | None = None
         self.name = f"{SHM_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
         self._path = SHM_DIR / self.name
         self._fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
@@ -151,16 +157,35 @@ class SharedMemoryPool:
             os.close(self._fd)
             self._path.unlink()
             raise
-        self.tensor = torch.frombuffer(self._mmap, dtype=DTYPES[dtype], count=math.prod(shape)).view(shape)
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The pool as a (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim) tensor over
+        the same bytes (imports torch; the service itself never asks)."""
+        if self._tensor is None:
+            from pagedserve.dtypes import DTYPES
+
+            import torch
+
+            flat = torch.frombuffer(self._mmap, dtype=DTYPES[self._dtype], count=math.prod(self.shape))
+            self._tensor = flat.view(self.shape)
+        return self._tensor
 
     def descriptor(self) -> PoolDescriptor:
-        return PoolDescriptor(shape=tuple(self.tensor.shape), dtype=self._dtype, device="cpu", shm_name=self.name)
+        return PoolDescriptor(shape=self.shape, dtype=self._dtype, device="cpu", shm_name=self.name)
 
     def copy_block(self, src: int, dst: int) -> None:
-        self.tensor[:, :, dst].copy_(self.tensor[:, :, src])
+        """Block ``src``'s bytes over block ``dst``'s, in every layer's K and V."""
+        for block in (src, dst):
+            if not 0 <= block < self._num_blocks:
+                raise IndexError(f"block {block} is not in [0, {self._num_blocks})")
+        size, run = self._block_bytes, self._num_blocks * self._block_bytes
+        with memoryview(self._mmap) as view:
+            for start in range(0, self._num_runs * run, run):
+                view[start + dst * size:start + (dst + 1) * size] = view[start + src * size:start + (src + 1) * size]
 
     def close(self) -> None:
-        del self.tensor  # release the exported buffer before closing the mapping
+        self._tensor = None  # release the exported buffer before closing the mapping
         try:
             self._mmap.close()
         except BufferError:
@@ -173,6 +198,10 @@ class CudaPool:
     """One device allocation shared through torch's CUDA IPC (same device, other process)."""
 
     def __init__(self, shape: tuple[int, ...], dtype: str, device: str) -> None:
+        import torch
+
+        from pagedserve.dtypes import DTYPES
+
         self._dtype = dtype
         self.tensor = torch.zeros(shape, dtype=DTYPES[dtype], device=device)
 
@@ -226,6 +255,8 @@ def default_kv_budget(device: str, utilization: float) -> tuple[int, dict[str, i
     larger segment SIGBUSes when written).
     """
     if device.startswith("cuda"):
+        import torch
+
         free, _total = torch.cuda.mem_get_info(torch.device(device))
         return int(free * utilization), {"free_gpu_bytes": int(free)}
     sources = {"cap_bytes": DEFAULT_CPU_KV_CAP_BYTES, "quarter_available_ram_bytes": available_ram_bytes() // 4,

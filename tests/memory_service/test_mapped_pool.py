@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from memory_service.pool.mapped_pool import MappedPool, check_descriptor
 from memory_service.pool.kv_pool import CudaIpcHandle, PoolDescriptor, SharedMemoryPool
@@ -31,6 +32,24 @@ def test_a_good_descriptor_maps_the_same_bytes(pool: SharedMemoryPool) -> None:
     mapped.tensor[1, 0, 3] = 7.0
     assert float(pool.tensor[1, 0, 3, 0, 0, 0]) == 7.0
     mapped.close()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_copy_block_copies_one_block_of_every_layers_k_and_v(dtype: str) -> None:
+    pool = SharedMemoryPool(SHAPE, dtype)
+    try:
+        torch.manual_seed(0)
+        pool.tensor.copy_(torch.randn(SHAPE))
+        expected = pool.tensor.clone()
+        expected[:, :, 3] = expected[:, :, 1]
+        pool.copy_block(1, 3)
+        assert torch.equal(pool.tensor, expected)
+        for src, dst in ((0, 4), (-1, 0)):
+            with pytest.raises(IndexError, match="not in"):
+                pool.copy_block(src, dst)
+        assert torch.equal(pool.tensor, expected)
+    finally:
+        pool.close()
 
 
 @pytest.mark.parametrize(

@@ -165,6 +165,30 @@ def test_another_process_writes_the_same_bytes(memory_service: str) -> None:
         assert torch.equal(reader.pool[1, 0, block], expected)
 
 
+def test_copy_on_write_copies_every_layer_without_torch_in_the_service() -> None:
+    """The service copies a shared block's bytes (every layer's K and V) without importing torch:
+    the CPU pool is plain bytes to it, and torch costs seconds of CPU at every start. Before:
+    ``kv_pool`` imported torch."""
+    service, socket = start_memory_service("--max-num-blocks", "16")
+    try:
+        with MemoryClient(f"unix:{socket}", TINY_LAYOUT, "cow") as client:
+            [a] = client.step([AllocateOp("a", list(range(6)), max_num_new_tokens=8)])  # 4 + 2 tokens
+            shared = a.block_ids[1]
+            torch.manual_seed(0)
+            client.pool[:, :, shared] = torch.randn(client.pool[:, :, shared].shape)
+            before = client.pool.clone()
+            client.step([ForkOp("a", "b")])
+            [append] = client.step([AppendOp("a", [6])])  # a writes into the block b also holds
+            [(src, dst)] = append.copies
+            assert src == shared and torch.equal(client.pool[:, :, dst], before[:, :, shared])
+            others = [i for i in range(client.pool.shape[2]) if i != dst]
+            assert torch.equal(client.pool[:, :, others], before[:, :, others])  # nothing else written
+        maps = Path(f"/proc/{service.pid}/maps").read_text()
+        assert "libtorch" not in maps
+    finally:
+        assert service.stop() == 0
+
+
 def test_killed_client_gets_its_blocks_reclaimed(memory_service: str) -> None:
     proc = subprocess.Popen(
         [sys.executable, "-c", WRITER, memory_service, "hang"], stdout=subprocess.PIPE, stdin=subprocess.PIPE,
