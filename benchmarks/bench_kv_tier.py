@@ -143,7 +143,9 @@ def working_set_and_no_reuse(args: argparse.Namespace, root: Path, rng: random.R
     weights = [1 / (rank + 1) ** 1.1 for rank in range(args.docs)]  # Zipf
     order = rng.choices(range(args.docs), weights, k=args.requests)
     questions = [[rng.randrange(100, 40000) for _ in range(16)] for _ in order]
-    num_blocks = max(-(-args.docs * args.doc_tokens // (10 * BLOCK_SIZE)), -(-(args.doc_tokens + 64) // BLOCK_SIZE))
+    # A tenth of the documents, but room for one request of either kind.
+    num_blocks = max(-(-args.docs * args.doc_tokens // (10 * BLOCK_SIZE)), -(-(args.doc_tokens + 64) // BLOCK_SIZE),
+                     2 * -(-(256 + 32) // BLOCK_SIZE))
     unique = [[rng.randrange(100, 40000) for _ in range(256)] for _ in range(args.no_reuse_prompts)]
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     results: dict[str, Any] = {"working_set": {"docs": args.docs, "doc_tokens": args.doc_tokens,

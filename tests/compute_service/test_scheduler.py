@@ -8,6 +8,9 @@ admissions and preemptions of the rules in scheduler.py's docstring.
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
 import pytest
 
 from compute_service import SamplingParams
@@ -52,6 +55,7 @@ class Harness:
         reply = self.allocator.step_with_counts(plan.ops)
         scheduled = self.scheduler.apply_results(plan, reply.results, reply.num_available_blocks,
                                                  reply.num_available_reserved_blocks)
+        self.scheduler.loads_ended(reply.loaded_seq_ids)
         for item in scheduled:
             seq = item.seq
             if seq.advance(item.num_new_tokens):
@@ -275,3 +279,40 @@ def test_plan_orders_forks_then_frees_then_work() -> None:
     seq = Sequence(seq_id="a", request_id="a", prompt_token_ids=[3], params=SamplingParams())
     plan.work.append((AppendOp("a", [3]), seq))
     assert plan.ops == [ForkOp("p", "c"), FreeOp("x"), AppendOp("a", [3])]
+
+
+def test_a_sequence_loading_from_the_tier_is_parked_while_others_run(tmp_path: Path) -> None:
+    """Rule 5: an admission answered ``loading`` waits, parked, the others are admitted meanwhile, and
+    it is admitted (its prefix cached) once a step reports its load over."""
+    h = Harness(enable_prefix_caching=True)
+    h.allocator = InProcessAllocator(LAYOUT, BlockManagerConfig(num_blocks=16, block_size=BLOCK_SIZE),
+                                     kv_disk_dir=tmp_path, model_fingerprint="model")
+
+    def add(name: str, prompt: list[int]) -> Sequence:
+        seq = Sequence(seq_id=name, request_id=name, prompt_token_ids=prompt,
+                       params=SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        h.scheduler.add(seq)
+        return seq
+
+    def run_until(condition) -> None:
+        deadline = time.monotonic() + 30
+        while not condition():
+            assert time.monotonic() < deadline, "timed out"
+            h.step()
+            time.sleep(0.01)
+
+    prompt = list(range(100, 113))  # 3 full blocks and a token
+    a = add("a", prompt)
+    run_until(lambda: a.is_finished and not h.scheduler.has_work())
+    run_until(lambda: h.allocator.stats().tiers[0].num_blocks == 3)  # written behind
+    evictor = add("e", list(range(200, 260)))  # 15 of the 16 blocks: a's cached blocks are evicted
+    run_until(lambda: evictor.is_finished and not h.scheduler.has_work())
+    b = add("b", prompt)
+    add("c", list(range(300, 308)))
+    scheduled = h.step()
+    assert [item.seq.seq_id for item in scheduled] == ["c"]
+    assert b.is_loading and h.names("waiting") == ["b"]
+    run_until(lambda: b.num_cached_tokens)
+    assert b.num_cached_tokens == 12 and not b.is_loading
+    assert [op.seq_id for op in h.last_plan.ops if isinstance(op, AllocateOp)] == ["b"]
+    h.allocator.close()
