@@ -31,6 +31,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -54,7 +55,11 @@ from memory_service.identity import KvTierInfo, service_id
 from memory_service.pool.kv_pool import KvLayout, KvPool, check_shm_space, create_pool, default_kv_budget
 from memory_service.service import trust
 from memory_service.tier.disk_tier import DiskTier, TierIdentity
-from memory_service.tier.worker import TierWorker
+
+if TYPE_CHECKING:
+    # Imported where the tier opens: it copies blocks with torch, seconds of CPU to import, which a
+    # service without a tier (the CPU pool is bytes to it) never needs.
+    from memory_service.tier.worker import TierWorker
 
 log = get_logger("memory_service")
 
@@ -284,6 +289,8 @@ class MemoryManagerServicer(memory_pb2_grpc.MemoryManagerServicer):
                                         layout.num_kv_heads, layout.head_dim)
                 await asyncio.to_thread(self._disk.open, identity)
                 with self._lock:
+                    from memory_service.tier.worker import TierWorker
+
                     self.tier = TierWorker(self._disk, self.block_manager, self._lock, self.pool.tensor)
                     self.block_manager.enable_tier(self.tier)
         identity = self._disk.identity

@@ -45,9 +45,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-from pagedserve.dtypes import DTYPES
+from pagedserve.dtypes import ELEMENT_SIZES
 from pagedserve.errors import PreconditionError
 from pagedserve.log import get_logger
 
@@ -104,7 +102,7 @@ class TierIdentity:
 
     @property
     def bytes_per_block(self) -> int:
-        elem = torch.empty((), dtype=DTYPES[self.dtype]).element_size()
+        elem = ELEMENT_SIZES[self.dtype]
         return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
 
 
