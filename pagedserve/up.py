@@ -42,21 +42,27 @@ class PassThrough:
             (``EngineConfig``, compute_service/__main__.py's ENGINE_FLAGS).
         field: the config field; the flag is the service's own, ``--field-name``.
         env: an environment variable that gives the flag's default, if any.
+        is_path: a file or directory: passed as an absolute path (the service may not share ``up``'s
+            working directory, and the value names the same place on every run).
     """
 
     service: str
     field: str
     env: str | None = None
+    is_path: bool = False
 
     @property
     def flag(self) -> str:
         return "--" + self.field.replace("_", "-")
 
 
-# What ``up`` passes through, one line each (the KV tier's flags go here next). Not given, a flag
-# is not passed: the service's default, or the --config file's value, holds.
+# What ``up`` passes through, one line each. Not given, a flag is not passed: the service's
+# default, or the --config file's value, holds. The KV tier's directory outlives the run (unlike
+# the run's sockets), so a new ``up`` on the same directory finds the blocks of the last one.
 PASS_THROUGH = (
     PassThrough("memory", "kv_cache_bytes", env="PAGEDSERVE_KV_CACHE_BYTES"),
+    PassThrough("memory", "kv_disk_dir", is_path=True),
+    PassThrough("memory", "kv_disk_bytes"),
     PassThrough("compute", "dtype"),
 )
 
@@ -127,13 +133,19 @@ class UpConfig:
         unknown = sorted(set(self.service_flags) - set(known))
         if unknown:
             raise ValueError(f"service_flags: {unknown} are not passed through; known: {sorted(known)}")
-        for name, value in self.service_flags.items():
-            if value is not None:
-                cls, _ = _service_schema(known[name].service)
-                try:
-                    cls(**{name: value})  # the service's own validation of that value
-                except ValueError as exc:
-                    raise ValueError(f"{known[name].flag}: {exc}") from None
+        # The service's own validation, of each service's values together (some rules join two:
+        # kv_disk_bytes needs kv_disk_dir); an error names the flag of the value it names.
+        for service in sorted({item.service for item in PASS_THROUGH}):
+            given = {name: value for name, value in self.service_flags.items()
+                     if value is not None and known[name].service == service}
+            if not given:
+                continue
+            cls, _ = _service_schema(service)
+            try:
+                cls(**given)
+            except ValueError as exc:
+                flags = [known[name].flag for name in given if name in str(exc)] or [known[n].flag for n in given]
+                raise ValueError(f"{', '.join(flags)}: {exc}") from None
 
 
 def _say(text: str, *, end: str = "\n") -> None:
@@ -187,6 +199,8 @@ def stack_config(config: UpConfig, log_format: str, http_port: int) -> StackConf
     for item in PASS_THROUGH:
         value = config.service_flags.get(item.field)
         if value is not None:
+            if item.is_path:
+                value = os.path.abspath(os.path.expanduser(str(value)))
             passed[item.service] += [item.flag, _flag_value(value)]
     return StackConfig(model=config.model, memory_args=(*passed["memory"], *shared),
                        compute_args=(*passed["compute"], *shared),

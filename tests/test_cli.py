@@ -185,3 +185,39 @@ def test_up_flags_are_derived_from_the_services_configs(monkeypatch: pytest.Monk
     assert args.enable_prefix_caching is False
     config = up.UpConfig(service_flags={"enable_prefix_caching": False})
     assert up.stack_config(config, "json", 8000).memory_args[:2] == ("--enable-prefix-caching", "false")
+
+
+def test_up_passes_the_kv_tier_flags_to_the_memory_service(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 29: ``up --kv-disk-dir DIR --kv-disk-bytes N`` reaches the memory service (DIR made
+    absolute: the tier outlives the run), and the service it starts runs that tier."""
+    import grpc
+
+    from memory_service.api import KvLayout
+    from memory_service.convert import layout_to_pb
+    from pagedserve.cli import build_parser
+    from pagedserve.memory.v1 import memory_pb2, memory_pb2_grpc
+    from pagedserve.stack import memory_process, ready
+    from pagedserve.up import UpConfig, stack_config
+
+    args = build_parser().parse_args(["up", "--kv-disk-dir", "tier", "--kv-disk-bytes", "1048576"])
+    assert (args.kv_disk_dir, args.kv_disk_bytes) == ("tier", 1 << 20)
+    monkeypatch.chdir(tmp_path)
+    stack = stack_config(UpConfig(service_flags={"kv_disk_dir": "tier", "kv_disk_bytes": 1 << 20}), "json", 8000)
+    assert stack.memory_args[:4] == ("--kv-disk-dir", str(tmp_path / "tier"), "--kv-disk-bytes", str(1 << 20))
+    assert "--kv-disk-dir" not in stack.compute_args
+    with pytest.raises(ValueError, match="--kv-disk-bytes: kv_disk_bytes needs kv_disk_dir"):
+        UpConfig(service_flags={"kv_disk_bytes": 1 << 20})
+    with pytest.raises(ValueError, match="--kv-disk-bytes: kv_disk_bytes must be >= 1"):
+        UpConfig(service_flags={"kv_disk_dir": "tier", "kv_disk_bytes": 0})
+
+    socket = tmp_path / "run" / "memory.sock"
+    service = ready(memory_process(socket, [*stack.memory_args[:4], "--log-level", "warning"]), 60)
+    try:
+        with grpc.insecure_channel(f"unix:{socket}") as channel:
+            layout = KvLayout(num_layers=1, num_kv_heads=1, head_dim=4, dtype="float32", block_size=16)
+            reply = memory_pb2_grpc.MemoryManagerStub(channel).Attach(
+                memory_pb2.AttachRequest(client_name="t", layout=layout_to_pb(layout)), timeout=30)
+        assert [(t.kind, t.capacity_bytes) for t in reply.tiers] == [("disk", 1 << 20)]
+        assert (tmp_path / "tier" / "memory-service-id").read_text().strip() == reply.memory_service_id
+    finally:
+        assert service.stop() == 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import shlex
+import stat
 import subprocess
 import tempfile
 import urllib.request
@@ -81,6 +82,25 @@ def test_memory_container_answers_its_probes(volume_root: Path) -> None:
         assert memory.stop() == 0
     assert not engine.probe("memory", "livenessProbe")
     assert shm_segments(memory.pid) == []
+
+
+def test_memory_container_with_the_kv_tier_makes_its_private_tier_directory(volume_root: Path) -> None:
+    """engine.memory.kvTier as rendered: the memory service accepts the flags and makes its tier a
+    0700 subdirectory of the (world-writable) emptyDir, holding its identity (issue 29)."""
+    values = _cpu_values({"source": "default"})
+    values["engine"]["memory"]["kvTier"] = {"enabled": True, "bytes": 1 << 20, "sizeLimit": "1Mi"}
+    engine, _, _ = _pods(values, volume_root)
+    memory_container = engine.container("memory")
+    tier_dir = Path(engine.local_path(memory_container, "/var/lib/pagedserve/kv/tier"))
+    assert tier_dir == volume_root / "engine" / "kv-tier" / "tier"
+    socket_path = engine.local_path(memory_container, "/run/pagedserve/memory/memory.sock")
+    memory = engine.start("memory", "unix:" + socket_path, log_dir=volume_root)
+    try:
+        assert engine.probe("memory", "startupProbe")
+        assert stat.S_IMODE(tier_dir.stat().st_mode) == 0o700
+        assert (tier_dir / "memory-service-id").read_text().startswith("ms-")
+    finally:
+        assert memory.stop() == 0
 
 
 @pytest.mark.skipif(bool(_missing_services()), reason=f"not on this branch yet: {', '.join(_missing_services())} "
