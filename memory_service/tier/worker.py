@@ -170,6 +170,8 @@ class TierWorker:
                     block = torch.frombuffer(payload, dtype=torch.uint8).view(self._dtype).view(self._block_shape)
                     self._pool[:, :, block_id].copy_(block)
                     num_loaded += 1
+                if self._pool.is_cuda:  # the bytes are on the device before any client may read them
+                    torch.cuda.synchronize(self._pool.device)
             except Exception as exc:  # a failed load is recomputed, never an error (logged here)
                 log.error("kv_tier_load_failed", seq_id=load.seq_id, num_loaded=num_loaded,
                           error=type(exc).__name__, exc_info=exc)

@@ -8,6 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from pagedserve.errors import PreconditionError
+
+from memory_service.config import MemoryServiceConfig
 from memory_service.tier.chain import chain_hashes, root_hash
 from memory_service.tier.disk_tier import HEADER_SIZE, DiskTier, TierIdentity
 
@@ -125,3 +128,19 @@ def test_write_error_drops_the_block_and_goes_on(tmp_path: Path) -> None:
         (tmp_path / "away").rename(directory)
     assert bytes(tier.get(KEYS[0], NS)) == bytes(payload(0))  # reads went on
     assert tier.put(KEYS[1], NS, payload(1))
+
+
+@pytest.mark.parametrize(("fields", "needle"), [
+    ({"kv_disk_bytes": 0, "kv_disk_dir": "/x"}, "kv_disk_bytes must be >= 1"),
+    ({"kv_disk_bytes": 1 << 20}, "kv_disk_bytes needs kv_disk_dir"),
+    ({"kv_disk_dir": "/x", "enable_prefix_caching": False}, "needs enable_prefix_caching"),
+])
+def test_config_checks_the_tier_flags(fields: dict, needle: str) -> None:
+    with pytest.raises(ValueError, match=needle):
+        MemoryServiceConfig(**fields)
+
+
+def test_a_directory_path_that_is_a_file_fails_the_start(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    with pytest.raises(PreconditionError, match="kv_disk_dir"):
+        DiskTier(tmp_path / "file", 1 << 20)
