@@ -43,6 +43,9 @@ FLAGS = {
     "grace_period_s": "after SIGTERM, time for in-flight streams",
     "drain_delay_s": "after SIGTERM, keep taking requests this long while NOT_SERVING",
     "log_prompts": "put prompt text in access logs",
+    "tool_call_parser": "how tool_choice auto reads a model's tool calls: hermes (<tool_call> blocks), llama3_json "
+                        "(Llama 3.x JSON), or auto (from the chat template)",
+    "chat_template_file": "a Jinja chat template file to use instead of the backends' model's",
 }
 
 

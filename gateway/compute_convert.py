@@ -12,7 +12,7 @@ from gateway.core.types import BackendRequest, Delta, ModelInfo, TokenLogprobs, 
 from pagedserve.compute.v1 import compute_pb2
 
 # Optional on the compute wire (presence means "set"): copied only when given.
-_OPTIONAL = ("temperature", "top_p", "repetition_penalty", "seed", "logprobs")
+_OPTIONAL = ("temperature", "top_p", "repetition_penalty", "seed", "logprobs", "prompt_logprobs")
 # Plain on the compute wire (zero = the default): a None is sent as the zero.
 _PLAIN = ("top_k", "min_p", "min_tokens", "presence_penalty", "frequency_penalty", "n")
 
@@ -51,12 +51,18 @@ def usage_from_pb(usage: compute_pb2.Usage) -> Usage:
 
 def delta_from_pb(message: compute_pb2.GenerateResponse) -> Delta:
     """One stream message of the compute service as a delta."""
-    logprobs = [TokenLogprobs(lp.token_id, lp.logprob, list(lp.top_token_ids), list(lp.top_logprobs))
-                for lp in message.logprobs]
+    logprobs = logprobs_from_pb(message.logprobs)
     stop_string = message.stop_string if message.WhichOneof("matched_stop") == "stop_string" else ""
     usage = usage_from_pb(message.usage) if message.HasField("usage") else None
+    # (A one-token prompt has nothing to score: its empty list reads as none, and the fronts show none.)
+    prompt_logprobs = logprobs_from_pb(message.prompt_logprobs) if message.prompt_logprobs else None
     return Delta(message.index, message.text, list(message.token_ids), logprobs, message.finish_reason,
-                 stop_string, usage)
+                 stop_string, usage, prompt_logprobs=prompt_logprobs)
+
+
+def logprobs_from_pb(items) -> list[TokenLogprobs]:  # type: ignore[no-untyped-def]
+    return [TokenLogprobs(lp.token_id, lp.logprob, list(lp.top_token_ids), list(lp.top_logprobs), lp.rank)
+            for lp in items]
 
 
 def model_info_from_pb(info: compute_pb2.InfoResponse) -> ModelInfo:

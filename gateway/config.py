@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gateway.core.tool_parsers import PARSER_NAMES
 from gateway.tenants import Tenant, load_tenants
 from pagedserve import sampling_rules
 from pagedserve.service_auth import check_token, load_token
@@ -76,6 +77,10 @@ class GatewayConfig(ServiceConfig):
         backend_token_file: a file holding the token the compute services require (sent as
             ``authorization: Bearer TOKEN`` on every call to them); else ``$PAGEDSERVE_COMPUTE_TOKEN``.
         backend_token: the token itself (read from the file or the environment when not given).
+        tool_call_parser: how ``tool_choice: auto`` reads a model's calls: "hermes", "llama3_json",
+            or "auto" (from the chat template; ``gateway.core.tool_parsers``).
+        chat_template_file: a Jinja chat template to use instead of the backends' (vLLM's
+            ``--chat-template``), read at start.
     """
 
     backends: tuple[str, ...] = ()
@@ -107,6 +112,8 @@ class GatewayConfig(ServiceConfig):
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     backend_token_file: str | None = None
     backend_token: str | None = field(default=None, repr=False)
+    tool_call_parser: str = "auto"
+    chat_template_file: str | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -130,7 +137,10 @@ class GatewayConfig(ServiceConfig):
             raise ValueError(f"affinity_tier_weight must be in [0, 1], got {self.affinity_tier_weight}")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError("tls_cert_file, tls_key_file: give both (or neither)")
-        for name in ("tls_cert_file", "tls_key_file"):
+        if self.tool_call_parser not in PARSER_NAMES:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(PARSER_NAMES)}, "
+                             f"got {self.tool_call_parser!r}")
+        for name in ("tls_cert_file", "tls_key_file", "chat_template_file"):
             path = getattr(self, name)
             if path is not None and not Path(path).is_file():
                 raise ValueError(f"{name} {path!r} is not a readable file")

@@ -19,7 +19,7 @@ from pagedserve.errors import InvalidArgument, echo
 from pagedserve.gateway.v1 import gateway_pb2
 
 _ZERO_IS_UNSET = ("max_tokens", "top_p", "repetition_penalty", "n")
-_OPTIONAL = ("temperature", "seed", "logprobs")
+_OPTIONAL = ("temperature", "seed", "logprobs", "prompt_logprobs")
 _PLAIN = ("top_k", "min_p", "presence_penalty", "frequency_penalty", "min_tokens", "ignore_eos")
 
 
@@ -82,7 +82,7 @@ def usage_to_pb(usage: Usage) -> gateway_pb2.Usage:
 
 def logprobs_to_pb(items: list[TokenLogprobs]) -> list[gateway_pb2.TokenLogprobs]:
     return [gateway_pb2.TokenLogprobs(token_id=lp.token_id, logprob=lp.logprob, top_token_ids=lp.top_token_ids,
-                                      top_logprobs=lp.top_logprobs) for lp in items]
+                                      top_logprobs=lp.top_logprobs, rank=lp.rank) for lp in items]
 
 
 def tool_calls_to_pb(calls: list[ToolCall]) -> list[gateway_pb2.ToolCall]:
@@ -95,14 +95,15 @@ def reply_to_pb(reply: Reply) -> gateway_pb2.GenerateResponse:
         choices=[gateway_pb2.Completion(index=c.index, text=c.text, token_ids=c.token_ids,
                                         finish_reason=c.finish_reason, logprobs=logprobs_to_pb(c.logprobs),
                                         stop_string=c.stop_string, tool_calls=tool_calls_to_pb(c.tool_calls))
-                 for c in reply.choices])
+                 for c in reply.choices],
+        prompt_logprobs=logprobs_to_pb(reply.prompt_logprobs or []))
 
 
 def piece_to_pb(request_id: str, piece: Delta) -> gateway_pb2.GenerateStreamResponse:
     message = gateway_pb2.GenerateStreamResponse(
         request_id=request_id, index=piece.index, text=piece.text, token_ids=piece.token_ids,
         finish_reason=piece.finish_reason, logprobs=logprobs_to_pb(piece.logprobs), stop_string=piece.stop_string,
-        tool_calls=tool_calls_to_pb(piece.tool_calls))
+        tool_calls=tool_calls_to_pb(piece.tool_calls), prompt_logprobs=logprobs_to_pb(piece.prompt_logprobs or []))
     if piece.usage is not None:
         message.usage.CopyFrom(usage_to_pb(piece.usage))
     return message

@@ -42,6 +42,7 @@ class Gateway:
 
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
+        self.chat_template = Path(config.chat_template_file).read_text() if config.chat_template_file else None
         self.metrics = GatewayMetrics()
         self.pool = BackendPool(config, self._after_poll)
         # One tenant model for every front of this gateway (see gateway.tenants).
@@ -94,7 +95,12 @@ class Gateway:
 
     async def _load_tokenizer(self, backend: Backend) -> None:
         try:
-            model = await fetch_tokenizer(backend.stub, backend.info)
+            info = backend.info
+            if self.chat_template is not None:  # the operator's template instead of the model's
+                info = type(info)()
+                info.CopyFrom(backend.info)
+                info.chat_template = self.chat_template
+            model = await fetch_tokenizer(backend.stub, info)
         except (grpc.aio.AioRpcError, TokenizerFetchError, OSError) as exc:  # the next poll round tries again
             log.warning("tokenizer_fetch_failed", backend=backend.address, error=repr(exc))
             return

@@ -62,6 +62,11 @@ class ModelTokenizer:
         return self.has_chat_template and "tools" in str(self.hf_tokenizer.chat_template)
 
     @property
+    def chat_template_text(self) -> str:
+        """The chat template's source ("" without one)."""
+        return str(self.hf_tokenizer.chat_template) if self.has_chat_template else ""
+
+    @property
     def has_chat_template(self) -> bool:
         return self.hf_tokenizer is not None and bool(getattr(self.hf_tokenizer, "chat_template", None))
 

@@ -153,7 +153,8 @@ def op_from_pb(msg: pb.SequenceOp) -> Op:
         return AppendOp(msg.append.seq_id, list(msg.append.token_ids))
     if which == "allocate":
         a = msg.allocate
-        return AllocateOp(a.seq_id, list(a.prompt_token_ids), a.max_num_new_tokens, a.priority, a.namespace)
+        return AllocateOp(a.seq_id, list(a.prompt_token_ids), a.max_num_new_tokens, a.priority, a.namespace,
+                          a.skip_cache_read)
     if which == "free":
         return FreeOp(msg.free.seq_id)
     if which == "fork":
@@ -172,6 +173,7 @@ def op_to_pb(op: Op) -> pb.SequenceOp:
                 max_num_new_tokens=op.max_num_new_tokens,
                 priority=op.priority,
                 namespace=op.namespace,
+                skip_cache_read=op.skip_cache_read,
             )
         )
     if isinstance(op, FreeOp):

@@ -38,8 +38,9 @@ class PassThrough:
     service's own config dataclass and flag table, never typed again here.
 
     Args:
-        service: "memory" (``MemoryServiceConfig``, memory_service/__main__.py's FLAGS) or "compute"
-            (``EngineConfig``, compute_service/__main__.py's ENGINE_FLAGS).
+        service: "memory" (``MemoryServiceConfig``, memory_service/__main__.py's FLAGS), "compute"
+            (``EngineConfig``, compute_service/__main__.py's ENGINE_FLAGS) or "gateway"
+            (``GatewayConfig``, gateway/__main__.py's FLAGS).
         field: the config field; the flag is the service's own, ``--field-name``.
         env: an environment variable that gives the flag's default, if any.
         is_path: a file or directory: passed as an absolute path (the service may not share ``up``'s
@@ -64,7 +65,11 @@ PASS_THROUGH = (
     PassThrough("memory", "kv_disk_dir", is_path=True),
     PassThrough("memory", "kv_disk_bytes"),
     PassThrough("compute", "dtype"),
+    PassThrough("gateway", "tool_call_parser"),
 )
+# What a service's config needs besides the checked field to be built at all (``UpConfig`` checks
+# a value by building the config): a gateway needs a backend, which ``up`` gives it at start.
+_REQUIRED_FIELDS: dict[str, dict[str, Any]] = {"gateway": {"backends": ("unix:up",)}}
 
 
 def _service_schema(service: str) -> tuple[type, Mapping[str, str]]:
@@ -74,6 +79,11 @@ def _service_schema(service: str) -> tuple[type, Mapping[str, str]]:
         from memory_service.config import MemoryServiceConfig
 
         return MemoryServiceConfig, FLAGS
+    if service == "gateway":
+        from gateway.__main__ import FLAGS as GATEWAY_FLAGS
+        from gateway.config import GatewayConfig
+
+        return GatewayConfig, GATEWAY_FLAGS
     from compute_service.__main__ import ENGINE_FLAGS
     from compute_service.engine.config import EngineConfig
 
@@ -142,7 +152,7 @@ class UpConfig:
                 continue
             cls, _ = _service_schema(service)
             try:
-                cls(**given)
+                cls(**_REQUIRED_FIELDS.get(service, {}), **given)
             except ValueError as exc:
                 flags = [known[name].flag for name in given if name in str(exc)] or [known[n].flag for n in given]
                 raise ValueError(f"{', '.join(flags)}: {exc}") from None
@@ -195,7 +205,7 @@ def _url_host(host: str) -> str:
 def stack_config(config: UpConfig, log_format: str, http_port: int) -> StackConfig:
     """The stack ``up`` starts: its services' output inherited, so their logs show with ``up``'s."""
     shared = ("--log-format", log_format, *(("--config", config.config_file) if config.config_file else ()))
-    passed: dict[str, list[str]] = {"memory": [], "compute": []}
+    passed: dict[str, list[str]] = {"memory": [], "compute": [], "gateway": []}
     for item in PASS_THROUGH:
         value = config.service_flags.get(item.field)
         if value is not None:
@@ -204,7 +214,7 @@ def stack_config(config: UpConfig, log_format: str, http_port: int) -> StackConf
             passed[item.service] += [item.flag, _flag_value(value)]
     return StackConfig(model=config.model, memory_args=(*passed["memory"], *shared),
                        compute_args=(*passed["compute"], *shared),
-                       gateway_args=("--http-port", str(http_port), "--log-format", log_format),
+                       gateway_args=("--http-port", str(http_port), "--log-format", log_format, *passed["gateway"]),
                        gateway_host=config.host, gateway_port=config.port, log_to_files=False,
                        ready_timeout_s=config.ready_timeout_s)
 

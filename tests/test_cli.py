@@ -160,6 +160,11 @@ def test_up_passes_the_service_flags_it_is_given_and_no_others() -> None:
         UpConfig(service_flags={"kv_cache_bytes": 0})
     with pytest.raises(ValueError, match=r"\['max_num_seqs'\] are not passed through"):
         UpConfig(service_flags={"max_num_seqs": 4})
+    # The gateway's flag too (issue 30: how tool_choice auto reads the model's calls).
+    gateway = stack_config(UpConfig(service_flags={"tool_call_parser": "llama3_json"}), "json", 8000).gateway_args
+    assert gateway[-2:] == ("--tool-call-parser", "llama3_json")
+    with pytest.raises(ValueError, match="--tool-call-parser: tool_call_parser must be one of auto, hermes"):
+        UpConfig(service_flags={"tool_call_parser": "mistral"})
 
 
 @pytest.mark.unit

@@ -18,7 +18,7 @@ from compute_service.engine.allocator import KvAllocator
 from compute_service.engine.config import EngineConfig
 from compute_service.model.model import CausalLM
 from compute_service.model.model_config import ModelConfig
-from compute_service.engine.model_runner import ModelRunner
+from compute_service.engine.model_runner import ModelRunner, StepLogits
 from compute_service.engine.faults import DetokenizeFault
 from compute_service.engine.outputs import RequestDelta
 from compute_service.engine.request import EngineLoad, GenerateInput, Request, TenantQueue
@@ -242,21 +242,21 @@ class Engine:
     def step(self) -> list[RequestDelta]:
         """One step; returns what is new for each request that produced tokens or finished."""
         scheduled = self._schedule()
-        logits = self._run(scheduled) if scheduled else None
-        return self._postprocess(scheduled, logits)
+        step = self._run(scheduled) if scheduled else None
+        return self._postprocess(scheduled, step)
 
-    def _run(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
+    def _run(self, scheduled: list[ScheduledSeq]) -> StepLogits:
         """The model's forward; a step that prefills (a chunk of more than one token) also updates
         ``prefill_tokens_per_s``."""
         start = time.perf_counter()
-        logits = self.runner.run(scheduled)
+        step = self.runner.run(scheduled)
         if any(item.num_new_tokens > 1 for item in scheduled):
             elapsed_s = time.perf_counter() - start
             if elapsed_s > 0:
                 speed = sum(item.num_new_tokens for item in scheduled) / elapsed_s
                 old = self.prefill_tokens_per_s
                 self.prefill_tokens_per_s = speed if not old else old + PREFILL_SPEED_EWMA * (speed - old)
-        return logits
+        return step
 
     def _schedule(self) -> list[ScheduledSeq]:
         plan = self.scheduler.schedule()
@@ -283,16 +283,27 @@ class Engine:
                                       self.model_config.max_position)
         return scheduled
 
-    def _postprocess(self, scheduled: list[ScheduledSeq], logits: torch.Tensor | None) -> list[RequestDelta]:
+    def _postprocess(self, scheduled: list[ScheduledSeq], step: StepLogits | None) -> list[RequestDelta]:
         touched: dict[str, Request] = {}
         to_sample: list[tuple[int, Sequence]] = []
+        logits = step.logits if step is not None else None
         for row, item in enumerate(scheduled):
             seq = item.seq
             if seq.num_computed_tokens == seq.num_cached_tokens:
                 # First chunk since (re)admission: the one moment both counters are equal.
                 self._num_prompt_tokens_admitted += seq.num_tokens
                 self._num_prompt_tokens_cached += seq.num_cached_tokens
-            if seq.advance(item.num_new_tokens):  # prompt done or a decode step: sample
+            if step is not None and row in step.prompt_logprobs:
+                scored = step.prompt_logprobs[row]
+                self.requests[seq.request_id].prompt_logprobs.extend(scored)
+                seq.add_prompt_logprobs(len(scored))
+            if not seq.advance(item.num_new_tokens):
+                continue  # a prompt chunk before the last
+            if seq.params.max_tokens == 0:  # the prompt scored, nothing to generate
+                seq.finish(FinishReason.LENGTH)
+                self.scheduler.finish(seq)
+                touched[seq.request_id] = self.requests[seq.request_id]
+            else:  # prompt done or a decode step: sample
                 to_sample.append((row, seq))
         if to_sample:
             # (B, V) raw logits, this step's own tensor (nothing else reads it): the rows that sample,

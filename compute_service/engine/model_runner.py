@@ -2,12 +2,33 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from compute_service.model.forward_batch import ForwardBatch
 from compute_service.model.model import CausalLM
+from compute_service.engine.sampler import TokenLogprobs, prompt_token_logprobs
 from compute_service.engine.scheduler import ScheduledSeq
 from kernels import cpu_ops
+
+# Prompt positions scored per LM-head call: (rows, vocab) float32 logits and their log-softmax at
+# once (256 x 49152 x 4 bytes = 48 MiB each for the default model), whatever the chunk's length.
+PROMPT_LOGPROBS_ROWS = 256
+
+
+class StepLogits(NamedTuple):
+    """What one step's model run gives the engine.
+
+    Attributes:
+        logits: (B + D, vocab) float32: row b after scheduled sequence b's last token, then one row
+            after each of the D drafts, sequence after sequence, in order.
+        prompt_logprobs: by scheduled index, the prompt tokens this step scored
+            (``Sequence.prompt_logprob_targets``), in order; only sequences that asked for them.
+    """
+
+    logits: torch.Tensor
+    prompt_logprobs: dict[int, list[TokenLogprobs]]
 
 
 class ModelRunner:
@@ -30,13 +51,9 @@ class ModelRunner:
         self.kv_pool = kv_pool
         self.block_size = block_size
 
-    def run(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
-        """Compute the scheduled tokens (and speculative drafts after them).
-
-        Returns:
-            (B + D, vocab) float32 logits: row b after sequence b's last scheduled token, then one
-            row after each of the D drafts, sequence after sequence, in order.
-        """
+    def run(self, scheduled: list[ScheduledSeq]) -> StepLogits:
+        """Compute the scheduled tokens (and speculative drafts after them), and score the prompt
+        tokens of the sequences that asked for prompt logprobs."""
         batch = ForwardBatch.build(
             new_token_ids=[s.seq.tokens_to_compute(s.num_new_tokens) + s.draft_token_ids for s in scheduled],
             num_computed_tokens=[s.seq.num_computed_tokens for s in scheduled],
@@ -51,4 +68,33 @@ class ModelRunner:
             drafts = [row for s, first in zip(scheduled, last)
                       for row in range(first + 1, first + 1 + len(s.draft_token_ids))]
             logits_rows = torch.tensor(last + drafts, dtype=torch.int64, device=self.model.device)
-        return self.model(batch, self.kv_pool, logits_rows).cpu()  # already float32
+        # Per scoring sequence: its scheduled index, the prompt tokens it scores, and the first of
+        # its rows in the hidden states returned (token t is scored at position t - 1).
+        targets = [(i, s.seq.prompt_logprob_targets(s.num_new_tokens)) for i, s in enumerate(scheduled)]
+        targets = [(i, t) for i, t in targets if t]
+        if not targets:
+            return StepLogits(self.model(batch, self.kv_pool, logits_rows).cpu(), {})  # already float32
+        starts = batch.cu_seqlens_q[:-1].tolist()
+        rows = [starts[i] + (t.start - 1 - scheduled[i].seq.num_computed_tokens) for i, t in targets]
+        hidden_rows = torch.cat([torch.arange(first, first + len(t)) for first, (_, t) in zip(rows, targets)])
+        logits, hidden = self.model(batch, self.kv_pool, logits_rows, hidden_rows.to(self.model.device))
+        return StepLogits(logits.cpu(), self._score_prompts(scheduled, targets, hidden))
+
+    @torch.inference_mode()
+    def _score_prompts(self, scheduled: list[ScheduledSeq], targets: list[tuple[int, range]],
+                       hidden: torch.Tensor) -> dict[int, list[TokenLogprobs]]:
+        """The prompt tokens' logprobs from the (P, hidden) states at their positions, the LM head
+        run ``PROMPT_LOGPROBS_ROWS`` rows at a time."""
+        out: dict[int, list[TokenLogprobs]] = {}
+        first = 0
+        for i, target in targets:
+            seq = scheduled[i].seq
+            token_ids = seq.prompt_token_ids[target.start : target.stop]
+            scored: list[TokenLogprobs] = []
+            for start in range(0, len(token_ids), PROMPT_LOGPROBS_ROWS):
+                end = min(start + PROMPT_LOGPROBS_ROWS, len(token_ids))
+                logits = self.model.compute_logits(hidden[first + start : first + end]).cpu()
+                scored += prompt_token_logprobs(logits, token_ids[start:end], seq.params.prompt_logprobs or 0)
+            out[i] = scored
+            first += len(token_ids)
+        return out

@@ -47,6 +47,8 @@ class RequestDelta:
     num_completion_tokens: int = 0  # generated so far, over all completions (usage)
     finished: bool = False
     error: str | None = None
+    # params.prompt_logprobs: prompt tokens 1..L-1 scored, in the one delta after the prompt was computed.
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 
@@ -75,9 +77,12 @@ class RequestOutput:
     num_cached_tokens: int = 0
     finished: bool = False
     error: str | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 1..L-1, when asked for
 
     def add(self, delta: RequestDelta) -> None:
         """Append one step's news (deltas of one request, in step order)."""
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         for d in delta.completions:
             while len(self.outputs) <= d.index:  # completions are numbered 0..n-1; all share the params
                 self.outputs.append(CompletionOutput(len(self.outputs), logprobs=None if d.logprobs is None else []))

@@ -113,6 +113,9 @@ class Request:
     completions: dict[int, Completion] = field(default_factory=dict)  # by completion index
     is_paused: bool = False  # its consumer's buffer is full: not scheduled until resumed
     error: str | None = None  # what failed, when it ended with finish_reason "error"
+    # params.prompt_logprobs: the prompt tokens scored so far (1..), handed out once all are.
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    is_prompt_logprobs_reported: bool = False
 
     @property
     def seqs(self) -> list[Sequence]:
@@ -135,6 +138,11 @@ class Request:
         # Every text piece first: if a detokenizer raises, no completion has marked anything reported.
         texts = [c.next_text() for c in news]
         completions = [c.delta(text) for c, text in zip(news, texts)]
+        prompt_logprobs = None
+        if (self.params.prompt_logprobs is not None and not self.is_prompt_logprobs_reported
+                and len(self.prompt_logprobs) == len(self.prompt_token_ids) - 1):
+            prompt_logprobs, self.prompt_logprobs = self.prompt_logprobs, []
+            self.is_prompt_logprobs_reported = True
         return RequestDelta(
             request_id=self.request_id,
             prompt_token_ids=self.prompt_token_ids,
@@ -143,4 +151,5 @@ class Request:
             num_completion_tokens=sum(c.seq.num_output_tokens for c in self.completions.values()),
             finished=self.is_finished,
             error=self.error,
+            prompt_logprobs=prompt_logprobs,
         )

@@ -249,6 +249,7 @@ class TokenLogprobs:
     logprob: float
     top_token_ids: list[int]  # the N most likely, most likely first
     top_logprobs: list[float]
+    rank: int = 0  # 1 + the tokens more likely than token_id (prompt logprobs; 0 = not computed)
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: Seq[int], num_top: Seq[int]) -> list[TokenLogprobs]:
@@ -266,4 +267,22 @@ def token_logprobs(logits: torch.Tensor, token_ids: Seq[int], num_top: Seq[int])
     return [
         TokenLogprobs(token_id=t, logprob=float(c), top_token_ids=ids[:n].tolist(), top_logprobs=values[:n].tolist())
         for t, c, ids, values, n in zip(token_ids, chosen, top_ids, top_values, num_top, strict=True)
+    ]
+
+
+def prompt_token_logprobs(logits: torch.Tensor, token_ids: Seq[int], num_top: int) -> list[TokenLogprobs]:
+    """Log-probabilities of given tokens (a prompt's), with their rank and the ``num_top`` most likely.
+
+    Args:
+        logits: (P, V) raw logits; row i is the distribution ``token_ids[i]`` was drawn from.
+        token_ids: P tokens.
+    """
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # (P, V), float32 whatever the model's dtype
+    chosen = logprobs.gather(1, torch.tensor(token_ids, dtype=torch.long, device=logits.device)[:, None])  # (P, 1)
+    ranks = (logprobs > chosen).sum(dim=-1).add_(1).tolist()
+    top_values, top_ids = logprobs.topk(num_top, dim=-1) if num_top else (logprobs[:, :0], logprobs[:, :0].long())
+    return [
+        TokenLogprobs(token_id=t, logprob=c, top_token_ids=ids, top_logprobs=values, rank=r)
+        for t, c, ids, values, r in zip(token_ids, chosen[:, 0].tolist(), top_ids.tolist(), top_values.tolist(),
+                                        ranks, strict=True)
     ]

@@ -33,6 +33,8 @@ class SamplingParams:
             constant / a per-occurrence amount for tokens already generated.
         n: completions per prompt (forked sequences share the prompt's blocks).
         logprobs: None = none; 0 = the sampled token's log-probability; N = also the N most likely.
+        prompt_logprobs: None = none; N = the log-probability of each prompt token after the first
+            (and the N most likely tokens at its position); then max_tokens may be 0 (score only).
         logit_bias: (token id, bias) pairs, sorted by id, added to the logits before anything else
             (penalties, a constraint's mask, sampling); a mapping given is turned into them.
     """
@@ -53,6 +55,7 @@ class SamplingParams:
     n: int = _DEFAULT["n"]
     logprobs: int | None = _DEFAULT["logprobs"]
     logit_bias: tuple[tuple[int, float], ...] = _DEFAULT["logit_bias"]
+    prompt_logprobs: int | None = _DEFAULT["prompt_logprobs"]
     constraint: Constraint | None = None
     stop_token_id_set: frozenset[int] = field(default=frozenset(), init=False, repr=False, compare=False)
     # What the engine derives from these fields once per request rather than once per step (the

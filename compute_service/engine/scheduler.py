@@ -229,7 +229,8 @@ class Scheduler:
             if needed > available and not self._make_room(needed, seq, plan, strictly_lower=True):
                 break  # its turn: no one behind it jumps the queue
             self._take(needed)
-            plan.work.append((AllocateOp(seq.seq_id, seq.token_ids, n, seq.priority, seq.cache_namespace), seq))
+            plan.work.append((AllocateOp(seq.seq_id, seq.token_ids, n, seq.priority, seq.cache_namespace,
+                                         skip_cache_read=seq.needs_prompt_logprobs), seq))
             budget -= n
             num_running += 1
             candidates.remove(seq)

@@ -67,6 +67,9 @@ class Sequence:
     # Accepted drafts whose K/V is computed but which the memory service has not been sent yet.
     num_unappended_tokens: int = 0
     ngrams: Any | None = None  # speculative.NgramIndex, made on its first proposal
+    # Prompt logprobs (params.prompt_logprobs): prompt tokens 1..num_prompt_logprobs are scored
+    # (the logits at positions 0..num_prompt_logprobs - 1 were computed and reduced).
+    num_prompt_logprobs: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -91,6 +94,29 @@ class Sequence:
     @property
     def last_token_id(self) -> int:
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt tokens are still to be scored: every prompt position must be computed by the
+        model (no prefix-cache hit may skip one). Only the first completion scores the prompt: the
+        others fork from it once the prompt is done."""
+        return (self.params.prompt_logprobs is not None and self.index == 0
+                and self.num_prompt_logprobs < len(self.prompt_token_ids) - 1)
+
+    def prompt_logprob_targets(self, num_new_tokens: int) -> range:
+        """The prompt tokens scored by this step's ``num_new_tokens`` (from ``num_computed_tokens``):
+        token t is scored by the logits at position t - 1, so a chunk over positions [c, c + k)
+        scores tokens c + 1 .. c + k, up to the prompt's last, and none scored before (a recompute
+        after preemption scores nothing twice)."""
+        if not self.needs_prompt_logprobs:
+            return range(0)
+        start = max(self.num_computed_tokens, self.num_prompt_logprobs) + 1
+        return range(start, min(self.num_computed_tokens + num_new_tokens, len(self.prompt_token_ids) - 1) + 1)
+
+    def add_prompt_logprobs(self, num: int) -> None:
+        """``num`` more prompt tokens were scored (``prompt_logprob_targets``' range, in order)."""
+        assert self.num_prompt_logprobs + num <= len(self.prompt_token_ids) - 1
+        self.num_prompt_logprobs += num
 
     def tokens_to_compute(self, n: int) -> list[int]:
         """The next ``n`` tokens whose K/V is not in the pool yet."""

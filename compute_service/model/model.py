@@ -57,8 +57,8 @@ class CausalLM(nn.Module):
         return self.embed_tokens.device
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv_pool: torch.Tensor, logits_rows: torch.Tensor | None = None
-                ) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, kv_pool: torch.Tensor, logits_rows: torch.Tensor | None = None,
+                hidden_rows: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Run one step: write the new tokens' K/V into the pool and score the next token.
 
         Args:
@@ -67,9 +67,12 @@ class CausalLM(nn.Module):
                 every token of each sequence before its new ones must already be in it.
             logits_rows: (R,) int64 rows of the batch to score (speculative drafts need several
                 per sequence); None = each sequence's last row.
+            hidden_rows: (P,) int64 rows whose final (normed) hidden states to return as well, for
+                the caller to score with ``compute_logits`` a slice at a time (prompt logprobs need
+                every prompt position: their (P, vocab) logits at once would be large).
         Returns:
             (B, vocab_size) float32 logits of the token after each sequence's last new token, or
-            (R, vocab_size) after each of ``logits_rows``.
+            (R, vocab_size) after each of ``logits_rows``; with ``hidden_rows``, also their (P, hidden).
         """
         self.check_kv_pool(kv_pool)
         hidden = F.embedding(batch.input_ids, self.embed_tokens)  # (T, hidden)
@@ -87,9 +90,15 @@ class CausalLM(nn.Module):
         for layer_id, layer in enumerate(self.layers):
             hidden, pending = layer(hidden, pending, cos, sin, kv_pool[layer_id, 0], kv_pool[layer_id, 1], step)
         last = hidden + pending if last_rows is None else hidden[last_rows] + pending[last_rows]  # (B, hidden)
-        last = self.norm(last)
+        logits = self.compute_logits(self.norm(last))
+        if hidden_rows is None:
+            return logits
+        return logits, self.norm(hidden[hidden_rows] + pending[hidden_rows])  # (P, hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(N, hidden) final normed hidden states -> (N, vocab_size) float32 logits (the LM head)."""
         with profile_scope("lm_head"):
-            return kernels.linear(last, self.lm_head, self.lm_head_packed).float()  # (B, vocab)
+            return kernels.linear(hidden, self.lm_head, self.lm_head_packed).float()
 
     def check_kv_pool(self, kv_pool: torch.Tensor) -> None:
         """Raise ValueError unless `kv_pool` has this model's layout, dtype and device."""

@@ -21,7 +21,7 @@ from compute_service.engine.sampling_params import SamplingParams
 from compute_service.structured.constraint import Constraint
 
 # Fields copied as they are (proto3 zero = the core default, or "unset" marked by presence).
-_OPTIONAL_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "repetition_penalty", "logprobs")
+_OPTIONAL_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "repetition_penalty", "logprobs", "prompt_logprobs")
 _PLAIN_FIELDS = ("top_k", "min_p", "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty")
 
 
@@ -78,6 +78,8 @@ def params_to_pb(params: SamplingParams) -> pb.SamplingParams:
         msg.seed = params.seed
     if params.logprobs is not None:
         msg.logprobs = params.logprobs
+    if params.prompt_logprobs is not None:
+        msg.prompt_logprobs = params.prompt_logprobs
     if params.constraint is not None:
         constraint_to_pb(params.constraint, msg)
     msg.logit_bias.update(dict(params.logit_bias))
@@ -104,7 +106,7 @@ def generate_from_pb(msg: pb.GenerateRequest, default_request_id: str, max_model
 
 def _logprobs_to_pb(lp: TokenLogprobs) -> pb.TokenLogprobs:
     return pb.TokenLogprobs(token_id=lp.token_id, logprob=lp.logprob, top_token_ids=lp.top_token_ids,
-                            top_logprobs=lp.top_logprobs)
+                            top_logprobs=lp.top_logprobs, rank=lp.rank)
 
 
 def completion_to_pb(request_id: str, c: CompletionDelta) -> pb.GenerateResponse:
@@ -123,6 +125,10 @@ def completion_to_pb(request_id: str, c: CompletionDelta) -> pb.GenerateResponse
 def responses_to_pb(out: RequestDelta) -> list[pb.GenerateResponse]:
     """The stream messages for one step's news; the request's last one carries usage."""
     messages = [completion_to_pb(out.request_id, c) for c in out.completions]
+    if out.prompt_logprobs is not None:  # once, with the first news after the prompt was computed
+        if not messages:
+            messages.append(pb.GenerateResponse(request_id=out.request_id))
+        messages[0].prompt_logprobs.extend(_logprobs_to_pb(lp) for lp in out.prompt_logprobs)
     if out.finished:
         if not messages:  # nothing new in the last step (cannot happen today; keep usage anyway)
             messages.append(pb.GenerateResponse(request_id=out.request_id))

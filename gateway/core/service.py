@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from gateway.config import GatewayConfig
-from gateway.core import tools
+from gateway.core import tool_parsers, tools
 from gateway.core.streaming import ReplyBudget
 from gateway.core.types import Delta, GenerateRequest, Usage
 from gateway.core.validate import PromptLimits, check_prompt, validate
@@ -85,6 +85,10 @@ class GatewayCore:
             raise UnavailableError("no backend has been reached yet")
         return self.model
 
+    def tool_parser(self, model: ModelTokenizer) -> tool_parsers.ToolCallParser:
+        """How ``tool_choice: auto`` reads this model's calls (the flag's, or its template's format)."""
+        return tool_parsers.choose(self.config.tool_call_parser, model.chat_template_text)
+
     def admit(self, tenant: Tenant, record: RequestRecord, priority: int | None = None,
               count: int = 1) -> list[Admission]:
         """The tenant's priority check and ``count`` slots, all or none, synchronously (before any await).
@@ -120,7 +124,7 @@ class GatewayCore:
         model = self.require_model()
         loop = asyncio.get_running_loop()
         if request.messages:
-            messages, tool_specs = tools.template_messages(request, model.renders_tools)
+            messages, tool_specs = tools.template_messages(request, model.renders_tools, self.tool_parser(model))
             return await loop.run_in_executor(self.tokenize_executor, model.encode_chat, messages,
                                               bool(add_special_tokens), tool_specs)
         return await loop.run_in_executor(self.tokenize_executor, model.encode_prompt, request.prompt or "",
@@ -198,7 +202,7 @@ class GatewayCore:
         is_waiting = False
         try:
             model = self.require_model()
-            tool_plan = tools.plan(request)
+            tool_plan = tools.plan(request, self.tool_parser(model))
             request = tools.constrained(request, tool_plan)
             validated = validate(request, model.info, self.prompt_limits, reply, num_prompts)
             token_ids = request.prompt_token_ids if request.prompt_token_ids is not None else await self.encode(request)
@@ -211,6 +215,7 @@ class GatewayCore:
                 deltas = tools.with_tool_calls(deltas, tool_plan, model.token_text)
             waiting.inc()  # until its first answer: the tenant's queue at the backends
             is_waiting = True
+            is_scoring = request.options.prompt_logprobs is not None
             # aclosing: a client that goes away closes the backend call now, not at garbage collection.
             async with contextlib.aclosing(deltas):
                 async for delta in deltas:
@@ -225,6 +230,10 @@ class GatewayCore:
                         record.first_token_at = record.first_token_at or record.last_token_at
                     if delta.usage is not None:
                         record.usage = delta.usage
+                    if is_scoring:  # the first delta: the backend's carries the prompt's scores
+                        is_scoring = False
+                        delta.prompt_logprobs = delta.prompt_logprobs or []  # (none for a one-token prompt)
+                        delta.prompt_token_ids = list(token_ids)
                     yield delta
         except (asyncio.CancelledError, GeneratorExit):  # the client cancelled, its deadline passed, or it stalled
             if record.status == "OK":

@@ -4,8 +4,9 @@ write-stall timeout). Shared by both fronts, so each rule holds on both.
 - ``collect``: a unary answer, one ``Completion`` per index; the ``ReplyBudget`` it is given
   refuses a reply that grows past the bytes one answer may carry (the backend request is aborted
   as the deltas are closed).
-- ``pieces``: the stream a client sees, one piece whenever there is text, an end or usage; tokens
-  whose text is not complete yet (half a UTF-8 character) wait for the next piece.
+- ``pieces``: the stream a client sees, one piece whenever there is text, an end, usage or the
+  prompt's logprobs; tokens whose text is not complete yet (half a UTF-8 character) wait for the
+  next piece.
 - ``send_within``: one write of a stream, given up after ``write_stall_timeout_s`` (a client that
   reads nothing holds a slot, a backend sequence and its KV blocks for nothing).
 """
@@ -38,12 +39,15 @@ def logprobs_bytes(lp: TokenLogprobs) -> int:
     if lp.top_logprobs:
         values = 4 * len(lp.top_logprobs)
         size += 1 + _varint_bytes(values) + values
+    if lp.rank:
+        size += 1 + _varint_bytes(lp.rank)
     return size
 
 
 def delta_bytes(delta: Delta) -> int:
     """What ``delta`` adds to a unary reply on the wire: its ids, text and logprobs entries."""
-    entries = (size + 1 + _varint_bytes(size) for size in map(logprobs_bytes, delta.logprobs))
+    entries = (size + 1 + _varint_bytes(size)
+               for size in map(logprobs_bytes, [*delta.logprobs, *(delta.prompt_logprobs or ())]))
     calls = sum(len(c.id) + len(c.name) + len(c.arguments.encode()) + 8 for c in delta.tool_calls)
     return sum(map(_varint_bytes, delta.token_ids)) + len(delta.text.encode()) + sum(entries) + calls
 
@@ -71,8 +75,11 @@ async def collect(request_id: str, deltas: AsyncIterator[Delta]) -> Reply:
     """The whole answer from a request's deltas: one Completion per index, in index order."""
     choices: dict[int, Completion] = {}
     usage = Usage()
+    reply = Reply(request_id, [], usage)
     async with contextlib.aclosing(deltas):
         async for delta in deltas:
+            if delta.prompt_logprobs is not None:
+                reply.prompt_logprobs, reply.prompt_token_ids = delta.prompt_logprobs, delta.prompt_token_ids
             choice = choices.get(delta.index)
             if choice is None:
                 choice = choices[delta.index] = Completion(delta.index)
@@ -84,7 +91,8 @@ async def collect(request_id: str, deltas: AsyncIterator[Delta]) -> Reply:
                 choice.finish_reason, choice.stop_string = delta.finish_reason, delta.stop_string
             if delta.usage is not None:
                 usage = delta.usage
-    return Reply(request_id, [choices[i] for i in sorted(choices)], usage)
+    reply.choices, reply.usage = [choices[i] for i in sorted(choices)], usage
+    return reply
 
 
 @dataclass
@@ -105,11 +113,11 @@ async def pieces(deltas: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
             h = held.setdefault(delta.index, _Held())
             h.token_ids += delta.token_ids
             h.logprobs += delta.logprobs
-            if not (delta.text or delta.finish_reason or delta.usage is not None):
+            if not (delta.text or delta.finish_reason or delta.usage is not None or delta.prompt_logprobs is not None):
                 continue
             held[delta.index] = _Held()
             yield Delta(delta.index, delta.text, h.token_ids, h.logprobs, delta.finish_reason, delta.stop_string,
-                        delta.usage, delta.tool_calls)
+                        delta.usage, delta.tool_calls, delta.prompt_logprobs, delta.prompt_token_ids)
 
 
 async def send_within(write: Awaitable[None], timeout_s: float) -> bool:

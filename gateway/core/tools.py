@@ -12,16 +12,17 @@ prompt and, for ``required`` and a named function, a JSON-schema constraint):
 2. ``template_messages``: the chat as the template takes it. A template that knows tools (its text
    mentions ``tools``, as Qwen2.5's, SmolLM3's and Llama 3.x's do) gets OpenAI-shaped messages and
    ``tools=``. Any other template (the default model's plain ChatML) gets the generic rendering
-   below: the tools' signatures and the Hermes call format appended to the system turn (one is
-   added when there is none), an assistant's earlier calls written into its content as
-   ``<tool_call>`` blocks, and a tool's answer as a user turn in ``<tool_response>`` tags (every
+   below: the tools' signatures and the parser's call format (Hermes unless the flag says
+   otherwise) appended to the system turn (one is added when there is none), an assistant's earlier
+   calls written into its content in that format, and a tool's answer as a user turn in ``<tool_response>`` tags (every
    template takes user turns; many refuse a "tool" role). With ``tool_choice: none`` the tools are
    left out of the prompt.
 3. ``with_tool_calls``: each completion's deltas as they come; at its end the text is parsed into
-   calls. ``auto`` reads the model's own format, Hermes ``<tool_call>{"name", "arguments"}</tool_call>``:
-   text before the first call streams as content, the rest is held until the end, and a call that
-   is unfinished or does not parse (or names no given tool) comes back as plain content with the
-   completion's own finish reason, as vLLM does. A completion with calls ends with
+   calls. ``auto`` reads the model's own format (``gateway.core.tool_parsers``: Hermes
+   ``<tool_call>{"name", "arguments"}</tool_call>`` or Llama 3's JSON, chosen from the chat template
+   or by ``--tool-call-parser``): text before the first call streams as content, the rest is held
+   until the end, and a call that is unfinished or does not parse (or names no given tool) comes
+   back as plain content with the completion's own finish reason, as vLLM does. A completion with calls ends with
    ``finish_reason: "tool_calls"`` and its calls in one delta, so a stream's pieces reassemble to
    the unary answer exactly.
 4. The fronts write the calls in their shapes (OpenAI's ``message.tool_calls`` / ``delta.tool_calls``,
@@ -33,10 +34,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
+from gateway.core.tool_parsers import PARSERS, ToolCallParser, call_of, new_call
 from gateway.core.types import ChatMessage, Constraint, Delta, GenerateRequest, Tool, ToolCall
 from pagedserve.errors import InvalidArgument, echo
 
@@ -46,10 +47,10 @@ CHOICES = ("none", "auto", "required", "function")
 # A tool without parameters takes an empty object (and nothing else: an open object would let a
 # constrained model write keys until max_tokens).
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
-CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
-_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
+HERMES = PARSERS["hermes"]
 
-# The generic rendering of tools into the system turn, for templates without a tools branch.
+# The generic rendering of tools into the system turn, for templates without a tools branch (the
+# parser's instructions follow).
 GENERIC_TOOLS_PROMPT = """# Tools
 
 You may call these functions (signatures as JSON, one per line):
@@ -57,10 +58,7 @@ You may call these functions (signatures as JSON, one per line):
 {signatures}
 </tools>
 
-To call one, reply with a block per call:
-<tool_call>
-{{"name": "<function name>", "arguments": <arguments object>}}
-</tool_call>"""
+"""
 
 
 @dataclass(frozen=True)
@@ -72,12 +70,14 @@ class ToolPlan:
         tools: by name, with their parsed parameter schemas.
         function: the named function (mode "function").
         parallel: several calls allowed in one answer.
+        parser: the model's call format (mode "auto").
     """
 
     mode: str
     tools: dict[str, dict]
     function: str = ""
     parallel: bool = True
+    parser: ToolCallParser = HERMES
 
     def constraint(self) -> Constraint | None:
         """The output's JSON schema for "required" and a named function (None for "auto")."""
@@ -97,7 +97,7 @@ class ToolPlan:
     def parse(self, text: str) -> tuple[str, list[ToolCall]] | None:
         """(content, calls) of a finished completion's text; None when it holds no (valid) call."""
         if self.mode == "auto":
-            parsed = parse_hermes(text, self.tools)
+            parsed = self.parser.parse(text, self.tools)
             if parsed is not None and not self.parallel:
                 return parsed[0], parsed[1][:1]
             return parsed
@@ -109,51 +109,8 @@ class ToolPlan:
             return ("", [new_call(self.function, value)]) if isinstance(value, dict) else None
         if not isinstance(value, list) or not value:
             return None
-        calls = [_call_of(item, self.tools) for item in value]
+        calls = [call_of(item, self.tools) for item in value]
         return None if any(c is None for c in calls) else ("", calls)  # type: ignore[return-value]
-
-
-def new_call(name: str, arguments: dict) -> ToolCall:
-    return ToolCall(f"call_{uuid.uuid4().hex[:24]}", name, json.dumps(arguments, ensure_ascii=False))
-
-
-def _call_of(value: object, tools: dict[str, dict]) -> ToolCall | None:
-    """A call from ``{"name", "arguments"}`` (Hermes models also write "parameters"), if it names a tool."""
-    if not isinstance(value, dict) or value.get("name") not in tools:
-        return None
-    arguments = value.get("arguments", value.get("parameters", {}))
-    if isinstance(arguments, str):  # some models write the arguments as JSON text
-        try:
-            arguments = json.loads(arguments)
-        except ValueError:
-            return None
-    return new_call(value["name"], arguments) if isinstance(arguments, dict) else None
-
-
-def parse_hermes(text: str, tools: dict[str, dict]) -> tuple[str, list[ToolCall]] | None:
-    """Hermes-style calls: content, then ``<tool_call>{...}</tool_call>`` blocks and nothing else.
-
-    Returns None when there is no block, when one is unfinished or is not a call of a given tool,
-    or when text follows the blocks: the whole text is then the answer's content.
-    """
-    start = text.find(CALL_OPEN)
-    if start < 0:
-        return None
-    calls, end = [], start
-    for match in _CALL.finditer(text, start):
-        if text[end:match.start()].strip():
-            return None
-        try:
-            call = _call_of(json.loads(match.group(1)), tools)
-        except ValueError:
-            return None
-        if call is None:
-            return None
-        calls.append(call)
-        end = match.end()
-    if not calls or text[end:].strip():
-        return None
-    return text[:start], calls
 
 
 # --- the request ---------------------------------------------------------------------------------
@@ -195,8 +152,9 @@ def _check_history(messages: Sequence[ChatMessage]) -> None:
                 raise InvalidArgument(f"messages[{i}].tool_calls[{j}].arguments must be the JSON text of an object")
 
 
-def plan(request: GenerateRequest) -> ToolPlan | None:
-    """The request's tool plan (None: no tools, or ``tool_choice`` "none"), its input checked.
+def plan(request: GenerateRequest, parser: ToolCallParser = HERMES) -> ToolPlan | None:
+    """The request's tool plan (None: no tools, or ``tool_choice`` "none"), its input checked;
+    ``parser`` reads the model's calls under ``auto``.
 
     Raises:
         InvalidArgument: naming ``tools[i]...``, ``tool_choice``, ``parallel_tool_calls`` or
@@ -228,7 +186,7 @@ def plan(request: GenerateRequest) -> ToolPlan | None:
                               "or other constraint with it")
     if choice == "none":
         return None
-    return ToolPlan(choice, schemas, request.tool_function, request.parallel_tool_calls is not False)
+    return ToolPlan(choice, schemas, request.tool_function, request.parallel_tool_calls is not False, parser)
 
 
 def constrained(request: GenerateRequest, tool_plan: ToolPlan | None) -> GenerateRequest:
@@ -250,16 +208,13 @@ def _openai_tool(tool: Tool) -> dict:
     return {"type": "function", "function": function}
 
 
-def _call_text(call: ToolCall) -> str:
-    arguments = json.loads(call.arguments or "{}")
-    return f"{CALL_OPEN}\n{json.dumps({'name': call.name, 'arguments': arguments}, ensure_ascii=False)}\n{CALL_CLOSE}"
-
-
-def template_messages(request: GenerateRequest, native: bool) -> tuple[list[dict], list[dict] | None]:
+def template_messages(request: GenerateRequest, native: bool,
+                      parser: ToolCallParser = HERMES) -> tuple[list[dict], list[dict] | None]:
     """The chat as the template takes it, and its ``tools=`` argument (None: no tools to render).
 
     Args:
         native: the template renders tools and tool calls itself.
+        parser: the call format the generic rendering asks for and writes earlier calls in.
     """
     messages = request.messages or []
     tools = request.tools if request.tools and request.tool_choice != "none" else None
@@ -279,13 +234,13 @@ def template_messages(request: GenerateRequest, native: bool) -> tuple[list[dict
         if m.role == "tool":
             out.append({"role": "user", "content": f"<tool_response>\n{m.content}\n</tool_response>"})
         elif m.tool_calls:
-            calls = "\n".join(_call_text(c) for c in m.tool_calls)
+            calls = parser.call_text(m.tool_calls)
             out.append({"role": m.role, "content": f"{m.content}\n{calls}" if m.content else calls})
         else:
             out.append({"role": m.role, "content": m.content})
     if tools:
         block = GENERIC_TOOLS_PROMPT.format(signatures="\n".join(json.dumps(_openai_tool(t), ensure_ascii=False)
-                                                                 for t in tools))
+                                                                 for t in tools)) + parser.instructions
         if out and out[0]["role"] == "system":
             out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{block}" if out[0]["content"] else block}
         else:
@@ -302,23 +257,17 @@ class _Completion:
 
     held: str = ""
     capturing: bool = False  # auto: a call has begun, everything from it waits for the end
+    at_start: bool = True  # nothing but whitespace has streamed
     last_token_id: int | None = None
 
-    def feed(self, text: str, hold_all: bool) -> str:
+    def feed(self, text: str, hold_all: bool, parser: ToolCallParser) -> str:
         """The text that may stream now; the rest is held."""
         self.held += text
         if hold_all or self.capturing:
             return ""
-        start = self.held.find(CALL_OPEN)
-        if start >= 0:
-            self.capturing = True
-            released, self.held = self.held[:start], self.held[start:]
-            return released
-        # Hold a tail that may be the start of "<tool_call>".
-        keep = next((k for k in range(min(len(CALL_OPEN) - 1, len(self.held)), 0, -1)
-                     if CALL_OPEN.startswith(self.held[-k:])), 0)
-        released = self.held[:len(self.held) - keep]
-        self.held = self.held[len(self.held) - keep:]
+        num_released, self.capturing = parser.split(self.held, self.at_start)
+        released, self.held = self.held[:num_released], self.held[num_released:]
+        self.at_start = self.at_start and not released.strip()
         return released
 
 
@@ -340,7 +289,7 @@ async def with_tool_calls(deltas: AsyncIterator[Delta], tool_plan: ToolPlan,
         c = completions.setdefault(delta.index, _Completion())
         if delta.token_ids:
             c.last_token_id = delta.token_ids[-1]
-        released = c.feed(delta.text, hold_all)
+        released = c.feed(delta.text, hold_all, tool_plan.parser)
         if not delta.finish_reason:
             yield dataclasses.replace(delta, text=released)
             continue

@@ -45,6 +45,8 @@ class SamplingOptions:
     min_tokens: int | None = None
     constraint: Constraint | None = None
     logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit
+    # The prompt's tokens scored, with this many alternatives each (the request reads no cached prefix).
+    prompt_logprobs: int | None = None
 
 
 @dataclass(frozen=True)
@@ -134,6 +136,7 @@ class TokenLogprobs:
     logprob: float
     top_token_ids: list[int] = field(default_factory=list)
     top_logprobs: list[float] = field(default_factory=list)
+    rank: int = 0  # 1 + the tokens more likely than token_id (prompt logprobs; 0 = not given)
 
 
 @dataclass
@@ -149,6 +152,10 @@ class Delta:
     stop_string: str = ""
     usage: Usage | None = None
     tool_calls: list[ToolCall] = field(default_factory=list)  # with finish_reason "tool_calls"
+    # Once per request, with options.prompt_logprobs: prompt tokens 1..L-1 scored, and the prompt's
+    # L token ids (the core adds them: the backend's answer names each scored token, not the first).
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 @dataclass
@@ -171,6 +178,8 @@ class Reply:
     request_id: str
     choices: list[Completion]
     usage: Usage
+    prompt_logprobs: list[TokenLogprobs] | None = None  # as Delta's
+    prompt_token_ids: list[int] | None = None
 
 
 @dataclass(frozen=True)

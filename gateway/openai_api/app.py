@@ -234,9 +234,14 @@ class OpenAIFront:
             convert.completion_prompts(body, request_id)
         constraint_param.extend(p.constraint_param for p in prompts[:1] if p.constraint_param)
         model = self.core.require_model()
+        echo = None
+        if endpoint == "completions" and body.echo:
+            echo = [p.request.prompt if p.request.prompt is not None else p.request.prompt_token_ids for p in prompts]
         answer = Answer(request_id, model_name, endpoint, n=body.n or 1, logprobs=body.logprobs is not None
                         and body.logprobs is not False, decode=model.token_text,
-                        include_usage=bool(body.stream_options and body.stream_options.include_usage))
+                        include_usage=bool(body.stream_options and body.stream_options.include_usage),
+                        echo=echo, decode_text=model.decode, num_top=prompts[0].request.options.logprobs or 0,
+                        prompt_logprobs=body.prompt_logprobs is not None)
         # One unary answer carries what one gRPC reply may (the same cap, the same measure).
         reply = None if body.stream else ReplyBudget(self.core.config.max_message_bytes, hint="use stream: true")
         records: list[RequestRecord] = []

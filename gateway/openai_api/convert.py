@@ -45,7 +45,7 @@ class Prompt:
 
 
 def _options(body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
-             logprobs: int | None) -> tuple[SamplingOptions, str | None]:
+             logprobs: int | None, prompt_logprobs: int | None = None) -> tuple[SamplingOptions, str | None]:
     """The sampling options, and the OpenAI parameter that gave their constraint (None: none)."""
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or ())
     constraint, constraint_param = constraint_of(body)
@@ -55,8 +55,16 @@ def _options(body: CompletionRequest | ChatCompletionRequest, max_tokens: int | 
         min_p=body.min_p, seed=body.seed, stop=stop, stop_token_ids=list(body.stop_token_ids or ()),
         repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty, logprobs=logprobs, n=body.n, ignore_eos=bool(body.ignore_eos),
-        min_tokens=body.min_tokens, constraint=constraint, logit_bias=_logit_bias(body.logit_bias))
+        min_tokens=body.min_tokens, constraint=constraint, logit_bias=_logit_bias(body.logit_bias),
+        prompt_logprobs=prompt_logprobs)
     return options, constraint_param
+
+
+def _prompt_logprobs(body: CompletionRequest | ChatCompletionRequest) -> int | None:
+    """vLLM's prompt_logprobs: the prompt scored, in the whole answer only (as vLLM has it)."""
+    if body.prompt_logprobs is not None and body.stream:
+        raise ParamError("prompt_logprobs", "prompt_logprobs are not available with stream: true")
+    return body.prompt_logprobs
 
 
 def _logit_bias(given: dict[str, float] | None) -> dict[int, float] | None:
@@ -91,8 +99,6 @@ def num_prompts(body: CompletionRequest) -> int:
 
 def completion_prompts(body: CompletionRequest, request_id: str) -> list[Prompt]:
     """One core request per prompt of a completions body (a list of prompts is a batch)."""
-    if body.echo:
-        raise ParamError("echo", "echo is not supported")
     if body.suffix:
         raise ParamError("suffix", "suffix is not supported")
     if body.best_of is not None and body.best_of != (body.n or 1):
@@ -104,7 +110,13 @@ def completion_prompts(body: CompletionRequest, request_id: str) -> list[Prompt]
         prompts = prompt  # type: ignore[assignment]
     if not prompts:
         raise ParamError("prompt", "prompt must not be empty")
-    options, constraint_param = _options(body, body.max_tokens, body.logprobs)  # unset: the API's default (16)
+    # echo with logprobs scores the prompt too (its tokens lead the choice's logprobs); with
+    # max_tokens 0 only the prompt is scored (what lm-evaluation-harness's loglikelihood asks).
+    prompt_logprobs = _prompt_logprobs(body)
+    if body.echo and (body.logprobs is not None or body.max_tokens == 0):
+        prompt_logprobs = max(prompt_logprobs or 0, body.logprobs or 0)
+    # unset max_tokens: the API's default (16)
+    options, constraint_param = _options(body, body.max_tokens, body.logprobs, prompt_logprobs)
     out = []
     for i, one in enumerate(prompts):
         request = _request(body, options, request_id if len(prompts) == 1 else f"{request_id}-{i}")
@@ -125,7 +137,7 @@ def chat_prompt(body: ChatCompletionRequest, request_id: str) -> Prompt:
         raise ParamError("top_logprobs", "top_logprobs needs logprobs: true")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    options, constraint_param = _options(body, max_tokens, logprobs)
+    options, constraint_param = _options(body, max_tokens, logprobs, _prompt_logprobs(body))
     request = _request(body, options, request_id)
     request.messages = _messages(body.messages)
     _tools(body, request)
@@ -220,6 +232,40 @@ def completion_logprobs(items: Sequence[TokenLogprobs], decode: Callable[[int], 
             "top_logprobs": [{decode(t): _clamp(lp) for t, lp in zip(item.top_token_ids, item.top_logprobs)}
                              for item in items],
             "text_offset": offsets}
+
+
+def echo_logprobs(prompt_token_ids: Sequence[int], scored: Sequence[TokenLogprobs], num_top: int,
+                  decode: Callable[[int], str]) -> dict:
+    """The prompt's part of an echoed completion's logprobs (OpenAI's legacy shape): every prompt
+    token, the first without a logprob (``None``: nothing comes before it), the others with the
+    logprob the model gave them and their ``num_top`` most likely alternatives; offsets from 0.
+
+    Args:
+        prompt_token_ids: the L prompt tokens; scored: tokens 1..L-1 (empty for a one-token prompt).
+    """
+    tokens = [decode(t) for t in prompt_token_ids]
+    offsets, offset = [], 0
+    for text in tokens:
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": [None] + [_clamp(lp.logprob) for lp in scored],
+            "top_logprobs": [None] + [{decode(t): _clamp(v) for t, v in
+                                       zip(lp.top_token_ids[:num_top], lp.top_logprobs[:num_top])} for lp in scored],
+            "text_offset": offsets}
+
+
+def vllm_prompt_logprobs(scored: Sequence[TokenLogprobs], decode: Callable[[int], str]) -> list[dict | None]:
+    """vLLM's ``prompt_logprobs``: None for the first prompt token, then per token a dict keyed by
+    token id (JSON text) of ``{logprob, rank, decoded_token}``, the prompt token and its position's
+    most likely tokens (their rank is their place among them)."""
+    out: list[dict | None] = [None]
+    for lp in scored:
+        entry = {str(lp.token_id): {"logprob": _clamp(lp.logprob), "rank": lp.rank,
+                                    "decoded_token": decode(lp.token_id)}}
+        for rank, (t, v) in enumerate(zip(lp.top_token_ids, lp.top_logprobs), start=1):
+            entry.setdefault(str(t), {"logprob": _clamp(v), "rank": rank, "decoded_token": decode(t)})
+        out.append(entry)
+    return out
 
 
 def usage(items: Sequence[Usage]) -> dict:

@@ -12,6 +12,11 @@ with the totals, in a final chunk with ``choices: []``; the stream ends with ``d
 error after the first chunk is a chunk with a top-level ``"error"`` (the SDK raises on it).
 A chat completion's tool calls (``gateway.core.tools``) are ``message.tool_calls`` (content null
 when there is none besides them), streamed whole as ``delta.tool_calls`` in its last chunk.
+
+Prompt scores: a completion with ``echo`` starts with the prompt's text (a stream: in each choice's
+first chunk) and, with ``logprobs``, its logprobs start with the prompt's tokens (the first with a
+null logprob); vLLM's ``prompt_logprobs`` is each completions choice's ``prompt_logprobs`` and a chat
+answer's top-level one (whole answers only).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from gateway.openai_api import convert
-from gateway.core.types import Delta, Reply, TokenLogprobs, Usage
+from gateway.core.types import Completion, Delta, Reply, TokenLogprobs, Usage
 
 
 @dataclass
@@ -39,6 +44,28 @@ class Answer:
     decode: Callable[[int], str]
     include_usage: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
+    # Completions' echo: per prompt, its text, or its token ids (decoded with ``decode_text``).
+    echo: list[str | list[int]] | None = None
+    decode_text: Callable[[list[int]], str] | None = None
+    num_top: int = 0  # logprobs' alternatives per token (the echoed prompt's too)
+    prompt_logprobs: bool = False  # vLLM's prompt_logprobs asked for
+
+    def echo_text(self, prompt: int) -> str:
+        given = self.echo[prompt] if self.echo else ""
+        return given if isinstance(given, str) else self.decode_text(given)  # type: ignore[misc]
+
+    def _echo_logprobs(self, reply: Reply | Delta) -> dict:
+        """The echoed prompt's part of a completion's logprobs (it needs the prompt's scores)."""
+        return convert.echo_logprobs(reply.prompt_token_ids or [], reply.prompt_logprobs or [], self.num_top,
+                                     self.decode)
+
+    def _completion_logprobs(self, reply: Reply, c: Completion) -> dict | None:
+        if not self.logprobs or not self.echo:
+            return self._logprobs(c.logprobs)
+        prompt = self._echo_logprobs(reply)
+        offset = prompt["text_offset"][-1] + len(prompt["tokens"][-1]) if prompt["tokens"] else 0
+        generated = convert.completion_logprobs(c.logprobs, self.decode, offset)
+        return {key: prompt[key] + generated[key] for key in prompt}
 
     def _logprobs(self, items: list[TokenLogprobs], offset: int = 0) -> dict | None:
         if not self.logprobs:
@@ -52,20 +79,29 @@ class Answer:
         choices = []
         for p, reply in enumerate(replies):
             for c in reply.choices:
-                choice: dict = {"index": p * self.n + c.index, "logprobs": self._logprobs(c.logprobs),
-                                "finish_reason": convert.finish_reason(c.finish_reason)}
+                choice: dict = {"index": p * self.n + c.index, "finish_reason": convert.finish_reason(c.finish_reason)}
+                if self.endpoint == "chat":
+                    choice["logprobs"] = self._logprobs(c.logprobs)
+                else:
+                    choice["logprobs"] = self._completion_logprobs(reply, c)
+                    if self.prompt_logprobs:
+                        choice["prompt_logprobs"] = convert.vllm_prompt_logprobs(reply.prompt_logprobs or [],
+                                                                                 self.decode)
                 if self.endpoint == "chat":
                     choice["message"] = {"role": "assistant", "content": c.text}
                     if c.tool_calls:
                         choice["message"] = {"role": "assistant", "content": c.text or None,
                                              "tool_calls": [convert.tool_call_json(t) for t in c.tool_calls]}
                 else:
-                    choice["text"] = c.text
+                    choice["text"] = self.echo_text(p) + c.text if self.echo else c.text
                 choices.append(choice)
         obj = "chat.completion" if self.endpoint == "chat" else "text_completion"
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+        body = {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "choices": sorted(choices, key=lambda c: c["index"]),
                 "usage": convert.usage([r.usage for r in replies])}
+        if self.endpoint == "chat" and self.prompt_logprobs:
+            body["prompt_logprobs"] = convert.vllm_prompt_logprobs(replies[0].prompt_logprobs or [], self.decode)
+        return body
 
     def chunk(self, choices: list[dict], usage: dict | None = None) -> str:
         obj = "chat.completion.chunk" if self.endpoint == "chat" else "text_completion"
@@ -92,10 +128,21 @@ async def events(answer: Answer, first: tuple[int, Delta], rest: AsyncIterator[t
     started: set[int] = set()
     offsets: dict[int, int] = {}
     usages: dict[int, Usage] = {}
+    scores: dict[int, Delta] = {}  # per prompt, the piece with its scores (echo with logprobs)
 
     def render(prompt: int, piece: Delta) -> list[str]:
         index = prompt * answer.n + piece.index
         out = []
+        if piece.prompt_token_ids is not None:
+            scores[prompt] = piece
+        if answer.echo and index not in started:  # the prompt leads each completion
+            started.add(index)
+            echo: dict = {"index": index, "text": answer.echo_text(prompt), "logprobs": None, "finish_reason": None}
+            if answer.logprobs:
+                echo["logprobs"] = answer._echo_logprobs(scores[prompt])
+                tokens = echo["logprobs"]["tokens"]
+                offsets[index] = echo["logprobs"]["text_offset"][-1] + len(tokens[-1]) if tokens else 0
+            out.append(answer.chunk([echo]))
         if answer.endpoint == "chat" and index not in started:
             started.add(index)
             out.append(answer.chunk([{"index": index, "delta": {"role": "assistant", "content": ""},

@@ -52,6 +52,7 @@ class _Sampling(_Body):
     min_tokens: int | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None  # the prompt's tokens scored (not with stream)
     priority: int | None = None
     cache_salt: str | None = None
     # Structured outputs (gateway.openai_api.constraints): OpenAI's response_format, vLLM's

@@ -104,6 +104,9 @@ class AllocateOp:
             prompt comes later through AppendOp (chunked prefill).
         priority: scheduling priority; ``>= reserved_min_priority`` may use the reserved pool.
         namespace: prefix-cache namespace (model name + cache_salt); only equal namespaces share.
+        skip_cache_read: share nothing from the prefix cache (every prompt token is computed: a
+            request that needs the logits at every prompt position); its full blocks are still
+            registered, so later requests may share them.
     """
 
     seq_id: str
@@ -111,6 +114,7 @@ class AllocateOp:
     max_num_new_tokens: int
     priority: int = 0
     namespace: str = ""
+    skip_cache_read: bool = False
 
 
 @dataclass(frozen=True)

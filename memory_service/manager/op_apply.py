@@ -139,7 +139,9 @@ class OpApplier:
         tier_hashes = tier_root = None
         if cache is not None:
             ns_key = namespace_key(op.namespace)
-            max_num_cached_blocks = (num_prompt_tokens - 1) // block_size
+            # (Looking at no block finds nothing, in the cache or the tier: the chain of its own
+            # blocks starts at the root.)
+            max_num_cached_blocks = 0 if op.skip_cache_read else (num_prompt_tokens - 1) // block_size
             block_table, parent_entry_id = cache.match(prompt_bytes, ns_key, max_num_cached_blocks, batch.client_id)
             tier = self.tier
             identity = tier.identities.get(batch.client_id) if tier is not None else None
@@ -190,8 +192,9 @@ class OpApplier:
             if tier_hashes is not None:
                 tier_root = tier_hashes[num_full_blocks - 1] if num_full_blocks else tier_root
             partial_token_bytes = prompt_bytes[num_full_blocks * block_size * TOKEN_WIDTH : num_tokens * TOKEN_WIDTH]
-            self.num_prefix_cache_queries += num_prompt_tokens
-            self.num_prefix_cache_hits += num_cached_tokens
+            if not op.skip_cache_read:  # not a lookup: the hit rate counts only those
+                self.num_prefix_cache_queries += num_prompt_tokens
+                self.num_prefix_cache_hits += num_cached_tokens
         batch.seqs[op.seq_id] = SequenceState(
             block_table, num_tokens, may_use_reserved, ns_key, partial_token_bytes, parent_entry_id, tier_root
         )

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from gateway.compute_convert import model_info_from_pb
-from gateway.core.types import Delta, TokenLogprobs, Usage
+from gateway.core.types import Completion, Delta, Reply, TokenLogprobs, Usage
 from gateway.core.validate import validate
 from gateway.openai_api import convert
 from gateway.openai_api.app import as_http_error, error_body
@@ -68,7 +68,11 @@ def test_completion_prompts_and_parameters() -> None:
     assert len(convert.completion_prompts(CompletionRequest.model_validate({"prompt": [[5], [6, 7]]}), "c")) == 2
     for fields, param in (({"prompt": []}, "prompt"), ({"prompt": "a", "n": 0}, "n"),
                           ({"prompt": "a", "max_tokens": 0}, "max_tokens"), ({"prompt": "a", "top_p": 0}, "top_p"),
-                          ({"prompt": "a", "seed": -1}, "seed"), ({"prompt": "a", "echo": True}, "echo"),
+                          ({"prompt": "a", "seed": -1}, "seed"),
+                          ({"prompt": "a", "echo": True, "max_tokens": 0, "n": 2}, "n"),
+                          ({"prompt": "a", "echo": True, "logprobs": 21}, "logprobs"),
+                          ({"prompt": "a", "prompt_logprobs": 21}, "prompt_logprobs"),
+                          ({"prompt": "a", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
                           ({"prompt": "a", "logit_bias": {"1": 200}}, "logit_bias"),
                           ({"prompt": "a", "logit_bias": {"x": 2}}, "logit_bias"),
                           ({"prompt": "a", "logit_bias": {"1000": 2}}, "logit_bias"),
@@ -81,6 +85,31 @@ def test_completion_prompts_and_parameters() -> None:
                 validate(prompt.request, INFO)
         error = as_http_error(info.value)
         assert (error.status, error.param) == (400, param), (fields, str(info.value))
+
+
+def test_echo_and_prompt_logprobs_shapes() -> None:
+    """echo with logprobs: the prompt's tokens lead the choice's logprobs (the first with null), the
+    prompt's text leads its text; vLLM's prompt_logprobs: null, then {token id: logprob, rank, text}."""
+    body = CompletionRequest.model_validate({"prompt": [1, 2, 3], "echo": True, "logprobs": 1, "max_tokens": 0})
+    [prompt] = convert.completion_prompts(body, "c")
+    assert (prompt.request.options.prompt_logprobs, prompt.request.options.max_tokens) == (1, 0)
+    assert validate(prompt.request, INFO).params["max_tokens"] == 0  # score only
+    plain = convert.completion_prompts(CompletionRequest.model_validate({"prompt": "a", "echo": True}), "c")
+    assert plain[0].request.options.prompt_logprobs is None  # echo alone scores nothing
+    decode = {1: "a", 2: "bc", 3: "d", 4: "e"}.__getitem__
+    scored = [TokenLogprobs(2, -1.0, [4], [-0.5], rank=2), TokenLogprobs(3, -0.25, [3], [-0.25], rank=1)]
+    answer = Answer("c", "m", "completions", n=1, logprobs=True, decode=decode, echo=[[1, 2, 3]],
+                    decode_text=lambda ids: "".join(map(decode, ids)), num_top=1, prompt_logprobs=True)
+    reply = Reply("c", [Completion(0, "e", [4], [TokenLogprobs(4, -2.0, [4], [-2.0])], "length")], Usage(3, 1),
+                  scored, [1, 2, 3])
+    [choice] = answer.body([reply])["choices"]
+    assert choice["text"] == "abcde"
+    assert choice["logprobs"] == {"tokens": ["a", "bc", "d", "e"], "token_logprobs": [None, -1.0, -0.25, -2.0],
+                                  "top_logprobs": [None, {"e": -0.5}, {"d": -0.25}, {"e": -2.0}],
+                                  "text_offset": [0, 1, 3, 4]}
+    assert choice["prompt_logprobs"] == [None, {"2": {"logprob": -1.0, "rank": 2, "decoded_token": "bc"},
+                                                "4": {"logprob": -0.5, "rank": 1, "decoded_token": "e"}},
+                                         {"3": {"logprob": -0.25, "rank": 1, "decoded_token": "d"}}]
 
 
 def test_chat_prompt_conversion() -> None:

@@ -158,3 +158,91 @@ def test_required_and_named_outputs_become_calls_without_the_eos_text() -> None:
     assert len({c.id for c in choice.tool_calls}) == 2
     choice, _ = _run(named, ['{"city":"Os'], "length")  # cut short: the partial text, as content
     assert (choice.text, choice.finish_reason, choice.tool_calls) == ('{"city":"Os', "length", [])
+
+
+# --- Llama 3.x JSON calls, and choosing the parser -------------------------------------------------
+
+LLAMA = tools.PARSERS["llama3_json"]
+LLAMA_CALL = '{"name": "get_weather", "parameters": {"city": "Oslo", "days": 2}}'
+
+
+def _llama_plan(**fields: object) -> tools.ToolPlan:
+    return tools.plan(_request(**fields), LLAMA)
+
+
+@pytest.mark.parametrize("text,want", [
+    (LLAMA_CALL, [("get_weather", {"city": "Oslo", "days": 2})]),
+    ("  <|python_tag|>" + LLAMA_CALL + "\n", [("get_weather", {"city": "Oslo", "days": 2})]),
+    (LLAMA_CALL + '; {"name": "now", "parameters": {}};<|python_tag|>{"name": "now", "arguments": {}}',
+     [("get_weather", {"city": "Oslo", "days": 2}), ("now", {}), ("now", {})]),
+])
+@pytest.mark.parametrize("split", [1, 5, 1000])
+def test_llama3_json_calls_from_any_split_of_the_stream(text: str, want: list, split: int) -> None:
+    choice, streamed = _run(_llama_plan(), [text[i:i + split] for i in range(0, len(text), split)])
+    assert choice.finish_reason == "tool_calls" and choice.text == ""
+    assert [(c.name, json.loads(c.arguments)) for c in choice.tool_calls] == want
+    assert "".join(p.text for p in streamed) == ""  # nothing of a call streamed as content
+    assert [c.arguments for p in streamed for c in p.tool_calls] == [c.arguments for c in choice.tool_calls]
+
+
+@pytest.mark.parametrize("text", [
+    '{"name": "get_weather", "parameters": {"city": ',  # unfinished
+    '{"name": "get_weather", "parameters": {"city": "Oslo", "days": 2}',  # unclosed
+    '{"name": get_weather}',  # not JSON
+    '{"name": "nope", "parameters": {}}',  # no such tool
+    LLAMA_CALL + " and some words",
+    LLAMA_CALL + '; {"name": "now"',  # the second call unfinished
+    '["not", "a call"]',
+    "<|python_tag|>print('hi')",
+])
+def test_llama3_json_unparseable_calls_are_content(text: str) -> None:
+    choice, streamed = _run(_llama_plan(), [text[i:i + 3] for i in range(0, len(text), 3)], "length")
+    assert (choice.text, choice.finish_reason, choice.tool_calls) == (text, "length", [])
+    assert "".join(p.text for p in streamed) == text
+
+
+def test_llama3_json_content_streams_at_once_and_holds_no_call() -> None:
+    """A call only begins the answer: text that starts otherwise streams as it comes, calls or not."""
+    text = "Sure: " + LLAMA_CALL
+    choice, streamed = _run(_llama_plan(), [text[i:i + 2] for i in range(0, len(text), 2)])
+    assert (choice.text, choice.tool_calls, choice.finish_reason) == (text, [], "stop")
+    assert streamed[0].text == "Su"  # not held back
+    held = _run(_llama_plan(), ["  <|pyth", "on_tag|>" + LLAMA_CALL])[1]
+    assert held[0].text == "" and held[-1].tool_calls  # whitespace and a tag's start wait
+    parallel = _llama_plan(parallel_tool_calls=False)
+    choice, _ = _run(parallel, [LLAMA_CALL + "; " + LLAMA_CALL])
+    assert len(choice.tool_calls) == 1
+
+
+def test_the_parser_is_chosen_from_the_template_or_the_flag() -> None:
+    llama3 = ('{{- bos_token }}{%- if tools %}Respond in the format {"name": function name, "parameters": '
+              'dictionary of argument name and its value}.{% endif %}<|python_tag|>')
+    hermes = "{% if tools %}<tools>{{ tools }}</tools> reply with <tool_call>...</tool_call>{% endif %}"
+    from gateway.core.tool_parsers import choose
+
+    assert choose("auto", llama3).name == "llama3_json"
+    assert choose("auto", hermes).name == "hermes"
+    assert choose("auto", "{% for m in messages %}{{ m.content }}{% endfor %}").name == "hermes"  # generic
+    assert choose("auto", "").name == "hermes"
+    assert choose("llama3_json", hermes).name == "llama3_json" and choose("hermes", llama3).name == "hermes"
+
+
+def test_the_generic_rendering_asks_for_the_parsers_format() -> None:
+    history = [*CHAT, ChatMessage("assistant", "", (ToolCall("c1", "get_weather", '{"city": "Oslo", "days": 1}'),
+                                                    ToolCall("c2", "now", "{}"))),
+               ChatMessage("tool", "sunny", tool_call_id="c1")]
+    messages, _ = tools.template_messages(_request(messages=history), native=False, parser=LLAMA)
+    assert messages[0]["content"].endswith('{"name": "<function name>", "parameters": <arguments object>}')
+    assert "<tool_call>" not in messages[0]["content"]
+    assert messages[2]["content"] == ('{"name": "get_weather", "parameters": {"city": "Oslo", "days": 1}}; '
+                                      '{"name": "now", "parameters": {}}')
+    # What it asks for is what it parses.
+    assert LLAMA.parse(messages[2]["content"], tools.plan(_request()).tools) is not None
+
+
+def test_gateway_flag_names_the_parsers() -> None:
+    from gateway.config import GatewayConfig
+
+    assert GatewayConfig(backends=("unix:x",), tool_call_parser="llama3_json").tool_call_parser == "llama3_json"
+    with pytest.raises(ValueError, match="tool_call_parser must be one of auto, hermes, llama3_json"):
+        GatewayConfig(backends=("unix:x",), tool_call_parser="mistral")

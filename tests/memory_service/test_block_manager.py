@@ -196,6 +196,20 @@ def test_namespaces_do_not_share(make: MakeManager) -> None:
     assert alloc(manager, "c", tokens(0, 9), namespace="model|salt1").num_cached_tokens == 8
 
 
+def test_skip_cache_read_shares_nothing_and_still_publishes(make: MakeManager) -> None:
+    """Prompt logprobs need every prompt position computed: such a sequence reads no cached block
+    (nor counts as a lookup), and its own full blocks are published for later sequences."""
+    manager = make(num_blocks=12)
+    alloc(manager, "a", tokens(0, 10))
+    b = alloc(manager, "b", tokens(0, 10), skip_cache_read=True)
+    assert (b.block_ids, b.num_cached_tokens, b.num_new_tokens) == ([3, 4, 5], 0, 10)
+    assert (manager.stats().prefix_cache_queries, manager.stats().prefix_cache_hits) == (10, 0)
+    c = alloc(manager, "c", tokens(100, 9), skip_cache_read=True)  # a new prefix: registered
+    run(manager, FreeOp("c"))
+    d = alloc(manager, "d", tokens(100, 9))
+    assert (d.block_ids[:2], d.num_cached_tokens) == (c.block_ids[:2], 8)
+
+
 def test_a_block_matches_only_after_the_same_prefix(make: MakeManager) -> None:
     manager = make()
     alloc(manager, "a", [1, 1, 1, 1, 2, 2, 2, 2, 9])

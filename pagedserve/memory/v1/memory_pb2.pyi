@@ -123,18 +123,20 @@ class KeepAliveResponse(_message.Message):
     def __init__(self, server_time: _Optional[float] = ...) -> None: ...
 
 class AllocateOp(_message.Message):
-    __slots__ = ("seq_id", "prompt_token_ids", "max_num_new_tokens", "priority", "namespace")
+    __slots__ = ("seq_id", "prompt_token_ids", "max_num_new_tokens", "priority", "namespace", "skip_cache_read")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    SKIP_CACHE_READ_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_num_new_tokens: int
     priority: int
     namespace: str
-    def __init__(self, seq_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_num_new_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., namespace: _Optional[str] = ...) -> None: ...
+    skip_cache_read: bool
+    def __init__(self, seq_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_num_new_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., namespace: _Optional[str] = ..., skip_cache_read: _Optional[bool] = ...) -> None: ...
 
 class AppendOp(_message.Message):
     __slots__ = ("seq_id", "token_ids")
