@@ -61,6 +61,16 @@ class ModelTokenizer:
         otherwise ``gateway.core.tools`` writes them into the messages."""
         return self.has_chat_template and "tools" in str(self.hf_tokenizer.chat_template)
 
+    def tokenizer_info(self) -> dict:
+        """vLLM's ``/tokenizer_info`` body: the tokenizer's class, special tokens, chat template and
+        the model's length (None for what the model lacks)."""
+        tok = self.hf_tokenizer
+        special = {name: getattr(tok, name, None) if tok is not None else None
+                   for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
+        special = {name: None if value is None else str(value) for name, value in special.items()}
+        return {"tokenizer_class": type(tok).__name__ if tok is not None else None, **special,
+                "chat_template": self.chat_template_text or None, "model_max_length": self.info.max_model_len}
+
     @property
     def chat_template_text(self) -> str:
         """The chat template's source ("" without one)."""

@@ -74,6 +74,7 @@ class OpenAIFront:
             Route("/tokenize", self.tokenize, methods=["POST"]),
             Route("/detokenize", self.detokenize, methods=["POST"]),
             Route("/version", self.version, methods=["GET"]),
+            Route("/tokenizer_info", self.tokenizer_info, methods=["GET"]),
         ], exception_handlers={HTTPException: self._http_exception})
 
     async def _http_exception(self, request: Request, exc: Exception) -> Response:
@@ -146,6 +147,19 @@ class OpenAIFront:
 
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": pagedserve_version()})
+
+    async def tokenizer_info(self, request: Request) -> Response:
+        """vLLM's ``/tokenizer_info``: the special tokens and chat template, so that a client can
+        tokenize with this server's ``/tokenize`` and ``/detokenize`` instead of a local copy of the
+        tokenizer (lm-evaluation-harness's remote tokenizer looks for it)."""
+        try:
+            self._tenant(request)
+            model = self.core.model
+            if model is None or not self.is_serving():
+                raise HttpError(503, "no backend is ready yet")
+        except HttpError as exc:
+            return error_response(exc)
+        return JSONResponse(model.tokenizer_info())
 
     async def tokenize(self, request: Request) -> Response:
         """vLLM's ``/tokenize``: ``{"count", "max_model_len", "tokens": [ids], "token_strs"}`` (the gRPC

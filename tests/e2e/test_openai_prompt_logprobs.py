@@ -6,6 +6,7 @@ from the prefix cache."""
 
 from __future__ import annotations
 
+import httpx
 import openai
 import pytest
 import torch
@@ -150,3 +151,25 @@ def test_bad_values_are_400_naming_the_parameter(http: Http) -> None:
         http.gateway.stub.Generate(gateway_pb2.GenerateRequest(
             prompt="x", params=gateway_pb2.SamplingParams(prompt_logprobs=21)), timeout=10)
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "params.prompt_logprobs" in error.value.details()
+
+
+def test_lm_evaluation_harness_loglikelihood_request(http: Http, service_model) -> None:
+    """What lm-evaluation-harness's local-completions sends for a loglikelihood (its payload as its
+    source writes it) and how it reads the answer: the continuation's summed logprobs, and whether
+    each continuation token was the most likely one. Its remote tokenizer finds /tokenizer_info."""
+    info = httpx.get(f"{http.base_url}/tokenizer_info", timeout=10).json()
+    assert info["eos_token"] == "</s>" and info["chat_template"] and info["model_max_length"] == 1024
+    context, continuation = prompt_ids(http, "The answer is"), prompt_ids(http, " forty-two")
+    ids = context + continuation
+    body = {"model": http.model, "prompt": [ids], "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234,
+            "echo": True}
+    [choice] = httpx.post(f"{http.base_url}/v1/completions", json=body, timeout=60).json()["choices"]
+    ctxlen = len(context)
+    token_logprobs = choice["logprobs"]["token_logprobs"][ctxlen:-1]
+    top_logprobs = choice["logprobs"]["top_logprobs"][ctxlen:-1]
+    is_greedy = all(lp == max(top.values()) for lp, top in zip(token_logprobs, top_logprobs))
+    want = hf_logprobs(service_model, ids)
+    rows = want[ctxlen - 1:]
+    assert sum(token_logprobs) == pytest.approx(float(sum(rows[i, t] for i, t in enumerate(continuation))), abs=1e-3)
+    assert is_greedy == all(int(rows[i].argmax()) == t for i, t in enumerate(continuation))
+    assert len(choice["logprobs"]["tokens"]) == len(ids) + 1
