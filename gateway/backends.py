@@ -155,7 +155,10 @@ class Backend:
                 self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s),
                 self.stub.Load(compute_pb2.LoadRequest(), timeout=timeout_s),
             )
-            if self.info is None or not self.is_healthy:  # (re)joining: it may serve another model now
+            # (Re)joining: it may serve another model now. Or its memory service changed under it
+            # (restarted between two polls, the compute service re-attached): another cache.
+            if (self.info is None or not self.is_healthy
+                    or load.memory_service_id not in ("", self.info.memory_service_id)):
                 self.info = await self.stub.Info(compute_pb2.InfoRequest(), timeout=timeout_s)
                 self.cache = self._caches.model_for(self.address, self.info)
         except grpc.aio.AioRpcError as exc:

@@ -139,11 +139,11 @@ def responses_to_pb(out: RequestDelta) -> list[pb.GenerateResponse]:
     return messages
 
 
-def load_to_pb(load: EngineLoad, max_queued_requests: int) -> pb.LoadResponse:
+def load_to_pb(load: EngineLoad, max_queued_requests: int, memory_service_id: str = "") -> pb.LoadResponse:
     return pb.LoadResponse(
         num_running=load.num_running, num_waiting=load.num_waiting, kv_usage=load.kv_usage,
         prefix_cache_hit_rate=load.prefix_cache_hit_rate, num_pending_tokens=load.num_pending_tokens,
-        max_queued_requests=max_queued_requests,
+        max_queued_requests=max_queued_requests, memory_service_id=memory_service_id,
     )
 
 

@@ -193,7 +193,9 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
 
     async def Load(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext) -> pb.LoadResponse:
         loop, _ = self._started()
-        return convert.load_to_pb(loop.load, self._config.max_queued_requests)
+        lease = loop.lease
+        return convert.load_to_pb(loop.load, self._config.max_queued_requests,
+                                  lease.memory_service_id if lease is not None else "")
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
         loop, info = self._started()

@@ -35,5 +35,7 @@ def test_a_compute_service_reports_its_memory_services_tier(service_model: Servi
     memory_args = ("--max-num-blocks", "128", "--kv-disk-dir", str(tier_dir), "--kv-disk-bytes", str(1 << 20))
     with running_services(service_model.path, memory_args=memory_args) as services:
         info = services.stub.Info(cpb.InfoRequest(), timeout=10)
+        load = services.stub.Load(cpb.LoadRequest(), timeout=10)
+    assert load.memory_service_id == info.memory_service_id  # every poll, so a gateway sees a change
     assert info.memory_service_id == (tier_dir / "memory-service-id").read_text().strip()
     assert [(t.kind, t.capacity_bytes, t.capacity_blocks) for t in info.kv_tiers] == [("disk", 1 << 20, 512)]

@@ -122,20 +122,22 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadResponse(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "kv_usage", "prefix_cache_hit_rate", "num_pending_tokens", "max_queued_requests")
+    __slots__ = ("num_running", "num_waiting", "kv_usage", "prefix_cache_hit_rate", "num_pending_tokens", "max_queued_requests", "memory_service_id")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_USAGE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     NUM_PENDING_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_SERVICE_ID_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     kv_usage: float
     prefix_cache_hit_rate: float
     num_pending_tokens: int
     max_queued_requests: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., num_pending_tokens: _Optional[int] = ..., max_queued_requests: _Optional[int] = ...) -> None: ...
+    memory_service_id: str
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., num_pending_tokens: _Optional[int] = ..., max_queued_requests: _Optional[int] = ..., memory_service_id: _Optional[str] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()
