@@ -240,6 +240,17 @@ def _build(level: str, directory: Path) -> Any:
         if stale.exists():
             _log.warning("fused CPU kernels: removing a stale build lock left by a killed build (%s)", stale)
             stale.unlink(missing_ok=True)
+        library = directory / f"{_NAME}.so"
+        if library.is_file():
+            # Built already, maybe by another checkout of the same source: the directory's key names
+            # the source's digest, torch, the flags and the CPU, so this is the build. Loaded as it is,
+            # not through torch's builder, whose build.ninja names the source's *path*: every
+            # checkout at another path (a fresh clone, a worktree) rebuilt it, a minute of CPU or more.
+            try:
+                torch.ops.load_library(str(library))
+                return torch.ops.pagedserve_cpu
+            except (OSError, RuntimeError) as error:  # a library cut short by a killed link: build again
+                _log.warning("fused CPU kernels: %s does not load (%s); building it again", library, error)
         # is_python_module=False: the library registers torch ops (visible to the profiler by name).
         # Copies of the flag lists: torch appends to the ones it is given, which changed build_dir()'s key.
         load_extension(name=_NAME, sources=[str(_CSRC / "cpu_ops.cpp")], extra_cflags=_cflags(level),
