@@ -46,6 +46,7 @@ from typing import Any
 
 import xgrammar as xgr
 
+from pagedserve import cpu_preload
 from pagedserve.errors import InvalidArgument, ResourceExhaustedError
 from pagedserve.grammar_limits import normalized_json_schema
 from pagedserve.log import get_logger
@@ -112,10 +113,13 @@ class _Worker:
         p2c_read, p2c_write = os.pipe()
         c2p_read, c2p_write = os.pipe()
         try:
+            # Without the compute process's preload (pagedserve/cpu_preload.py): a worker gains nothing
+            # from Intel OpenMP, and one killed with it loaded would leave its file in /dev/shm.
             self.process = subprocess.Popen(
                 [sys.executable, compile_worker.__file__, "--parent-pid", str(os.getpid()),
                  "--read-fd", str(p2c_read), "--write-fd", str(c2p_write)],
-                pass_fds=(p2c_read, c2p_write), stdin=subprocess.DEVNULL)
+                pass_fds=(p2c_read, c2p_write), stdin=subprocess.DEVNULL,
+                env=cpu_preload.strip_env(dict(os.environ)))
         finally:
             os.close(p2c_read)
             os.close(c2p_write)
@@ -132,6 +136,7 @@ class _Worker:
     def kill(self) -> None:
         self.process.kill()
         self.process.wait()
+        cpu_preload.remove_registration_files(self.process.pid)  # where a preload of its own loaded it
         self.to_worker.close()
         self.from_worker.close()
 

@@ -7,11 +7,13 @@ import json
 import os
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from compute_service import Constraint
 from compute_service.structured.grammar_compiler import GrammarCompiler, GrammarCompilerConfig, choice_grammar
+from pagedserve import cpu_preload
 from pagedserve.errors import InvalidArgument, ResourceExhaustedError
 from pagedserve.process import wait_until
 from tests.structured.conftest import EOS, VOCAB, ByteModel
@@ -119,3 +121,21 @@ def test_verdicts_are_cached_and_keys_depend_on_the_tokenizer(byte_model: ByteMo
 
 def test_choice_grammar_escapes_every_literal() -> None:
     assert choice_grammar(['a"b', "c\\d", "e\nf"]) == r'root ::= "a\"b" | "c\\d" | "e\nf"'
+
+
+def test_workers_run_without_the_compute_process_preload(byte_model: ByteModel, monkeypatch) -> None:
+    """The compute process runs with Intel OpenMP preloaded (pagedserve/cpu_preload.py); its compile
+    workers gain nothing from it, and one killed with it loaded (close kills them) left its registration
+    file in /dev/shm: two of them outlived the compute container in tests/helm/test_image.py."""
+    preload = cpu_preload.preload_env({})
+    if preload is None:
+        pytest.skip("no Intel OpenMP here to preload")
+    for name, value in preload.items():
+        monkeypatch.setenv(name, value)
+    compiler = GrammarCompiler(byte_model.tokenizer, VOCAB, [EOS], GrammarCompilerConfig(num_threads=1))
+    [pid] = compiler.worker_pids()
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    assert not [e for e in environ if e.startswith(b"LD_PRELOAD=") and b"libiomp5" in e]
+    assert compiler.compile(Constraint.regex("[ab]+")) is not None
+    assert_closed(compiler, [pid])
+    assert not list(Path("/dev/shm").glob(f"__KMP_REGISTERED_LIB_{pid}_*"))
