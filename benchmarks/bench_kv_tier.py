@@ -23,7 +23,9 @@ in ``pagedserve up`` minus the gateway), the default model unless ``--model``. T
 compare runs of one machine, and read the CPU and the disk figures with them.
 
     python -m benchmarks.bench_kv_tier [--model default] [--prompt-tokens 4000] [--docs 12] [--doc-tokens 512]
-                                       [--requests 24] [--no-reuse-prompts 8] [--dir DIR]
+                                       [--requests 24] [--no-reuse-prompts 8] [--no-reuse-tokens 256]
+                                       [--no-reuse-rounds 4] [--vocab 40000] [--dir DIR]
+                                       [--scenarios returning,working_set]
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from compute_service.engine.sampling_params import SamplingParams
 from pagedserve.log import configure_logging
 
 BLOCK_SIZE = 16
+FIRST_TOKEN = 100  # prompts are random ids in [FIRST_TOKEN, --vocab): no special tokens
 
 
 def ttft_and_tokens(llm: LLM, prompt: list[int], max_tokens: int, request_id: str) -> tuple[float, list[int], int]:
@@ -103,14 +106,16 @@ def read_bandwidth(directory: Path, num_bytes: int = 256 << 20) -> dict[str, flo
 
 def returning_and_restart(args: argparse.Namespace, root: Path, rng: random.Random) -> dict[str, Any]:
     """The returning long prompt, then the warm restart against a cold pair."""
-    prompt = [rng.randrange(100, 40000) for _ in range(args.prompt_tokens)]
-    pool_tokens = args.prompt_tokens + 1024
+    prompt = [rng.randrange(FIRST_TOKEN, args.vocab) for _ in range(args.prompt_tokens)]
+    pool_tokens = args.prompt_tokens + args.pool_extra_tokens
     num_blocks = -(-pool_tokens // BLOCK_SIZE)
-    evictors = [[rng.randrange(100, 40000) for _ in range(pool_tokens // 2)] for _ in range(3)]
+    evictor_tokens = min(args.prompt_tokens, pool_tokens // 2)  # enough of them to push every block out
+    evictors = [[rng.randrange(FIRST_TOKEN, args.vocab) for _ in range(evictor_tokens)]
+                for _ in range(pool_tokens // evictor_tokens + 1)]
     tier_dir = root / "returning"
     common = {"max_num_blocks": num_blocks, "block_size": BLOCK_SIZE, "max_num_batched_tokens": 2048}
     with LLM(args.model, kv_disk_dir=str(tier_dir), **common) as llm:
-        ttft_and_tokens(llm, [rng.randrange(100, 40000) for _ in range(64)], 1, "warm-up")
+        ttft_and_tokens(llm, [rng.randrange(FIRST_TOKEN, args.vocab) for _ in range(64)], 1, "warm-up")
         recompute_s, first_tokens, _ = ttft_and_tokens(llm, prompt, args.max_tokens, "first")
         wait_for_tier(llm, args.prompt_tokens // BLOCK_SIZE - 1)
         for i, evictor in enumerate(evictors):
@@ -124,10 +129,10 @@ def returning_and_restart(args: argparse.Namespace, root: Path, rng: random.Rand
         "tier_loads": tier_stats.num_loads, "tier_bytes_read": tier_stats.num_bytes_read,
     }
     with LLM(args.model, kv_disk_dir=str(tier_dir), **common) as llm:  # a new pair on the same directory
-        ttft_and_tokens(llm, [rng.randrange(100, 40000) for _ in range(64)], 1, "warm-up")
+        ttft_and_tokens(llm, [rng.randrange(FIRST_TOKEN, args.vocab) for _ in range(64)], 1, "warm-up")
         warm_s, warm_tokens, warm_cached = ttft_and_tokens(llm, prompt, args.max_tokens, "warm")
     with LLM(args.model, kv_disk_dir=str(root / "cold"), **common) as llm:  # a cold pair: empty directory
-        ttft_and_tokens(llm, [rng.randrange(100, 40000) for _ in range(64)], 1, "warm-up")
+        ttft_and_tokens(llm, [rng.randrange(FIRST_TOKEN, args.vocab) for _ in range(64)], 1, "warm-up")
         cold_s, cold_tokens, _ = ttft_and_tokens(llm, prompt, args.max_tokens, "cold")
     restart = {
         "warm_ttft_s": round(warm_s, 3), "cold_ttft_s": round(cold_s, 3), "speedup": round(cold_s / warm_s, 2),
@@ -139,23 +144,24 @@ def returning_and_restart(args: argparse.Namespace, root: Path, rng: random.Rand
 
 def working_set_and_no_reuse(args: argparse.Namespace, root: Path, rng: random.Random) -> dict[str, Any]:
     """The skewed working set 10x the pool, then unique prompts, each with the tier on and off."""
-    docs = [[rng.randrange(100, 40000) for _ in range(args.doc_tokens)] for _ in range(args.docs)]
+    docs = [[rng.randrange(FIRST_TOKEN, args.vocab) for _ in range(args.doc_tokens)] for _ in range(args.docs)]
     weights = [1 / (rank + 1) ** 1.1 for rank in range(args.docs)]  # Zipf
     order = rng.choices(range(args.docs), weights, k=args.requests)
-    questions = [[rng.randrange(100, 40000) for _ in range(16)] for _ in order]
+    questions = [[rng.randrange(FIRST_TOKEN, args.vocab) for _ in range(16)] for _ in order]
     # A tenth of the documents, but room for one request of either kind.
     num_blocks = max(-(-args.docs * args.doc_tokens // (10 * BLOCK_SIZE)), -(-(args.doc_tokens + 64) // BLOCK_SIZE),
-                     2 * -(-(256 + 32) // BLOCK_SIZE))
-    unique = [[rng.randrange(100, 40000) for _ in range(256)] for _ in range(args.no_reuse_prompts)]
+                     2 * -(-(args.no_reuse_tokens + 32) // BLOCK_SIZE))
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     results: dict[str, Any] = {"working_set": {"docs": args.docs, "doc_tokens": args.doc_tokens,
                                                "requests": args.requests, "pool_blocks": num_blocks},
-                               "no_reuse": {"prompts": args.no_reuse_prompts}}
-    for label, tier in (("tier", True), ("no_tier", False)):
-        extra = {"kv_disk_dir": str(root / f"ws-{label}")} if tier else {}
-        with LLM(args.model, max_num_blocks=num_blocks, block_size=BLOCK_SIZE, max_num_batched_tokens=2048,
-                 **extra) as llm:
-            ttft_and_tokens(llm, [rng.randrange(100, 40000) for _ in range(64)], 1, "warm-up")
+                               "no_reuse": {"prompts": args.no_reuse_prompts, "rounds": args.no_reuse_rounds}}
+    common = {"max_num_blocks": num_blocks, "block_size": BLOCK_SIZE, "max_num_batched_tokens": 2048}
+    # Both engines live side by side, so the no-reuse rounds can alternate between them (tier, no
+    # tier, no tier, tier, ...): on a shared machine the load drifts more than the 3% asked of them.
+    with LLM(args.model, kv_disk_dir=str(root / "ws-tier"), **common) as tier_llm, LLM(args.model, **common) as plain:
+        llms = {"tier": tier_llm, "no_tier": plain}
+        for label, llm in llms.items():
+            ttft_and_tokens(llm, [rng.randrange(FIRST_TOKEN, args.vocab) for _ in range(64)], 1, "warm-up")
             ttfts, num_cached, num_prompt = [], 0, 0
             for i, (doc, question) in enumerate(zip(order, questions)):
                 ttft, _, cached = ttft_and_tokens(llm, docs[doc] + question, 1, f"ws-{i}")
@@ -164,12 +170,22 @@ def working_set_and_no_reuse(args: argparse.Namespace, root: Path, rng: random.R
                 num_prompt += args.doc_tokens + len(question)
             results["working_set"][label] = {"hit_rate": round(num_cached / num_prompt, 3),
                                              "mean_ttft_s": round(statistics.mean(ttfts), 3)}
-            start = time.perf_counter()
-            outputs = llm.generate(unique, sampling_params=params)
-            elapsed = time.perf_counter() - start
-            results["no_reuse"][f"{label}_tok_s"] = round(sum(len(o.token_ids) for o in outputs) / elapsed, 2)
+        tokens, seconds = {"tier": 0, "no_tier": 0}, {"tier": 0.0, "no_tier": 0.0}
+        for round_ in range(args.no_reuse_rounds):
+            labels = ["tier", "no_tier"] if round_ % 2 == 0 else ["no_tier", "tier"]
+            for label in labels:
+                unique = [[rng.randrange(FIRST_TOKEN, args.vocab) for _ in range(args.no_reuse_tokens)]
+                          for _ in range(args.no_reuse_prompts)]
+                start = time.perf_counter()
+                outputs = llms[label].generate(unique, sampling_params=params)
+                seconds[label] += time.perf_counter() - start
+                tokens[label] += sum(len(o.token_ids) for o in outputs)
+        tier_written = tier_llm.memory_stats().tiers[0].num_bytes_written
     nr = results["no_reuse"]
+    for label in tokens:
+        nr[f"{label}_tok_s"] = round(tokens[label] / seconds[label], 2)
     nr["tier_vs_no_tier"] = round(nr["tier_tok_s"] / nr["no_tier_tok_s"], 3)
+    nr["tier_bytes_written"] = tier_written
     return results
 
 
@@ -178,12 +194,20 @@ def main() -> None:
     parser.add_argument("--model", default="default")
     parser.add_argument("--prompt-tokens", type=int, default=4000)
     parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--pool-extra-tokens", type=int, default=1024,
+                        help="the returning scenario's pool: the prompt and this many tokens")
     parser.add_argument("--docs", type=int, default=12)
     parser.add_argument("--doc-tokens", type=int, default=512)
     parser.add_argument("--requests", type=int, default=24)
     parser.add_argument("--no-reuse-prompts", type=int, default=8)
+    parser.add_argument("--no-reuse-rounds", type=int, default=4, help="alternating rounds of them, per engine")
+    parser.add_argument("--scenarios", default="returning,working_set",
+                        help="which to run: returning (with the warm restart), working_set (with no-reuse)")
     parser.add_argument("--dir", default=None, help="where the tier directories go (default: a temporary one)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--vocab", type=int, default=40000, help="prompts draw ids below this (within the model's)")
+    parser.add_argument("--probe-mb", type=int, default=256, help="size of the disk read bandwidth probe")
+    parser.add_argument("--no-reuse-tokens", type=int, default=256, help="tokens of each no-reuse prompt")
     args = parser.parse_args()
     configure_logging("warning")
     root = Path(tempfile.mkdtemp(prefix="bench-kv-tier-", dir=args.dir))
@@ -191,9 +215,12 @@ def main() -> None:
     try:
         result: dict[str, Any] = {"machine": {"cpu": platform.processor() or platform.machine(),
                                               "cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0]},
-                                  "disk": read_bandwidth(root)}
-        result |= returning_and_restart(args, root, rng)
-        result |= working_set_and_no_reuse(args, root, rng)
+                                  "disk": read_bandwidth(root, args.probe_mb << 20)}
+        scenarios = args.scenarios.split(",")
+        if "returning" in scenarios:
+            result |= returning_and_restart(args, root, rng)
+        if "working_set" in scenarios:
+            result |= working_set_and_no_reuse(args, root, rng)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"{'figure':<40} value")
