@@ -104,8 +104,9 @@ def _bench_rpc(socket: str, num_seqs: int, iters: int) -> dict[str, float]:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    """Run with ``argv`` (default: the command line's arguments)."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_memory", description=__doc__.splitlines()[0])
     parser.add_argument("--num-sequences", type=int, default=20_000, help="requests of the in-process run")
     parser.add_argument("--num-seqs", type=int, default=64, help="sequences grown per step RPC")
     parser.add_argument("--iters", type=int, default=2000, help="step RPCs timed")
@@ -113,7 +114,7 @@ def main() -> None:
                         help="comma-separated batch sizes: compare the step RPC with a decode step at each")
     parser.add_argument("--model", default="default", help="model of the decode steps: 'default' or a local directory")
     parser.add_argument("--skip-inprocess", action="store_true", help="leave out the in-process alloc+free run")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     configure_logging("warning")  # the engine logs every finished request at "info"
     result: dict[str, object] = {}
     if not args.skip_inprocess:
