@@ -278,6 +278,13 @@ def test_metrics_have_their_own_service_never_the_public_one() -> None:
     assert metrics["spec"]["selector"] == public["spec"]["selector"]
     gateway = container(gateway_pod(rendered), "gateway")
     assert flag(gateway, "--write-stall-timeout-s") == "30" and "--tls-cert" not in gateway["args"]
+    assert flag(gateway, "--tool-call-parser") == "auto"
+
+
+def test_gateway_tool_call_parser_is_passed() -> None:
+    """Issue 30: the chart chooses the tool-call format as `pagedserve up --tool-call-parser` does."""
+    gateway = container(gateway_pod(render({"gateway": {"toolCallParser": "llama3_json"}})), "gateway")
+    assert flag(gateway, "--tool-call-parser") == "llama3_json"
 
 
 def test_gateway_tls_from_an_existing_secret_or_from_values() -> None:

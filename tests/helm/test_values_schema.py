@@ -3,9 +3,13 @@ the offending key."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import helm_python as helm
 import pytest
 
+from gateway.core.tool_parsers import PARSER_NAMES
 from tests.helm.chart import lint, render
 
 BAD_VALUES = {
@@ -23,6 +27,7 @@ BAD_VALUES = {
     "tls without a server name": ({"gateway": {"tls": {"enabled": True, "secretName": "c"}}},
                                   "/gateway/tls/serverName"),
     "tls without a certificate": ({"gateway": {"tls": {"enabled": True, "serverName": "n"}}}, "/gateway/tls"),
+    "unknown tool-call parser": ({"gateway": {"toolCallParser": "mistral"}}, "/gateway/toolCallParser"),
     "zero write-stall timeout": ({"gateway": {"writeStallTimeoutSeconds": 0}}, "/gateway/writeStallTimeoutSeconds"),
     "relative kv tier mount": ({"engine": {"memory": {"kvTier": {"mountPath": "kv"}}}},
                                "/engine/memory/kvTier/mountPath"),
@@ -59,3 +64,9 @@ def test_cpu_pool_larger_than_dev_shm_fails_at_install() -> None:
     assert "engine.shmSizeLimit (512Mi) must be at least engine.memory.kvCacheBytes (1073741824)" in str(info.value)
     render({"gpu": {"mode": "none"}, "engine": {"shmSizeLimit": "1Gi", "memory": {"kvCacheBytes": 1 << 30}}})
     render({"gpu": {"mode": "dra"}, "engine": {"shmSizeLimit": "64Mi", "memory": {"kvCacheBytes": 1 << 30}}})
+
+
+def test_tool_call_parser_choices_are_the_gateways() -> None:
+    """The chart's enum for gateway.toolCallParser lists exactly the gateway's --tool-call-parser choices."""
+    schema = json.loads((Path(__file__).parents[2] / "helm/pagedserve/values.schema.json").read_text())
+    assert schema["properties"]["gateway"]["properties"]["toolCallParser"]["enum"] == list(PARSER_NAMES)
