@@ -5,6 +5,9 @@ benchmarks, import them), and no service imports the testing helpers."""
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -92,3 +95,17 @@ def test_the_gateway_core_and_the_http_front_know_no_protobuf() -> None:
     files = [*(ROOT / "gateway" / "core").glob("*.py"), *(ROOT / "gateway" / "openai_api").glob("*.py")]
     assert offenders(files, "pagedserve.gateway") == {} and offenders(files, "pagedserve.compute") == {}
     assert offenders(files, "google.protobuf") == {}
+
+
+def test_entry_points_and_the_memory_service_import_no_torch() -> None:
+    """Importing torch costs seconds of CPU, paid at every process start: ``pagedserve up`` (the
+    supervisor), every service's flag parsing (--help, a bad flag) and the whole memory service (the
+    CPU pool is bytes to it) never import it; the compute service imports it only to serve. Before:
+    compute_service.__main__ (through EngineConfig's dtype check) and the memory service's pool did."""
+    code = ("import sys, pagedserve.cli, pagedserve.up, compute_service.__main__, memory_service.__main__, "
+            "memory_service.service.server, gateway.__main__; "
+            "print(sorted(m for m in ('torch', 'transformers', 'xgrammar') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedserve.dtypes import AUTO, DTYPES
+from pagedserve.dtypes import AUTO, ELEMENT_SIZES
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class EngineConfig:
         for name in ("mask_fill_timeout_s", "mask_fill_max_cpu_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.dtype != AUTO and self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be {AUTO!r} or one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.dtype != AUTO and self.dtype not in ELEMENT_SIZES:
+            raise ValueError(f"dtype must be {AUTO!r} or one of {', '.join(ELEMENT_SIZES)}, got {self.dtype!r}")
         if self.device is not None and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
