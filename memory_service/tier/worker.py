@@ -3,7 +3,8 @@
 - The writer (write-behind): takes committed blocks from the manager's book under the manager's
   lock, copies their bytes there (so a block evicted and reused right after is never written with
   its new content: ``take_tier_writes`` checked it still holds its key), and writes the copies out
-  after releasing the lock. A Step never waits for a disk.
+  after releasing the lock, copying everything newly committed before each file it writes. A Step
+  never waits for a disk.
 - The loader: fills the fresh pool blocks of a load (pinned, invisible to every client, so no lock
   is needed for their bytes) from the tier's files, then ends the load under the lock
   (``BlockManager.finish_load``). A missing or bad file ends the load early: what was not loaded is
@@ -21,6 +22,7 @@ GPU, as sglang issue 26305 saw) differ by far more than the error.
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 import time
@@ -41,6 +43,8 @@ log = get_logger("memory_service.tier")
 # Blocks the writer copies per hold of the manager's lock: ~10 us each for a small model's block,
 # so a Step waits at most a fraction of a millisecond for it.
 WRITE_BATCH_BLOCKS = 4
+# Bytes of block copies the writer may hold before writing them (see _write_loop).
+STAGING_BYTES = 256 << 20
 # How long the writer sleeps when nothing wakes it (a Step wakes it at once).
 WRITER_IDLE_S = 0.05
 # Weight of the newest load in the read bandwidth's moving average.
@@ -137,23 +141,29 @@ class TierWorker:
     # --- the threads --------------------------------------------------------------------------
 
     def _write_loop(self) -> None:
+        # Copies first, writes after: a copy (a memcpy under the lock) is what saves a block from
+        # eviction, a write (checksum, file) takes far longer. So whatever is committed is copied into
+        # ``staged`` before the next file is written, up to STAGING_BYTES; a small pool that evicts a
+        # prompt's blocks one request later still has them on their way to the disk.
+        staged: collections.deque[tuple[bytes, bytes, torch.Tensor]] = collections.deque()
         while not self._stopping.is_set():
-            self._wake_writer.wait(WRITER_IDLE_S)
-            self._wake_writer.clear()
-            while not self._stopping.is_set():
-                writes = []
+            if not staged:
+                self._wake_writer.wait(WRITER_IDLE_S)
+                self._wake_writer.clear()
+            while len(staged) * self._bytes_per_block < STAGING_BYTES and not self._stopping.is_set():
                 with self._lock:
                     taken = self._manager.take_tier_writes(WRITE_BATCH_BLOCKS)
                     for block_id, key, ns_key in taken:
                         if key not in self.disk:
                             block = torch.empty(self._block_shape, dtype=self._dtype)
                             block.copy_(self._pool[:, :, block_id])
-                            writes.append((key, ns_key, block))
+                            staged.append((key, ns_key, block))
                 if not taken:
                     break
-                for key, ns_key, block in writes:
-                    # (num_layers, 2, block_size, num_kv_heads, head_dim) -> its bytes, as the pool holds them
-                    self.disk.put(key, ns_key, memoryview(block.view(torch.uint8).numpy()).cast("B"))
+            if staged and not self._stopping.is_set():
+                key, ns_key, block = staged.popleft()
+                # (num_layers, 2, block_size, num_kv_heads, head_dim) -> its bytes, as the pool holds them
+                self.disk.put(key, ns_key, memoryview(block.view(torch.uint8).numpy()).cast("B"))
 
     def _load_loop(self) -> None:
         while True:
