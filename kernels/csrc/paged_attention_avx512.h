@@ -284,6 +284,136 @@ inline void tile_block(const float* qt, const __m512i* limit, int64_t num_rows, 
   weighted_values<D>(st, RP, 1, corr, num_rows, v, stride, n_all, acc);
 }
 
+#ifdef __AVX512BF16__
+// bfloat16 decode with `vdpbf16ps` (AVX512-BF16): each instruction multiplies 16 pairs of bf16 and
+// adds both products to a float32 lane, so K and V are read in their storage format (no widening
+// pass) and each instruction does two multiply-adds. Scores: a pair is two consecutive elements of
+// a row, q (bf16, as the model made it) against the K row in place, scaled afterwards in float32.
+// P @ V: a pair is two consecutive tokens, (p_t, p_t+1) against (v_t[d], v_t+1[d]). A weight in
+// bf16 alone would be off by up to 2^-9 of itself (PyTorch's CPU flash attention takes that: its
+// P @ V is a bf16 GEMM), which on a short context moves the output by more than the float32
+// reference's tolerance; so each weight is split in two bf16, p = hi + lo (hi = bf16(p),
+// lo = bf16(p - hi), together within 2^-17 of p), and both halves are multiplied: two instructions
+// per pair of tokens and 32 elements, still half the arithmetic of widening V to float32 and one FMA
+// per element. unpacklo/hi_epi16 of two V rows make the pairs within 128-bit lanes: the lo half holds elements
+// 8L..8L+3 of lane L, the hi half 8L+4..8L+7; the accumulators keep that order (`kPairOrder`) until
+// `unpermute_pairs` puts them back. Needs D % 32 == 0 (a row is whole zmm of 32 bf16).
+constexpr bool kPairs = true;
+
+// acc (rows x D) from the pair order back to element order, in place.
+template <int64_t D>
+inline void unpermute_pairs(float* acc, int64_t rows) {
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t j = 0; j < D; j += 32) {
+      const __m512 lo = _mm512_loadu_ps(acc + r * D + j), hi = _mm512_loadu_ps(acc + r * D + j + 16);
+      _mm512_storeu_ps(acc + r * D + j, _mm512_permutex2var_ps(lo, first, hi));
+      _mm512_storeu_ps(acc + r * D + j + 16, _mm512_permutex2var_ps(lo, second, hi));
+    }
+  }
+}
+
+inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh&>(x); }
+
+// One block of one KV head for the decode rows, bf16 K/V in place (see decode_block for the rows,
+// m, l and corr). q: (num_rows, D) bf16, not scaled; pw: (num_rows, 16) scratch, each row's 16
+// weights as 8 bf16 pairs of their high halves, then 8 of their low halves; acc in the pair order. next_k/next_v: this head's rows of the next block.
+template <int64_t D, bool kFull>
+inline void decode_block_pairs(const c10::BFloat16* q, int64_t num_rows, const c10::BFloat16* k,
+                               const c10::BFloat16* v, int64_t stride, int64_t n, int64_t first_row_visible,
+                               int64_t group, float scale, float* m, float* l, float* acc, uint32_t* pw,
+                               float* corr, const c10::BFloat16* next_k, const c10::BFloat16* next_v,
+                               int64_t next_n) {
+  constexpr int64_t DW = D / 32;  // zmm of 32 bf16 per row
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t r = 0; r < num_rows; ++r) {
+    const int64_t seen = kFull ? 16 : std::min(n, first_row_visible + r / group);
+    if (!kFull && seen <= 0) {  // a later query position's token: no weight, state unchanged
+      corr[r] = 1.0f;
+      std::fill(pw + r * 16, pw + r * 16 + 16, 0u);
+      continue;
+    }
+    const __mmask16 valid = kFull ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << seen) - 1);
+    __m512i qv[DW];
+    for (int64_t j = 0; j < DW; ++j) qv[j] = _mm512_loadu_si512(q + r * D + 32 * j);
+    __m512 part[16];
+    for (int64_t t = 0; t < 16; ++t) {
+      if (kFull || t < seen) {
+        const c10::BFloat16* kt = k + t * stride;
+        __m512 s = _mm512_dpbf16_ps(_mm512_setzero_ps(), as_bh(qv[0]), as_bh(_mm512_loadu_si512(kt)));
+        for (int64_t j = 1; j < DW; ++j) s = _mm512_dpbf16_ps(s, as_bh(qv[j]), as_bh(_mm512_loadu_si512(kt + 32 * j)));
+        part[t] = s;
+      } else {
+        part[t] = _mm512_setzero_ps();
+      }
+    }
+    __m512 s = _mm512_mul_ps(transpose_add16(part), vscale);
+    if (!kFull) s = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), s);
+    const __m512 old_max = _mm512_set1_ps(m[r]);
+    const __m512 new_max = _mm512_max_ps(old_max, _mm512_set1_ps(_mm512_reduce_max_ps(s)));
+    __m512 e = exp512(_mm512_sub_ps(s, new_max));
+    if (!kFull) e = _mm512_maskz_mov_ps(valid, e);
+    const __m256bh hi = _mm512_cvtneps_pbh(e);  // e = hi + lo, each a bf16
+    const __m512 hi_wide = _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<const __m256i&>(hi)), 16));
+    const __m256bh lo = _mm512_cvtneps_pbh(_mm512_sub_ps(e, hi_wide));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pw + r * 16), reinterpret_cast<const __m256i&>(hi));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pw + r * 16 + 8), reinterpret_cast<const __m256i&>(lo));
+    const __m512 c = exp512(_mm512_sub_ps(old_max, new_max));
+    corr[r] = _mm512_cvtss_f32(c);
+    m[r] = _mm512_cvtss_f32(new_max);
+    _mm512_storeu_ps(l + r * 16, _mm512_fmadd_ps(_mm512_loadu_ps(l + r * 16), c, e));
+  }
+  // P @ V: RB rows x 2 DW accumulators (24 at most), a pair of tokens per step.
+  constexpr int64_t RB = 24 / (2 * DW);
+  for (int64_t r0 = 0; r0 < num_rows; r0 += RB) {
+    const int64_t nr = std::min(RB, num_rows - r0);
+    __m512 o[RB][2 * DW];
+    for (int64_t i = 0; i < RB; ++i) {
+      if (i >= nr) break;
+      const __m512 c = _mm512_set1_ps(corr[r0 + i]);
+      for (int64_t j = 0; j < 2 * DW; ++j) o[i][j] = _mm512_mul_ps(_mm512_loadu_ps(acc + (r0 + i) * D + 16 * j), c);
+    }
+    for (int64_t t = 0; t < n; t += 2) {
+      if (next_k != nullptr && r0 == 0) {  // the next block's rows of this head, two tokens a step
+        for (int64_t u = t; u < std::min(t + 2, next_n); ++u) {
+          for (int64_t j = 0; j < D; j += 32) {
+            _mm_prefetch(reinterpret_cast<const char*>(next_k + u * stride + j), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(next_v + u * stride + j), _MM_HINT_T0);
+          }
+        }
+      }
+      __m512i lo[DW], hi[DW];
+      for (int64_t j = 0; j < DW; ++j) {
+        const __m512i a = _mm512_loadu_si512(v + t * stride + 32 * j);
+        // An odd last token pairs with zeros (the row past it may hold anything, NaN included).
+        const __m512i b = t + 1 < n ? _mm512_loadu_si512(v + (t + 1) * stride + 32 * j) : _mm512_setzero_si512();
+        lo[j] = _mm512_unpacklo_epi16(a, b);
+        hi[j] = _mm512_unpackhi_epi16(a, b);
+      }
+      for (int64_t i = 0; i < RB; ++i) {
+        if (i >= nr) break;
+        const __m512i w_hi = _mm512_set1_epi32(static_cast<int>(pw[(r0 + i) * 16 + t / 2]));
+        const __m512i w_lo = _mm512_set1_epi32(static_cast<int>(pw[(r0 + i) * 16 + 8 + t / 2]));
+        for (int64_t j = 0; j < DW; ++j) {
+          o[i][2 * j] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(o[i][2 * j], as_bh(lo[j]), as_bh(w_hi)), as_bh(lo[j]),
+                                         as_bh(w_lo));
+          o[i][2 * j + 1] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(o[i][2 * j + 1], as_bh(hi[j]), as_bh(w_hi)),
+                                             as_bh(hi[j]), as_bh(w_lo));
+        }
+      }
+    }
+    for (int64_t i = 0; i < RB; ++i) {
+      if (i >= nr) break;
+      for (int64_t j = 0; j < 2 * DW; ++j) _mm512_storeu_ps(acc + (r0 + i) * D + 16 * j, o[i][j]);
+    }
+  }
+}
+#else
+constexpr bool kPairs = false;
+#endif
+
 struct Item {
   int64_t seq;         // index into seq_ids
   int64_t kv_head;     // tile items: the KV head; decode items: -1 (all heads)
@@ -389,9 +519,15 @@ void run_decode_item(const Item& it, const Shapes& sh, const T* q_ptr, T* o_ptr,
     const int64_t h = r / head_rows, i = (r % head_rows) / g, gg = r % g;
     return ((q_row + i) * hq + h * g + gg) * D;
   };
+  // bf16 with AVX512-BF16: pairs of bf16 in place (decode_block_pairs); q copied as bf16, unscaled.
+  constexpr bool pairs = kPairs && std::is_same_v<T, c10::BFloat16> && D % 32 == 0;
   for (int64_t r = 0; r < rows; ++r) {
     const T* src = q_ptr + token_row(r);
-    for (int64_t d = 0; d < D; ++d) q[r * D + d] = static_cast<float>(src[d]) * sh.scale;
+    if constexpr (pairs) {
+      std::copy(src, src + D, reinterpret_cast<T*>(q) + r * D);
+    } else {
+      for (int64_t d = 0; d < D; ++d) q[r * D + d] = static_cast<float>(src[d]) * sh.scale;
+    }
   }
   std::fill(acc, acc + rows * D, 0.0f);
   std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
@@ -410,6 +546,29 @@ void run_decode_item(const Item& it, const Shapes& sh, const T* q_ptr, T* o_ptr,
       next_n = std::min(sh.block_size, seq_len - (blk + 1) * sh.block_size);
     }
     const int64_t first_row_visible = context + 1 - blk * sh.block_size;  // tokens position 0 sees
+#ifdef __AVX512BF16__
+    if constexpr (pairs) {
+      const T* kb = k_ptr + base;
+      const T* vb = v_ptr + base;
+      for (int64_t h = 0; h < sh.num_kv_heads; ++h) {
+        const T* next_k = next_base < 0 ? nullptr : k_ptr + next_base + h * D;
+        const T* next_v = next_base < 0 ? nullptr : v_ptr + next_base + h * D;
+        const int64_t r0 = h * head_rows;
+        const T* qh = reinterpret_cast<const T*>(q) + r0 * D;
+        uint32_t* pw = reinterpret_cast<uint32_t*>(p);  // rows x 16 words, the size of p
+        if (n == kMaxBlockSize && first_row_visible >= n) {
+          decode_block_pairs<D, true>(qh, head_rows, kb + h * D, vb + h * D, sh.token_stride, n, first_row_visible, g,
+                                      sh.scale, m + r0, l + r0 * 16, acc + r0 * D, pw + r0 * 16, corr + r0, next_k,
+                                      next_v, next_n);
+        } else {
+          decode_block_pairs<D, false>(qh, head_rows, kb + h * D, vb + h * D, sh.token_stride, n, first_row_visible,
+                                       g, sh.scale, m + r0, l + r0 * 16, acc + r0 * D, pw + r0 * 16, corr + r0, next_k,
+                                       next_v, next_n);
+        }
+      }
+      continue;
+    }
+#endif
     const float* k = nullptr;
     const float* v = nullptr;
     if constexpr (std::is_same_v<T, float>) {
@@ -435,6 +594,9 @@ void run_decode_item(const Item& it, const Shapes& sh, const T* q_ptr, T* o_ptr,
       }
     }
   }
+#ifdef __AVX512BF16__
+  if constexpr (pairs) unpermute_pairs<D>(acc, rows);
+#endif
   for (int64_t r = 0; r < rows; ++r) corr[r] = _mm512_reduce_add_ps(_mm512_loadu_ps(l + r * 16));  // row sums
   l = corr;
   if (it.part < 0) {

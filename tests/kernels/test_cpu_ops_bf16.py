@@ -31,7 +31,7 @@ def close_to_float32(got: torch.Tensor, want: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("kernel", ["paged_attention", "paged_attention_portable"])
 @pytest.mark.parametrize("block_size", [16, 4, 6])  # AVX-512 kernels (16, 4); the portable one (6)
-@pytest.mark.parametrize("head_dim", [16, 64, 128])
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 128])  # 32, 64, 128: bf16 pairs (vdpbf16ps) where the build has them
 def test_paged_attention_bf16_matches_float32(kernel: str, block_size: int, head_dim: int) -> None:
     # decodes (one long enough to be split across threads), a chunk over cached context, a fresh
     # prompt over two query tiles, a 3-token speculative-style chunk.
@@ -44,6 +44,30 @@ def test_paged_attention_bf16_matches_float32(kernel: str, block_size: int, head
                                  scale=scale)
     out = torch.full_like(query, float("nan"))
     getattr(ops, kernel)(out, query, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
+                         batch.cu_seqlens_q, torch.arange(len(seq_lens)), scale)
+    close_to_float32(out, want)
+
+
+@pytest.mark.parametrize("kernel", ["paged_attention", "paged_attention_portable"])
+@pytest.mark.parametrize("block_size", [16, 4])
+@pytest.mark.parametrize("head_dim", [32, 64])
+def test_paged_attention_bf16_never_reads_slots_past_a_sequence(kernel: str, block_size: int, head_dim: int) -> None:
+    # Every slot no sequence owns holds NaN (a pool's free rows hold whatever they last held): odd
+    # lengths leave the last block's rows past the end, which the bf16 pair kernel pairs with zeros.
+    seq_lens, q_lens = [1, 17, 99, 35, 7], [1, 1, 1, 3, 7]
+    batch = make_paged_batch(seq_lens, q_lens, num_q_heads=6, num_kv_heads=2, head_dim=head_dim,
+                             block_size=block_size, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(8))
+    used = torch.zeros(batch.k_cache.shape[0] * block_size, dtype=torch.bool)
+    for b, seq_len in enumerate(seq_lens):
+        positions = torch.arange(seq_len)
+        used[batch.block_tables[b, positions // block_size].long() * block_size + positions % block_size] = True
+    for cache in (batch.k_cache, batch.v_cache):
+        cache.view(-1, *cache.shape[2:])[~used] = float("nan")
+    scale = head_dim**-0.5
+    want = paged_attention_naive(batch.query.float(), batch.k_cache.float(), batch.v_cache.float(),
+                                 *batch.args()[3:], scale=scale)
+    out = torch.full_like(batch.query, float("nan"))
+    getattr(ops, kernel)(out, batch.query, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
                          batch.cu_seqlens_q, torch.arange(len(seq_lens)), scale)
     close_to_float32(out, want)
 
