@@ -2,12 +2,16 @@
 // cpu_ops.cpp where __AVX512F__ is defined; the portable omp-simd version there is the fallback
 // (x86-64-v3 builds, other CPUs). Same contract.
 //
-// bfloat16 K/V: each block is widened to float32 once (a bf16 is the top half of a float32: a
-// 16-bit shift) into a per-thread scratch that stays in L1, and the float32 micro-kernels below run
-// on it unchanged: a decode item widens the whole block (all KV heads, one contiguous run) and
-// prefetches the next block's lines as it goes; a tile item widens its head's rows. Widening once
-// per block beats widening at every use: the decode kernel reads each K row once per query head of
-// the group, and the tile kernel broadcasts K element by element.
+// bfloat16 K/V where the build has AVX512-BF16 (`__AVX512BF16__`: -march=native on Zen 4, Sapphire
+// Rapids, Cooper Lake): `vdpbf16ps` multiplies pairs of bf16 into float32 accumulators, so K (and in
+// decode V too) is read in place, in its storage format, and each instruction does two
+// multiply-adds (decode_block_pairs, scores_pairs below; 2x the widening kernel on a decode of 32 x
+// 800 tokens). Elsewhere (x86-64-v4 builds, no AVX512-BF16) each block is widened to float32 once
+// (a bf16 is the top half of a float32: a 16-bit shift) into a per-thread scratch that stays in L1,
+// and the float32 micro-kernels below run on it unchanged: a decode item widens the whole block (all
+// KV heads, one contiguous run) and prefetches the next block's lines as it goes; a tile item widens
+// its head's rows. Widening once per block beats widening at every use: the decode kernel reads each
+// K row once per query head of the group, and the tile kernel broadcasts K element by element.
 //
 // Two micro-kernels, both one K/V block (block_size <= 16 tokens) of one KV head at a time:
 //  - decode rows (1-4 query positions x the G heads of a KV head): a row's 16 scores are 16 dot
@@ -32,6 +36,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <numeric>
 #include <vector>
@@ -239,11 +244,12 @@ inline void scores_transposed(const float* qt, const float* k, int64_t stride, f
 // Tile rows: qt (D, RV * 16) the rows' queries transposed and pre-scaled; row r sees
 // limit[r] = first_row_visible + r / group tokens of this block (masked lanes: no weight);
 // n_all = the most any row sees (<= block size). st: (16, RV * 16) scratch; corr: (RV * 16,).
+// k == nullptr: st holds the block's scores already (bf16 pairs: tile_scores_pairs); stride is V's.
 template <int64_t D, int64_t RV, bool kMasked>
 inline void tile_block(const float* qt, const __m512i* limit, int64_t num_rows, const float* k, const float* v,
                        int64_t stride, int64_t n_all, float* m, float* l, float* acc, float* st, float* corr) {
   constexpr int64_t RP = RV * 16;
-  for (int64_t t0 = 0; t0 < n_all; t0 += 8) {  // S^T, 8 tokens x RV zmm of rows in registers
+  for (int64_t t0 = 0; k != nullptr && t0 < n_all; t0 += 8) {  // S^T, 8 tokens x RV zmm of rows in registers
     const int64_t nt = std::min<int64_t>(8, n_all - t0);
     if (nt == 8) {
       scores_transposed<D, RV, 8>(qt, k + t0 * stride, stride, st + t0 * RP);
@@ -410,6 +416,63 @@ inline void decode_block_pairs(const c10::BFloat16* q, int64_t num_rows, const c
     }
   }
 }
+
+// Tile scores from bf16 pairs: st[t][rows] = scale * sum_d k[t][d] q[rows][d] for NT tokens, with
+// qt2 (D / 2, RV * 16) the rows' queries as bf16 pairs (elements 2i, 2i + 1 of a row in one 32-bit
+// lane, rows in lanes) and k the block's bf16 rows in place, a pair of a row broadcast per step.
+template <int64_t D, int64_t RV, int64_t NT>
+inline void scores_pairs(const uint32_t* qt2, const c10::BFloat16* k, int64_t stride, float scale, float* st) {
+  constexpr int64_t RP = RV * 16;
+  static_assert(NT == 4 || NT == 8, "4 or 8 tokens");
+  __m512 a0[RV], a1[RV], a2[RV], a3[RV], a4[RV], a5[RV], a6[RV], a7[RV];
+  for (int64_t j = 0; j < RV; ++j) {
+    a0[j] = a1[j] = a2[j] = a3[j] = _mm512_setzero_ps();
+    if (NT == 8) a4[j] = a5[j] = a6[j] = a7[j] = _mm512_setzero_ps();
+  }
+  for (int64_t i = 0; i < D / 2; ++i) {
+    __m512i qd[RV];
+    for (int64_t j = 0; j < RV; ++j) qd[j] = _mm512_loadu_si512(qt2 + i * RP + 16 * j);
+#define PS_TOKEN(T, A)                                                                       \
+  {                                                                                          \
+    int32_t pair;                                                                            \
+    std::memcpy(&pair, k + (T) * stride + 2 * i, sizeof(pair));                              \
+    const __m512i kd = _mm512_set1_epi32(pair);                                              \
+    for (int64_t j = 0; j < RV; ++j) A[j] = _mm512_dpbf16_ps(A[j], as_bh(qd[j]), as_bh(kd)); \
+  }
+    PS_TOKEN(0, a0) PS_TOKEN(1, a1) PS_TOKEN(2, a2) PS_TOKEN(3, a3)
+    if (NT == 8) { PS_TOKEN(4, a4) PS_TOKEN(5, a5) PS_TOKEN(6, a6) PS_TOKEN(7, a7) }
+#undef PS_TOKEN
+  }
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int64_t j = 0; j < RV; ++j) {
+    _mm512_storeu_ps(st + 0 * RP + 16 * j, _mm512_mul_ps(a0[j], sc));
+    _mm512_storeu_ps(st + 1 * RP + 16 * j, _mm512_mul_ps(a1[j], sc));
+    _mm512_storeu_ps(st + 2 * RP + 16 * j, _mm512_mul_ps(a2[j], sc));
+    _mm512_storeu_ps(st + 3 * RP + 16 * j, _mm512_mul_ps(a3[j], sc));
+    if (NT == 8) {
+      _mm512_storeu_ps(st + 4 * RP + 16 * j, _mm512_mul_ps(a4[j], sc));
+      _mm512_storeu_ps(st + 5 * RP + 16 * j, _mm512_mul_ps(a5[j], sc));
+      _mm512_storeu_ps(st + 6 * RP + 16 * j, _mm512_mul_ps(a6[j], sc));
+      _mm512_storeu_ps(st + 7 * RP + 16 * j, _mm512_mul_ps(a7[j], sc));
+    }
+  }
+}
+
+// A block's scores for a tile (n_all tokens, 8 or 4 at a time as tile_block does; rows past
+// n_all in a group of 4 are computed and never used: the block holds them, whatever they are).
+template <int64_t D, int64_t RV>
+inline void tile_scores_pairs(const uint32_t* qt2, const c10::BFloat16* k, int64_t stride, int64_t n_all,
+                              float scale, float* st) {
+  constexpr int64_t RP = RV * 16;
+  for (int64_t t0 = 0; t0 < n_all; t0 += 8) {
+    if (n_all - t0 >= 8) {
+      scores_pairs<D, RV, 8>(qt2, k + t0 * stride, stride, scale, st + t0 * RP);
+    } else {
+      scores_pairs<D, RV, 4>(qt2, k + t0 * stride, stride, scale, st + t0 * RP);
+      if (n_all - t0 > 4) scores_pairs<D, RV, 4>(qt2, k + (t0 + 4) * stride, stride, scale, st + (t0 + 4) * RP);
+    }
+  }
+}
 #else
 constexpr bool kPairs = false;
 #endif
@@ -445,10 +508,18 @@ void run_tile_item(const Item& it, const Shapes& sh, const T* q_ptr, T* o_ptr, c
   float* corr = l + RP;
   float* kf = corr + RP;                // bfloat16 K/V: this head's rows of a block, widened (2 x 16 x D)
   float* vf = kf + kMaxBlockSize * D;
+  // bf16 with AVX512-BF16: the scores from bf16 pairs, K in place (tile_scores_pairs); qt then holds
+  // the queries as (D / 2, RP) pairs, not scaled. V is widened as for the float32 arithmetic below.
+  constexpr bool pairs = kPairs && std::is_same_v<T, c10::BFloat16> && D % 32 == 0;
+  uint32_t* qt2 = reinterpret_cast<uint32_t*>(qt);
   std::fill(qt, qt + D * RP, 0.0f);
   for (int64_t r = 0; r < num_rows; ++r) {
     const T* src = q_ptr + ((q_start + it.first_q + r / g) * sh.num_q_heads + head0 + r % g) * D;
-    for (int64_t d = 0; d < D; ++d) qt[d * RP + r] = static_cast<float>(src[d]) * sh.scale;
+    if constexpr (pairs) {
+      for (int64_t i = 0; i < D / 2; ++i) std::memcpy(qt2 + i * RP + r, src + 2 * i, sizeof(uint32_t));
+    } else {
+      for (int64_t d = 0; d < D; ++d) qt[d * RP + r] = static_cast<float>(src[d]) * sh.scale;
+    }
   }
   std::fill(acc, acc + RP * D, 0.0f);
   std::fill(m, m + RP, -std::numeric_limits<float>::infinity());
@@ -479,9 +550,18 @@ void run_tile_item(const Item& it, const Shapes& sh, const T* q_ptr, T* o_ptr, c
       k = k_ptr + base;
       v = v_ptr + base;
     } else {
+#ifdef __AVX512BF16__
+      if constexpr (pairs) {
+        tile_scores_pairs<D, RV>(qt2, k_ptr + base, sh.token_stride, n_all, sh.scale, st);
+      } else {
+        widen_rows(k_ptr + base, sh.token_stride, n_all, D, kf);
+        k = kf;
+      }
+#else
       widen_rows(k_ptr + base, sh.token_stride, n_all, D, kf);
-      widen_rows(v_ptr + base, sh.token_stride, n_all, D, vf);
       k = kf;
+#endif
+      widen_rows(v_ptr + base, sh.token_stride, n_all, D, vf);
       v = vf;
       stride = D;
     }
