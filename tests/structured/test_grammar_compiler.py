@@ -133,6 +133,7 @@ def test_workers_run_without_the_compute_process_preload(byte_model: ByteModel, 
     for name, value in preload.items():
         monkeypatch.setenv(name, value)
     compiler = GrammarCompiler(byte_model.tokenizer, VOCAB, [EOS], GrammarCompilerConfig(num_threads=1))
+    compiler.start()  # workers start with the first constraint otherwise
     [pid] = compiler.worker_pids()
     environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     assert not [e for e in environ if e.startswith(b"LD_PRELOAD=") and b"libiomp5" in e]
