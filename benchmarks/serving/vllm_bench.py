@@ -223,7 +223,7 @@ def run(args: argparse.Namespace, start_ours, say) -> dict:
                 summary["exit_statuses"] = stack.stop()
         print_blocks("ours", ours["blocks"])
         summary["ours"] = ours["phases"]
-        summary["ours_dtype"] = args.dtype
+        summary["ours_dtype"] = args.dtype or "auto"
         if args.peer == "vllm":
             server = VllmServer(model_dir, args.kv_cache_bytes, args.max_num_seqs, args.max_num_batched_tokens,
                                 ngram_k=args.vllm_ngram, log_file=work / "vllm.log", dtype=args.vllm_dtype)
