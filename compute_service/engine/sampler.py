@@ -40,6 +40,7 @@ def _min_tokens_banned(params: SamplingParams, eos_token_ids: Seq[int], device: 
 # `TOP_P_CANDIDATES_WIDE` (flat distributions: the start of a sentence), then takes the sort.
 TOP_P_CANDIDATES = 256
 TOP_P_CANDIDATES_WIDE = 4096
+MIN_BATCHED_TEMPERATURE = 1e-3
 
 
 def _sample_row(row: torch.Tensor, seq: Sequence) -> int:
@@ -110,7 +111,63 @@ def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return min(int(torch.searchsorted(cdf, u, right=True)), probs.shape[0] - 1)
 
 
+def _nucleus_draws(rows: torch.Tensor, temperatures: list[float], top_ps: list[float]) -> list[int | None]:
+    """Unseeded top-p draws for F rows (F, V) at once, from their `TOP_P_CANDIDATES` largest logits.
+
+    The batched form of the exact path's first tier for rows without a generator, top_k or min_p:
+    the candidates are the largest raw logits (the same tokens as the largest probabilities, the
+    temperature being positive), the softmax's denominator one pass of exp over each row (float32
+    terms summed in float64), the candidates' probabilities and their exclusive prefix sums in float64
+    as a (F, K) batch, one uniform per row. Each row's nucleus is `_top_p_sorted`'s, except that a
+    probability may differ from the float64 softmax's in its 7th digit (the float32 exp terms), which
+    moves the nucleus's edge only for a token whose prefix sum is within that of top_p. None for a row
+    these candidates cannot decide (`_nucleus`'s cases: the nucleus may reach past them, or its edge
+    ties with a value outside it), or without a finite distribution: the caller takes the exact path.
+    """
+    k = min(TOP_P_CANDIDATES, rows.shape[1])
+    values, ids = rows.topk(k, dim=-1)  # (F, K) descending
+    top = values[:, :1]  # (F, 1) each row's largest logit
+    inv_t = torch.tensor([1.0 / t for t in temperatures], dtype=torch.float32)[:, None]
+    z = torch.sub(rows, top).mul_(inv_t).exp_().sum(dim=-1, dtype=torch.float64)  # (F,) softmax denominators
+    probs = (values.double() - top.double()).mul_(inv_t.double()).exp_().div_(z[:, None])  # (F, K)
+    cdf = probs.cumsum(dim=-1)
+    kept = (cdf - probs) <= torch.tensor(top_ps, dtype=torch.float64)[:, None]  # exclusive sums <= top_p
+    num_kept = kept.sum(dim=-1)  # (F,) >= 1 for a finite row (the first exclusive sum is 0)
+    last_kept = (num_kept - 1).clamp(min=0)
+    last = values.gather(1, last_kept[:, None])[:, 0]
+    beyond = values.gather(1, num_kept.clamp(max=k - 1)[:, None])[:, 0]
+    decided = ((num_kept > 0) & (num_kept < k) & (last != beyond) & (last != values[:, -1])
+               & torch.isfinite(z) & (z > 0))
+    u = torch.rand(len(top_ps), dtype=torch.float64) * cdf.gather(1, last_kept[:, None])[:, 0]
+    picks = (cdf < u[:, None]).sum(dim=-1).minimum(last_kept)  # inverse CDF within the nucleus
+    tokens = ids.gather(1, picks[:, None])[:, 0]
+    return [t if ok else None for t, ok in zip(tokens.tolist(), decided.tolist())]
+
+
 def _sample_random(rows: torch.Tensor, seqs: Seq[Sequence]) -> list[int]:
+    """Random sampling of R rows (R, V): unseeded top-p rows without top_k or min_p batched through
+    `_nucleus_draws` (the realistic workload's every row), the others and the rows it cannot decide
+    through `_sample_exact`."""
+    # (Temperatures below MIN_BATCHED_TEMPERATURE stay exact: 1 / T in float32 must stay finite.)
+    fast = [r for r, seq in enumerate(seqs) if seq.generator is None and seq.params.top_p < 1.0
+            and not seq.params.top_k and not seq.params.min_p > 0
+            and seq.params.temperature >= MIN_BATCHED_TEMPERATURE]
+    out: list[int | None] = [None] * len(seqs)
+    if fast:
+        subset = rows if len(fast) == len(seqs) else rows[fast]
+        draws = _nucleus_draws(subset.float(), [seqs[r].params.temperature for r in fast],
+                               [seqs[r].params.top_p for r in fast])
+        for r, token in zip(fast, draws):
+            out[r] = token
+    rest = [r for r, token in enumerate(out) if token is None]
+    if rest:
+        subset = rows if len(rest) == len(seqs) else rows[rest]
+        for r, token in zip(rest, _sample_exact(subset, [seqs[r] for r in rest])):
+            out[r] = token
+    return out  # type: ignore[return-value]
+
+
+def _sample_exact(rows: torch.Tensor, seqs: Seq[Sequence]) -> list[int]:
     """Random sampling of R rows (R, V) at once: temperature, top-k, softmax and min-p as (R, V) ops,
     each row's nucleus from one batched `topk` (`_nucleus`), the full sort only where it cannot tell.
 

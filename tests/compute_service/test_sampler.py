@@ -166,3 +166,26 @@ def test_apply_logit_bias_is_one_batched_add_leaving_the_raw_rows() -> None:
     expected[2, 4] += 1.0
     assert torch.equal(biased, expected) and torch.equal(logits, raw)
     assert sampler.apply_logit_bias(logits, [Seq(SamplingParams())] * 3) is logits
+
+
+def test_batched_unseeded_draws_stay_in_the_nucleus_or_defer() -> None:
+    # _nucleus_draws (every unseeded top-p row without top_k/min_p) picks inside _top_p_sorted's
+    # nucleus, and defers (None) where its 256 candidates cannot tell: a flat row whose nucleus is
+    # wider, a tie at the nucleus's edge, a row with no finite distribution.
+    g = torch.Generator().manual_seed(16)
+    peaked = torch.randn(6, 3000, generator=g) * 6.0
+    flat = torch.randn(1, 3000, generator=g) * 0.01
+    tied = torch.full((1, 3000), -5.0)
+    tied[0, :3] = 4.0  # three equal leaders: a nucleus of 0.5 ends inside the tie
+    masked = torch.full((1, 3000), float("-inf"))
+    rows = torch.cat([peaked, flat, tied, masked])
+    temps, top_ps = [0.8] * 9, [0.9] * 7 + [0.5, 0.9]
+    allowed = [set(sampler._top_p_sorted(torch.softmax(r.double() / t, -1), p).nonzero().flatten().tolist())
+               for r, t, p in zip(rows[:6], temps, top_ps)]
+    for _ in range(10):
+        got = sampler._nucleus_draws(rows, temps, top_ps)
+        assert all(token in ok for token, ok in zip(got[:6], allowed))
+        assert got[6:] == [None, None, None]
+    # Through sample(): the deferred rows take the exact path (the masked row its argmax).
+    tokens = sampler.sample(rows, _seqs([SamplingParams(temperature=0.8, top_p=p) for p in top_ps], 0), [0])
+    assert tokens[7] in {0, 1, 2} and tokens[8] == 0
