@@ -170,6 +170,10 @@ def working_set_and_no_reuse(args: argparse.Namespace, root: Path, rng: random.R
                 num_prompt += args.doc_tokens + len(question)
             results["working_set"][label] = {"hit_rate": round(num_cached / num_prompt, 3),
                                              "mean_ttft_s": round(statistics.mean(ttfts), 3)}
+            if llm is tier_llm:  # why a block was not a hit: never written, or a load skipped
+                t = llm.memory_stats().tiers[0]
+                results["working_set"][label] |= {"tier_hits_blocks": t.num_hits, "tier_misses": t.num_misses,
+                                                  "tier_loads": t.num_loads, "tier_loads_skipped": t.num_loads_skipped}
         tokens, seconds = {"tier": 0, "no_tier": 0}, {"tier": 0.0, "no_tier": 0.0}
         for round_ in range(args.no_reuse_rounds):
             labels = ["tier", "no_tier"] if round_ % 2 == 0 else ["no_tier", "tier"]

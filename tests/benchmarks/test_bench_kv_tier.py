@@ -27,5 +27,6 @@ def test_bench_kv_tier_reports_every_scenario(make_tiny_model, tmp_path: Path) -
     assert returning["cached_share"] == 0.833 and returning["tier_loads"] >= 1  # 80 of 96 tokens: 5 blocks
     assert restart["cached_share"] == 0.833
     assert summary["working_set"]["tier"]["hit_rate"] >= summary["working_set"]["no_tier"]["hit_rate"]
+    assert summary["working_set"]["tier"]["tier_loads"] >= 0 and "tier_loads" not in summary["working_set"]["no_tier"]
     assert summary["no_reuse"]["tier_tok_s"] > 0 and summary["disk"]["cold_read_mb_s"] > 0
     assert list(tmp_path.iterdir()) == []
