@@ -122,10 +122,16 @@ def _nucleus_draws(rows: torch.Tensor, temperatures: list[float], top_ps: list[f
     probability may differ from the float64 softmax's in its 7th digit (the float32 exp terms), which
     moves the nucleus's edge only for a token whose prefix sum is within that of top_p. None for a row
     these candidates cannot decide (`_nucleus`'s cases: the nucleus may reach past them, or its edge
-    ties with a value outside it), or without a finite distribution: the caller takes the exact path.
+    ties with the K-th value, so maybe with tokens outside them), or without a finite distribution:
+    the caller takes the exact path.
     """
     k = min(TOP_P_CANDIDATES, rows.shape[1])
     values, ids = rows.topk(k, dim=-1)  # (F, K) descending
+    # Equal values in token-id order, as the stable sort has them (bf16 logits tie often): a tie at
+    # the nucleus's edge then keeps the same tokens as the sort, unless it reaches the K-th value.
+    ids, by_id = ids.sort(dim=-1)
+    values, by_value = values.gather(1, by_id).sort(dim=-1, descending=True, stable=True)
+    ids = ids.gather(1, by_value)
     top = values[:, :1]  # (F, 1) each row's largest logit
     inv_t = torch.tensor([1.0 / t for t in temperatures], dtype=torch.float32)[:, None]
     z = torch.sub(rows, top).mul_(inv_t).exp_().sum(dim=-1, dtype=torch.float64)  # (F,) softmax denominators
@@ -135,9 +141,7 @@ def _nucleus_draws(rows: torch.Tensor, temperatures: list[float], top_ps: list[f
     num_kept = kept.sum(dim=-1)  # (F,) >= 1 for a finite row (the first exclusive sum is 0)
     last_kept = (num_kept - 1).clamp(min=0)
     last = values.gather(1, last_kept[:, None])[:, 0]
-    beyond = values.gather(1, num_kept.clamp(max=k - 1)[:, None])[:, 0]
-    decided = ((num_kept > 0) & (num_kept < k) & (last != beyond) & (last != values[:, -1])
-               & torch.isfinite(z) & (z > 0))
+    decided = (num_kept > 0) & (num_kept < k) & (last != values[:, -1]) & torch.isfinite(z) & (z > 0)
     u = torch.rand(len(top_ps), dtype=torch.float64) * cdf.gather(1, last_kept[:, None])[:, 0]
     picks = (cdf < u[:, None]).sum(dim=-1).minimum(last_kept)  # inverse CDF within the nucleus
     tokens = ids.gather(1, picks[:, None])[:, 0]

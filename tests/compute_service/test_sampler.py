@@ -176,7 +176,7 @@ def test_batched_unseeded_draws_stay_in_the_nucleus_or_defer() -> None:
     peaked = torch.randn(6, 3000, generator=g) * 6.0
     flat = torch.randn(1, 3000, generator=g) * 0.01
     tied = torch.full((1, 3000), -5.0)
-    tied[0, :3] = 4.0  # three equal leaders: a nucleus of 0.5 ends inside the tie
+    tied[0, :300] = 4.0  # 300 equal leaders: a nucleus of 0.5 ends inside a tie wider than the candidates
     masked = torch.full((1, 3000), float("-inf"))
     rows = torch.cat([peaked, flat, tied, masked])
     temps, top_ps = [0.8] * 9, [0.9] * 7 + [0.5, 0.9]
@@ -188,4 +188,13 @@ def test_batched_unseeded_draws_stay_in_the_nucleus_or_defer() -> None:
         assert got[6:] == [None, None, None]
     # Through sample(): the deferred rows take the exact path (the masked row its argmax).
     tokens = sampler.sample(rows, _seqs([SamplingParams(temperature=0.8, top_p=p) for p in top_ps], 0), [0])
-    assert tokens[7] in {0, 1, 2} and tokens[8] == 0
+    assert tokens[7] < 150 and tokens[8] == 0  # the tie's lowest ids, as the sorted reference keeps them
+
+
+def test_batched_draws_break_ties_at_the_edge_by_token_id() -> None:
+    # bf16 logits tie often: a nucleus ending inside a tie of the candidates keeps that tie's lowest
+    # ids, as the stable sort does (before: the row deferred to the exact path).
+    row = torch.full((1, 2000), -9.0)
+    row[0, [700, 40, 1500, 3]] = 2.0  # four equal leaders (~0.25 each): top_p 0.4 keeps two of them
+    got = {sampler._nucleus_draws(row, [1.0], [0.4])[0] for _ in range(200)}
+    assert got == {3, 40}
