@@ -63,12 +63,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     configure_logging(config.log_level, log_format=args.log_format)
-    # The service's only tensor work is copying blocks (copy-on-write, the KV tier's writes and
-    # loads): one thread. torch's default, a thread per core whose OpenMP workers spin after each
-    # copy, takes CPU from the compute services beside it (the host's cores are theirs).
-    import torch
-
-    torch.set_num_threads(1)
     try:
         return asyncio.run(_serve(config, hooks.pool_creation_delay_s))
     except PreconditionError as exc:  # an unsafe or taken socket path, found before serving

@@ -289,8 +289,14 @@ class MemoryManagerServicer(memory_pb2_grpc.MemoryManagerServicer):
                                         layout.num_kv_heads, layout.head_dim)
                 await asyncio.to_thread(self._disk.open, identity)
                 with self._lock:
+                    import torch
+
                     from memory_service.tier.worker import TierWorker
 
+                    # The tier's block copies on one thread: torch's default, a thread per core
+                    # whose OpenMP workers spin after each copy, takes CPU from the compute
+                    # services beside this service (the host's cores are theirs).
+                    torch.set_num_threads(1)
                     self.tier = TierWorker(self._disk, self.block_manager, self._lock, self.pool.tensor)
                     self.block_manager.enable_tier(self.tier)
         identity = self._disk.identity
