@@ -172,6 +172,10 @@ def main() -> None:
     parser.add_argument("--write-fd", type=int, required=True)
     args = parser.parse_args()
     _die_with_parent(args.parent_pid)
+    # Ctrl-C in a terminal reaches the whole process group, so every worker printed a
+    # KeyboardInterrupt traceback when `pagedserve up` stopped. A worker lives as long as its parent
+    # wants it (it closes the pipe or kills it; its death sends SIGTERM): it ignores SIGINT.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     serve(Connection(args.read_fd, writable=False), Connection(args.write_fd, readable=False))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -140,3 +141,15 @@ def test_workers_run_without_the_compute_process_preload(byte_model: ByteModel, 
     assert compiler.compile(Constraint.regex("[ab]+")) is not None
     assert_closed(compiler, [pid])
     assert not list(Path("/dev/shm").glob(f"__KMP_REGISTERED_LIB_{pid}_*"))
+
+
+def test_a_worker_ignores_ctrl_c_and_keeps_compiling(byte_model: ByteModel) -> None:
+    """Ctrl-C reaches every process of `pagedserve up`'s group: a worker used to die of it with a
+    KeyboardInterrupt traceback on the terminal. Its parent decides when it ends."""
+    compiler = GrammarCompiler(byte_model.tokenizer, VOCAB, [EOS], GrammarCompilerConfig(num_threads=1))
+    compiler.start()
+    [pid] = compiler.worker_pids()
+    os.kill(pid, signal.SIGINT)
+    assert compiler.compile(Constraint.regex("[ab]+")) is not None
+    assert compiler.worker_pids() == [pid]
+    assert_closed(compiler, [pid])
