@@ -29,7 +29,7 @@ def child_pids(pid: int) -> list[int]:
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(") ", 1)[1].split()
-        except (FileNotFoundError, ProcessLookupError, IndexError):
+        except (OSError, IndexError):
             continue  # gone meanwhile
         if int(fields[1]) == pid and fields[0] != "Z":
             found.append(int(stat.parent.name))

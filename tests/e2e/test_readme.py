@@ -27,6 +27,7 @@ from pagedserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from pagedserve.process import wait_until
 from pagedserve.sockets import free_port
 from pagedserve.stack import shm_segments
+from tests.processes import child_pids
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -46,18 +47,6 @@ def _command(name: str) -> list[str]:
     """The installed console script, as the README runs it (``python -m`` when not installed)."""
     script = BIN / name
     return [str(script)] if script.exists() else [sys.executable, "-m", "pagedserve.cli"]
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid and fields[0] != "Z":
-            found.append(int(stat.parent.name))
-    return found
 
 
 @dataclass
@@ -169,7 +158,7 @@ def test_greedy_default_model_through_the_gateway_equals_transformers(up: Up) ->
 
 
 def test_ctrl_c_stops_everything_and_leaves_nothing(up: Up) -> None:
-    children = _children(up.proc.pid)
+    children = child_pids(up.proc.pid)
     assert len(children) == 3  # memory, compute, gateway
     runtime = re.search(r"unix:(\S+)/memory\.sock", "".join(up.output)).group(1)
     assert Path(runtime).is_dir() and (Path(runtime).stat().st_mode & 0o777) == 0o700
