@@ -155,6 +155,7 @@ def run_engine(model: str, workload: list[Request], args: argparse.Namespace) ->
         sampler = PoolSampler(engine.memory.num_blocks, engine.memory.block_size)
         preemptions_before = engine.scheduler.num_preemptions
         computed = count_computed_tokens(engine)
+        cached_before = engine.num_prompt_tokens_cached
         results: dict[str, RequestOutput] = {}
         num_steps = 0
         started = time.perf_counter()
@@ -181,10 +182,15 @@ def run_engine(model: str, workload: list[Request], args: argparse.Namespace) ->
             "draft_tokens": engine.num_draft_tokens,
             "accepted_draft_tokens": engine.num_accepted_draft_tokens,
             "preemptions": engine.scheduler.num_preemptions - preemptions_before,
-            # Tokens run through the model beyond each request's prompt + output - 1 (the last output
-            # token is never fed back): the work that preemption by recompute repeated. Accepted
-            # drafts were computed as drafts (not counted as new tokens), rejected ones are not here.
+            # Every request needs the K/V of its prompt + output - 1 tokens (the last output token is
+            # never fed back). Each comes from the model (accepted drafts were computed as drafts, not
+            # counted as new tokens; rejected ones are not here) or from the prefix cache at admission.
+            "computed_tokens": computed[0] + engine.num_accepted_draft_tokens,
+            "prefix_cached_tokens": engine.num_prompt_tokens_cached - cached_before,
+            # K/V produced more than once: what preemption cost (recomputed, or found in the cache
+            # again at readmission); 0 without preemption.
             "recomputed_tokens": computed[0] + engine.num_accepted_draft_tokens
+            + engine.num_prompt_tokens_cached - cached_before
             - sum(len(r.prompt_token_ids) + r.max_tokens - 1 for r in workload),
             "pool_tokens": engine.memory.num_blocks * engine.memory.block_size,
         })

@@ -211,6 +211,12 @@ class Engine:
             for seq in request.seqs:
                 seq.is_paused = paused
 
+    @property
+    def num_prompt_tokens_cached(self) -> int:
+        """Prompt tokens served from the prefix cache (pool or tier) at admissions, readmissions
+        after a preemption included."""
+        return self._num_prompt_tokens_cached
+
     def has_unfinished(self) -> bool:
         return bool(self.requests) or self.scheduler.has_work()
 
