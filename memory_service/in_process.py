@@ -40,6 +40,8 @@ class InProcessAllocator:
             ``--kv-disk-dir``; it needs ``model_fingerprint``. None: no tier.
         kv_disk_bytes: the disk tier's budget.
         model_fingerprint: the model's fingerprint (compute_service/model/fingerprint.py).
+        max_blocks: the client's quota of block-table entries, as the service's
+            ``--max-blocks-per-client`` (``BlockManager.add_client``); None: none.
 
     Raises:
         ValueError: the layout's and the config's block sizes differ; a tier without a fingerprint.
@@ -47,7 +49,8 @@ class InProcessAllocator:
 
     def __init__(self, layout: KvLayout, config: BlockManagerConfig, *, device: str | torch.device = "cpu",
                  client_id: str = "local", kv_disk_dir: str | Path | None = None,
-                 kv_disk_bytes: int = DEFAULT_KV_DISK_BYTES, model_fingerprint: str = "") -> None:
+                 kv_disk_bytes: int = DEFAULT_KV_DISK_BYTES, model_fingerprint: str = "",
+                 max_blocks: int | None = None) -> None:
         if layout.block_size != config.block_size:
             raise ValueError(f"layout.block_size {layout.block_size} differs from config.block_size "
                              f"{config.block_size}")
@@ -72,7 +75,7 @@ class InProcessAllocator:
             self.tier = TierWorker(disk, self.block_manager, self._lock, self.pool)
             self.block_manager.enable_tier(self.tier)
             tier_identity = identity.digest
-        self.block_manager.add_client(client_id, tier_identity=tier_identity)
+        self.block_manager.add_client(client_id, max_blocks, tier_identity)
 
     def _copy_block(self, src: int, dst: int) -> None:
         """Copy-on-write: one block's K and V, every layer."""

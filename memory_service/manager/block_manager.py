@@ -20,7 +20,8 @@ few blocks (``ok=False``, nothing changed), so a client cannot hold the pool wha
 count is of table entries, not distinct blocks, because it is exact and O(1) to keep: a block two
 of the client's sequences share counts twice. A ForkOp is counted but never refused (it takes no
 block, and the compute service's scheduler relies on forks succeeding), so the blocks a client
-holds never exceed N, though its entries may.
+holds never exceed N, though its entries may. The blocks a tier load pins for the client count
+against N too until the load ends (``tier_book``'s module docstring, "Quotas").
 
 Commit before share: blocks that fill in a client's batch are registered in the prefix cache as
 *pending* (``prefix_cache``): that client's later ops may share them at once, other clients only
@@ -210,9 +211,10 @@ class BlockManager:
             client_id: an attached client.
 
         Returns:
-            Its quota minus its entries (negative after forks past it; see the module docstring).
+            Its quota minus its entries and the blocks its tier loads pin (negative after forks past
+            it; see the module docstring).
         """
-        return self._max_table_blocks[client_id] - self._num_table_blocks[client_id]
+        return self._max_table_blocks[client_id] - self._num_table_blocks[client_id] - self._num_pinned(client_id)
 
     def has_sequence(self, client_id: str, seq_id: str) -> bool:
         """Tells whether a client has a live sequence of this id.
@@ -253,7 +255,8 @@ class BlockManager:
         encoded_token_ids, late_free_indices = self._validator.validate(client_id, ops)
         self.commit(client_id)
         batch = BatchState(client_id, self._client_seqs[client_id], self._pending[client_id], late_free_indices,
-                           self._num_table_blocks[client_id], self._max_table_blocks[client_id])
+                           self._num_table_blocks[client_id],
+                           self._max_table_blocks[client_id] - self._num_pinned(client_id))
         try:
             return self._applier.apply(batch, ops, encoded_token_ids)
         finally:  # the ops applied before a copy_block failure count too
@@ -415,6 +418,10 @@ class BlockManager:
         self._pool.release(reversed([*prefix, *load.block_ids]))
         self._tier.end_load(load)
 
+    def _num_pinned(self, client_id: str) -> int:
+        """Blocks the client's tier loads in flight pin (its quota counts them)."""
+        return self._tier.num_pinned.get(client_id, 0) if self._tier is not None else 0
+
     def tier_counters(self) -> tuple[int, int, int, int]:
         """(hits, misses, loads, loads skipped) of the tier's lookups (TierStats)."""
         t = self._tier
@@ -442,7 +449,8 @@ class BlockManager:
         refcount == number of block tables holding the block; free blocks have no cache key,
         evictable ones have one; the prefix cache's keys are unique and consistent; each table
         fits its sequence's token count; a pending block is referenced, and listed by exactly the client
-        that owns it; each client's count of block-table entries (its quota's) is the sum of its tables.
+        that owns it; each client's count of block-table entries (its quota's) is the sum of its tables,
+        and its count of blocks its tier loads pin is theirs.
 
         Raises:
             AssertionError: naming the first broken invariant (a bug, never bad input).
@@ -456,3 +464,9 @@ class BlockManager:
             assert self._num_table_blocks[client_id] == num_entries, (
                 f"client {client_id!r} is counted {self._num_table_blocks[client_id]} block-table entries, "
                 f"holds {num_entries}")
+            if self._tier is not None:
+                num_pinned = sum(len(load.prefix_block_ids) + len(load.block_ids)
+                                 for load in self._tier.loads.values() if load.client_id == client_id)
+                assert self._num_pinned(client_id) == num_pinned, (
+                    f"client {client_id!r} is counted {self._num_pinned(client_id)} blocks pinned by its tier "
+                    f"loads, they pin {num_pinned}")

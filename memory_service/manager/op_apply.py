@@ -136,7 +136,7 @@ class OpApplier:
         num_prompt_tokens = len(prompt_bytes) // TOKEN_WIDTH
         may_use_reserved = self._reserved.admits(op.priority)
         cache = self._prefix_cache
-        tier_hashes = tier_root = None
+        tier_hashes = tier_root = tier_lookup = None
         if cache is not None:
             ns_key = namespace_key(op.namespace)
             # (Looking at no block finds nothing, in the cache or the tier: the chain of its own
@@ -149,11 +149,26 @@ class OpApplier:
                 block_width = block_size * TOKEN_WIDTH
                 tier_root = root_hash(identity, ns_key)
                 tier_hashes = chain_hashes(tier_root, prompt_bytes, block_width, num_prompt_tokens // block_size)
-                if len(block_table) < max_num_cached_blocks and tier.start_load(
-                        batch.client_id, op.seq_id, tier_hashes, block_table, max_num_cached_blocks, prompt_bytes,
-                        block_width, ns_key, may_use_reserved, self._pool):
-                    batch.failed_seq_ids.add(op.seq_id)  # like a failed allocation: nothing exists yet
-                    return OpResult(False, [], loading=True)
+                num_pool_blocks = len(block_table)
+                if num_pool_blocks < max_num_cached_blocks:
+                    # The retry's table must fit the quota (less what the client's loads pin) as a
+                    # plain allocation's does: the prefix, the loaded blocks and the blocks of its
+                    # first new tokens; any number of blocks when the whole prompt's table fits.
+                    quota_left = batch.max_table_blocks - batch.num_table_blocks
+                    if num_blocks_for(num_prompt_tokens, block_size) <= quota_left:
+                        max_num_load_blocks = max_num_cached_blocks
+                    else:
+                        max_num_load_blocks = (quota_left - num_pool_blocks
+                                               - num_blocks_for(op.max_num_new_tokens, block_size))
+                    tier_lookup = tier.start_load(
+                        batch.client_id, op.seq_id, tier_hashes, block_table, max_num_cached_blocks,
+                        max_num_load_blocks, prompt_bytes, block_width, ns_key, may_use_reserved, self._pool)
+                    if tier_lookup.is_loading:
+                        batch.failed_seq_ids.add(op.seq_id)  # like a failed allocation: nothing exists yet
+                        # Its pins count against the quota for the rest of the batch (and after it,
+                        # BlockManager.apply, until the load ends).
+                        batch.max_table_blocks -= tier_lookup.num_pinned
+                        return OpResult(False, [], loading=True)
         else:
             ns_key, block_table, parent_entry_id = b"", [], ROOT_ENTRY_ID
         num_cached_blocks = len(block_table)
@@ -168,8 +183,8 @@ class OpApplier:
             batch.failed_seq_ids.add(op.seq_id)
             return OpResult(False, [])
         batch.failed_seq_ids.discard(op.seq_id)
-        if tier_hashes is not None:
-            self.tier.loaded[batch.client_id].discard(op.seq_id)  # allocated: a later one may load again
+        if tier_hashes is not None:  # counted once it got its blocks; a later one may load again
+            self.tier.allocated(batch.client_id, op.seq_id, tier_lookup)
         pool.share(block_table)
         block_table += pool.take(num_new_blocks, may_use_reserved)
         batch.num_table_blocks += num_cached_blocks + num_new_blocks

@@ -21,6 +21,20 @@ no key names them), then ``BlockManager.finish_load`` registers them as committe
 drops the pins: they sit at the young end of the LRU, and the client's retried AllocateOp finds them
 in the pool. One load per sequence: the retry never starts another (a load that failed, or blocks
 evicted before the retry, mean recompute, never a loop).
+
+Quotas. The blocks a load pins (its pool prefix and its fresh blocks) are the client's while it runs,
+so they count against the client's quota of block-table entries (``BlockManager``'s module docstring)
+until it ends, as the retried AllocateOp's table will: a load takes no more tier blocks than leave
+room, within the quota, for that retry's table (the prefix, the loaded blocks and the blocks of its
+first new tokens). The fresh blocks come from the pools the AllocateOp may take (the reserved pool
+only for a priority that ``ReservedPool`` admits).
+
+Counters. A sequence's AllocateOp is sent again until it gets its blocks (a pool too full, a quota
+spent, a load running or over), and each try looks the tier up again; the lookup is counted once per
+allocation: when its load starts (the retry then finds the blocks in the pool), else when it gets
+its blocks. ``num_hits`` counts the blocks the tier held right after the pool's prefix (loaded, or
+not: recompute estimated faster, no room), ``num_misses`` the lookups that stopped on a block neither
+held, ``num_loads_skipped`` those whose load recompute was estimated to beat.
 """
 
 from __future__ import annotations
@@ -41,6 +55,29 @@ class TierDirectory(Protocol):
     def worth_loading(self, num_blocks: int, prefill_tokens_per_s: float) -> bool:
         """Whether loading ``num_blocks`` blocks is expected to beat recomputing their tokens."""
         ...
+
+
+@dataclass(frozen=True, slots=True)
+class TierLookup:
+    """What an allocation found in the tier after its pool prefix (module docstring, "Counters").
+
+    Args:
+        is_loading: the allocation waits for a load (started by this lookup, or still running).
+        num_hits: blocks the tier holds right after the pool's prefix (within the cacheable ones).
+        is_miss: the prefix stopped on a block that neither the pool nor the tier holds.
+        is_skipped: the tier's blocks are recomputed: loading them was estimated slower.
+        num_pinned: blocks that the load this lookup started pins (0 when it started none).
+    """
+
+    is_loading: bool = False
+    num_hits: int = 0
+    is_miss: bool = False
+    is_skipped: bool = False
+    num_pinned: int = 0
+
+
+WAITING = TierLookup(is_loading=True)  # a load of this allocation is running (counted when it started)
+COUNTED = TierLookup()  # its load is over: counted when it started
 
 
 @dataclass(slots=True)
@@ -81,6 +118,8 @@ class TierBook:
         self.new_loads: list[TierLoad] = []  # started, not yet handed to the loader
         self.loaded: dict[str, set[str]] = {}  # client_id -> seq_ids whose load ended (no second one)
         self.reports: dict[str, list[str]] = {}  # client_id -> seq_ids to report in its next Step
+        self.num_pinned: dict[str, int] = {}  # client_id -> blocks its loads in flight pin (its quota's)
+        # Counted once per allocation (module docstring, "Counters").
         self.num_hits = 0  # blocks found in the tier past a pool prefix
         self.num_misses = 0  # lookups that ended on a block the tier lacks
         self.num_loads = 0
@@ -94,7 +133,7 @@ class TierBook:
 
     def release_client(self, client_id: str) -> None:
         """Forgets a client; its loads in flight still end (``finish_load``), unreported."""
-        for table in (self.identities, self.prefill_speeds, self.loaded, self.reports):
+        for table in (self.identities, self.prefill_speeds, self.loaded, self.reports, self.num_pinned):
             table.pop(client_id, None)
 
     def pinned_block_ids(self) -> list[int]:
@@ -102,47 +141,74 @@ class TierBook:
         return [b for load in self.loads.values() for b in (*load.prefix_block_ids, *load.block_ids)]
 
     def start_load(self, client_id: str, seq_id: str, hashes: list[bytes], prefix_block_ids: list[int],
-                   max_num_blocks: int, prompt_bytes: bytes, block_width: int, ns_key: bytes,
-                   may_use_reserved: bool, pool: BlockPool) -> bool:
-        """Starts a load for an allocation whose pool prefix (``prefix_block_ids``) is short of
-        ``max_num_blocks``, when the tier holds what follows and loading is worth it.
+                   max_num_blocks: int, max_num_load_blocks: int, prompt_bytes: bytes, block_width: int,
+                   ns_key: bytes, may_use_reserved: bool, pool: BlockPool) -> TierLookup:
+        """Looks up the tier for an allocation whose pool prefix (``prefix_block_ids``) is short of
+        ``max_num_blocks``, and starts a load when the tier holds what follows and loading is worth it.
 
         Args:
             hashes: tier keys of the prompt's full blocks (at least ``max_num_blocks``).
+            max_num_load_blocks: the most blocks the load may take (what the client's quota leaves
+                for them; the module docstring, "Quotas").
             prompt_bytes: the encoded prompt; block_width: bytes per block of it.
+            may_use_reserved: the allocation's priority may take the reserved pool's blocks.
 
         Returns:
-            True when the allocation must wait for a load (started now, or still running).
+            The lookup: ``is_loading`` when the allocation must wait for a load (started now, or
+            still running; counted when it started); otherwise what it found, for ``allocated`` to
+            count once the allocation gets its blocks.
         """
         key = (client_id, seq_id)
         if key in self.loads:
-            return True  # retried before its load ended: keep waiting
+            return WAITING  # retried before its load ended: keep waiting
         if seq_id in self.loaded[client_id]:
-            return False  # its one load is over: what is not in the pool now is recomputed
+            return COUNTED  # its one load is over: what is not in the pool now is recomputed
         num_pool = len(prefix_block_ids)
         num_tier = self.directory.num_leading(hashes[num_pool:max_num_blocks])
-        self.num_hits += num_tier
-        self.num_misses += num_pool + num_tier < max_num_blocks
+        is_miss = num_pool + num_tier < max_num_blocks
         if not num_tier:
-            return False
+            return TierLookup(False, 0, is_miss)
         if not self.directory.worth_loading(num_tier, self.prefill_speeds.get(client_id, 0.0)):
-            self.num_loads_skipped += 1
-            return False
-        if num_tier > pool.num_available(may_use_reserved, sharing=prefix_block_ids):
-            return False  # no room to load into: recompute as the pool allows
+            return TierLookup(False, num_tier, is_miss, is_skipped=True)
+        # No more than the quota and the pool leave room for: recompute the rest as they allow.
+        num_load = min(num_tier, max_num_load_blocks, pool.num_available(may_use_reserved, sharing=prefix_block_ids))
+        if num_load <= 0:
+            return TierLookup(False, num_tier, is_miss)
         pool.share(prefix_block_ids)
-        block_ids = pool.take(num_tier, may_use_reserved)
-        end = num_pool + num_tier
+        block_ids = pool.take(num_load, may_use_reserved)
+        end = num_pool + num_load
         load = TierLoad(client_id, seq_id, ns_key, hashes[num_pool:end],
                         prompt_bytes[num_pool * block_width : end * block_width], list(prefix_block_ids), block_ids)
         self.loads[key] = load
         self.new_loads.append(load)
+        self.num_pinned[client_id] = self.num_pinned.get(client_id, 0) + end
         self.num_loads += 1
-        return True
+        lookup = TierLookup(True, num_tier, is_miss, num_pinned=end)
+        self._count(lookup)
+        return lookup
+
+    def allocated(self, client_id: str, seq_id: str, lookup: TierLookup | None) -> None:
+        """The allocation got its blocks: its lookup is counted (unless its load counted it), and a
+        later allocation of the same sequence id may load again.
+
+        Args:
+            lookup: what ``start_load`` answered it this time; None when its pool prefix was whole
+                (no tier lookup).
+        """
+        self.loaded[client_id].discard(seq_id)
+        if lookup is not None:
+            self._count(lookup)
+
+    def _count(self, lookup: TierLookup) -> None:
+        self.num_hits += lookup.num_hits
+        self.num_misses += lookup.is_miss
+        self.num_loads_skipped += lookup.is_skipped
 
     def end_load(self, load: TierLoad) -> None:
         """The load is over (``finish_load`` registered what it could): report it to its client."""
         del self.loads[(load.client_id, load.seq_id)]
+        if load.client_id in self.num_pinned:  # still attached
+            self.num_pinned[load.client_id] -= len(load.prefix_block_ids) + len(load.block_ids)
         if load.client_id in self.reports:  # still attached
             self.loaded[load.client_id].add(load.seq_id)
             self.reports[load.client_id].append(load.seq_id)

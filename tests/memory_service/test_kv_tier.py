@@ -123,3 +123,109 @@ def test_blocks_of_a_client_without_a_tier_identity_are_never_persisted(allocato
     assert result.num_cached_tokens == 12
     assert manager.take_tier_writes(100) == []  # shared, not re-registered: still not the tier's
     manager.release_client("guest")
+
+
+def tier_counters(alloc: InProcessAllocator) -> tuple[int, int, int, int]:
+    """(hits, misses, loads, loads skipped) of the tier."""
+    tier = alloc.stats().tiers[0]
+    return tier.num_hits, tier.num_misses, tier.num_loads, tier.num_loads_skipped
+
+
+LONG_PROMPT = list(range(200, 241))  # 41 tokens: 10 full blocks and one token
+
+
+def test_an_allocation_counts_its_tier_lookup_once_however_often_it_is_retried(tmp_path: Path) -> None:
+    alloc = InProcessAllocator(LAYOUT, BlockManagerConfig(num_blocks=12, block_size=4),
+                               kv_disk_dir=tmp_path / "tier", model_fingerprint="model-a")
+    hogs = iter(range(10_000, 10**6, 100))
+
+    def hog() -> None:
+        """A prompt never seen takes the whole pool (12 blocks): every cached block is evicted."""
+        start = next(hogs)
+        assert alloc.step([AllocateOp("hog", list(range(start, start + 48)), 48, namespace="other")])[0].ok
+
+    def counted_since(base: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(now - then for now, then in zip(tier_counters(alloc), base))
+
+    try:
+        assert alloc.step([AllocateOp("s1", LONG_PROMPT, 41, namespace="ns")])[0].ok
+        alloc.step([FreeOp("s1")])
+        wait_for(lambda: alloc.stats().tiers[0].num_blocks == 10)
+        hog()
+        base = tier_counters(alloc)
+        op = AllocateOp("s2", LONG_PROMPT, 41, namespace="ns")
+        for _ in range(3):  # no room to load into, nor to allocate: retried, looked up each time
+            [result] = alloc.step([op])
+            assert not result.ok and not result.loading
+        assert counted_since(base) == (0, 0, 0, 0)  # nothing counted before the allocation ends
+        alloc.step([FreeOp("hog")])
+        assert alloc.step([op])[0].loading
+        alloc.step([op])  # retried at once: waiting, or (load over) allocated
+        wait_for(lambda: alloc.block_manager.has_sequence(alloc.client_id, "s2")
+                 or "s2" in alloc.step_with_counts([]).loaded_seq_ids)
+        if not alloc.block_manager.has_sequence(alloc.client_id, "s2"):
+            [result] = alloc.step([op])
+            assert result.ok and result.num_cached_tokens == 40
+        assert counted_since(base) == (10, 0, 1, 0)  # the 10 blocks it loaded, once
+        # A prompt the tier lacks: one miss, however often its allocation is retried.
+        alloc.step([FreeOp("s2")])
+        hog()
+        base = tier_counters(alloc)
+        fresh = AllocateOp("s3", list(range(7000, 7041)), 41, namespace="ns")
+        for _ in range(3):
+            assert not alloc.step([fresh])[0].ok
+        alloc.step([FreeOp("hog")])
+        assert alloc.step([fresh])[0].ok
+        assert counted_since(base) == (0, 1, 0, 0)
+        # A load recompute beats: one skipped load (and its blocks' hits), however often retried.
+        alloc.step([FreeOp("s3")])
+        hog()  # LONG_PROMPT's blocks leave the pool again
+        base = tier_counters(alloc)
+        op = AllocateOp("s4", LONG_PROMPT, 41, namespace="ns")
+        for _ in range(3):
+            assert not alloc.step_with_counts([op], prefill_tokens_per_s=1e15).results[0].ok
+        alloc.step([FreeOp("hog")])
+        [result] = alloc.step_with_counts([op], prefill_tokens_per_s=1e15).results
+        assert result.ok and result.num_cached_tokens == 0
+        assert counted_since(base) == (10, 0, 0, 1)
+        assert alloc.check_integrity() is None
+    finally:
+        alloc.close()
+
+
+def test_a_load_takes_no_blocks_beyond_the_clients_quota(tmp_path: Path) -> None:
+    # Quota 8 of a 16-block pool. PROMPT_25 has 6 full blocks (+1 token): 7 blocks allocated whole.
+    alloc = InProcessAllocator(LAYOUT, BlockManagerConfig(num_blocks=16, block_size=4),
+                               kv_disk_dir=tmp_path / "tier", model_fingerprint="model-a", max_blocks=8)
+    prompt = list(range(300, 325))
+    manager = alloc.block_manager
+    try:
+        assert alloc.step([AllocateOp("s1", prompt, 25, namespace="ns")])[0].ok
+        alloc.step([FreeOp("s1")])
+        wait_for(lambda: alloc.stats().tiers[0].num_blocks == 6)
+        for seq_id in ("e1", "e2"):  # 8 blocks each: the prompt's 6 are evicted from the pool
+            assert alloc.step([AllocateOp(seq_id, other_prompt(), 32, namespace="other")])[0].ok
+            alloc.step([FreeOp(seq_id)])
+        assert alloc.step([AllocateOp("held", list(range(900, 920)), 20, namespace="other")])[0].ok
+        assert manager.num_quota_left(alloc.client_id) == 3  # 5 entries held
+        # The whole prompt at once needs 7 entries: no load (it alone would pin 6), no allocation.
+        [result] = alloc.step([AllocateOp("s2", prompt, 25, namespace="ns")])
+        assert not result.ok and not result.loading and tier_counters(alloc)[2] == 0
+        # A 4-token chunk: 1 new block, so 2 loaded blocks fit beside it (the retry's table: 3).
+        op = AllocateOp("s3", prompt, 4, namespace="ns")
+        with alloc._lock:  # (the writer thread's calls wait) the load starts; the next step submits it
+            [result] = manager.apply(alloc.client_id, [op])
+            assert result.loading and manager.num_quota_left(alloc.client_id) == 1  # it pins 2 blocks
+        reported = list(alloc.step_with_counts([]).loaded_seq_ids)
+        while "s3" not in reported:
+            time.sleep(0.01)
+            reported += alloc.step_with_counts([]).loaded_seq_ids
+        [result] = alloc.step([op])
+        assert result.ok and (result.num_cached_tokens, result.num_new_tokens, len(result.block_ids)) == (8, 4, 3)
+        assert manager.num_quota_left(alloc.client_id) == 0
+        # Found 6 blocks, loaded the 2 the quota left room for; the 4 prompts before (s1, e1, e2,
+        # held) missed, s2 (never allocated) is not counted.
+        assert tier_counters(alloc) == (6, 4, 1, 0)
+        assert alloc.check_integrity() is None
+    finally:
+        alloc.close()
