@@ -14,6 +14,9 @@ Prints a table, then as its last line one JSON object:
   TTFT with and without the tier.
 - ``no_reuse``: unique prompts, nothing shared: generated tokens per second with the tier on against
   off (goal: within 3%; the write-behind must not slow the engine).
+- ``returning_host`` (``--scenarios returning_host``): the returning prompt again, with the host-RAM
+  tier alone (``--kv-host-bytes``, ``--host-bytes``) and with the disk tier alone, each a pair of
+  its own: TTFT recomputed, from RAM and from disk, and each tier's speedup over recomputing.
 - ``disk``: the tier directory's read bandwidth, measured on a file dropped from the page cache
   (``cold_read_mb_s``) and read again from it (``cached_read_mb_s``): loads of blocks written a moment
   ago read from the page cache.
@@ -25,7 +28,7 @@ compare runs of one machine, and read the CPU and the disk figures with them.
     python -m benchmarks.bench_kv_tier [--model default] [--prompt-tokens 4000] [--docs 12] [--doc-tokens 512]
                                        [--requests 24] [--no-reuse-prompts 8] [--no-reuse-tokens 256]
                                        [--no-reuse-rounds 4] [--vocab 40000] [--dir DIR]
-                                       [--scenarios returning,working_set]
+                                       [--scenarios returning,working_set,returning_host] [--host-bytes N]
 """
 
 from __future__ import annotations
@@ -142,6 +145,39 @@ def returning_and_restart(args: argparse.Namespace, root: Path, rng: random.Rand
     return {"returning": returning, "warm_restart": restart}
 
 
+def returning_per_tier(args: argparse.Namespace, root: Path, rng: random.Random) -> dict[str, Any]:
+    """The returning long prompt with the host tier alone, then with the disk tier alone: TTFT
+    recomputed (its first time) against loaded from RAM and from disk."""
+    prompt = [rng.randrange(FIRST_TOKEN, args.vocab) for _ in range(args.prompt_tokens)]
+    pool_tokens = args.prompt_tokens + args.pool_extra_tokens
+    evictor_tokens = min(args.prompt_tokens, pool_tokens // 2)
+    evictors = [[rng.randrange(FIRST_TOKEN, args.vocab) for _ in range(evictor_tokens)]
+                for _ in range(pool_tokens // evictor_tokens + 1)]
+    common = {"max_num_blocks": -(-pool_tokens // BLOCK_SIZE), "block_size": BLOCK_SIZE,
+              "max_num_batched_tokens": 2048}
+    figures: dict[str, Any] = {"prompt_tokens": args.prompt_tokens, "host_bytes": args.host_bytes}
+    recompute, first_tokens = [], None
+    for kind, tier in (("host", {"kv_host_bytes": args.host_bytes}), ("disk", {"kv_disk_dir": str(root / "per-tier")})):
+        with LLM(args.model, **tier, **common) as llm:
+            ttft_and_tokens(llm, [rng.randrange(FIRST_TOKEN, args.vocab) for _ in range(64)], 1, "warm-up")
+            recompute_s, tokens, _ = ttft_and_tokens(llm, prompt, args.max_tokens, "first")
+            recompute.append(recompute_s)
+            first_tokens = first_tokens or tokens
+            wait_for_tier(llm, args.prompt_tokens // BLOCK_SIZE - 1)
+            for i, evictor in enumerate(evictors):
+                ttft_and_tokens(llm, evictor, 1, f"evict-{i}")
+            tier_s, again_tokens, num_cached = ttft_and_tokens(llm, prompt, args.max_tokens, "again")
+            t = llm.memory_stats().tiers[0]
+        figures[f"{kind}_ttft_s"] = round(tier_s, 3)
+        figures[f"{kind}_cached_share"] = round(num_cached / args.prompt_tokens, 3)
+        figures[f"{kind}_same_tokens"] = again_tokens == tokens == first_tokens
+        figures[f"{kind}_loads"], figures[f"{kind}_bytes_read"] = t.num_loads, t.num_bytes_read
+    figures["recompute_ttft_s"] = round(statistics.mean(recompute), 3)
+    for kind in ("host", "disk"):
+        figures[f"{kind}_speedup"] = round(figures["recompute_ttft_s"] / figures[f"{kind}_ttft_s"], 2)
+    return {"returning_host": figures}
+
+
 def working_set_and_no_reuse(args: argparse.Namespace, root: Path, rng: random.Random) -> dict[str, Any]:
     """The skewed working set 10x the pool, then unique prompts, each with the tier on and off."""
     docs = [[rng.randrange(FIRST_TOKEN, args.vocab) for _ in range(args.doc_tokens)] for _ in range(args.docs)]
@@ -206,7 +242,9 @@ def main() -> None:
     parser.add_argument("--no-reuse-prompts", type=int, default=8)
     parser.add_argument("--no-reuse-rounds", type=int, default=4, help="alternating rounds of them, per engine")
     parser.add_argument("--scenarios", default="returning,working_set",
-                        help="which to run: returning (with the warm restart), working_set (with no-reuse)")
+                        help="which to run: returning (with the warm restart), working_set (with no-reuse), "
+                             "returning_host (the returning prompt from the host tier and from the disk)")
+    parser.add_argument("--host-bytes", type=int, default=2 << 30, help="the host tier's budget (returning_host)")
     parser.add_argument("--dir", default=None, help="where the tier directories go (default: a temporary one)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vocab", type=int, default=40000, help="prompts draw ids below this (within the model's)")
@@ -225,6 +263,8 @@ def main() -> None:
             result |= returning_and_restart(args, root, rng)
         if "working_set" in scenarios:
             result |= working_set_and_no_reuse(args, root, rng)
+        if "returning_host" in scenarios:
+            result |= returning_per_tier(args, root, rng)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"{'figure':<40} value")

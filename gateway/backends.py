@@ -60,7 +60,9 @@ class SharedCaches:
         """The model of the cache behind ``address`` (whose Info is ``info``), sized by that Info."""
         key = self.key(address, info)
         pool_capacity = (info.num_kv_blocks if info is not None else 0) or _DEFAULT_INDEX_CAPACITY
-        tier_capacity = sum(t.capacity_blocks for t in info.kv_tiers) if info is not None else 0
+        # The most of any tier, not their sum: a host tier in front of a disk tier holds copies of
+        # the disk's blocks (memory_service/tier/worker.py writes through), not others.
+        tier_capacity = max((t.capacity_blocks for t in info.kv_tiers), default=0) if info is not None else 0
         model = self._models.get(key)
         if model is None:
             model = self._models[key] = CacheModel(pool_capacity, tier_capacity)

@@ -36,6 +36,11 @@ FLAGS = {
                    "0700) and found again after eviction or a restart on the same directory",
     "kv_disk_bytes": "the disk tier's budget in bytes, least recently used blocks dropped beyond it "
                      "(default with --kv-disk-dir: 10 GiB)",
+    "kv_host_bytes": "a host-RAM tier of this many bytes in front of the disk tier (or alone, without "
+                     "--kv-disk-dir: a second chance for evicted blocks): cached blocks are copied there, "
+                     "least recently used dropped beyond it, lost at a restart. Page-locked (pinned) memory "
+                     "on a CUDA pool; plain host memory on a CPU pool, where it is an overflow of the pool "
+                     "cheaper than recomputing (a pool sized for the compute service, a larger RAM tier)",
     "auth_token_file": "file holding the token clients present at Attach ('authorization: Bearer TOKEN'; "
                        "also $PAGEDSERVE_MEMORY_TOKEN): only they may name cache namespaces",
 }

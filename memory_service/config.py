@@ -25,7 +25,7 @@ DEFAULT_KV_DISK_BYTES = 10 << 30
 # The fields that size the pool and share it out, beside the layout (block_size) and the device: the
 # keywords ``LLM`` passes on to its private memory service.
 POOL_FIELDS = ("max_num_blocks", "kv_cache_bytes", "enable_prefix_caching", "memory_utilization_threshold",
-               "reserved_fraction", "reserved_min_priority", "kv_disk_dir", "kv_disk_bytes")
+               "reserved_fraction", "reserved_min_priority", "kv_disk_dir", "kv_disk_bytes", "kv_host_bytes")
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,10 @@ class MemoryServiceConfig(ServiceConfig):
 
     Tier (memory_service/tier): with ``kv_disk_dir``, cached blocks of trusted clients that sent a
     model fingerprint are written behind to files there (at most ``kv_disk_bytes``, default
-    ``DEFAULT_KV_DISK_BYTES``, LRU), and found again after eviction or a restart.
+    ``DEFAULT_KV_DISK_BYTES``, LRU), and found again after eviction or a restart. With
+    ``kv_host_bytes``, a host-RAM tier of that many bytes (LRU) in front of it, or alone without a
+    directory: the same blocks are copied there (page-locked memory on a CUDA pool, plain memory on a
+    CPU pool), found there first, and lost at a restart (the disk keeps them).
     """
 
     socket: str | None = None  # Unix socket path (the default transport)
@@ -68,6 +71,7 @@ class MemoryServiceConfig(ServiceConfig):
     auth_token_file: str | None = None  # file holding the token (else $PAGEDSERVE_MEMORY_TOKEN)
     kv_disk_dir: str | None = None  # directory of the disk tier (None: no tier)
     kv_disk_bytes: int | None = None  # its budget (None: DEFAULT_KV_DISK_BYTES)
+    kv_host_bytes: int | None = None  # budget of the host-RAM tier (None: no host tier)
     # The token itself: never written out by write_config_file, never in repr or logs.
     auth_token: str | None = field(default=None, repr=False, metadata={"secret": True})
 
@@ -103,6 +107,10 @@ class MemoryServiceConfig(ServiceConfig):
             raise ValueError("kv_disk_bytes needs kv_disk_dir (the disk tier's directory)")
         if self.kv_disk_dir is not None and not self.enable_prefix_caching:
             raise ValueError("kv_disk_dir needs enable_prefix_caching: the tier keeps cached blocks")
+        if self.kv_host_bytes is not None and (type(self.kv_host_bytes) is not int or self.kv_host_bytes < 1):
+            raise ValueError(f"kv_host_bytes must be an integer >= 1, got {self.kv_host_bytes!r}")
+        if self.kv_host_bytes is not None and not self.enable_prefix_caching:
+            raise ValueError("kv_host_bytes needs enable_prefix_caching: the tier keeps cached blocks")
         if self.auth_token is not None:
             check_token(self.auth_token, "auth_token")
         else:

@@ -5,7 +5,7 @@
 the pool is an ordinary torch tensor on the model's device. It is the engine's allocator in unit
 tests (exact admission, preemption and block counts in milliseconds) and wherever one engine owns
 its pool alone. Not shared between processes, and single-threaded like the block manager (with a
-disk tier, its worker threads share the manager under a lock, as in the service).
+tier, its worker threads share the manager under a lock, as in the service).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from memory_service.config import DEFAULT_KV_DISK_BYTES
 from memory_service.manager.block_types import BlockManagerConfig, BlockManagerStats, Op, OpResult
 from memory_service.pool.kv_pool import KvLayout
 from memory_service.tier.disk_tier import DiskTier, TierIdentity
+from memory_service.tier.host_tier import HostTier
 from memory_service.tier.worker import TierWorker
 
 
@@ -39,18 +40,22 @@ class InProcessAllocator:
         kv_disk_dir: a disk tier below the pool (memory_service/tier), as the service's
             ``--kv-disk-dir``; it needs ``model_fingerprint``. None: no tier.
         kv_disk_bytes: the disk tier's budget.
+        kv_host_bytes: a host-RAM tier of this many bytes in front of the disk tier (or alone), as
+            the service's ``--kv-host-bytes`` (page-locked on a CUDA pool); it needs
+            ``model_fingerprint``. None: no host tier.
         model_fingerprint: the model's fingerprint (compute_service/model/fingerprint.py).
         max_blocks: the client's quota of block-table entries, as the service's
             ``--max-blocks-per-client`` (``BlockManager.add_client``); None: none.
 
     Raises:
-        ValueError: the layout's and the config's block sizes differ; a tier without a fingerprint.
+        ValueError: the layout's and the config's block sizes differ; a tier without a fingerprint;
+            ``kv_host_bytes`` < 1.
     """
 
     def __init__(self, layout: KvLayout, config: BlockManagerConfig, *, device: str | torch.device = "cpu",
                  client_id: str = "local", kv_disk_dir: str | Path | None = None,
-                 kv_disk_bytes: int = DEFAULT_KV_DISK_BYTES, model_fingerprint: str = "",
-                 max_blocks: int | None = None) -> None:
+                 kv_disk_bytes: int = DEFAULT_KV_DISK_BYTES, kv_host_bytes: int | None = None,
+                 model_fingerprint: str = "", max_blocks: int | None = None) -> None:
         if layout.block_size != config.block_size:
             raise ValueError(f"layout.block_size {layout.block_size} differs from config.block_size "
                              f"{config.block_size}")
@@ -65,14 +70,20 @@ class InProcessAllocator:
         self._lock = threading.Lock()  # the tier's threads call the manager too
         self.tier: TierWorker | None = None
         tier_identity = None
-        if kv_disk_dir is not None:
+        if kv_disk_dir is not None or kv_host_bytes is not None:
             if not model_fingerprint:
-                raise ValueError("kv_disk_dir needs a model_fingerprint: tier blocks are keyed by the model")
-            disk = DiskTier(kv_disk_dir, kv_disk_bytes)
+                raise ValueError("a KV tier (kv_disk_dir, kv_host_bytes) needs a model_fingerprint: tier blocks "
+                                 "are keyed by the model")
             identity = TierIdentity(model_fingerprint, layout.dtype, layout.block_size, layout.num_layers,
                                     layout.num_kv_heads, layout.head_dim)
-            disk.open(identity)
-            self.tier = TierWorker(disk, self.block_manager, self._lock, self.pool)
+            host = disk = None
+            if kv_host_bytes is not None:
+                host = HostTier(kv_host_bytes)
+                host.open(identity, pin_memory=self.pool.is_cuda)
+            if kv_disk_dir is not None:
+                disk = DiskTier(kv_disk_dir, kv_disk_bytes)
+                disk.open(identity)
+            self.tier = TierWorker(self.block_manager, self._lock, self.pool, host=host, disk=disk)
             self.block_manager.enable_tier(self.tier)
             tier_identity = identity.digest
         self.block_manager.add_client(client_id, max_blocks, tier_identity)
@@ -120,7 +131,7 @@ class InProcessAllocator:
         with self._lock:
             stats = self.block_manager.stats()
             if self.tier is not None:
-                stats = dataclasses.replace(stats, tiers=(self.tier.stats(),))
+                stats = dataclasses.replace(stats, tiers=self.tier.stats())
         return stats
 
     def close(self) -> None:

@@ -64,6 +64,7 @@ PASS_THROUGH = (
     PassThrough("memory", "kv_cache_bytes", env="PAGEDSERVE_KV_CACHE_BYTES"),
     PassThrough("memory", "kv_disk_dir", is_path=True),
     PassThrough("memory", "kv_disk_bytes"),
+    PassThrough("memory", "kv_host_bytes"),
     PassThrough("compute", "dtype"),
     PassThrough("gateway", "tool_call_parser"),
 )

@@ -226,3 +226,17 @@ def test_up_passes_the_kv_tier_flags_to_the_memory_service(tmp_path: Path, monke
         assert (tmp_path / "tier" / "memory-service-id").read_text().strip() == reply.memory_service_id
     finally:
         assert service.stop() == 0
+
+
+def test_up_passes_the_host_tier_flag_to_the_memory_service() -> None:
+    """``up --kv-host-bytes N`` reaches the memory service (with or without a disk tier); a bad value
+    is refused naming the flag."""
+    from pagedserve.cli import build_parser
+    from pagedserve.up import UpConfig, stack_config
+
+    assert build_parser().parse_args(["up", "--kv-host-bytes", "4096"]).kv_host_bytes == 4096
+    stack = stack_config(UpConfig(service_flags={"kv_host_bytes": 4096}), "json", 8000)
+    assert stack.memory_args[:2] == ("--kv-host-bytes", "4096")
+    assert "--kv-host-bytes" not in stack.compute_args
+    with pytest.raises(ValueError, match="--kv-host-bytes: kv_host_bytes must be an integer >= 1, got 0"):
+        UpConfig(service_flags={"kv_host_bytes": 0})

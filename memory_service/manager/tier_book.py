@@ -39,7 +39,7 @@ held, ``num_loads_skipped`` those whose load recompute was estimated to beat.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from memory_service.manager.block_pool import BlockPool
@@ -52,8 +52,14 @@ class TierDirectory(Protocol):
         """How many of ``keys``, from the first, the tier holds."""
         ...
 
-    def worth_loading(self, num_blocks: int, prefill_tokens_per_s: float) -> bool:
-        """Whether loading ``num_blocks`` blocks is expected to beat recomputing their tokens."""
+    def count_lookup(self, keys: list[bytes], num_found: int, is_skipped: bool) -> None:
+        """Counts, per tier (a host tier in front of a disk tier: ``tier/worker.py``), a lookup of
+        ``keys`` whose first ``num_found`` the tiers held, and whose load was skipped if so."""
+        ...
+
+    def worth_loading(self, keys: list[bytes], prefill_tokens_per_s: float) -> bool:
+        """Whether loading the blocks ``keys`` (each in some tier) is expected to beat recomputing
+        their tokens (each tier read at its own measured speed)."""
         ...
 
 
@@ -67,6 +73,7 @@ class TierLookup:
         is_miss: the prefix stopped on a block that neither the pool nor the tier holds.
         is_skipped: the tier's blocks are recomputed: loading them was estimated slower.
         num_pinned: blocks that the load this lookup started pins (0 when it started none).
+        keys: the tier keys looked up (past the pool's prefix), for the per-tier counts.
     """
 
     is_loading: bool = False
@@ -74,6 +81,7 @@ class TierLookup:
     is_miss: bool = False
     is_skipped: bool = False
     num_pinned: int = 0
+    keys: list[bytes] = field(default_factory=list)
 
 
 WAITING = TierLookup(is_loading=True)  # a load of this allocation is running (counted when it started)
@@ -164,16 +172,17 @@ class TierBook:
         if seq_id in self.loaded[client_id]:
             return COUNTED  # its one load is over: what is not in the pool now is recomputed
         num_pool = len(prefix_block_ids)
-        num_tier = self.directory.num_leading(hashes[num_pool:max_num_blocks])
+        keys = hashes[num_pool:max_num_blocks]
+        num_tier = self.directory.num_leading(keys)
         is_miss = num_pool + num_tier < max_num_blocks
         if not num_tier:
-            return TierLookup(False, 0, is_miss)
-        if not self.directory.worth_loading(num_tier, self.prefill_speeds.get(client_id, 0.0)):
-            return TierLookup(False, num_tier, is_miss, is_skipped=True)
+            return TierLookup(False, 0, is_miss, keys=keys)
+        if not self.directory.worth_loading(keys[:num_tier], self.prefill_speeds.get(client_id, 0.0)):
+            return TierLookup(False, num_tier, is_miss, is_skipped=True, keys=keys)
         # No more than the quota and the pool leave room for: recompute the rest as they allow.
         num_load = min(num_tier, max_num_load_blocks, pool.num_available(may_use_reserved, sharing=prefix_block_ids))
         if num_load <= 0:
-            return TierLookup(False, num_tier, is_miss)
+            return TierLookup(False, num_tier, is_miss, keys=keys)
         pool.share(prefix_block_ids)
         block_ids = pool.take(num_load, may_use_reserved)
         end = num_pool + num_load
@@ -183,7 +192,7 @@ class TierBook:
         self.new_loads.append(load)
         self.num_pinned[client_id] = self.num_pinned.get(client_id, 0) + end
         self.num_loads += 1
-        lookup = TierLookup(True, num_tier, is_miss, num_pinned=end)
+        lookup = TierLookup(True, num_tier, is_miss, num_pinned=end, keys=keys)
         self._count(lookup)
         return lookup
 
@@ -203,6 +212,8 @@ class TierBook:
         self.num_hits += lookup.num_hits
         self.num_misses += lookup.is_miss
         self.num_loads_skipped += lookup.is_skipped
+        if lookup.keys:
+            self.directory.count_lookup(lookup.keys, lookup.num_hits, lookup.is_skipped)
 
     def end_load(self, load: TierLoad) -> None:
         """The load is over (``finish_load`` registered what it could): report it to its client."""

@@ -12,16 +12,17 @@ from memory_service.manager.block_types import BlockManagerStats
 
 class MemoryStatsCollector(Collector):
     """Exposes the same figures as the Stats RPC under ``pagedserve_memory_*`` (the tiers' under
-    ``pagedserve_memory_tier_*``, labelled by tier), and the tier's load latency histogram.
+    ``pagedserve_memory_tier_*``, labelled by tier: "host", "disk"), and the tiers' load latency
+    histograms.
 
     Args:
         stats: returns a snapshot; called from the metrics server's thread at each scrape.
-        load_latency: returns the tier's load latency buckets (cumulative ``(upper bound s, count)``,
-            +Inf last) and their sum, or None without a tier (``TierWorker.load_latency``).
+        load_latency: returns, per tier, its load latency buckets (cumulative ``(upper bound s,
+            count)``, +Inf last) and their sum; empty without a tier (``TierWorker.load_latency``).
     """
 
     def __init__(self, stats: Callable[[], BlockManagerStats],
-                 load_latency: Callable[[], tuple[list[tuple[float, int]], float] | None] = lambda: None) -> None:
+                 load_latency: Callable[[], dict[str, tuple[list[tuple[float, int]], float]]] = dict) -> None:
         self._stats = stats
         self._load_latency = load_latency
 
@@ -51,13 +52,16 @@ class MemoryStatsCollector(Collector):
 
     def _collect_tiers(self, s: BlockManagerStats) -> Iterator:
         gauges = {"blocks": ("num_blocks", "Blocks a tier below the pool holds"),
-                  "bytes": ("num_bytes", "Bytes of a tier's block files"),
+                  "bytes": ("num_bytes", "Bytes of a tier's blocks (the disk's: files, headers included)"),
                   "capacity_bytes": ("capacity_bytes", "The most bytes a tier may hold")}
-        counters = {"hits_blocks": ("num_hits", "Blocks found in a tier past the pool's cached prefix"),
-                    "misses": ("num_misses", "Tier lookups that ended on a missing block"),
+        counters = {"hits_blocks": ("num_hits", "Blocks found in a tier past the pool's cached prefix "
+                                            "(in the fastest tier that holds them)"),
+                    "misses": ("num_misses", "Tier lookups that ended on a missing block (host: also each "
+                                             "block it lacked that the disk held)"),
                     "written_bytes": ("num_bytes_written", "Bytes written to a tier (write-behind)"),
                     "read_bytes": ("num_bytes_read", "Bytes read from a tier (loads)"),
-                    "write_errors": ("num_write_errors", "Blocks dropped by a failed write (disk full, I/O)"),
+                    "write_errors": ("num_write_errors", "Blocks dropped by a failed write (disk full, I/O; "
+                                                         "host: every slot held by loads)"),
                     "bad_files": ("num_bad_files", "Tier files found damaged or foreign, removed"),
                     "loads": ("num_loads", "Tier loads started"),
                     "loads_skipped": ("num_loads_skipped", "Tier loads skipped: recompute estimated faster")}
@@ -68,10 +72,11 @@ class MemoryStatsCollector(Collector):
                     family.add_metric([tier.kind], getattr(tier, field))
                 yield family
         latency = self._load_latency()
-        if latency is not None:
-            buckets, total_s = latency
+        if latency:
             family = HistogramMetricFamily("pagedserve_memory_tier_load_seconds",
-                                           "Time to load one allocation's blocks from a tier", labels=["tier"])
-            family.add_metric(["disk"], [(str(bound) if bound != float("inf") else "+Inf", count)
-                                         for bound, count in buckets], total_s)
+                                           "Time to load one allocation's blocks from the tiers (counted for the "
+                                           "slowest tier it read)", labels=["tier"])
+            for kind, (buckets, total_s) in latency.items():
+                family.add_metric([kind], [(str(bound) if bound != float("inf") else "+Inf", count)
+                                           for bound, count in buckets], total_s)
             yield family

@@ -13,11 +13,12 @@ and a client that is really gone loses its sequences ``lease_ttl_s`` later. Deta
 Trust: a client that presents the service's token at Attach is trusted (any cache namespace, the
 per-client quota); the others are confined (``trust.py`` says exactly to what).
 
-Tier (``--kv-disk-dir``, memory_service/tier): the directory is made at start; the tier opens (its
-files indexed, in a worker thread) at the first Attach of a trusted client with a model fingerprint,
-which binds it to that model and the pool's layout. Trusted clients of that fingerprint use it; the
-others (untrusted, no fingerprint, another model) never do: their blocks are not persisted and they
-get no tier hits. The tier's threads share ``_lock`` with the RPCs.
+Tiers (``--kv-host-bytes``, ``--kv-disk-dir``, memory_service/tier): the directory is made at start;
+the tiers open (the host tier's buffer allocated, the disk's files indexed, in a worker thread) at
+the first Attach of a trusted client with a model fingerprint, which binds them to that model and
+the pool's layout. Trusted clients of that fingerprint use them; the others (untrusted, no
+fingerprint, another model) never do: their blocks are not kept and they get no tier hits. The
+tiers' threads share ``_lock`` with the RPCs.
 """
 
 from __future__ import annotations
@@ -57,8 +58,9 @@ from memory_service.service import trust
 from memory_service.tier.disk_tier import DiskTier, TierIdentity
 
 if TYPE_CHECKING:
-    # Imported where the tier opens: it copies blocks with torch, seconds of CPU to import, which a
+    # Imported where the tiers open: they copy blocks with torch, seconds of CPU to import, which a
     # service without a tier (the CPU pool is bytes to it) never needs.
+    from memory_service.tier.host_tier import HostTier
     from memory_service.tier.worker import TierWorker
 
 log = get_logger("memory_service")
@@ -114,15 +116,21 @@ class MemoryManagerServicer(memory_pb2_grpc.MemoryManagerServicer):
         self._pool_lock = asyncio.Lock()  # one first attach creates the pool; the others wait for it
         self._creating: asyncio.Task | None = None  # the pool's creation (see _ensure_pool)
         self._disk: DiskTier | None = None
-        self.tier: TierWorker | None = None  # once the disk tier is open (the module docstring)
+        self._host: HostTier | None = None  # made at the tiers' opening (it imports torch)
+        self._opened_identity: TierIdentity | None = None  # the tiers' model and layout, once open
+        self.tier: TierWorker | None = None  # once the tiers are open (the module docstring)
         self._tier_lock = asyncio.Lock()
         if config.kv_disk_dir is not None:  # made (0700) now: a bad directory fails the start
             self._disk = DiskTier(config.kv_disk_dir, config.kv_disk_bytes or DEFAULT_KV_DISK_BYTES)
         # Told to every client at Attach (memory_service/identity.py); kept in the tier's directory,
         # which is what outlives a restart.
         self.service_id = service_id(config.kv_disk_dir)
-        self.tiers: tuple[KvTierInfo, ...] = (
-            (KvTierInfo("disk", self._disk.capacity_bytes),) if self._disk is not None else ())
+        tiers = []  # fastest first
+        if config.kv_host_bytes is not None:
+            tiers.append(KvTierInfo("host", config.kv_host_bytes))
+        if self._disk is not None:
+            tiers.append(KvTierInfo("disk", self._disk.capacity_bytes))
+        self.tiers: tuple[KvTierInfo, ...] = tuple(tiers)
 
     def start(self) -> None:
         """Starts the lease reaper; call on the server's event loop."""
@@ -280,31 +288,42 @@ class MemoryManagerServicer(memory_pb2_grpc.MemoryManagerServicer):
     async def _tier_identity(self, fingerprint: str, is_trusted: bool) -> bytes | None:
         """The tier identity of a client about to attach (None: it does not use the tier); opens the
         tier on the first one that may use it (the module docstring)."""
-        if self._disk is None or not fingerprint or not is_trusted:
+        if not self.tiers or not fingerprint or not is_trusted:
             return None
         async with self._tier_lock:
             if self.tier is None:
                 layout = self.layout
                 identity = TierIdentity(fingerprint, layout.dtype, layout.block_size, layout.num_layers,
                                         layout.num_kv_heads, layout.head_dim)
-                await asyncio.to_thread(self._disk.open, identity)
-                with self._lock:
-                    import torch
-
-                    from memory_service.tier.worker import TierWorker
-
-                    # The tier's block copies on one thread: torch's default, a thread per core
-                    # whose OpenMP workers spin after each copy, takes CPU from the compute
-                    # services beside this service (the host's cores are theirs).
-                    torch.set_num_threads(1)
-                    self.tier = TierWorker(self._disk, self.block_manager, self._lock, self.pool.tensor)
-                    self.block_manager.enable_tier(self.tier)
-        identity = self._disk.identity
+                await asyncio.to_thread(self._open_tiers, identity)
+        identity = self._opened_identity
         if identity.fingerprint != fingerprint:
             log.warning("kv_tier_not_for_this_model", reason="the tier keeps another model's blocks: "
                         "this client does not use it", tier_fingerprint=identity.fingerprint, fingerprint=fingerprint)
             return None
         return identity.digest
+
+    def _open_tiers(self, identity: TierIdentity) -> None:
+        """Opens the tiers for ``identity`` and starts their threads (in a worker thread: a disk tier
+        reads every file's header, a host tier allocates, and on CUDA page-locks, its buffer)."""
+        import torch
+
+        from memory_service.tier.host_tier import HostTier
+        from memory_service.tier.worker import TierWorker
+
+        # The tier's block copies on one thread: torch's default, a thread per core whose OpenMP
+        # workers spin after each copy, takes CPU from the compute services beside this service (the
+        # host's cores are theirs).
+        torch.set_num_threads(1)
+        if self._disk is not None:
+            self._disk.open(identity)
+        if self.config.kv_host_bytes is not None:
+            self._host = HostTier(self.config.kv_host_bytes)
+            self._host.open(identity, pin_memory=self.pool.tensor.is_cuda)
+        with self._lock:
+            self.tier = TierWorker(self.block_manager, self._lock, self.pool.tensor, host=self._host, disk=self._disk)
+            self.block_manager.enable_tier(self.tier)
+            self._opened_identity = identity
 
     async def Detach(self, request: pb.DetachRequest, context: grpc.aio.ServicerContext) -> pb.DetachResponse:
         self._lease(request.client_id, context)
@@ -404,13 +423,13 @@ class MemoryManagerServicer(memory_pb2_grpc.MemoryManagerServicer):
                 return BlockManagerStats.empty(self.config.block_size, num_clients=len(self._leases))
             stats = self.block_manager.stats()
             if self.tier is not None:
-                stats = dataclasses.replace(stats, tiers=(self.tier.stats(),))
+                stats = dataclasses.replace(stats, tiers=self.tier.stats())
             return stats
 
-    def load_latency(self) -> tuple[list[tuple[float, int]], float] | None:
-        """The tier's load latency histogram (``TierWorker.load_latency``), None without a tier."""
+    def load_latency(self) -> dict[str, tuple[list[tuple[float, int]], float]]:
+        """The tiers' load latency histograms (``TierWorker.load_latency``), empty without a tier."""
         tier = self.tier
-        return tier.load_latency() if tier is not None else None
+        return tier.load_latency() if tier is not None else {}
 
     def check_integrity(self) -> str | None:
         """None when every block-manager invariant holds, else the first broken one (logged as an error)."""

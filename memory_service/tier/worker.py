@@ -1,23 +1,41 @@
-"""The threads that move blocks between the pool and the disk tier, behind the block manager's back.
+"""The threads that move blocks between the pool and the tiers below it, behind the block manager's back.
+
+Two tiers, either or both: the host tier (``host_tier.py``, RAM) in front of the disk tier
+(``disk_tier.py``, files). Inclusive, written through:
 
 - The writer (write-behind): takes committed blocks from the manager's book under the manager's
-  lock, copies their bytes there (so a block evicted and reused right after is never written with
-  its new content: ``take_tier_writes`` checked it still holds its key), and writes the copies out
-  after releasing the lock, copying everything newly committed before each file it writes. A Step
-  never waits for a disk.
+  lock and copies each there, once into the host tier's buffer (a memcpy: that is the whole host
+  write) and, with a disk tier, once more into a staging copy that it writes to a file after
+  releasing the lock (copying everything newly committed before each file it writes). A block is
+  copied only while it still holds its key (``take_tier_writes``), so a block evicted and reused
+  right after is never written with its new content. A Step never waits for a disk. Why write
+  through rather than let the host tier evict to the disk: every block reaches the disk as soon as
+  it would have without the host tier, so a restart (which empties the RAM) finds what it found
+  before; the disk writes cost the same as without a host tier, and a host eviction is a plain drop.
 - The loader: fills the fresh pool blocks of a load (pinned, invisible to every client, so no lock
-  is needed for their bytes) from the tier's files, then ends the load under the lock
-  (``BlockManager.finish_load``). A missing or bad file ends the load early: what was not loaded is
-  recomputed by the client, never an error.
+  is needed for their bytes), each from the fastest tier that holds it: the host tier (a copy from
+  its slot, ``non_blocking`` on CUDA), else the disk tier's file, which is then also put in the host
+  tier (the next eviction of that prefix is found in RAM). Then it ends the load under the lock
+  (``BlockManager.finish_load``). A block no tier has (or a bad file) ends the load early: what was
+  not loaded is recomputed by the client, never an error.
 
-Loading or recomputing (``worth_loading``): a load of ``n`` blocks takes about (the bytes queued
-for loading ahead of it + ``n`` blocks' bytes) / the read bandwidth measured on past loads (an
-average weighted to the recent ones); recomputing takes ``n * block_size`` tokens / the prefill
-speed the client measured and sent with its Step. The load goes ahead when it is the faster; while
-either figure is unknown (the first load, a client that sent none) it goes ahead. Both are rough
-(the read bandwidth depends on the page cache; the prefill speed on the batch), which is why the
-comparison is a plain ratio and not a model: the cases it must catch (a slow disk against a fast
-GPU, as sglang issue 26305 saw) differ by far more than the error.
+Loading or recomputing (``worth_loading``): each tier's read bandwidth is measured on past loads
+(an average weighted to the recent ones); a load of ``n_host`` blocks from the host tier and
+``n_disk`` from the disk takes about sum over tiers of (the bytes queued there for loads ahead of it
++ its own) / that tier's bandwidth (one loader thread reads them in turn); recomputing takes
+``n * block_size`` tokens / the prefill speed the client measured and sent with its Step. The load
+goes ahead when it is the faster; while a figure it needs is unknown (a tier's first load, a client
+that sent none) it goes ahead. Both are rough (the disk's read bandwidth depends on the page cache;
+the prefill speed on the batch), which is why the comparison is a plain ratio and not a model: the
+cases it must catch (a slow disk against a fast GPU, as sglang issue 26305 saw) differ by far more
+than the error. Host loads are asynchronous too (the same ``loading`` contract): a memcpy of a long
+prompt's blocks (~180 MB for 4,000 tokens of the default model in float32, ~0.5 GB for an 8B model
+in bf16) inside the Step would hold every client's Step for its duration.
+
+Counters per tier (``stats``): a lookup past the pool's prefix (``count_lookup``, called by the
+book where it counts one) walks the blocks; each found block is a hit of the fastest tier that
+holds it; a miss of the host tier is a block it lacked (found on disk, or the end of the walk); a
+miss of the disk tier (the last) is a walk that ended on a block no tier holds.
 """
 
 from __future__ import annotations
@@ -27,6 +45,7 @@ import queue
 import threading
 import time
 from bisect import bisect_left
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,6 +56,7 @@ from memory_service.manager.block_manager import BlockManager
 from memory_service.manager.block_types import TierStats
 from memory_service.manager.tier_book import TierLoad
 from memory_service.tier.disk_tier import DiskTier
+from memory_service.tier.host_tier import HostTier
 
 log = get_logger("memory_service.tier")
 
@@ -47,25 +67,46 @@ WRITE_BATCH_BLOCKS = 4
 STAGING_BYTES = 256 << 20
 # How long the writer sleeps when nothing wakes it (a Step wakes it at once).
 WRITER_IDLE_S = 0.05
-# Weight of the newest load in the read bandwidth's moving average.
+# Weight of the newest load in the read bandwidths' moving averages.
 BANDWIDTH_EWMA = 0.3
 # Upper bounds (seconds) of the load latency histogram's buckets (the last one is +Inf).
-LOAD_LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+LOAD_LATENCY_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                          1.0, 2.5, 5.0, 10.0)
+HOST, DISK = "host", "disk"
+
+
+@dataclass
+class _TierTally:
+    """One tier's share of the lookups and loads (``stats``), its measured read bandwidth and queue."""
+
+    num_hits: int = 0
+    num_misses: int = 0
+    num_loads: int = 0
+    num_loads_skipped: int = 0
+    read_bytes_per_s: float | None = None
+    queued_bytes: int = 0  # of loads submitted and not finished, to be read from this tier
+    latency_counts: list[int] = field(default_factory=lambda: [0] * (len(LOAD_LATENCY_BUCKETS_S) + 1))
+    latency_sum_s: float = 0.0  # loads counted for this tier: the slowest each read
 
 
 class TierWorker:
-    """The writer and loader threads of one disk tier over one pool and block manager.
+    """The writer and loader threads of the tiers below one pool and block manager.
 
     Args:
-        disk: the disk tier, already ``open``.
         manager: the block manager; every call to it is made under ``lock``.
         lock: the lock that serialises the manager's calls (the servicer's, or InProcessAllocator's).
         pool: the pool tensor, (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim).
+        host: the host tier, already ``open``, or None.
+        disk: the disk tier, already ``open``, or None (at least one of the two).
     """
 
-    def __init__(self, disk: DiskTier, manager: BlockManager, lock: threading.Lock, pool: torch.Tensor) -> None:
-        identity = disk.identity
-        assert identity is not None, "open the disk tier first"
+    def __init__(self, manager: BlockManager, lock: threading.Lock, pool: torch.Tensor, *,
+                 host: HostTier | None = None, disk: DiskTier | None = None) -> None:
+        tiers = [t for t in (host, disk) if t is not None]
+        assert tiers and all(t.identity is not None for t in tiers), "open the tiers first"
+        identity = tiers[0].identity
+        assert all(t.identity == identity for t in tiers), "the tiers keep one model and layout"
+        self.host = host
         self.disk = disk
         self._manager = manager
         self._lock = lock
@@ -74,10 +115,9 @@ class TierWorker:
         self._dtype = DTYPES[identity.dtype]
         self._bytes_per_block = identity.bytes_per_block
         self._block_size = identity.block_size
-        self._read_bytes_per_s: float | None = None  # measured on loads
-        self._queued_bytes = 0  # of loads submitted and not finished
-        self._latency_counts = [0] * (len(LOAD_LATENCY_BUCKETS_S) + 1)
-        self._latency_sum_s = 0.0
+        # Fastest first, as StatsResponse.tiers lists them.
+        self._tally = {kind: _TierTally() for kind, t in ((HOST, host), (DISK, disk)) if t is not None}
+        self._queued: dict[int, dict[str, int]] = {}  # id(load) -> blocks by tier, as submitted
         self._stats_lock = threading.Lock()
         self._stopping = threading.Event()
         self._wake_writer = threading.Event()
@@ -89,46 +129,110 @@ class TierWorker:
 
     # --- what the manager asks (TierDirectory), under its lock ---------------------------------
 
-    def num_leading(self, keys: list[bytes]) -> int:
-        return self.disk.num_leading(keys)
+    def _tier_of(self, key: bytes) -> str | None:
+        """The fastest tier that holds ``key`` (dict lookups: no IO)."""
+        if self.host is not None and key in self.host:
+            return HOST
+        if self.disk is not None and key in self.disk:
+            return DISK
+        return None
 
-    def worth_loading(self, num_blocks: int, prefill_tokens_per_s: float) -> bool:
-        """Whether loading ``num_blocks`` blocks is estimated faster than recomputing them (module
-        docstring); True while either speed is unknown."""
-        bandwidth = self._read_bytes_per_s
-        if bandwidth is None or prefill_tokens_per_s <= 0:
+    def _split(self, keys: list[bytes]) -> dict[str, int]:
+        """Blocks of ``keys`` by the fastest tier holding each (a block no tier holds counts nowhere)."""
+        split = dict.fromkeys(self._tally, 0)
+        for key in keys:
+            kind = self._tier_of(key)
+            if kind is not None:
+                split[kind] += 1
+        return split
+
+    def num_leading(self, keys: list[bytes]) -> int:
+        """How many of ``keys``, from the first, some tier holds."""
+        num = 0
+        for key in keys:
+            if self._tier_of(key) is None:
+                break
+            num += 1
+        return num
+
+    def count_lookup(self, keys: list[bytes], num_found: int, is_skipped: bool) -> None:
+        """Counts an allocation's lookup past the pool's prefix in each tier, once (the book calls it
+        where it counts; the module docstring says what): its first ``num_found`` blocks of ``keys``
+        were found, the walk ended short unless that is all of them; a skipped load counts for each
+        tier it would have read."""
+        split = self._split(keys[:num_found])
+        is_short = num_found < len(keys)
+        with self._stats_lock:
+            for kind, count in split.items():
+                self._tally[kind].num_hits += count
+                self._tally[kind].num_loads_skipped += is_skipped and count > 0
+            if HOST in self._tally:  # what the host tier lacked: found on disk, or the end of the walk
+                self._tally[HOST].num_misses += split.get(DISK, 0) + is_short
+            if DISK in self._tally:
+                self._tally[DISK].num_misses += is_short
+
+    def worth_loading(self, keys: list[bytes], prefill_tokens_per_s: float) -> bool:
+        """Whether loading the blocks ``keys`` (all held by some tier) is estimated faster than
+        recomputing them (module docstring); True while a figure it needs is unknown."""
+        split = self._split(keys)
+        with self._stats_lock:
+            load_s = 0.0
+            for kind, tally in self._tally.items():
+                num_bytes = tally.queued_bytes + split[kind] * self._bytes_per_block
+                if num_bytes == 0:
+                    continue
+                if tally.read_bytes_per_s is None:
+                    return True
+                load_s += num_bytes / tally.read_bytes_per_s
+        if prefill_tokens_per_s <= 0:
             return True
-        load_s = (self._queued_bytes + num_blocks * self._bytes_per_block) / bandwidth
-        recompute_s = num_blocks * self._block_size / prefill_tokens_per_s
-        return load_s < recompute_s
+        return load_s < len(keys) * self._block_size / prefill_tokens_per_s
 
     # --- what the owner calls after each step -------------------------------------------------
 
     def submit(self, loads: list[TierLoad]) -> None:
         """Queues the step's new loads and wakes the writer (the step may have committed blocks)."""
         for load in loads:
+            split = self._split(load.hashes)
             with self._stats_lock:
-                self._queued_bytes += len(load.block_ids) * self._bytes_per_block
+                self._queued[id(load)] = split
+                for kind, count in split.items():
+                    self._tally[kind].queued_bytes += count * self._bytes_per_block
+                    self._tally[kind].num_loads += count > 0
             self._loads.put(load)
         self._wake_writer.set()
 
-    def stats(self) -> TierStats:
-        """The disk tier's counters with the manager's hits and misses (call under the manager's lock)."""
-        c = self.disk.counters()
-        hits, misses, loads, skipped = self._manager.tier_counters()
-        return TierStats("disk", c.num_blocks, c.num_bytes, c.capacity_bytes, hits, misses, c.num_bytes_written,
-                         c.num_bytes_read, c.num_write_errors, c.num_bad_files, loads, skipped)
-
-    def load_latency(self) -> tuple[list[tuple[float, int]], float]:
-        """The load latency histogram: cumulative ``(upper bound s, count)`` buckets (+Inf last), and
-        the sum of the latencies in seconds."""
+    def stats(self) -> tuple[TierStats, ...]:
+        """Each tier's counters, fastest first (the module docstring says what the lookups count)."""
         with self._stats_lock:
-            counts, total = list(self._latency_counts), self._latency_sum_s
-        buckets, cumulative = [], 0
-        for bound, count in zip((*LOAD_LATENCY_BUCKETS_S, float("inf")), counts):
-            cumulative += count
-            buckets.append((bound, cumulative))
-        return buckets, total
+            tally = {kind: (t.num_hits, t.num_misses, t.num_loads, t.num_loads_skipped)
+                     for kind, t in self._tally.items()}
+        stats = []
+        if self.host is not None:
+            c = self.host.counters()
+            hits, misses, loads, skipped = tally[HOST]
+            stats.append(TierStats(HOST, c.num_blocks, c.num_bytes, c.capacity_bytes, hits, misses,
+                                   c.num_bytes_written, c.num_bytes_read, c.num_dropped, 0, loads, skipped))
+        if self.disk is not None:
+            c = self.disk.counters()
+            hits, misses, loads, skipped = tally[DISK]
+            stats.append(TierStats(DISK, c.num_blocks, c.num_bytes, c.capacity_bytes, hits, misses,
+                                   c.num_bytes_written, c.num_bytes_read, c.num_write_errors, c.num_bad_files,
+                                   loads, skipped))
+        return tuple(stats)
+
+    def load_latency(self) -> dict[str, tuple[list[tuple[float, int]], float]]:
+        """Per tier, the load latency histogram: cumulative ``(upper bound s, count)`` buckets (+Inf
+        last) and the sum of the latencies in seconds. A load counts for the slowest tier it read."""
+        result = {}
+        with self._stats_lock:
+            for kind, tally in self._tally.items():
+                buckets, cumulative = [], 0
+                for bound, count in zip((*LOAD_LATENCY_BUCKETS_S, float("inf")), tally.latency_counts):
+                    cumulative += count
+                    buckets.append((bound, cumulative))
+                result[kind] = (buckets, tally.latency_sum_s)
+        return result
 
     def close(self) -> None:
         """Stops both threads (a load in progress ends first; queued ones are dropped)."""
@@ -142,9 +246,11 @@ class TierWorker:
 
     def _write_loop(self) -> None:
         # Copies first, writes after: a copy (a memcpy under the lock) is what saves a block from
-        # eviction, a write (checksum, file) takes far longer. So whatever is committed is copied into
-        # ``staged`` before the next file is written, up to STAGING_BYTES; a small pool that evicts a
-        # prompt's blocks one request later still has them on their way to the disk.
+        # eviction, a write (checksum, file) takes far longer. So whatever is committed is copied (into
+        # the host tier, and into ``staged`` for the disk) before the next file is written, up to
+        # STAGING_BYTES of staged copies; a small pool that evicts a prompt's blocks one request later
+        # still has them on their way to the disk.
+        host, disk = self.host, self.disk
         staged: collections.deque[tuple[bytes, bytes, torch.Tensor]] = collections.deque()
         while not self._stopping.is_set():
             if not staged:
@@ -154,50 +260,82 @@ class TierWorker:
                 with self._lock:
                     taken = self._manager.take_tier_writes(WRITE_BATCH_BLOCKS)
                     for block_id, key, ns_key in taken:
-                        if key not in self.disk:
-                            block = torch.empty(self._block_shape, dtype=self._dtype)
-                            block.copy_(self._pool[:, :, block_id])
-                            staged.append((key, ns_key, block))
+                        block = self._pool[:, :, block_id]  # (num_layers, 2, block_size, num_kv_heads, head_dim)
+                        if host is not None:
+                            host.put(key, ns_key, block)
+                        if disk is not None and key not in disk:
+                            staged.append((key, ns_key, torch.empty(self._block_shape, dtype=self._dtype).copy_(block)))
                 if not taken:
                     break
             if staged and not self._stopping.is_set():
                 key, ns_key, block = staged.popleft()
-                # (num_layers, 2, block_size, num_kv_heads, head_dim) -> its bytes, as the pool holds them
-                self.disk.put(key, ns_key, memoryview(block.view(torch.uint8).numpy()).cast("B"))
+                # its bytes, as the pool holds them
+                disk.put(key, ns_key, memoryview(block.view(torch.uint8).numpy()).cast("B"))
 
     def _load_loop(self) -> None:
+        host, disk = self.host, self.disk
         while True:
             load = self._loads.get()
             if load is None or self._stopping.is_set():
                 return
             start = time.monotonic()
+            read_s = dict.fromkeys(self._tally, 0.0)
+            num_read = dict.fromkeys(self._tally, 0)
             num_loaded = 0
+            # The host tier's blocks of this load pinned first: a disk block put in the host tier on
+            # its way (below) then never evicts a block this same load is about to copy from there.
+            held = [host.acquire(key, load.ns_key) if host is not None else None for key in load.hashes]
             try:
-                for key, block_id in zip(load.hashes, load.block_ids):
-                    payload = self.disk.get(key, load.ns_key)
-                    if payload is None:
-                        break
-                    block = torch.frombuffer(payload, dtype=torch.uint8).view(self._dtype).view(self._block_shape)
-                    self._pool[:, :, block_id].copy_(block)
+                for key, block_id, slot_view in zip(load.hashes, load.block_ids, held):
+                    target = self._pool[:, :, block_id]
+                    t0 = time.monotonic()
+                    if slot_view is not None:
+                        target.copy_(slot_view[1], non_blocking=True)  # from page-locked memory on CUDA
+                        read_s[HOST] += time.monotonic() - t0
+                        num_read[HOST] += 1
+                    else:
+                        payload = disk.get(key, load.ns_key) if disk is not None else None
+                        if payload is None:
+                            break
+                        block = torch.frombuffer(payload, dtype=torch.uint8).view(self._dtype).view(self._block_shape)
+                        target.copy_(block)
+                        read_s[DISK] += time.monotonic() - t0
+                        num_read[DISK] += 1
+                        if host is not None:
+                            host.put(key, load.ns_key, block)
                     num_loaded += 1
                 if self._pool.is_cuda:  # the bytes are on the device before any client may read them
+                    t0 = time.monotonic()
                     torch.cuda.synchronize(self._pool.device)
+                    if num_read.get(HOST):
+                        read_s[HOST] += time.monotonic() - t0
             except Exception as exc:  # a failed load is recomputed, never an error (logged here)
                 log.error("kv_tier_load_failed", seq_id=load.seq_id, num_loaded=num_loaded,
                           error=type(exc).__name__, exc_info=exc)
+            finally:
+                for slot_view in held:  # after the synchronisation: no copy reads these slots any more
+                    if slot_view is not None:
+                        host.release(slot_view[0])
             elapsed_s = time.monotonic() - start
             with self._lock:
                 self._manager.finish_load(load, num_loaded)
-            self._record(load, num_loaded, elapsed_s)
+            self._record(load, num_read, read_s, elapsed_s)
+            log.info("kv_tier_loaded", seq_id=load.seq_id, num_blocks=len(load.block_ids), num_loaded=num_loaded,
+                     **{f"num_{kind}_blocks": n for kind, n in num_read.items()}, elapsed_s=round(elapsed_s, 4))
 
-    def _record(self, load: TierLoad, num_loaded: int, elapsed_s: float) -> None:
+    def _record(self, load: TierLoad, num_read: dict[str, int], read_s: dict[str, float], elapsed_s: float) -> None:
+        """A load's share of the queue, its latency (counted for the slowest tier it read), and each
+        tier's read bandwidth."""
+        slowest = DISK if num_read.get(DISK) or HOST not in self._tally else HOST
         with self._stats_lock:
-            self._queued_bytes -= len(load.block_ids) * self._bytes_per_block
-            self._latency_counts[bisect_left(LOAD_LATENCY_BUCKETS_S, elapsed_s)] += 1
-            self._latency_sum_s += elapsed_s
-            if num_loaded and elapsed_s > 0:
-                bandwidth = num_loaded * self._bytes_per_block / elapsed_s
-                old = self._read_bytes_per_s
-                self._read_bytes_per_s = bandwidth if old is None else old + BANDWIDTH_EWMA * (bandwidth - old)
-        log.info("kv_tier_loaded", seq_id=load.seq_id, num_blocks=len(load.block_ids), num_loaded=num_loaded,
-                 elapsed_s=round(elapsed_s, 4))
+            for kind, count in self._queued.pop(id(load)).items():
+                self._tally[kind].queued_bytes -= count * self._bytes_per_block
+            tally = self._tally[slowest]
+            tally.latency_counts[bisect_left(LOAD_LATENCY_BUCKETS_S, elapsed_s)] += 1
+            tally.latency_sum_s += elapsed_s
+            for kind, count in num_read.items():
+                if count and read_s[kind] > 0:
+                    tally = self._tally[kind]
+                    bandwidth = count * self._bytes_per_block / read_s[kind]
+                    old = tally.read_bytes_per_s
+                    tally.read_bytes_per_s = bandwidth if old is None else old + BANDWIDTH_EWMA * (bandwidth - old)

@@ -30,3 +30,21 @@ def test_bench_kv_tier_reports_every_scenario(make_tiny_model, tmp_path: Path) -
     assert summary["working_set"]["tier"]["tier_loads"] >= 0 and "tier_loads" not in summary["working_set"]["no_tier"]
     assert summary["no_reuse"]["tier_tok_s"] > 0 and summary["disk"]["cold_read_mb_s"] > 0
     assert list(tmp_path.iterdir()) == []
+
+
+def test_bench_kv_tier_returning_host_scenario(make_tiny_model, tmp_path: Path) -> None:
+    """``--scenarios returning_host``: the returning prompt from the host tier and from the disk, each
+    with the recomputed tokens and the cached share of the disk's."""
+    tiny = make_tiny_model("llama")
+    cmd = [sys.executable, "-m", "benchmarks.bench_kv_tier", "--model", str(tiny.path), "--vocab", "128",
+           "--prompt-tokens", "96", "--pool-extra-tokens", "64", "--probe-mb", "4", "--dir", str(tmp_path),
+           "--scenarios", "returning_host", "--host-bytes", str(8 << 20)]
+    done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+                          text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    figures = json.loads(done.stdout.strip().splitlines()[-1])["returning_host"]
+    assert figures["host_same_tokens"] and figures["disk_same_tokens"]
+    assert figures["host_cached_share"] == figures["disk_cached_share"] == 0.833  # 80 of 96 tokens: 5 blocks
+    assert figures["host_loads"] >= 1 and figures["disk_loads"] >= 1
+    assert figures["host_speedup"] > 0 and figures["disk_speedup"] > 0
+    assert list(tmp_path.iterdir()) == []

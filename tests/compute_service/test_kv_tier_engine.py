@@ -70,6 +70,26 @@ def test_evicted_prompt_comes_back_from_disk_and_after_a_restart(tmp_path: Path)
     assert not model_a_files & set(tier_files(tier_dir))  # another model's blocks: removed at open
 
 
+def test_evicted_prompt_comes_back_from_the_host_tier_with_the_same_tokens(tmp_path: Path) -> None:
+    """``LLM(kv_host_bytes=...)`` with no directory: the memory service's RAM tier alone gives an
+    evicted prompt's blocks back as cached tokens, and greedy decoding says the same tokens."""
+    rng = random.Random(11)
+    prompt = [rng.randrange(2, 256) for _ in range(PROMPT_TOKENS)]
+    others = [[rng.randrange(2, 256) for _ in range(150)] for _ in range(2)]
+    model_dir = save_tiny_llama(tmp_path / "tiny", seed=0)
+    with LLM(str(model_dir), max_num_blocks=14, block_size=BLOCK, kv_host_bytes=1 << 20) as llm:
+        [first] = llm.generate([prompt], **GREEDY)
+        wait_for_tier_blocks(llm, 6)
+        for other in others:
+            llm.generate([other], **GREEDY)
+        [again] = llm.generate([prompt], **GREEDY)
+        assert again.token_ids == first.token_ids
+        assert again.num_cached_tokens == 96
+        [host] = llm.memory_stats().tiers
+        assert host.kind == "host" and host.num_loads >= 1 and host.num_hits >= 6
+        assert host.num_bytes_read >= 6 * host.num_bytes // host.num_blocks
+
+
 def test_fingerprint_follows_the_weights() -> None:
     model, config = to_causal_lm(build_tiny_llama(seed=0))
     again, _ = to_causal_lm(build_tiny_llama(seed=0))

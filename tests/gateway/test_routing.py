@@ -233,3 +233,9 @@ def test_shared_caches_give_backends_of_one_memory_service_one_model_sized_by_it
     assert caches.model_for("b:1", info("ms-1", tier_blocks=50)) is a  # b still on ms-1
     caches.model_for("b:1", info("ms-3"))
     assert caches.model_for("z:1", info("ms-1")) is not a
+    # A host tier in front of a disk tier holds copies of the disk's blocks: the largest tier bounds
+    # the model, not their sum.
+    both = compute_pb2.InfoResponse(num_kv_blocks=4, memory_service_id="ms-4", kv_tiers=[
+        compute_pb2.KvTier(kind="host", capacity_bytes=20 * 64, capacity_blocks=20),
+        compute_pb2.KvTier(kind="disk", capacity_bytes=50 * 64, capacity_blocks=50)])
+    assert caches.model_for("h:1", both).tier.capacity == 50

@@ -32,7 +32,7 @@ VALUE_SETS = {
     },
     "kv-tier-emptydir": {"gpu": {"mode": "none"}, "engine": {"memory": {"kvTier": {"enabled": True}}}},
     "kv-tier-pvc": {"engine": {"memory": {"kvTier": {"enabled": True, "existingClaim": "kv-tier",
-                                                    "bytes": 100 << 30}}}},
+                                                    "bytes": 100 << 30, "hostBytes": 1 << 30}}}},
 }
 
 
@@ -467,3 +467,18 @@ def test_kv_tier_values_that_cannot_work_fail_at_install() -> None:
     # Disabled, nothing about the tier is checked; the emptyDir is per pod, so replicas are fine.
     render({"engine": {"replicas": 2, "memory": {"kvTier": {"enabled": False, "existingClaim": "kv"}}}})
     render({"engine": {"replicas": 2, "memory": {"kvTier": {"enabled": True}}}})
+
+
+def test_kv_host_tier_is_passed_with_or_without_the_disk_tier() -> None:
+    """Issue 29: engine.memory.kvTier.hostBytes is the memory service's --kv-host-bytes, alone or in
+    front of the disk tier; off (null) by default; at or beyond the container's memory limit it fails."""
+    assert flag(container(engine_pod(render({})), "memory"), "--kv-host-bytes") is None
+    alone = container(engine_pod(render({"engine": {"memory": {"kvTier": {"hostBytes": 1 << 30}}}})), "memory")
+    assert flag(alone, "--kv-host-bytes") == str(1 << 30) and flag(alone, "--kv-disk-dir") is None
+    both = container(engine_pod(render({"engine": {"memory": {"kvTier": {"enabled": True, "hostBytes": 2 << 30}}}})),
+                     "memory")
+    assert (flag(both, "--kv-host-bytes"), flag(both, "--kv-disk-bytes")) == (str(2 << 30), str(10 << 30))
+    with pytest.raises(helm.HelmRenderError) as info:
+        render({"engine": {"memory": {"kvTier": {"hostBytes": 4 << 30}}}})  # the default limit is 4Gi
+    assert "engine.memory.kvTier.hostBytes (4294967296) must be below the memory container's memory limit" \
+        in str(info.value)

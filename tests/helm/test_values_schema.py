@@ -33,6 +33,8 @@ BAD_VALUES = {
                                "/engine/memory/kvTier/mountPath"),
     "bad kv tier size": ({"engine": {"memory": {"kvTier": {"sizeLimit": "big"}}}}, "/engine/memory/kvTier/sizeLimit"),
     "zero kv tier bytes": ({"engine": {"memory": {"kvTier": {"bytes": 0}}}}, "/engine/memory/kvTier/bytes"),
+    "zero kv host tier bytes": ({"engine": {"memory": {"kvTier": {"hostBytes": 0}}}},
+                                "/engine/memory/kvTier/hostBytes"),
 }
 
 

@@ -77,3 +77,56 @@ def test_tier_over_grpc_and_after_a_restart(tmp_path: Path) -> None:
             assert (client.pool[:, :, result.block_ids[1]] == 2.0).all()
     finally:
         service.stop()
+
+
+def test_host_tier_over_grpc_in_front_of_the_disk(tmp_path: Path) -> None:
+    """``--kv-host-bytes`` on a real service, with a disk tier behind it: told at Attach (fastest
+    first), an evicted prompt comes back from RAM, an untrusted client's blocks reach neither tier,
+    Stats and Prometheus report each tier under its label; a restart finds the disk, not the RAM."""
+    token_file = tmp_path / "memory.token"
+    token_file.write_text(TOKEN)
+    token_file.chmod(0o600)
+    tier_dir, port = tmp_path / "tier", free_port()
+    block_bytes = TINY_LAYOUT.bytes_per_block
+    flags = ("--max-num-blocks", "8", "--kv-disk-dir", str(tier_dir), "--kv-host-bytes", str(64 * block_bytes),
+             "--auth-token-file", str(token_file), "--max-untrusted-client-blocks", "8")
+    service, socket = start_memory_service(*flags, "--metrics-port", str(port))
+    try:
+        with MemoryClient(f"unix:{socket}", TINY_LAYOUT, token=TOKEN, model_fingerprint="model-a") as client, \
+                MemoryClient(f"unix:{socket}", TINY_LAYOUT, client_name="guest") as guest:
+            assert [(t.kind, t.capacity_bytes) for t in client.tiers] == [("host", 64 * block_bytes),
+                                                                          ("disk", 10 << 30)]
+            [result] = client.step([AllocateOp("s1", PROMPT, len(PROMPT), namespace="ns")])
+            for position, block_id in enumerate(result.block_ids):
+                client.pool[:, :, block_id] = float(position + 1)
+            client.step([FreeOp("s1")])
+            wait_until(lambda: [t.num_blocks for t in client.stats().tiers] == [3, 3], 30, "3 blocks in each tier",
+                       interval_s=0.02)
+            guest.step([AllocateOp("g", list(range(500, 532)), 32)])  # untrusted: evicts all, kept nowhere
+            guest.step([FreeOp("g")])
+            client.pool.zero_()
+            result = load_prompt(client, "s2")
+            for position, block_id in enumerate(result.block_ids[:3]):
+                assert (client.pool[:, :, block_id] == float(position + 1)).all()
+            host, disk = client.stats().tiers
+            assert (host.kind, host.num_blocks, host.num_hits, host.num_loads, host.num_bytes_read) == (
+                "host", 3, 3, 1, 3 * block_bytes)
+            assert (disk.kind, disk.num_blocks, disk.num_hits, disk.num_loads, disk.num_bytes_read) == (
+                "disk", 3, 0, 0, 0)
+            assert client.check_integrity() is None
+            body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        assert 'pagedserve_memory_tier_blocks{tier="host"} 3.0' in body
+        assert 'pagedserve_memory_tier_blocks{tier="disk"} 3.0' in body
+        assert 'pagedserve_memory_tier_hits_blocks_total{tier="host"} 3.0' in body
+        assert 'pagedserve_memory_tier_load_seconds_count{tier="host"} 1.0' in body
+        assert 'pagedserve_memory_tier_load_seconds_count{tier="disk"} 0.0' in body
+        assert service.stop() == 0
+
+        service, socket = start_memory_service(*flags)  # RAM is gone; the disk keeps the blocks
+        with MemoryClient(f"unix:{socket}", TINY_LAYOUT, token=TOKEN, model_fingerprint="model-a") as client:
+            result = load_prompt(client, "s1")
+            assert (client.pool[:, :, result.block_ids[1]] == 2.0).all()
+            host, disk = client.stats().tiers
+            assert (host.num_hits, disk.num_hits, host.num_blocks) == (0, 3, 3)
+    finally:
+        service.stop()

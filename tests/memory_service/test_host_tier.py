@@ -1,0 +1,261 @@
+"""The host-RAM tier (``--kv-host-bytes``): its buffer and LRU, and the block manager over it in
+process, alone and in front of the disk tier: evicted blocks come back as cached tokens, host
+evictions still on disk, a restart finds the disk, tenants apart, foreign blocks never kept, per-tier
+counters, bad values refused."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from memory_service.api import AllocateOp, FreeOp
+from memory_service.config import MemoryServiceConfig
+from memory_service.in_process import InProcessAllocator
+from memory_service.manager.block_types import BlockManagerConfig
+from memory_service.tier.chain import chain_hashes, root_hash
+from memory_service.tier.disk_tier import TierIdentity
+from memory_service.tier.host_tier import HostTier
+from tests.memory_service.test_kv_tier import LAYOUT, PROMPT, load, other_prompt, wait_for
+
+pytestmark = pytest.mark.unit
+
+IDENTITY = TierIdentity("model-a", "float32", 4, 2, 2, 4)  # LAYOUT's: 512 bytes a block
+BLOCK_BYTES = IDENTITY.bytes_per_block
+NS = bytes(range(16))
+KEYS = chain_hashes(root_hash(IDENTITY.digest, NS), bytes(range(96)), 16, 6)
+
+
+def block(value: float) -> torch.Tensor:
+    return torch.full(IDENTITY.block_shape, value)
+
+
+def open_host(num_blocks: int) -> HostTier:
+    host = HostTier(num_blocks * BLOCK_BYTES + BLOCK_BYTES // 2)  # a part block's bytes hold nothing
+    assert host.open(IDENTITY, pin_memory=False) == num_blocks
+    return host
+
+
+def test_lru_within_the_byte_budget() -> None:
+    host = open_host(3)
+    for i in range(3):
+        assert host.put(KEYS[i], NS, block(i))
+    slot, view = host.acquire(KEYS[0], NS)  # a read makes KEYS[0] the youngest
+    assert (view == 0.0).all()
+    host.release(slot)
+    assert host.put(KEYS[3], NS, block(3))  # evicts the least recently used: KEYS[1]
+    assert host.keys() == [KEYS[2], KEYS[0], KEYS[3]]
+    assert host.put(KEYS[2], NS, block(99))  # held already: only made young, not copied again
+    assert host.keys() == [KEYS[0], KEYS[3], KEYS[2]]
+    slot, view = host.acquire(KEYS[2], NS)
+    assert (view == 2.0).all()
+    host.release(slot)
+    assert host.num_leading(KEYS) == 1 and KEYS[1] not in host
+    c = host.counters()
+    assert (c.num_blocks, c.num_bytes, c.num_bytes_written, c.num_bytes_read, c.num_dropped) == (
+        3, 3 * BLOCK_BYTES, 4 * BLOCK_BYTES, 2 * BLOCK_BYTES, 0)
+
+
+def test_a_block_a_load_reads_is_never_overwritten() -> None:
+    host = open_host(2)
+    assert host.put(KEYS[0], NS, block(0)) and host.put(KEYS[1], NS, block(1))
+    slot0, view0 = host.acquire(KEYS[0], NS)
+    slot1, _ = host.acquire(KEYS[1], NS)
+    assert not host.put(KEYS[2], NS, block(2))  # every slot held by a load: dropped
+    host.release(slot1)
+    assert host.put(KEYS[2], NS, block(2))  # takes KEYS[1]'s slot, not the held one
+    assert (view0 == 0.0).all() and host.keys() == [KEYS[0], KEYS[2]]
+    host.release(slot0)
+    assert host.counters().num_dropped == 1
+
+
+def test_namespace_is_checked_and_a_budget_under_one_block_holds_nothing() -> None:
+    host = open_host(2)
+    assert host.put(KEYS[0], NS, block(0))
+    assert host.acquire(KEYS[0], bytes(16)) is None  # another namespace's key: a miss
+    tiny = HostTier(BLOCK_BYTES - 1)
+    assert tiny.open(IDENTITY, pin_memory=False) == 0
+    assert not tiny.put(KEYS[0], NS, block(0)) and tiny.num_leading(KEYS) == 0
+
+
+# --- the block manager over the host tier, in process ---------------------------------------------
+
+
+def allocator(tmp_path: Path, host_blocks: int | None, disk: bool = False) -> InProcessAllocator:
+    return InProcessAllocator(LAYOUT, BlockManagerConfig(num_blocks=8, block_size=4),
+                              kv_disk_dir=tmp_path / "tier" if disk else None,
+                              kv_host_bytes=host_blocks * BLOCK_BYTES if host_blocks is not None else None,
+                              model_fingerprint="model-a")
+
+
+def evict(alloc: InProcessAllocator) -> None:
+    """A client without a tier identity (as an untrusted client of the service) takes every block
+    of the pool: every cached block is evicted, and nothing of its own reaches a tier. Then the pool
+    is zeroed: whatever comes back comes from a tier."""
+    manager = alloc.block_manager
+    with alloc._lock:
+        if "guest" not in manager._client_seqs:
+            manager.add_client("guest")
+        [result] = manager.apply("guest", [AllocateOp("g", other_prompt(), 32, namespace="other")])
+        assert result.ok
+        manager.apply("guest", [FreeOp("g")])
+    alloc.pool.zero_()
+
+
+def write_prompt(alloc: InProcessAllocator, namespace: str = "ns") -> None:
+    """PROMPT's blocks, each filled with its position + 1, committed, copied into every tier (3
+    blocks written to each), then evicted from the pool."""
+    [result] = alloc.step([AllocateOp("s1", PROMPT, len(PROMPT), namespace=namespace)])
+    assert result.ok and result.num_cached_tokens == 0
+    for position, block_id in enumerate(result.block_ids):
+        alloc.pool[:, :, block_id] = float(position + 1)
+    alloc.step([FreeOp("s1")])
+    wait_for(lambda: all(t.num_bytes_written >= 3 * BLOCK_BYTES for t in alloc.stats().tiers))
+    evict(alloc)
+
+
+def assert_prompt_bytes(alloc: InProcessAllocator, block_ids: list[int]) -> None:
+    for position, block_id in enumerate(block_ids[:3]):
+        assert (alloc.pool[:, :, block_id] == float(position + 1)).all()
+
+
+def test_evicted_blocks_come_back_from_host_ram_as_cached_tokens(tmp_path: Path) -> None:
+    """Host tier alone (no directory): a second chance for evicted blocks."""
+    alloc = allocator(tmp_path, host_blocks=16)
+    try:
+        write_prompt(alloc)
+        result, loaded = load(alloc, "s3")
+        assert loaded and result.ok and result.num_cached_tokens == 12
+        assert_prompt_bytes(alloc, result.block_ids)
+        [host] = alloc.stats().tiers
+        assert (host.kind, host.num_blocks, host.num_bytes, host.capacity_bytes) == (
+            "host", 3, 3 * BLOCK_BYTES, 16 * BLOCK_BYTES)
+        # (The miss: PROMPT's first allocation, which found nothing past the pool either.)
+        assert (host.num_hits, host.num_misses, host.num_loads, host.num_bytes_read) == (3, 1, 1, 3 * BLOCK_BYTES)
+        assert alloc.stats().prefix_cache_hits == 12
+        assert not (tmp_path / "tier").exists()
+        assert alloc.check_integrity() is None
+    finally:
+        alloc.close()
+
+
+def test_host_evictions_are_still_on_disk_and_a_restart_finds_the_disk(tmp_path: Path) -> None:
+    """Write-through: every block reaches the disk too. A host tier of 2 blocks keeps PROMPT's last
+    two, the disk all three; a load takes each block from the fastest tier holding it."""
+    alloc = allocator(tmp_path, host_blocks=2, disk=True)
+    try:
+        write_prompt(alloc)
+        wait_for(lambda: alloc.stats().tiers[1].num_blocks == 3)
+        keys = alloc.tier.host.keys()
+        assert len(keys) == 2 and all(key in alloc.tier.disk for key in keys)
+        result, loaded = load(alloc, "s3")
+        assert loaded and result.num_cached_tokens == 12
+        assert_prompt_bytes(alloc, result.block_ids)
+        host, disk = alloc.stats().tiers
+        assert (host.kind, disk.kind) == ("host", "disk")
+        # The first block from disk (a host miss), the other two from RAM; PROMPT's first allocation
+        # found nothing (a miss of each).
+        assert (host.num_hits, host.num_misses, disk.num_hits, disk.num_misses) == (2, 2, 1, 1)
+        assert (host.num_loads, disk.num_loads, host.num_bytes_read) == (1, 1, 2 * BLOCK_BYTES)
+        # On its way the disk block would have gone into RAM, whose two slots this load held: dropped.
+        assert (host.num_blocks, host.num_write_errors, disk.num_blocks) == (2, 1, 3)
+        assert alloc.tier.host.keys() == keys
+        assert alloc.check_integrity() is None
+    finally:
+        alloc.close()
+
+    restarted = allocator(tmp_path, host_blocks=2, disk=True)  # RAM is empty; the disk is not
+    try:
+        assert [t.num_blocks for t in restarted.stats().tiers] == [0, 3]
+        result, loaded = load(restarted, "s1")
+        assert loaded and result.num_cached_tokens == 12
+        assert_prompt_bytes(restarted, result.block_ids)
+        host, disk = restarted.stats().tiers
+        assert (host.num_hits, disk.num_hits, host.num_blocks) == (0, 3, 2)  # two of them now in RAM too
+    finally:
+        restarted.close()
+
+
+def test_host_tier_keeps_tenants_apart(tmp_path: Path) -> None:
+    alloc = allocator(tmp_path, host_blocks=16)
+    try:
+        write_prompt(alloc, namespace="tenant-a")
+        result, loaded = load(alloc, "s3", namespace="tenant-b")
+        assert not loaded and result.ok and result.num_cached_tokens == 0
+        alloc.step([FreeOp("s3")])
+        evict(alloc)
+        result, loaded = load(alloc, "s4", namespace="tenant-a")
+        assert loaded and result.num_cached_tokens == 12
+    finally:
+        alloc.close()
+
+
+def test_blocks_of_a_client_without_a_tier_identity_never_reach_the_host_tier(tmp_path: Path) -> None:
+    alloc = allocator(tmp_path, host_blocks=16)
+    try:
+        manager = alloc.block_manager
+        with alloc._lock:
+            manager.add_client("guest")  # no tier identity: as an untrusted client of the service
+            manager.apply("guest", [AllocateOp("g1", PROMPT, len(PROMPT), namespace="ns")])
+            manager.apply("guest", [FreeOp("g1")])  # committed and cached
+            assert manager.take_tier_writes(100) == []
+        evict(alloc)
+        result, loaded = load(alloc, "s3")
+        assert not loaded and result.num_cached_tokens == 0
+        [host] = alloc.stats().tiers
+        assert (host.num_hits, host.num_bytes_written) == (0, 0)
+    finally:
+        alloc.close()
+
+
+def test_each_tier_is_weighed_at_its_own_read_speed(tmp_path: Path) -> None:
+    """Load or recompute: each load is weighed with the measured bandwidths of the tiers it would
+    read (set here: RAM at 1 TB/s, the disk at 1 KB/s), and a skipped load counts for each."""
+    alloc = allocator(tmp_path, host_blocks=2, disk=True)
+    try:
+        write_prompt(alloc)  # PROMPT's blocks 1 and 2 in RAM, all three on disk
+        wait_for(lambda: alloc.stats().tiers[1].num_blocks == 3)
+        worker = alloc.tier
+        worker._tally["host"].read_bytes_per_s, worker._tally["disk"].read_bytes_per_s = 1e12, 1e3
+        in_ram = alloc.tier.host.keys()
+        # 2 blocks in RAM: 1 KB at 1 TB/s against 8 tokens at 1,000 tokens/s: load.
+        assert worker.worth_loading(in_ram, prefill_tokens_per_s=1000.0)
+        # All three: + 512 bytes at 1 KB/s (0.5 s) against 12 tokens (12 ms): recompute.
+        result, loaded = load(alloc, "s3", prefill_tokens_per_s=1000.0)
+        assert not loaded and result.ok and result.num_cached_tokens == 0
+        host, disk = alloc.stats().tiers
+        assert (host.num_loads_skipped, disk.num_loads_skipped, host.num_loads, disk.num_loads) == (1, 1, 0, 0)
+        assert (host.num_hits, disk.num_hits) == (2, 1)
+    finally:
+        alloc.close()
+
+
+@pytest.mark.parametrize(("fields", "needle"), [
+    ({"kv_host_bytes": 0}, "kv_host_bytes must be an integer >= 1, got 0"),
+    ({"kv_host_bytes": -5}, "kv_host_bytes must be an integer >= 1, got -5"),
+    ({"kv_host_bytes": 1 << 20, "enable_prefix_caching": False}, "kv_host_bytes needs enable_prefix_caching"),
+])
+def test_config_checks_the_host_tier_flag(fields: dict, needle: str) -> None:
+    with pytest.raises(ValueError, match=needle):
+        MemoryServiceConfig(**fields)
+
+
+@pytest.mark.parametrize(("value", "needle"), [("0", "kv_host_bytes must be an integer >= 1, got 0"),
+                                               ("lots", "--kv-host-bytes: invalid int value: 'lots'")])
+def test_memory_service_refuses_a_bad_host_tier_flag(value: str, needle: str) -> None:
+    """``python -m memory_service --kv-host-bytes`` with a bad value exits 2 naming the flag, before serving."""
+    proc = subprocess.run([sys.executable, "-m", "memory_service", "--kv-host-bytes", value],
+                          capture_output=True, text=True, timeout=60, env={**os.environ})
+    assert proc.returncode == 2 and needle in proc.stderr
+
+
+def test_in_process_host_tier_needs_a_fingerprint_and_a_sound_budget(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="needs a model_fingerprint"):
+        InProcessAllocator(LAYOUT, BlockManagerConfig(num_blocks=8, block_size=4), kv_host_bytes=1 << 20)
+    with pytest.raises(ValueError, match="kv_host_bytes must be >= 1"):
+        InProcessAllocator(LAYOUT, BlockManagerConfig(num_blocks=8, block_size=4), kv_host_bytes=0,
+                           model_fingerprint="model-a")
