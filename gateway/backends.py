@@ -8,8 +8,10 @@ The routing's model of a prefix cache belongs to the memory service, not to the 
 (``SharedCaches``): backends whose Info names the same memory service share one ``CacheModel``.
 That model outlives a backend's failure. A compute service that restarts finds the same pool; a
 memory service that restarts without a tier comes back under a new id (a new, empty model); one
-with a tier keeps its id (memory_service/identity.py) and its blocks, in the tier if no longer in
-the pool, so the model stays right but for which tier a block sits in.
+with a tier keeps its id (memory_service/identity.py) and its blocks, but only in the tier: its pool
+starts empty. Its epoch (new at each start, reported beside the id) tells: a model that sees a new
+epoch forgets its pool's blocks, which leaves them predicted in the tier (every routed block went
+into both), a tier hit rather than a pool hit.
 """
 
 from __future__ import annotations
@@ -34,6 +36,10 @@ log = get_logger("gateway.backends")
 # Index size before a backend has told its block count.
 _DEFAULT_INDEX_CAPACITY = 4096
 
+# Epochs of one memory service remembered: a backend whose compute service has not re-attached yet
+# still reports the epoch before a restart, which must not count as yet another restart.
+_MAX_EPOCHS = 8
+
 # A backend that refuses connections or says NOT_SERVING leaves the rotation at once; one that is
 # merely slow to answer a poll (a busy machine) only after this many slow polls in a row.
 _MAX_SLOW_POLLS = 3
@@ -44,11 +50,16 @@ class SharedCaches:
 
     A backend that names no memory service (an older compute service, or one not attached yet)
     gets a model of its own, keyed by its address. Models no backend uses any more are dropped.
+
+    A memory service's epoch not seen before, under an id seen before, is a restart: its pool is
+    empty, so the model forgets the pool's blocks (they stay predicted in its tier; the module
+    docstring). The first epoch of a model, and one seen before, forget nothing.
     """
 
     def __init__(self) -> None:
         self._models: dict[str, CacheModel] = {}
         self._key_of: dict[str, str] = {}  # backend address -> its model's key
+        self._epochs: dict[str, list[str]] = {}  # model key -> its memory service's epochs, oldest first
 
     @staticmethod
     def key(address: str, info: compute_pb2.InfoResponse | None) -> str:
@@ -68,6 +79,14 @@ class SharedCaches:
             model = self._models[key] = CacheModel(pool_capacity, tier_capacity)
         else:
             model.resize(pool_capacity, tier_capacity)
+        epoch = info.memory_service_epoch if info is not None and info.memory_service_id else ""
+        epochs = self._epochs.setdefault(key, [])
+        if epoch and epoch not in epochs:
+            if epochs:  # restarted: its pool is empty, the tier may hold what it held
+                log.info("memory_service_restarted", memory_service_id=info.memory_service_id, backend=address)
+                model.forget_pool()
+            epochs.append(epoch)
+            del epochs[:-_MAX_EPOCHS]
         self._key_of[address] = key
         self._drop_unused()
         return model
@@ -80,6 +99,7 @@ class SharedCaches:
     def _drop_unused(self) -> None:
         for key in set(self._models) - set(self._key_of.values()):
             del self._models[key]
+            self._epochs.pop(key, None)
 
 
 class Ticket:
@@ -158,9 +178,11 @@ class Backend:
                 self.stub.Load(compute_pb2.LoadRequest(), timeout=timeout_s),
             )
             # (Re)joining: it may serve another model now. Or its memory service changed under it
-            # (restarted between two polls, the compute service re-attached): another cache.
+            # (restarted between two polls, the compute service re-attached): another cache, or the
+            # same one with an empty pool (a new epoch under the same id).
             if (self.info is None or not self.is_healthy
-                    or load.memory_service_id not in ("", self.info.memory_service_id)):
+                    or load.memory_service_id not in ("", self.info.memory_service_id)
+                    or load.memory_service_epoch not in ("", self.info.memory_service_epoch)):
                 self.info = await self.stub.Info(compute_pb2.InfoRequest(), timeout=timeout_s)
                 self.cache = self._caches.model_for(self.address, self.info)
         except grpc.aio.AioRpcError as exc:

@@ -161,8 +161,9 @@ class CacheModel:
             self.tier.resize(tier_capacity)
 
     def forget_pool(self) -> None:
-        """Forgets the pool's blocks (a backend failed: the memory service may have restarted); a
-        tier's blocks stay, since they outlive a restart."""
+        """Forgets the pool's blocks (a backend failed, or its memory service restarted: a new
+        epoch); a tier's blocks stay, since they outlive a restart: what was predicted in the pool
+        is predicted in the tier from now on (every block routed here went into both)."""
         self.pool.clear()
 
 

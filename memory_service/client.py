@@ -110,6 +110,7 @@ class MemoryClient:
         self.lease_ttl_s = reply.lease_ttl_s
         # Clients with the same id share the pool; the compute service reports both in its Info.
         self.memory_service_id = reply.memory_service_id
+        self.memory_service_epoch = reply.memory_service_epoch  # new at each of its starts (identity.py)
         self.tiers = convert.tiers_from_pb(reply.tiers)
         try:
             self._mapped = MappedPool(convert.descriptor_from_pb(reply.pool), layout, reply.num_blocks)

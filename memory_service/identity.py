@@ -11,6 +11,11 @@ The id is random, made when the service starts. With a tier directory it is kept
 directory finds yesterday's blocks, so it is, for routing, the same cache. A file that is not a
 well-formed id (torn, edited) is replaced by a new one: a wrong id only costs affinity, never
 correctness, since the id predicts hits and decides nothing about which KV is served.
+
+The same cache, but not the same pool: a restarted service's pool starts empty, and yesterday's
+blocks are only in its tier. So each start also makes an epoch (``AttachResponse.memory_service_epoch``,
+random, never kept), reported beside the id: the gateway that sees the id again under a new epoch
+moves its prediction of that pool's blocks to the tier.
 """
 
 from __future__ import annotations
@@ -52,6 +57,11 @@ class KvTierInfo:
 def new_service_id() -> str:
     """A fresh id: 128 random bits, so two services never share one by chance."""
     return f"ms-{secrets.token_hex(16)}"
+
+
+def new_epoch() -> str:
+    """This start's epoch: 64 random bits, never kept (module docstring)."""
+    return secrets.token_hex(8)
 
 
 def service_id(directory: str | Path | None) -> str:

@@ -139,16 +139,19 @@ def responses_to_pb(out: RequestDelta) -> list[pb.GenerateResponse]:
     return messages
 
 
-def load_to_pb(load: EngineLoad, max_queued_requests: int, memory_service_id: str = "") -> pb.LoadResponse:
+def load_to_pb(load: EngineLoad, max_queued_requests: int, memory_service_id: str = "",
+               memory_service_epoch: str = "") -> pb.LoadResponse:
     return pb.LoadResponse(
         num_running=load.num_running, num_waiting=load.num_waiting, kv_usage=load.kv_usage,
         prefix_cache_hit_rate=load.prefix_cache_hit_rate, num_pending_tokens=load.num_pending_tokens,
         max_queued_requests=max_queued_requests, memory_service_id=memory_service_id,
+        memory_service_epoch=memory_service_epoch,
     )
 
 
 def info_to_pb(info: ModelInfo, *, block_size: int, num_kv_blocks: int, memory_service_id: str = "",
-               kv_tiers: tuple[KvTierInfo, ...] = (), bytes_per_block: int = 1) -> pb.InfoResponse:
+               memory_service_epoch: str = "", kv_tiers: tuple[KvTierInfo, ...] = (),
+               bytes_per_block: int = 1) -> pb.InfoResponse:
     """Args: ``bytes_per_block`` of the model's KV layout, to state the tiers' capacities in blocks."""
     return pb.InfoResponse(
         model_name=info.model_name, max_model_len=info.max_model_len, block_size=block_size, dtype=info.dtype,
@@ -158,7 +161,7 @@ def info_to_pb(info: ModelInfo, *, block_size: int, num_kv_blocks: int, memory_s
                          for f in info.tokenizer_files],
         max_n=rules.MAX_N, max_logprobs=rules.MAX_LOGPROBS, max_stop_strings=rules.MAX_STOP_STRINGS,
         default_params=params_to_pb(SamplingParams()), num_kv_blocks=num_kv_blocks,
-        memory_service_id=memory_service_id,
+        memory_service_id=memory_service_id, memory_service_epoch=memory_service_epoch,
         kv_tiers=[pb.KvTier(kind=t.kind, capacity_bytes=t.capacity_bytes,
                             capacity_blocks=t.capacity_bytes // bytes_per_block) for t in kv_tiers],
         kernels=info.kernels,

@@ -64,10 +64,12 @@ class MemoryLease(KvAllocator, Protocol):
 
     Attributes:
         memory_service_id: the memory service's identity (leases with the same one share the pool).
+        memory_service_epoch: its epoch, new at each of its starts (memory_service/identity.py).
         tiers: its tiers below the pool, fastest first (memory_service/identity.py).
     """
 
     memory_service_id: str
+    memory_service_epoch: str
     tiers: tuple[KvTierInfo, ...]
 
     @property

@@ -195,7 +195,8 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
         loop, _ = self._started()
         lease = loop.lease
         return convert.load_to_pb(loop.load, self._config.max_queued_requests,
-                                  lease.memory_service_id if lease is not None else "")
+                                  lease.memory_service_id if lease is not None else "",
+                                  lease.memory_service_epoch if lease is not None else "")
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
         loop, info = self._started()
@@ -204,7 +205,8 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
             return convert.info_to_pb(info, block_size=self._engine_config.block_size, num_kv_blocks=0)
         pool = lease.pool  # (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
         return convert.info_to_pb(info, block_size=lease.block_size, num_kv_blocks=lease.num_blocks,
-                                  memory_service_id=lease.memory_service_id, kv_tiers=lease.tiers,
+                                  memory_service_id=lease.memory_service_id,
+                                  memory_service_epoch=lease.memory_service_epoch, kv_tiers=lease.tiers,
                                   bytes_per_block=pool.numel() * pool.element_size() // lease.num_blocks)
 
     async def GetTokenizer(self, request: pb.GetTokenizerRequest,

@@ -52,7 +52,7 @@ from pagedserve.service_auth import bearer_token
 from memory_service import convert
 from memory_service.manager.block_manager import BlockManager, BlockManagerConfig, BlockManagerStats
 from memory_service.config import DEFAULT_KV_DISK_BYTES, MAX_NUM_BLOCKS, MemoryServiceConfig
-from memory_service.identity import KvTierInfo, service_id
+from memory_service.identity import KvTierInfo, new_epoch, service_id
 from memory_service.pool.kv_pool import KvLayout, KvPool, check_shm_space, create_pool, default_kv_budget
 from memory_service.service import trust
 from memory_service.tier.disk_tier import DiskTier, TierIdentity
@@ -125,6 +125,7 @@ class MemoryManagerServicer(memory_pb2_grpc.MemoryManagerServicer):
         # Told to every client at Attach (memory_service/identity.py); kept in the tier's directory,
         # which is what outlives a restart.
         self.service_id = service_id(config.kv_disk_dir)
+        self.epoch = new_epoch()  # new at every start: the pool starts empty
         tiers = []  # fastest first
         if config.kv_host_bytes is not None:
             tiers.append(KvTierInfo("host", config.kv_host_bytes))
@@ -276,6 +277,7 @@ class MemoryManagerServicer(memory_pb2_grpc.MemoryManagerServicer):
             reserved_min_priority=bm_config.reserved_min_priority,
             memory_service_id=self.service_id,
             tiers=convert.tiers_to_pb(self.tiers),
+            memory_service_epoch=self.epoch,
         )
         max_blocks = self.config.max_blocks_per_client if is_trusted else self.config.max_untrusted_client_blocks
         with self._lock:

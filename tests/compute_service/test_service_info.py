@@ -17,8 +17,9 @@ INFO = ModelInfo(model_name="m", max_model_len=64, dtype="float32", device="cpu"
 
 def test_info_states_the_memory_service_and_its_tiers_in_blocks() -> None:
     msg = convert.info_to_pb(INFO, block_size=4, num_kv_blocks=32, memory_service_id="ms-1",
-                             kv_tiers=(KvTierInfo("host", 1000), KvTierInfo("disk", 4096)), bytes_per_block=256)
-    assert msg.memory_service_id == "ms-1" and msg.num_kv_blocks == 32
+                             memory_service_epoch="e1", kv_tiers=(KvTierInfo("host", 1000), KvTierInfo("disk", 4096)),
+                             bytes_per_block=256)
+    assert (msg.memory_service_id, msg.memory_service_epoch, msg.num_kv_blocks) == ("ms-1", "e1", 32)
     assert [(t.kind, t.capacity_bytes, t.capacity_blocks) for t in msg.kv_tiers] == [
         ("host", 1000, 3), ("disk", 4096, 16)]
 
@@ -37,5 +38,6 @@ def test_a_compute_service_reports_its_memory_services_tier(service_model: Servi
         info = services.stub.Info(cpb.InfoRequest(), timeout=10)
         load = services.stub.Load(cpb.LoadRequest(), timeout=10)
     assert load.memory_service_id == info.memory_service_id  # every poll, so a gateway sees a change
+    assert load.memory_service_epoch == info.memory_service_epoch and len(info.memory_service_epoch) == 16
     assert info.memory_service_id == (tier_dir / "memory-service-id").read_text().strip()
     assert [(t.kind, t.capacity_bytes, t.capacity_blocks) for t in info.kv_tiers] == [("disk", 1 << 20, 512)]

@@ -20,19 +20,23 @@ BLOCK = [b"b" * 16]
 class ScriptedBackend:
     """Health always SERVING; Load and Info answer what the test set last; Info calls counted."""
 
-    def __init__(self) -> None:
+    def __init__(self, epoch: str = "", tier_blocks: int = 0) -> None:
         self.memory_service_id = "ms-1"
+        self.epoch = epoch
+        self.tier_blocks = tier_blocks
         self.num_info_calls = 0
 
     async def Check(self, request: object, timeout: float) -> health_pb2.HealthCheckResponse:
         return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
 
     async def Load(self, request: object, timeout: float) -> compute_pb2.LoadResponse:
-        return compute_pb2.LoadResponse(memory_service_id=self.memory_service_id)
+        return compute_pb2.LoadResponse(memory_service_id=self.memory_service_id, memory_service_epoch=self.epoch)
 
     async def Info(self, request: object, timeout: float) -> compute_pb2.InfoResponse:
         self.num_info_calls += 1
-        return compute_pb2.InfoResponse(model_name="m", num_kv_blocks=8, memory_service_id=self.memory_service_id)
+        tiers = [compute_pb2.KvTier(kind="disk", capacity_blocks=self.tier_blocks)] if self.tier_blocks else []
+        return compute_pb2.InfoResponse(model_name="m", num_kv_blocks=8, memory_service_id=self.memory_service_id,
+                                        memory_service_epoch=self.epoch, kv_tiers=tiers)
 
 
 def _backend(script: ScriptedBackend, caches: SharedCaches) -> Backend:
@@ -68,6 +72,38 @@ def test_a_changed_memory_service_means_new_info_and_a_new_cache_model() -> None
         backend.cache.insert(BLOCK)
         backend.mark_failed("test")
         assert backend.cache.match(BLOCK) == CacheMatch(0, 0)
+        await asyncio.gather(backend.close(), sibling.close())
+
+    asyncio.run(scenario())
+
+
+def test_a_memory_service_restarted_under_its_id_has_its_pool_hits_demoted_to_tier_hits() -> None:
+    """A memory service with a tier keeps its id across a restart, but its pool starts empty: the
+    new epoch it reports makes the model forget the pool's blocks, which stay predicted in the tier."""
+    async def scenario() -> None:
+        script, caches = ScriptedBackend("e1", tier_blocks=64), SharedCaches()
+        sibling_script = ScriptedBackend("e1", tier_blocks=64)
+        backend, sibling = _backend(script, caches), _backend(sibling_script, caches)
+        await backend.poll(1.0)
+        await sibling.poll(1.0)
+        assert backend.cache is sibling.cache
+        backend.cache.insert(BLOCK)
+        assert backend.cache.match(BLOCK) == CacheMatch(1, 0)
+        # Restarted between two polls (the compute service re-attached): same id, new epoch.
+        script.epoch = "e2"
+        await backend.poll(1.0)
+        assert script.num_info_calls == 2 and backend.cache is sibling.cache
+        assert backend.cache.match(BLOCK) == CacheMatch(0, 1)  # a tier hit now, not a pool hit
+        # Routed after the restart: in the pool. The sibling, not re-attached yet, still reports the
+        # old epoch when it rejoins: not another restart.
+        later = [b"c" * 16]
+        backend.cache.insert(later)
+        sibling.mark_failed("test")
+        await sibling.poll(1.0)
+        assert sibling.cache.match(later) == CacheMatch(1, 0)
+        sibling_script.epoch = "e2"  # it re-attached: the epoch the model knows
+        await sibling.poll(1.0)
+        assert sibling_script.num_info_calls == 3 and sibling.cache.match(later) == CacheMatch(1, 0)
         await asyncio.gather(backend.close(), sibling.close())
 
     asyncio.run(scenario())

@@ -65,6 +65,7 @@ def test_tier_over_grpc_and_after_a_restart(tmp_path: Path) -> None:
                 assert (client.pool[:, :, block_id] == float(position + 1)).all()
             [tier] = client.stats().tiers
             assert (tier.kind, tier.num_blocks, tier.num_hits, tier.num_loads) == ("disk", 11, 3, 1)
+            first = (client.memory_service_id, client.memory_service_epoch)
             assert client.check_integrity() is None
             body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
         assert 'pagedserve_memory_tier_blocks{tier="disk"} 11.0' in body
@@ -73,6 +74,9 @@ def test_tier_over_grpc_and_after_a_restart(tmp_path: Path) -> None:
 
         service, socket = start_memory_service(*flags)  # a new service on the same directory
         with MemoryClient(f"unix:{socket}", TINY_LAYOUT, token=TOKEN, model_fingerprint="model-a") as client:
+            # The same cache (its id, kept in the directory), but a new epoch: its pool started empty.
+            assert client.memory_service_id == first[0] and len(client.memory_service_epoch) == 16
+            assert client.memory_service_epoch != first[1]
             result = load_prompt(client, "s1")
             assert (client.pool[:, :, result.block_ids[1]] == 2.0).all()
     finally:

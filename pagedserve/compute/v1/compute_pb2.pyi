@@ -122,7 +122,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadResponse(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "kv_usage", "prefix_cache_hit_rate", "num_pending_tokens", "max_queued_requests", "memory_service_id")
+    __slots__ = ("num_running", "num_waiting", "kv_usage", "prefix_cache_hit_rate", "num_pending_tokens", "max_queued_requests", "memory_service_id", "memory_service_epoch")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +130,7 @@ class LoadResponse(_message.Message):
     NUM_PENDING_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_SERVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_SERVICE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     kv_usage: float
@@ -137,7 +138,8 @@ class LoadResponse(_message.Message):
     num_pending_tokens: int
     max_queued_requests: int
     memory_service_id: str
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., num_pending_tokens: _Optional[int] = ..., max_queued_requests: _Optional[int] = ..., memory_service_id: _Optional[str] = ...) -> None: ...
+    memory_service_epoch: str
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., num_pending_tokens: _Optional[int] = ..., max_queued_requests: _Optional[int] = ..., memory_service_id: _Optional[str] = ..., memory_service_epoch: _Optional[str] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()
@@ -154,7 +156,7 @@ class TokenizerFile(_message.Message):
     def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model_name", "max_model_len", "block_size", "dtype", "device", "vocab_size", "eos_token_ids", "bos_token_id", "pad_token_id", "chat_template", "tokenizer_files", "max_n", "max_logprobs", "max_stop_strings", "default_params", "num_kv_blocks", "memory_service_id", "kv_tiers", "kernels")
+    __slots__ = ("model_name", "max_model_len", "block_size", "dtype", "device", "vocab_size", "eos_token_ids", "bos_token_id", "pad_token_id", "chat_template", "tokenizer_files", "max_n", "max_logprobs", "max_stop_strings", "default_params", "num_kv_blocks", "memory_service_id", "kv_tiers", "kernels", "memory_service_epoch")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -174,6 +176,7 @@ class InfoResponse(_message.Message):
     MEMORY_SERVICE_ID_FIELD_NUMBER: _ClassVar[int]
     KV_TIERS_FIELD_NUMBER: _ClassVar[int]
     KERNELS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_SERVICE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     max_model_len: int
     block_size: int
@@ -193,7 +196,8 @@ class InfoResponse(_message.Message):
     memory_service_id: str
     kv_tiers: _containers.RepeatedCompositeFieldContainer[KvTier]
     kernels: str
-    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., pad_token_id: _Optional[int] = ..., chat_template: _Optional[str] = ..., tokenizer_files: _Optional[_Iterable[_Union[TokenizerFile, _Mapping]]] = ..., max_n: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., max_stop_strings: _Optional[int] = ..., default_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_kv_blocks: _Optional[int] = ..., memory_service_id: _Optional[str] = ..., kv_tiers: _Optional[_Iterable[_Union[KvTier, _Mapping]]] = ..., kernels: _Optional[str] = ...) -> None: ...
+    memory_service_epoch: str
+    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., pad_token_id: _Optional[int] = ..., chat_template: _Optional[str] = ..., tokenizer_files: _Optional[_Iterable[_Union[TokenizerFile, _Mapping]]] = ..., max_n: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., max_stop_strings: _Optional[int] = ..., default_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_kv_blocks: _Optional[int] = ..., memory_service_id: _Optional[str] = ..., kv_tiers: _Optional[_Iterable[_Union[KvTier, _Mapping]]] = ..., kernels: _Optional[str] = ..., memory_service_epoch: _Optional[str] = ...) -> None: ...
 
 class KvTier(_message.Message):
     __slots__ = ("kind", "capacity_bytes", "capacity_blocks")

@@ -67,7 +67,7 @@ class CudaIpcHandle(_message.Message):
     def __init__(self, device_index: _Optional[int] = ..., storage_handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
-    __slots__ = ("client_id", "pool", "num_blocks", "block_size", "lease_ttl_s", "num_reserved_blocks", "reserved_min_priority", "memory_service_id", "tiers")
+    __slots__ = ("client_id", "pool", "num_blocks", "block_size", "lease_ttl_s", "num_reserved_blocks", "reserved_min_priority", "memory_service_id", "tiers", "memory_service_epoch")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +77,7 @@ class AttachResponse(_message.Message):
     RESERVED_MIN_PRIORITY_FIELD_NUMBER: _ClassVar[int]
     MEMORY_SERVICE_ID_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_SERVICE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     pool: PoolDescriptor
     num_blocks: int
@@ -86,7 +87,8 @@ class AttachResponse(_message.Message):
     reserved_min_priority: int
     memory_service_id: str
     tiers: _containers.RepeatedCompositeFieldContainer[KvTier]
-    def __init__(self, client_id: _Optional[str] = ..., pool: _Optional[_Union[PoolDescriptor, _Mapping]] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ..., num_reserved_blocks: _Optional[int] = ..., reserved_min_priority: _Optional[int] = ..., memory_service_id: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[KvTier, _Mapping]]] = ...) -> None: ...
+    memory_service_epoch: str
+    def __init__(self, client_id: _Optional[str] = ..., pool: _Optional[_Union[PoolDescriptor, _Mapping]] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ..., num_reserved_blocks: _Optional[int] = ..., reserved_min_priority: _Optional[int] = ..., memory_service_id: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[KvTier, _Mapping]]] = ..., memory_service_epoch: _Optional[str] = ...) -> None: ...
 
 class KvTier(_message.Message):
     __slots__ = ("kind", "capacity_bytes")
