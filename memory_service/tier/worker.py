@@ -41,6 +41,7 @@ miss of the disk tier (the last) is a walk that ended on a block no tier holds.
 from __future__ import annotations
 
 import collections
+import contextlib
 import queue
 import threading
 import time
@@ -312,6 +313,10 @@ class TierWorker:
             except Exception as exc:  # a failed load is recomputed, never an error (logged here)
                 log.error("kv_tier_load_failed", seq_id=load.seq_id, num_loaded=num_loaded,
                           error=type(exc).__name__, exc_info=exc)
+                if self._pool.is_cuda:  # copies issued may not have landed: trust none of them
+                    num_loaded = 0
+                    with contextlib.suppress(Exception):  # before the slots they read are released
+                        torch.cuda.synchronize(self._pool.device)
             finally:
                 for slot_view in held:  # after the synchronisation: no copy reads these slots any more
                     if slot_view is not None:

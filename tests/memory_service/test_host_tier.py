@@ -138,6 +138,7 @@ def test_evicted_blocks_come_back_from_host_ram_as_cached_tokens(tmp_path: Path)
         assert (host.num_hits, host.num_misses, host.num_loads, host.num_bytes_read) == (3, 1, 1, 3 * BLOCK_BYTES)
         assert alloc.stats().prefix_cache_hits == 12
         assert not (tmp_path / "tier").exists()
+        assert not alloc.tier.host.is_pinned  # a CPU pool: plain host memory (page-locked only for CUDA)
         assert alloc.check_integrity() is None
     finally:
         alloc.close()
