@@ -12,8 +12,13 @@ Prints a table, then as its last line one JSON object:
 - ``working_set``: ``--docs`` documents of ``--doc-tokens`` tokens asked about (a document and a short
   question) in a skewed (Zipf) order, the pool a tenth of the documents: prefix hit rate and mean
   TTFT with and without the tier.
-- ``no_reuse``: unique prompts, nothing shared: generated tokens per second with the tier on against
-  off (goal: within 3%; the write-behind must not slow the engine).
+- ``no_reuse``: the realistic workload (bench_throughput's), new prompts every run, so the tier is
+  written and never read: tokens per second with the tier on against off, alternating pairs of runs
+  (goal: within 3%; the write-behind must not slow the engine). ``benchmarks/kv_tier/no_reuse.py``.
+- ``faults``: real memory and compute service processes (``pagedserve.stack``), greedy: the memory
+  service SIGKILLed mid-write, a flipped and a truncated block file, a full disk (a tmpfs): per
+  scenario the same tokens as cold or not, files removed, write errors, the log lines.
+  ``benchmarks/kv_tier/faults.py``.
 - ``returning_host`` (``--scenarios returning_host``): the returning prompt again, with the host-RAM
   tier alone (``--kv-host-bytes``, ``--host-bytes``) and with the disk tier alone, each a pair of
   its own: TTFT recomputed, from RAM and from disk, and each tier's speedup over recomputing.
@@ -26,14 +31,17 @@ in ``pagedserve up`` minus the gateway), the default model unless ``--model``. T
 compare runs of one machine, and read the CPU and the disk figures with them.
 
     python -m benchmarks.bench_kv_tier [--model default] [--prompt-tokens 4000] [--docs 12] [--doc-tokens 512]
-                                       [--requests 24] [--no-reuse-prompts 8] [--no-reuse-tokens 256]
-                                       [--no-reuse-rounds 4] [--vocab 40000] [--dir DIR]
-                                       [--scenarios returning,working_set,returning_host] [--host-bytes N]
+                                       [--requests 24] [--no-reuse-requests 128] [--no-reuse-pairs 2]
+                                       [--fault-prompt-blocks 64] [--vocab 40000] [--dir DIR]
+                                       [--scenarios returning,working_set,no_reuse,faults,returning_host]
+                                       [--host-bytes N]
+    python -m benchmarks.bench_kv_tier --scenarios no_reuse,faults --quick   # a smoke run of those two
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -48,6 +56,9 @@ from typing import Any
 from compute_service import LLM
 from compute_service.engine.sampling_params import SamplingParams
 from pagedserve.log import configure_logging
+
+from benchmarks.kv_tier.faults import QUICK_FAULTS, FaultSizes, run_faults
+from benchmarks.kv_tier.no_reuse import QUICK_NO_REUSE, NoReuseSizes, run_no_reuse
 
 BLOCK_SIZE = 16
 FIRST_TOKEN = 100  # prompts are random ids in [FIRST_TOKEN, --vocab): no special tokens
@@ -178,22 +189,17 @@ def returning_per_tier(args: argparse.Namespace, root: Path, rng: random.Random)
     return {"returning_host": figures}
 
 
-def working_set_and_no_reuse(args: argparse.Namespace, root: Path, rng: random.Random) -> dict[str, Any]:
-    """The skewed working set 10x the pool, then unique prompts, each with the tier on and off."""
+def working_set(args: argparse.Namespace, root: Path, rng: random.Random) -> dict[str, Any]:
+    """The skewed working set 10x the pool, with the tier and without."""
     docs = [[rng.randrange(FIRST_TOKEN, args.vocab) for _ in range(args.doc_tokens)] for _ in range(args.docs)]
     weights = [1 / (rank + 1) ** 1.1 for rank in range(args.docs)]  # Zipf
     order = rng.choices(range(args.docs), weights, k=args.requests)
     questions = [[rng.randrange(FIRST_TOKEN, args.vocab) for _ in range(16)] for _ in order]
-    # A tenth of the documents, but room for one request of either kind.
-    num_blocks = max(-(-args.docs * args.doc_tokens // (10 * BLOCK_SIZE)), -(-(args.doc_tokens + 64) // BLOCK_SIZE),
-                     2 * -(-(args.no_reuse_tokens + 32) // BLOCK_SIZE))
-    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    # A tenth of the documents, but room for one request.
+    num_blocks = max(-(-args.docs * args.doc_tokens // (10 * BLOCK_SIZE)), -(-(args.doc_tokens + 64) // BLOCK_SIZE))
     results: dict[str, Any] = {"working_set": {"docs": args.docs, "doc_tokens": args.doc_tokens,
-                                               "requests": args.requests, "pool_blocks": num_blocks},
-                               "no_reuse": {"prompts": args.no_reuse_prompts, "rounds": args.no_reuse_rounds}}
+                                               "requests": args.requests, "pool_blocks": num_blocks}}
     common = {"max_num_blocks": num_blocks, "block_size": BLOCK_SIZE, "max_num_batched_tokens": 2048}
-    # Both engines live side by side, so the no-reuse rounds can alternate between them (tier, no
-    # tier, no tier, tier, ...): on a shared machine the load drifts more than the 3% asked of them.
     with LLM(args.model, kv_disk_dir=str(root / "ws-tier"), **common) as tier_llm, LLM(args.model, **common) as plain:
         llms = {"tier": tier_llm, "no_tier": plain}
         for label, llm in llms.items():
@@ -210,22 +216,6 @@ def working_set_and_no_reuse(args: argparse.Namespace, root: Path, rng: random.R
                 t = llm.memory_stats().tiers[0]
                 results["working_set"][label] |= {"tier_hits_blocks": t.num_hits, "tier_misses": t.num_misses,
                                                   "tier_loads": t.num_loads, "tier_loads_skipped": t.num_loads_skipped}
-        tokens, seconds = {"tier": 0, "no_tier": 0}, {"tier": 0.0, "no_tier": 0.0}
-        for round_ in range(args.no_reuse_rounds):
-            labels = ["tier", "no_tier"] if round_ % 2 == 0 else ["no_tier", "tier"]
-            for label in labels:
-                unique = [[rng.randrange(FIRST_TOKEN, args.vocab) for _ in range(args.no_reuse_tokens)]
-                          for _ in range(args.no_reuse_prompts)]
-                start = time.perf_counter()
-                outputs = llms[label].generate(unique, sampling_params=params)
-                seconds[label] += time.perf_counter() - start
-                tokens[label] += sum(len(o.token_ids) for o in outputs)
-        tier_written = tier_llm.memory_stats().tiers[0].num_bytes_written
-    nr = results["no_reuse"]
-    for label in tokens:
-        nr[f"{label}_tok_s"] = round(tokens[label] / seconds[label], 2)
-    nr["tier_vs_no_tier"] = round(nr["tier_tok_s"] / nr["no_tier_tok_s"], 3)
-    nr["tier_bytes_written"] = tier_written
     return results
 
 
@@ -239,18 +229,34 @@ def main() -> None:
     parser.add_argument("--docs", type=int, default=12)
     parser.add_argument("--doc-tokens", type=int, default=512)
     parser.add_argument("--requests", type=int, default=24)
-    parser.add_argument("--no-reuse-prompts", type=int, default=8)
-    parser.add_argument("--no-reuse-rounds", type=int, default=4, help="alternating rounds of them, per engine")
-    parser.add_argument("--scenarios", default="returning,working_set",
-                        help="which to run: returning (with the warm restart), working_set (with no-reuse), "
-                             "returning_host (the returning prompt from the host tier and from the disk)")
+    parser.add_argument("--no-reuse-requests", type=int, default=None,
+                        help=f"realistic requests of each no-reuse run (default {NoReuseSizes.num_requests})")
+    parser.add_argument("--no-reuse-pairs", type=int, default=None,
+                        help=f"no-reuse runs of each engine, alternating (default {NoReuseSizes.num_pairs})")
+    parser.add_argument("--fault-prompt-blocks", type=int, default=None,
+                        help=f"full blocks of each faults prompt (default {FaultSizes.prompt_blocks})")
+    parser.add_argument("--quick", action="store_true",
+                        help="the no_reuse and faults scenarios at smoke-test size (a few short prompts)")
+    parser.add_argument("--dtype", default=None, help="the engines' dtype (default: theirs, auto)")
+    parser.add_argument("--scenarios", default="returning,working_set,no_reuse,faults",
+                        help="which to run, comma-separated: returning (with the warm restart), working_set, "
+                             "no_reuse, faults, returning_host (the returning prompt from the host tier and from "
+                             "the disk)")
     parser.add_argument("--host-bytes", type=int, default=2 << 30, help="the host tier's budget (returning_host)")
     parser.add_argument("--dir", default=None, help="where the tier directories go (default: a temporary one)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vocab", type=int, default=40000, help="prompts draw ids below this (within the model's)")
     parser.add_argument("--probe-mb", type=int, default=256, help="size of the disk read bandwidth probe")
-    parser.add_argument("--no-reuse-tokens", type=int, default=256, help="tokens of each no-reuse prompt")
     args = parser.parse_args()
+    scenarios = args.scenarios.split(",")
+    unknown = set(scenarios) - {"returning", "working_set", "no_reuse", "faults", "returning_host"}
+    if unknown:
+        parser.error(f"--scenarios: unknown {sorted(unknown)}")
+    no_reuse = QUICK_NO_REUSE if args.quick else NoReuseSizes()
+    no_reuse = dataclasses.replace(no_reuse, num_requests=args.no_reuse_requests or no_reuse.num_requests,
+                                   num_pairs=args.no_reuse_pairs or no_reuse.num_pairs)
+    faults = QUICK_FAULTS if args.quick else FaultSizes()
+    faults = dataclasses.replace(faults, prompt_blocks=args.fault_prompt_blocks or faults.prompt_blocks)
     configure_logging("warning")
     root = Path(tempfile.mkdtemp(prefix="bench-kv-tier-", dir=args.dir))
     rng = random.Random(args.seed)
@@ -258,11 +264,14 @@ def main() -> None:
         result: dict[str, Any] = {"machine": {"cpu": platform.processor() or platform.machine(),
                                               "cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0]},
                                   "disk": read_bandwidth(root, args.probe_mb << 20)}
-        scenarios = args.scenarios.split(",")
         if "returning" in scenarios:
             result |= returning_and_restart(args, root, rng)
         if "working_set" in scenarios:
-            result |= working_set_and_no_reuse(args, root, rng)
+            result |= working_set(args, root, rng)
+        if "no_reuse" in scenarios:
+            result |= run_no_reuse(args.model, args.dtype, root, no_reuse, args.seed)
+        if "faults" in scenarios:
+            result |= run_faults(args.model, args.dtype, root, faults, args.vocab, FIRST_TOKEN, args.seed)
         if "returning_host" in scenarios:
             result |= returning_per_tier(args, root, rng)
     finally:

@@ -9,8 +9,9 @@ name as one cache (gateway/routing.py).
 The id is random, made when the service starts. With a tier directory it is kept there instead
 (``memory-service-id``), because the directory is what outlives a restart: a new service on the same
 directory finds yesterday's blocks, so it is, for routing, the same cache. A file that is not a
-well-formed id (torn, edited) is replaced by a new one: a wrong id only costs affinity, never
-correctness, since the id predicts hits and decides nothing about which KV is served.
+well-formed id (torn, edited) is replaced by a new one, and one that cannot be written (a full
+disk) is not kept: a wrong id only costs affinity, never correctness, since the id predicts hits and
+decides nothing about which KV is served, so neither stops the service from starting.
 
 The same cache, but not the same pool: a restarted service's pool starts empty, and yesterday's
 blocks are only in its tier. So each start also makes an epoch (``AttachResponse.memory_service_epoch``,
@@ -20,6 +21,7 @@ moves its prediction of that pool's blocks to the tier.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import secrets
@@ -86,8 +88,14 @@ def service_id(directory: str | Path | None) -> str:
     fresh = new_service_id()
     # Written whole under another name, then renamed: a crash leaves the old file or the new one.
     tmp = path / f".{ID_FILE_NAME}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(fresh + "\n")
-    os.replace(tmp, id_file)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(fresh + "\n")
+        os.replace(tmp, id_file)
+    except OSError as exc:  # a full (or failing) disk must not stop the service: the id is this start's only
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        log.warning("memory_service_id_not_kept", path=str(id_file), error=exc.strerror,
+                    reason="the id could not be written; a restart on this directory gets a new one")
     return fresh

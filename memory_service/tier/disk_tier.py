@@ -159,8 +159,9 @@ class DiskTier:
     def open(self, identity: TierIdentity) -> int:
         """Binds the tier to a model and layout, and indexes the files already there (warm restart).
 
-        Leftover temporary files (a write cut short) are removed, and so are files that are not
-        this identity's or whose header is damaged (logged, each). Payloads are checked at load.
+        Leftover temporary files (a write cut short) are removed (one line says how many), and so are
+        files that are not this identity's or whose header is damaged (a line each); ``kv_tier_opened``
+        counts both. Payloads are checked at load.
 
         Args:
             identity: the model and layout whose blocks this tier keeps from now on.
@@ -169,9 +170,12 @@ class DiskTier:
             The number of blocks found.
         """
         found: list[tuple[float, bytes, int]] = []
+        num_partial = 0
+        num_bad_before = self._num_bad_files
         for entry in os.scandir(self.directory):
             if entry.name.startswith(TMP_PREFIX):
                 self._unlink(Path(entry.path))
+                num_partial += 1
                 continue
             if not _NAME_PATTERN.fullmatch(entry.name) or not entry.is_file(follow_symlinks=False):
                 continue  # not ours (e.g. the service's id file)
@@ -195,8 +199,12 @@ class DiskTier:
             self.identity = identity
             self._index = OrderedDict((key, size) for _, key, size in found)
             self._num_bytes = sum(size for _, _, size in found)
+        if num_partial:  # a service killed (or a disk filled) mid-write: said once, not per file
+            log.warning("kv_tier_partial_writes_removed", directory=str(self.directory), num_files=num_partial,
+                        reason="writes cut short (the service stopped mid-write); those blocks are recomputed")
         log.info("kv_tier_opened", directory=str(self.directory), num_blocks=len(found),
-                 num_bytes=self._num_bytes, capacity_bytes=self.capacity_bytes)
+                 num_bytes=self._num_bytes, capacity_bytes=self.capacity_bytes,
+                 num_partial_writes_removed=num_partial, num_bad_files_removed=self._num_bad_files - num_bad_before)
         self._evict_until(0)  # a smaller budget than last time
         return len(found)
 

@@ -1,5 +1,6 @@
-"""bench_kv_tier at toy sizes on a tiny random-weight Llama: every scenario reports its figures, the
-tier's answers are the recomputed ones, and its temporary directories are removed."""
+"""bench_kv_tier at toy sizes on tiny random-weight Llamas: every scenario reports its figures, the
+tier's answers are the recomputed ones (after a SIGKILL mid-write, damaged files and a full disk
+too), and its temporary directories (and the faults' tmpfs) are removed."""
 
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from pagedserve.testing.tiny_model import build_service_model
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -16,8 +21,7 @@ def test_bench_kv_tier_reports_every_scenario(make_tiny_model, tmp_path: Path) -
     tiny = make_tiny_model("llama")  # vocabulary 128, 256 positions
     cmd = [sys.executable, "-m", "benchmarks.bench_kv_tier", "--model", str(tiny.path), "--vocab", "128",
            "--prompt-tokens", "96", "--pool-extra-tokens", "64", "--docs", "4", "--doc-tokens", "64",
-           "--requests", "6", "--no-reuse-prompts", "2", "--no-reuse-rounds", "2", "--no-reuse-tokens", "64",
-           "--probe-mb", "4", "--dir", str(tmp_path)]
+           "--requests", "6", "--probe-mb", "4", "--dir", str(tmp_path), "--scenarios", "returning,working_set"]
     done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
                           text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -28,7 +32,7 @@ def test_bench_kv_tier_reports_every_scenario(make_tiny_model, tmp_path: Path) -
     assert restart["cached_share"] == 0.833
     assert summary["working_set"]["tier"]["hit_rate"] >= summary["working_set"]["no_tier"]["hit_rate"]
     assert summary["working_set"]["tier"]["tier_loads"] >= 0 and "tier_loads" not in summary["working_set"]["no_tier"]
-    assert summary["no_reuse"]["tier_tok_s"] > 0 and summary["disk"]["cold_read_mb_s"] > 0
+    assert summary["disk"]["cold_read_mb_s"] > 0
     assert list(tmp_path.iterdir()) == []
 
 
@@ -48,3 +52,53 @@ def test_bench_kv_tier_returning_host_scenario(make_tiny_model, tmp_path: Path) 
     assert figures["host_loads"] >= 1 and figures["disk_loads"] >= 1
     assert figures["host_speedup"] > 0 and figures["disk_speedup"] > 0
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One --quick run of the no_reuse and faults scenarios (one process: its imports paid once)."""
+    tmp_path = tmp_path_factory.mktemp("quick")
+    model = build_service_model(tmp_path / "model")  # byte tokenizer with a chat template: the realistic prompts
+    work = tmp_path / "work"
+    work.mkdir()
+    cmd = [sys.executable, "-m", "benchmarks.bench_kv_tier", "--model", str(model.path), "--vocab", "256",
+           "--scenarios", "no_reuse,faults", "--quick", "--dtype", "float32", "--probe-mb", "1", "--dir", str(work)]
+    done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert list(work.iterdir()) == []  # the faults' tmpfs unmounted, every directory removed
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_bench_kv_tier_quick_no_reuse(quick: dict) -> None:
+    no_reuse = quick["no_reuse"]
+    assert no_reuse["tier_tok_s"] > 0 and no_reuse["no_tier_tok_s"] > 0 and len(no_reuse["pair_ratios"]) == 2
+    assert [r["engine"] for r in no_reuse["runs"]] == ["tier", "no_tier", "no_tier", "tier"]  # alternating
+    assert no_reuse["tier_bytes_written"] > 0 and no_reuse["tier_write_errors"] == 0
+    assert no_reuse["tier_loads"] == 0  # written, never read
+
+
+def test_bench_kv_tier_quick_faults(quick: dict) -> None:
+    faults = quick["faults"]
+    killed = faults["sigkill_mid_write"]
+    assert killed["same_tokens"] and killed["integrity_ok"] and killed["wave1_cached_share"] == 0.985  # 64 of 65
+    assert killed["files_removed"] == 0 and killed["write_errors"] == 0 and killed["partial_files_left"] == 0
+    opened = [json.loads(line) for line in killed["log_lines"] if '"kv_tier_opened"' in line]
+    assert len(opened) == 1 and opened[0]["num_partial_writes_removed"] == killed["partial_files_at_kill"]
+
+    damaged = faults["corrupt_files"]
+    assert damaged["same_tokens"] and damaged["integrity_ok"] and damaged["files_removed"] == 2
+    removed = {json.loads(line)["path"].rsplit("/", 1)[1]: json.loads(line)["problem"]
+               for line in damaged["log_lines"] if "kv_tier_file_removed" in line}
+    # 2 layers x K, V x 16 tokens x 2 KV heads x head dim 16 x 4 bytes, and a 140-byte header
+    assert removed == {damaged["flipped"]: "payload checksum mismatch",
+                       damaged["truncated"]: "truncated (4166 bytes, expected 8332)"}
+    assert damaged["cached_share"] < killed["wave1_cached_share"]  # what followed a bad block was recomputed
+
+    full = faults["full_disk"]
+    if faults["filesystem"] == "tmpfs":  # mount allowed here (CAP_SYS_ADMIN)
+        assert full["same_tokens"] and full["integrity_ok"] and full["write_errors"] > 0
+        assert full["log_lines"] and all('"error": "ENOSPC"' in line for line in full["log_lines"])
+        assert full["fresh_service_starts"]
+    else:
+        assert "no tmpfs here" in full["skipped"]

@@ -7,6 +7,7 @@ import stat
 from pathlib import Path
 
 import pytest
+from structlog.testing import capture_logs
 
 from pagedserve.errors import PreconditionError
 
@@ -98,6 +99,24 @@ def test_truncated_file_is_removed_at_open(tmp_path: Path) -> None:
     path.write_bytes(path.read_bytes()[: HEADER_SIZE + 7])
     reopened = open_tier(tmp_path)
     assert KEYS[0] in reopened and KEYS[1] not in reopened and not path.exists()
+
+
+def test_open_says_how_many_partial_writes_and_bad_files_it_removed(tmp_path: Path) -> None:
+    tier = open_tier(tmp_path)
+    assert tier.put(KEYS[0], NS, payload(0)) and tier.put(KEYS[1], NS, payload(1))
+    path = tmp_path / f"{KEYS[1].hex()}.kv"
+    path.write_bytes(path.read_bytes()[: HEADER_SIZE + 7])  # truncated
+    for name in (".tmp-a", ".tmp-b"):  # writes a SIGKILL cut short
+        (tmp_path / name).write_bytes(b"cut short")
+    with capture_logs() as events:
+        open_tier(tmp_path)
+    by_event = {e["event"]: e for e in events}
+    assert by_event["kv_tier_partial_writes_removed"]["num_files"] == 2
+    assert by_event["kv_tier_partial_writes_removed"]["log_level"] == "warning"
+    assert by_event["kv_tier_file_removed"]["path"] == str(path)
+    opened = by_event["kv_tier_opened"]
+    assert (opened["num_blocks"], opened["num_partial_writes_removed"], opened["num_bad_files_removed"]) == (1, 2, 1)
+    assert files(tmp_path) == [f"{KEYS[0].hex()}.kv"]
 
 
 def test_lru_within_the_budget(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ import stat
 from pathlib import Path
 
 import pytest
+from structlog.testing import capture_logs
 
 from memory_service.identity import ID_FILE_NAME, KvTierInfo, service_id
 
@@ -33,6 +34,20 @@ def test_a_torn_or_edited_id_file_is_replaced(tmp_path: Path, content: str) -> N
     fresh = service_id(tmp_path)
     assert fresh.startswith("ms-") and fresh != content.strip()
     assert service_id(tmp_path) == fresh
+
+
+def test_a_full_disk_leaves_the_id_unkept_instead_of_failing_the_start(tmp_path: Path) -> None:
+    """Seen with the tier on a full tmpfs: the id's write failed with ENOSPC and the memory service
+    exited with a traceback before serving. /dev/full gives the same ENOSPC without a mount: the
+    temporary file's name points there."""
+    (tmp_path / f".{ID_FILE_NAME}.{os.getpid()}.tmp").symlink_to("/dev/full")
+    with capture_logs() as events:
+        first = service_id(tmp_path)
+    assert first.startswith("ms-") and [e["event"] for e in events] == ["memory_service_id_not_kept"]
+    assert events[0]["error"] == "No space left on device"
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing kept, nothing left behind
+    assert service_id(tmp_path) != first  # the disk has room again: a new id, kept from now on
+    assert (tmp_path / ID_FILE_NAME).exists()
 
 
 def test_tier_info_is_validated() -> None:

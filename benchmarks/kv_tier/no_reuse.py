@@ -1,0 +1,103 @@
+"""What the tier costs when nothing is reused (issue 29: "within 3% of off; the write-back must not
+slow the engine"): the realistic workload offline, through ``LLM``, the tier on against off.
+
+The workload is bench_throughput's realistic one (benchmarks/throughput/realistic.py: English chat
+prompts with a ShareGPT-like length mix, outputs sampled at temperature 0.8 and run to their drawn
+length), with bench_throughput's engine settings (a 512 MiB pool, 256 sequences, 2,048 tokens a
+step). Every run draws new prompts (seed + pair), so nothing but the chat template's first block or
+two is shared and the tier is written and never read: each pair runs one workload on both engines,
+which live side by side (two LLMs, two memory services, one with ``kv_disk_dir``), the order
+alternating between pairs (tier first, then the plain engine first), because a shared machine's
+load drifts more than the 3% asked of them. The ratio is of the total tokens per second of each.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from compute_service import LLM
+from compute_service.engine.outputs import RequestOutput, collect
+from compute_service.engine.sampling_params import SamplingParams
+
+from benchmarks.throughput.realistic import make_realistic_workload
+from benchmarks.throughput.workload import Request
+
+
+@dataclass(frozen=True)
+class NoReuseSizes:
+    """Args:
+        num_requests: prompts of each run.
+        num_pairs: runs of each engine (>= 2: the order alternates).
+        max_prompt_tokens, max_output_tokens: caps on the drawn lengths (None: the workload's own).
+        kv_cache_bytes: each engine's pool.
+    """
+
+    num_requests: int = 128
+    num_pairs: int = 2
+    max_prompt_tokens: int | None = None
+    max_output_tokens: int | None = None
+    kv_cache_bytes: int = 512 << 20
+
+    def __post_init__(self) -> None:
+        if self.num_requests < 1 or self.num_pairs < 2:
+            raise ValueError(f"no-reuse sizes out of range: {self}")
+
+
+QUICK_NO_REUSE = NoReuseSizes(num_requests=4, num_pairs=2, max_prompt_tokens=96, max_output_tokens=8,
+                              kv_cache_bytes=64 << 20)
+
+
+def workload(llm: LLM, sizes: NoReuseSizes, seed: int) -> list[Request]:
+    """The realistic requests of one pair, cut to the caps (and to the model's context)."""
+    requests = make_realistic_workload(llm.tokenizer, sizes.num_requests, seed)
+    max_output = min(sizes.max_output_tokens or 1 << 30, llm.model_config.max_position // 2)
+    max_prompt = min(sizes.max_prompt_tokens or 1 << 30, llm.model_config.max_position - max_output)
+    return [replace(r, prompt_token_ids=r.prompt_token_ids[:max_prompt], max_tokens=min(r.max_tokens, max_output))
+            for r in requests]
+
+
+def run_workload(llm: LLM, requests: list[Request], name: str) -> tuple[int, float]:
+    """All ``requests`` at once, stepped to the end: (tokens generated, seconds)."""
+    engine = llm.engine
+    results: dict[str, RequestOutput] = {}
+    started = time.perf_counter()
+    for i, r in enumerate(requests):
+        engine.add_request(f"{name}-{i}", r.prompt_token_ids, SamplingParams(
+            max_tokens=r.max_tokens, temperature=r.temperature, top_p=r.top_p, ignore_eos=True))
+    while engine.has_unfinished():
+        collect(results, engine.step())
+    seconds = time.perf_counter() - started
+    return sum(len(out.token_ids) for out in results.values()), seconds
+
+
+def run_no_reuse(model: str, dtype: str | None, root: Path, sizes: NoReuseSizes, seed: int) -> dict[str, Any]:
+    """The alternating pairs (module docstring); returns the ``no_reuse`` section of the JSON."""
+    common: dict[str, Any] = {"kv_cache_bytes": sizes.kv_cache_bytes, "max_num_seqs": 256,
+                              "max_num_batched_tokens": 2048, "block_size": 16, **({"dtype": dtype} if dtype else {})}
+    runs: list[dict[str, Any]] = []
+    with LLM(model, kv_disk_dir=str(root / "no-reuse-tier"), **common) as tier_llm, LLM(model, **common) as plain:
+        llms = {"tier": tier_llm, "no_tier": plain}
+        pairs = [workload(plain, sizes, seed + pair) for pair in range(sizes.num_pairs)]
+        warm_up = [pairs[0][0].prompt_token_ids[0]] * 8  # shares no block with any request
+        for llm in llms.values():  # the first steps load kernels: not part of any run
+            llm.generate([warm_up], max_tokens=2, temperature=0.0, ignore_eos=True)
+        for pair, requests in enumerate(pairs):
+            for label in (["tier", "no_tier"] if pair % 2 == 0 else ["no_tier", "tier"]):
+                tokens, seconds = run_workload(llms[label], requests, f"pair{pair}")
+                runs.append({"pair": pair, "engine": label, "tokens": tokens, "seconds": seconds})
+        tier = next(t for t in tier_llm.memory_stats().tiers if t.kind == "disk")
+    result: dict[str, Any] = {"requests": sizes.num_requests, "pairs": sizes.num_pairs}
+    by_engine = {label: [r for r in runs if r["engine"] == label] for label in llms}
+    for label, mine in by_engine.items():
+        result[f"{label}_tok_s"] = round(sum(r["tokens"] for r in mine) / sum(r["seconds"] for r in mine), 2)
+    result["tier_vs_no_tier"] = round(result["tier_tok_s"] / result["no_tier_tok_s"], 3)
+    result["pair_ratios"] = [round((t["tokens"] / t["seconds"]) / (p["tokens"] / p["seconds"]), 3)
+                             for t, p in zip(by_engine["tier"], by_engine["no_tier"])]
+    result |= {"tier_bytes_written": tier.num_bytes_written, "tier_write_errors": tier.num_write_errors,
+               "tier_loads": tier.num_loads, "tier_hits": tier.num_hits,
+               "runs": [{**r, "seconds": round(r["seconds"], 2), "tok_s": round(r["tokens"] / r["seconds"], 2)}
+                        for r in runs]}
+    return {"no_reuse": result}
