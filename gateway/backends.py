@@ -184,7 +184,11 @@ class Backend:
                     or load.memory_service_id not in ("", self.info.memory_service_id)
                     or load.memory_service_epoch not in ("", self.info.memory_service_epoch)):
                 self.info = await self.stub.Info(compute_pb2.InfoRequest(), timeout=timeout_s)
-                self.cache = self._caches.model_for(self.address, self.info)
+                # A compute service between two leases (its memory service restarting) describes no
+                # pool: its model stays until it attaches and names one. Switching to a model of its
+                # own would drop the memory service's model, tier predictions included.
+                if self.info.num_kv_blocks:
+                    self.cache = self._caches.model_for(self.address, self.info)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 self._num_slow_polls += 1

@@ -24,16 +24,22 @@ class ScriptedBackend:
         self.memory_service_id = "ms-1"
         self.epoch = epoch
         self.tier_blocks = tier_blocks
+        self.is_attached = True  # False: between two leases (NOT_SERVING, no pool), as the real one
         self.num_info_calls = 0
 
     async def Check(self, request: object, timeout: float) -> health_pb2.HealthCheckResponse:
-        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+        status = health_pb2.HealthCheckResponse
+        return status(status=status.SERVING if self.is_attached else status.NOT_SERVING)
 
     async def Load(self, request: object, timeout: float) -> compute_pb2.LoadResponse:
+        if not self.is_attached:
+            return compute_pb2.LoadResponse()
         return compute_pb2.LoadResponse(memory_service_id=self.memory_service_id, memory_service_epoch=self.epoch)
 
     async def Info(self, request: object, timeout: float) -> compute_pb2.InfoResponse:
         self.num_info_calls += 1
+        if not self.is_attached:
+            return compute_pb2.InfoResponse(model_name="m")
         tiers = [compute_pb2.KvTier(kind="disk", capacity_blocks=self.tier_blocks)] if self.tier_blocks else []
         return compute_pb2.InfoResponse(model_name="m", num_kv_blocks=8, memory_service_id=self.memory_service_id,
                                         memory_service_epoch=self.epoch, kv_tiers=tiers)
@@ -104,6 +110,18 @@ def test_a_memory_service_restarted_under_its_id_has_its_pool_hits_demoted_to_ti
         sibling_script.epoch = "e2"  # it re-attached: the epoch the model knows
         await sibling.poll(1.0)
         assert sibling_script.num_info_calls == 3 and sibling.cache.match(later) == CacheMatch(1, 0)
+        # Restarted again, and this time polled while the compute services re-attach (NOT_SERVING,
+        # an Info that names no pool): the memory service's model outlives it, then is demoted.
+        for s in (script, sibling_script):
+            s.is_attached = False
+        for _ in range(2):
+            await asyncio.gather(backend.poll(1.0), sibling.poll(1.0))
+        assert not backend.is_healthy and backend.cache is sibling.cache
+        for s in (script, sibling_script):
+            s.is_attached, s.epoch = True, "e3"
+        await asyncio.gather(backend.poll(1.0), sibling.poll(1.0))
+        assert backend.is_healthy and backend.cache is sibling.cache
+        assert backend.cache.match(later) == CacheMatch(0, 1)
         await asyncio.gather(backend.close(), sibling.close())
 
     asyncio.run(scenario())
