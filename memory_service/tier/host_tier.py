@@ -19,8 +19,8 @@ what survives one).
 Thread safety: one lock over the index, the slots' pins and the counters. ``put`` copies into a slot
 under that lock (the writer calls it under the manager's lock too: lock order manager -> host).
 ``acquire`` pins a slot for a load and returns its view; the loader copies from it without the lock
-and ``release``-s it after (after a device synchronisation on CUDA): a pinned slot is never reused,
-so a put never overwrites bytes a copy is still reading.
+and ``release``-s it after (after a device synchronisation on CUDA; its bytes count as read then): a
+pinned slot is never reused, so a put never overwrites bytes a copy is still reading.
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ class HostTier:
             ns_key: the namespace key it must carry (else a miss).
 
         Returns:
-            ``(slot, view)``, or None when it is not here. Call ``release(slot)`` once copied.
+            ``(slot, view)``, or None when it is not here. Call ``release`` once copied (or not needed).
         """
         with self._lock:
             entry = self._index.get(key)
@@ -137,13 +137,20 @@ class HostTier:
                 return None
             self._index.move_to_end(key)
             self._pins[entry.slot] += 1
-            self._num_bytes_read += self.identity.bytes_per_block
             return entry.slot, self._buffer[entry.slot]
 
-    def release(self, slot: int) -> None:
-        """Ends a load's read of ``slot`` (``acquire``)."""
+    def release(self, slot: int, is_read: bool) -> None:
+        """Ends a load's pin of ``slot`` (``acquire``).
+
+        Args:
+            slot: the slot ``acquire`` answered.
+            is_read: the load copied it (counted as bytes read); False for a block it pinned but
+                never reached (it stopped on an earlier block no tier held any more).
+        """
         with self._lock:
             self._pins[slot] -= 1
+            if is_read:
+                self._num_bytes_read += self.identity.bytes_per_block
 
     # --- writes -------------------------------------------------------------------------------
 

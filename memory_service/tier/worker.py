@@ -286,12 +286,14 @@ class TierWorker:
             # The host tier's blocks of this load pinned first: a disk block put in the host tier on
             # its way (below) then never evicts a block this same load is about to copy from there.
             held = [host.acquire(key, load.ns_key) if host is not None else None for key in load.hashes]
+            is_read = [False] * len(held)  # per held slot: copied from (it stops at a block no tier has)
             try:
-                for key, block_id, slot_view in zip(load.hashes, load.block_ids, held):
+                for i, (key, block_id, slot_view) in enumerate(zip(load.hashes, load.block_ids, held)):
                     target = self._pool[:, :, block_id]
                     t0 = time.monotonic()
                     if slot_view is not None:
                         target.copy_(slot_view[1], non_blocking=True)  # from page-locked memory on CUDA
+                        is_read[i] = True
                         read_s[HOST] += time.monotonic() - t0
                         num_read[HOST] += 1
                     else:
@@ -318,9 +320,9 @@ class TierWorker:
                     with contextlib.suppress(Exception):  # before the slots they read are released
                         torch.cuda.synchronize(self._pool.device)
             finally:
-                for slot_view in held:  # after the synchronisation: no copy reads these slots any more
+                for slot_view, was_read in zip(held, is_read):  # after the synchronisation: no copy reads them
                     if slot_view is not None:
-                        host.release(slot_view[0])
+                        host.release(slot_view[0], was_read)
             elapsed_s = time.monotonic() - start
             with self._lock:
                 self._manager.finish_load(load, num_loaded)

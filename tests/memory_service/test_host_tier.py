@@ -46,14 +46,14 @@ def test_lru_within_the_byte_budget() -> None:
         assert host.put(KEYS[i], NS, block(i))
     slot, view = host.acquire(KEYS[0], NS)  # a read makes KEYS[0] the youngest
     assert (view == 0.0).all()
-    host.release(slot)
+    host.release(slot, is_read=True)
     assert host.put(KEYS[3], NS, block(3))  # evicts the least recently used: KEYS[1]
     assert host.keys() == [KEYS[2], KEYS[0], KEYS[3]]
     assert host.put(KEYS[2], NS, block(99))  # held already: only made young, not copied again
     assert host.keys() == [KEYS[0], KEYS[3], KEYS[2]]
     slot, view = host.acquire(KEYS[2], NS)
     assert (view == 2.0).all()
-    host.release(slot)
+    host.release(slot, is_read=True)
     assert host.num_leading(KEYS) == 1 and KEYS[1] not in host
     c = host.counters()
     assert (c.num_blocks, c.num_bytes, c.num_bytes_written, c.num_bytes_read, c.num_dropped) == (
@@ -66,10 +66,10 @@ def test_a_block_a_load_reads_is_never_overwritten() -> None:
     slot0, view0 = host.acquire(KEYS[0], NS)
     slot1, _ = host.acquire(KEYS[1], NS)
     assert not host.put(KEYS[2], NS, block(2))  # every slot held by a load: dropped
-    host.release(slot1)
+    host.release(slot1, is_read=True)
     assert host.put(KEYS[2], NS, block(2))  # takes KEYS[1]'s slot, not the held one
     assert (view0 == 0.0).all() and host.keys() == [KEYS[0], KEYS[2]]
-    host.release(slot0)
+    host.release(slot0, is_read=True)
     assert host.counters().num_dropped == 1
 
 
@@ -260,3 +260,28 @@ def test_in_process_host_tier_needs_a_fingerprint_and_a_sound_budget(tmp_path: P
     with pytest.raises(ValueError, match="kv_host_bytes must be >= 1"):
         InProcessAllocator(LAYOUT, BlockManagerConfig(num_blocks=8, block_size=4), kv_host_bytes=0,
                            model_fingerprint="model-a")
+
+
+def test_a_load_cut_short_counts_only_the_bytes_it_read(tmp_path: Path) -> None:
+    """A load pins every host block it may read first; when it stops on a block no tier holds any
+    more (evicted between the lookup and the load), the host blocks after it were never read and
+    count no bytes read."""
+    alloc = allocator(tmp_path, host_blocks=16)
+    try:
+        write_prompt(alloc)
+        host = alloc.tier.host
+        keys = host.keys()
+        # The load starts; its loader waits at its first acquire while a block goes. (The writer has
+        # nothing to put meanwhile: every block of PROMPT is written, the guest's are never queued.)
+        with host._lock:
+            [reply] = alloc.step_with_counts([AllocateOp("s3", PROMPT, len(PROMPT), namespace="ns")]).results
+            assert reply.loading
+            host._free_slots.append(host._index.pop(keys[1]).slot)  # PROMPT's middle block
+        wait_for(lambda: not alloc.tier._queued)  # the load ended and was recorded
+        result, loaded = load(alloc, "s3")
+        assert not loaded and result.ok and result.num_cached_tokens == 4  # the first block; the rest recomputed
+        [stats] = alloc.stats().tiers
+        assert stats.num_bytes_read == BLOCK_BYTES
+        assert alloc.check_integrity() is None
+    finally:
+        alloc.close()
