@@ -422,11 +422,6 @@ class BlockManager:
         """Blocks the client's tier loads in flight pin (its quota counts them)."""
         return self._tier.num_pinned.get(client_id, 0) if self._tier is not None else 0
 
-    def tier_counters(self) -> tuple[int, int, int, int]:
-        """(hits, misses, loads, loads skipped) of the tier's lookups (TierStats)."""
-        t = self._tier
-        return (t.num_hits, t.num_misses, t.num_loads, t.num_loads_skipped) if t is not None else (0, 0, 0, 0)
-
     def _apply_one(self, client_id: str, op: Op, op_type: type) -> OpResult:
         if type(op) is not op_type:
             raise InvalidArgument(f"expected an {op_type.__name__}, got {type(op).__name__}")

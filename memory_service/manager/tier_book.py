@@ -32,9 +32,8 @@ only for a priority that ``ReservedPool`` admits).
 Counters. A sequence's AllocateOp is sent again until it gets its blocks (a pool too full, a quota
 spent, a load running or over), and each try looks the tier up again; the lookup is counted once per
 allocation: when its load starts (the retry then finds the blocks in the pool), else when it gets
-its blocks. ``num_hits`` counts the blocks the tier held right after the pool's prefix (loaded, or
-not: recompute estimated faster, no room), ``num_misses`` the lookups that stopped on a block neither
-held, ``num_loads_skipped`` those whose load recompute was estimated to beat.
+its blocks. The book decides when; the tiers' worker counts what (``TierDirectory.count_lookup``:
+hits, misses and skipped loads per tier, ``tier/worker.py``).
 """
 
 from __future__ import annotations
@@ -70,7 +69,6 @@ class TierLookup:
     Args:
         is_loading: the allocation waits for a load (started by this lookup, or still running).
         num_hits: blocks the tier holds right after the pool's prefix (within the cacheable ones).
-        is_miss: the prefix stopped on a block that neither the pool nor the tier holds.
         is_skipped: the tier's blocks are recomputed: loading them was estimated slower.
         num_pinned: blocks that the load this lookup started pins (0 when it started none).
         keys: the tier keys looked up (past the pool's prefix), for the per-tier counts.
@@ -78,7 +76,6 @@ class TierLookup:
 
     is_loading: bool = False
     num_hits: int = 0
-    is_miss: bool = False
     is_skipped: bool = False
     num_pinned: int = 0
     keys: list[bytes] = field(default_factory=list)
@@ -127,11 +124,6 @@ class TierBook:
         self.loaded: dict[str, set[str]] = {}  # client_id -> seq_ids whose load ended (no second one)
         self.reports: dict[str, list[str]] = {}  # client_id -> seq_ids to report in its next Step
         self.num_pinned: dict[str, int] = {}  # client_id -> blocks its loads in flight pin (its quota's)
-        # Counted once per allocation (module docstring, "Counters").
-        self.num_hits = 0  # blocks found in the tier past a pool prefix
-        self.num_misses = 0  # lookups that ended on a block the tier lacks
-        self.num_loads = 0
-        self.num_loads_skipped = 0  # recompute estimated faster
 
     def add_client(self, client_id: str, identity_digest: bytes | None) -> None:
         if identity_digest is not None:
@@ -174,15 +166,14 @@ class TierBook:
         num_pool = len(prefix_block_ids)
         keys = hashes[num_pool:max_num_blocks]
         num_tier = self.directory.num_leading(keys)
-        is_miss = num_pool + num_tier < max_num_blocks
         if not num_tier:
-            return TierLookup(False, 0, is_miss, keys=keys)
+            return TierLookup(False, 0, keys=keys)
         if not self.directory.worth_loading(keys[:num_tier], self.prefill_speeds.get(client_id, 0.0)):
-            return TierLookup(False, num_tier, is_miss, is_skipped=True, keys=keys)
+            return TierLookup(False, num_tier, is_skipped=True, keys=keys)
         # No more than the quota and the pool leave room for: recompute the rest as they allow.
         num_load = min(num_tier, max_num_load_blocks, pool.num_available(may_use_reserved, sharing=prefix_block_ids))
         if num_load <= 0:
-            return TierLookup(False, num_tier, is_miss, keys=keys)
+            return TierLookup(False, num_tier, keys=keys)
         pool.share(prefix_block_ids)
         block_ids = pool.take(num_load, may_use_reserved)
         end = num_pool + num_load
@@ -191,8 +182,7 @@ class TierBook:
         self.loads[key] = load
         self.new_loads.append(load)
         self.num_pinned[client_id] = self.num_pinned.get(client_id, 0) + end
-        self.num_loads += 1
-        lookup = TierLookup(True, num_tier, is_miss, num_pinned=end, keys=keys)
+        lookup = TierLookup(True, num_tier, num_pinned=end, keys=keys)
         self._count(lookup)
         return lookup
 
@@ -209,9 +199,6 @@ class TierBook:
             self._count(lookup)
 
     def _count(self, lookup: TierLookup) -> None:
-        self.num_hits += lookup.num_hits
-        self.num_misses += lookup.is_miss
-        self.num_loads_skipped += lookup.is_skipped
         if lookup.keys:
             self.directory.count_lookup(lookup.keys, lookup.num_hits, lookup.is_skipped)
 
