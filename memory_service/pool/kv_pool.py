@@ -284,6 +284,24 @@ def check_shm_space(num_bytes: int) -> None:
         )
 
 
+def host_ram_bytes() -> int:
+    """This machine's physical memory, in bytes."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_host_tier_space(num_bytes: int) -> None:
+    """Refuses a host tier (``--kv-host-bytes``) larger than the machine's RAM, at the start: its
+    buffer is only allocated at the first trusted Attach, which would fail (INTERNAL) at every try.
+
+    Raises:
+        PreconditionError: naming both sizes and the flag.
+    """
+    ram = host_ram_bytes()
+    if num_bytes > ram:
+        raise PreconditionError(f"--kv-host-bytes {num_bytes} is more than this machine's RAM ({ram} bytes): "
+                                "lower it")
+
+
 def _pid_is_running(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -53,7 +53,14 @@ from memory_service import convert
 from memory_service.manager.block_manager import BlockManager, BlockManagerConfig, BlockManagerStats
 from memory_service.config import DEFAULT_KV_DISK_BYTES, MAX_NUM_BLOCKS, MemoryServiceConfig
 from memory_service.identity import KvTierInfo, new_epoch, service_id
-from memory_service.pool.kv_pool import KvLayout, KvPool, check_shm_space, create_pool, default_kv_budget
+from memory_service.pool.kv_pool import (
+    KvLayout,
+    KvPool,
+    check_host_tier_space,
+    check_shm_space,
+    create_pool,
+    default_kv_budget,
+)
 from memory_service.service import trust
 from memory_service.tier.disk_tier import DiskTier, TierIdentity
 
@@ -120,6 +127,8 @@ class MemoryManagerServicer(memory_pb2_grpc.MemoryManagerServicer):
         self._opened_identity: TierIdentity | None = None  # the tiers' model and layout, once open
         self.tier: TierWorker | None = None  # once the tiers are open (the module docstring)
         self._tier_lock = asyncio.Lock()
+        if config.kv_host_bytes is not None:  # allocated at the first trusted Attach: refused now if it cannot be
+            check_host_tier_space(config.kv_host_bytes)
         if config.kv_disk_dir is not None:  # made (0700) now: a bad directory fails the start
             self._disk = DiskTier(config.kv_disk_dir, config.kv_disk_bytes or DEFAULT_KV_DISK_BYTES)
         # Told to every client at Attach (memory_service/identity.py); kept in the tier's directory,

@@ -254,6 +254,15 @@ def test_memory_service_refuses_a_bad_host_tier_flag(value: str, needle: str) ->
     assert proc.returncode == 2 and needle in proc.stderr
 
 
+def test_memory_service_refuses_a_host_tier_larger_than_ram_at_start(tmp_path: Path) -> None:
+    """Before serving (exit 1, naming the flag), not at the first trusted Attach (INTERNAL, each time)."""
+    proc = subprocess.run([sys.executable, "-m", "memory_service", "--socket", str(tmp_path / "memory.sock"),
+                           "--kv-host-bytes", str(1 << 60)], capture_output=True, text=True, timeout=60,
+                          env={**os.environ})
+    assert proc.returncode == 1 and f"--kv-host-bytes {1 << 60} is more than this machine's RAM" in proc.stderr
+    assert not (tmp_path / "memory.sock").exists()
+
+
 def test_in_process_host_tier_needs_a_fingerprint_and_a_sound_budget(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="needs a model_fingerprint"):
         InProcessAllocator(LAYOUT, BlockManagerConfig(num_blocks=8, block_size=4), kv_host_bytes=1 << 20)
