@@ -33,7 +33,7 @@ Counters. A sequence's AllocateOp is sent again until it gets its blocks (a pool
 spent, a load running or over), and each try looks the tier up again; the lookup is counted once per
 allocation: when its load starts (the retry then finds the blocks in the pool), else when it gets
 its blocks. The book decides when; the tiers' worker counts what (``TierDirectory.count_lookup``:
-hits, misses and skipped loads per tier, ``tier/worker.py``).
+hits, misses and skipped loads per tier, ``tier/accounts.py``).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class TierDirectory(Protocol):
         ...
 
     def count_lookup(self, keys: list[bytes], num_found: int, is_skipped: bool) -> None:
-        """Counts, per tier (a host tier in front of a disk tier: ``tier/worker.py``), a lookup of
+        """Counts, per tier (a host tier in front of a disk tier: ``tier/accounts.py``), a lookup of
         ``keys`` whose first ``num_found`` the tiers held, and whose load was skipped if so."""
         ...
 

@@ -19,23 +19,10 @@ Two tiers, either or both: the host tier (``host_tier.py``, RAM) in front of the
   (``BlockManager.finish_load``). A block no tier has (or a bad file) ends the load early: what was
   not loaded is recomputed by the client, never an error.
 
-Loading or recomputing (``worth_loading``): each tier's read bandwidth is measured on past loads
-(an average weighted to the recent ones); a load of ``n_host`` blocks from the host tier and
-``n_disk`` from the disk takes about sum over tiers of (the bytes queued there for loads ahead of it
-+ its own) / that tier's bandwidth (one loader thread reads them in turn); recomputing takes
-``n * block_size`` tokens / the prefill speed the client measured and sent with its Step. The load
-goes ahead when it is the faster; while a figure it needs is unknown (a tier's first load, a client
-that sent none) it goes ahead. Both are rough (the disk's read bandwidth depends on the page cache;
-the prefill speed on the batch), which is why the comparison is a plain ratio and not a model: the
-cases it must catch (a slow disk against a fast GPU, as sglang issue 26305 saw) differ by far more
-than the error. Host loads are asynchronous too (the same ``loading`` contract): a memcpy of a long
-prompt's blocks (~180 MB for 4,000 tokens of the default model in float32, ~0.5 GB for an 8B model
-in bf16) inside the Step would hold every client's Step for its duration.
-
-Counters per tier (``stats``): a lookup past the pool's prefix (``count_lookup``, called by the
-book where it counts one) walks the blocks; each found block is a hit of the fastest tier that
-holds it; a miss of the host tier is a block it lacked (found on disk, or the end of the walk); a
-miss of the disk tier (the last) is a walk that ended on a block no tier holds.
+Loading or recomputing (``worth_loading``), and what is counted (``stats``): ``accounts.py``. Host
+loads are asynchronous too (the same ``loading`` contract): a memcpy of a long prompt's blocks (~180
+MB for 4,000 tokens of the default model in float32, ~0.5 GB for an 8B model in bf16) inside the Step
+would hold every client's Step for its duration.
 """
 
 from __future__ import annotations
@@ -45,8 +32,6 @@ import contextlib
 import queue
 import threading
 import time
-from bisect import bisect_left
-from dataclasses import dataclass, field
 
 import torch
 
@@ -56,6 +41,7 @@ from pagedserve.log import get_logger
 from memory_service.manager.block_manager import BlockManager
 from memory_service.manager.block_types import TierStats
 from memory_service.manager.tier_book import TierLoad
+from memory_service.tier.accounts import DISK, HOST, TierAccounts
 from memory_service.tier.disk_tier import DiskTier
 from memory_service.tier.host_tier import HostTier
 
@@ -68,26 +54,6 @@ WRITE_BATCH_BLOCKS = 4
 STAGING_BYTES = 256 << 20
 # How long the writer sleeps when nothing wakes it (a Step wakes it at once).
 WRITER_IDLE_S = 0.05
-# Weight of the newest load in the read bandwidths' moving averages.
-BANDWIDTH_EWMA = 0.3
-# Upper bounds (seconds) of the load latency histogram's buckets (the last one is +Inf).
-LOAD_LATENCY_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
-                          1.0, 2.5, 5.0, 10.0)
-HOST, DISK = "host", "disk"
-
-
-@dataclass
-class _TierTally:
-    """One tier's share of the lookups and loads (``stats``), its measured read bandwidth and queue."""
-
-    num_hits: int = 0
-    num_misses: int = 0
-    num_loads: int = 0
-    num_loads_skipped: int = 0
-    read_bytes_per_s: float | None = None
-    queued_bytes: int = 0  # of loads submitted and not finished, to be read from this tier
-    latency_counts: list[int] = field(default_factory=lambda: [0] * (len(LOAD_LATENCY_BUCKETS_S) + 1))
-    latency_sum_s: float = 0.0  # loads counted for this tier: the slowest each read
 
 
 class TierWorker:
@@ -115,11 +81,9 @@ class TierWorker:
         self._block_shape = identity.block_shape
         self._dtype = DTYPES[identity.dtype]
         self._bytes_per_block = identity.bytes_per_block
-        self._block_size = identity.block_size
         # Fastest first, as StatsResponse.tiers lists them.
-        self._tally = {kind: _TierTally() for kind, t in ((HOST, host), (DISK, disk)) if t is not None}
-        self._queued: dict[int, dict[str, int]] = {}  # id(load) -> blocks by tier, as submitted
-        self._stats_lock = threading.Lock()
+        kinds = [kind for kind, t in ((HOST, host), (DISK, disk)) if t is not None]
+        self.accounts = TierAccounts(kinds, identity.bytes_per_block, identity.block_size, self._tier_of)
         self._stopping = threading.Event()
         self._wake_writer = threading.Event()
         self._loads: queue.SimpleQueue[TierLoad | None] = queue.SimpleQueue()
@@ -138,15 +102,6 @@ class TierWorker:
             return DISK
         return None
 
-    def _split(self, keys: list[bytes]) -> dict[str, int]:
-        """Blocks of ``keys`` by the fastest tier holding each (a block no tier holds counts nowhere)."""
-        split = dict.fromkeys(self._tally, 0)
-        for key in keys:
-            kind = self._tier_of(key)
-            if kind is not None:
-                split[kind] += 1
-        return split
-
     def num_leading(self, keys: list[bytes]) -> int:
         """How many of ``keys``, from the first, some tier holds."""
         num = 0
@@ -157,83 +112,41 @@ class TierWorker:
         return num
 
     def count_lookup(self, keys: list[bytes], num_found: int, is_skipped: bool) -> None:
-        """Counts an allocation's lookup past the pool's prefix in each tier, once (the book calls it
-        where it counts; the module docstring says what): its first ``num_found`` blocks of ``keys``
-        were found, the walk ended short unless that is all of them; a skipped load counts for each
-        tier it would have read."""
-        split = self._split(keys[:num_found])
-        is_short = num_found < len(keys)
-        with self._stats_lock:
-            for kind, count in split.items():
-                self._tally[kind].num_hits += count
-                self._tally[kind].num_loads_skipped += is_skipped and count > 0
-            if HOST in self._tally:  # what the host tier lacked: found on disk, or the end of the walk
-                self._tally[HOST].num_misses += split.get(DISK, 0) + is_short
-            if DISK in self._tally:
-                self._tally[DISK].num_misses += is_short
+        """Counts an allocation's lookup past the pool's prefix, per tier (``TierAccounts.count_lookup``)."""
+        self.accounts.count_lookup(keys, num_found, is_skipped)
 
     def worth_loading(self, keys: list[bytes], prefill_tokens_per_s: float) -> bool:
-        """Whether loading the blocks ``keys`` (all held by some tier) is estimated faster than
-        recomputing them (module docstring); True while a figure it needs is unknown."""
-        split = self._split(keys)
-        with self._stats_lock:
-            load_s = 0.0
-            for kind, tally in self._tally.items():
-                num_bytes = tally.queued_bytes + split[kind] * self._bytes_per_block
-                if num_bytes == 0:
-                    continue
-                if tally.read_bytes_per_s is None:
-                    return True
-                load_s += num_bytes / tally.read_bytes_per_s
-        if prefill_tokens_per_s <= 0:
-            return True
-        return load_s < len(keys) * self._block_size / prefill_tokens_per_s
+        """Whether loading the blocks ``keys`` beats recomputing them (``TierAccounts.worth_loading``)."""
+        return self.accounts.worth_loading(keys, prefill_tokens_per_s)
 
     # --- what the owner calls after each step -------------------------------------------------
 
     def submit(self, loads: list[TierLoad]) -> None:
         """Queues the step's new loads and wakes the writer (the step may have committed blocks)."""
         for load in loads:
-            split = self._split(load.hashes)
-            with self._stats_lock:
-                self._queued[id(load)] = split
-                for kind, count in split.items():
-                    self._tally[kind].queued_bytes += count * self._bytes_per_block
-                    self._tally[kind].num_loads += count > 0
+            self.accounts.add_load(load)
             self._loads.put(load)
         self._wake_writer.set()
 
     def stats(self) -> tuple[TierStats, ...]:
-        """Each tier's counters, fastest first (the module docstring says what the lookups count)."""
-        with self._stats_lock:
-            tally = {kind: (t.num_hits, t.num_misses, t.num_loads, t.num_loads_skipped)
-                     for kind, t in self._tally.items()}
+        """Each tier's counters, fastest first (``accounts.py`` says what the lookups count)."""
+        counts = self.accounts.counts()
         stats = []
         if self.host is not None:
-            c = self.host.counters()
-            hits, misses, loads, skipped = tally[HOST]
-            stats.append(TierStats(HOST, c.num_blocks, c.num_bytes, c.capacity_bytes, hits, misses,
-                                   c.num_bytes_written, c.num_bytes_read, c.num_dropped, 0, loads, skipped))
+            c, n = self.host.counters(), counts[HOST]
+            stats.append(TierStats(HOST, c.num_blocks, c.num_bytes, c.capacity_bytes, n.num_hits, n.num_misses,
+                                   c.num_bytes_written, c.num_bytes_read, c.num_dropped, 0, n.num_loads,
+                                   n.num_loads_skipped))
         if self.disk is not None:
-            c = self.disk.counters()
-            hits, misses, loads, skipped = tally[DISK]
-            stats.append(TierStats(DISK, c.num_blocks, c.num_bytes, c.capacity_bytes, hits, misses,
+            c, n = self.disk.counters(), counts[DISK]
+            stats.append(TierStats(DISK, c.num_blocks, c.num_bytes, c.capacity_bytes, n.num_hits, n.num_misses,
                                    c.num_bytes_written, c.num_bytes_read, c.num_write_errors, c.num_bad_files,
-                                   loads, skipped))
+                                   n.num_loads, n.num_loads_skipped))
         return tuple(stats)
 
     def load_latency(self) -> dict[str, tuple[list[tuple[float, int]], float]]:
-        """Per tier, the load latency histogram: cumulative ``(upper bound s, count)`` buckets (+Inf
-        last) and the sum of the latencies in seconds. A load counts for the slowest tier it read."""
-        result = {}
-        with self._stats_lock:
-            for kind, tally in self._tally.items():
-                buckets, cumulative = [], 0
-                for bound, count in zip((*LOAD_LATENCY_BUCKETS_S, float("inf")), tally.latency_counts):
-                    cumulative += count
-                    buckets.append((bound, cumulative))
-                result[kind] = (buckets, tally.latency_sum_s)
-        return result
+        """Per tier, the load latency histogram (``TierAccounts.load_latency``)."""
+        return self.accounts.load_latency()
 
     def close(self) -> None:
         """Stops both threads (a load in progress ends first; queued ones are dropped)."""
@@ -280,8 +193,8 @@ class TierWorker:
             if load is None or self._stopping.is_set():
                 return
             start = time.monotonic()
-            read_s = dict.fromkeys(self._tally, 0.0)
-            num_read = dict.fromkeys(self._tally, 0)
+            read_s = dict.fromkeys(self.accounts.kinds, 0.0)
+            num_read = dict.fromkeys(read_s, 0)
             num_loaded = 0
             # The host tier's blocks of this load pinned first: a disk block put in the host tier on
             # its way (below) then never evicts a block this same load is about to copy from there.
@@ -326,23 +239,6 @@ class TierWorker:
             elapsed_s = time.monotonic() - start
             with self._lock:
                 self._manager.finish_load(load, num_loaded)
-            self._record(load, num_read, read_s, elapsed_s)
+            self.accounts.record(load, num_read, read_s, elapsed_s)
             log.info("kv_tier_loaded", seq_id=load.seq_id, num_blocks=len(load.block_ids), num_loaded=num_loaded,
                      **{f"num_{kind}_blocks": n for kind, n in num_read.items()}, elapsed_s=round(elapsed_s, 4))
-
-    def _record(self, load: TierLoad, num_read: dict[str, int], read_s: dict[str, float], elapsed_s: float) -> None:
-        """A load's share of the queue, its latency (counted for the slowest tier it read), and each
-        tier's read bandwidth."""
-        slowest = DISK if num_read.get(DISK) or HOST not in self._tally else HOST
-        with self._stats_lock:
-            for kind, count in self._queued.pop(id(load)).items():
-                self._tally[kind].queued_bytes -= count * self._bytes_per_block
-            tally = self._tally[slowest]
-            tally.latency_counts[bisect_left(LOAD_LATENCY_BUCKETS_S, elapsed_s)] += 1
-            tally.latency_sum_s += elapsed_s
-            for kind, count in num_read.items():
-                if count and read_s[kind] > 0:
-                    tally = self._tally[kind]
-                    bandwidth = count * self._bytes_per_block / read_s[kind]
-                    old = tally.read_bytes_per_s
-                    tally.read_bytes_per_s = bandwidth if old is None else old + BANDWIDTH_EWMA * (bandwidth - old)
