@@ -14,13 +14,13 @@ is also imported as `kernels`, and falls back to importing ours and reading that
 
 import torch
 
-from kernels.cpu_linear import PACKED_DTYPES, linear, prepack
+from kernels.cpu_linear import PACKED_DTYPES, keeps_plain, linear, prepack, small_rows
 from kernels.cpu_linear import available as can_prepack
 from kernels.reference import paged_attention_reference, write_kv_reference
-from kernels.step import StepKernels, TorchStep
+from kernels.step import LayerStack, StepKernels, TorchStep
 
-__all__ = ["PACKED_DTYPES", "StepKernels", "can_prepack", "linear", "paged_attention", "plan_step", "prepack",
-           "step_path", "write_kv"]
+__all__ = ["PACKED_DTYPES", "LayerStack", "StepKernels", "can_prepack", "keeps_plain", "linear", "paged_attention",
+           "plan_step", "prepack", "small_rows", "step_path", "write_kv"]
 
 
 def plan_step(slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,

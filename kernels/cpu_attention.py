@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_ops
+from kernels.step import LayerStack
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)  # instantiated in csrc/cpu_ops.cpp
 DTYPES = (torch.float32, torch.bfloat16)  # of the activations and the KV pool; the ops compute in float32
@@ -101,6 +102,17 @@ class CpuAttentionPlan:
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self.ops.silu_mul(gate_up)
+
+    def run_layers(self, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_pool: torch.Tensor,
+                   stack: LayerStack) -> torch.Tensor | None:
+        """All layers in one C++ call (`decoder_layers`: the ops below, layer after layer, without the
+        interpreter between them), unless fresh prompts go through SDPA (`write_and_attend`)."""
+        if self.fresh and not self.ops.avx512_attention(kv_pool.shape[3]):
+            return None
+        return self.ops.decoder_layers(residual, None, stack.weights, stack.packed, stack.biases, stack.small_rows,
+                                       cos, sin, kv_pool, self.slots,
+                                       self.block_tables, self.seq_lens, self.cu_seqlens_q, self.seq_ids,
+                                       stack.num_q_heads, stack.num_kv_heads, stack.head_dim, stack.eps, stack.scale)
 
     def write_and_attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                          v_cache: torch.Tensor, scale: float) -> torch.Tensor:

@@ -11,6 +11,14 @@ float32 and bfloat16 CPU weights are packed; anywhere else (CUDA, float16, a tor
 `PAGEDSERVE_CPU_PREPACK=0`) `prepack` returns None and `linear` is `F.linear`. The products differ
 from MKL's in float rounding only (another summation order), like any two BLAS libraries.
 
+A few rows in bfloat16 (decode: a row per running sequence, up to `small_rows()`) go to our own
+kernel instead (`pagedserve_cpu::small_linear`, csrc/small_linear_bf16.h, builds with AVX512-BF16):
+it streams the plain (out, in) weight at close to the core's read bandwidth, where oneDNN's packed
+matmul reached about half of it at one row. So a bf16 model keeps the plain copy of each weight
+beside the packed one (`keeps_plain`): the layers' weights are held twice (212 MB more for the
+default model), the price of decode at memory speed while prompts keep oneDNN's GEMM tiles.
+`PAGEDSERVE_CPU_SMALL_LINEAR=0` turns it off.
+
 bfloat16: oneDNN multiplies bf16 x bf16 with float32 accumulation and rounds the output to bf16
 once, on AMX tiles where the CPU has AMX-BF16 and with AVX512-BF16 dot products (vdpbf16ps)
 otherwise; which one runs is oneDNN's choice at run time (`ONEDNN_VERBOSE=1` prints it). Packed
@@ -26,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 _ENABLE_ENV = "PAGEDSERVE_CPU_PREPACK"
+_SMALL_ENV = "PAGEDSERVE_CPU_SMALL_LINEAR"
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 _log = logging.getLogger(__name__)
 
@@ -46,16 +55,35 @@ def prepack(weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
+def small_rows(dtype: torch.dtype) -> int:
+    """The most rows `linear` gives the small-batch kernel in `dtype` (0: none here, or turned off)."""
+    if dtype != torch.bfloat16 or os.environ.get(_SMALL_ENV, "1") == "0":
+        return 0
+    from kernels import cpu_ops  # loads (or builds) the extension: not at import
+
+    ops = cpu_ops.load()
+    return ops.small_linear_rows() if ops is not None else 0
+
+
+def keeps_plain(dtype: torch.dtype) -> bool:
+    """Whether a prepacked model in `dtype` keeps its plain weights too (for the small-batch kernel)."""
+    return small_rows(dtype) > 0
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
-           bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T + bias, through the packed weight when there is one.
+           bias: torch.Tensor | None = None, num_small_rows: int = 0) -> torch.Tensor:
+    """x @ weight.T + bias: the small-batch kernel for up to `num_small_rows` rows, else through the
+    packed weight when there is one.
 
     Args:
         x: (N, in) activations.
-        weight: (out, in), used when `packed` is None.
+        weight: (out, in), used when `packed` is None or N <= num_small_rows (empty where released).
         packed: `prepack(weight)`, or None.
         bias: (out,) or None.
+        num_small_rows: `small_rows(x.dtype)`, or 0 to never take the small-batch kernel.
     """
+    if x.shape[0] <= num_small_rows and weight.numel():
+        return torch.ops.pagedserve_cpu.small_linear(x, weight, bias)
     if packed is None:
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

@@ -8,14 +8,48 @@ Triton kernels on CUDA and the PyTorch reference elsewhere). The model never nam
 
 Both keep the residual stream in the model's dtype, as transformers does, and compute norms and
 rotary angles in float32.
+
+`run_layers` runs the whole layer stack in one call where an implementation can (the fused CPU
+path: one C++ entry for every layer, the same kernels in the same order); None tells the model to
+call its layers one by one.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class LayerStack:
+    """A model's decoder layers as flat lists, for `StepKernels.run_layers` (built once per model).
+
+    Attributes:
+        weights: per layer, in order: input norm (H,), qkv ((Q + 2 KV, H)), o, post-attention norm (H,),
+            gate_up, down: the plain weights (empty where released for their packed copy).
+        packed: per layer the qkv, o, gate_up and down `kernels.prepack` copies, None where not packed.
+        biases: per layer the qkv, o, gate_up and down biases, None where the model has none.
+        small_rows: steps of up to this many rows take the small-batch linear (`cpu_linear.small_rows`).
+        num_q_heads, num_kv_heads, head_dim: the attention's shape.
+        eps: both norms' epsilon; scale: the attention's softmax scale.
+    """
+
+    weights: list[torch.Tensor]
+    packed: list[torch.Tensor | None]
+    biases: list[torch.Tensor | None]
+    small_rows: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    eps: float
+    scale: float
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.weights) // 6
 
 
 class StepKernels(Protocol):
@@ -55,6 +89,20 @@ class StepKernels(Protocol):
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """(T, 2I) rows [gate | up] -> (T, I) silu(gate) * up."""
+        ...
+
+    def run_layers(self, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_pool: torch.Tensor,
+                   stack: LayerStack) -> torch.Tensor | None:
+        """Every layer of the step at once, where this implementation can: the result of calling each
+        layer in turn (DecoderLayer.forward), bit for bit.
+
+        Args:
+            residual: (T, H) the embeddings, contiguous; the residual stream, updated in place.
+            cos, sin: (T, D) float32; kv_pool: (num_layers, 2, num_blocks, block_size, H_kv, D).
+        Returns:
+            the last layer's MLP output (T, H) (the stack's output is residual + it), or None, changing
+            nothing: call the layers one by one.
+        """
         ...
 
 
@@ -114,3 +162,7 @@ class TorchStep:
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)  # (T, I) each
         return F.silu(gate) * up
+
+    def run_layers(self, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_pool: torch.Tensor,
+                   stack: LayerStack) -> torch.Tensor | None:
+        return None  # layer by layer

@@ -1,4 +1,5 @@
-"""The engine loop: schedule, run, postprocess; one allocator step (a memory-service RPC) per step."""
+"""The engine loop: schedule, run, postprocess; one allocator step (a memory-service RPC) per step,
+except decode steps the memory service need not see (scheduler.py, rule 7)."""
 
 from __future__ import annotations
 
@@ -277,12 +278,15 @@ class Engine:
                 self.scheduler.apply_results(plan, [], reply.num_available_blocks, reply.num_available_reserved_blocks)
                 self.scheduler.loads_ended(reply.loaded_seq_ids)
             return []
-        reply = self.memory.step_with_counts(plan.ops, self.prefill_tokens_per_s)  # the step's one RPC
+        if plan.is_deferrable:  # decodes within their blocks: the memory service hears of them later
+            scheduled = self.scheduler.apply_deferred(plan)
+        else:
+            reply = self.memory.step_with_counts(plan.ops, self.prefill_tokens_per_s)  # the step's one RPC
+            self._num_available_blocks = reply.num_available_blocks + reply.num_available_reserved_blocks
+            scheduled = self.scheduler.apply_results(plan, reply.results, reply.num_available_blocks,
+                                                     reply.num_available_reserved_blocks)
+            self.scheduler.loads_ended(reply.loaded_seq_ids)
         self.num_steps += 1
-        self._num_available_blocks = reply.num_available_blocks + reply.num_available_reserved_blocks
-        scheduled = self.scheduler.apply_results(plan, reply.results, reply.num_available_blocks,
-                                                 reply.num_available_reserved_blocks)
-        self.scheduler.loads_ended(reply.loaded_seq_ids)
         if self.config.num_speculative_tokens:
             speculative.attach_drafts(scheduled, self.config.num_speculative_tokens,
                                       self.config.max_num_batched_tokens, self.memory.block_size,
@@ -303,7 +307,7 @@ class Engine:
                 scored = step.prompt_logprobs[row]
                 self.requests[seq.request_id].prompt_logprobs.extend(scored)
                 seq.add_prompt_logprobs(len(scored))
-            if not seq.advance(item.num_new_tokens):
+            if not seq.advance(item.num_new_tokens, is_appended=item.is_appended):
                 continue  # a prompt chunk before the last
             if seq.params.max_tokens == 0:  # the prompt scored, nothing to generate
                 seq.finish(FinishReason.LENGTH)

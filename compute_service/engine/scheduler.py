@@ -29,6 +29,18 @@ engine), then reads the results back. Rules, in order:
    into. Without it a saturated engine fills the pool with prompts, then preempts (and later
    recomputes) the latest arrivals as soon as decodes need blocks (the preemptions and KV
    utilisation at each watermark: docs/benchmarks.md, "Admission watermark").
+7. Steps the memory service need not see: a plan whose every op is a running sequence's one-token
+   decode that fits in its last block without filling it is not sent (``StepPlan.is_deferrable``,
+   ``apply_deferred``). Its tokens are written to slots the sequence's blocks already have, and
+   they reach the memory service with the sequence's next append (``Sequence.num_unappended_tokens``,
+   as accepted speculative drafts do). A step is sent whenever anything else happens: an admission,
+   a free, a fork, a sequence waiting (its admission needs fresh counts, a tier load its
+   ``loaded_seq_ids``), a new block, a last block shared with a fork (the copy on write), and the
+   append that fills a block (so the prefix cache registers every full block as before), and the
+   step after a sent one that registered full blocks (that step commits them for other clients).
+   So the service's view of a sequence lags by a partial block at most; at one decoding sequence
+   and 16-token blocks, 2 decode steps in 16 call it instead of 16 (one round trip through both
+   processes' gRPC stacks each).
 """
 
 from __future__ import annotations
@@ -57,6 +69,8 @@ class ScheduledSeq:
     # Speculative drafts computed after the new token(s) (speculative.py): not in the memory
     # service's view, not counted in num_new_tokens.
     draft_token_ids: list[int] = field(default_factory=list)
+    # False in a step not sent to the memory service (rule 7): the new token is appended later.
+    is_appended: bool = True
 
 
 @dataclass
@@ -68,6 +82,9 @@ class StepPlan:
     forks: list[ForkOp] = field(default_factory=list)
     frees: list[FreeOp] = field(default_factory=list)
     work: list[tuple[AppendOp | AllocateOp, Sequence]] = field(default_factory=list)
+    # Every op is a decode the memory service need not see this step (rule 7): run it through
+    # ``Scheduler.apply_deferred`` instead of sending it.
+    is_deferrable: bool = False
 
     @property
     def ops(self) -> list:
@@ -114,6 +131,8 @@ class Scheduler:
         self.num_available_reserved_blocks = reserved.num_blocks
         self.num_preemptions = 0
         self.watermark_blocks = math.ceil(config.admission_watermark * self.num_general_blocks)
+        # The last step sent may have registered full blocks: the next one is sent too (rule 7).
+        self._must_send = False
 
     # --- queue management -------------------------------------------------------------------
 
@@ -235,7 +254,29 @@ class Scheduler:
             num_running += 1
             candidates.remove(seq)
             num_running_by_tenant[seq.tenant] += 1
+        plan.is_deferrable = (bool(plan.work) and not plan.forks and not plan.frees and not self.waiting
+                              and not self._must_send and all(self._can_defer(op, seq) for op, seq in plan.work))
         return plan
+
+    def _fills_block(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Whether appending the unappended tokens and ``num_new_tokens`` more fills one of ``seq``'s
+        blocks (the memory service then registers it in the prefix cache)."""
+        num_known = seq.num_computed_tokens - seq.num_unappended_tokens  # in the service's view
+        return (seq.num_computed_tokens + num_new_tokens) // self.block_size > num_known // self.block_size
+
+    def _can_defer(self, op: AppendOp | AllocateOp, seq: Sequence) -> bool:
+        """Rule 7 for one op: a one-token decode of an output token into a slot its own last block has,
+        not filling it."""
+        return (isinstance(op, AppendOp) and seq.num_tokens - seq.num_computed_tokens == 1
+                and seq.num_computed_tokens >= seq.num_prompt_tokens and not seq.is_last_block_shared
+                and seq.num_computed_tokens < len(seq.block_table) * self.block_size
+                and not self._fills_block(seq, 1))
+
+    def apply_deferred(self, plan: StepPlan) -> list[ScheduledSeq]:
+        """What runs in a step not sent to the memory service (rule 7): each decode of ``plan``."""
+        if not plan.is_deferrable:
+            raise RuntimeError("apply_deferred: this plan must be sent to the memory service")
+        return [ScheduledSeq(seq, 1, is_appended=False) for _, seq in plan.work]
 
     def loads_ended(self, seq_ids: list[str]) -> None:
         """The memory service's tier loads for these sequences are over: admit them again (rule 5).
@@ -255,6 +296,9 @@ class Scheduler:
         """Read the memory service's answers; returns what runs this step."""
         self.num_available_blocks = num_available_blocks
         self.num_available_reserved_blocks = num_available_reserved_blocks
+        self._must_send = any(isinstance(op, AllocateOp)
+                              or self._fills_block(seq, len(op.token_ids) - seq.num_unappended_tokens)
+                              for op, seq in plan.work)
         scheduled: list[ScheduledSeq] = []
         num_other = len(plan.forks) + len(plan.frees)
         if len(results) != num_other + len(plan.work):

@@ -64,8 +64,12 @@ class Sequence:
     # xgrammar GrammarMatcher of a constrained completion: it has accepted exactly output_token_ids
     # (advanced once per sampled token; recompute after preemption leaves it alone).
     matcher: Any | None = None
-    # Accepted drafts whose K/V is computed but which the memory service has not been sent yet.
+    # Tokens whose K/V is computed but which the memory service has not been sent yet: accepted
+    # drafts, and decode tokens of steps that needed no memory-service call (scheduler.py, rule 7).
     num_unappended_tokens: int = 0
+    # Its last block is shared with a fork (parent or child) until its next append reaches the memory
+    # service, which copies the block on write: that append cannot be deferred.
+    is_last_block_shared: bool = False
     ngrams: Any | None = None  # speculative.NgramIndex, made on its first proposal
     # Prompt logprobs (params.prompt_logprobs): prompt tokens 1..num_prompt_logprobs are scored
     # (the logits at positions 0..num_prompt_logprobs - 1 were computed and reduced).
@@ -147,16 +151,20 @@ class Sequence:
 
     def extend_blocks(self, block_ids: list[int], copies: list[tuple[int, int]]) -> None:
         """An append's answer: new blocks at the end, and copy-on-write replacements (src -> dst).
-        The append carried the unappended drafts too."""
+        The append carried the unappended tokens too."""
         self.num_unappended_tokens = 0
+        self.is_last_block_shared = False
         self.block_table.extend(block_ids)
         for src, dst in copies:
             self.block_table[self.block_table.index(src)] = dst
 
-    def advance(self, num_new_tokens: int) -> bool:
+    def advance(self, num_new_tokens: int, *, is_appended: bool = True) -> bool:
         """The K/V of ``num_new_tokens`` more tokens was computed; True when every token's is (the
-        prompt is done, or a decode step ran): the moment to sample."""
+        prompt is done, or a decode step ran): the moment to sample. ``is_appended``: False when the
+        step did not tell the memory service about them (they go with the next append)."""
         self.num_computed_tokens += num_new_tokens
+        if not is_appended:
+            self.num_unappended_tokens += num_new_tokens
         assert self.num_computed_tokens <= self.num_tokens, "computed more tokens than it has"
         return self.num_computed_tokens == self.num_tokens
 
@@ -179,6 +187,8 @@ class Sequence:
         child.num_computed_tokens = self.num_computed_tokens
         child.num_cached_tokens = self.num_cached_tokens
         child.block_table = list(self.block_table)
+        child.num_unappended_tokens = self.num_unappended_tokens  # the ForkOp forks the service's view
+        self.is_last_block_shared = child.is_last_block_shared = True
 
     def finish(self, reason: FinishReason) -> None:
         assert not self.is_finished, f"finished twice ({self.finish_reason} then {reason})"
@@ -192,5 +202,6 @@ class Sequence:
         """Preempted: its blocks are gone; everything (prompt and output so far) is recomputed."""
         self.num_computed_tokens = 0
         self.num_unappended_tokens = 0
+        self.is_last_block_shared = False
         self.block_table = []
         self.num_preemptions += 1

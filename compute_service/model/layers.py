@@ -109,19 +109,21 @@ class Attention(nn.Module):
         # oneDNN copies of the weights (CausalLM.prepack_cpu_weights); None: F.linear on the weights.
         self.qkv_packed: torch.Tensor | None = None
         self.o_packed: torch.Tensor | None = None
+        self.small_rows = 0  # up to this many rows: the small-batch linear (kernels/cpu_linear.py)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, step: StepKernels) -> torch.Tensor:
         """x (T, hidden) -> (T, hidden); writes the new tokens' K/V into k_cache/v_cache first."""
         num_tokens = x.shape[0]
         with profile_scope("qkv_proj"):
-            qkv = linear(x, self.qkv_weight, self.qkv_packed, self.qkv_bias)  # (T, (H_q + 2 H_kv) D)
+            qkv = linear(x, self.qkv_weight, self.qkv_packed, self.qkv_bias, self.small_rows)  # (T, (H_q + 2 H_kv) D)
         with profile_scope("rotary"):
             q, k, v = step.rotary(qkv, cos, sin, self.num_q_heads, self.num_kv_heads, self.head_dim)
         with profile_scope("attention"):
             out = step.write_and_attend(q, k, v, k_cache, v_cache, self.scale)  # (T, H_q, D)
         with profile_scope("o_proj"):
-            return linear(out.reshape(num_tokens, self.q_size), self.o_weight, self.o_packed, self.o_bias)
+            return linear(out.reshape(num_tokens, self.q_size), self.o_weight, self.o_packed, self.o_bias,
+                          self.small_rows)
 
 
 class MLP(nn.Module):
@@ -136,15 +138,17 @@ class MLP(nn.Module):
         self.down_bias = empty_parameter(hidden, device=device, dtype=dtype) if config.mlp_bias else None
         self.gate_up_packed: torch.Tensor | None = None  # see Attention.qkv_packed
         self.down_packed: torch.Tensor | None = None
+        self.small_rows = 0  # see Attention.small_rows
 
     def forward(self, x: torch.Tensor, step: StepKernels) -> torch.Tensor:
         """(T, hidden) -> (T, hidden)"""
         with profile_scope("mlp_gate_up"):
-            gate_up = linear(x, self.gate_up_weight, self.gate_up_packed, self.gate_up_bias)  # (T, 2I) [gate | up]
+            # (T, 2I) [gate | up]
+            gate_up = linear(x, self.gate_up_weight, self.gate_up_packed, self.gate_up_bias, self.small_rows)
         with profile_scope("silu_mul"):
             act = step.silu_mul(gate_up)  # (T, I)
         with profile_scope("mlp_down"):
-            return linear(act, self.down_weight, self.down_packed, self.down_bias)
+            return linear(act, self.down_weight, self.down_packed, self.down_bias, self.small_rows)
 
 
 class DecoderLayer(nn.Module):

@@ -46,6 +46,8 @@ class CausalLM(nn.Module):
             else empty_parameter(config.vocab_size, config.hidden_size, device=device, dtype=dtype)
         )
         self.lm_head_packed: torch.Tensor | None = None  # see prepack_cpu_weights
+        self._layer_stack: kernels.LayerStack | None = None  # see layer_stack
+        self.small_rows = 0  # see prepack_cpu_weights
 
     @property
     def dtype(self) -> torch.dtype:
@@ -86,19 +88,38 @@ class CausalLM(nn.Module):
             last_rows = None if batch.num_tokens == batch.num_seqs else batch.cu_seqlens_q[1:].long() - 1
         step = kernels.plan_step(batch.slot_mapping, batch.block_tables, batch.seq_lens, batch.cu_seqlens_q,
                                  dtype=self.dtype, head_dim=self.config.head_dim)
-        pending = None  # each layer's MLP output, added to the residual inside the next layer's first norm
-        for layer_id, layer in enumerate(self.layers):
-            hidden, pending = layer(hidden, pending, cos, sin, kv_pool[layer_id, 0], kv_pool[layer_id, 1], step)
+        # Each layer's MLP output, added to the residual inside the next layer's first norm: every layer
+        # in one call where the step's kernels can, else layer by layer (the same ops either way).
+        pending = step.run_layers(hidden, cos, sin, kv_pool, self.layer_stack())
+        if pending is None:
+            for layer_id, layer in enumerate(self.layers):
+                hidden, pending = layer(hidden, pending, cos, sin, kv_pool[layer_id, 0], kv_pool[layer_id, 1], step)
         last = hidden + pending if last_rows is None else hidden[last_rows] + pending[last_rows]  # (B, hidden)
         logits = self.compute_logits(self.norm(last))
         if hidden_rows is None:
             return logits
         return logits, self.norm(hidden[hidden_rows] + pending[hidden_rows])  # (P, hidden)
 
+    def layer_stack(self) -> kernels.LayerStack:
+        """The layers' weights as `StepKernels.run_layers` takes them (built once; again after prepacking)."""
+        if self._layer_stack is None:
+            weights, packed, biases = [], [], []
+            for layer in self.layers:
+                attn, mlp = layer.attn, layer.mlp
+                weights += [layer.input_norm.weight, attn.qkv_weight, attn.o_weight, layer.post_attn_norm.weight,
+                            mlp.gate_up_weight, mlp.down_weight]
+                packed += [attn.qkv_packed, attn.o_packed, mlp.gate_up_packed, mlp.down_packed]
+                biases += [attn.qkv_bias, attn.o_bias, mlp.gate_up_bias, mlp.down_bias]
+            config = self.config
+            self._layer_stack = kernels.LayerStack(weights, packed, biases, self.small_rows, config.num_q_heads,
+                                                   config.num_kv_heads, config.head_dim, config.rms_norm_eps,
+                                                   config.head_dim**-0.5)
+        return self._layer_stack
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, hidden) final normed hidden states -> (N, vocab_size) float32 logits (the LM head)."""
         with profile_scope("lm_head"):
-            return kernels.linear(hidden, self.lm_head, self.lm_head_packed).float()
+            return kernels.linear(hidden, self.lm_head, self.lm_head_packed, None, self.small_rows).float()
 
     def check_kv_pool(self, kv_pool: torch.Tensor) -> None:
         """Raise ValueError unless `kv_pool` has this model's layout, dtype and device."""
@@ -121,19 +142,33 @@ class CausalLM(nn.Module):
         after the weights are loaded; returns False, changing nothing, off a float32 or bfloat16 CPU model.
 
         The plain copies of the layers' projections are released (their packed copies replace them:
-        the weights are not held twice); the head keeps its plain copy, which may be the embedding
+        the weights are not held twice), except where the small-batch kernel reads them (bfloat16
+        decode, `kernels.keeps_plain`); the head keeps its plain copy, which may be the embedding
         table. A packed model cannot load weights again: load a new one.
         """
-        if self.device.type != "cpu" or self.dtype not in kernels.PACKED_DTYPES or not kernels.can_prepack():
+        if self.device.type != "cpu":
             return False
+        self._set_small_rows(kernels.small_rows(self.dtype))  # plain weights take it, packed or not
+        if self.dtype not in kernels.PACKED_DTYPES or not kernels.can_prepack():
+            return False
+        keep_plain = kernels.keeps_plain(self.dtype)
         for module, name in self._projections():
             weight = getattr(module, f"{name}_weight")
             packed = kernels.prepack(weight)
             if packed is not None:
                 setattr(module, f"{name}_packed", packed)
-                weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
+                if not keep_plain:
+                    weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
         self.lm_head_packed = kernels.prepack(self.lm_head)
+        self._layer_stack = None  # the packed copies join (or replace) the weights
         return self.is_prepacked
+
+    def _set_small_rows(self, num_rows: int) -> None:
+        """Steps of up to ``num_rows`` rows run the small-batch linear (kernels/cpu_linear.py)."""
+        self.small_rows = num_rows
+        for layer in self.layers:
+            layer.attn.small_rows = layer.mlp.small_rows = num_rows
+        self._layer_stack = None
 
     @property
     def is_prepacked(self) -> bool:

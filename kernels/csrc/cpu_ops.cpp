@@ -16,6 +16,8 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/record_function.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
@@ -30,6 +32,9 @@
 
 #ifdef __AVX512F__
 #include "paged_attention_avx512.h"
+#endif
+#ifdef __AVX512BF16__
+#include "small_linear_bf16.h"
 #endif
 
 namespace {
@@ -435,6 +440,155 @@ void write_kv_(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& key, co
   });
 }
 
+// The most rows of x `small_linear` takes (0: this build has no such kernel, it needs AVX512-BF16).
+// Past them oneDNN's packed matmul is faster (GEMM tiles: docs/benchmarks.md).
+int64_t small_linear_rows() {
+#ifdef __AVX512BF16__
+  return 16;
+#else
+  return 0;
+#endif
+}
+
+// x (M, K) @ weight (N, K)^T + bias, bf16, for few rows (csrc/small_linear_bf16.h); the plain weight.
+at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(small_linear_rows() > 0, "small_linear needs a build with AVX512-BF16");
+  check_dtype(x, "x", at::kBFloat16);
+  check_dtype(weight, "weight", at::kBFloat16);
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1) && x.is_contiguous() &&
+                  weight.is_contiguous(), "small_linear: x (M, K) and weight (N, K) contiguous");
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  const c10::BFloat16* bias_ptr = nullptr;
+  if (bias.has_value()) {
+    check_dtype(*bias, "bias", at::kBFloat16);
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous(), "small_linear: bias (N,)");
+    bias_ptr = bias->data_ptr<c10::BFloat16>();
+  }
+  at::Tensor y = at::empty({M, N}, x.options());
+#ifdef __AVX512BF16__
+  bf16_rows::linear(x.data_ptr<c10::BFloat16>(), weight.data_ptr<c10::BFloat16>(), bias_ptr,
+                       y.data_ptr<c10::BFloat16>(), M, K, N);
+#endif
+  return y;
+}
+
+// x (M, in) @ weight.T + bias as kernels/cpu_linear.py's `linear` computes it: `small_linear` for a few
+// bf16 rows on a plain weight (`small_rows`: its limit, 0 = never), else oneDNN on the packed copy
+// (`prepack`: an opaque mkldnn tensor) where there is one, else at::linear on the plain weight.
+at::Tensor any_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& packed,
+                      const std::optional<at::Tensor>& bias, int64_t small_rows) {
+  if (x.size(0) <= small_rows && x.scalar_type() == at::kBFloat16 && weight.numel() > 0) {
+    return small_linear(x, weight, bias);
+  }
+  if (!packed.has_value()) return at::linear(x, weight, bias);
+  const at::Tensor& packed_weight = *packed;
+  // Boxed: the kernel's C++ signature is torch's internal business; the schema is the contract.
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack;
+  stack.reserve(6);
+  stack.emplace_back(x);
+  stack.emplace_back(packed_weight);
+  stack.emplace_back(bias.has_value() ? c10::IValue(*bias) : c10::IValue());
+  stack.emplace_back(std::string("none"));
+  stack.emplace_back(c10::List<std::optional<at::Scalar>>());
+  stack.emplace_back(std::string(""));
+  op.callBoxed(&stack);
+  return std::move(stack[0]).toTensor();
+}
+
+// Tensors of one layer in `decoder_layers`' lists (see kernels/step.py's LayerStack).
+constexpr int64_t kLayerWeights = 6;  // input norm, qkv, o, post-attention norm, gate_up, down
+constexpr int64_t kLayerProjections = 4;  // packed copies and biases: qkv, o, gate_up, down (each may be None)
+
+// Every decoder layer of one step in one call: per layer, exactly the ops the Python loop runs
+// (compute_service/model/layers.py's DecoderLayer.forward with the fused plan of kernels/cpu_attention.py),
+// in the same order and on the same kernels, so the results are the same bits. What it saves is the
+// interpreter between them: ~17 Python-level calls a layer (each a few microseconds: argument
+// parsing, dispatch, views, profiler checks), ~500 a step, which at one decoding sequence were a
+// large share of the step. Each part is a profiler range of the Python path's name (step_profile.py).
+//   residual: (T, hidden) the layer input's residual stream, updated in place; pending: (T, hidden)
+//   the previous MLP output not yet added (None before the first layer). Returns the last layer's
+//   MLP output (the stack's output is residual + it).
+at::Tensor decoder_layers(at::Tensor residual, const std::optional<at::Tensor>& pending, at::TensorList weights,
+                          const c10::List<std::optional<at::Tensor>>& packed,
+                          const c10::List<std::optional<at::Tensor>>& biases, int64_t small_rows, const at::Tensor& cos,
+                          const at::Tensor& sin, const at::Tensor& kv_pool, const at::Tensor& slots,
+                          const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& cu_seqlens_q,
+                          const at::Tensor& seq_ids, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
+                          double eps, double scale) {
+  const int64_t num_layers = static_cast<int64_t>(weights.size()) / kLayerWeights;
+  TORCH_CHECK(num_layers > 0 && static_cast<int64_t>(weights.size()) == num_layers * kLayerWeights &&
+                  static_cast<int64_t>(packed.size()) == num_layers * kLayerProjections &&
+                  static_cast<int64_t>(biases.size()) == num_layers * kLayerProjections,
+              "decoder_layers: ", kLayerWeights, " weights, ", kLayerProjections, " packed copies and ",
+              kLayerProjections, " biases a layer");
+  TORCH_CHECK(kv_pool.dim() == 6 && kv_pool.size(0) == num_layers && kv_pool.size(1) == 2 && kv_pool.is_contiguous(),
+              "kv_pool must be (num_layers, 2, num_blocks, block_size, H_kv, D) contiguous");
+  TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous(), "residual must be (T, hidden) contiguous");
+  const int64_t tokens = residual.size(0);
+  const int64_t q_size = num_q_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  at::Tensor mlp_out = pending.has_value() ? *pending : at::Tensor();
+  for (int64_t layer = 0; layer < num_layers; ++layer) {
+    const at::Tensor* w = weights.data() + layer * kLayerWeights;
+    // Projection i (0 qkv, 1 o, 2 gate_up, 3 down; its plain weight is w[plain]) of x.
+    const auto project = [&](const at::Tensor& x, int64_t i, int64_t plain) {
+      const int64_t index = layer * kLayerProjections + i;
+      return any_linear(x, w[plain], packed.get(index), biases.get(index), small_rows);
+    };
+    at::Tensor normed;
+    {
+      RECORD_FUNCTION("norm", c10::ArrayRef<const c10::IValue>{});
+      normed = mlp_out.defined() ? add_rms_norm(residual, mlp_out, w[0], eps) : rms_norm(residual, w[0], eps);
+    }
+    at::Tensor qkv;
+    {
+      RECORD_FUNCTION("qkv_proj", c10::ArrayRef<const c10::IValue>{});
+      qkv = project(normed, 0, 1);  // (T, q_size + 2 kv_size) rows [q | k | v]
+    }
+    {
+      RECORD_FUNCTION("rotary", c10::ArrayRef<const c10::IValue>{});
+      rotary_(qkv, cos, sin, num_q_heads + num_kv_heads, head_dim);
+    }
+    at::Tensor attn;
+    {
+      RECORD_FUNCTION("attention", c10::ArrayRef<const c10::IValue>{});
+      const at::Tensor k_cache = kv_pool[layer][0], v_cache = kv_pool[layer][1];
+      const at::Tensor key = qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads, head_dim});
+      const at::Tensor value = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, head_dim});
+      write_kv_(k_cache, v_cache, key, value, slots);
+      const at::Tensor query = qkv.narrow(1, 0, q_size).contiguous().view({tokens, num_q_heads, head_dim});
+      attn = at::empty_like(query);
+      paged_attention_dispatch(attn, query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, seq_ids, scale,
+                               false);
+    }
+    at::Tensor attn_out;
+    {
+      RECORD_FUNCTION("o_proj", c10::ArrayRef<const c10::IValue>{});
+      attn_out = project(attn.view({tokens, q_size}), 1, 2);
+    }
+    {
+      RECORD_FUNCTION("norm", c10::ArrayRef<const c10::IValue>{});
+      normed = add_rms_norm(residual, attn_out, w[3], eps);
+    }
+    at::Tensor gate_up;
+    {
+      RECORD_FUNCTION("mlp_gate_up", c10::ArrayRef<const c10::IValue>{});
+      gate_up = project(normed, 2, 4);  // (T, 2I) [gate | up]
+    }
+    at::Tensor act;
+    {
+      RECORD_FUNCTION("silu_mul", c10::ArrayRef<const c10::IValue>{});
+      act = silu_mul(gate_up);
+    }
+    {
+      RECORD_FUNCTION("mlp_down", c10::ArrayRef<const c10::IValue>{});
+      mlp_out = project(act, 3, 5);
+    }
+  }
+  return mlp_out;
+}
+
 // How many threads at::parallel_for really runs on in this build (one if it was compiled without
 // OpenMP, whatever torch.get_num_threads() says): the check that the ops above run in parallel.
 int64_t parallel_threads() {
@@ -458,6 +612,11 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("rotary_(Tensor(a!) qkv, Tensor cos, Tensor sin, int num_heads, int head_dim) -> ()");
   m.def("write_kv_(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor key, Tensor value, Tensor slots) -> ()");
+  m.def("decoder_layers(Tensor(a!) residual, Tensor? pending, Tensor[] weights, Tensor?[] packed, Tensor?[] biases, "
+        "int small_rows, Tensor cos, Tensor sin, Tensor(b!) kv_pool, Tensor slots, Tensor block_tables, Tensor seq_lens, Tensor cu_seqlens_q, "
+        "Tensor seq_ids, int num_q_heads, int num_kv_heads, int head_dim, float eps, float scale) -> Tensor");
+  m.def("small_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("small_linear_rows() -> int");
   m.def("parallel_threads() -> int");
   m.def("avx512_attention(int block_size) -> bool");
 }
@@ -470,9 +629,13 @@ TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
   m.impl("silu_mul", &silu_mul);
   m.impl("rotary_", &rotary_);
   m.impl("write_kv_", &write_kv_);
+  m.impl("small_linear", &small_linear);
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CatchAll, m) {
+  // CatchAll: its weights include oneDNN-packed (MkldnnCPU) tensors, which select no CPU kernel.
+  m.impl("decoder_layers", &decoder_layers);
   m.impl("parallel_threads", &parallel_threads);
+  m.impl("small_linear_rows", &small_linear_rows);
   m.impl("avx512_attention", &uses_avx512_attention);
 }

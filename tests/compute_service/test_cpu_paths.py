@@ -90,3 +90,42 @@ def test_engine_greedy_tokens_equal_transformers(make_tiny_model, cpu_path: str)
             if eos in want:  # transformers pads after EOS; the engine stops there
                 want = want[: want.index(eos) + 1]
             assert out.token_ids == want
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("variant", ["llama", "qwen2"])  # qwen2: biases on the QKV projection
+@pytest.mark.parametrize("packed", [True, False])
+def test_the_one_call_layer_stack_gives_the_layer_loops_bits(make_tiny_model, monkeypatch, variant: str, dtype: str,
+                                                             packed: bool) -> None:
+    # kernels/csrc's decoder_layers runs every layer's ops in one C++ call: the same kernels in the same
+    # order as CausalLM's loop over its layers, so logits and the K/V written are equal, not close.
+    if not FUSED_AVAILABLE:
+        pytest.skip("the fused CPU kernels could not be built here")
+    if packed and not cpu_linear.available():
+        pytest.skip("this torch has no oneDNN to prepack weights with")
+    if not packed:
+        monkeypatch.setenv("PAGEDSERVE_CPU_PREPACK", "0")
+    from kernels.cpu_attention import CpuAttentionPlan
+
+    model = load_model(str(make_tiny_model(variant).path), device="cpu", dtype=dtype).model
+    assert model.is_prepacked is packed
+    one_call = CpuAttentionPlan.run_layers
+    num_one_calls = []
+
+    def counted(self, *args):
+        pending = one_call(self, *args)
+        num_one_calls.append(pending is not None)
+        return pending
+
+    prompt, other = random_tokens(19, seed=41), random_tokens(6, seed=42)
+    steps = [{"long": prompt[:7], "other": other}, {"other": [5], "long": prompt[7:]}, {"other": [9], "long": [3]}]
+    runs = []
+    for run_layers in (counted, lambda self, *args: None):  # one call; then layer by layer
+        monkeypatch.setattr(CpuAttentionPlan, "run_layers", run_layers)
+        paged = PagedSequences(model)
+        runs.append(([paged.step(new) for new in steps], paged.kv_pool))
+    assert num_one_calls == [True] * len(steps)
+    (one_call_logits, one_call_pool), (loop_logits, loop_pool) = runs
+    for got, want in zip(one_call_logits, loop_logits):
+        assert torch.equal(got, want)
+    assert torch.equal(one_call_pool, loop_pool)

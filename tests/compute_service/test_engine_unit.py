@@ -310,3 +310,44 @@ def test_paused_request_keeps_its_blocks_and_gets_no_tokens(tiny) -> None:
     engine.resume("a")
     engine.step()
     assert a.num_output_tokens == 2
+
+
+def test_decodes_within_a_block_skip_the_memory_service_and_its_view_catches_up(tiny, hf_model) -> None:
+    # scheduler.py's rule 7: a one-token decode that fits its last block without filling it is not
+    # sent; the append that fills a block carries the tokens held back, so the prefix cache still
+    # registers every full block of the output.
+    engine = in_process_engine(*tiny, num_blocks=64, block_size=4, num_speculative_tokens=0)
+    sent = []
+    step_with_counts = engine.memory.step_with_counts
+
+    def counted(ops, prefill_tokens_per_s=0.0):
+        sent.append(ops)
+        return step_with_counts(ops, prefill_tokens_per_s)
+
+    engine.memory.step_with_counts = counted
+    [prompt] = prompts(1, seed=7, length=5)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    engine.add_request("a", prompt, params)
+    results: dict[str, RequestOutput] = {}
+    num_steps = 0
+    while engine.has_unfinished():
+        collect(results, engine.step())
+        num_steps += 1
+        assert_intact(engine)
+    output = results["a"].outputs[0].token_ids
+    assert output == reference(hf_model, prompt, 24)
+    # Prompt of 5: the admission, the first decode (it commits the prompt's full block), then per
+    # block of 4 the token that fills it and the one that takes a new block; the free at the end.
+    sent_steps = [[type(op).__name__ for op in ops] for ops in sent]
+    assert len(sent) < num_steps
+    assert sent_steps[:4] == [["AllocateOp"], ["AppendOp"], ["AppendOp"], ["AppendOp"]]
+    assert [len(ops[0].token_ids) for ops in sent[1:4]] == [1, 2, 1]  # position 5; 6 (held back) + 7; 8
+    assert sent_steps[-1] == ["FreeOp"]
+    assert engine.memory.stats().num_sequences == 0
+    # Every full block of prompt + output was registered: a prompt of the whole text finds them cached.
+    engine.add_request("b", prompt + output, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    while engine.has_unfinished():
+        collect(results, engine.step())
+    assert results["b"].num_cached_tokens == (len(prompt) + len(output) - 1) // 4 * 4
+    assert_intact(engine)
+

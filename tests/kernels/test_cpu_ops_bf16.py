@@ -127,3 +127,23 @@ def test_write_kv_bf16_copies_rows_exactly() -> None:
     ops.write_kv_(k_cache, v_cache, key, value, slots)
     assert torch.equal(k_cache.view(-1, num_kv_heads, head_dim)[slots], key)
     assert torch.equal(v_cache.view(-1, num_kv_heads, head_dim)[slots], value)
+
+
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 5, 9, 16])  # passes of 4 rows of x and their remainders
+@pytest.mark.parametrize("shape", [(576, 960), (64, 300), (33, 70)])  # (K, N): K % 64, % 32 and odd tails
+def test_small_linear_matches_float32(num_rows: int, shape: tuple[int, int]) -> None:
+    # The decode linear (csrc/small_linear_bf16.h) against the float32 product of the same bf16 values:
+    # one rounding of each output, with and without a bias; a row's result does not depend on the
+    # other rows (so a sequence's logits do not depend on what else runs in its step).
+    if ops.small_linear_rows() == 0:
+        pytest.skip("this build has no AVX512-BF16 small-batch linear")
+    in_features, out_features = shape
+    generator = torch.Generator().manual_seed(num_rows)
+    x = torch.randn(num_rows, in_features, generator=generator).bfloat16()
+    weight = (torch.randn(out_features, in_features, generator=generator) / in_features**0.5).bfloat16()
+    bias = torch.randn(out_features, generator=generator).bfloat16()
+    for b in (None, bias):
+        want = F.linear(x.float(), weight.float(), None if b is None else b.float())
+        got = ops.small_linear(x, weight, b)
+        close_to_float32(got, want)
+        assert torch.equal(ops.small_linear(x[-1:].contiguous(), weight, b), got[-1:])
