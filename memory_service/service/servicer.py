@@ -326,13 +326,20 @@ class MemoryManagerServicer(memory_pb2_grpc.MemoryManagerServicer):
         # workers spin after each copy, takes CPU from the compute services beside this service (the
         # host's cores are theirs).
         torch.set_num_threads(1)
+        pool = self.pool
+        if pool is None:  # closed meanwhile
+            raise UnavailableError("the memory service is shutting down")
         if self._disk is not None:
             self._disk.open(identity)
         if self.config.kv_host_bytes is not None:
             self._host = HostTier(self.config.kv_host_bytes)
-            self._host.open(identity, pin_memory=self.pool.tensor.is_cuda)
+            self._host.open(identity, pin_memory=pool.tensor.is_cuda)
         with self._lock:
-            self.tier = TierWorker(self.block_manager, self._lock, self.pool.tensor, host=self._host, disk=self._disk)
+            # ``close`` may have begun while the tiers opened: it reads ``tier`` under this lock, after
+            # setting ``_stopping``, then frees the pool. So no thread starts over a pool being freed.
+            if self._stopping.is_set():
+                raise UnavailableError("the memory service is shutting down")
+            self.tier = TierWorker(self.block_manager, self._lock, pool.tensor, host=self._host, disk=self._disk)
             self.block_manager.enable_tier(self.tier)
             self._opened_identity = identity
 
@@ -462,8 +469,10 @@ class MemoryManagerServicer(memory_pb2_grpc.MemoryManagerServicer):
         if self._creating is not None:
             with contextlib.suppress(Exception):  # its Attach reports a failure; here only the pool matters
                 await self._creating
-        if self.tier is not None:  # before the pool goes: its threads read and write it
-            await asyncio.to_thread(self.tier.close)
+        with self._lock:  # a tier opening from now on starts nothing (``_open_tiers``)
+            tier = self.tier
+        if tier is not None:  # before the pool goes: its threads read and write it
+            await asyncio.to_thread(tier.close)
         with self._lock:
             if self.pool is not None:
                 self.pool.close()

@@ -294,3 +294,39 @@ def test_a_load_cut_short_counts_only_the_bytes_it_read(tmp_path: Path) -> None:
         assert alloc.check_integrity() is None
     finally:
         alloc.close()
+
+
+def test_tiers_opening_while_the_service_closes_start_no_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An Attach that opens the tiers (its host buffer slow to allocate) while the service closes is
+    answered UNAVAILABLE, and no tier thread starts over the pool that close freed (close saw no
+    tier yet); before, it was INTERNAL (the pool gone), or threads over a freed pool."""
+    import asyncio
+    import threading
+
+    from memory_service.service.servicer import MemoryManagerServicer
+    from pagedserve.errors import UnavailableError
+
+    entered, go = threading.Event(), threading.Event()
+    real_open = HostTier.open
+
+    def slow_open(self: HostTier, identity: TierIdentity, pin_memory: bool) -> int:
+        entered.set()
+        assert go.wait(20)
+        return real_open(self, identity, pin_memory)
+
+    monkeypatch.setattr(HostTier, "open", slow_open)
+
+    async def scenario() -> MemoryManagerServicer:
+        servicer = MemoryManagerServicer(MemoryServiceConfig(max_num_blocks=8, block_size=4, kv_host_bytes=1 << 16))
+        await servicer._ensure_pool(LAYOUT)
+        opening = asyncio.ensure_future(servicer._tier_identity("model-a", is_trusted=True))
+        assert await asyncio.to_thread(entered.wait, 20)
+        await servicer.close()
+        go.set()
+        with pytest.raises(UnavailableError, match="shutting down"):
+            await opening
+        return servicer
+
+    servicer = asyncio.run(scenario())
+    assert servicer.tier is None and servicer.pool is None
+    assert [t.name for t in threading.enumerate() if t.name.startswith("kv-tier")] == []
