@@ -238,6 +238,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true",
                         help="the no_reuse and faults scenarios at smoke-test size (a few short prompts)")
     parser.add_argument("--dtype", default=None, help="the engines' dtype (default: theirs, auto)")
+    parser.add_argument("--fault-dtype", default="float32",
+                        help="the faults scenario's dtype (default float32: benchmarks/kv_tier/faults.py says why)")
     parser.add_argument("--scenarios", default="returning,working_set,no_reuse,faults",
                         help="which to run, comma-separated: returning (with the warm restart), working_set, "
                              "no_reuse, faults, returning_host (the returning prompt from the host tier and from "
@@ -271,7 +273,7 @@ def main() -> None:
         if "no_reuse" in scenarios:
             result |= run_no_reuse(args.model, args.dtype, root, no_reuse, args.seed)
         if "faults" in scenarios:
-            result |= run_faults(args.model, args.dtype, root, faults, args.vocab, FIRST_TOKEN, args.seed)
+            result |= run_faults(args.model, args.fault_dtype, root, faults, args.vocab, FIRST_TOKEN, args.seed)
         if "returning_host" in scenarios:
             result |= returning_per_tier(args, root, rng)
     finally:

@@ -6,8 +6,8 @@ A memory service with the tier and a compute service attached to it, started by
 service's Generate as token ids), greedy. Three scenarios, one after the other on one directory:
 
 1. ``sigkill_mid_write``: wave 1's prompts answered one at a time, then wave 2's sent together and
-   the memory service SIGKILLed as soon as the writer starts on their blocks (a ``.tmp-`` file or a
-   new block file seen); a new memory service on the same directory (the compute service
+   the memory service SIGKILLed while the writer is on their blocks (a quarter written, at a
+   ``.tmp-`` file seen); a new memory service on the same directory (the compute service
    re-attaches), both waves sent again.
 2. ``corrupt_files``: the memory service stopped (SIGTERM); one byte flipped in the payload of a
    block file of wave 1's first prompt (only the checksum can tell), a block file of its second
@@ -25,7 +25,13 @@ Without the privilege the first two scenarios run on a plain directory and ``ful
 it was skipped.
 
 "Same tokens" compares with cold answers: every prompt is first sent in a cache namespace of its
-own (another ``cache_salt``), where nothing of it is cached, in the pool or the tier. A prompt is
+own (another ``cache_salt``), where nothing of it is cached, in the pool or the tier. In float32
+(``--fault-dtype``'s default): in bfloat16 a prompt's last token computed alone on a cached prefix
+rounds differently from the same token as a row of the whole prompt's prefill (another GEMM shape),
+and on random-token prompts, whose next-token distributions are flat, that flips greedy near-ties:
+measured with the default model, 2 of 3 prompts served from the *pool's* prefix cache, no tier
+involved, differed from their cold answers from the second token on. float32 answers are the same
+on either path, so there a difference can only be wrong KV. A prompt is
 ``prompt_blocks`` full blocks and one token and generates fewer than a block's tokens, so its
 block files are exactly its full blocks; the files a prompt wrote are those that appear after it.
 """
@@ -179,12 +185,14 @@ def wait_for_files(directory: Path, num_files: int) -> None:
 
 def send_and_compare(engines: Engines, prompts: list[list[int]], cold: dict[int, list[int]]) -> dict[str, Any]:
     """Each prompt alone, its tokens against its cold answer."""
-    same, num_cached = True, 0
-    for prompt in prompts:
-        tokens, cached = engines.generate(prompt)
-        same &= tokens == cold[id(prompt)]
-        num_cached += cached
-    return {"same_tokens": same, "cached_share": round(num_cached / sum(len(p) for p in prompts), 3)}
+    different, cached = [], []
+    for i, prompt in enumerate(prompts):
+        tokens, num_cached = engines.generate(prompt)
+        if tokens != cold[id(prompt)]:
+            different.append(i)
+        cached.append(num_cached)
+    return {"same_tokens": not different, "different": different, "cached_tokens": cached,
+            "cached_share": round(sum(cached) / sum(len(p) for p in prompts), 3)}
 
 
 def kill_while_writing(engines: Engines, tier_dir: Path, wave: list[list[int]]) -> dict[str, Any]:
@@ -202,19 +210,23 @@ def kill_while_writing(engines: Engines, tier_dir: Path, wave: list[list[int]]) 
     threads = [threading.Thread(target=send, args=(p,), daemon=True) for p in wave]
     for thread in threads:
         thread.start()
-    deadline = time.monotonic() + WAIT_S
-    while time.monotonic() < deadline:  # the kill comes within a millisecond of the first write seen
-        names = os.listdir(tier_dir)
-        if any(n.startswith(TMP_PREFIX) for n in names) or len(block_files(tier_dir) - before) > 0:
-            break
-        time.sleep(0.001)
+    # The kill comes once a quarter of the wave's blocks are written (the writer is busy with the
+    # rest), at the first temporary file seen after that (a write in progress; the writer writes a
+    # step's blocks in a burst), or when every block is written (no write is left to cut), or 30 s on.
+    num_blocks = len(wave) * engines.sizes.prompt_blocks
+    wait_until(lambda: len(block_files(tier_dir) - before) >= max(1, num_blocks // 4), WAIT_S,
+               "the writer on the wave's blocks", interval_s=0.001)
+    deadline = time.monotonic() + 30.0
+    while (time.monotonic() < deadline and not partial_files(tier_dir)
+           and len(block_files(tier_dir) - before) < num_blocks):
+        time.sleep(0.0005)
     assert engines.stack.memory is not None
     engines.stack.memory.kill()
     written = len(block_files(tier_dir) - before)
     partial = len(partial_files(tier_dir))
     for thread in threads:
         thread.join(WAIT_S)
-    return {"wave_blocks": len(wave) * engines.sizes.prompt_blocks, "wave_blocks_written_at_kill": written,
+    return {"wave_blocks": num_blocks, "wave_blocks_written_at_kill": written,
             "partial_files_at_kill": partial, "requests_failed_by_kill": sum(o != "OK" for o in outcomes)}
 
 
@@ -266,6 +278,8 @@ def run_faults(model: str, dtype: str | None, root: Path, sizes: FaultSizes, voc
         result["sigkill_mid_write"] = {
             "same_tokens": scenario["same_tokens"] and again["same_tokens"], **killed,
             "wave1_cached_share": scenario["cached_share"], "wave2_cached_share": again["cached_share"],
+            "wave1_different": scenario["different"], "wave2_different": again["different"],
+            "wave2_cached_tokens": again["cached_tokens"],
             "partial_files_left": len(partial_files(tier_dir)), "files_removed": disk.num_bad_files,
             "write_errors": disk.num_write_errors, "integrity_ok": engines.integrity_ok(),
             "log_lines": engines.tier_log_lines()}
