@@ -23,7 +23,8 @@ engine), then reads the results back. Rules, in order:
 5. Tier loads: an admission the memory service answers ``loading`` (its cached prefix continues in
    a tier below the pool, memory.proto's OpResult.loading) stays waiting, parked: it is skipped
    by admission, and the others go ahead, until a later step reports its load over
-   (``loads_ended``); its next AllocateOp then finds the prefix in the pool.
+   (``loads_ended``); its next AllocateOp then finds the prefix in the pool. One finished (aborted)
+   before that AllocateOp got blocks is freed (a FreeOp, though it holds none): the service forgets it.
 6. Admission watermark: while sequences run, a waiting one is admitted only if the
    ``admission_watermark`` share of the pool stays free afterwards, for the running ones to grow
    into. Without it a saturated engine fills the pool with prompts, then preempts (and later
@@ -146,9 +147,12 @@ class Scheduler:
         self.running.append(child)
 
     def finish(self, seq: Sequence) -> None:
-        """Drop a finished (or aborted) sequence; its blocks are freed in the next step's RPC."""
+        """Drop a finished (or aborted) sequence; its blocks are freed in the next step's RPC (and a
+        waiting one that was answered ``loading`` is freed there too: the memory service forgets it)."""
         if seq in self.waiting:
             self.waiting.remove(seq)
+            if seq.has_tier_load:
+                self._pending_free_ids.append(seq.seq_id)
         elif seq in self.running:
             self.running.remove(seq)
             if any(child is seq for _, child in self._pending_forks):
@@ -314,7 +318,9 @@ class Scheduler:
             elif isinstance(op, AllocateOp):
                 if not result.ok:
                     seq.is_loading = result.loading  # parked until its load ends (rule 5)
+                    seq.has_tier_load |= result.loading
                     continue  # stays waiting; the service changed nothing
+                seq.has_tier_load = False
                 self.waiting.remove(seq)
                 self.running.append(seq)
                 seq.admit(result.block_ids, result.num_cached_tokens)

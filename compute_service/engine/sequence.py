@@ -61,6 +61,9 @@ class Sequence:
     # Waiting for the memory service to load its cached prefix from a tier (memory.proto's
     # OpResult.loading): not admitted again until the service reports the load over.
     is_loading: bool = False
+    # The memory service answered its AllocateOp ``loading`` since its last admission: it remembers the
+    # seq_id until an AllocateOp of it gets blocks, so dropping it (an abort) sends a FreeOp of it.
+    has_tier_load: bool = False
     # xgrammar GrammarMatcher of a constrained completion: it has accepted exactly output_token_ids
     # (advanced once per sampled token; recompute after preemption leaves it alone).
     matcher: Any | None = None

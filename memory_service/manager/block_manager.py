@@ -96,7 +96,7 @@ class BlockManager:
         self._pending: dict[str, dict[int, None]] = {}  # client_id -> its uncommitted cache blocks
         self._num_table_blocks: dict[str, int] = {}  # client_id -> entries of its block tables
         self._max_table_blocks: dict[str, int] = {}  # client_id -> its quota of such entries
-        self._validator = OpValidator(config.num_blocks * config.block_size, self._client_seqs)
+        self._validator = OpValidator(config.num_blocks * config.block_size, self._client_seqs, self._is_parked)
         self._applier = OpApplier(
             self._pool, self._prefix_cache, config.block_size, config.reserved_pool, copy_block
         )
@@ -417,6 +417,10 @@ class BlockManager:
                     cache.tier_hashes[block_id] = tier_hash  # on disk already: never queued for writing
         self._pool.release(reversed([*prefix, *load.block_ids]))
         self._tier.end_load(load)
+
+    def _is_parked(self, client_id: str, seq_id: str) -> bool:
+        """Whether the client's sequence waits for its tier load or its retry (``TierBook.is_parked``)."""
+        return self._tier is not None and self._tier.is_parked(client_id, seq_id)
 
     def _num_pinned(self, client_id: str) -> int:
         """Blocks the client's tier loads in flight pin (its quota counts them)."""

@@ -184,7 +184,8 @@ class OpResult:
     Args:
         ok: False when the op found too few free blocks; it then changed nothing.
         block_ids: AllocateOp and ForkOp: the whole block table; AppendOp: the blocks appended to
-            the table; FreeOp: the table the sequence held. Empty when not ok.
+            the table; FreeOp: the table the sequence held (none when it was parked on a tier
+            load). Empty when not ok.
         num_cached_tokens: AllocateOp: prompt tokens served from the prefix cache.
         num_new_tokens: AllocateOp: tokens that got blocks in this step beyond the cached ones.
         copies: AppendOp: ``(src, dst)`` copy-on-write pairs; ``dst`` replaced ``src`` at the same
@@ -192,7 +193,7 @@ class OpResult:
         loading: AllocateOp, with ``ok=False``: its cached prefix continues in a tier below the
             pool and is being loaded; nothing was allocated. Send the same op again once the
             sequence is listed as loaded (``BlockManager.take_load_reports``; memory.proto's
-            ``OpResult.loading``).
+            ``OpResult.loading``), or free it (a FreeOp: the tier forgets it) if it is dropped.
     """
 
     ok: bool

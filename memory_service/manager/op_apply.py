@@ -299,7 +299,12 @@ class OpApplier:
     def _free(self, batch: BatchState, index: int, op: FreeOp, _: None) -> OpResult:
         failed = batch.failed_seq_ids
         if failed and op.seq_id in failed:
+            if self.tier is not None:  # its AllocateOp answered ``loading`` in this batch, maybe
+                self.tier.forget(batch.client_id, op.seq_id)
             return OpResult(False, [])
+        if op.seq_id not in batch.seqs:  # parked on a tier load (validated): no blocks, the tier forgets it
+            self.tier.forget(batch.client_id, op.seq_id)
+            return OpResult(True, [])
         if index not in batch.late_free_indices:
             block_table = batch.seqs[op.seq_id].block_table
             self.free_sequence(batch.seqs, op.seq_id)

@@ -68,6 +68,7 @@ class _Batch:
     """The state of the batch as its ops so far would leave it (what the per-op checks read)."""
 
     seqs: Mapping[str, _LiveSequence]  # the client's live sequences before the batch
+    client_id: str
     # Sequences touched by earlier ops of the batch: seq_id -> a lower bound of its num_tokens (how
     # much an AllocateOp gets from the prefix cache is known only when it runs), or None once freed.
     num_tokens: dict[str, int | None] = field(default_factory=dict)
@@ -88,11 +89,16 @@ class OpValidator:
         max_num_tokens: token capacity of the whole pool; no sequence can ever outgrow it.
         client_seqs: the block manager's clients (read, never changed): client_id -> its live
             sequences (seq_id -> sequence).
+        is_parked: ``is_parked(client_id, seq_id)``: the client's AllocateOp of that id was answered
+            ``loading`` and has not got blocks since (``TierBook.is_parked``): a FreeOp of it is
+            valid though no such sequence is live. None: no tier, nothing is ever parked.
     """
 
-    def __init__(self, max_num_tokens: int, client_seqs: Mapping[str, Mapping[str, _LiveSequence]]) -> None:
+    def __init__(self, max_num_tokens: int, client_seqs: Mapping[str, Mapping[str, _LiveSequence]],
+                 is_parked: Callable[[str, str], bool] | None = None) -> None:
         self._max_num_tokens = max_num_tokens
         self._client_seqs = client_seqs
+        self._is_parked = is_parked
         self._checks: dict[type, Callable[[_Batch, int, Op], None]] = {
             AppendOp: self._check_append,
             AllocateOp: self._check_allocate,
@@ -105,7 +111,8 @@ class OpValidator:
 
         Checked: the client is attached; each op is one of the four op types (``expected_type``
         when given); seq ids are non-empty strings; new ones are not live, the others are live
-        sequences of this client (counting creations and frees earlier in the batch); token lists
+        sequences of this client (counting creations and frees earlier in the batch), or, for a
+        FreeOp, parked on a tier load (``is_parked``); token lists
         are non-empty with ids in [0, 2**32); ``max_num_new_tokens >= 1``; namespaces are strings of
         at most ``MAX_NAMESPACE_LENGTH`` characters; no sequence outgrows the pool; no AppendOp goes
         to a sequence that shares blocks, through a ForkOp earlier in the batch, with a sequence
@@ -128,7 +135,7 @@ class OpValidator:
         seqs = self._client_seqs.get(client_id)
         if seqs is None:
             raise InvalidArgument(f"client_id {echo(client_id)} is not attached")
-        batch = _Batch(seqs)
+        batch = _Batch(seqs, client_id)
         checks = self._checks
         for index, op in enumerate(ops):
             op_type = type(op)
@@ -195,7 +202,14 @@ class OpValidator:
         batch.encoded.append(token_bytes)
 
     def _check_free(self, batch: _Batch, index: int, op: FreeOp) -> None:
-        self._live_num_tokens(batch, index, op, "seq_id", op.seq_id)
+        seq_id = op.seq_id
+        if (self._is_parked is not None and type(seq_id) is str and seq_id not in batch.num_tokens
+                and seq_id not in batch.seqs and self._is_parked(batch.client_id, seq_id)):
+            # Parked on a tier load, dropped by its client: it holds no blocks, the tier forgets it.
+            batch.num_tokens[seq_id] = None
+            batch.encoded.append(None)
+            return
+        self._live_num_tokens(batch, index, op, "seq_id", seq_id)
         batch.num_tokens[op.seq_id] = None
         # Tokens it got in this batch have their K/V written after the batch: its blocks must
         # outlive the batch. (Its forks share only blocks it holds: freeing them needs no delay.)

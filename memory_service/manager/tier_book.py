@@ -22,6 +22,13 @@ drops the pins: they sit at the young end of the LRU, and the client's retried A
 in the pool. One load per sequence: the retry never starts another (a load that failed, or blocks
 evicted before the retry, mean recompute, never a loop).
 
+Parked sequences the client drops. The book remembers a sequence from its load's start until its
+AllocateOp gets blocks (``allocated``): while the load runs, then as ``loaded`` (no second load).
+A client that drops such a sequence instead (a request aborted while parked, or after its load
+ended but before its retry got blocks) sends a FreeOp for it (memory.proto's ``OpResult.loading``),
+which ``forget`` handles: the sequence leaves ``loaded`` and ``reports``, and a load still running
+ends unreported. Without it each such sequence would stay in the book until its client detaches.
+
 Quotas. The blocks a load pins (its pool prefix and its fresh blocks) are the client's while it runs,
 so they count against the client's quota of block-table entries (``BlockManager``'s module docstring)
 until it ends, as the retried AllocateOp's table will: a load takes no more tier blocks than leave
@@ -96,6 +103,8 @@ class TierLoad:
         token_bytes: the encoded tokens of those blocks (to register them in the prefix cache).
         prefix_block_ids: the pool's cached prefix before them, pinned by the load.
         block_ids: fresh pool blocks, one per key, pinned by the load.
+        is_wanted: False once the client freed the sequence (``TierBook.forget``): the load ends
+            unreported, unless an AllocateOp of the same seq_id waits for it again.
     """
 
     client_id: str
@@ -105,6 +114,7 @@ class TierLoad:
     token_bytes: bytes
     prefix_block_ids: list[int]
     block_ids: list[int]
+    is_wanted: bool = True
 
 
 class TierBook:
@@ -159,7 +169,9 @@ class TierBook:
             count once the allocation gets its blocks.
         """
         key = (client_id, seq_id)
-        if key in self.loads:
+        running = self.loads.get(key)
+        if running is not None:
+            running.is_wanted = True  # (the seq_id allocated again after a FreeOp: it waits for it too)
             return WAITING  # retried before its load ended: keep waiting
         if seq_id in self.loaded[client_id]:
             return COUNTED  # its one load is over: what is not in the pool now is recomputed
@@ -198,16 +210,36 @@ class TierBook:
         if lookup is not None:
             self._count(lookup)
 
+    def is_parked(self, client_id: str, seq_id: str) -> bool:
+        """Whether the client's AllocateOp of ``seq_id`` was answered ``loading`` and has not got
+        its blocks since (its load runs, or ended): a FreeOp of it is valid (``forget``)."""
+        load = self.loads.get((client_id, seq_id))
+        return (load is not None and load.is_wanted) or seq_id in self.loaded.get(client_id, ())
+
+    def forget(self, client_id: str, seq_id: str) -> None:
+        """The client freed a parked sequence (the module docstring, "Parked sequences the client
+        drops"): the book keeps nothing of it, and a load still running ends unreported."""
+        load = self.loads.get((client_id, seq_id))
+        if load is not None:
+            load.is_wanted = False
+        loaded = self.loaded.get(client_id)
+        if loaded is not None and seq_id in loaded:
+            loaded.discard(seq_id)
+            reports = self.reports[client_id]
+            if seq_id in reports:  # ended since the client's last Step: nothing to report now
+                reports.remove(seq_id)
+
     def _count(self, lookup: TierLookup) -> None:
         if lookup.keys:
             self.directory.count_lookup(lookup.keys, lookup.num_hits, lookup.is_skipped)
 
     def end_load(self, load: TierLoad) -> None:
-        """The load is over (``finish_load`` registered what it could): report it to its client."""
+        """The load is over (``finish_load`` registered what it could): report it to its client,
+        unless the client freed the sequence meanwhile."""
         del self.loads[(load.client_id, load.seq_id)]
         if load.client_id in self.num_pinned:  # still attached
             self.num_pinned[load.client_id] -= len(load.prefix_block_ids) + len(load.block_ids)
-        if load.client_id in self.reports:  # still attached
+        if load.is_wanted and load.client_id in self.reports:  # still attached, still waited for
             self.loaded[load.client_id].add(load.seq_id)
             self.reports[load.client_id].append(load.seq_id)
 

@@ -316,3 +316,58 @@ def test_a_sequence_loading_from_the_tier_is_parked_while_others_run(tmp_path: P
     assert b.num_cached_tokens == 12 and not b.is_loading
     assert [op.seq_id for op in h.last_plan.ops if isinstance(op, AllocateOp)] == ["b"]
     h.allocator.close()
+
+
+def test_a_sequence_finished_while_parked_on_a_load_is_freed_and_the_memory_service_forgets_it(
+        tmp_path: Path) -> None:
+    """Rule 5: a parked sequence that is aborted (before its load ends, or after, before its retry)
+    is freed like any other, though it holds no blocks: the memory service's tier book keeps
+    nothing of it (it kept each such seq_id until the client detached)."""
+    h = Harness(enable_prefix_caching=True)
+    h.allocator = InProcessAllocator(LAYOUT, BlockManagerConfig(num_blocks=16, block_size=BLOCK_SIZE),
+                                     kv_disk_dir=tmp_path, model_fingerprint="model")
+    book = h.allocator.block_manager._tier
+
+    def add(name: str, prompt: list[int]) -> Sequence:
+        seq = Sequence(seq_id=name, request_id=name, prompt_token_ids=prompt,
+                       params=SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        h.scheduler.add(seq)
+        return seq
+
+    def run_until(condition) -> None:
+        deadline = time.monotonic() + 30
+        while not condition():
+            assert time.monotonic() < deadline, "timed out"
+            h.step()
+            time.sleep(0.01)
+
+    def evict(name: str) -> None:
+        evictor = add(name, list(range(200, 260)))  # 15 of the 16 blocks: the prompt's are evicted
+        run_until(lambda: evictor.is_finished and not h.scheduler.has_work())
+
+    prompt = list(range(100, 113))  # 3 full blocks and a token
+    a = add("a", prompt)
+    run_until(lambda: a.is_finished and not h.scheduler.has_work())
+    run_until(lambda: h.allocator.stats().tiers[0].num_blocks == 3)  # written behind
+    evict("e1")
+    b = add("b", prompt)
+    h.step()
+    assert b.is_loading and b.has_tier_load
+    h.scheduler.finish(b)  # aborted while its load runs
+    h.step()
+    assert h.ops() == [("FreeOp", "b")]
+    run_until(lambda: not book.loads)
+    evict("e2")
+    c = add("c", prompt)
+    run_until(lambda: not c.is_loading and c.has_tier_load)  # its load is over, its retry not sent
+    h.scheduler.finish(c)
+    h.step()
+    assert h.ops() == [("FreeOp", "c")]
+    assert (book.loaded, book.reports, book.loads) == ({"local": set()}, {"local": []}, {})
+    # Admitted after its load: nothing left to free beyond its blocks.
+    evict("e3")
+    d = add("d", prompt)
+    run_until(lambda: d.is_finished)
+    assert d.num_cached_tokens == 12 and not d.has_tier_load
+    assert (book.loaded, book.reports, book.loads) == ({"local": set()}, {"local": []}, {})
+    h.allocator.close()

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from memory_service.api import AllocateOp, FreeOp, KvLayout
+from pagedserve.errors import InvalidArgument
+from memory_service.api import AllocateOp, FreeOp, KvLayout, OpResult
 from memory_service.in_process import InProcessAllocator
 from memory_service.manager.block_types import BlockManagerConfig
 
@@ -229,3 +230,49 @@ def test_a_load_takes_no_blocks_beyond_the_clients_quota(tmp_path: Path) -> None
         assert alloc.check_integrity() is None
     finally:
         alloc.close()
+
+
+def test_parked_sequences_their_client_frees_leave_nothing_in_the_tier_book(allocator: InProcessAllocator) -> None:
+    """A request aborted while parked on a load: its client frees the sequence (it holds no blocks),
+    and the book forgets it, whether its load was over (reported, never retried), still running, or
+    started in the same batch. Without it each one stayed in ``loaded`` until the client detached."""
+    manager = allocator.block_manager
+    book, client = manager._tier, allocator.client_id
+    write_prompt_and_evict(allocator)
+    reported: list[str] = []
+
+    def op(seq_id: str) -> AllocateOp:
+        return AllocateOp(seq_id, PROMPT, len(PROMPT), namespace="ns")
+
+    def wait_for_loads() -> None:
+        wait_for(lambda: not reported.extend(allocator.step_with_counts([]).loaded_seq_ids) and not book.loads)
+
+    for n in range(3):
+        # Its load over and reported, never retried: then freed.
+        assert allocator.step([op(f"over{n}")])[0].loading
+        wait_for(lambda seq_id=f"over{n}": seq_id in allocator.step_with_counts([]).loaded_seq_ids)
+        assert book.loaded[client] == {f"over{n}"}
+        assert allocator.step([FreeOp(f"over{n}")]) == [OpResult(True, [])]
+        evict(allocator, f"e{n}")
+        # Freed while its load runs (not even handed to the loader yet): it ends unreported.
+        with allocator._lock:
+            assert manager.apply(client, [op(f"running{n}")])[0].loading
+            assert manager.apply(client, [FreeOp(f"running{n}")]) == [OpResult(True, [])]
+        wait_for_loads()
+        evict(allocator, f"f{n}")
+        # Freed in the batch that started its load: it failed like its AllocateOp, and is forgotten.
+        results = allocator.step([op(f"batch{n}"), FreeOp(f"batch{n}")])
+        assert results[0].loading and not results[1].ok
+        wait_for_loads()
+        evict(allocator, f"g{n}")
+    assert reported == []
+    assert (book.loaded, book.reports, book.loads, book.new_loads, book.num_pinned) == (
+        {client: set()}, {client: []}, {}, [], {client: 0})
+    # Forgotten for good: a second FreeOp is a bad op, and the id may load again.
+    with pytest.raises(InvalidArgument, match="over0"):
+        allocator.step([FreeOp("over0")])
+    assert allocator.step([op("over0")])[0].loading
+    wait_for(lambda: "over0" in allocator.step_with_counts([]).loaded_seq_ids)
+    [result] = allocator.step([op("over0")])
+    assert result.ok and result.num_cached_tokens == 12
+    assert (book.loaded, book.reports) == ({client: set()}, {client: []})
