@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2
 
 from pagedserve.compute.v1 import compute_pb2, compute_pb2_grpc
 from pagedserve.memory.v1 import memory_pb2, memory_pb2_grpc
@@ -61,7 +62,7 @@ BLOCK_SIZE = 16
 COLD_SALT = "tierbench-cold"  # the namespace of the cold answers
 TIER_EVENTS = ("kv_tier_opened", "kv_tier_partial_writes_removed", "kv_tier_file_removed", "kv_tier_write_failed",
                "kv_tier_read_failed", "kv_tier_load_failed")
-SERVING = 1  # grpc.health.v1 ServingStatus
+SERVING = health_pb2.HealthCheckResponse.SERVING
 WAIT_S = 600.0  # for a write-behind or a restart on a loaded machine
 
 
