@@ -315,7 +315,7 @@ def run_faults(model: str, dtype: str | None, root: Path, sizes: FaultSizes, voc
             if resize_error is not None:
                 result["full_disk"] = {"skipped": f"tmpfs not resized: {resize_error}"}
             else:
-                errors_before = disk.num_write_errors
+                errors_before, bad_before = disk.num_write_errors, disk.num_bad_files
                 scenario = send_and_compare(engines, third, cold)
                 wait_until(lambda: engines.disk().num_write_errors - errors_before + len(block_files(tier_dir))
                            - num_files >= len(third) * sizes.prompt_blocks, WAIT_S,
@@ -325,7 +325,8 @@ def run_faults(model: str, dtype: str | None, root: Path, sizes: FaultSizes, voc
                 result["full_disk"] = {
                     **scenario, "same_tokens": scenario["same_tokens"] and again["same_tokens"], "fs_bytes": size,
                     "fs_free_bytes_before": size - used, "write_errors": disk.num_write_errors - errors_before,
-                    "blocks_written": len(block_files(tier_dir)) - num_files, "files_removed": disk.num_bad_files,
+                    "blocks_written": len(block_files(tier_dir)) - num_files,
+                    "files_removed": disk.num_bad_files - bad_before,
                     "integrity_ok": engines.integrity_ok(),
                     "log_lines": [line for line in engines.tier_log_lines() if "kv_tier_write_failed" in line],
                     "fresh_service_starts": starts_on(mount_point / "fresh", engines.stack.directory)}

@@ -97,7 +97,7 @@ def test_bench_kv_tier_quick_faults(quick: dict) -> None:
 
     full = faults["full_disk"]
     if faults["filesystem"] == "tmpfs":  # mount allowed here (CAP_SYS_ADMIN)
-        assert full["same_tokens"] and full["integrity_ok"] and full["write_errors"] > 0
+        assert full["same_tokens"] and full["integrity_ok"] and full["write_errors"] > 0 and full["files_removed"] == 0
         assert full["log_lines"] and all('"error": "ENOSPC"' in line for line in full["log_lines"])
         assert full["fresh_service_starts"]
     else:
