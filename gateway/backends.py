@@ -8,10 +8,11 @@ The routing's model of a prefix cache belongs to the memory service, not to the 
 (``SharedCaches``): backends whose Info names the same memory service share one ``CacheModel``.
 That model outlives a backend's failure. A compute service that restarts finds the same pool; a
 memory service that restarts without a tier comes back under a new id (a new, empty model); one
-with a tier keeps its id (memory_service/identity.py) and its blocks, but only in the tier: its pool
-starts empty. Its epoch (new at each start, reported beside the id) tells: a model that sees a new
-epoch forgets its pool's blocks, which leaves them predicted in the tier (every routed block went
-into both), a tier hit rather than a pool hit.
+with a disk tier keeps its id (memory_service/identity.py, in the tier's directory) and its blocks,
+but only on the disk: its pool and its host-RAM tier (--kv-host-bytes) start empty. Its epoch (new
+at each start, reported beside the id) tells: a model that sees a new epoch forgets its pool's
+blocks and keeps in its tier model only the newest blocks the disk tier holds (Info.kv_tiers, kind
+"disk"), which leaves them predicted as tier hits rather than pool hits.
 """
 
 from __future__ import annotations
@@ -51,9 +52,10 @@ class SharedCaches:
     A backend that names no memory service (an older compute service, or one not attached yet)
     gets a model of its own, keyed by its address. Models no backend uses any more are dropped.
 
-    A memory service's epoch not seen before, under an id seen before, is a restart: its pool is
-    empty, so the model forgets the pool's blocks (they stay predicted in its tier; the module
-    docstring). The first epoch of a model, and one seen before, forget nothing.
+    A memory service's epoch not seen before, under an id seen before, is a restart: its pool and
+    host tier are empty, so the model forgets the pool's blocks and keeps as many tier blocks as
+    its disk tier holds (they stay predicted there; the module docstring). The first epoch of a
+    model, and one seen before, forget nothing.
     """
 
     def __init__(self) -> None:
@@ -73,7 +75,10 @@ class SharedCaches:
         pool_capacity = (info.num_kv_blocks if info is not None else 0) or _DEFAULT_INDEX_CAPACITY
         # The most of any tier, not their sum: a host tier in front of a disk tier holds copies of
         # the disk's blocks (memory_service/tier/worker.py writes through), not others.
-        tier_capacity = max((t.capacity_blocks for t in info.kv_tiers), default=0) if info is not None else 0
+        tiers = info.kv_tiers if info is not None else ()
+        tier_capacity = max((t.capacity_blocks for t in tiers), default=0)
+        # What survives a restart: the disk tier (the host tier is RAM, empty at each start).
+        disk_capacity = max((t.capacity_blocks for t in tiers if t.kind == "disk"), default=0)
         model = self._models.get(key)
         if model is None:
             model = self._models[key] = CacheModel(pool_capacity, tier_capacity)
@@ -82,9 +87,10 @@ class SharedCaches:
         epoch = info.memory_service_epoch if info is not None and info.memory_service_id else ""
         epochs = self._epochs.setdefault(key, [])
         if epoch and epoch not in epochs:
-            if epochs:  # restarted: its pool is empty, the tier may hold what it held
-                log.info("memory_service_restarted", memory_service_id=info.memory_service_id, backend=address)
-                model.forget_pool()
+            if epochs:  # restarted: its pool and host tier are empty, its disk tier may hold what it held
+                log.info("memory_service_restarted", memory_service_id=info.memory_service_id, backend=address,
+                         disk_tier_blocks=disk_capacity)
+                model.forget_restarted(disk_capacity)
             epochs.append(epoch)
             del epochs[:-_MAX_EPOCHS]
         self._key_of[address] = key

@@ -102,6 +102,12 @@ class AffinityIndex:
         """Forgets everything (the backend failed: its cache may be gone)."""
         self._hashes.clear()
 
+    def keep_newest(self, num_hashes: int) -> None:
+        """Forgets all but the ``num_hashes`` most recently inserted hashes (none when <= 0)."""
+        num_dropped = len(self._hashes) - max(0, num_hashes)
+        for _ in range(num_dropped):
+            self._hashes.popitem(last=False)
+
 
 @dataclass(frozen=True)
 class CacheMatch:
@@ -123,9 +129,13 @@ class CacheModel:
     (write-behind), so it holds the pool's blocks too, and keeps them after the pool evicts them,
     until its own, larger, capacity is spent.
 
+    A restart of the memory service under its id (a new epoch: ``forget_restarted``) empties its pool
+    and its host-RAM tier; only its disk tier keeps blocks, the most recent ones its capacity holds.
+
     Args:
         pool_capacity: blocks of the pool (Info.num_kv_blocks).
-        tier_capacity: blocks of its tiers together (0: no tier).
+        tier_capacity: blocks of its largest tier (0: no tier); the tiers are inclusive (a host tier
+            in front of a disk tier holds copies of the disk's blocks), so not their sum.
     """
 
     def __init__(self, pool_capacity: int, tier_capacity: int = 0) -> None:
@@ -161,10 +171,19 @@ class CacheModel:
             self.tier.resize(tier_capacity)
 
     def forget_pool(self) -> None:
-        """Forgets the pool's blocks (a backend failed, or its memory service restarted: a new
-        epoch); a tier's blocks stay, since they outlive a restart: what was predicted in the pool
-        is predicted in the tier from now on (every block routed here went into both)."""
+        """Forgets the pool's blocks (a backend of an unnamed memory service failed: its cache may
+        be gone); the tier's stay."""
         self.pool.clear()
+
+    def forget_restarted(self, disk_capacity: int) -> None:
+        """The memory service restarted (a new epoch under its id): its pool and host tier are empty,
+        its disk tier holds at most its ``disk_capacity`` blocks, the most recently written. So the
+        pool's blocks are forgotten, and the tier model keeps its ``disk_capacity`` newest blocks
+        (none without a disk tier): what was predicted in the pool and is among them is predicted
+        in the tier from now on (every block routed here went into both)."""
+        self.pool.clear()
+        if self.tier is not None:
+            self.tier.keep_newest(disk_capacity)
 
 
 class RouteTarget(Protocol):

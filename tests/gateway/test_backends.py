@@ -20,10 +20,12 @@ BLOCK = [b"b" * 16]
 class ScriptedBackend:
     """Health always SERVING; Load and Info answer what the test set last; Info calls counted."""
 
-    def __init__(self, epoch: str = "", tier_blocks: int = 0) -> None:
+    def __init__(self, epoch: str = "", tier_blocks: int = 0, host_tier_blocks: int = 0, pool_blocks: int = 8) -> None:
         self.memory_service_id = "ms-1"
+        self.pool_blocks = pool_blocks
         self.epoch = epoch
-        self.tier_blocks = tier_blocks
+        self.tier_blocks = tier_blocks  # a disk tier's
+        self.host_tier_blocks = host_tier_blocks
         self.is_attached = True  # False: between two leases (NOT_SERVING, no pool), as the real one
         self.num_info_calls = 0
 
@@ -40,8 +42,10 @@ class ScriptedBackend:
         self.num_info_calls += 1
         if not self.is_attached:
             return compute_pb2.InfoResponse(model_name="m")
-        tiers = [compute_pb2.KvTier(kind="disk", capacity_blocks=self.tier_blocks)] if self.tier_blocks else []
-        return compute_pb2.InfoResponse(model_name="m", num_kv_blocks=8, memory_service_id=self.memory_service_id,
+        tiers = [compute_pb2.KvTier(kind=kind, capacity_blocks=blocks)
+                 for kind, blocks in (("host", self.host_tier_blocks), ("disk", self.tier_blocks)) if blocks]
+        return compute_pb2.InfoResponse(model_name="m", num_kv_blocks=self.pool_blocks,
+                                        memory_service_id=self.memory_service_id,
                                         memory_service_epoch=self.epoch, kv_tiers=tiers)
 
 
@@ -123,5 +127,36 @@ def test_a_memory_service_restarted_under_its_id_has_its_pool_hits_demoted_to_ti
         assert backend.is_healthy and backend.cache is sibling.cache
         assert backend.cache.match(later) == CacheMatch(0, 1)
         await asyncio.gather(backend.close(), sibling.close())
+
+    asyncio.run(scenario())
+
+
+def test_a_restart_keeps_only_the_tier_blocks_its_disk_tier_holds() -> None:
+    """The host-RAM tier (--kv-host-bytes) is empty after a restart, as the pool is; the disk tier
+    keeps its newest blocks up to its capacity. So a new epoch leaves predicted (as tier hits) only
+    the newest blocks the disk tier holds, and none without a disk tier."""
+    blocks = [[bytes([i]) * 16] for i in range(6)]  # six one-block prompts, routed in this order
+
+    async def restarted(script: ScriptedBackend) -> list[CacheMatch]:
+        backend = _backend(script, SharedCaches())
+        await backend.poll(1.0)
+        for block in blocks:
+            backend.cache.insert(block)
+        assert [backend.cache.match(b) for b in blocks] == [CacheMatch(0, 1)] * 2 + [CacheMatch(1, 0)] * 4
+        script.epoch = "e2"
+        await backend.poll(1.0)
+        assert script.num_info_calls == 2
+        await backend.close()
+        return [backend.cache.match(b) for b in blocks]
+
+    async def scenario() -> None:
+        # Before each restart: a pool of 4 blocks holds the 4 newest, the tier model all 6.
+        # A host tier of 6 blocks in front of a disk tier of 3: the 3 newest survive, as tier hits.
+        assert await restarted(ScriptedBackend("e1", tier_blocks=3, host_tier_blocks=6, pool_blocks=4)) == (
+            [CacheMatch(0, 0)] * 3 + [CacheMatch(0, 1)] * 3)
+        # A host tier only: nothing survives.
+        assert await restarted(ScriptedBackend("e1", host_tier_blocks=6, pool_blocks=4)) == [CacheMatch(0, 0)] * 6
+        # A disk tier larger than what was routed: everything survives, as tier hits.
+        assert await restarted(ScriptedBackend("e1", tier_blocks=64, pool_blocks=4)) == [CacheMatch(0, 1)] * 6
 
     asyncio.run(scenario())
