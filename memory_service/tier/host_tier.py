@@ -70,6 +70,7 @@ class HostTier:
         self.capacity_bytes = capacity_bytes
         self.identity: TierIdentity | None = None
         self.is_pinned = False
+        self.num_slots = 0  # blocks it can hold, once open
         self._buffer: torch.Tensor | None = None  # (num_slots, *identity.block_shape)
         self._lock = threading.Lock()
         self._index: OrderedDict[bytes, _Entry] = OrderedDict()  # least recently used first
@@ -98,6 +99,7 @@ class HostTier:
         with self._lock:
             self.identity = identity
             self.is_pinned = buffer.is_pinned() if num_slots else False
+            self.num_slots = num_slots
             self._buffer = buffer
             self._index.clear()
             self._free_slots = list(range(num_slots - 1, -1, -1))  # slot 0 taken first
@@ -121,12 +123,14 @@ class HostTier:
             num += 1
         return num
 
-    def acquire(self, key: bytes, ns_key: bytes) -> tuple[int, torch.Tensor] | None:
-        """Pins the block ``key`` for a load: its slot and a view of it, ``identity.block_shape``.
+    def acquire(self, key: bytes, ns_key: bytes, make_young: bool = True) -> tuple[int, torch.Tensor] | None:
+        """Pins the block ``key`` for a read (a load, or the writer's copy to the disk): its slot and
+        a view of it, ``identity.block_shape``.
 
         Args:
             key: its chained key.
             ns_key: the namespace key it must carry (else a miss).
+            make_young: count the read as a use (LRU); False for the writer's copy to the disk.
 
         Returns:
             ``(slot, view)``, or None when it is not here. Call ``release`` once copied (or not needed).
@@ -135,7 +139,8 @@ class HostTier:
             entry = self._index.get(key)
             if entry is None or entry.ns_key != ns_key or self._buffer is None:
                 return None
-            self._index.move_to_end(key)
+            if make_young:
+                self._index.move_to_end(key)
             self._pins[entry.slot] += 1
             return entry.slot, self._buffer[entry.slot]
 

@@ -8,7 +8,8 @@ Two tiers, either or both: the host tier (``host_tier.py``, RAM) in front of the
   write) and, with a disk tier, once more into a staging copy that it writes to a file after
   releasing the lock (copying everything newly committed before each file it writes). A block is
   copied only while it still holds its key (``take_tier_writes``), so a block evicted and reused
-  right after is never written with its new content. A Step never waits for a disk. Why write
+  right after is never written with its new content. A Step never waits for a disk, nor does the
+  host tier: with the staging copies full, blocks go into RAM and reach the disk from there. Why write
   through rather than let the host tier evict to the disk: every block reaches the disk as soon as
   it would have without the host tier, so a restart (which empties the RAM) finds what it found
   before; the disk writes cost the same as without a host tier, and a host eviction is a plain drop.
@@ -163,28 +164,64 @@ class TierWorker:
         # eviction, a write (checksum, file) takes far longer. So whatever is committed is copied (into
         # the host tier, and into ``staged`` for the disk) before the next file is written, up to
         # STAGING_BYTES of staged copies; a small pool that evicts a prompt's blocks one request later
-        # still has them on their way to the disk.
+        # still has them on their way to the disk. With a host tier, a full staging does not stop the
+        # copies into RAM: the blocks past it are written to the disk later from their host slots
+        # (``deferred``, at most as many as the host tier holds), so a disk slower than the commits
+        # never holds the host tier back.
         host, disk = self.host, self.disk
         staged: collections.deque[tuple[bytes, bytes, torch.Tensor]] = collections.deque()
+        deferred: collections.deque[tuple[bytes, bytes]] = collections.deque(
+            maxlen=max(1, host.num_slots) if host is not None else 1)
         while not self._stopping.is_set():
-            if not staged:
+            if not staged and not deferred:
                 self._wake_writer.wait(WRITER_IDLE_S)
                 self._wake_writer.clear()
-            while len(staged) * self._bytes_per_block < STAGING_BYTES and not self._stopping.is_set():
-                with self._lock:
-                    taken = self._manager.take_tier_writes(WRITE_BATCH_BLOCKS)
-                    for block_id, key, ns_key in taken:
-                        block = self._pool[:, :, block_id]  # (num_layers, 2, block_size, num_kv_heads, head_dim)
-                        if host is not None:
-                            host.put(key, ns_key, block)
-                        if disk is not None and key not in disk:
-                            staged.append((key, ns_key, torch.empty(self._block_shape, dtype=self._dtype).copy_(block)))
-                if not taken:
-                    break
-            if staged and not self._stopping.is_set():
+            self._copy_committed(staged, deferred)
+            if self._stopping.is_set():
+                break
+            if staged:
                 key, ns_key, block = staged.popleft()
                 # its bytes, as the pool holds them
                 disk.put(key, ns_key, memoryview(block.view(torch.uint8).numpy()).cast("B"))
+            elif deferred:
+                self._write_from_host(*deferred.popleft())
+
+    def _copy_committed(self, staged: collections.deque, deferred: collections.deque) -> None:
+        """Copies the blocks committed since the last call into the host tier, and into ``staged``
+        while it has room (``_write_loop``); the disk's others go to ``deferred`` with a host tier,
+        else wait in the book."""
+        host, disk = self.host, self.disk
+        while not self._stopping.is_set():
+            has_room = len(staged) * self._bytes_per_block < STAGING_BYTES
+            if not has_room and host is None:
+                return
+            with self._lock:
+                taken = self._manager.take_tier_writes(WRITE_BATCH_BLOCKS)
+                for block_id, key, ns_key in taken:
+                    block = self._pool[:, :, block_id]  # (num_layers, 2, block_size, num_kv_heads, head_dim)
+                    is_in_host = host is not None and host.put(key, ns_key, block)
+                    if disk is None or key in disk:
+                        continue
+                    if len(staged) * self._bytes_per_block < STAGING_BYTES:
+                        staged.append((key, ns_key, torch.empty(self._block_shape, dtype=self._dtype).copy_(block)))
+                    elif is_in_host:
+                        deferred.append((key, ns_key))
+            if not taken:
+                return
+
+    def _write_from_host(self, key: bytes, ns_key: bytes) -> None:
+        """Writes a deferred block to the disk from its host slot, if the host tier still holds it
+        (pinned meanwhile: no put reuses the slot under the write)."""
+        if key in self.disk:
+            return
+        held = self.host.acquire(key, ns_key, make_young=False)
+        if held is None:  # evicted from RAM before its turn: not written, as a block evicted from the pool
+            return
+        slot, view = held
+        try:
+            self.disk.put(key, ns_key, memoryview(view.view(torch.uint8).numpy()).cast("B"))
+        finally:
+            self.host.release(slot, is_read=False)
 
     def _load_loop(self) -> None:
         host, disk = self.host, self.disk

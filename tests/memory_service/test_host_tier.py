@@ -330,3 +330,43 @@ def test_tiers_opening_while_the_service_closes_start_no_thread(monkeypatch: pyt
     servicer = asyncio.run(scenario())
     assert servicer.tier is None and servicer.pool is None
     assert [t.name for t in threading.enumerate() if t.name.startswith("kv-tier")] == []
+
+
+def test_a_slow_disk_does_not_hold_back_the_host_tier(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Write-through with a disk slower than the commits: once the disk's staging is full, committed
+    blocks still go into RAM at once (the disk writes them later, from there), instead of waiting in
+    the book for the disk, where an eviction meanwhile lost them for both tiers."""
+    import threading
+
+    from memory_service.tier import worker
+    from memory_service.tier.disk_tier import DiskTier
+
+    monkeypatch.setattr(worker, "STAGING_BYTES", BLOCK_BYTES)  # one staged copy at a time
+    monkeypatch.setattr(worker, "WRITE_BATCH_BLOCKS", 1)
+    disk_free = threading.Event()
+    real_put = DiskTier.put
+
+    def slow_put(self: DiskTier, key: bytes, ns_key: bytes, payload: memoryview) -> bool:
+        assert disk_free.wait(20)
+        return real_put(self, key, ns_key, payload)
+
+    monkeypatch.setattr(DiskTier, "put", slow_put)
+    alloc = allocator(tmp_path, host_blocks=16, disk=True)
+    try:
+        [result] = alloc.step([AllocateOp("s1", PROMPT, len(PROMPT), namespace="ns")])
+        for position, block_id in enumerate(result.block_ids):
+            alloc.pool[:, :, block_id] = float(position + 1)
+        alloc.step([FreeOp("s1")])
+        wait_for(lambda: alloc.stats().tiers[0].num_blocks == 3)  # all in RAM, the disk still busy
+        assert alloc.stats().tiers[1].num_blocks == 0
+        disk_free.set()
+        wait_for(lambda: alloc.stats().tiers[1].num_blocks == 3)  # and every one reaches the disk
+        evict(alloc)
+        result, loaded = load(alloc, "s2")
+        assert loaded and result.num_cached_tokens == 12
+        assert_prompt_bytes(alloc, result.block_ids)
+        assert all(key in alloc.tier.disk for key in alloc.tier.host.keys())
+        assert alloc.check_integrity() is None
+    finally:
+        disk_free.set()
+        alloc.close()
