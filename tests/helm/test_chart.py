@@ -482,3 +482,17 @@ def test_kv_host_tier_is_passed_with_or_without_the_disk_tier() -> None:
         render({"engine": {"memory": {"kvTier": {"hostBytes": 4 << 30}}}})  # the default limit is 4Gi
     assert "engine.memory.kvTier.hostBytes (4294967296) must be below the memory container's memory limit" \
         in str(info.value)
+
+
+def test_kv_host_tier_and_a_cpu_pool_must_fit_the_memory_limit_together() -> None:
+    """On CPU the KV pool is in /dev/shm, pages the memory service writes first (its container's
+    memory), beside the host tier: 3 GiB of host tier and the 1 GiB pool reach the 4 GiB limit."""
+    cpu = {"gpu": {"mode": "none"}}
+    with pytest.raises(helm.HelmRenderError) as info:
+        render({**cpu, "engine": {"memory": {"kvTier": {"hostBytes": 3 << 30}}}})
+    assert ("engine.memory.kvTier.hostBytes (3221225472) plus the KV pool it keeps in /dev/shm on CPU "
+            "(engine.memory.kvCacheBytes, 1073741824) must be below") in str(info.value)
+    ok = container(engine_pod(render({**cpu, "engine": {"memory": {"kvTier": {"hostBytes": 2 << 30}}}})), "memory")
+    assert flag(ok, "--kv-host-bytes") == str(2 << 30)
+    # On a GPU the pool is device memory: the host tier alone counts.
+    render({"engine": {"memory": {"kvTier": {"hostBytes": 3 << 30}}}})
