@@ -19,13 +19,26 @@ prompt's ~180 MB at several GB/s where BLAKE2b would take a visible share of the
 
 Writes are atomic: a temporary file (``.tmp-*``), then ``rename``. No fsync: the tier is a cache,
 and a file that a power loss leaves torn fails its checksum and is dropped, so durability would buy
-nothing but latency. A write that fails (ENOSPC, EACCES, EIO) drops that block with a log line;
+nothing but latency. A write that fails (EACCES, EIO, ...) drops that block with a log line;
 serving goes on.
+
+A full file system (ENOSPC, or EDQUOT: a quota) below the budget: the LRU alone would never free a
+byte (the tier is under ``capacity_bytes``), so every later write would fail and the tier would keep
+only its oldest blocks forever. Instead the tier lowers its budget to the bytes its files held when
+the write failed (``effective_capacity_bytes``, logged once: ``kv_tier_budget_lowered``), evicts
+least recently used files until ``ENOSPC_FREE_BLOCKS`` blocks would fit below it (more than the one
+block: files take whole file-system blocks, and something else may be growing there), and retries the
+write once; a write that still fails drops its block as above. From then on a write evicts before it
+writes, as under any budget, and finds the room its victim left (files of one size); a file system
+that shrinks further (another writer) gives another ENOSPC, which lowers the budget again. The lowered
+budget lasts until the service restarts (it starts from ``capacity_bytes``): a file system that
+others fill and then empty again is not watched.
 
 Warm restart: ``open`` rebuilds the index by reading every file's header (no separate index file to
 keep consistent with the files: the files are the index), least recently used first by mtime, which
 a hit refreshes. Files of another identity are removed then: a tier serves one model and layout.
-LRU within ``capacity_bytes``: a write evicts the least recently used files until it fits.
+LRU within ``capacity_bytes``: a write evicts the least recently used files until it fits (a full file
+system lowers that budget, below).
 
 Thread safety: one lock over the index and the counters, never held during file IO. One writer
 thread (``TierWorker``) calls ``put``; any thread may call ``get``.
@@ -66,6 +79,9 @@ _NAME_PATTERN = re.compile(rf"[0-9a-f]{{{2 * HASH_SIZE}}}\.kv")
 NAMESPACE_KEY_SIZE = 16
 # A write error is logged the first time and then every this many (a read-only disk fails them all).
 LOG_EVERY_WRITE_ERRORS = 1000
+# Blocks' worth of files a write that finds the file system full frees before its one retry.
+ENOSPC_FREE_BLOCKS = 4
+_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 
 @dataclass(frozen=True)
@@ -125,7 +141,8 @@ class DiskTier:
     Args:
         directory: created (0700) if missing; an existing one must belong to this user and is set
             to 0700.
-        capacity_bytes: the most its files may take together.
+        capacity_bytes: the most its files may take together (``--kv-disk-bytes``); a full file
+            system lowers the budget below it (``effective_capacity_bytes``, module docstring).
 
     Raises:
         PreconditionError: the directory belongs to another user or cannot be made.
@@ -134,6 +151,7 @@ class DiskTier:
     def __init__(self, directory: str | Path, capacity_bytes: int) -> None:
         self.directory = Path(directory)
         self.capacity_bytes = capacity_bytes
+        self.effective_capacity_bytes = capacity_bytes  # lowered by a full file system (module docstring)
         try:
             self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
             st = os.stat(self.directory, follow_symlinks=False)
@@ -277,7 +295,8 @@ class DiskTier:
     # --- writes -------------------------------------------------------------------------------
 
     def put(self, key: bytes, ns_key: bytes, payload: memoryview) -> bool:
-        """Writes a block atomically, evicting least recently used files to fit (one writer thread).
+        """Writes a block atomically, evicting least recently used files to fit (one writer thread); a
+        full file system lowers the budget and the write is retried once (module docstring).
 
         Args:
             key: its chained key.
@@ -300,20 +319,15 @@ class DiskTier:
                               identity.num_layers, identity.num_kv_heads, identity.head_dim,
                               identity.fingerprint_digest, ns_key, key, len(payload), zlib.crc32(payload))
         header = fields + _HEADER_CRC.pack(zlib.crc32(fields))
-        tmp = self.directory / f"{TMP_PREFIX}{key.hex()}-{secrets.token_hex(4)}"
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
             try:
-                with os.fdopen(fd, "wb", buffering=0) as f:
-                    fd = -1
-                    f.write(header)
-                    f.write(payload)
-            finally:
-                if fd >= 0:
-                    os.close(fd)
-            os.rename(tmp, self._path(key))
+                self._write_file(key, header, payload)
+            except OSError as exc:
+                if exc.errno not in _FULL_ERRNOS:
+                    raise
+                self._make_room_on_full_disk(size, exc)
+                self._write_file(key, header, payload)  # the one retry
         except OSError as exc:
-            self._unlink(tmp)
             with self._lock:
                 self._num_write_errors += 1
                 num_errors = self._num_write_errors
@@ -328,21 +342,59 @@ class DiskTier:
             self._num_bytes_written += size
         return True
 
+    def _write_file(self, key: bytes, header: bytes, payload: memoryview) -> None:
+        """The block's file, atomically (a temporary file, then rename); nothing is left on an OSError."""
+        tmp = self.directory / f"{TMP_PREFIX}{key.hex()}-{secrets.token_hex(4)}"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            try:
+                with os.fdopen(fd, "wb", buffering=0) as f:
+                    fd = -1
+                    f.write(header)
+                    f.write(payload)
+            finally:
+                if fd >= 0:
+                    os.close(fd)
+            os.rename(tmp, self._path(key))
+        except OSError:
+            self._unlink(tmp)  # a partial file would hold the very space that is missing
+            raise
+
+    def _make_room_on_full_disk(self, size: int, exc: OSError) -> None:
+        """The file system is full below the budget: lower the budget to what the files hold now and
+        free ``ENOSPC_FREE_BLOCKS`` blocks' worth (module docstring)."""
+        with self._lock:
+            held = self._num_bytes
+            if held == 0:  # the file system is full of others' files: no budget would free a byte here
+                return
+            lowered = held < self.effective_capacity_bytes
+            is_first = lowered and self.effective_capacity_bytes == self.capacity_bytes
+            self.effective_capacity_bytes = min(self.effective_capacity_bytes, held)
+            effective = self.effective_capacity_bytes
+        if is_first:  # once: later lowerings (the file system shrinking further) say no more than this
+            log.warning("kv_tier_budget_lowered", directory=str(self.directory),
+                        error=errno.errorcode.get(exc.errno, str(exc.errno)), capacity_bytes=self.capacity_bytes,
+                        effective_capacity_bytes=effective, num_blocks=len(self._index),
+                        reason="the file system is full below --kv-disk-bytes; least recently used blocks are "
+                               "evicted to make room for new ones, within what it holds, until a restart")
+        self._evict_until(ENOSPC_FREE_BLOCKS * size)
+
     # --- state --------------------------------------------------------------------------------
 
     def counters(self) -> DiskTierCounters:
         with self._lock:
-            return DiskTierCounters(len(self._index), self._num_bytes, self.capacity_bytes, self._num_bytes_written,
+            return DiskTierCounters(len(self._index), self._num_bytes, self.effective_capacity_bytes,
+                                    self._num_bytes_written,
                                     self._num_bytes_read, self._num_write_errors, self._num_bad_files)
 
     def _path(self, key: bytes) -> Path:
         return self.directory / f"{key.hex()}{FILE_SUFFIX}"
 
     def _evict_until(self, num_new_bytes: int) -> None:
-        """Removes least recently used files until ``num_new_bytes`` more fit the budget."""
+        """Removes least recently used files until ``num_new_bytes`` more fit the (effective) budget."""
         victims: list[bytes] = []
         with self._lock:
-            while self._index and self._num_bytes + num_new_bytes > self.capacity_bytes:
+            while self._index and self._num_bytes + num_new_bytes > self.effective_capacity_bytes:
                 key, size = self._index.popitem(last=False)
                 self._num_bytes -= size
                 victims.append(key)

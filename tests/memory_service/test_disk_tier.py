@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -13,7 +17,7 @@ from pagedserve.errors import PreconditionError
 
 from memory_service.config import MemoryServiceConfig
 from memory_service.tier.chain import chain_hashes, root_hash
-from memory_service.tier.disk_tier import HEADER_SIZE, DiskTier, TierIdentity
+from memory_service.tier.disk_tier import ENOSPC_FREE_BLOCKS, HEADER_SIZE, DiskTier, TierIdentity
 
 pytestmark = pytest.mark.unit
 
@@ -147,6 +151,76 @@ def test_write_error_drops_the_block_and_goes_on(tmp_path: Path) -> None:
         (tmp_path / "away").rename(directory)
     assert bytes(tier.get(KEYS[0], NS)) == bytes(payload(0))  # reads went on
     assert tier.put(KEYS[1], NS, payload(1))
+
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+MANY_KEYS = chain_hashes(root_hash(IDENTITY.digest, NS), bytes(range(256)), 16, 16)
+
+
+@contextmanager
+def small_tmpfs(directory: Path, num_pages: int) -> Iterator[Path]:
+    """A tmpfs of ``num_pages`` pages mounted on ``directory``: a file system that really fills (ENOSPC),
+    where a block file takes one page. Skips the test where mounting is not permitted."""
+    directory.mkdir()
+    try:
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={num_pages * PAGE},mode=0700", "tmpfs",
+                               str(directory)], capture_output=True, text=True, timeout=30)
+    except OSError as exc:
+        pytest.skip(f"a full file system needs a tmpfs mount, and there is no mount command: {exc.strerror}")
+    if done.returncode != 0:
+        pytest.skip(f"a full file system needs a tmpfs mount, not permitted here: {done.stderr.strip()}")
+    try:
+        yield directory
+    finally:
+        if subprocess.run(["umount", str(directory)], capture_output=True, timeout=30).returncode != 0:
+            subprocess.run(["umount", "-l", str(directory)], capture_output=True, timeout=30)
+
+
+def test_a_full_file_system_below_the_budget_evicts_lru_files_and_keeps_writing(tmp_path: Path) -> None:
+    assert HEADER_SIZE + BLOCK_BYTES <= PAGE  # one page per block file
+    with small_tmpfs(tmp_path / "fs", 8) as fs, capture_logs() as logs:
+        tier = open_tier(fs / "tier", capacity=1 << 30)  # a budget far above the file system's 8 pages
+        for i in range(8):
+            assert tier.put(MANY_KEYS[i], NS, payload(i))
+        assert tier.get(MANY_KEYS[0], NS) is not None  # the most recently used now: LRU order 1..7, 0
+        with pytest.raises(OSError) as full:  # the file system really is full
+            (fs / "probe").write_bytes(b"x" * PAGE)
+        assert full.value.errno == errno.ENOSPC
+        (fs / "probe").unlink(missing_ok=True)
+        # The 9th block finds ENOSPC: the budget drops to the 8 files, the 4 least recently used go.
+        assert tier.put(MANY_KEYS[8], NS, payload(8))
+        assert ENOSPC_FREE_BLOCKS == 4
+        assert files(fs / "tier") == sorted(f"{k.hex()}.kv" for k in (MANY_KEYS[0], *MANY_KEYS[5:9]))
+        counters = tier.counters()
+        assert counters.capacity_bytes == 8 * (HEADER_SIZE + BLOCK_BYTES)
+        assert (counters.num_blocks, counters.num_write_errors) == (5, 0)
+        # New blocks keep coming: three fit the room left, then each evicts the least recently used.
+        for i in range(9, 14):
+            assert tier.put(MANY_KEYS[i], NS, payload(i))
+        assert files(fs / "tier") == sorted(f"{k.hex()}.kv" for k in (MANY_KEYS[0], *MANY_KEYS[7:14]))
+        assert bytes(tier.get(MANY_KEYS[0], NS)) == bytes(payload(0))
+        assert bytes(tier.get(MANY_KEYS[13], NS)) == bytes(payload(13))
+        assert tier.counters().num_write_errors == 0
+    lowered = [e for e in logs if e["event"] == "kv_tier_budget_lowered"]
+    assert len(lowered) == 1 and lowered[0]["error"] == "ENOSPC"
+    assert lowered[0]["effective_capacity_bytes"] == 8 * (HEADER_SIZE + BLOCK_BYTES)
+
+
+def test_a_file_system_full_of_other_files_drops_the_block(tmp_path: Path) -> None:
+    with small_tmpfs(tmp_path / "fs", 4) as fs:
+        tier = open_tier(fs / "tier", capacity=1 << 30)
+        filler = fs / "other"
+        with pytest.raises(OSError), open(filler, "wb") as f:  # someone else takes it all
+            f.write(b"x" * 5 * PAGE)
+        # ENOSPC, and no file of the tier's to evict: the retry fails too, the block is dropped.
+        assert not tier.put(MANY_KEYS[0], NS, payload(0))
+        assert files(fs / "tier") == [] and tier.counters().num_write_errors == 1
+        filler.unlink()
+        # Room again, and the budget was not lowered to the nothing the tier held: blocks accumulate.
+        for i in range(1, 4):
+            assert tier.put(MANY_KEYS[i], NS, payload(i))
+        assert files(fs / "tier") == sorted(f"{k.hex()}.kv" for k in MANY_KEYS[1:4])
+        assert tier.counters().capacity_bytes == 1 << 30
 
 
 @pytest.mark.parametrize(("fields", "needle"), [
