@@ -231,16 +231,6 @@ class DiskTier:
     def __contains__(self, key: bytes) -> bool:
         return key in self._index  # a dict lookup: atomic under the GIL
 
-    def num_leading(self, keys: list[bytes]) -> int:
-        """How many of ``keys``, from the first, the tier holds (a prefix continues while it finds them)."""
-        index = self._index
-        num = 0
-        for key in keys:
-            if key not in index:
-                break
-            num += 1
-        return num
-
     def get(self, key: bytes, ns_key: bytes) -> bytearray | None:
         """Reads and checks a block (module docstring); a bad file is removed.
 

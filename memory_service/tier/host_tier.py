@@ -113,16 +113,6 @@ class HostTier:
     def __contains__(self, key: bytes) -> bool:
         return key in self._index  # a dict lookup: atomic under the GIL
 
-    def num_leading(self, keys: list[bytes]) -> int:
-        """How many of ``keys``, from the first, the tier holds."""
-        index = self._index
-        num = 0
-        for key in keys:
-            if key not in index:
-                break
-            num += 1
-        return num
-
     def acquire(self, key: bytes, ns_key: bytes, make_young: bool = True) -> tuple[int, torch.Tensor] | None:
         """Pins the block ``key`` for a read (a load, or the writer's copy to the disk): its slot and
         a view of it, ``identity.block_shape``.
