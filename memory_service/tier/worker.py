@@ -13,6 +13,9 @@ Two tiers, either or both: the host tier (``host_tier.py``, RAM) in front of the
   through rather than let the host tier evict to the disk: every block reaches the disk as soon as
   it would have without the host tier, so a restart (which empties the RAM) finds what it found
   before; the disk writes cost the same as without a host tier, and a host eviction is a plain drop.
+  A clean stop (``close``: SIGTERM) first writes what is committed and not on disk yet, staged or
+  not, for at most ``CLOSE_WRITE_S`` (a line says what a cut-short stop left): those are the
+  newest blocks, the ones a restart is most likely asked for. A crash loses them (the cache only).
 - The loader: fills the fresh pool blocks of a load (pinned, invisible to every client, so no lock
   is needed for their bytes), each from the fastest tier that holds it: the host tier (a copy from
   its slot, ``non_blocking`` on CUDA), else the disk tier's file, which is then also put in the host
@@ -55,6 +58,9 @@ WRITE_BATCH_BLOCKS = 4
 STAGING_BYTES = 256 << 20
 # How long the writer sleeps when nothing wakes it (a Step wakes it at once).
 WRITER_IDLE_S = 0.05
+# The most a clean stop waits for the writer to put what is committed on disk (module docstring);
+# well within the 10 s a ServiceProcess (and ``pagedserve up``) gives a service after SIGTERM.
+CLOSE_WRITE_S = 2.0
 
 
 class TierWorker:
@@ -86,6 +92,7 @@ class TierWorker:
         kinds = [kind for kind, t in ((HOST, host), (DISK, disk)) if t is not None]
         self.accounts = TierAccounts(kinds, identity.bytes_per_block, identity.block_size, self._tier_of)
         self._stopping = threading.Event()
+        self._close_deadline = 0.0  # set by ``close`` before ``_stopping``
         self._wake_writer = threading.Event()
         self._loads: queue.SimpleQueue[TierLoad | None] = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
@@ -150,7 +157,10 @@ class TierWorker:
         return self.accounts.load_latency()
 
     def close(self) -> None:
-        """Stops both threads (a load in progress ends first; queued ones are dropped)."""
+        """Stops both threads. The writer first writes the committed blocks that are not on disk yet,
+        for at most ``CLOSE_WRITE_S`` (module docstring); a load in progress ends first, queued ones
+        are dropped."""
+        self._close_deadline = time.monotonic() + CLOSE_WRITE_S
         self._stopping.set()
         self._wake_writer.set()
         self._loads.put(None)
@@ -185,13 +195,37 @@ class TierWorker:
                 disk.put(key, ns_key, memoryview(block.view(torch.uint8).numpy()).cast("B"))
             elif deferred:
                 self._write_from_host(*deferred.popleft())
+        self._finish_writes(staged, deferred)
+
+    def _finish_writes(self, staged: collections.deque, deferred: collections.deque) -> None:
+        """At close: writes the committed blocks not on disk yet (staged, deferred, or still in the
+        book) until none is left or ``CLOSE_WRITE_S`` is up, whichever comes first."""
+        if self.disk is None:  # RAM does not outlive the process
+            return
+        num_written = 0
+        while time.monotonic() < self._close_deadline:
+            self._copy_committed(staged, deferred)
+            if staged:
+                key, ns_key, block = staged.popleft()
+                self.disk.put(key, ns_key, memoryview(block.view(torch.uint8).numpy()).cast("B"))
+            elif deferred:
+                self._write_from_host(*deferred.popleft())
+            else:
+                break
+            num_written += 1
+        num_left = len(staged) + len(deferred)
+        if num_left:  # the blocks still in the book are not counted: at least this many
+            log.warning("kv_tier_close_cut_short", num_blocks_written=num_written, num_blocks_left=num_left,
+                        limit_s=CLOSE_WRITE_S, action="the blocks left are not on disk: a restart recomputes them")
+        elif num_written:
+            log.info("kv_tier_writes_finished_at_close", num_blocks=num_written)
 
     def _copy_committed(self, staged: collections.deque, deferred: collections.deque) -> None:
         """Copies the blocks committed since the last call into the host tier, and into ``staged``
         while it has room (``_write_loop``); the disk's others go to ``deferred`` with a host tier,
         else wait in the book."""
         host, disk = self.host, self.disk
-        while not self._stopping.is_set():
+        while True:  # at close too (``_finish_writes``): what is committed is copied before the pool goes
             has_room = len(staged) * self._bytes_per_block < STAGING_BYTES
             if not has_room and host is None:
                 return

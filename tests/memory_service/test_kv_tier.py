@@ -276,3 +276,22 @@ def test_parked_sequences_their_client_frees_leave_nothing_in_the_tier_book(allo
     [result] = allocator.step([op("over0")])
     assert result.ok and result.num_cached_tokens == 12
     assert (book.loaded, book.reports) == ({client: set()}, {client: []})
+
+
+def test_close_writes_the_committed_blocks_not_on_disk_yet(tmp_path: Path) -> None:
+    """A clean stop right after a commit: the writer had copied (staged) the blocks, not written them;
+    ``close`` writes them all before it returns, so a new tier on the directory finds every one."""
+    alloc = InProcessAllocator(LAYOUT, BlockManagerConfig(num_blocks=72, block_size=4),
+                               kv_disk_dir=tmp_path / "tier", model_fingerprint="model-a")
+    prompt = list(range(2000, 2000 + 64 * 4 + 1))  # 64 full blocks and one token
+    [result] = alloc.step([AllocateOp("s1", prompt, len(prompt), namespace="ns")])
+    assert result.ok
+    alloc.step([FreeOp("s1")])  # commits 64 full blocks: queued for the disk
+    alloc.close()
+    assert len([p for p in (tmp_path / "tier").iterdir() if p.suffix == ".kv"]) == 64
+    again = InProcessAllocator(LAYOUT, BlockManagerConfig(num_blocks=72, block_size=4),
+                               kv_disk_dir=tmp_path / "tier", model_fingerprint="model-a")
+    try:
+        assert again.stats().tiers[0].num_blocks == 64
+    finally:
+        again.close()

@@ -8,7 +8,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from memory_service.api import AllocateOp, FreeOp, MemoryClient
+from memory_service.api import AllocateOp, FreeOp, KvLayout, MemoryClient
 from pagedserve.process import wait_until
 from pagedserve.sockets import free_port
 from tests.memory_service.conftest import TINY_LAYOUT, start_memory_service
@@ -132,5 +132,30 @@ def test_host_tier_over_grpc_in_front_of_the_disk(tmp_path: Path) -> None:
             assert (client.pool[:, :, result.block_ids[1]] == 2.0).all()
             host, disk = client.stats().tiers
             assert (host.num_hits, disk.num_hits, host.num_blocks) == (0, 3, 3)
+    finally:
+        service.stop()
+
+
+def test_a_clean_stop_right_after_commits_keeps_their_blocks_for_the_restart(tmp_path: Path) -> None:
+    """SIGTERM right after a Step commits 64 blocks of 256 KiB: the writer has most of them copied or
+    queued, not written; the stop writes them (``TierWorker.close``) and a new service finds all 64."""
+    token_file = tmp_path / "memory.token"
+    token_file.write_text(TOKEN)
+    token_file.chmod(0o600)
+    layout = KvLayout(num_layers=8, num_kv_heads=8, head_dim=128, dtype="float32", block_size=4)
+    flags = ("--max-num-blocks", "72", "--kv-disk-dir", str(tmp_path / "tier"), "--auth-token-file", str(token_file))
+    prompt = list(range(1000, 1000 + 64 * 4 + 1))  # 64 full blocks and one token
+    service, socket = start_memory_service(*flags)
+    try:
+        with MemoryClient(f"unix:{socket}", layout, token=TOKEN, model_fingerprint="model-a") as client:
+            [result] = client.step([AllocateOp("s1", prompt, len(prompt), namespace="ns")])
+            assert result.ok
+            client.step([FreeOp("s1")])  # commits the 64 blocks
+            assert service.stop() == 0  # SIGTERM
+        assert len(list((tmp_path / "tier").glob("*.kv"))) == 64
+        service, socket = start_memory_service(*flags)
+        with MemoryClient(f"unix:{socket}", layout, token=TOKEN, model_fingerprint="model-a") as client:
+            [tier] = client.stats().tiers
+            assert (tier.kind, tier.num_blocks) == ("disk", 64)
     finally:
         service.stop()
