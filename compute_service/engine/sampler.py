@@ -111,7 +111,34 @@ def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return min(int(torch.searchsorted(cdf, u, right=True)), probs.shape[0] - 1)
 
 
+_fused: dict[str, object] = {}  # "ops": the C++ ops when they have nucleus_draws, else None (looked up once)
+
+
+def _nucleus_ops():
+    if "ops" not in _fused:
+        from kernels import cpu_ops  # loads the extension (built at engine start already)
+
+        ops = cpu_ops.load()
+        _fused["ops"] = ops if ops is not None and ops.has_nucleus_draws() else None
+    return _fused["ops"]
+
+
 def _nucleus_draws(rows: torch.Tensor, temperatures: list[float], top_ps: list[float]) -> list[int | None]:
+    """`_nucleus_draws_torch`, in one C++ call where the fused CPU kernels have it
+    (`pagedserve_cpu::nucleus_draws`: the same steps on each row; ~25 tensor ops fewer a step, each on
+    caches a decode step's weights have just evicted)."""
+    uniform = torch.rand(len(top_ps), dtype=torch.float64)  # one per row, drawn first either way
+    ops = _nucleus_ops() if rows.device.type == "cpu" and rows.dtype == torch.float32 else None
+    if ops is None:
+        return _nucleus_draws_torch(rows, temperatures, top_ps, uniform)
+    inv_t = torch.tensor([1.0 / t for t in temperatures], dtype=torch.float32)
+    picks = ops.nucleus_draws(rows.contiguous(), inv_t, torch.tensor(top_ps, dtype=torch.float64), uniform,
+                              TOP_P_CANDIDATES)
+    return [token if token >= 0 else None for token in picks.tolist()]
+
+
+def _nucleus_draws_torch(rows: torch.Tensor, temperatures: list[float], top_ps: list[float],
+                         uniform: torch.Tensor) -> list[int | None]:
     """Unseeded top-p draws for F rows (F, V) at once, from their `TOP_P_CANDIDATES` largest logits.
 
     The batched form of the exact path's first tier for rows without a generator, top_k or min_p:
@@ -123,7 +150,7 @@ def _nucleus_draws(rows: torch.Tensor, temperatures: list[float], top_ps: list[f
     moves the nucleus's edge only for a token whose prefix sum is within that of top_p. None for a row
     these candidates cannot decide (`_nucleus`'s cases: the nucleus may reach past them, or its edge
     ties with the K-th value, so maybe with tokens outside them), or without a finite distribution:
-    the caller takes the exact path.
+    the caller takes the exact path. ``uniform``: (F,) float64 in [0, 1), each row's draw.
     """
     k = min(TOP_P_CANDIDATES, rows.shape[1])
     values, ids = rows.topk(k, dim=-1)  # (F, K) descending
@@ -142,7 +169,7 @@ def _nucleus_draws(rows: torch.Tensor, temperatures: list[float], top_ps: list[f
     last_kept = (num_kept - 1).clamp(min=0)
     last = values.gather(1, last_kept[:, None])[:, 0]
     decided = (num_kept > 0) & (num_kept < k) & (last != values[:, -1]) & torch.isfinite(z) & (z > 0)
-    u = torch.rand(len(top_ps), dtype=torch.float64) * cdf.gather(1, last_kept[:, None])[:, 0]
+    u = uniform * cdf.gather(1, last_kept[:, None])[:, 0]
     picks = (cdf < u[:, None]).sum(dim=-1).minimum(last_kept)  # inverse CDF within the nucleus
     tokens = ids.gather(1, picks[:, None])[:, 0]
     return [t if ok else None for t, ok in zip(tokens.tolist(), decided.tolist())]

@@ -198,3 +198,38 @@ def test_batched_draws_break_ties_at_the_edge_by_token_id() -> None:
     row[0, [700, 40, 1500, 3]] = 2.0  # four equal leaders (~0.25 each): top_p 0.4 keeps two of them
     got = {sampler._nucleus_draws(row, [1.0], [0.4])[0] for _ in range(200)}
     assert got == {3, 40}
+
+
+def test_the_fused_nucleus_draws_pick_the_torch_versions_tokens() -> None:
+    # pagedserve_cpu::nucleus_draws (one C++ call) against _nucleus_draws_torch given the same
+    # uniforms: the same token, or the same deferral, on peaked, flat, tied (bf16-like), masked, NaN
+    # and +inf rows, and on a vocabulary smaller than the candidates.
+    ops = sampler._nucleus_ops()
+    if ops is None:
+        pytest.skip("no fused CPU kernels with nucleus_draws here")
+    g = torch.Generator().manual_seed(31)
+    peaked = torch.randn(24, 5000, generator=g) * 6.0
+    realistic = (torch.randn(8, 5000, generator=g) * 3.0).bfloat16().float()  # ties, as bf16 logits have
+    flat = torch.randn(2, 5000, generator=g) * 0.01
+    tied = torch.full((1, 5000), -5.0)
+    tied[0, :300] = 4.0
+    masked = torch.full((1, 5000), float("-inf"))
+    masked_some = peaked[:1].clone()
+    masked_some[0, 100:] = float("-inf")  # fewer finite values than candidates
+    odd = torch.randn(3, 5000, generator=g) * 4.0
+    odd[0, 17], odd[1, 3] = float("nan"), float("inf")
+    rows = torch.cat([peaked, realistic, flat, tied, masked, masked_some, odd])
+    temps = [0.8 if i % 3 else 1.3 for i in range(rows.shape[0])]
+    top_ps = [0.95 if i % 2 else 0.5 for i in range(rows.shape[0])]
+    for seed in range(5):
+        uniform = torch.rand(rows.shape[0], dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+        want = sampler._nucleus_draws_torch(rows, temps, top_ps, uniform)
+        picks = ops.nucleus_draws(rows, torch.tensor([1 / t for t in temps], dtype=torch.float32),
+                                  torch.tensor(top_ps, dtype=torch.float64), uniform, sampler.TOP_P_CANDIDATES)
+        assert [p if p >= 0 else None for p in picks.tolist()] == want
+    assert sum(w is not None for w in want) >= 30  # most rows decided: the comparison is not vacuous
+    small = torch.randn(2, 100, generator=g) * 3.0  # V < candidates: all of them are
+    uniform = torch.rand(2, dtype=torch.float64)
+    picks = ops.nucleus_draws(small, torch.ones(2), torch.tensor([0.9, 0.9], dtype=torch.float64), uniform,
+                              sampler.TOP_P_CANDIDATES).tolist()
+    assert picks == sampler._nucleus_draws_torch(small, [1.0, 1.0], [0.9, 0.9], uniform)
