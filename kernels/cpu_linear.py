@@ -16,8 +16,11 @@ kernel instead (`pagedserve_cpu::small_linear`, csrc/small_linear_bf16.h, builds
 it streams the plain (out, in) weight at close to the core's read bandwidth, where oneDNN's packed
 matmul reached about half of it at one row. So a bf16 model keeps the plain copy of each weight
 beside the packed one (`keeps_plain`): the layers' weights are held twice (212 MB more for the
-default model), the price of decode at memory speed while prompts keep oneDNN's GEMM tiles.
-`PAGEDSERVE_CPU_SMALL_LINEAR=0` turns it off.
+default model), the price of decode at memory speed while prompts keep oneDNN's GEMM tiles. Only
+while that second copy is small beside the machine's free memory (at most a quarter of
+`MemAvailable`, `PLAIN_COPY_SHARE`): a large model keeps its packed weights alone, and says so in
+the log, rather than doubling its weights into an out-of-memory kill. `PAGEDSERVE_CPU_SMALL_LINEAR=0`
+turns the small-batch kernel off.
 
 bfloat16: oneDNN multiplies bf16 x bf16 with float32 accumulation and rounds the output to bf16
 once, on AMX tiles where the CPU has AMX-BF16 and with AVX512-BF16 dot products (vdpbf16ps)
@@ -34,6 +37,8 @@ import torch
 import torch.nn.functional as F
 
 _ENABLE_ENV = "PAGEDSERVE_CPU_PREPACK"
+# The most of the machine's available memory a second (plain) copy of the weights may take.
+PLAIN_COPY_SHARE = 0.25
 _SMALL_ENV = "PAGEDSERVE_CPU_SMALL_LINEAR"
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 _log = logging.getLogger(__name__)
@@ -65,9 +70,34 @@ def small_rows(dtype: torch.dtype) -> int:
     return ops.small_linear_rows() if ops is not None else 0
 
 
-def keeps_plain(dtype: torch.dtype) -> bool:
-    """Whether a prepacked model in `dtype` keeps its plain weights too (for the small-batch kernel)."""
-    return small_rows(dtype) > 0
+def available_memory_bytes() -> int | None:
+    """The kernel's estimate of memory available to new allocations (``MemAvailable``), None if unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def keeps_plain(dtype: torch.dtype, plain_bytes: int = 0) -> bool:
+    """Whether a prepacked model in `dtype` keeps its plain weights too (for the small-batch kernel).
+
+    Args:
+        plain_bytes: the size of that second copy; above `PLAIN_COPY_SHARE` of the available
+            memory (or when that is unknown and the copy is not empty) it is not kept.
+    """
+    if small_rows(dtype) == 0:
+        return False
+    available_bytes = available_memory_bytes()
+    if available_bytes is not None and plain_bytes <= PLAIN_COPY_SHARE * available_bytes:
+        return True
+    _log.warning("not keeping a plain copy of the weights for the small-batch linear: %d MiB against "
+                 "%s MiB available (at most %d%%); decode uses the packed weights", plain_bytes >> 20,
+                 "unknown" if available_bytes is None else available_bytes >> 20, PLAIN_COPY_SHARE * 100)
+    return False
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,

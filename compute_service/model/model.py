@@ -143,15 +143,17 @@ class CausalLM(nn.Module):
 
         The plain copies of the layers' projections are released (their packed copies replace them:
         the weights are not held twice), except where the small-batch kernel reads them (bfloat16
-        decode, `kernels.keeps_plain`); the head keeps its plain copy, which may be the embedding
-        table. A packed model cannot load weights again: load a new one.
+        decode, `kernels.keeps_plain`, while that copy fits the machine's free memory); the head
+        keeps its plain copy, which may be the embedding table. A packed model cannot load weights
+        again: load a new one.
         """
         if self.device.type != "cpu":
             return False
         self._set_small_rows(kernels.small_rows(self.dtype))  # plain weights take it, packed or not
         if self.dtype not in kernels.PACKED_DTYPES or not kernels.can_prepack():
             return False
-        keep_plain = kernels.keeps_plain(self.dtype)
+        plain_bytes = sum(getattr(m, f"{n}_weight").nbytes for m, n in self._projections())
+        keep_plain = kernels.keeps_plain(self.dtype, plain_bytes)  # (a released weight: oneDNN's, any rows)
         for module, name in self._projections():
             weight = getattr(module, f"{name}_weight")
             packed = kernels.prepack(weight)

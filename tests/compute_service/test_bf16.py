@@ -55,6 +55,31 @@ def test_bf16_model_runs_the_fused_path_on_packed_bf16_weights(make_tiny_model) 
     assert kernels.plan_step(*args, dtype=torch.bfloat16, head_dim=model.config.head_dim).name == "fused-cpu"
 
 
+def test_a_plain_copy_too_large_for_free_memory_is_not_kept(make_tiny_model, monkeypatch, caplog) -> None:
+    if not FUSED_AVAILABLE or not kernels.can_prepack() or not kernels.keeps_plain(torch.bfloat16):
+        pytest.skip("needs the fused CPU kernels, oneDNN and the small-batch linear")
+    path = str(make_tiny_model("llama").path)
+    kept = load_model(path, device="cpu", dtype="bfloat16").model
+    weights = sum(kept.layers[0].attn.qkv_weight.nbytes for _ in kept.layers)  # less than every projection
+    # 4 x the available memory is below the plain copy: packed weights alone, and a warning says so.
+    monkeypatch.setattr(kernels.cpu_linear, "available_memory_bytes", lambda: weights)
+    released = load_model(path, device="cpu", dtype="bfloat16").model
+    assert "not keeping a plain copy" in caplog.text
+    for layer in released.layers:
+        assert layer.attn.qkv_weight.numel() == layer.mlp.down_weight.numel() == 0
+        assert layer.attn.qkv_packed is not None and layer.mlp.down_packed is not None
+    assert kept.layers[0].attn.qkv_weight.numel() > 0
+    # Decode (one row: the small-batch kernel's size) runs on the packed weights, to the same tokens.
+    tokens = random_tokens(24, seed=3)
+    got = {}
+    for name, model in (("kept", kept), ("released", released)):
+        paged = PagedSequences(model)
+        rows = [paged.step({"s": tokens[:16]})[0]] + [paged.step({"s": [t]})[0] for t in tokens[16:]]
+        got[name] = torch.stack(rows)
+    assert bool(torch.isfinite(got["released"]).all())
+    assert (got["kept"].argmax(-1) == got["released"].argmax(-1)).float().mean() >= 0.9
+
+
 @pytest.mark.parametrize("variant", ["llama", "qwen2"])
 def test_bf16_teacher_forced_top1_agrees_with_transformers_bf16(make_tiny_model, variant: str) -> None:
     tiny = make_tiny_model(variant)
