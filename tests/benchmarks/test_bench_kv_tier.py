@@ -1,6 +1,10 @@
-"""bench_kv_tier at toy sizes on tiny random-weight Llamas: every scenario reports its figures, the
-tier's answers are the recomputed ones (after a SIGKILL mid-write, damaged files and a full disk
-too), and its temporary directories (and the faults' tmpfs) are removed."""
+"""bench_kv_tier at toy sizes on the tiny random-weight Llama with the byte tokenizer: every scenario
+reports its figures, the tier's answers are the recomputed ones (after a SIGKILL mid-write, damaged
+files and a full disk too), and its temporary directories (and the faults' tmpfs) are removed.
+
+One run of the benchmark serves every test of this file: a process of its own pays its imports
+(seconds on a loaded machine) once, and the scenarios share nothing but the temporary directory,
+which must be empty after it."""
 
 from __future__ import annotations
 
@@ -12,20 +16,28 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve.testing.tiny_model import build_service_model
+from pagedserve.testing.tiny_model import ServiceModel
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_bench_kv_tier_reports_every_scenario(make_tiny_model, tmp_path: Path) -> None:
-    tiny = make_tiny_model("llama")  # vocabulary 128, 256 positions
-    cmd = [sys.executable, "-m", "benchmarks.bench_kv_tier", "--model", str(tiny.path), "--vocab", "128",
+@pytest.fixture(scope="module")
+def summary(service_model: ServiceModel, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One run of every scenario: the returning ones at 96-token prompts (6 blocks), the no_reuse and
+    faults ones --quick (the byte tokenizer with a chat template: the realistic prompts), float32."""
+    work = tmp_path_factory.mktemp("bench-kv-tier")
+    cmd = [sys.executable, "-m", "benchmarks.bench_kv_tier", "--model", str(service_model.path), "--vocab", "256",
            "--prompt-tokens", "96", "--pool-extra-tokens", "64", "--docs", "4", "--doc-tokens", "64",
-           "--requests", "6", "--probe-mb", "4", "--dir", str(tmp_path), "--scenarios", "returning,working_set"]
+           "--requests", "6", "--host-bytes", str(8 << 20), "--quick", "--dtype", "float32", "--probe-mb", "1",
+           "--dir", str(work), "--scenarios", "returning,working_set,no_reuse,faults,returning_host"]
     done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
                           text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert list(work.iterdir()) == []  # the faults' tmpfs unmounted, every directory removed
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_bench_kv_tier_reports_every_scenario(summary: dict) -> None:
     returning, restart = summary["returning"], summary["warm_restart"]
     assert returning["same_tokens"] and restart["same_tokens"]
     assert returning["cached_share"] == 0.833 and returning["tier_loads"] >= 1  # 80 of 96 tokens: 5 blocks
@@ -33,53 +45,28 @@ def test_bench_kv_tier_reports_every_scenario(make_tiny_model, tmp_path: Path) -
     assert summary["working_set"]["tier"]["hit_rate"] >= summary["working_set"]["no_tier"]["hit_rate"]
     assert summary["working_set"]["tier"]["tier_loads"] >= 0 and "tier_loads" not in summary["working_set"]["no_tier"]
     assert summary["disk"]["cold_read_mb_s"] > 0
-    assert list(tmp_path.iterdir()) == []
 
 
-def test_bench_kv_tier_returning_host_scenario(make_tiny_model, tmp_path: Path) -> None:
+def test_bench_kv_tier_returning_host_scenario(summary: dict) -> None:
     """``--scenarios returning_host``: the returning prompt from the host tier and from the disk, each
     with the recomputed tokens and the cached share of the disk's."""
-    tiny = make_tiny_model("llama")
-    cmd = [sys.executable, "-m", "benchmarks.bench_kv_tier", "--model", str(tiny.path), "--vocab", "128",
-           "--prompt-tokens", "96", "--pool-extra-tokens", "64", "--probe-mb", "4", "--dir", str(tmp_path),
-           "--scenarios", "returning_host", "--host-bytes", str(8 << 20)]
-    done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
-                          text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    figures = json.loads(done.stdout.strip().splitlines()[-1])["returning_host"]
+    figures = summary["returning_host"]
     assert figures["host_same_tokens"] and figures["disk_same_tokens"]
     assert figures["host_cached_share"] == figures["disk_cached_share"] == 0.833  # 80 of 96 tokens: 5 blocks
     assert figures["host_loads"] >= 1 and figures["disk_loads"] >= 1
     assert figures["host_speedup"] > 0 and figures["disk_speedup"] > 0
-    assert list(tmp_path.iterdir()) == []
 
 
-@pytest.fixture(scope="module")
-def quick(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """One --quick run of the no_reuse and faults scenarios (one process: its imports paid once)."""
-    tmp_path = tmp_path_factory.mktemp("quick")
-    model = build_service_model(tmp_path / "model")  # byte tokenizer with a chat template: the realistic prompts
-    work = tmp_path / "work"
-    work.mkdir()
-    cmd = [sys.executable, "-m", "benchmarks.bench_kv_tier", "--model", str(model.path), "--vocab", "256",
-           "--scenarios", "no_reuse,faults", "--quick", "--dtype", "float32", "--probe-mb", "1", "--dir", str(work)]
-    done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert list(work.iterdir()) == []  # the faults' tmpfs unmounted, every directory removed
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def test_bench_kv_tier_quick_no_reuse(quick: dict) -> None:
-    no_reuse = quick["no_reuse"]
+def test_bench_kv_tier_quick_no_reuse(summary: dict) -> None:
+    no_reuse = summary["no_reuse"]
     assert no_reuse["tier_tok_s"] > 0 and no_reuse["no_tier_tok_s"] > 0 and len(no_reuse["pair_ratios"]) == 2
     assert [r["engine"] for r in no_reuse["runs"]] == ["tier", "no_tier", "no_tier", "tier"]  # alternating
     assert no_reuse["tier_bytes_written"] > 0 and no_reuse["tier_write_errors"] == 0
     assert no_reuse["tier_loads"] == 0  # written, never read
 
 
-def test_bench_kv_tier_quick_faults(quick: dict) -> None:
-    faults = quick["faults"]
+def test_bench_kv_tier_quick_faults(summary: dict) -> None:
+    faults = summary["faults"]
     killed = faults["sigkill_mid_write"]
     assert killed["same_tokens"] and killed["integrity_ok"] and killed["wave1_cached_share"] == 0.985  # 64 of 65
     assert killed["files_removed"] == 0 and killed["write_errors"] == 0 and killed["partial_files_left"] == 0
