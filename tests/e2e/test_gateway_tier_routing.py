@@ -13,6 +13,7 @@ through the routing metric, the reply's usage and the memory service's tier coun
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from pagedserve.gateway.v1 import gateway_pb2
@@ -49,15 +50,21 @@ def test_a_prompt_evicted_to_one_backends_tier_is_routed_back_there(service_mode
     plain = stack("plain-", "--max-num-blocks", "64")
     started: list[Stack] = [tiered, plain]
     gateway = None
+    pool = ThreadPoolExecutor(2)
     try:
         tiered.spawn_memory()
         # The plain backend's compute service loads its model now, but its memory service starts
         # only later: until then it is NOT_SERVING, out of the gateway's rotation.
         plain.spawn_compute()
         tiered.spawn_compute()
-        for service in (tiered.memory, tiered.compute):
-            service.wait_ready(120)
-        gateway = start_gateway([tiered.compute_address, plain.compute_address], tmp_path)
+        # The gateway starts beside them (its imports overlap the model loads); it is SERVING once
+        # the tiered backend is in rotation.
+        starting_gateway = pool.submit(start_gateway, [tiered.compute_address, plain.compute_address], tmp_path)
+        try:
+            for service in (tiered.memory, tiered.compute):
+                service.wait_ready(120)
+        finally:
+            gateway = starting_gateway.result()
         assert gateway.num_healthy_backends() == 1
 
         first = _generate(gateway, PROMPT)  # the only backend in rotation: the tiered one
@@ -93,8 +100,9 @@ def test_a_prompt_evicted_to_one_backends_tier_is_routed_back_there(service_mode
     finally:
         if gateway is not None:
             assert gateway.stop() == 0
-        for s in started:
-            memory_pid = s.memory.pid if s.memory is not None else None
-            assert all(status == 0 for status in s.stop().values())
-            assert memory_pid is None or not shm_segments(memory_pid)
+        memory_pids = [s.memory.pid if s.memory is not None else None for s in started]
+        for statuses in pool.map(Stack.stop, started):  # both stacks at once
+            assert all(status == 0 for status in statuses.values())
+        pool.shutdown()
+        assert all(pid is None or not shm_segments(pid) for pid in memory_pids)
     assert not list(tmp_path.glob("*.sock")), "a service left its socket behind"
