@@ -17,7 +17,7 @@ import sys
 from pagedserve.config import add_config_flags, add_service_flags, build_config, read_config_file
 from pagedserve.errors import PreconditionError
 from pagedserve.log import configure_logging
-from pagedserve.process import die_with_parent, raise_open_files_limit
+from pagedserve.process import die_with_parent, exit_skipping_teardown, raise_open_files_limit
 from pagedserve.service_auth import TOKEN_ENV
 from pagedserve.test_hooks import read_test_hooks
 
@@ -130,4 +130,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    if status == 0:  # a clean stop: no module teardown (see exit_skipping_teardown)
+        exit_skipping_teardown(status)
+    sys.exit(status)

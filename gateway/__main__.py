@@ -8,7 +8,7 @@ import sys
 
 from pagedserve.config import add_config_flags, add_service_flags, config_from_args
 from pagedserve.log import configure_logging
-from pagedserve.process import die_with_parent, raise_open_files_limit
+from pagedserve.process import die_with_parent, exit_skipping_teardown, raise_open_files_limit
 
 from gateway.config import API_KEYS_ENV, GatewayConfig
 from pagedserve.service_auth import TOKEN_ENV
@@ -83,4 +83,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    if status == 0:  # a clean stop: no module teardown (see exit_skipping_teardown)
+        exit_skipping_teardown(status)
+    sys.exit(status)

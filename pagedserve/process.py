@@ -18,16 +18,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import ctypes
 import os
 import resource
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, NoReturn
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -70,6 +72,26 @@ def raise_open_files_limit() -> int:
     except (ValueError, OSError):  # an infinite hard limit (not on Linux) or a sandbox: keep the soft one
         return soft
     return hard
+
+
+def exit_skipping_teardown(status: int) -> NoReturn:
+    """Ends a service whose main returned ``status`` as the interpreter would, less its module
+    teardown: the non-daemon threads joined, the ``atexit`` handlers run (logging's flush among
+    them), stdout and stderr flushed, then ``os._exit``. With torch and transformers imported, that
+    teardown (a garbage collection of every module's objects) takes a second or more of a stop
+    that has nothing left to do (measured: 1.1 s of a tiny model's compute service's 1.15 s from
+    SIGTERM to its exit)."""
+    main = threading.main_thread()
+    for thread in threading.enumerate():
+        if thread is not main and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken pipe: nothing to flush to
+            pass
+    os._exit(status)
 
 
 def add_parent_pid_flag(parser: argparse.ArgumentParser) -> None:

@@ -74,3 +74,27 @@ def test_child_dies_when_its_owner_is_sigkilled(tmp_path: Path) -> None:
     finally:
         if parent.poll() is None:
             parent.kill()
+
+
+def test_exit_skipping_teardown_keeps_what_a_normal_exit_does_but_the_module_teardown() -> None:
+    """A service's clean exit: its non-daemon threads finish, its atexit handlers run, buffered
+    output is written and the status is kept; only the modules' teardown (an object's __del__ run
+    by it here, a second of garbage collection with torch loaded) is skipped."""
+    script = textwrap.dedent("""
+        import atexit, sys, threading, time
+        from pagedserve.process import exit_skipping_teardown
+
+        class Teardown:
+            def __del__(self):
+                print("teardown ran", flush=True)
+
+        KEPT = Teardown()
+        atexit.register(lambda: print("atexit ran"))
+        threading.Thread(target=lambda: (time.sleep(0.2), print("thread ran"))).start()
+        sys.stdout.write("buffered")
+        exit_skipping_teardown(3)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 3, done.stderr
+    assert done.stdout.splitlines() == ["bufferedthread ran", "atexit ran"]
