@@ -3,6 +3,8 @@ bytes that come back, namespaces, untrusted clients, one load per sequence, load
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -13,6 +15,7 @@ from pagedserve.errors import InvalidArgument
 from memory_service.api import AllocateOp, FreeOp, KvLayout, OpResult
 from memory_service.in_process import InProcessAllocator
 from memory_service.manager.block_types import BlockManagerConfig
+from memory_service.tier.worker import WRITER_NICE
 
 pytestmark = pytest.mark.unit
 
@@ -295,3 +298,22 @@ def test_close_writes_the_committed_blocks_not_on_disk_yet(tmp_path: Path) -> No
         assert again.stats().tiers[0].num_blocks == 64
     finally:
         again.close()
+
+
+def test_the_writer_thread_runs_at_the_lowest_priority(tmp_path: Path) -> None:
+    """The write-behind must not slow the engine: its thread is niced (WRITER_NICE), the loader's not
+    (a parked request waits for it)."""
+    alloc = InProcessAllocator(LAYOUT, BlockManagerConfig(num_blocks=16, block_size=4),
+                               kv_disk_dir=tmp_path / "tier", model_fingerprint="model-a")
+    try:
+        [result] = alloc.step([AllocateOp("s1", list(range(9)), 9, namespace="ns")])
+        assert result.ok
+        threads = {t.name: t for t in threading.enumerate()}
+        writer, loader = threads["kv-tier-writer"], threads["kv-tier-loader"]
+        deadline = time.monotonic() + 10
+        while os.getpriority(os.PRIO_PROCESS, writer.native_id) != WRITER_NICE and time.monotonic() < deadline:
+            time.sleep(0.01)  # it sets its own priority as it starts
+        assert os.getpriority(os.PRIO_PROCESS, writer.native_id) == WRITER_NICE == 19
+        assert os.getpriority(os.PRIO_PROCESS, loader.native_id) == os.getpriority(os.PRIO_PROCESS, 0)
+    finally:
+        alloc.close()
