@@ -10,9 +10,10 @@ Prints a table, then as its last line one JSON object with ``alloc_free_blocks_p
 
 ``--step-batch-sizes`` adds ``step_share``: per batch size, the step RPC of that many one-token
 AppendOps (``rpc_step_p50_us``, as above) and a decode step of the default model at that batch
-(``decode_step_ms``, from ``decode_step_timing``, with the RPC the engine itself sent in it:
-``engine_rpc_us``), and the RPC's share of the step both ways (``rpc_share``,
-``engine_rpc_share``). It loads the model: a minute or two on a CPU.
+(``decode_step_ms``, from ``decode_step_timing``, with the RPC time the engine itself spent a step:
+``engine_rpc_us``, and how many of its steps sent one: ``engine_rpcs_per_step``, below 1 since
+decodes within their blocks send none), and the RPC's share of the step both ways (``rpc_share``:
+had every step sent one, ``engine_rpc_share``: as the engine sends them). It loads the model: a minute or two on a CPU.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ def step_share(batch_sizes: list[int], iters: int, model: str = "default") -> li
             "num_seqs": timing.num_seqs,
             "rpc_step_p50_us": round(rpc_us, 1),
             "engine_rpc_us": round(timing.engine_rpc_us, 1),
+            "engine_rpcs_per_step": round(timing.rpcs_per_step, 3),
             "decode_step_ms": round(timing.decode_step_ms, 2),
             "rpc_share": round(rpc_us / (timing.decode_step_ms * 1000), 5),
             "engine_rpc_share": round(timing.engine_rpc_share, 5),

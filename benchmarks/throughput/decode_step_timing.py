@@ -5,7 +5,9 @@ it serves. Per batch size ``B``: ``B`` requests with distinct seeded prompts of 
 tokens are added to an engine on the default model, stepped until every one of them decodes, then
 ``num_steps`` steps in which all ``B`` decode are timed (wall clock); the engine's own
 ``MemoryClient.step_with_counts`` calls in those steps are timed too (the RPC as the engine sends
-it: its real AppendOps, packing and unpacking included). The requests are then aborted.
+it: its real AppendOps, packing and unpacking included). Most decode steps send none (scheduler.py
+rule 7: a decode within its last block waits for the next append), so the RPC time is given per
+decode step on average, with how many steps sent one. The requests are then aborted.
 """
 
 from __future__ import annotations
@@ -20,17 +22,20 @@ from compute_service import LLM, SamplingParams
 
 @dataclass(frozen=True)
 class DecodeStepTiming:
-    """Median figures of the timed decode steps at one batch size.
+    """Mean figures of the timed decode steps at one batch size.
 
     Args:
         num_seqs: sequences decoding in each timed step.
         decode_step_ms: wall-clock time of one ``Engine.step``.
-        engine_rpc_us: time of that step's memory-service RPC, measured inside the engine.
+        engine_rpc_us: memory-service RPC time a step, measured inside the engine (the RPCs' total
+            over the timed steps, whether each sent one or not).
+        rpcs_per_step: RPCs the timed steps sent, per step (1.0 before rule 7).
     """
 
     num_seqs: int
     decode_step_ms: float
     engine_rpc_us: float
+    rpcs_per_step: float
 
     @property
     def engine_rpc_share(self) -> float:
@@ -90,9 +95,8 @@ def time_decode_steps(
                 started = time.perf_counter()
                 engine.step()
                 step_s.append(time.perf_counter() - started)
-            timings.append(
-                DecodeStepTiming(num_seqs, statistics.median(step_s) * 1000, statistics.median(rpc_s) * 1e6)
-            )
+            timings.append(DecodeStepTiming(num_seqs, statistics.fmean(step_s) * 1000,
+                                            sum(rpc_s) / num_steps * 1e6, len(rpc_s) / num_steps))
             for request_id in request_ids:
                 engine.abort(request_id)
             while engine.has_unfinished():

@@ -37,6 +37,8 @@ def test_step_batch_sizes_report_the_rpc_share_of_a_decode_step(make_tiny_model,
         assert row["rpc_share"] == pytest.approx(row["rpc_step_p50_us"] / step_us, rel=0.02, abs=1e-5)
         assert row["engine_rpc_share"] == pytest.approx(row["engine_rpc_us"] / step_us, rel=0.02, abs=1e-5)
         assert 0 < row["engine_rpc_share"] < 1
+        # Rule 7: decodes within their blocks send no RPC (20 steps of 16-token blocks: a few do).
+        assert 0 < row["engine_rpcs_per_step"] < 1
 
 
 def test_bad_step_batch_sizes_are_refused_by_name(capsys: pytest.CaptureFixture[str]) -> None:
