@@ -8,6 +8,8 @@ admissions and preemptions of the rules in scheduler.py's docstring.
 
 from __future__ import annotations
 
+import functools
+
 import time
 from pathlib import Path
 
@@ -281,25 +283,36 @@ def test_plan_orders_forks_then_frees_then_work() -> None:
     assert plan.ops == [ForkOp("p", "c"), FreeOp("x"), AppendOp("a", [3])]
 
 
-def test_a_sequence_loading_from_the_tier_is_parked_while_others_run(tmp_path: Path) -> None:
-    """Rule 5: an admission answered ``loading`` waits, parked, the others are admitted meanwhile, and
-    it is admitted (its prefix cached) once a step reports its load over."""
+def _tier_harness(tmp_path: Path) -> Harness:
+    """A harness whose in-process allocator has a 16-block pool and a disk tier in ``tmp_path``."""
     h = Harness(enable_prefix_caching=True)
     h.allocator = InProcessAllocator(LAYOUT, BlockManagerConfig(num_blocks=16, block_size=BLOCK_SIZE),
                                      kv_disk_dir=tmp_path, model_fingerprint="model")
+    return h
 
-    def add(name: str, prompt: list[int]) -> Sequence:
-        seq = Sequence(seq_id=name, request_id=name, prompt_token_ids=prompt,
-                       params=SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
-        h.scheduler.add(seq)
-        return seq
 
-    def run_until(condition) -> None:
-        deadline = time.monotonic() + 30
-        while not condition():
-            assert time.monotonic() < deadline, "timed out"
-            h.step()
-            time.sleep(0.01)
+def _add_greedy(h: Harness, name: str, prompt: list[int]) -> Sequence:
+    """Queue a one-token greedy sequence named ``name``."""
+    seq = Sequence(seq_id=name, request_id=name, prompt_token_ids=prompt,
+                   params=SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    h.scheduler.add(seq)
+    return seq
+
+
+def _run_until(h: Harness, condition) -> None:
+    """Step until ``condition()`` (tier writes and loads run on threads), for at most 30 s."""
+    deadline = time.monotonic() + 30
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        h.step()
+        time.sleep(0.01)
+
+
+def test_a_sequence_loading_from_the_tier_is_parked_while_others_run(tmp_path: Path) -> None:
+    """Rule 5: an admission answered ``loading`` waits, parked, the others are admitted meanwhile, and
+    it is admitted (its prefix cached) once a step reports its load over."""
+    h = _tier_harness(tmp_path)
+    add, run_until = functools.partial(_add_greedy, h), functools.partial(_run_until, h)
 
     prompt = list(range(100, 113))  # 3 full blocks and a token
     a = add("a", prompt)
@@ -323,23 +336,9 @@ def test_a_sequence_finished_while_parked_on_a_load_is_freed_and_the_memory_serv
     """Rule 5: a parked sequence that is aborted (before its load ends, or after, before its retry)
     is freed like any other, though it holds no blocks: the memory service's tier book keeps
     nothing of it (it kept each such seq_id until the client detached)."""
-    h = Harness(enable_prefix_caching=True)
-    h.allocator = InProcessAllocator(LAYOUT, BlockManagerConfig(num_blocks=16, block_size=BLOCK_SIZE),
-                                     kv_disk_dir=tmp_path, model_fingerprint="model")
+    h = _tier_harness(tmp_path)
     book = h.allocator.block_manager._tier
-
-    def add(name: str, prompt: list[int]) -> Sequence:
-        seq = Sequence(seq_id=name, request_id=name, prompt_token_ids=prompt,
-                       params=SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
-        h.scheduler.add(seq)
-        return seq
-
-    def run_until(condition) -> None:
-        deadline = time.monotonic() + 30
-        while not condition():
-            assert time.monotonic() < deadline, "timed out"
-            h.step()
-            time.sleep(0.01)
+    add, run_until = functools.partial(_add_greedy, h), functools.partial(_run_until, h)
 
     def evict(name: str) -> None:
         evictor = add(name, list(range(200, 260)))  # 15 of the 16 blocks: the prompt's are evicted
