@@ -24,5 +24,8 @@ def test_mask_cost_per_batch_size(tmp_path: Path) -> None:
     assert [r["batch_size"] for r in summary["results"]] == [1, 3]
     for row in summary["results"]:
         assert row["num_steps_timed"] >= 2
-        assert 0 < row["mask_ms"] < row["step_ms_constrained"]
+        # Masks were filled, steps timed. No timing relation between the two: mask_ms is a mean over
+        # every masked step (the prefill's first token included) and the step a median over the
+        # full decode steps; on the tiny model one slow fill (2.8 ms) outweighed a 0.9 ms step.
+        assert row["mask_ms"] > 0 and row["step_ms_constrained"] > 0 and row["step_ms_unconstrained"] > 0
         assert row["mask_cpu_ms"] >= 0 and row["step_cpu_ms_unconstrained"] > 0
