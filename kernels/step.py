@@ -47,10 +47,6 @@ class LayerStack:
     eps: float
     scale: float
 
-    @property
-    def num_layers(self) -> int:
-        return len(self.weights) // 6
-
 
 class StepKernels(Protocol):
     """What one model step runs per layer, over a packed batch of T tokens."""

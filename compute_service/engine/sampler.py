@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -111,16 +112,13 @@ def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return min(int(torch.searchsorted(cdf, u, right=True)), probs.shape[0] - 1)
 
 
-_fused: dict[str, object] = {}  # "ops": the C++ ops when they have nucleus_draws, else None (looked up once)
-
-
+@functools.cache
 def _nucleus_ops():
-    if "ops" not in _fused:
-        from kernels import cpu_ops  # loads the extension (built at engine start already)
+    """The C++ ops when they have nucleus_draws, else None (looked up once)."""
+    from kernels import cpu_ops  # loads the extension (built at engine start already)
 
-        ops = cpu_ops.load()
-        _fused["ops"] = ops if ops is not None and ops.has_nucleus_draws() else None
-    return _fused["ops"]
+    ops = cpu_ops.load()
+    return ops if ops is not None and ops.has_nucleus_draws() else None
 
 
 def _nucleus_draws(rows: torch.Tensor, temperatures: list[float], top_ps: list[float]) -> list[int | None]:
