@@ -190,6 +190,8 @@ class BlockManager:
                 tier_hashes, to_persist = self._prefix_cache.tier_hashes, self._tier.to_persist
                 for block_id in pending:
                     if tier_hashes[block_id] is not None:
+                        if block_id in to_persist:  # evicted and filled again before the writer came
+                            self._tier.num_missed += 1
                         to_persist[block_id] = tier_hashes[block_id]
             pending.clear()
 
@@ -384,7 +386,14 @@ class BlockManager:
             tier_hash = to_persist.pop(block_id)
             if cache.tier_hashes[block_id] == tier_hash:  # not evicted (or its content came back)
                 writes.append((block_id, tier_hash, cache.block_keys[block_id][2]))
+            else:
+                self._tier.num_missed += 1
         return writes
+
+    @property
+    def num_tier_writes_missed(self) -> int:
+        """Committed blocks evicted before the tier's writer copied them: not kept (``TierBook``)."""
+        return self._tier.num_missed if self._tier is not None else 0
 
     def take_new_loads(self) -> list[TierLoad]:
         """Loads started since the last call, for the loader thread."""
@@ -412,9 +421,12 @@ class BlockManager:
             block_ids = load.block_ids[:num_loaded]
             cache.register(block_ids, load.token_bytes, 0, load.ns_key, parent_entry_id, load.client_id, loaded)
             cache.commit(loaded)
+            directory, to_persist = self._tier.directory, self._tier.to_persist
             for block_id, tier_hash in zip(block_ids, load.hashes):
                 if block_id in loaded:
-                    cache.tier_hashes[block_id] = tier_hash  # on disk already: never queued for writing
+                    cache.tier_hashes[block_id] = tier_hash
+                    if directory.needs_write(tier_hash):  # loaded from RAM, not on disk (yet): written now
+                        to_persist[block_id] = tier_hash
         self._pool.release(reversed([*prefix, *load.block_ids]))
         self._tier.end_load(load)
 

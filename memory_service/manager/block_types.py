@@ -239,6 +239,7 @@ class TierStats:
     num_bad_files: int = 0
     num_loads: int = 0
     num_loads_skipped: int = 0
+    num_blocks_missed: int = 0
 
 
 @dataclass(frozen=True)

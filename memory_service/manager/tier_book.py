@@ -68,6 +68,10 @@ class TierDirectory(Protocol):
         their tokens (each tier read at its own measured speed)."""
         ...
 
+    def needs_write(self, key: bytes) -> bool:
+        """Whether the tier that outlives the service lacks the block ``key`` (one loaded from RAM)."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class TierLookup:
@@ -129,6 +133,7 @@ class TierBook:
         self.identities: dict[str, bytes] = {}  # client_id -> its TierIdentity.digest (tier users only)
         self.prefill_speeds: dict[str, float] = {}  # client_id -> prompt tokens/s it last reported
         self.to_persist: dict[int, bytes] = {}  # committed block -> its tier key, oldest first
+        self.num_missed = 0  # committed blocks evicted before the writer took them (not kept)
         self.loads: dict[tuple[str, str], TierLoad] = {}  # in flight, by (client_id, seq_id)
         self.new_loads: list[TierLoad] = []  # started, not yet handed to the loader
         self.loaded: dict[str, set[str]] = {}  # client_id -> seq_ids whose load ended (no second one)

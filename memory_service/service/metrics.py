@@ -64,7 +64,9 @@ class MemoryStatsCollector(Collector):
                                                          "host: every slot held by loads)"),
                     "bad_files": ("num_bad_files", "Tier files found damaged or foreign, removed"),
                     "loads": ("num_loads", "Tier loads started"),
-                    "loads_skipped": ("num_loads_skipped", "Tier loads skipped: recompute estimated faster")}
+                    "loads_skipped": ("num_loads_skipped", "Tier loads skipped: recompute estimated faster"),
+                    "missed_blocks": ("num_blocks_missed", "Committed blocks evicted before the tier's writer "
+                                                           "reached them (it yields the cores to the engine)")}
         for families, kind in ((gauges, GaugeMetricFamily), (counters, CounterMetricFamily)):
             for suffix, (field, text) in families.items():
                 family = kind(f"pagedserve_memory_tier_{suffix}", text, labels=["tier"])

@@ -5,22 +5,35 @@ a directory of mode 0700 (other users must not read a tenant's KV, nor plant blo
 fixed header, then the block's bytes exactly as the pool holds them, ``(num_layers, 2, block_size,
 num_kv_heads, head_dim)`` in the pool's dtype:
 
-    magic "PSKVBLK\\x01", layout version, header size, dtype, block size, layers, KV heads, head dim,
+    magic "PSKVBLK\\x01", layout version, payload offset, dtype, block size, layers, KV heads, head dim,
     model fingerprint (its BLAKE2b-256), namespace key, chained block key, payload length,
-    CRC-32 of the payload, CRC-32 of the header before it
+    XXH3-64 of the payload, XXH3-64 of the header before it
+
+and zeros up to the payload's offset: 4 KiB where the block's bytes are a whole number of 4 KiB
+pages (every real model's: 16 tokens of a 64-dim head in 16 bits are one page), so the file can be
+written with ``O_DIRECT`` (below); else right after the header.
 
 Never serve wrong KV: a file is used only when every header field equals what the reader expects
 (the model, dtype, block size and layout of the pool, the namespace and the key it was looked up
 by) and the payload's checksum matches; anything else (a torn, truncated or flipped file, another
 model or layout) is a miss, the file is removed and the reason logged (``kv_tier_file_removed``).
-CRC-32 rather than a cryptographic digest: it guards against accidents (torn writes, bit flips),
-not against a writer, and the directory's mode already keeps other users out; it checks a 4,000-token
-prompt's ~180 MB at several GB/s where BLAKE2b would take a visible share of the load.
+XXH3-64 rather than a cryptographic digest: it guards against accidents (torn writes, bit flips),
+not against a writer, and the directory's mode already keeps other users out. It runs at memory
+speed (~9 us for a 360 KiB block here, CRC-32 took 60-100 us and BLAKE2b 350 us): every block the
+pool commits is checked once on its way out, and the writer shares the engine's cores.
 
 Writes are atomic: a temporary file (``.tmp-*``), then ``rename``. No fsync: the tier is a cache,
 and a file that a power loss leaves torn fails its checksum and is dropped, so durability would buy
 nothing but latency. A write that fails (EACCES, EIO, ...) drops that block with a log line;
 serving goes on.
+
+``O_DIRECT`` where the file system takes it: the block goes from one aligned buffer to the device,
+not through the page cache. A buffered write costs the writer a page-cache copy and the kernel its
+writeback and, at eviction, freeing those pages (measured: 116 + 33 us of CPU a block against 83 + 20
+direct); with every committed block written, that CPU is taken from the engine's threads. A file
+system that refuses it (tmpfs before Linux 6.6, some overlays: EINVAL) gets buffered writes from then
+on (logged once: ``kv_tier_direct_io_off``). Reads stay buffered: a block read once is then in the page
+cache for the next load of the same prefix.
 
 A full file system (ENOSPC, or EDQUOT: a quota) below the budget: the LRU alone would never free a
 byte (the tier is under ``capacity_bytes``), so every later write would fail and the tier would keep
@@ -52,11 +65,13 @@ import os
 import re
 import secrets
 import struct
+import mmap
 import threading
-import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+
+import xxhash
 
 from pagedserve.dtypes import ELEMENT_SIZES
 from pagedserve.errors import PreconditionError
@@ -67,12 +82,15 @@ from memory_service.tier.chain import HASH_SIZE
 log = get_logger("memory_service.tier")
 
 MAGIC = b"PSKVBLK\x01"
-LAYOUT_VERSION = 1
-# magic, layout version, header size, dtype, block size, layers, KV heads, head dim, fingerprint
-# digest, namespace key, block key, payload length, payload CRC-32; then the header's own CRC-32.
-_FIELDS = struct.Struct("<8sHH16sIIII32s16s32sQI")
-_HEADER_CRC = struct.Struct("<I")
-HEADER_SIZE = _FIELDS.size + _HEADER_CRC.size
+LAYOUT_VERSION = 2  # 1: CRC-32 checksums, the payload right after the header
+# magic, layout version, payload offset, dtype, block size, layers, KV heads, head dim, fingerprint
+# digest, namespace key, block key, payload length, payload XXH3-64; then the header's own XXH3-64.
+_FIELDS = struct.Struct("<8sHH16sIIII32s16s32sQQ")
+_HEADER_CHECKSUM = struct.Struct("<Q")
+HEADER_SIZE = _FIELDS.size + _HEADER_CHECKSUM.size
+# Where an O_DIRECT write's buffer, offsets and length must fall (the page size: above every logical
+# block size in use).
+DIRECT_ALIGN = 4096
 FILE_SUFFIX = ".kv"
 TMP_PREFIX = ".tmp-"
 _NAME_PATTERN = re.compile(rf"[0-9a-f]{{{2 * HASH_SIZE}}}\.kv")
@@ -120,6 +138,15 @@ class TierIdentity:
     def bytes_per_block(self) -> int:
         elem = ELEMENT_SIZES[self.dtype]
         return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    @property
+    def payload_offset(self) -> int:
+        """Where a file's payload begins: a page in, when its bytes are whole pages (``O_DIRECT``)."""
+        return DIRECT_ALIGN if self.bytes_per_block % DIRECT_ALIGN == 0 else HEADER_SIZE
+
+    @property
+    def file_size(self) -> int:
+        return self.payload_offset + self.bytes_per_block
 
 
 @dataclass(frozen=True)
@@ -171,6 +198,8 @@ class DiskTier:
         self._num_bytes_read = 0
         self._num_write_errors = 0
         self._num_bad_files = 0
+        self._is_direct = True  # O_DIRECT writes until the file system refuses one (module docstring)
+        self._buffer: mmap.mmap | None = None  # the file a put writes, page-aligned (set by ``open``)
 
     # --- opening ------------------------------------------------------------------------------
 
@@ -206,15 +235,17 @@ class DiskTier:
                 self._remove_bad(Path(entry.path), f"unreadable ({exc.strerror})")
                 continue
             problem = _check_header(header, identity, key, None)
-            if problem is None and st.st_size != HEADER_SIZE + identity.bytes_per_block:
-                problem = f"truncated ({st.st_size} bytes, expected {HEADER_SIZE + identity.bytes_per_block})"
+            if problem is None and st.st_size != identity.file_size:
+                problem = f"truncated ({st.st_size} bytes, expected {identity.file_size})"
             if problem is not None:
                 self._remove_bad(Path(entry.path), problem)
                 continue
             found.append((st.st_mtime, key, st.st_size))
         found.sort()
+        buffer_size = -(-identity.file_size // DIRECT_ALIGN) * DIRECT_ALIGN
         with self._lock:
             self.identity = identity
+            self._buffer = mmap.mmap(-1, buffer_size)  # anonymous: page-aligned and zeroed
             self._index = OrderedDict((key, size) for _, key, size in found)
             self._num_bytes = sum(size for _, _, size in found)
         if num_partial:  # a service killed (or a disk filled) mid-write: said once, not per file
@@ -231,7 +262,7 @@ class DiskTier:
     def __contains__(self, key: bytes) -> bool:
         return key in self._index  # a dict lookup: atomic under the GIL
 
-    def get(self, key: bytes, ns_key: bytes) -> bytearray | None:
+    def get(self, key: bytes, ns_key: bytes) -> memoryview | None:
         """Reads and checks a block (module docstring); a bad file is removed.
 
         Args:
@@ -247,7 +278,7 @@ class DiskTier:
                 return None
             self._index.move_to_end(key)
         path = self._path(key)
-        size = HEADER_SIZE + identity.bytes_per_block
+        size, offset = identity.file_size, identity.payload_offset
         buffer = bytearray(size)
         try:
             with open(path, "rb", buffering=0) as f:
@@ -265,8 +296,8 @@ class DiskTier:
         if num_read != size:
             problem = f"truncated ({num_read} bytes, expected {size})"
         elif problem is None:
-            (payload_crc,) = struct.unpack_from("<I", buffer, _FIELDS.size - 4)
-            if zlib.crc32(view[HEADER_SIZE:]) != payload_crc:
+            (payload_checksum,) = struct.unpack_from("<Q", buffer, _FIELDS.size - 8)
+            if xxhash.xxh3_64_intdigest(view[offset:]) != payload_checksum:
                 problem = "payload checksum mismatch"
         if problem is not None:
             self._forget(key)
@@ -278,9 +309,7 @@ class DiskTier:
             os.utime(path)  # LRU order for the next restart
         except OSError:
             pass
-        del view
-        del buffer[:HEADER_SIZE]
-        return buffer
+        return view[offset:]
 
     # --- writes -------------------------------------------------------------------------------
 
@@ -301,22 +330,25 @@ class DiskTier:
             raise ValueError("put: the tier is not open, or the block does not fit its identity")
         if key in self._index:
             return True
-        size = HEADER_SIZE + len(payload)
+        size, offset = identity.file_size, identity.payload_offset
         if size > self.capacity_bytes:
             return False
         self._evict_until(size)
-        fields = _FIELDS.pack(MAGIC, LAYOUT_VERSION, HEADER_SIZE, identity.dtype.encode(), identity.block_size,
+        fields = _FIELDS.pack(MAGIC, LAYOUT_VERSION, offset, identity.dtype.encode(), identity.block_size,
                               identity.num_layers, identity.num_kv_heads, identity.head_dim,
-                              identity.fingerprint_digest, ns_key, key, len(payload), zlib.crc32(payload))
-        header = fields + _HEADER_CRC.pack(zlib.crc32(fields))
+                              identity.fingerprint_digest, ns_key, key, len(payload),
+                              xxhash.xxh3_64_intdigest(payload))
+        buffer = self._buffer
+        buffer[:HEADER_SIZE] = fields + _HEADER_CHECKSUM.pack(xxhash.xxh3_64_intdigest(fields))
+        buffer[offset:size] = payload  # the bytes between stay zero
         try:
             try:
-                self._write_file(key, header, payload)
+                self._write_file(key, memoryview(buffer)[:size])
             except OSError as exc:
                 if exc.errno not in _FULL_ERRNOS:
                     raise
                 self._make_room_on_full_disk(size, exc)
-                self._write_file(key, header, payload)  # the one retry
+                self._write_file(key, memoryview(buffer)[:size])  # the one retry
         except OSError as exc:
             with self._lock:
                 self._num_write_errors += 1
@@ -332,23 +364,42 @@ class DiskTier:
             self._num_bytes_written += size
         return True
 
-    def _write_file(self, key: bytes, header: bytes, payload: memoryview) -> None:
-        """The block's file, atomically (a temporary file, then rename); nothing is left on an OSError."""
+    def _write_file(self, key: bytes, data: memoryview) -> None:
+        """The block's file, atomically (a temporary file, then rename); nothing is left on an OSError.
+        ``O_DIRECT`` while the file system takes it and ``data`` is whole pages (module docstring)."""
         tmp = self.directory / f"{TMP_PREFIX}{key.hex()}-{secrets.token_hex(4)}"
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-            try:
-                with os.fdopen(fd, "wb", buffering=0) as f:
-                    fd = -1
-                    f.write(header)
-                    f.write(payload)
-            finally:
-                if fd >= 0:
-                    os.close(fd)
+            if self._is_direct and len(data) % DIRECT_ALIGN == 0 and not self._write_direct(tmp, data):
+                self._unlink(tmp)
+                self._is_direct = False
+                log.info("kv_tier_direct_io_off", directory=str(self.directory),
+                         reason="the file system refuses O_DIRECT; block files are written through the page cache")
+            if not self._is_direct or len(data) % DIRECT_ALIGN:
+                self._write_all(tmp, data, 0)
             os.rename(tmp, self._path(key))
         except OSError:
             self._unlink(tmp)  # a partial file would hold the very space that is missing
             raise
+
+    def _write_direct(self, tmp: Path, data: memoryview) -> bool:
+        """Writes ``tmp`` with ``O_DIRECT``; False when the file system refuses it (EINVAL)."""
+        try:
+            self._write_all(tmp, data, os.O_DIRECT)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            return False
+        return True
+
+    @staticmethod
+    def _write_all(path: Path, data: memoryview, flags: int) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | flags, 0o600)
+        try:
+            num_written = 0
+            while num_written < len(data):  # a short write (a signal, a nearly full disk) goes on
+                num_written += os.write(fd, data[num_written:])
+        finally:
+            os.close(fd)
 
     def _make_room_on_full_disk(self, size: int, exc: OSError) -> None:
         """The file system is full below the budget: lower the budget to what the files hold now and
@@ -419,12 +470,15 @@ def _check_header(header: bytes, identity: TierIdentity, key: bytes, ns_key: byt
     fields = header[: _FIELDS.size]
     if header[:8] != MAGIC:
         return "not a tier block (bad magic)"
-    if _HEADER_CRC.unpack_from(header, _FIELDS.size)[0] != zlib.crc32(fields):
-        return "header checksum mismatch"
-    (_, version, header_size, dtype, block_size, num_layers, num_kv_heads, head_dim, fingerprint, file_ns_key,
-     file_key, payload_len, _) = _FIELDS.unpack(fields)
-    if version != LAYOUT_VERSION or header_size != HEADER_SIZE:
+    (version,) = struct.unpack_from("<H", header, 8)
+    if version != LAYOUT_VERSION:
         return f"layout version {version}, this service reads {LAYOUT_VERSION}"
+    if _HEADER_CHECKSUM.unpack_from(header, _FIELDS.size)[0] != xxhash.xxh3_64_intdigest(fields):
+        return "header checksum mismatch"
+    (_, version, payload_offset, dtype, block_size, num_layers, num_kv_heads, head_dim, fingerprint, file_ns_key,
+     file_key, payload_len, _) = _FIELDS.unpack(fields)
+    if payload_offset != identity.payload_offset:
+        return f"payload at {payload_offset}, expected {identity.payload_offset}"
     if fingerprint != identity.fingerprint_digest:
         return "another model (fingerprint differs)"
     file_dtype = dtype.rstrip(b"\0").decode(errors="replace")

@@ -59,11 +59,16 @@ WRITE_BATCH_BLOCKS = 4
 STAGING_BYTES = 256 << 20
 # How long the writer sleeps when nothing wakes it (a Step wakes it at once).
 WRITER_IDLE_S = 0.05
-# The writer thread's nice value (Linux: per thread). Its work (checksums, file writes) is never
-# urgent, and on a machine whose cores the engine's threads fill, every wake-up of a writer at the
-# engine's priority descheduled one of them and held its whole parallel region: the realistic
-# workload with nothing reused ran at 0.86x of the same engine without a tier. At 19 it takes the
-# cores the engine leaves, and a block evicted before its copy is simply not kept (the cache only).
+# The writer thread runs at SCHED_IDLE (Linux: per thread; where that is refused, at this nice value).
+# Its work (copies, checksums, file writes) is never urgent, and on a machine whose cores the engine's
+# threads fill, every wake-up of a writer at the engine's priority descheduled one of them and held its
+# whole parallel region: the realistic workload with nothing reused ran at 0.86x of the same engine
+# without a tier, 0.89x with the writer at nice 19 (which still takes a 1/70 share against each busy
+# thread). At SCHED_IDLE it takes the time the engine leaves (between steps, while the scheduler and
+# sampler run on one thread), and the kernel hands a core back to an engine thread as soon as one
+# wakes. Under saturation some blocks are then evicted before their copy and simply not kept (the
+# cache only): ``tier_writes_missed`` counts them. A clean stop lifts the writer to the normal policy
+# for its last writes (``_finish_writes``).
 WRITER_NICE = 19
 # The most a clean stop waits for the writer to put what is committed on disk (module docstring);
 # well within the 10 s a ServiceProcess (and ``pagedserve up``) gives a service after SIGTERM.
@@ -98,6 +103,7 @@ class TierWorker:
         # Fastest first, as StatsResponse.tiers lists them.
         kinds = [kind for kind, t in ((HOST, host), (DISK, disk)) if t is not None]
         self.accounts = TierAccounts(kinds, identity.bytes_per_block, identity.block_size, self._tier_of)
+        self._num_disk_missed = 0  # deferred blocks the host tier evicted before their disk write
         self._stopping = threading.Event()
         self._close_deadline = 0.0  # set by ``close`` before ``_stopping``
         self._wake_writer = threading.Event()
@@ -134,6 +140,12 @@ class TierWorker:
         """Whether loading the blocks ``keys`` beats recomputing them (``TierAccounts.worth_loading``)."""
         return self.accounts.worth_loading(keys, prefill_tokens_per_s)
 
+    def needs_write(self, key: bytes) -> bool:
+        """Whether the disk tier lacks ``key``: a block loaded from RAM whose disk write was missed or
+        failed, or whose file went (without it, a restart would not find that prefix). A block loaded
+        from the disk went into RAM on its way (``_load_loop``)."""
+        return self.disk is not None and key not in self.disk
+
     # --- what the owner calls after each step -------------------------------------------------
 
     def submit(self, loads: list[TierLoad]) -> None:
@@ -146,17 +158,18 @@ class TierWorker:
     def stats(self) -> tuple[TierStats, ...]:
         """Each tier's counters, fastest first (``accounts.py`` says what the lookups count)."""
         counts = self.accounts.counts()
+        num_missed = self._manager.num_tier_writes_missed  # an int read: no lock needed
         stats = []
         if self.host is not None:
             c, n = self.host.counters(), counts[HOST]
             stats.append(TierStats(HOST, c.num_blocks, c.num_bytes, c.capacity_bytes, n.num_hits, n.num_misses,
                                    c.num_bytes_written, c.num_bytes_read, c.num_dropped, 0, n.num_loads,
-                                   n.num_loads_skipped))
+                                   n.num_loads_skipped, num_missed))
         if self.disk is not None:
             c, n = self.disk.counters(), counts[DISK]
             stats.append(TierStats(DISK, c.num_blocks, c.num_bytes, c.capacity_bytes, n.num_hits, n.num_misses,
                                    c.num_bytes_written, c.num_bytes_read, c.num_write_errors, c.num_bad_files,
-                                   n.num_loads, n.num_loads_skipped))
+                                   n.num_loads, n.num_loads_skipped, num_missed + self._num_disk_missed))
         return tuple(stats)
 
     def load_latency(self) -> dict[str, tuple[list[tuple[float, int]], float]]:
@@ -185,8 +198,7 @@ class TierWorker:
         # copies into RAM: the blocks past it are written to the disk later from their host slots
         # (``deferred``, at most as many as the host tier holds), so a disk slower than the commits
         # never holds the host tier back.
-        with contextlib.suppress(OSError, AttributeError):  # not Linux, or not permitted: as it is
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+        _set_writer_policy(idle=True)
         host, disk = self.host, self.disk
         staged: collections.deque[tuple[bytes, bytes, torch.Tensor]] = collections.deque()
         deferred: collections.deque[tuple[bytes, bytes]] = collections.deque(
@@ -211,6 +223,7 @@ class TierWorker:
         book) until none is left or ``CLOSE_WRITE_S`` is up, whichever comes first."""
         if self.disk is None:  # RAM does not outlive the process
             return
+        _set_writer_policy(idle=False)  # the engine is stopping: these writes are all that is left
         num_written = 0
         while time.monotonic() < self._close_deadline:
             self._copy_committed(staged, deferred)
@@ -259,6 +272,7 @@ class TierWorker:
             return
         held = self.host.acquire(key, ns_key, make_young=False)
         if held is None:  # evicted from RAM before its turn: not written, as a block evicted from the pool
+            self._num_disk_missed += 1
             return
         slot, view = held
         try:
@@ -322,3 +336,18 @@ class TierWorker:
             self.accounts.record(load, num_read, read_s, elapsed_s)
             log.info("kv_tier_loaded", seq_id=load.seq_id, num_blocks=len(load.block_ids), num_loaded=num_loaded,
                      **{f"num_{kind}_blocks": n for kind, n in num_read.items()}, elapsed_s=round(elapsed_s, 4))
+
+
+def _set_writer_policy(*, idle: bool) -> None:
+    """The calling thread at SCHED_IDLE (``idle``) or back at the normal policy (``WRITER_NICE``'s comment);
+    where SCHED_IDLE is refused or missing (not Linux), at nice ``WRITER_NICE``, and as it is where that is
+    refused too."""
+    tid = threading.get_native_id()
+    try:
+        os.sched_setscheduler(tid, os.SCHED_IDLE if idle else os.SCHED_OTHER, os.sched_param(0))
+        return
+    except (OSError, AttributeError):
+        pass
+    if idle:
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, tid, WRITER_NICE)

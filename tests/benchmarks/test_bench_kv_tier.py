@@ -62,6 +62,8 @@ def test_bench_kv_tier_quick_no_reuse(summary: dict) -> None:
     assert no_reuse["tier_tok_s"] > 0 and no_reuse["no_tier_tok_s"] > 0 and len(no_reuse["pair_ratios"]) == 2
     assert [r["engine"] for r in no_reuse["runs"]] == ["tier", "no_tier", "no_tier", "tier"]  # alternating
     assert no_reuse["tier_bytes_written"] > 0 and no_reuse["tier_write_errors"] == 0
+    assert no_reuse["tier_blocks_written"] + no_reuse["tier_blocks_missed"] > 0
+    assert 0 < no_reuse["tier_written_share"] <= 1
     assert no_reuse["tier_loads"] == 0  # written, never read
 
 
@@ -77,9 +79,9 @@ def test_bench_kv_tier_quick_faults(summary: dict) -> None:
     assert damaged["same_tokens"] and damaged["integrity_ok"] and damaged["files_removed"] == 2
     removed = {json.loads(line)["path"].rsplit("/", 1)[1]: json.loads(line)["problem"]
                for line in damaged["log_lines"] if "kv_tier_file_removed" in line}
-    # 2 layers x K, V x 16 tokens x 2 KV heads x head dim 16 x 4 bytes, and a 140-byte header
+    # 2 layers x K, V x 16 tokens x 2 KV heads x head dim 16 x 4 bytes (two pages), after a page of header
     assert removed == {damaged["flipped"]: "payload checksum mismatch",
-                       damaged["truncated"]: "truncated (4166 bytes, expected 8332)"}
+                       damaged["truncated"]: "truncated (6144 bytes, expected 12288)"}
     assert damaged["cached_share"] < killed["wave1_cached_share"]  # what followed a bad block was recomputed
 
     full = faults["full_disk"]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
 import errno
+import mmap
 import os
 import stat
 import subprocess
@@ -17,7 +19,7 @@ from pagedserve.errors import PreconditionError
 
 from memory_service.config import MemoryServiceConfig
 from memory_service.tier.chain import chain_hashes, root_hash
-from memory_service.tier.disk_tier import ENOSPC_FREE_BLOCKS, HEADER_SIZE, DiskTier, TierIdentity
+from memory_service.tier.disk_tier import DIRECT_ALIGN, ENOSPC_FREE_BLOCKS, HEADER_SIZE, DiskTier, TierIdentity
 
 pytestmark = pytest.mark.unit
 
@@ -237,3 +239,94 @@ def test_a_directory_path_that_is_a_file_fails_the_start(tmp_path: Path) -> None
     (tmp_path / "file").write_text("")
     with pytest.raises(PreconditionError, match="kv_disk_dir"):
         DiskTier(tmp_path / "file", 1 << 20)
+
+
+# A block of whole pages (2 layers, 2 KV heads, head dim 32, 4 tokens, float32: 4,096 bytes), as every
+# real model's is: its file is a page of header, then the payload, written with O_DIRECT.
+PAGE_IDENTITY = TierIdentity("model-a", "float32", 4, 2, 2, 32)
+PAGE_KEYS = chain_hashes(root_hash(PAGE_IDENTITY.digest, NS), bytes(range(64)), 16, 4)
+
+
+def page_payload(seed: int) -> memoryview:
+    return memoryview(bytes((seed * 7 + i) % 251 for i in range(PAGE_IDENTITY.bytes_per_block)))
+
+
+def resident_pages(path: Path) -> int:
+    """How many of the file's pages the page cache holds: mincore over a mapping (which reads nothing)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    size = path.stat().st_size
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        assert address not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
+        try:
+            vec = ctypes.create_string_buffer(-(-size // PAGE))
+            assert libc.mincore(address, size, vec) == 0, os.strerror(ctypes.get_errno())
+            return sum(b & 1 for b in vec.raw)
+        finally:
+            libc.munmap(address, size)
+    finally:
+        os.close(fd)
+
+
+def test_a_block_of_whole_pages_is_written_past_the_page_cache(tmp_path: Path) -> None:
+    tier = open_tier(tmp_path, identity=PAGE_IDENTITY)
+    with capture_logs() as logs:
+        assert tier.put(PAGE_KEYS[0], NS, page_payload(0))
+    path = tmp_path / f"{PAGE_KEYS[0].hex()}.kv"
+    data = path.read_bytes()  # (this read fills the page cache)
+    assert len(data) == PAGE_IDENTITY.file_size == 2 * DIRECT_ALIGN  # a page of header, a page of payload
+    assert data[HEADER_SIZE:DIRECT_ALIGN] == bytes(DIRECT_ALIGN - HEADER_SIZE)
+    assert data[DIRECT_ALIGN:] == bytes(page_payload(0))
+    assert bytes(tier.get(PAGE_KEYS[0], NS)) == bytes(page_payload(0))
+    assert tier.put(PAGE_KEYS[1], NS, page_payload(1))
+    if "tmpfs" not in subprocess.run(["stat", "-f", "-c", "%T", str(tmp_path)], capture_output=True,
+                                     text=True).stdout:  # tmpfs files are the page cache itself
+        assert resident_pages(tmp_path / f"{PAGE_KEYS[1].hex()}.kv") == 0  # O_DIRECT: no copy in RAM
+    assert [e["event"] for e in logs if e["event"].startswith("kv_tier_direct")] == []
+    damaged = bytearray(data)
+    damaged[DIRECT_ALIGN + 5] ^= 1
+    path.write_bytes(damaged)
+    assert tier.get(PAGE_KEYS[0], NS) is None and not path.exists()  # the checksum covers the payload
+
+
+def test_a_file_system_without_direct_io_gets_buffered_writes(tmp_path: Path) -> None:
+    directory = tmp_path / "ramfs"
+    directory.mkdir()
+    try:
+        done = subprocess.run(["mount", "-t", "ramfs", "-o", "mode=0700", "ramfs", str(directory)],
+                              capture_output=True, text=True, timeout=30)
+    except OSError as exc:
+        pytest.skip(f"needs a ramfs mount (no O_DIRECT there), and there is no mount command: {exc.strerror}")
+    if done.returncode != 0:
+        pytest.skip(f"needs a ramfs mount (no O_DIRECT there), not permitted here: {done.stderr.strip()}")
+    try:
+        tier = open_tier(directory / "tier", identity=PAGE_IDENTITY)
+        with capture_logs() as logs:
+            for i in range(3):
+                assert tier.put(PAGE_KEYS[i], NS, page_payload(i))
+        assert [e["event"] for e in logs] == ["kv_tier_direct_io_off"]  # said once
+        assert files(directory / "tier") == sorted(f"{k.hex()}.kv" for k in PAGE_KEYS[:3])  # no temporary left
+        assert [bytes(tier.get(k, NS)) for k in PAGE_KEYS[:3]] == [bytes(page_payload(i)) for i in range(3)]
+        assert tier.counters().num_write_errors == 0
+    finally:
+        if subprocess.run(["umount", str(directory)], capture_output=True, timeout=30).returncode != 0:
+            subprocess.run(["umount", "-l", str(directory)], capture_output=True, timeout=30)
+
+
+def test_a_file_of_the_first_layout_is_removed_at_open(tmp_path: Path) -> None:
+    tier = open_tier(tmp_path)
+    assert tier.put(KEYS[0], NS, payload(0))
+    path = tmp_path / f"{KEYS[0].hex()}.kv"
+    data = bytearray(path.read_bytes())
+    data[8:10] = (1).to_bytes(2, "little")  # layout 1: CRC-32 checksums, another header
+    path.write_bytes(data)
+    with capture_logs() as logs:
+        reopened = open_tier(tmp_path)
+    assert KEYS[0] not in reopened and not path.exists()
+    assert [e["problem"] for e in logs if e["event"] == "kv_tier_file_removed"] == [
+        "layout version 1, this service reads 2"]

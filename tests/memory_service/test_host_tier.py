@@ -19,6 +19,7 @@ from memory_service.in_process import InProcessAllocator
 from memory_service.manager.block_types import BlockManagerConfig
 from memory_service.tier.chain import chain_hashes, root_hash
 from memory_service.tier.disk_tier import TierIdentity
+from memory_service.tier import worker
 from memory_service.tier.host_tier import HostTier
 from tests.memory_service.test_kv_tier import LAYOUT, PROMPT, load, other_prompt, wait_for
 
@@ -179,6 +180,60 @@ def test_host_evictions_are_still_on_disk_and_a_restart_finds_the_disk(tmp_path:
         assert (host.num_hits, disk.num_hits, host.num_blocks) == (0, 3, 2)  # two of them now in RAM too
     finally:
         restarted.close()
+
+
+def test_a_block_loaded_from_ram_that_the_disk_lacks_is_written_to_the_disk(tmp_path: Path) -> None:
+    """A restart must find what RAM served: PROMPT's disk writes failed (the directory's path is a
+    plain file for a while), RAM kept the blocks; a load from RAM queues them for the disk again."""
+    alloc = allocator(tmp_path, host_blocks=16, disk=True)
+    directory = tmp_path / "tier"
+    try:
+        directory.rename(tmp_path / "away")
+        directory.write_bytes(b"")  # a real write error, whoever runs the test (ENOTDIR)
+        [result] = alloc.step([AllocateOp("s1", PROMPT, len(PROMPT), namespace="ns")])
+        for position, block_id in enumerate(result.block_ids):
+            alloc.pool[:, :, block_id] = float(position + 1)
+        alloc.step([FreeOp("s1")])
+        wait_for(lambda: alloc.stats().tiers[1].num_write_errors == 3)
+        evict(alloc)
+        directory.unlink()
+        (tmp_path / "away").rename(directory)
+        assert [t.num_blocks for t in alloc.stats().tiers] == [3, 0]
+        result, loaded = load(alloc, "s3")
+        assert loaded and result.num_cached_tokens == 12
+        assert_prompt_bytes(alloc, result.block_ids)
+        wait_for(lambda: alloc.stats().tiers[1].num_blocks == 3)
+        assert all(key in alloc.tier.disk for key in alloc.tier.host.keys())
+    finally:
+        alloc.close()
+    restarted = allocator(tmp_path, host_blocks=16, disk=True)
+    try:
+        result, loaded = load(restarted, "s1")
+        assert loaded and result.num_cached_tokens == 12
+        assert_prompt_bytes(restarted, result.block_ids)
+    finally:
+        restarted.close()
+
+
+def test_blocks_evicted_before_the_writer_reaches_them_are_counted_missed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A writer behind the engine (SCHED_IDLE under saturation; here: its staging full, no RAM tier
+    to copy into) finds PROMPT's blocks evicted when it comes: not kept, and counted."""
+    monkeypatch.setattr(worker, "STAGING_BYTES", 0)
+    alloc = allocator(tmp_path, host_blocks=None, disk=True)
+    try:
+        [result] = alloc.step([AllocateOp("s1", PROMPT, len(PROMPT), namespace="ns")])
+        alloc.step([FreeOp("s1")])  # 3 full blocks committed, queued for the disk
+        evict(alloc)
+        monkeypatch.setattr(worker, "STAGING_BYTES", 256 << 20)
+        alloc.step([])  # wakes the writer
+        wait_for(lambda: alloc.stats().tiers[0].num_blocks_missed == 3)
+        [disk] = alloc.stats().tiers
+        assert (disk.num_blocks, disk.num_bytes_written) == (0, 0)  # the guest's blocks have no tier key
+        result, loaded = load(alloc, "s2")
+        assert not loaded and result.ok and result.num_cached_tokens == 0
+    finally:
+        alloc.close()
 
 
 def test_host_tier_keeps_tenants_apart(tmp_path: Path) -> None:

@@ -309,7 +309,7 @@ class StatsResponse(_message.Message):
     def __init__(self, pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., kv_utilization: _Optional[float] = ..., fragmentation: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_evictions: _Optional[int] = ..., num_copy_on_writes: _Optional[int] = ..., num_sequences: _Optional[int] = ..., num_clients: _Optional[int] = ..., block_size: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ...) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("kind", "num_blocks", "num_bytes", "capacity_bytes", "num_hits", "num_misses", "num_bytes_written", "num_bytes_read", "num_write_errors", "num_bad_files", "num_loads", "num_loads_skipped")
+    __slots__ = ("kind", "num_blocks", "num_bytes", "capacity_bytes", "num_hits", "num_misses", "num_bytes_written", "num_bytes_read", "num_write_errors", "num_bad_files", "num_loads", "num_loads_skipped", "num_blocks_missed")
     KIND_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -322,6 +322,7 @@ class TierStats(_message.Message):
     NUM_BAD_FILES_FIELD_NUMBER: _ClassVar[int]
     NUM_LOADS_FIELD_NUMBER: _ClassVar[int]
     NUM_LOADS_SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_MISSED_FIELD_NUMBER: _ClassVar[int]
     kind: str
     num_blocks: int
     num_bytes: int
@@ -334,7 +335,8 @@ class TierStats(_message.Message):
     num_bad_files: int
     num_loads: int
     num_loads_skipped: int
-    def __init__(self, kind: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., num_hits: _Optional[int] = ..., num_misses: _Optional[int] = ..., num_bytes_written: _Optional[int] = ..., num_bytes_read: _Optional[int] = ..., num_write_errors: _Optional[int] = ..., num_bad_files: _Optional[int] = ..., num_loads: _Optional[int] = ..., num_loads_skipped: _Optional[int] = ...) -> None: ...
+    num_blocks_missed: int
+    def __init__(self, kind: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., num_hits: _Optional[int] = ..., num_misses: _Optional[int] = ..., num_bytes_written: _Optional[int] = ..., num_bytes_read: _Optional[int] = ..., num_write_errors: _Optional[int] = ..., num_bad_files: _Optional[int] = ..., num_loads: _Optional[int] = ..., num_loads_skipped: _Optional[int] = ..., num_blocks_missed: _Optional[int] = ...) -> None: ...
 
 class PingRequest(_message.Message):
     __slots__ = ()
