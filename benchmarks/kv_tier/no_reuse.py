@@ -13,8 +13,9 @@ load drifts more than the 3% asked of them. The ratio is of the total tokens per
 The tier's writer yields the cores to the engine (SCHED_IDLE, ``memory_service/tier/worker.py``): what
 it has not written when a run ends, it writes before the next run starts (``wait_for_writer``), so
 the plain engine's run never pays for the tier's. Under saturation the writer falls behind and some
-blocks are evicted before it reaches them: ``tier_blocks_missed`` counts them, ``tier_written_share``
-is the share of the committed blocks that reached the disk.
+blocks are evicted before it reaches them: ``tier_blocks_missed`` counts them (a block recomputed
+after a preemption and missed again counts twice), and ``tier_written_share`` is the share of the
+tier runs' full blocks (their prompt and output tokens with K/V, by 16) that reached the disk.
 """
 
 from __future__ import annotations
@@ -122,9 +123,11 @@ def run_no_reuse(model: str, dtype: str | None, root: Path, sizes: NoReuseSizes,
                              for t, p in zip(by_engine["tier"], by_engine["no_tier"])]
     # every file is one block's: header and payload
     blocks_written = tier.num_bytes_written // (tier.num_bytes // tier.num_blocks) if tier.num_blocks else 0
+    full_blocks = sum(
+        (len(r.prompt_token_ids) + r.max_tokens - 1) // common["block_size"] for requests in pairs for r in requests)
     result |= {"tier_bytes_written": tier.num_bytes_written, "tier_blocks_written": blocks_written,
                "tier_blocks_missed": tier.num_blocks_missed,
-               "tier_written_share": round(blocks_written / max(1, blocks_written + tier.num_blocks_missed), 3),
+               "tier_full_blocks": full_blocks, "tier_written_share": round(blocks_written / max(1, full_blocks), 3),
                "tier_write_errors": tier.num_write_errors, "tier_loads": tier.num_loads, "tier_hits": tier.num_hits,
                "runs": [{**r, "seconds": round(r["seconds"], 2), "tok_s": round(r["tokens"] / r["seconds"], 2)}
                         for r in runs]}

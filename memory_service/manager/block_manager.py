@@ -367,28 +367,37 @@ class BlockManager:
         if self._tier is not None and client_id in self._client_seqs:
             self._tier.prefill_speeds[client_id] = prefill_tokens_per_s
 
-    def take_tier_writes(self, max_blocks: int) -> list[tuple[int, bytes, bytes]]:
+    def take_tier_writes(self, max_blocks: int) -> list[tuple[int, bytes, bytes, int]]:
         """The oldest committed blocks waiting for write-behind that still hold their content.
 
         Args:
             max_blocks: at most this many.
 
         Returns:
-            ``(block_id, tier key, namespace key)`` each; the caller copies their bytes before
-            releasing the manager's lock (after it the block may be evicted and reused).
+            ``(block_id, tier key, namespace key, generation)`` each. The caller copies their bytes
+            without the manager's lock, then asks ``is_unchanged`` under it: a block evicted and
+            handed out meanwhile may have been rewritten, and its copy is dropped (counted missed).
         """
         if self._tier is None:
             return []
-        to_persist, cache = self._tier.to_persist, self._prefix_cache
-        writes: list[tuple[int, bytes, bytes]] = []
+        to_persist, cache, generations = self._tier.to_persist, self._prefix_cache, self._pool.generations
+        writes: list[tuple[int, bytes, bytes, int]] = []
         while to_persist and len(writes) < max_blocks:
             block_id = next(iter(to_persist))
             tier_hash = to_persist.pop(block_id)
             if cache.tier_hashes[block_id] == tier_hash:  # not evicted (or its content came back)
-                writes.append((block_id, tier_hash, cache.block_keys[block_id][2]))
+                writes.append((block_id, tier_hash, cache.block_keys[block_id][2], generations[block_id]))
             else:
                 self._tier.num_missed += 1
         return writes
+
+    def is_unchanged(self, block_id: int, generation: int) -> bool:
+        """Whether the block was not handed out since ``take_tier_writes`` read ``generation``: its
+        bytes are still the committed ones (``BlockPool.generations``). Counts a changed one missed."""
+        if self._pool.generations[block_id] == generation:
+            return True
+        self._tier.num_missed += 1
+        return False
 
     @property
     def num_tier_writes_missed(self) -> int:

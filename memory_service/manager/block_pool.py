@@ -45,6 +45,10 @@ class BlockPool:
         # Without prefix caching no block ever has a key; the list keeps `release` branch-free.
         self._block_keys = prefix_cache.block_keys if prefix_cache is not None else [None] * num_blocks
         self.ref_counts = [0] * num_blocks  # read freely; changed only through this class
+        # Per block, how many times ``take`` handed it out: a block's bytes change only after a take,
+        # so a copy made between two reads of the same generation is of unchanged bytes (the tier's
+        # writer copies committed blocks outside the manager's lock, tier/worker.py).
+        self.generations = [0] * num_blocks
         # Stacks whose top is the end, filled in reverse to hand out increasing ids.
         self._free_block_ids = (
             list(range(num_general_blocks - 1, -1, -1)),
@@ -116,9 +120,10 @@ class BlockPool:
                     self.num_evictions += num_evicted
             if len(block_ids) != num_blocks:
                 raise AssertionError(f"took {len(block_ids)} of {num_blocks} blocks the caller found available")
-        ref_counts = self.ref_counts
+        ref_counts, generations = self.ref_counts, self.generations
         for block_id in block_ids:
             ref_counts[block_id] = 1
+            generations[block_id] += 1
         return block_ids
 
     def release(self, block_ids: Iterable[int]) -> None:

@@ -242,10 +242,9 @@ class DiskTier:
                 continue
             found.append((st.st_mtime, key, st.st_size))
         found.sort()
-        buffer_size = -(-identity.file_size // DIRECT_ALIGN) * DIRECT_ALIGN
         with self._lock:
             self.identity = identity
-            self._buffer = mmap.mmap(-1, buffer_size)  # anonymous: page-aligned and zeroed
+            self._buffer = self.new_buffer()
             self._index = OrderedDict((key, size) for _, key, size in found)
             self._num_bytes = sum(size for _, _, size in found)
         if num_partial:  # a service killed (or a disk filled) mid-write: said once, not per file
@@ -313,6 +312,12 @@ class DiskTier:
 
     # --- writes -------------------------------------------------------------------------------
 
+    def new_buffer(self) -> mmap.mmap:
+        """A page-aligned buffer for ``put_buffer``: the block's bytes go at ``identity.payload_offset``
+        (a writer that copies its blocks there saves ``put`` a copy)."""
+        assert self.identity is not None, "open the tier first"
+        return mmap.mmap(-1, -(-self.identity.file_size // DIRECT_ALIGN) * DIRECT_ALIGN)  # anonymous: zeroed
+
     def put(self, key: bytes, ns_key: bytes, payload: memoryview) -> bool:
         """Writes a block atomically, evicting least recently used files to fit (one writer thread); a
         full file system lowers the budget and the write is retried once (module docstring).
@@ -326,29 +331,39 @@ class DiskTier:
             True when the block is in the tier afterwards; False when it was dropped (logged).
         """
         identity = self.identity
-        if identity is None or len(payload) != identity.bytes_per_block or len(ns_key) != NAMESPACE_KEY_SIZE:
+        if identity is None or len(payload) != identity.bytes_per_block:
             raise ValueError("put: the tier is not open, or the block does not fit its identity")
+        if key in self._index:
+            return True
+        self._buffer[identity.payload_offset:identity.file_size] = payload
+        return self.put_buffer(key, ns_key, self._buffer)
+
+    def put_buffer(self, key: bytes, ns_key: bytes, buffer: mmap.mmap) -> bool:
+        """``put`` of a block already in a ``new_buffer`` (at ``identity.payload_offset``); the header
+        is written into the same buffer."""
+        identity = self.identity
+        if identity is None or len(ns_key) != NAMESPACE_KEY_SIZE:
+            raise ValueError("put: the tier is not open, or the namespace key does not fit")
         if key in self._index:
             return True
         size, offset = identity.file_size, identity.payload_offset
         if size > self.capacity_bytes:
             return False
         self._evict_until(size)
+        view = memoryview(buffer)
         fields = _FIELDS.pack(MAGIC, LAYOUT_VERSION, offset, identity.dtype.encode(), identity.block_size,
                               identity.num_layers, identity.num_kv_heads, identity.head_dim,
-                              identity.fingerprint_digest, ns_key, key, len(payload),
-                              xxhash.xxh3_64_intdigest(payload))
-        buffer = self._buffer
+                              identity.fingerprint_digest, ns_key, key, identity.bytes_per_block,
+                              xxhash.xxh3_64_intdigest(view[offset:size]))
         buffer[:HEADER_SIZE] = fields + _HEADER_CHECKSUM.pack(xxhash.xxh3_64_intdigest(fields))
-        buffer[offset:size] = payload  # the bytes between stay zero
         try:
             try:
-                self._write_file(key, memoryview(buffer)[:size])
+                self._write_file(key, view[:size])
             except OSError as exc:
                 if exc.errno not in _FULL_ERRNOS:
                     raise
                 self._make_room_on_full_disk(size, exc)
-                self._write_file(key, memoryview(buffer)[:size])  # the one retry
+                self._write_file(key, view[:size])  # the one retry
         except OSError as exc:
             with self._lock:
                 self._num_write_errors += 1

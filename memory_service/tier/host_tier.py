@@ -189,6 +189,12 @@ class HostTier:
 
     # --- state --------------------------------------------------------------------------------
 
+    def touch(self, key: bytes) -> None:
+        """Makes a block it holds the youngest (a block committed again: in use)."""
+        with self._lock:
+            if key in self._index:
+                self._index.move_to_end(key)
+
     def keys(self) -> list[bytes]:
         """The blocks held, least recently used first."""
         with self._lock:

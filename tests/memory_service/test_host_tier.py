@@ -236,6 +236,28 @@ def test_blocks_evicted_before_the_writer_reaches_them_are_counted_missed(
         alloc.close()
 
 
+def test_a_copy_of_a_block_handed_out_meanwhile_is_dropped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The writer copies without the manager's lock; a Step may evict the block and hand it out
+    (to be rewritten) during the copy: the generation it read at take time says so afterwards."""
+    monkeypatch.setattr(worker, "STAGING_BYTES", 0)  # the writer takes nothing: this test does
+    alloc = allocator(tmp_path, host_blocks=None, disk=True)
+    manager = alloc.block_manager
+    try:
+        [result] = alloc.step([AllocateOp("s1", PROMPT, len(PROMPT), namespace="ns")])
+        alloc.step([FreeOp("s1")])
+        with alloc._lock:
+            taken = manager.take_tier_writes(10)
+            assert [t[0] for t in taken] == result.block_ids[:3]
+            assert [manager.is_unchanged(b, g) for b, _, _, g in taken] == [True] * 3  # nothing happened yet
+        evict(alloc)  # every block handed out again (the copies would now be torn)
+        with alloc._lock:
+            assert [manager.is_unchanged(b, g) for b, _, _, g in taken] == [False] * 3
+        assert alloc.stats().tiers[0].num_blocks_missed == 3
+        assert alloc.stats().tiers[0].num_blocks == 0
+    finally:
+        alloc.close()
+
+
 def test_host_tier_keeps_tenants_apart(tmp_path: Path) -> None:
     alloc = allocator(tmp_path, host_blocks=16)
     try:
@@ -399,13 +421,13 @@ def test_a_slow_disk_does_not_hold_back_the_host_tier(tmp_path: Path, monkeypatc
     monkeypatch.setattr(worker, "STAGING_BYTES", BLOCK_BYTES)  # one staged copy at a time
     monkeypatch.setattr(worker, "WRITE_BATCH_BLOCKS", 1)
     disk_free = threading.Event()
-    real_put = DiskTier.put
+    real_put = DiskTier.put_buffer  # every write (``put`` too) goes through it
 
-    def slow_put(self: DiskTier, key: bytes, ns_key: bytes, payload: memoryview) -> bool:
+    def slow_put(self: DiskTier, key: bytes, ns_key: bytes, buffer) -> bool:
         assert disk_free.wait(20)
-        return real_put(self, key, ns_key, payload)
+        return real_put(self, key, ns_key, buffer)
 
-    monkeypatch.setattr(DiskTier, "put", slow_put)
+    monkeypatch.setattr(DiskTier, "put_buffer", slow_put)
     alloc = allocator(tmp_path, host_blocks=16, disk=True)
     try:
         [result] = alloc.step([AllocateOp("s1", PROMPT, len(PROMPT), namespace="ns")])
