@@ -253,10 +253,14 @@ class TierWorker:
         wait in the book."""
         host, disk = self.host, self.disk
         while True:  # at close too (``_finish_writes``): what is committed is copied before the pool goes
-            if len(staged) * self._bytes_per_block >= STAGING_BYTES and host is None:
+            num_room = STAGING_BYTES // self._bytes_per_block - len(staged)
+            # Without a host tier a block past the staging's room would have nowhere to go: it waits in
+            # the book (where an eviction may still take it: counted missed, not lost unseen).
+            num_wanted = WRITE_BATCH_BLOCKS if host is not None else min(WRITE_BATCH_BLOCKS, num_room)
+            if num_wanted <= 0:
                 return
             with self._lock:
-                taken = self._manager.take_tier_writes(WRITE_BATCH_BLOCKS)
+                taken = self._manager.take_tier_writes(num_wanted)
             if not taken:
                 return
             copies: list[tuple[bytes, bytes, mmap.mmap | None, torch.Tensor]] = []
@@ -265,8 +269,7 @@ class TierWorker:
                 if not to_disk and (host is None or key in host):
                     copies.append((key, ns_key, None, None))  # in every tier: the host's made young below
                     continue
-                has_room = (len(staged) + len(copies)) * self._bytes_per_block < STAGING_BYTES
-                buffer = self._staging_buffer() if to_disk and has_room else None
+                buffer = self._staging_buffer() if to_disk and len(copies) < num_room else None
                 target = self._payload(buffer) if buffer is not None else self._scratch[len(copies)]
                 copies.append((key, ns_key, buffer, target.copy_(self._pool[:, :, block_id])))
             with self._lock:

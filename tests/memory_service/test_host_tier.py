@@ -258,6 +258,27 @@ def test_a_copy_of_a_block_handed_out_meanwhile_is_dropped(tmp_path: Path, monke
         alloc.close()
 
 
+def test_a_full_staging_without_a_host_tier_leaves_blocks_in_the_book(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Room for one staged copy, no RAM tier: the writer takes one block at a time from the book and
+    every committed block reaches the disk (none is copied to nowhere and dropped unseen)."""
+    monkeypatch.setattr(worker, "STAGING_BYTES", BLOCK_BYTES)
+    alloc = allocator(tmp_path, host_blocks=None, disk=True)
+    try:
+        [result] = alloc.step([AllocateOp("s1", PROMPT, len(PROMPT), namespace="ns")])
+        for position, block_id in enumerate(result.block_ids):
+            alloc.pool[:, :, block_id] = float(position + 1)
+        alloc.step([FreeOp("s1")])
+        wait_for(lambda: alloc.stats().tiers[0].num_blocks == 3)
+        assert alloc.stats().tiers[0].num_blocks_missed == 0
+        evict(alloc)
+        result, loaded = load(alloc, "s2")
+        assert loaded and result.num_cached_tokens == 12
+        assert_prompt_bytes(alloc, result.block_ids)
+    finally:
+        alloc.close()
+
+
 def test_host_tier_keeps_tenants_apart(tmp_path: Path) -> None:
     alloc = allocator(tmp_path, host_blocks=16)
     try:
