@@ -65,16 +65,16 @@ WRITE_BATCH_BLOCKS = 4
 STAGING_BYTES = 256 << 20
 # How long the writer sleeps when nothing wakes it (a Step wakes it at once).
 WRITER_IDLE_S = 0.05
-# The writer thread runs at SCHED_IDLE (Linux: per thread; where that is refused, at this nice value).
-# Its work (copies, checksums, file writes) is never urgent, and on a machine whose cores the engine's
-# threads fill, every wake-up of a writer at the engine's priority descheduled one of them and held its
-# whole parallel region: the realistic workload with nothing reused ran at 0.86x of the same engine
-# without a tier, 0.89x with the writer at nice 19 (which still takes a 1/70 share against each busy
-# thread). At SCHED_IDLE it takes the time the engine leaves (between steps, while the scheduler and
-# sampler run on one thread), and the kernel hands a core back to an engine thread as soon as one
-# wakes. Under saturation some blocks are then evicted before their copy and simply not kept (the
-# cache only): ``tier_writes_missed`` counts them. A clean stop lifts the writer to the normal policy
-# for its last writes (``_finish_writes``).
+# The writer thread runs at SCHED_BATCH and this nice value (Linux: per thread; where the policy is
+# refused, at the nice value alone). Its work (copies, checksums, file writes) is never urgent, and on
+# a machine whose cores the engine's threads fill, every wake-up of a writer at the engine's priority
+# descheduled one of them and held its whole parallel region: the realistic workload with nothing
+# reused ran at 0.86x of the same engine without a tier. SCHED_BATCH never preempts a running thread
+# on waking, and nice 19 gives it a 1/70 share against each busy engine thread: the no-reuse benchmark
+# reads 0.988x, with 49% of the blocks written while the engine is saturated (the rest evicted before
+# the writer reached them: ``num_blocks_missed``), all of them below saturation. SCHED_IDLE read
+# 0.981x and 41%, and a writer that may wait indefinitely for a core must not hold the GIL a Step
+# handler needs. A clean stop lifts the writer to the normal policy for its last writes.
 WRITER_NICE = 19
 # The most a clean stop waits for the writer to put what is committed on disk (module docstring);
 # well within the 10 s a ServiceProcess (and ``pagedserve up``) gives a service after SIGTERM.
@@ -380,15 +380,11 @@ class TierWorker:
 
 
 def _set_writer_policy(*, idle: bool) -> None:
-    """The calling thread at SCHED_IDLE (``idle``) or back at the normal policy (``WRITER_NICE``'s comment);
-    where SCHED_IDLE is refused or missing (not Linux), at nice ``WRITER_NICE``, and as it is where that is
-    refused too."""
+    """The calling thread at SCHED_BATCH and nice ``WRITER_NICE`` (``idle``; its comment says why), or
+    back at the normal policy and nice 0 (as far as it is permitted). Not Linux, or not permitted: as
+    it is."""
     tid = threading.get_native_id()
-    try:
-        os.sched_setscheduler(tid, os.SCHED_IDLE if idle else os.SCHED_OTHER, os.sched_param(0))
-        return
-    except (OSError, AttributeError):
-        pass
-    if idle:
-        with contextlib.suppress(OSError, AttributeError):
-            os.setpriority(os.PRIO_PROCESS, tid, WRITER_NICE)
+    with contextlib.suppress(OSError, AttributeError):
+        os.sched_setscheduler(tid, os.SCHED_BATCH if idle else os.SCHED_OTHER, os.sched_param(0))
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, tid, WRITER_NICE if idle else 0)

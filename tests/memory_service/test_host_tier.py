@@ -217,7 +217,7 @@ def test_a_block_loaded_from_ram_that_the_disk_lacks_is_written_to_the_disk(tmp_
 
 def test_blocks_evicted_before_the_writer_reaches_them_are_counted_missed(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A writer behind the engine (SCHED_IDLE under saturation; here: its staging full, no RAM tier
+    """A writer behind the engine (a low-priority thread under saturation; here: its staging full, no RAM tier
     to copy into) finds PROMPT's blocks evicted when it comes: not kept, and counted."""
     monkeypatch.setattr(worker, "STAGING_BYTES", 0)
     alloc = allocator(tmp_path, host_blocks=None, disk=True)
