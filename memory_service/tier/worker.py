@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import mmap
 import os
 import queue
@@ -45,6 +46,9 @@ import threading
 import time
 
 import torch
+
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from pagedserve.dtypes import DTYPES
 from pagedserve.log import get_logger
@@ -63,6 +67,13 @@ log = get_logger("memory_service.tier")
 WRITE_BATCH_BLOCKS = 4
 # Bytes of block copies the writer may hold before writing them (see _write_loop).
 STAGING_BYTES = 256 << 20
+# Staging buffers kept for reuse once written (~24 MB of the default model's bf16 blocks); a burst's
+# others are unmapped, so the service's memory falls back after it.
+KEPT_BUFFERS = 64
+# Block files a load reads ahead, in parallel (file reads release the GIL): the files are written
+# past the page cache, so a load reads them from the device, where one read at a time left most of
+# its bandwidth unused (a 4,000-token prompt: 0.21-0.29 s, 0.12 s from the page cache).
+READ_AHEAD_FILES = 8
 # How long the writer sleeps when nothing wakes it (a Step wakes it at once).
 WRITER_IDLE_S = 0.05
 # The writer thread runs at SCHED_BATCH and this nice value (Linux: per thread; where the policy is
@@ -117,6 +128,7 @@ class TierWorker:
         self._close_deadline = 0.0  # set by ``close`` before ``_stopping``
         self._wake_writer = threading.Event()
         self._loads: queue.SimpleQueue[TierLoad | None] = queue.SimpleQueue()
+        self._readers = ThreadPoolExecutor(READ_AHEAD_FILES, thread_name_prefix="kv-tier-read") if disk else None
         self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
         self._loader = threading.Thread(target=self._load_loop, name="kv-tier-loader", daemon=True)
         self._writer.start()
@@ -195,6 +207,8 @@ class TierWorker:
         self._loads.put(None)
         self._writer.join()
         self._loader.join()
+        if self._readers is not None:
+            self._readers.shutdown(wait=True, cancel_futures=True)
 
     # --- the threads --------------------------------------------------------------------------
 
@@ -278,7 +292,7 @@ class TierWorker:
             for (key, ns_key, buffer, block), is_unchanged in zip(copies, unchanged):
                 if not is_unchanged:
                     if buffer is not None:
-                        self._free_buffers.append(buffer)
+                        self._recycle(buffer)
                     continue
                 if block is None:
                     if host is not None:
@@ -300,11 +314,35 @@ class TierWorker:
         return torch.frombuffer(buffer, dtype=torch.uint8, count=self._bytes_per_block,
                                 offset=offset).view(self._dtype).view(self._block_shape)
 
+    def _read_ahead(self, keys: list[bytes], ns_key: bytes) -> Iterator[memoryview | None]:
+        """The disk tier's payloads of ``keys`` in order (None: missing or bad), up to
+        ``READ_AHEAD_FILES`` of them read in parallel ahead of the one asked for."""
+        if self.disk is None:
+            yield from itertools.repeat(None, len(keys))
+            return
+        remaining = iter(keys)
+        pending: collections.deque[Future] = collections.deque(
+            self._readers.submit(self.disk.get, key, ns_key) for key in itertools.islice(remaining, READ_AHEAD_FILES))
+        try:
+            while pending:
+                payload = pending.popleft().result()
+                key = next(remaining, None)
+                if key is not None:
+                    pending.append(self._readers.submit(self.disk.get, key, ns_key))
+                yield payload
+        finally:
+            for future in pending:
+                future.cancel()
+
+    def _recycle(self, buffer: mmap.mmap) -> None:
+        if len(self._free_buffers) < KEPT_BUFFERS:
+            self._free_buffers.append(buffer)  # (the others are unmapped when the last reference goes)
+
     def _write_staged(self, key: bytes, ns_key: bytes, buffer: mmap.mmap) -> None:
         try:
             self.disk.put_buffer(key, ns_key, buffer)
         finally:
-            self._free_buffers.append(buffer)
+            self._recycle(buffer)
 
     def _write_from_host(self, key: bytes, ns_key: bytes) -> None:
         """Writes a deferred block to the disk from its host slot, if the host tier still holds it
@@ -322,7 +360,7 @@ class TierWorker:
             self.host.release(slot, is_read=False)
 
     def _load_loop(self) -> None:
-        host, disk = self.host, self.disk
+        host = self.host
         while True:
             load = self._loads.get()
             if load is None or self._stopping.is_set():
@@ -335,6 +373,8 @@ class TierWorker:
             # its way (below) then never evicts a block this same load is about to copy from there.
             held = [host.acquire(key, load.ns_key) if host is not None else None for key in load.hashes]
             is_read = [False] * len(held)  # per held slot: copied from (it stops at a block no tier has)
+            files = self._read_ahead([key for key, slot_view in zip(load.hashes, held) if slot_view is None],
+                                     load.ns_key)
             try:
                 for i, (key, block_id, slot_view) in enumerate(zip(load.hashes, load.block_ids, held)):
                     target = self._pool[:, :, block_id]
@@ -345,7 +385,7 @@ class TierWorker:
                         read_s[HOST] += time.monotonic() - t0
                         num_read[HOST] += 1
                     else:
-                        payload = disk.get(key, load.ns_key) if disk is not None else None
+                        payload = next(files)
                         if payload is None:
                             break
                         block = torch.frombuffer(payload, dtype=torch.uint8).view(self._dtype).view(self._block_shape)
@@ -368,6 +408,7 @@ class TierWorker:
                     with contextlib.suppress(Exception):  # before the slots they read are released
                         torch.cuda.synchronize(self._pool.device)
             finally:
+                files.close()  # the reads ahead not needed (past a block no tier has) are cancelled
                 for slot_view, was_read in zip(held, is_read):  # after the synchronisation: no copy reads them
                     if slot_view is not None:
                         host.release(slot_view[0], was_read)
