@@ -91,6 +91,19 @@ def test_evicted_blocks_come_back_from_the_disk_as_cached_tokens(allocator: InPr
     assert allocator.stats().prefix_cache_hits == 12
 
 
+def test_a_load_stops_at_a_block_file_that_went(allocator: InProcessAllocator, tmp_path: Path) -> None:
+    """Files are read ahead in parallel; a missing one still ends the load there: the blocks before
+    it come back, the ones after it are recomputed (never loaded past a gap)."""
+    write_prompt_and_evict(allocator)
+    written = sorted((tmp_path / "tier").glob("*.kv"), key=lambda path: path.stat().st_mtime_ns)
+    assert len(written) == 3  # PROMPT's blocks, written in order
+    written[1].unlink()  # the middle block's
+    result, loaded = load(allocator, "s3")
+    assert loaded and result.ok and result.num_cached_tokens == 4
+    assert (allocator.pool[:, :, result.block_ids[0]] == 1.0).all()
+    assert allocator.stats().tiers[0].num_loads == 1
+
+
 def test_namespaces_stay_apart(allocator: InProcessAllocator) -> None:
     write_prompt_and_evict(allocator, namespace="tenant-a")
     result, loaded = load(allocator, "s3", namespace="tenant-b")
