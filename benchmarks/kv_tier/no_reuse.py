@@ -10,7 +10,7 @@ which live side by side (two LLMs, two memory services, one with ``kv_disk_dir``
 alternating between pairs (tier first, then the plain engine first), because a shared machine's
 load drifts more than the 3% asked of them. The ratio is of the total tokens per second of each.
 
-The tier's writer yields the cores to the engine (SCHED_BATCH at nice 19, ``memory_service/tier/worker.py``): what
+The tier's writer yields the cores to the engine (SCHED_IDLE, ``memory_service/tier/worker.py``): what
 it has not written when a run ends, it writes before the next run starts (``wait_for_writer``), so
 the plain engine's run never pays for the tier's. Under saturation the writer falls behind and some
 blocks are evicted before it reaches them: ``tier_blocks_missed`` counts them (a block recomputed

@@ -76,16 +76,18 @@ KEPT_BUFFERS = 64
 READ_AHEAD_FILES = 8
 # How long the writer sleeps when nothing wakes it (a Step wakes it at once).
 WRITER_IDLE_S = 0.05
-# The writer thread runs at SCHED_BATCH and this nice value (Linux: per thread; where the policy is
-# refused, at the nice value alone). Its work (copies, checksums, file writes) is never urgent, and on
-# a machine whose cores the engine's threads fill, every wake-up of a writer at the engine's priority
-# descheduled one of them and held its whole parallel region: the realistic workload with nothing
-# reused ran at 0.86x of the same engine without a tier. SCHED_BATCH never preempts a running thread
-# on waking, and nice 19 gives it a 1/70 share against each busy engine thread: the no-reuse benchmark
-# reads 0.988x, with 49% of the blocks written while the engine is saturated (the rest evicted before
-# the writer reached them: ``num_blocks_missed``), all of them below saturation. SCHED_IDLE read
-# 0.981x and 41%, and a writer that may wait indefinitely for a core must not hold the GIL a Step
-# handler needs. A clean stop lifts the writer to the normal policy for its last writes.
+# The writer thread runs at SCHED_IDLE (Linux: per thread; where that is refused, at this nice value).
+# Its work (copies, checksums, file writes) is never urgent, and on a machine whose cores the engine's
+# threads fill, every wake-up of a writer at the engine's priority descheduled one of them and held its
+# whole parallel region: the realistic workload with nothing reused ran at 0.86x of the same engine
+# without a tier, 0.89x at nice 19. With the cheaper writes of today (no copy under the manager's lock,
+# O_DIRECT, XXH3) the no-reuse benchmark read 0.981x and 1.031x at SCHED_IDLE, against 0.988x, 0.975x
+# and 0.967x at SCHED_BATCH and nice 19 (a 1/70 share against each busy engine thread), and the idle
+# writer still wrote 39-41% of the blocks while the engine was saturated (49-50%): it runs in the gaps
+# the engine leaves (between steps, while a Step is answered). The rest are evicted before it reaches
+# them (``num_blocks_missed``); below saturation it keeps up. A Step handler never waits long for it
+# either: the writer holds the manager's lock only for bookkeeping, and the GIL only between calls that
+# release it; a handler blocked on either leaves its engine waiting, and so a core free for the writer.
 WRITER_NICE = 19
 # The most a clean stop waits for the writer to put what is committed on disk (module docstring);
 # well within the 10 s a ServiceProcess (and ``pagedserve up``) gives a service after SIGTERM.
@@ -421,11 +423,15 @@ class TierWorker:
 
 
 def _set_writer_policy(*, idle: bool) -> None:
-    """The calling thread at SCHED_BATCH and nice ``WRITER_NICE`` (``idle``; its comment says why), or
-    back at the normal policy and nice 0 (as far as it is permitted). Not Linux, or not permitted: as
-    it is."""
+    """The calling thread at SCHED_IDLE (``idle``; ``WRITER_NICE``'s comment says why), else at nice
+    ``WRITER_NICE`` where that is refused; or back at the normal policy (a clean stop's last writes:
+    unprivileged, Linux may keep it idle, which only slows those). Not Linux, or not permitted: as it is."""
     tid = threading.get_native_id()
-    with contextlib.suppress(OSError, AttributeError):
-        os.sched_setscheduler(tid, os.SCHED_BATCH if idle else os.SCHED_OTHER, os.sched_param(0))
-    with contextlib.suppress(OSError, AttributeError):
-        os.setpriority(os.PRIO_PROCESS, tid, WRITER_NICE if idle else 0)
+    try:
+        os.sched_setscheduler(tid, os.SCHED_IDLE if idle else os.SCHED_OTHER, os.sched_param(0))
+        return
+    except (OSError, AttributeError):
+        pass
+    if idle:
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, tid, WRITER_NICE)
