@@ -54,7 +54,8 @@ LRU within ``capacity_bytes``: a write evicts the least recently used files unti
 system lowers that budget, below).
 
 Thread safety: one lock over the index and the counters, never held during file IO. One writer
-thread (``TierWorker``) calls ``put``; any thread may call ``get``.
+thread (``TierWorker``) calls ``put`` and ``put_buffer``; any thread may call ``get`` (a load reads several
+files at once).
 """
 
 from __future__ import annotations
