@@ -22,9 +22,13 @@ Prints a table, then as its last line one JSON object:
 - ``returning_host`` (``--scenarios returning_host``): the returning prompt again, with the host-RAM
   tier alone (``--kv-host-bytes``, ``--host-bytes``) and with the disk tier alone, each a pair of
   its own: TTFT recomputed, from RAM and from disk, and each tier's speedup over recomputing.
+- ``write_share`` (``--scenarios write_share``): the realistic requests arriving 0, 1 and 3 s apart
+  into a small pool, a tier each: the share of the full blocks the writer (which takes only the time
+  the engine leaves) wrote, beside the share of the time the engine was stepping.
+  ``benchmarks/kv_tier/no_reuse.py``.
 - ``disk``: the tier directory's read bandwidth, measured on a file dropped from the page cache
-  (``cold_read_mb_s``) and read again from it (``cached_read_mb_s``): loads of blocks written a moment
-  ago read from the page cache.
+  (``cold_read_mb_s``) and read again from it (``cached_read_mb_s``). Block files are written with
+  O_DIRECT, past the page cache: a load reads the device the first time.
 
 Each scenario runs ``LLM`` (the engine in this process, its memory service a process of its own, as
 in ``pagedserve up`` minus the gateway), the default model unless ``--model``. The machine is shared:
@@ -33,7 +37,7 @@ compare runs of one machine, and read the CPU and the disk figures with them.
     python -m benchmarks.bench_kv_tier [--model default] [--prompt-tokens 4000] [--docs 12] [--doc-tokens 512]
                                        [--requests 24] [--no-reuse-requests 128] [--no-reuse-pairs 2]
                                        [--fault-prompt-blocks 64] [--vocab 40000] [--dir DIR]
-                                       [--scenarios returning,working_set,no_reuse,faults,returning_host]
+                                       [--scenarios returning,working_set,no_reuse,faults,returning_host,write_share]
                                        [--host-bytes N]
     python -m benchmarks.bench_kv_tier --scenarios no_reuse,faults --quick   # a smoke run of those two
 """
@@ -58,7 +62,8 @@ from compute_service.engine.sampling_params import SamplingParams
 from pagedserve.log import configure_logging
 
 from benchmarks.kv_tier.faults import QUICK_FAULTS, FaultSizes, run_faults
-from benchmarks.kv_tier.no_reuse import QUICK_NO_REUSE, NoReuseSizes, run_no_reuse
+from benchmarks.kv_tier.no_reuse import (QUICK_NO_REUSE, QUICK_WRITE_SHARE, NoReuseSizes, WriteShareSizes,
+                                         run_no_reuse, run_write_share)
 
 BLOCK_SIZE = 16
 FIRST_TOKEN = 100  # prompts are random ids in [FIRST_TOKEN, --vocab): no special tokens
@@ -243,7 +248,7 @@ def main() -> None:
     parser.add_argument("--scenarios", default="returning,working_set,no_reuse,faults",
                         help="which to run, comma-separated: returning (with the warm restart), working_set, "
                              "no_reuse, faults, returning_host (the returning prompt from the host tier and from "
-                             "the disk)")
+                             "the disk), write_share (the share of the blocks written as the arrival rate falls)")
     parser.add_argument("--host-bytes", type=int, default=2 << 30, help="the host tier's budget (returning_host)")
     parser.add_argument("--dir", default=None, help="where the tier directories go (default: a temporary one)")
     parser.add_argument("--seed", type=int, default=0)
@@ -251,12 +256,13 @@ def main() -> None:
     parser.add_argument("--probe-mb", type=int, default=256, help="size of the disk read bandwidth probe")
     args = parser.parse_args()
     scenarios = args.scenarios.split(",")
-    unknown = set(scenarios) - {"returning", "working_set", "no_reuse", "faults", "returning_host"}
+    unknown = set(scenarios) - {"returning", "working_set", "no_reuse", "faults", "returning_host", "write_share"}
     if unknown:
         parser.error(f"--scenarios: unknown {sorted(unknown)}")
     no_reuse = QUICK_NO_REUSE if args.quick else NoReuseSizes()
     no_reuse = dataclasses.replace(no_reuse, num_requests=args.no_reuse_requests or no_reuse.num_requests,
                                    num_pairs=args.no_reuse_pairs or no_reuse.num_pairs)
+    write_share = QUICK_WRITE_SHARE if args.quick else WriteShareSizes()
     faults = QUICK_FAULTS if args.quick else FaultSizes()
     faults = dataclasses.replace(faults, prompt_blocks=args.fault_prompt_blocks or faults.prompt_blocks)
     configure_logging("warning")
@@ -276,6 +282,8 @@ def main() -> None:
             result |= run_faults(args.model, args.fault_dtype, root, faults, args.vocab, FIRST_TOKEN, args.seed)
         if "returning_host" in scenarios:
             result |= returning_per_tier(args, root, rng)
+        if "write_share" in scenarios:
+            result |= run_write_share(args.model, args.dtype, root, write_share, args.seed)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"{'figure':<40} value")

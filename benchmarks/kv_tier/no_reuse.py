@@ -132,3 +132,70 @@ def run_no_reuse(model: str, dtype: str | None, root: Path, sizes: NoReuseSizes,
                "runs": [{**r, "seconds": round(r["seconds"], 2), "tok_s": round(r["tokens"] / r["seconds"], 2)}
                         for r in runs]}
     return {"no_reuse": result}
+
+
+@dataclass(frozen=True)
+class WriteShareSizes:
+    """Args:
+        num_requests: realistic prompts of each paced run.
+        gaps_s: the seconds between arrivals, one run each (0: all at once, the no-reuse saturation).
+        kv_cache_bytes: the pool (small, so that blocks are evicted within a run).
+        max_prompt_tokens, max_output_tokens: caps on the drawn lengths (None: the workload's own).
+    """
+
+    num_requests: int = 24
+    gaps_s: tuple[float, ...] = (0.0, 1.0, 3.0)
+    kv_cache_bytes: int = 128 << 20
+    max_prompt_tokens: int | None = None
+    max_output_tokens: int | None = None
+
+
+QUICK_WRITE_SHARE = WriteShareSizes(num_requests=3, gaps_s=(0.0, 0.2), kv_cache_bytes=64 << 20,
+                                    max_prompt_tokens=96, max_output_tokens=8)
+
+
+def run_write_share(model: str, dtype: str | None, root: Path, sizes: WriteShareSizes, seed: int) -> dict[str, Any]:
+    """How much of what the pool commits reaches the disk as load falls: the realistic requests arrive
+    ``gap_s`` apart (a new tier directory and new prompts each run), the engine steps whenever it has
+    work, and the tier's counters are read once its writer is done. The writer takes only the time the
+    engine leaves (SCHED_IDLE), so the share grows with the engine's idle time; ``engine_busy_share`` is
+    the share of the run's wall time spent in steps."""
+    common: dict[str, Any] = {"kv_cache_bytes": sizes.kv_cache_bytes, "max_num_seqs": 256,
+                              "max_num_batched_tokens": 2048, "block_size": 16, **({"dtype": dtype} if dtype else {})}
+    caps = NoReuseSizes(num_requests=sizes.num_requests, max_prompt_tokens=sizes.max_prompt_tokens,
+                        max_output_tokens=sizes.max_output_tokens)
+    runs = []
+    for run, gap_s in enumerate(sizes.gaps_s):
+        with LLM(model, kv_disk_dir=str(root / f"write-share-{run}"), **common) as llm:
+            requests = workload(llm, caps, seed + 100 + run)
+            llm.generate([[requests[0].prompt_token_ids[0]] * 8], max_tokens=2, temperature=0.0, ignore_eos=True)
+            busy_s, wall_s = paced(llm, requests, gap_s)
+            wait_for_writer(llm)
+            disk = next(t for t in llm.memory_stats().tiers if t.kind == "disk")
+        blocks_written = disk.num_bytes_written // (disk.num_bytes // disk.num_blocks) if disk.num_blocks else 0
+        full_blocks = sum((len(r.prompt_token_ids) + r.max_tokens - 1) // common["block_size"] for r in requests)
+        runs.append({"gap_s": gap_s, "engine_busy_share": round(busy_s / wall_s, 3), "full_blocks": full_blocks,
+                     "blocks_written": blocks_written, "blocks_missed": disk.num_blocks_missed,
+                     "written_share": round(blocks_written / max(1, full_blocks), 3)})
+    return {"write_share": {"requests": sizes.num_requests, "runs": runs}}
+
+
+def paced(llm: LLM, requests: list[Request], gap_s: float) -> tuple[float, float]:
+    """Adds ``requests[i]`` at ``i * gap_s`` seconds and steps while anything is unfinished:
+    (seconds spent in steps, seconds in all)."""
+    engine, results = llm.engine, {}
+    started = time.perf_counter()
+    num_added, busy_s = 0, 0.0
+    while num_added < len(requests) or engine.has_unfinished():
+        while num_added < len(requests) and time.perf_counter() - started >= num_added * gap_s:
+            r = requests[num_added]
+            engine.add_request(f"paced-{num_added}", r.prompt_token_ids, SamplingParams(
+                max_tokens=r.max_tokens, temperature=r.temperature, top_p=r.top_p, ignore_eos=True))
+            num_added += 1
+        if engine.has_unfinished():
+            step_started = time.perf_counter()
+            collect(results, engine.step())
+            busy_s += time.perf_counter() - step_started
+        else:
+            time.sleep(0.002)
+    return busy_s, time.perf_counter() - started

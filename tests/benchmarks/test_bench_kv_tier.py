@@ -29,7 +29,8 @@ def summary(service_model: ServiceModel, tmp_path_factory: pytest.TempPathFactor
     cmd = [sys.executable, "-m", "benchmarks.bench_kv_tier", "--model", str(service_model.path), "--vocab", "256",
            "--prompt-tokens", "96", "--pool-extra-tokens", "64", "--docs", "4", "--doc-tokens", "64",
            "--requests", "6", "--host-bytes", str(8 << 20), "--quick", "--dtype", "float32", "--probe-mb", "1",
-           "--dir", str(work), "--scenarios", "returning,working_set,no_reuse,faults,returning_host"]
+           "--dir", str(work), "--scenarios",
+           "returning,working_set,no_reuse,faults,returning_host,write_share"]
     done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
                           text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -65,6 +66,14 @@ def test_bench_kv_tier_quick_no_reuse(summary: dict) -> None:
     assert no_reuse["tier_blocks_written"] + no_reuse["tier_blocks_missed"] > 0
     assert 0 < no_reuse["tier_written_share"] <= 1
     assert no_reuse["tier_loads"] == 0  # written, never read
+
+
+def test_bench_kv_tier_quick_write_share(summary: dict) -> None:
+    runs = summary["write_share"]["runs"]
+    assert [r["gap_s"] for r in runs] == [0.0, 0.2]
+    for r in runs:
+        assert r["full_blocks"] > 0 and 0 < r["engine_busy_share"] <= 1
+        assert r["blocks_written"] + r["blocks_missed"] > 0 and 0 < r["written_share"] <= 1
 
 
 def test_bench_kv_tier_quick_faults(summary: dict) -> None:
