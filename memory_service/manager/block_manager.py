@@ -188,11 +188,12 @@ class BlockManager:
             self._prefix_cache.commit(pending)
             if self._tier is not None:
                 tier_hashes, to_persist = self._prefix_cache.tier_hashes, self._tier.to_persist
+                generations = self._pool.generations
                 for block_id in pending:
                     if tier_hashes[block_id] is not None:
                         if block_id in to_persist:  # evicted and filled again before the writer came
                             self._tier.num_missed += 1
-                        to_persist[block_id] = tier_hashes[block_id]
+                        to_persist[block_id] = (tier_hashes[block_id], generations[block_id])
             pending.clear()
 
     def has_client(self, client_id: str) -> bool:
@@ -377,6 +378,11 @@ class BlockManager:
             ``(block_id, tier key, namespace key, generation)`` each. The caller copies their bytes
             without the manager's lock, then asks ``is_unchanged`` under it: a block evicted and
             handed out meanwhile may have been rewritten, and its copy is dropped (counted missed).
+
+        A block counts as holding its content only while its generation is the one it had when it
+        was committed: a block evicted, handed out and taken again for the same tokens carries the
+        same key, but its bytes are being rewritten (pending again) or were rewritten by whoever
+        held it between; the key alone would let the writer persist them under that key.
         """
         if self._tier is None:
             return []
@@ -384,16 +390,17 @@ class BlockManager:
         writes: list[tuple[int, bytes, bytes, int]] = []
         while to_persist and len(writes) < max_blocks:
             block_id = next(iter(to_persist))
-            tier_hash = to_persist.pop(block_id)
-            if cache.tier_hashes[block_id] == tier_hash:  # not evicted (or its content came back)
-                writes.append((block_id, tier_hash, cache.block_keys[block_id][2], generations[block_id]))
-            else:
+            tier_hash, generation = to_persist.pop(block_id)
+            if generations[block_id] == generation and cache.tier_hashes[block_id] == tier_hash:
+                writes.append((block_id, tier_hash, cache.block_keys[block_id][2], generation))
+            else:  # evicted (and maybe handed out again) before the writer came
                 self._tier.num_missed += 1
         return writes
 
     def is_unchanged(self, block_id: int, generation: int) -> bool:
-        """Whether the block was not handed out since ``take_tier_writes`` read ``generation``: its
-        bytes are still the committed ones (``BlockPool.generations``). Counts a changed one missed."""
+        """Whether the block was not handed out since it was committed at ``generation`` (what
+        ``take_tier_writes`` returned): its bytes are still the committed ones (``BlockPool.generations``).
+        Counts a changed one missed."""
         if self._pool.generations[block_id] == generation:
             return True
         self._tier.num_missed += 1
@@ -435,7 +442,7 @@ class BlockManager:
                 if block_id in loaded:
                     cache.tier_hashes[block_id] = tier_hash
                     if directory.needs_write(tier_hash):  # loaded from RAM, not on disk (yet): written now
-                        to_persist[block_id] = tier_hash
+                        to_persist[block_id] = (tier_hash, self._pool.generations[block_id])
         self._pool.release(reversed([*prefix, *load.block_ids]))
         self._tier.end_load(load)
 

@@ -132,7 +132,8 @@ class TierBook:
         self.directory = directory
         self.identities: dict[str, bytes] = {}  # client_id -> its TierIdentity.digest (tier users only)
         self.prefill_speeds: dict[str, float] = {}  # client_id -> prompt tokens/s it last reported
-        self.to_persist: dict[int, bytes] = {}  # committed block -> its tier key, oldest first
+        # committed block -> (its tier key, its generation at the commit: BlockPool.generations), oldest first
+        self.to_persist: dict[int, tuple[bytes, int]] = {}
         self.num_missed = 0  # committed blocks evicted before the writer took them (not kept)
         self.loads: dict[tuple[str, str], TierLoad] = {}  # in flight, by (client_id, seq_id)
         self.new_loads: list[TierLoad] = []  # started, not yet handed to the loader

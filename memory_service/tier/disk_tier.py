@@ -281,8 +281,13 @@ class DiskTier:
         size, offset = identity.file_size, identity.payload_offset
         buffer = bytearray(size)
         try:
-            with open(path, "rb", buffering=0) as f:
-                num_read = f.readinto(buffer)
+            with open(path, "rb", buffering=0) as f, memoryview(buffer) as into:
+                num_read = 0
+                while num_read < size:  # a short read (a signal, a network file system) goes on
+                    num = f.readinto(into[num_read:])
+                    if not num:
+                        break
+                    num_read += num
                 if num_read == size and f.read(1):
                     num_read += 1  # longer than a block: not ours to trust
         except FileNotFoundError:
@@ -398,22 +403,37 @@ class DiskTier:
             raise
 
     def _write_direct(self, tmp: Path, data: memoryview) -> bool:
-        """Writes ``tmp`` with ``O_DIRECT``; False when the file system refuses it (EINVAL)."""
+        """Writes ``tmp`` with ``O_DIRECT``; False when the file system refuses it (EINVAL from the open
+        or the first write, which is aligned). What a short write leaves (a nearly full disk) is no
+        longer aligned: it goes through the page cache."""
         try:
-            self._write_all(tmp, data, os.O_DIRECT)
+            fd = os.open(tmp, _CREATE_FLAGS | os.O_DIRECT, 0o600)
         except OSError as exc:
             if exc.errno != errno.EINVAL:
                 raise
             return False
+        try:
+            num_written = os.write(fd, data)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            return False
+        finally:
+            os.close(fd)
+        if num_written < len(data):
+            fd = os.open(tmp, os.O_WRONLY | os.O_NOFOLLOW)
+            try:
+                os.lseek(fd, num_written, os.SEEK_SET)
+                _write_rest(fd, data[num_written:])
+            finally:
+                os.close(fd)
         return True
 
     @staticmethod
     def _write_all(path: Path, data: memoryview, flags: int) -> None:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | flags, 0o600)
+        fd = os.open(path, _CREATE_FLAGS | flags, 0o600)
         try:
-            num_written = 0
-            while num_written < len(data):  # a short write (a signal, a nearly full disk) goes on
-                num_written += os.write(fd, data[num_written:])
+            _write_rest(fd, data)
         finally:
             os.close(fd)
 
@@ -476,6 +496,16 @@ class DiskTier:
             path.unlink(missing_ok=True)
         except OSError:
             pass  # a read-only directory: the file stays, and is checked again when read
+
+
+_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+
+
+def _write_rest(fd: int, data: memoryview) -> None:
+    """Writes all of ``data`` at the file's offset: a short write (a signal, a nearly full disk) goes on."""
+    num_written = 0
+    while num_written < len(data):
+        num_written += os.write(fd, data[num_written:])
 
 
 def _check_header(header: bytes, identity: TierIdentity, key: bytes, ns_key: bytes | None) -> str | None:

@@ -85,9 +85,13 @@ WRITER_IDLE_S = 0.05
 # and 0.967x at SCHED_BATCH and nice 19 (a 1/70 share against each busy engine thread), and the idle
 # writer still wrote 39-41% of the blocks while the engine was saturated (49-50%): it runs in the gaps
 # the engine leaves (between steps, while a Step is answered). The rest are evicted before it reaches
-# them (``num_blocks_missed``); below saturation it keeps up. A Step handler never waits long for it
-# either: the writer holds the manager's lock only for bookkeeping, and the GIL only between calls that
-# release it; a handler blocked on either leaves its engine waiting, and so a core free for the writer.
+# them (``num_blocks_missed``); below saturation it keeps up. The risk it carries: the writer holds the
+# manager's lock for bookkeeping and the GIL between the calls that release it, and a Step handler
+# needing either waits until the writer runs again. With one engine that is at once (the engine waits
+# on that Step, which frees a core); with several engines on the node, or other busy processes, a
+# descheduled writer may wait for a free core while the others run (at nice 19 too: a 3 ms slice in
+# ~400 ms against two busy threads). The way out is a writer in a process of its own (no GIL shared
+# with the Step handlers), not done.
 WRITER_NICE = 19
 # The most a clean stop waits for the writer to put what is committed on disk (module docstring);
 # well within the 10 s a ServiceProcess (and ``pagedserve up``) gives a service after SIGTERM.
@@ -303,8 +307,11 @@ class TierWorker:
                 is_in_host = host is not None and host.put(key, ns_key, block)
                 if buffer is not None:
                     staged.append((key, ns_key, buffer))
-                elif is_in_host and disk is not None and key not in disk:
-                    deferred.append((key, ns_key))
+                elif disk is not None and key not in disk:
+                    if not is_in_host or len(deferred) == deferred.maxlen:
+                        self._num_disk_missed += 1  # no slot in RAM to wait in, or the oldest waiting goes
+                    if is_in_host:
+                        deferred.append((key, ns_key))
 
     def _staging_buffer(self) -> mmap.mmap:
         """A page-aligned buffer of one block file (``DiskTier.new_buffer``), reused once written."""
@@ -318,7 +325,9 @@ class TierWorker:
 
     def _read_ahead(self, keys: list[bytes], ns_key: bytes) -> Iterator[memoryview | None]:
         """The disk tier's payloads of ``keys`` in order (None: missing or bad), up to
-        ``READ_AHEAD_FILES`` of them read in parallel ahead of the one asked for."""
+        ``READ_AHEAD_FILES`` of them read in parallel ahead of the one asked for. Files read ahead of a
+        gap that ends the load were read all the same: the disk tier counts their bytes and makes them
+        recently used."""
         if self.disk is None:
             yield from itertools.repeat(None, len(keys))
             return

@@ -279,6 +279,29 @@ def test_a_full_staging_without_a_host_tier_leaves_blocks_in_the_book(
         alloc.close()
 
 
+def test_a_block_taken_again_for_the_same_tokens_is_not_written_with_other_bytes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """PROMPT's blocks, queued for the disk, are evicted, rewritten by a guest, freed, and taken again
+    for PROMPT (recomputed: pending, their K/V not written yet). They carry PROMPT's keys again, but
+    their bytes are the guest's: the queued writes must not persist them (the generation they were
+    committed at is gone)."""
+    monkeypatch.setattr(worker, "STAGING_BYTES", 0)  # the writer takes nothing: this test does
+    alloc = allocator(tmp_path, host_blocks=None, disk=True)
+    manager = alloc.block_manager
+    try:
+        [first] = alloc.step([AllocateOp("s1", PROMPT, len(PROMPT), namespace="ns")])
+        alloc.step([FreeOp("s1")])  # committed, queued
+        evict(alloc)  # the guest takes every block...
+        alloc.pool.fill_(99.0)  # ...and writes its own K/V into them
+        [again] = alloc.step([AllocateOp("s2", PROMPT, len(PROMPT), namespace="ns")])
+        assert again.ok and again.num_cached_tokens == 0 and again.block_ids[:3] == first.block_ids[:3]
+        with alloc._lock:
+            assert manager.take_tier_writes(10) == []  # nothing of the guest's under PROMPT's keys
+        assert alloc.stats().tiers[0].num_blocks_missed == 3
+    finally:
+        alloc.close()
+
+
 def test_host_tier_keeps_tenants_apart(tmp_path: Path) -> None:
     alloc = allocator(tmp_path, host_blocks=16)
     try:

@@ -94,9 +94,9 @@ def test_a_load_stops_at_a_block_file_that_went(allocator: InProcessAllocator, t
     """Files are read ahead in parallel; a missing one still ends the load there: the blocks before
     it come back, the ones after it are recomputed (never loaded past a gap)."""
     write_prompt_and_evict(allocator)
-    written = sorted((tmp_path / "tier").glob("*.kv"), key=lambda path: path.stat().st_mtime_ns)
-    assert len(written) == 3  # PROMPT's blocks, written in order
-    written[1].unlink()  # the middle block's
+    written = list(allocator.tier.disk._index)  # PROMPT's keys, in the order written: block order
+    assert len(written) == 3
+    (tmp_path / "tier" / f"{written[1].hex()}.kv").unlink()  # the middle block's
     result, loaded = load(allocator, "s3")
     assert loaded and result.ok and result.num_cached_tokens == 4
     assert (allocator.pool[:, :, result.block_ids[0]] == 1.0).all()
