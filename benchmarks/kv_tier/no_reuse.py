@@ -150,7 +150,7 @@ class WriteShareSizes:
     max_output_tokens: int | None = None
 
 
-QUICK_WRITE_SHARE = WriteShareSizes(num_requests=3, gaps_s=(0.0, 0.2), kv_cache_bytes=64 << 20,
+QUICK_WRITE_SHARE = WriteShareSizes(num_requests=3, gaps_s=(0.1,), kv_cache_bytes=64 << 20,
                                     max_prompt_tokens=96, max_output_tokens=8)
 
 
