@@ -70,6 +70,7 @@ def test_tier_over_grpc_and_after_a_restart(tmp_path: Path) -> None:
             body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
         assert 'pagedserve_memory_tier_blocks{tier="disk"} 11.0' in body
         assert 'pagedserve_memory_tier_load_seconds_count{tier="disk"} 1.0' in body
+        assert f'pagedserve_memory_tier_missed_blocks_total{{tier="disk"}} {float(tier.num_blocks_missed)}' in body
         assert service.stop() == 0
 
         service, socket = start_memory_service(*flags)  # a new service on the same directory
