@@ -107,14 +107,20 @@ def evict(alloc: InProcessAllocator) -> None:
     alloc.pool.zero_()
 
 
-def write_prompt(alloc: InProcessAllocator, namespace: str = "ns") -> None:
-    """PROMPT's blocks, each filled with its position + 1, committed, copied into every tier (3
-    blocks written to each), then evicted from the pool."""
+def commit_prompt(alloc: InProcessAllocator, namespace: str = "ns") -> list[int]:
+    """PROMPT's blocks, each filled with its position + 1, committed (queued for the tiers): their ids."""
     [result] = alloc.step([AllocateOp("s1", PROMPT, len(PROMPT), namespace=namespace)])
     assert result.ok and result.num_cached_tokens == 0
     for position, block_id in enumerate(result.block_ids):
         alloc.pool[:, :, block_id] = float(position + 1)
     alloc.step([FreeOp("s1")])
+    return result.block_ids
+
+
+def write_prompt(alloc: InProcessAllocator, namespace: str = "ns") -> None:
+    """PROMPT's blocks committed (``commit_prompt``), copied into every tier (3 blocks written to
+    each), then evicted from the pool."""
+    commit_prompt(alloc, namespace)
     wait_for(lambda: all(t.num_bytes_written >= 3 * BLOCK_BYTES for t in alloc.stats().tiers))
     evict(alloc)
 
@@ -190,10 +196,7 @@ def test_a_block_loaded_from_ram_that_the_disk_lacks_is_written_to_the_disk(tmp_
     try:
         directory.rename(tmp_path / "away")
         directory.write_bytes(b"")  # a real write error, whoever runs the test (ENOTDIR)
-        [result] = alloc.step([AllocateOp("s1", PROMPT, len(PROMPT), namespace="ns")])
-        for position, block_id in enumerate(result.block_ids):
-            alloc.pool[:, :, block_id] = float(position + 1)
-        alloc.step([FreeOp("s1")])
+        commit_prompt(alloc)
         wait_for(lambda: alloc.stats().tiers[1].num_write_errors == 3)
         evict(alloc)
         directory.unlink()
@@ -265,10 +268,7 @@ def test_a_full_staging_without_a_host_tier_leaves_blocks_in_the_book(
     monkeypatch.setattr(worker, "STAGING_BYTES", BLOCK_BYTES)
     alloc = allocator(tmp_path, host_blocks=None, disk=True)
     try:
-        [result] = alloc.step([AllocateOp("s1", PROMPT, len(PROMPT), namespace="ns")])
-        for position, block_id in enumerate(result.block_ids):
-            alloc.pool[:, :, block_id] = float(position + 1)
-        alloc.step([FreeOp("s1")])
+        commit_prompt(alloc)
         wait_for(lambda: alloc.stats().tiers[0].num_blocks == 3)
         assert alloc.stats().tiers[0].num_blocks_missed == 0
         evict(alloc)
@@ -474,10 +474,7 @@ def test_a_slow_disk_does_not_hold_back_the_host_tier(tmp_path: Path, monkeypatc
     monkeypatch.setattr(DiskTier, "put_buffer", slow_put)
     alloc = allocator(tmp_path, host_blocks=16, disk=True)
     try:
-        [result] = alloc.step([AllocateOp("s1", PROMPT, len(PROMPT), namespace="ns")])
-        for position, block_id in enumerate(result.block_ids):
-            alloc.pool[:, :, block_id] = float(position + 1)
-        alloc.step([FreeOp("s1")])
+        commit_prompt(alloc)
         wait_for(lambda: alloc.stats().tiers[0].num_blocks == 3)  # all in RAM, the disk still busy
         assert alloc.stats().tiers[1].num_blocks == 0
         disk_free.set()
