@@ -28,9 +28,12 @@ from typing import Any
 from compute_service import LLM
 from compute_service.engine.outputs import RequestOutput, collect
 from compute_service.engine.sampling_params import SamplingParams
+from memory_service.manager.block_types import TierStats
 
 from benchmarks.throughput.realistic import make_realistic_workload
 from benchmarks.throughput.workload import Request
+
+BLOCK_SIZE = 16
 
 
 @dataclass(frozen=True)
@@ -66,24 +69,57 @@ def workload(llm: LLM, sizes: NoReuseSizes, seed: int) -> list[Request]:
             for r in requests]
 
 
-def run_workload(llm: LLM, requests: list[Request], name: str) -> tuple[int, float]:
-    """All ``requests`` at once, stepped to the end: (tokens generated, seconds)."""
+def run_workload(llm: LLM, requests: list[Request], name: str, gap_s: float = 0.0) -> tuple[int, float, float]:
+    """Adds ``requests[i]`` at ``i * gap_s`` seconds (0: all at once) and steps while anything is
+    unfinished: (tokens generated, seconds spent in steps, seconds in all)."""
     engine = llm.engine
     results: dict[str, RequestOutput] = {}
     started = time.perf_counter()
-    for i, r in enumerate(requests):
-        engine.add_request(f"{name}-{i}", r.prompt_token_ids, SamplingParams(
-            max_tokens=r.max_tokens, temperature=r.temperature, top_p=r.top_p, ignore_eos=True))
-    while engine.has_unfinished():
-        collect(results, engine.step())
-    seconds = time.perf_counter() - started
-    return sum(len(out.token_ids) for out in results.values()), seconds
+    num_added, busy_s = 0, 0.0
+    while num_added < len(requests) or engine.has_unfinished():
+        while num_added < len(requests) and time.perf_counter() - started >= num_added * gap_s:
+            r = requests[num_added]
+            engine.add_request(f"{name}-{num_added}", r.prompt_token_ids, SamplingParams(
+                max_tokens=r.max_tokens, temperature=r.temperature, top_p=r.top_p, ignore_eos=True))
+            num_added += 1
+        if engine.has_unfinished():
+            step_started = time.perf_counter()
+            collect(results, engine.step())
+            busy_s += time.perf_counter() - step_started
+        else:
+            time.sleep(0.002)
+    return sum(len(out.token_ids) for out in results.values()), busy_s, time.perf_counter() - started
+
+
+def engine_settings(kv_cache_bytes: int, dtype: str | None) -> dict[str, Any]:
+    """bench_throughput's engine settings, with this pool."""
+    return {"kv_cache_bytes": kv_cache_bytes, "max_num_seqs": 256, "max_num_batched_tokens": 2048,
+            "block_size": BLOCK_SIZE, **({"dtype": dtype} if dtype else {})}
+
+
+def warm_up(llm: LLM, requests: list[Request]) -> None:
+    """The first steps load kernels: not part of any run. Its prompt shares no block with a request."""
+    llm.generate([[requests[0].prompt_token_ids[0]] * 8], max_tokens=2, temperature=0.0, ignore_eos=True)
+
+
+def full_blocks(requests: list[Request]) -> int:
+    """The full blocks of ``requests``: their prompt and output tokens with K/V (all but the last)."""
+    return sum((len(r.prompt_token_ids) + r.max_tokens - 1) // BLOCK_SIZE for r in requests)
+
+
+def disk_tier_stats(llm: LLM) -> TierStats:
+    return next(t for t in llm.memory_stats().tiers if t.kind == "disk")
+
+
+def blocks_written(disk: TierStats) -> int:
+    """Blocks the disk tier wrote: every file is one block's, header and payload."""
+    return disk.num_bytes_written // (disk.num_bytes // disk.num_blocks) if disk.num_blocks else 0
 
 
 def wait_for_writer(llm: LLM, timeout_s: float = 60.0) -> None:
     """Until the tier's writer has written what the run committed: its counters still for a while."""
     def counters() -> tuple[int, int]:
-        disk = next(t for t in llm.memory_stats().tiers if t.kind == "disk")
+        disk = disk_tier_stats(llm)
         return disk.num_bytes_written, disk.num_blocks_missed
     deadline = time.monotonic() + timeout_s
     last = counters()
@@ -97,22 +133,20 @@ def wait_for_writer(llm: LLM, timeout_s: float = 60.0) -> None:
 
 def run_no_reuse(model: str, dtype: str | None, root: Path, sizes: NoReuseSizes, seed: int) -> dict[str, Any]:
     """The alternating pairs (module docstring); returns the ``no_reuse`` section of the JSON."""
-    common: dict[str, Any] = {"kv_cache_bytes": sizes.kv_cache_bytes, "max_num_seqs": 256,
-                              "max_num_batched_tokens": 2048, "block_size": 16, **({"dtype": dtype} if dtype else {})}
+    common = engine_settings(sizes.kv_cache_bytes, dtype)
     runs: list[dict[str, Any]] = []
     with LLM(model, kv_disk_dir=str(root / "no-reuse-tier"), **common) as tier_llm, LLM(model, **common) as plain:
         llms = {"tier": tier_llm, "no_tier": plain}
         pairs = [workload(plain, sizes, seed + pair) for pair in range(sizes.num_pairs)]
-        warm_up = [pairs[0][0].prompt_token_ids[0]] * 8  # shares no block with any request
-        for llm in llms.values():  # the first steps load kernels: not part of any run
-            llm.generate([warm_up], max_tokens=2, temperature=0.0, ignore_eos=True)
+        for llm in llms.values():
+            warm_up(llm, pairs[0])
         for pair, requests in enumerate(pairs):
             for label in (["tier", "no_tier"] if pair % 2 == 0 else ["no_tier", "tier"]):
-                tokens, seconds = run_workload(llms[label], requests, f"pair{pair}")
+                tokens, _, seconds = run_workload(llms[label], requests, f"pair{pair}")
                 runs.append({"pair": pair, "engine": label, "tokens": tokens, "seconds": seconds})
                 if label == "tier":
                     wait_for_writer(tier_llm)
-        tier = next(t for t in tier_llm.memory_stats().tiers if t.kind == "disk")
+        tier = disk_tier_stats(tier_llm)
 
     result: dict[str, Any] = {"requests": sizes.num_requests, "pairs": sizes.num_pairs}
     by_engine = {label: [r for r in runs if r["engine"] == label] for label in llms}
@@ -121,13 +155,10 @@ def run_no_reuse(model: str, dtype: str | None, root: Path, sizes: NoReuseSizes,
     result["tier_vs_no_tier"] = round(result["tier_tok_s"] / result["no_tier_tok_s"], 3)
     result["pair_ratios"] = [round((t["tokens"] / t["seconds"]) / (p["tokens"] / p["seconds"]), 3)
                              for t, p in zip(by_engine["tier"], by_engine["no_tier"])]
-    # every file is one block's: header and payload
-    blocks_written = tier.num_bytes_written // (tier.num_bytes // tier.num_blocks) if tier.num_blocks else 0
-    full_blocks = sum(
-        (len(r.prompt_token_ids) + r.max_tokens - 1) // common["block_size"] for requests in pairs for r in requests)
-    result |= {"tier_bytes_written": tier.num_bytes_written, "tier_blocks_written": blocks_written,
+    num_written, num_full = blocks_written(tier), sum(full_blocks(requests) for requests in pairs)
+    result |= {"tier_bytes_written": tier.num_bytes_written, "tier_blocks_written": num_written,
                "tier_blocks_missed": tier.num_blocks_missed,
-               "tier_full_blocks": full_blocks, "tier_written_share": round(blocks_written / max(1, full_blocks), 3),
+               "tier_full_blocks": num_full, "tier_written_share": round(num_written / max(1, num_full), 3),
                "tier_write_errors": tier.num_write_errors, "tier_loads": tier.num_loads, "tier_hits": tier.num_hits,
                "runs": [{**r, "seconds": round(r["seconds"], 2), "tok_s": round(r["tokens"] / r["seconds"], 2)}
                         for r in runs]}
@@ -160,42 +191,19 @@ def run_write_share(model: str, dtype: str | None, root: Path, sizes: WriteShare
     work, and the tier's counters are read once its writer is done. The writer takes only the time the
     engine leaves (SCHED_IDLE), so the share grows with the engine's idle time; ``engine_busy_share`` is
     the share of the run's wall time spent in steps."""
-    common: dict[str, Any] = {"kv_cache_bytes": sizes.kv_cache_bytes, "max_num_seqs": 256,
-                              "max_num_batched_tokens": 2048, "block_size": 16, **({"dtype": dtype} if dtype else {})}
     caps = NoReuseSizes(num_requests=sizes.num_requests, max_prompt_tokens=sizes.max_prompt_tokens,
                         max_output_tokens=sizes.max_output_tokens)
     runs = []
     for run, gap_s in enumerate(sizes.gaps_s):
-        with LLM(model, kv_disk_dir=str(root / f"write-share-{run}"), **common) as llm:
+        with LLM(model, kv_disk_dir=str(root / f"write-share-{run}"),
+                 **engine_settings(sizes.kv_cache_bytes, dtype)) as llm:
             requests = workload(llm, caps, seed + 100 + run)
-            llm.generate([[requests[0].prompt_token_ids[0]] * 8], max_tokens=2, temperature=0.0, ignore_eos=True)
-            busy_s, wall_s = paced(llm, requests, gap_s)
+            warm_up(llm, requests)
+            _, busy_s, wall_s = run_workload(llm, requests, "paced", gap_s)
             wait_for_writer(llm)
-            disk = next(t for t in llm.memory_stats().tiers if t.kind == "disk")
-        blocks_written = disk.num_bytes_written // (disk.num_bytes // disk.num_blocks) if disk.num_blocks else 0
-        full_blocks = sum((len(r.prompt_token_ids) + r.max_tokens - 1) // common["block_size"] for r in requests)
-        runs.append({"gap_s": gap_s, "engine_busy_share": round(busy_s / wall_s, 3), "full_blocks": full_blocks,
-                     "blocks_written": blocks_written, "blocks_missed": disk.num_blocks_missed,
-                     "written_share": round(blocks_written / max(1, full_blocks), 3)})
+            disk = disk_tier_stats(llm)
+        num_written, num_full = blocks_written(disk), full_blocks(requests)
+        runs.append({"gap_s": gap_s, "engine_busy_share": round(busy_s / wall_s, 3), "full_blocks": num_full,
+                     "blocks_written": num_written, "blocks_missed": disk.num_blocks_missed,
+                     "written_share": round(num_written / max(1, num_full), 3)})
     return {"write_share": {"requests": sizes.num_requests, "runs": runs}}
-
-
-def paced(llm: LLM, requests: list[Request], gap_s: float) -> tuple[float, float]:
-    """Adds ``requests[i]`` at ``i * gap_s`` seconds and steps while anything is unfinished:
-    (seconds spent in steps, seconds in all)."""
-    engine, results = llm.engine, {}
-    started = time.perf_counter()
-    num_added, busy_s = 0, 0.0
-    while num_added < len(requests) or engine.has_unfinished():
-        while num_added < len(requests) and time.perf_counter() - started >= num_added * gap_s:
-            r = requests[num_added]
-            engine.add_request(f"paced-{num_added}", r.prompt_token_ids, SamplingParams(
-                max_tokens=r.max_tokens, temperature=r.temperature, top_p=r.top_p, ignore_eos=True))
-            num_added += 1
-        if engine.has_unfinished():
-            step_started = time.perf_counter()
-            collect(results, engine.step())
-            busy_s += time.perf_counter() - step_started
-        else:
-            time.sleep(0.002)
-    return busy_s, time.perf_counter() - started
