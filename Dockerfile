@@ -35,7 +35,7 @@ RUN apt-get update \
 # ---- requirements: pagedserve's dependencies, read from pyproject.toml. BuildKit caches by content,
 # so an edit elsewhere in pyproject.toml (a tool's settings) reinstalls nothing. The CPU variant
 # leaves out Triton (about 1 GB): it only compiles the CUDA kernels, and is imported on the first
-# CUDA call only (kernels/__init__.py); xgrammar requires it too, so the build stage removes it again
+# CUDA call only (kernels/pagedserve_kernels/__init__.py); xgrammar requires it too, so the build stage removes it again
 # (xgrammar imports it for its CUDA mask kernel only). -----------------------------------------------------------
 # hadolint ignore=DL3006
 FROM base-${VARIANT} AS requirements
@@ -106,16 +106,16 @@ RUN --mount=type=secret,id=ca-bundle \
     fi
 
 # The fused CPU kernels for every x86-64 level the source distinguishes (v4 with AVX512-BF16, v4:
-# AVX-512, v3: AVX2, and the x86-64 baseline; `python -m kernels.cpu_ops --help`); the compute service
+# AVX-512, v3: AVX2, and the x86-64 baseline; `python -m pagedserve_kernels.cpu_ops --help`); the compute service
 # loads the best one the node's CPU runs from $PAGEDSERVE_CPU_OPS_PREBUILT, each keyed on the source
 # digest and the level. Built from the kernel files alone (and the cache-folder rule they import), so
 # only a kernel change rebuilds them.
-COPY kernels/cpu_ops.py /build/kernels/
-COPY kernels/csrc/ /build/kernels/csrc/
+COPY kernels/pagedserve_kernels/cpu_ops.py /build/pagedserve_kernels/
+COPY kernels/pagedserve_kernels/csrc/ /build/pagedserve_kernels/csrc/
 COPY pagedserve/__init__.py pagedserve/paths.py /build/pagedserve/
 RUN mkdir -p /opt/pagedserve/cpu_ops \
     && if [ "$VARIANT" = "cpu" ]; then \
-           PYTHONPATH=/build python /build/kernels/cpu_ops.py --prebuild /opt/pagedserve/cpu_ops; \
+           PYTHONPATH=/build python /build/pagedserve_kernels/cpu_ops.py --prebuild /opt/pagedserve/cpu_ops; \
        fi
 
 # ---- wheel: pagedserve itself, as a wheel the image installs in a layer of its own. The image's
@@ -159,7 +159,7 @@ RUN groupadd --gid 10001 pagedserve \
 # hadolint ignore=DL3013
 RUN --mount=type=bind,from=wheel,source=/wheels,target=/wheels \
     pip install --no-cache-dir --no-deps --no-index /wheels/pagedserve-*.whl \
-    && if [ "$VARIANT" = "cpu" ]; then python -m kernels.cpu_ops --check /opt/pagedserve/cpu_ops; fi
+    && if [ "$VARIANT" = "cpu" ]; then python -m pagedserve_kernels.cpu_ops --check /opt/pagedserve/cpu_ops; fi
 USER 10001:10001
 WORKDIR /tmp
 

@@ -106,7 +106,7 @@ def fits(batch: int, ctx: int, free_bytes: int) -> bool:
 
 
 def bench_decode(batch: int, ctx: int, block_size: int, flush: torch.Tensor, gen: torch.Generator) -> Result:
-    from kernels import paged_attention
+    from pagedserve_kernels import paged_attention
 
     args = paged_inputs([ctx] * batch, [1] * batch, block_size, gen)
     query, k_cache, v_cache, block_tables = args[:4]
@@ -125,7 +125,7 @@ def bench_chunked_prefill(num_seqs: int, cached: int, chunk: int, num_decodes: i
     """num_seqs chunks of `chunk` new tokens on `cached` tokens, plus num_decodes decodes at `cached`."""
     from torch.nn.attention.bias import causal_lower_right
 
-    from kernels import paged_attention
+    from pagedserve_kernels import paged_attention
 
     ctx_lens = [cached + chunk] * num_seqs + [cached] * num_decodes
     q_lens = [chunk] * num_seqs + [1] * num_decodes

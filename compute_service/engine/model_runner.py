@@ -10,7 +10,7 @@ from compute_service.model.forward_batch import ForwardBatch
 from compute_service.model.model import CausalLM
 from compute_service.engine.sampler import TokenLogprobs, prompt_token_logprobs
 from compute_service.engine.scheduler import ScheduledSeq
-from kernels import cpu_ops
+from pagedserve_kernels import cpu_ops
 
 # Prompt positions scored per LM-head call: (rows, vocab) float32 logits and their log-softmax at
 # once (256 x 49152 x 4 bytes = 48 MiB each for the default model), whatever the chunk's length.

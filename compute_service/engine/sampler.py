@@ -115,7 +115,7 @@ def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
 @functools.cache
 def _nucleus_ops():
     """The C++ ops when they have nucleus_draws, else None (looked up once)."""
-    from kernels import cpu_ops  # loads the extension (built at engine start already)
+    from pagedserve_kernels import cpu_ops  # loads the extension (built at engine start already)
 
     ops = cpu_ops.load()
     return ops if ops is not None and ops.has_nucleus_draws() else None

@@ -6,7 +6,7 @@ fused into one matrix: q/k/v into `qkv_weight` rows [q | k | v], gate/up into `g
 rows [gate | up], so each is one GEMM.
 
 Each step carries the kernels it runs (`kernels.plan_step`: the fused CPU kernels or PyTorch ops,
-chosen once per step behind one interface, kernels/step.py); the layers only call them. Each
+chosen once per step behind one interface, kernels/pagedserve_kernels/step.py); the layers only call them. Each
 residual add runs inside the RMSNorm that follows it (`StepKernels.add_rms_norm`): a layer returns
 its residual stream and its MLP output unadded, and the next layer's first norm adds them.
 
@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from compute_service.model.model_config import ModelConfig, RopeConfig
-from kernels import StepKernels, linear
-from kernels.step import rms_norm_torch
+from pagedserve_kernels import StepKernels, linear
+from pagedserve_kernels.step import rms_norm_torch
 
 def profile_scope(name: str) -> contextlib.AbstractContextManager:
     """A `torch.profiler.record_function(name)` while a profiler records, else a no-op (a
@@ -109,7 +109,7 @@ class Attention(nn.Module):
         # oneDNN copies of the weights (CausalLM.prepack_cpu_weights); None: F.linear on the weights.
         self.qkv_packed: torch.Tensor | None = None
         self.o_packed: torch.Tensor | None = None
-        self.small_rows = 0  # up to this many rows: the small-batch linear (kernels/cpu_linear.py)
+        self.small_rows = 0  # up to this many rows: the small-batch linear (kernels/pagedserve_kernels/cpu_linear.py)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, step: StepKernels) -> torch.Tensor:

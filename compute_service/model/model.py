@@ -20,7 +20,7 @@ from torch import nn
 from compute_service.model.forward_batch import ForwardBatch
 from compute_service.model.layers import DecoderLayer, RMSNorm, RotaryEmbedding, empty_parameter, profile_scope
 from compute_service.model.model_config import ModelConfig
-import kernels
+import pagedserve_kernels as kernels
 
 # Buffers that some checkpoints carry but that we recompute.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -138,7 +138,7 @@ class CausalLM(nn.Module):
 
     @torch.no_grad()
     def prepack_cpu_weights(self) -> bool:
-        """Reorder every projection and the head for oneDNN's matmul (kernels/cpu_linear.py), once,
+        """Reorder every projection and the head for oneDNN's matmul (kernels/pagedserve_kernels/cpu_linear.py), once,
         after the weights are loaded; returns False, changing nothing, off a float32 or bfloat16 CPU model.
 
         The plain copies of the layers' projections are released (their packed copies replace them:
@@ -166,7 +166,7 @@ class CausalLM(nn.Module):
         return self.is_prepacked
 
     def _set_small_rows(self, num_rows: int) -> None:
-        """Steps of up to ``num_rows`` rows run the small-batch linear (kernels/cpu_linear.py)."""
+        """Steps of up to ``num_rows`` rows run the small-batch linear (kernels/pagedserve_kernels/cpu_linear.py)."""
         self.small_rows = num_rows
         for layer in self.layers:
             layer.attn.small_rows = layer.mlp.small_rows = num_rows

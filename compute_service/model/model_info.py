@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
 
-import kernels
+import pagedserve_kernels as kernels
 from pagedserve.dtypes import dtype_name
 
 from compute_service.model.model_loader import LoadedModel

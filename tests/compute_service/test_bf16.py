@@ -15,8 +15,8 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-import kernels
-from kernels import cpu_ops
+import pagedserve_kernels as kernels
+from pagedserve_kernels import cpu_ops
 from compute_service import LLM, SamplingParams
 from compute_service.model.model_loader import load_model
 from memory_service.pool.kv_pool import KvLayout

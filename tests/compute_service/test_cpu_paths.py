@@ -13,8 +13,8 @@ import torch
 
 from compute_service import LLM, SamplingParams
 from compute_service.model.model_loader import load_model
-import kernels
-from kernels import cpu_linear, cpu_ops
+import pagedserve_kernels as kernels
+from pagedserve_kernels import cpu_linear, cpu_ops
 from tests.compute_service.test_model import ATOL, RTOL, PagedSequences, random_tokens, reference_logits
 
 FUSED_AVAILABLE = cpu_ops.load() is not None
@@ -97,7 +97,7 @@ def test_engine_greedy_tokens_equal_transformers(make_tiny_model, cpu_path: str)
 @pytest.mark.parametrize("packed", [True, False])
 def test_the_one_call_layer_stack_gives_the_layer_loops_bits(make_tiny_model, monkeypatch, variant: str, dtype: str,
                                                              packed: bool) -> None:
-    # kernels/csrc's decoder_layers runs every layer's ops in one C++ call: the same kernels in the same
+    # pagedserve_kernels/csrc's decoder_layers runs every layer's ops in one C++ call: the same kernels in the same
     # order as CausalLM's loop over its layers, so logits and the K/V written are equal, not close.
     if not FUSED_AVAILABLE:
         pytest.skip("the fused CPU kernels could not be built here")
@@ -105,7 +105,7 @@ def test_the_one_call_layer_stack_gives_the_layer_loops_bits(make_tiny_model, mo
         pytest.skip("this torch has no oneDNN to prepack weights with")
     if not packed:
         monkeypatch.setenv("PAGEDSERVE_CPU_PREPACK", "0")
-    from kernels.cpu_attention import CpuAttentionPlan
+    from pagedserve_kernels.cpu_attention import CpuAttentionPlan
 
     model = load_model(str(make_tiny_model(variant).path), device="cpu", dtype=dtype).model
     assert model.is_prepacked is packed

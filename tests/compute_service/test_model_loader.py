@@ -113,7 +113,7 @@ def fake_conversion(monkeypatch, make_tiny_model) -> list[Path]:
 def test_cache_dir_env_is_read_at_call_time(monkeypatch, tmp_path, fake_conversion):
     monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path))
     assert cache_dir() == tmp_path and cache_dir(tmp_path / "given") == tmp_path / "given"
-    from kernels.cpu_ops import build_dir
+    from pagedserve_kernels.cpu_ops import build_dir
 
     assert build_dir().parent == tmp_path / "cpu_ops"  # the kernels' build cache follows the same rule
     source = resolve_model("default")

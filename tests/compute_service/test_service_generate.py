@@ -15,7 +15,7 @@ import grpc
 import pytest
 import torch
 
-import kernels
+import pagedserve_kernels as kernels
 from pagedserve.compute.v1 import compute_pb2 as cpb
 
 from pagedserve.testing.tiny_model import EOS_PROMPT, ServiceModel, hf_greedy

@@ -35,7 +35,7 @@ def test_a_service_without_usable_kernels_says_so(service_model: ServiceModel, t
                   for t in r.token_ids]
         assert tokens == hf_greedy(service_model.hf_model, PROMPT, 4)
     lines = log.read_text().splitlines()
-    [error] = [line for line in lines if line.startswith("ERROR kernels.cpu_ops")]
+    [error] = [line for line in lines if line.startswith("ERROR pagedserve_kernels.cpu_ops")]
     assert "no usable fused CPU kernels: serving on the slower PyTorch path (torch-fallback)" in error
     assert f"in {prebuilt} (it holds: nothing)" in error and "no C++ compiler" in error
     assert any('"event": "compute_kernels"' in line and '"level": "error"' in line

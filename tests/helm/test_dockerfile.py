@@ -145,11 +145,11 @@ def test_final_image_has_no_compiler_and_ships_the_prebuilt_kernels() -> None:
     assert [rest for rest in runs if "pip " in rest] == [runs[-1]]
     assert runs[-1].startswith("--mount=type=bind,from=wheel,") and "--no-deps --no-index /wheels/" in runs[-1]
     # ... and then checks that the installed source is the one the kernels were built from.
-    assert "python -m kernels.cpu_ops --check /opt/pagedserve/cpu_ops" in runs[-1]
+    assert "python -m pagedserve_kernels.cpu_ops --check /opt/pagedserve/cpu_ops" in runs[-1]
     env_text = " ".join(rest for word, rest in final if word == "ENV").split()
     assert "PAGEDSERVE_CPU_OPS_PREBUILT=/opt/pagedserve/cpu_ops" in env_text
     [prebuild] = [rest for word, rest in stages["build"] if word == "RUN" and "--prebuild" in rest]
-    assert "kernels/cpu_ops.py --prebuild /opt/pagedserve/cpu_ops" in prebuild
+    assert "pagedserve_kernels/cpu_ops.py --prebuild /opt/pagedserve/cpu_ops" in prebuild
 
 
 def test_code_changes_do_not_reinstall_dependencies() -> None:

@@ -72,7 +72,7 @@ def _wait(what: str, check: Callable[[], bool], timeout_s: float, alive: Callabl
 
 
 def test_image_is_slim_unprivileged_and_carries_the_prebuilt_kernels(image: str) -> None:
-    from kernels import cpu_ops
+    from pagedserve_kernels import cpu_ops
 
     config = json.loads(docker("image", "inspect", image).stdout)[0]["Config"]
     assert config["User"] == "10001:10001"
@@ -84,16 +84,18 @@ def test_image_is_slim_unprivileged_and_carries_the_prebuilt_kernels(image: str)
     # Every level the kernels' source distinguishes ships, keyed on the installed source's digest.
     shipped = docker(*locked, "ls", "/opt/pagedserve/cpu_ops").stdout.split()
     assert sorted(name.rsplit("-", 1)[0] for name in shipped) == sorted(cpu_ops.image_levels()), shipped
-    checked = docker(*locked, "python", "-m", "kernels.cpu_ops", "--check", "/opt/pagedserve/cpu_ops", check=False)
+    checked = docker(*locked, "python", "-m", "pagedserve_kernels.cpu_ops", "--check", "/opt/pagedserve/cpu_ops",
+                     check=False)
     assert checked.returncode == 0, checked.stdout + checked.stderr
     # The kernels load from the image (read-only, nothing compiled), at the best level this CPU runs.
-    loaded = docker(*locked, "python", "-m", "kernels.cpu_ops")
+    loaded = docker(*locked, "python", "-m", "pagedserve_kernels.cpu_ops")
     [best, *_] = cpu_ops.supported_levels()
     assert f"prebuilt {best} in /opt/pagedserve/cpu_ops/" in loaded.stdout, loaded.stdout + loaded.stderr
     assert "building" not in loaded.stderr and "ERROR" not in loaded.stderr, loaded.stderr
     # Pointed where no build is, it says so at error level, naming the levels and the place, and
     # compiles nothing (the image has no compiler).
-    missing = docker(*locked[:-1], "-e", "PAGEDSERVE_CPU_OPS_PREBUILT=/tmp", image, "python", "-m", "kernels.cpu_ops")
+    missing = docker(*locked[:-1], "-e", "PAGEDSERVE_CPU_OPS_PREBUILT=/tmp", image, "python", "-m",
+                     "pagedserve_kernels.cpu_ops")
     assert "fused CPU kernels: unavailable (RuntimeError: no C++ compiler" in missing.stdout, missing
     [error] = [line for line in missing.stderr.splitlines() if line.startswith("ERROR")]
     assert "serving on the slower PyTorch path (torch-fallback)" in error
@@ -104,7 +106,7 @@ def test_image_is_slim_unprivileged_and_carries_the_prebuilt_kernels(image: str)
 def test_engine_and_gateway_pods_in_docker(image: str) -> None:
     import grpc
 
-    from kernels import cpu_ops
+    from pagedserve_kernels import cpu_ops
     from pagedserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
     run_label = f"pstest-{os.getpid()}-{int(time.time())}"

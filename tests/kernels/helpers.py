@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.reference import write_kv_reference
+from pagedserve_kernels.reference import write_kv_reference
 
 
 @dataclass

@@ -23,7 +23,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels import triton_attention, triton_write_kv
+from pagedserve_kernels import triton_attention, triton_write_kv
 
 NVIDIA_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 ALIGNED_INTS = {"head_dim", "split_len"}  # plus every stride_*: multiples of 16 elements in practice

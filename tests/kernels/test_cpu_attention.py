@@ -1,4 +1,4 @@
-"""The fused CPU kernels (kernels/csrc/cpu_ops.cpp) against the naive oracle and PyTorch ops.
+"""The fused CPU kernels (kernels/pagedserve_kernels/csrc/cpu_ops.cpp) against the naive oracle and PyTorch ops.
 
 Paged attention is checked on shuffled block tables (blocks handed out in random order), lengths at
 block boundaries, GQA groups of 1 to 64, prompt chunks longer than one query tile over cached
@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_ops
-from kernels.cpu_attention import CpuAttentionPlan
-from kernels.reference import paged_attention_naive, paged_attention_reference
+from pagedserve_kernels import cpu_ops
+from pagedserve_kernels.cpu_attention import CpuAttentionPlan
+from pagedserve_kernels.reference import paged_attention_naive, paged_attention_reference
 from tests.kernels.helpers import make_paged_batch
 
 ops = cpu_ops.load()
@@ -222,7 +222,7 @@ def test_unbuildable_extension_falls_back_with_an_error(tmp_path, monkeypatch, c
     monkeypatch.setattr(cpu_ops, "_CSRC", tmp_path / "csrc")
     monkeypatch.setattr(cpu_ops, "_state", {})
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    with caplog.at_level(logging.WARNING, logger="kernels.cpu_ops"):
+    with caplog.at_level(logging.WARNING, logger="pagedserve_kernels.cpu_ops"):
         assert cpu_ops.load() is None
     assert any(r.levelno == logging.ERROR and "slower PyTorch path (torch-fallback)" in r.getMessage()
                for r in caplog.records), caplog.text

@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_ops
-from kernels.reference import paged_attention_naive
+from pagedserve_kernels import cpu_ops
+from pagedserve_kernels.reference import paged_attention_naive
 from tests.kernels.helpers import make_paged_batch
 
 ops = cpu_ops.load()

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from kernels import cpu_ops
+from pagedserve_kernels import cpu_ops
 
 
 def test_a_stale_build_lock_is_cleared(tmp_path):
@@ -18,12 +18,12 @@ def test_a_stale_build_lock_is_cleared(tmp_path):
     env = {**os.environ, "PAGEDSERVE_CACHE_DIR": str(tmp_path)}
     # The same build under a fresh cache root (up to date, so nothing compiles), plus torch's lock file
     # as a build killed midway leaves it.
-    probe = "from kernels import cpu_ops; print(cpu_ops.build_dir())"
+    probe = "from pagedserve_kernels import cpu_ops; print(cpu_ops.build_dir())"
     directory = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True,
                                check=True).stdout.strip()
     shutil.copytree(built, directory)
     (tmp_path / "cpu_ops" / os.path.basename(directory) / "lock").touch()
-    load = "from kernels import cpu_ops; ops = cpu_ops.load(); print(ops is not None, cpu_ops.origin())"
+    load = "from pagedserve_kernels import cpu_ops; ops = cpu_ops.load(); print(ops is not None, cpu_ops.origin())"
     # Before the fix torch waited on the lock file for ever: the timeout fails the test.
     done = subprocess.run([sys.executable, "-c", load], env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -39,7 +39,7 @@ def test_a_build_from_another_checkout_is_loaded_without_compiling(tmp_path):
     if not (built / f"{cpu_ops._NAME}.so").is_file():
         pytest.skip("the fused CPU kernels are not built on this machine")
     env = {**os.environ, "PAGEDSERVE_CACHE_DIR": str(tmp_path)}
-    probe = "from kernels import cpu_ops; print(cpu_ops.build_dir())"
+    probe = "from pagedserve_kernels import cpu_ops; print(cpu_ops.build_dir())"
     directory = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True,
                                check=True).stdout.strip()
     shutil.copytree(built, directory)
@@ -50,7 +50,7 @@ def test_a_build_from_another_checkout_is_loaded_without_compiling(tmp_path):
         f.write(re.sub(r"compile \S+/cpu_ops\.cpp", "compile /elsewhere/kernels/csrc/cpu_ops.cpp", text))
     library = os.path.join(directory, f"{cpu_ops._NAME}.so")
     before = os.stat(library).st_mtime_ns
-    load = "from kernels import cpu_ops; ops = cpu_ops.load(); print(ops is not None, cpu_ops.origin())"
+    load = "from pagedserve_kernels import cpu_ops; ops = cpu_ops.load(); print(ops is not None, cpu_ops.origin())"
     done = subprocess.run([sys.executable, "-c", load], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.startswith("True built for this machine"), done.stdout + done.stderr[-2000:]

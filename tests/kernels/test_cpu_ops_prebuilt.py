@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import kernels
-from kernels import cpu_ops
+import pagedserve_kernels as kernels
+from pagedserve_kernels import cpu_ops
 
 ROOT = Path(__file__).resolve().parents[2]
 V3 = "fpu sse2 avx avx2 bmi1 bmi2 f16c fma abm movbe xsave"
@@ -58,7 +58,7 @@ def test_a_prebuilt_key_is_the_source_and_the_level_only(monkeypatch: pytest.Mon
     assert "-mavx512bf16" in cpu_ops._cflags("x86-64-v4-avx512bf16")
     # Any shipped source file (a header too) is part of the key.
     csrc = tmp_path / "csrc"
-    shutil.copytree(ROOT / "kernels" / "csrc", csrc)
+    shutil.copytree(ROOT / "kernels" / "pagedserve_kernels" / "csrc", csrc)
     monkeypatch.setattr(cpu_ops, "_CSRC", csrc)
     assert cpu_ops.build_dir("x86-64-v3", Path("/p")) == keys["x86-64-v3"]  # a copy: the same source
     header = csrc / "paged_attention_avx512.h"
@@ -67,7 +67,7 @@ def test_a_prebuilt_key_is_the_source_and_the_level_only(monkeypatch: pytest.Mon
 
 
 def test_a_variant_ships_only_where_the_source_tests_its_macro(x86_64, tmp_path: Path) -> None:
-    source = ROOT / "kernels" / "csrc"
+    source = ROOT / "kernels" / "pagedserve_kernels" / "csrc"
     assert "__AVX512BF16__" in cpu_ops.tested_macros(source)
     assert cpu_ops.image_levels(source) == ["x86-64-v4-avx512bf16", "x86-64-v4", "x86-64-v3", "x86-64"]
     without = tmp_path / "csrc"
@@ -81,12 +81,12 @@ def test_the_package_ships_every_source_file_the_key_covers() -> None:
     """The image's wheel once lacked the header: its source hashed unlike the one its kernels were
     built from, and no prebuilt level was found."""
     package_data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
-    shipped = package_data["kernels"]
+    shipped = package_data["pagedserve_kernels"]
     assert sorted(shipped) == sorted(f"csrc/{pattern}" for pattern in cpu_ops.SOURCE_PATTERNS)
-    tracked = subprocess.run(["git", "ls-files", "kernels/csrc"], cwd=ROOT, capture_output=True, text=True,
-                             check=True).stdout.split()
+    tracked = subprocess.run(["git", "ls-files", "kernels/pagedserve_kernels/csrc"], cwd=ROOT, capture_output=True,
+                             text=True, check=True).stdout.split()
     for name in tracked:
-        relative = name.removeprefix("kernels/")
+        relative = name.removeprefix("kernels/pagedserve_kernels/")
         assert any(fnmatch.fnmatch(relative, pattern) for pattern in shipped), f"{name} is not in the wheel"
 
 
@@ -140,9 +140,9 @@ def test_prebuild_refuses_an_unknown_level(tmp_path: Path) -> None:
 
 
 def _report(env: dict[str, str]) -> subprocess.CompletedProcess:
-    """`python -m kernels.cpu_ops` in a fresh process (a library loads once per process)."""
-    return subprocess.run([sys.executable, "-m", "kernels.cpu_ops"], capture_output=True, text=True, timeout=300,
-                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), **env})
+    """`python -m pagedserve_kernels.cpu_ops` in a fresh process (a library loads once per process)."""
+    return subprocess.run([sys.executable, "-m", "pagedserve_kernels.cpu_ops"], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT / "kernels"), **env})
 
 
 @pytest.mark.skipif(cpu_ops.load() is None or not cpu_ops.supported_levels(),

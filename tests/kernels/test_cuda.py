@@ -6,10 +6,10 @@ Run by scripts/gpu_checks_kernels.sh; skipped on CPU.
 import pytest
 import torch
 
-import kernels
-from kernels.reference import paged_attention_naive, paged_attention_reference
+import pagedserve_kernels as kernels
+from pagedserve_kernels.reference import paged_attention_naive, paged_attention_reference
 from tests.kernels.helpers import dense_attention, make_paged_batch
-from kernels.triton_attention import paged_attention_triton
+from pagedserve_kernels.triton_attention import paged_attention_triton
 
 pytestmark = pytest.mark.cuda
 TOLERANCES = {torch.float32: (2e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}

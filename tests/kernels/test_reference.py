@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import paged_attention, write_kv
-from kernels.reference import paged_attention_naive, paged_attention_reference, write_kv_reference
+from pagedserve_kernels import paged_attention, write_kv
+from pagedserve_kernels.reference import paged_attention_naive, paged_attention_reference, write_kv_reference
 from tests.kernels.helpers import dense_attention, make_paged_batch
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from kernels.reference import paged_attention_naive
+from pagedserve_kernels.reference import paged_attention_naive
 from tests.kernels.helpers import PagedBatch, dense_attention, make_paged_batch
-from kernels.triton_attention import choose_num_splits, paged_attention_triton
+from pagedserve_kernels.triton_attention import choose_num_splits, paged_attention_triton
 
 # (atol, rtol) against a float32 oracle computed from the same rounded inputs: half-precision
 # outputs are rounded once, and the probabilities are rounded to the input dtype before P @ V.

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from kernels.reference import write_kv_reference
-from kernels.triton_write_kv import write_kv_triton
+from pagedserve_kernels.reference import write_kv_reference
+from pagedserve_kernels.triton_write_kv import write_kv_triton
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

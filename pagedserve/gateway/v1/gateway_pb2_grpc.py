@@ -5,7 +5,7 @@ import warnings
 
 from pagedserve.gateway.v1 import gateway_pb2 as pagedserve_dot_gateway_dot_v1_dot_gateway__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.85.4'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 

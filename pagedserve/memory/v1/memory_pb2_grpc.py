@@ -5,7 +5,7 @@ import warnings
 
 from pagedserve.memory.v1 import memory_pb2 as pagedserve_dot_memory_dot_v1_dot_memory__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.85.4'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 

@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._validate import check_paged_attention
-from kernels.triton_common import check_triton_device, is_interpreter, num_compute_units
+from pagedserve_kernels._validate import check_paged_attention
+from pagedserve_kernels.triton_common import check_triton_device, is_interpreter, num_compute_units
 
 LOG2_E = 1.4426950408889634
 

@@ -12,7 +12,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kernels._validate import check_paged_attention, check_write_kv
+from pagedserve_kernels._validate import check_paged_attention, check_write_kv
 
 
 def write_kv_reference(

@@ -14,10 +14,10 @@ is also imported as `kernels`, and falls back to importing ours and reading that
 
 import torch
 
-from kernels.cpu_linear import PACKED_DTYPES, keeps_plain, linear, prepack, small_rows
-from kernels.cpu_linear import available as can_prepack
-from kernels.reference import paged_attention_reference, write_kv_reference
-from kernels.step import LayerStack, StepKernels, TorchStep
+from pagedserve_kernels.cpu_linear import PACKED_DTYPES, keeps_plain, linear, prepack, small_rows
+from pagedserve_kernels.cpu_linear import available as can_prepack
+from pagedserve_kernels.reference import paged_attention_reference, write_kv_reference
+from pagedserve_kernels.step import LayerStack, StepKernels, TorchStep
 
 __all__ = ["PACKED_DTYPES", "LayerStack", "StepKernels", "can_prepack", "keeps_plain", "linear", "paged_attention",
            "plan_step", "prepack", "small_rows", "step_path", "write_kv"]
@@ -25,15 +25,15 @@ __all__ = ["PACKED_DTYPES", "LayerStack", "StepKernels", "can_prepack", "keeps_p
 
 def plan_step(slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
               cu_seqlens_q: torch.Tensor, *, dtype: torch.dtype, head_dim: int) -> StepKernels:
-    """The kernels every layer of one step runs, chosen once per step (see kernels/step.py).
+    """The kernels every layer of one step runs, chosen once per step (see kernels/pagedserve_kernels/step.py).
 
     Args:
         slot_mapping, block_tables, seq_lens, cu_seqlens_q: the step's ForwardBatch index tensors.
         dtype: the model's (activations and KV pool); head_dim: its head size.
     """
-    # Imported here: `python -m kernels.cpu_ops` (the image's build step) must not find the module
+    # Imported here: `python -m pagedserve_kernels.cpu_ops` (the image's build step) must not find the module
     # already imported by this package.
-    from kernels.cpu_attention import CpuAttentionPlan
+    from pagedserve_kernels.cpu_attention import CpuAttentionPlan
 
     plan = CpuAttentionPlan.build(slot_mapping, block_tables, seq_lens, cu_seqlens_q, dtype=dtype, head_dim=head_dim)
     if plan is not None:
@@ -52,8 +52,8 @@ def step_path(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
         could not be loaded: logged at error level by kernels.cpu_ops, or turned off); "torch" (a
         dtype or head size they do not take).
     """
-    from kernels import cpu_ops
-    from kernels.cpu_attention import covers
+    from pagedserve_kernels import cpu_ops
+    from pagedserve_kernels.cpu_attention import covers
 
     if device.type == "cuda":
         return "triton"
@@ -81,7 +81,7 @@ def write_kv(
         ValueError: shapes, dtypes, devices or strides do not fit the contract.
     """
     if key.is_cuda:
-        from kernels.triton_write_kv import write_kv_triton
+        from pagedserve_kernels.triton_write_kv import write_kv_triton
 
         write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
     else:
@@ -117,7 +117,7 @@ def paged_attention(
         ValueError: shapes, dtypes, devices or strides do not fit the contract.
     """
     if query.is_cuda:
-        from kernels.triton_attention import paged_attention_triton
+        from pagedserve_kernels.triton_attention import paged_attention_triton
 
         return paged_attention_triton(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale=scale)
     return paged_attention_reference(query, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale=scale)

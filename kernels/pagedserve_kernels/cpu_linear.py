@@ -64,7 +64,7 @@ def small_rows(dtype: torch.dtype) -> int:
     """The most rows `linear` gives the small-batch kernel in `dtype` (0: none here, or turned off)."""
     if dtype != torch.bfloat16 or os.environ.get(_SMALL_ENV, "1") == "0":
         return 0
-    from kernels import cpu_ops  # loads (or builds) the extension: not at import
+    from pagedserve_kernels import cpu_ops  # loads (or builds) the extension: not at import
 
     ops = cpu_ops.load()
     return ops.small_linear_rows() if ops is not None else 0

@@ -1,7 +1,7 @@
 """The fused CPU kernels (`csrc/`): prebuilt per x86-64 level or built once per machine, loaded lazily.
 
 Two ways to get the extension:
-  - prebuilt for every portable x86-64 level (`python -m kernels.cpu_ops --prebuild DIR`, as the
+  - prebuilt for every portable x86-64 level (`python -m pagedserve_kernels.cpu_ops --prebuild DIR`, as the
     container image does at build time, where the compiler is): `load()` takes the best level this
     CPU runs from `$PAGEDSERVE_CPU_OPS_PREBUILT`, which a read-only image ships and no pod compiles;
   - otherwise compiled here with `-march=native` into the cache root (`pagedserve.paths.cache_dir()`:
@@ -307,7 +307,7 @@ def prebuild(root: Path, levels: list[str] | None = None) -> list[Path]:
         if library.is_file():  # built already (the key names the source, torch and the level's flags)
             built.append(library)
             continue
-        # This file as a script: the image builds from kernels/cpu_ops.py and csrc alone.
+        # This file as a script: the image builds from kernels/pagedserve_kernels/cpu_ops.py and csrc alone.
         subprocess.run([sys.executable, str(Path(__file__).resolve()), "--build-one", level, "--root", str(root)],
                        check=False, timeout=1800)
         if not library.is_file():
@@ -328,7 +328,7 @@ def missing_levels(root: Path) -> list[str]:
 
 
 def _main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m kernels.cpu_ops",
+    parser = argparse.ArgumentParser(prog="python -m pagedserve_kernels.cpu_ops",
                                      description="Build the fused CPU kernels now (for this machine by default).")
     parser.add_argument("--prebuild", type=Path, metavar="DIR",
                         help="build portable levels into DIR (for $PAGEDSERVE_CPU_OPS_PREBUILT) instead")
@@ -355,5 +355,5 @@ def _main() -> None:
         print("fused CPU kernels:", origin())
 
 
-if __name__ == "__main__":  # `python -m kernels.cpu_ops`: build now (scripts/setup.sh does)
+if __name__ == "__main__":  # `python -m pagedserve_kernels.cpu_ops`: build now (scripts/setup.sh does)
     _main()

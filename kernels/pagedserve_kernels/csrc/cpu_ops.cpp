@@ -472,7 +472,7 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const std
   return y;
 }
 
-// x (M, in) @ weight.T + bias as kernels/cpu_linear.py's `linear` computes it: `small_linear` for a few
+// x (M, in) @ weight.T + bias as kernels/pagedserve_kernels/cpu_linear.py's `linear` computes it: `small_linear` for a few
 // bf16 rows on a plain weight (`small_rows`: its limit, 0 = never), else oneDNN on the packed copy
 // (`prepack`: an opaque mkldnn tensor) where there is one, else at::linear on the plain weight.
 at::Tensor any_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& packed,
@@ -497,12 +497,12 @@ at::Tensor any_linear(const at::Tensor& x, const at::Tensor& weight, const std::
   return std::move(stack[0]).toTensor();
 }
 
-// Tensors of one layer in `decoder_layers`' lists (see kernels/step.py's LayerStack).
+// Tensors of one layer in `decoder_layers`' lists (see kernels/pagedserve_kernels/step.py's LayerStack).
 constexpr int64_t kLayerWeights = 6;  // input norm, qkv, o, post-attention norm, gate_up, down
 constexpr int64_t kLayerProjections = 4;  // packed copies and biases: qkv, o, gate_up, down (each may be None)
 
 // Every decoder layer of one step in one call: per layer, exactly the ops the Python loop runs
-// (compute_service/model/layers.py's DecoderLayer.forward with the fused plan of kernels/cpu_attention.py),
+// (compute_service/model/layers.py's DecoderLayer.forward with the fused plan of kernels/pagedserve_kernels/cpu_attention.py),
 // in the same order and on the same kernels, so the results are the same bits. What it saves is the
 // interpreter between them: ~17 Python-level calls a layer (each a few microseconds: argument
 // parsing, dispatch, views, profiler checks), ~500 a step, which at one decoding sequence were a

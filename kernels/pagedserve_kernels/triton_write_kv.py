@@ -4,8 +4,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._validate import check_write_kv
-from kernels.triton_common import check_triton_device
+from pagedserve_kernels._validate import check_write_kv
+from pagedserve_kernels.triton_common import check_triton_device
 
 
 @triton.jit

@@ -1,4 +1,4 @@
-"""The fused CPU path (`StepKernels` of kernels/step.py): the C++ ops of csrc/cpu_ops.cpp.
+"""The fused CPU path (`StepKernels` of kernels/pagedserve_kernels/step.py): the C++ ops of csrc/cpu_ops.cpp.
 
 Attention writes the step's K/V, then attends, without gathering the context. Per step,
 `CpuAttentionPlan.build` reads the batch's lengths once (on the host); every layer then writes its
@@ -25,8 +25,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_ops
-from kernels.step import LayerStack
+from pagedserve_kernels import cpu_ops
+from pagedserve_kernels.step import LayerStack
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)  # instantiated in csrc/cpu_ops.cpp
 DTYPES = (torch.float32, torch.bfloat16)  # of the activations and the KV pool; the ops compute in float32

@@ -149,7 +149,7 @@ class TorchStep:
 
     def write_and_attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
-        from kernels import paged_attention, write_kv  # the package's device dispatch
+        from pagedserve_kernels import paged_attention, write_kv  # the package's device dispatch
 
         write_kv(key, value, k_cache, v_cache, self.slot_mapping)
         return paged_attention(query, k_cache, v_cache, self.block_tables, self.seq_lens, self.cu_seqlens_q,
