@@ -116,14 +116,19 @@ class Attention(nn.Module):
         """x (T, hidden) -> (T, hidden); writes the new tokens' K/V into k_cache/v_cache first."""
         num_tokens = x.shape[0]
         with profile_scope("qkv_proj"):
-            qkv = linear(x, self.qkv_weight, self.qkv_packed, self.qkv_bias, self.small_rows)  # (T, (H_q + 2 H_kv) D)
+            # (T, (H_q + 2 H_kv) D); float32 where the small-batch kernel runs (decode): q and k are
+            # rounded to the model's dtype once, after the rotation, not before and after it.
+            qkv = linear(x, self.qkv_weight, self.qkv_packed, self.qkv_bias, self.small_rows, float_out=True)
         with profile_scope("rotary"):
             q, k, v = step.rotary(qkv, cos, sin, self.num_q_heads, self.num_kv_heads, self.head_dim)
+            if qkv.dtype != x.dtype:
+                q, k, v = q.to(x.dtype), k.to(x.dtype), v.to(x.dtype)
         with profile_scope("attention"):
             out = step.write_and_attend(q, k, v, k_cache, v_cache, self.scale)  # (T, H_q, D)
         with profile_scope("o_proj"):
+            # float32 where the small-batch kernel runs: it is added to the float32 residual stream
             return linear(out.reshape(num_tokens, self.q_size), self.o_weight, self.o_packed, self.o_bias,
-                          self.small_rows)
+                          self.small_rows, float_out=True)
 
 
 class MLP(nn.Module):
@@ -148,7 +153,7 @@ class MLP(nn.Module):
         with profile_scope("silu_mul"):
             act = step.silu_mul(gate_up)  # (T, I)
         with profile_scope("mlp_down"):
-            return linear(act, self.down_weight, self.down_packed, self.down_bias, self.small_rows)
+            return linear(act, self.down_weight, self.down_packed, self.down_bias, self.small_rows, float_out=True)
 
 
 class DecoderLayer(nn.Module):
@@ -167,7 +172,7 @@ class DecoderLayer(nn.Module):
         yet, so that the add runs inside this layer's first RMSNorm).
 
         Args:
-            residual: (T, hidden) contiguous, the model's dtype; updated in place.
+            residual: (T, hidden) contiguous float32 (the residual stream); updated in place.
             pending: (T, hidden) or None (first layer).
         Returns:
             (residual, mlp_out): the layer's output is their sum.

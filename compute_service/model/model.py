@@ -51,7 +51,7 @@ class CausalLM(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        """dtype of the weights, activations and KV pool."""
+        """dtype of the weights, the linears' inputs and outputs, and the KV pool (the residual stream is float32)."""
         return self.embed_tokens.dtype
 
     @property
@@ -77,7 +77,11 @@ class CausalLM(nn.Module):
             (R, vocab_size) after each of ``logits_rows``; with ``hidden_rows``, also their (P, hidden).
         """
         self.check_kv_pool(kv_pool)
-        hidden = F.embedding(batch.input_ids, self.embed_tokens)  # (T, hidden)
+        # The residual stream is float32 whatever the weights' dtype (llama.cpp's CPU backend keeps its
+        # activations so too): in bfloat16 its 30 layers of rounded adds flipped near-tied greedy answers,
+        # the README's own question among them (issue 36). Linears still read bf16 (each norm rounds
+        # its output to the weights' dtype once) and the KV cache stays in the model's dtype.
+        hidden = F.embedding(batch.input_ids, self.embed_tokens).float()  # (T, hidden) float32
         with profile_scope("rotary"):
             cos, sin = self.rotary(batch.positions)  # (T, D) each
         # (B,) rows of the last tokens (or the (R,) rows asked for): only they need logits; None when
@@ -119,7 +123,7 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, hidden) final normed hidden states -> (N, vocab_size) float32 logits (the LM head)."""
         with profile_scope("lm_head"):
-            return kernels.linear(hidden, self.lm_head, self.lm_head_packed, None, self.small_rows).float()
+            return kernels.logits(hidden, self.lm_head, self.lm_head_packed, self.small_rows)
 
     def check_kv_pool(self, kv_pool: torch.Tensor) -> None:
         """Raise ValueError unless `kv_pool` has this model's layout, dtype and device."""

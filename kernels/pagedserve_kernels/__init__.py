@@ -8,19 +8,19 @@ supported head size, the C++ extension built) and the PyTorch ops otherwise; `wr
 Triton is imported on the first CUDA call only and the C++ extension on the first `plan_step`, so
 importing this package stays cheap.
 
-This module deliberately has no `__version__`: transformers probes for a Hugging Face package that
-is also imported as `kernels`, and falls back to importing ours and reading that attribute.
+The import name is `pagedserve_kernels`, not `kernels`: Hugging Face's `kernels` distribution, a
+dependency of transformers, owns that one (docs/design.md, "Names").
 """
 
 import torch
 
-from pagedserve_kernels.cpu_linear import PACKED_DTYPES, keeps_plain, linear, prepack, small_rows
+from pagedserve_kernels.cpu_linear import PACKED_DTYPES, keeps_plain, linear, logits, prepack, small_rows
 from pagedserve_kernels.cpu_linear import available as can_prepack
 from pagedserve_kernels.reference import paged_attention_reference, write_kv_reference
 from pagedserve_kernels.step import LayerStack, StepKernels, TorchStep
 
-__all__ = ["PACKED_DTYPES", "LayerStack", "StepKernels", "can_prepack", "keeps_plain", "linear", "paged_attention",
-           "plan_step", "prepack", "small_rows", "step_path", "write_kv"]
+__all__ = ["PACKED_DTYPES", "LayerStack", "StepKernels", "can_prepack", "keeps_plain", "linear", "logits",
+           "paged_attention", "plan_step", "prepack", "small_rows", "step_path", "write_kv"]
 
 
 def plan_step(slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,

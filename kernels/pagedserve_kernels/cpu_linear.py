@@ -100,10 +100,28 @@ def keeps_plain(dtype: torch.dtype, plain_bytes: int = 0) -> bool:
     return False
 
 
+# The most rows the LM head computes with float32 outputs on the small-batch kernel (`logits`): decode
+# batches; past them (prompt scoring) oneDNN's bf16 GEMM tiles are faster, its logits rounded to bf16.
+LOGITS_FLOAT_ROWS = 64
+
+
+def logits(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, num_small_rows: int = 0) -> torch.Tensor:
+    """The LM head: (N, hidden) x (vocab, hidden) weight -> (N, vocab) float32 logits.
+
+    A bfloat16 head computes them in float32 to the end where the small-batch kernel runs (up to
+    `LOGITS_FLOAT_ROWS` rows): rounded to bf16, a logit near 10 moves by up to 0.03, and the top
+    two tokens are that close often enough to flip greedy answers (the README's own question did).
+    """
+    if num_small_rows and x.dtype == torch.bfloat16 and x.shape[0] <= LOGITS_FLOAT_ROWS and weight.numel():
+        return torch.ops.pagedserve_cpu.small_linear_float(x, weight, None)
+    return linear(x, weight, packed, None, num_small_rows, float_out=True).float()
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
-           bias: torch.Tensor | None = None, num_small_rows: int = 0) -> torch.Tensor:
+           bias: torch.Tensor | None = None, num_small_rows: int = 0, float_out: bool = False) -> torch.Tensor:
     """x @ weight.T + bias: the small-batch kernel for up to `num_small_rows` rows, else through the
-    packed weight when there is one.
+    packed weight when there is one. With `float_out` the small-batch kernel's outputs are float32
+    (skipping a rounding to bf16 where the caller takes float32); the other paths keep x's dtype.
 
     Args:
         x: (N, in) activations.
@@ -113,6 +131,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
         num_small_rows: `small_rows(x.dtype)`, or 0 to never take the small-batch kernel.
     """
     if x.shape[0] <= num_small_rows and weight.numel():
+        if float_out:
+            return torch.ops.pagedserve_cpu.small_linear_float(x, weight, bias)
         return torch.ops.pagedserve_cpu.small_linear(x, weight, bias)
     if packed is None:
         return F.linear(x, weight, bias)

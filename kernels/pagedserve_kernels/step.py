@@ -6,8 +6,9 @@ place on the QKV output, add+RMSNorm and SiLU-mul in one pass each) where they a
 `TorchStep` below (PyTorch ops; attention through `write_kv` / `paged_attention`, which run the
 Triton kernels on CUDA and the PyTorch reference elsewhere). The model never names either.
 
-Both keep the residual stream in the model's dtype, as transformers does, and compute norms and
-rotary angles in float32.
+Both take the residual stream in float32 (the model keeps it so whatever its weights' dtype, unlike
+transformers, which keeps it in the model's dtype: issue 36) and compute norms and rotary angles in
+float32; a norm's output, the next linear's input, takes the weights' dtype.
 
 `run_layers` runs the whole layer stack in one call where an implementation can (the fused CPU
 path: one C++ entry for every layer, the same kernels in the same order); None tells the model to
@@ -103,10 +104,11 @@ class StepKernels(Protocol):
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / rms(x) * weight with the statistics in float32, cast back before the weight (transformers' order)."""
+    """x / rms(x) * weight with the statistics in float32, cast to the weight's dtype before the weight
+    (transformers' order); x may be the float32 residual stream of a bfloat16 model."""
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+    return weight * x32.to(weight.dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -147,3 +147,40 @@ def test_small_linear_matches_float32(num_rows: int, shape: tuple[int, int]) -> 
         got = ops.small_linear(x, weight, b)
         close_to_float32(got, want)
         assert torch.equal(ops.small_linear(x[-1:].contiguous(), weight, b), got[-1:])
+
+
+@pytest.mark.parametrize("num_rows", [1, 5, 16, 64])  # decode rows, and the LM head's up to LOGITS_FLOAT_ROWS
+def test_small_linear_float_is_the_same_product_unrounded(num_rows: int) -> None:
+    # The LM head's float32 logits (and decode's qkv, o and down outputs): the very sums small_linear
+    # rounds to bf16, so rounding them gives its outputs bit for bit, and they are float32-close to
+    # the float32 product of the same bf16 values (a rounding of bf16 would be 2**-9 off).
+    if ops.small_linear_rows() == 0:
+        pytest.skip("this build has no AVX512-BF16 small-batch linear")
+    generator = torch.Generator().manual_seed(num_rows)
+    x = torch.randn(num_rows, 576, generator=generator).bfloat16()
+    weight = (torch.randn(1000, 576, generator=generator) / 24).bfloat16()
+    bias = torch.randn(1000, generator=generator).bfloat16()
+    for b in (None, bias):
+        got = ops.small_linear_float(x, weight, b)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, F.linear(x.float(), weight.float(), None if b is None else b.float()),
+                                   rtol=1e-5, atol=1e-5)
+        assert torch.equal(got.bfloat16(), ops.small_linear(x, weight, b))
+
+
+def test_a_float32_residual_stream_under_bf16_weights() -> None:
+    # A bf16 model keeps its residual stream in float32 (compute_service/model/model.py): the sum is
+    # float32 (no rounding), and the norm's output, the next linear's input, is bf16, rounded once.
+    gen = torch.Generator().manual_seed(7)
+    weight = (1.0 + 0.1 * torch.randn(96, generator=gen)).bfloat16()
+    eps = 1e-5
+    residual = torch.randn(9, 96, generator=gen)
+    for delta in (torch.randn(9, 96, generator=gen).bfloat16(), torch.randn(9, 96, generator=gen)):
+        total = residual + delta.float()
+        normed = ops.add_rms_norm(residual, delta, weight, eps)
+        assert residual.dtype == torch.float32 and torch.equal(residual, total)
+        want = total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+        close_to_float32(normed, want)
+        close_to_float32(ops.rms_norm(residual, weight, eps), want)
+    with pytest.raises(RuntimeError, match="residual"):  # a bf16 residual under float32 weights: a bug
+        ops.add_rms_norm(torch.randn(2, 96).bfloat16(), torch.randn(2, 96), weight.float(), eps)

@@ -107,14 +107,7 @@ def _run_python(code: str) -> str:
     return result.stdout.strip()
 
 
-def test_import_is_light_and_has_no_version() -> None:
-    out = _run_python("import sys, kernels; print('triton' in sys.modules, hasattr(kernels, '__version__'))")
-    assert out == "False False"
-
-
-def test_transformers_does_not_mistake_us_for_hf_kernels() -> None:
-    out = _run_python(
-        "import importlib.util, transformers.utils.import_utils as u; "
-        "assert importlib.util.find_spec('kernels') is not None; print(u.is_kernels_available())"
-    )
+def test_import_is_light() -> None:
+    """Triton (about a second, and absent from the CPU image) loads on the first CUDA call only."""
+    out = _run_python("import sys, pagedserve_kernels; print('triton' in sys.modules)")
     assert out == "False"

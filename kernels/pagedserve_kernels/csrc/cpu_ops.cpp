@@ -282,12 +282,14 @@ void paged_attention_portable(at::Tensor out, const at::Tensor& query, const at:
 }
 
 // x (N, H) -> x / rms(x) * weight; with `residual`, first residual += x and normalise the sum
-// (the pre-norm block's "h = x + attn(x); norm(h)" in one pass).
-template <typename T>
-void rms_norm_rows(const T* xp, const T* wp, T* op, int64_t rows, int64_t hidden, float eps) {
+// (the pre-norm block's "h = x + attn(x); norm(h)" in one pass). The residual stream may be float32
+// under bfloat16 weights (the model keeps it so: compute_service/model/model.py): the statistics and
+// the product are float32 either way, and the result takes the weight's dtype, rounded once.
+template <typename TIn, typename T>
+void rms_norm_rows(const TIn* xp, const T* wp, T* op, int64_t rows, int64_t hidden, float eps) {
   at::parallel_for(0, rows, rows_per_thread(hidden), [=](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const T* row = xp + i * hidden;
+      const TIn* row = xp + i * hidden;
       float sq = 0.0f;
 #pragma omp simd reduction(+ : sq)
       for (int64_t j = 0; j < hidden; ++j) sq += static_cast<float>(row[j]) * static_cast<float>(row[j]);
@@ -299,31 +301,45 @@ void rms_norm_rows(const T* xp, const T* wp, T* op, int64_t rows, int64_t hidden
   });
 }
 
+// The residual stream's dtype beside the weights': the weights' own, or float32.
+void check_residual(const at::Tensor& residual, at::ScalarType weight_dtype) {
+  TORCH_CHECK(residual.device().is_cpu() &&
+                  (residual.scalar_type() == weight_dtype || residual.scalar_type() == at::kFloat),
+              "the residual stream must be a CPU tensor of the weights' dtype or float32 (got ",
+              residual.scalar_type(), " under ", weight_dtype, " weights)");
+}
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  check_dtype(x, "x", x.scalar_type());
-  check_dtype(weight, "weight", x.scalar_type());
+  check_dtype(weight, "weight", weight.scalar_type());
+  check_residual(x, weight.scalar_type());
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.is_contiguous() && weight.numel() == x.size(1),
               "x must be (N, H) contiguous");
-  at::Tensor out = at::empty_like(x);
-  dispatch_float_or_bf16(x, [&](auto scalar) {
+  at::Tensor out = at::empty(x.sizes(), x.options().dtype(weight.scalar_type()));
+  dispatch_float_or_bf16(weight, [&](auto scalar) {
     using T = decltype(scalar);
-    rms_norm_rows<T>(x.data_ptr<T>(), weight.data_ptr<T>(), out.data_ptr<T>(), x.size(0), x.size(1),
-                     static_cast<float>(eps));
+    dispatch_float_or_bf16(x, [&](auto input) {
+      using TIn = decltype(input);
+      rms_norm_rows<TIn, T>(x.data_ptr<TIn>(), weight.data_ptr<T>(), out.data_ptr<T>(), x.size(0), x.size(1),
+                            static_cast<float>(eps));
+    });
   });
   return out;
 }
 
 at::Tensor add_rms_norm(at::Tensor residual, const at::Tensor& x, const at::Tensor& weight, double eps) {
-  check_dtype(residual, "residual", residual.scalar_type());
-  check_dtype(x, "x", residual.scalar_type());
+  check_dtype(x, "x", x.scalar_type());
+  check_residual(residual, x.scalar_type());
   TORCH_CHECK(residual.sizes() == x.sizes() && residual.is_contiguous() && x.is_contiguous(), "shape mismatch");
   const int64_t n = residual.numel();
   dispatch_float_or_bf16(residual, [&](auto scalar) {
-    using T = decltype(scalar);
-    T* rp = residual.data_ptr<T>();
-    const T* xp = x.data_ptr<T>();
-    at::parallel_for(0, n, kMinElementsPerThread, [=](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) rp[i] = static_cast<T>(static_cast<float>(rp[i]) + static_cast<float>(xp[i]));
+    using R = decltype(scalar);
+    dispatch_float_or_bf16(x, [&](auto addend) {
+      using T = decltype(addend);
+      R* rp = residual.data_ptr<R>();
+      const T* xp = x.data_ptr<T>();
+      at::parallel_for(0, n, kMinElementsPerThread, [=](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) rp[i] = static_cast<R>(static_cast<float>(rp[i]) + static_cast<float>(xp[i]));
+      });
     });
   });
   return rms_norm(residual, weight, eps);
@@ -451,7 +467,10 @@ int64_t small_linear_rows() {
 }
 
 // x (M, K) @ weight (N, K)^T + bias, bf16, for few rows (csrc/small_linear_bf16.h); the plain weight.
-at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+// The output is bf16, or float32 with `float_out` (the LM head: logits rounded to bf16 lose ties of
+// ~0.06 at a logit of 10, and near-ties decide greedy answers).
+at::Tensor small_linear_impl(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                             bool float_out) {
   TORCH_CHECK(small_linear_rows() > 0, "small_linear needs a build with AVX512-BF16");
   check_dtype(x, "x", at::kBFloat16);
   check_dtype(weight, "weight", at::kBFloat16);
@@ -464,21 +483,36 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const std
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous(), "small_linear: bias (N,)");
     bias_ptr = bias->data_ptr<c10::BFloat16>();
   }
-  at::Tensor y = at::empty({M, N}, x.options());
+  at::Tensor y = at::empty({M, N}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
 #ifdef __AVX512BF16__
-  bf16_rows::linear(x.data_ptr<c10::BFloat16>(), weight.data_ptr<c10::BFloat16>(), bias_ptr,
-                       y.data_ptr<c10::BFloat16>(), M, K, N);
+  if (float_out) {
+    bf16_rows::linear(x.data_ptr<c10::BFloat16>(), weight.data_ptr<c10::BFloat16>(), bias_ptr, y.data_ptr<float>(),
+                      M, K, N);
+  } else {
+    bf16_rows::linear(x.data_ptr<c10::BFloat16>(), weight.data_ptr<c10::BFloat16>(), bias_ptr,
+                      y.data_ptr<c10::BFloat16>(), M, K, N);
+  }
 #endif
   return y;
+}
+
+at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  return small_linear_impl(x, weight, bias, false);
+}
+
+// The same product with float32 outputs, any number of rows (the weight is read once per call).
+at::Tensor small_linear_float(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  return small_linear_impl(x, weight, bias, true);
 }
 
 // x (M, in) @ weight.T + bias as kernels/pagedserve_kernels/cpu_linear.py's `linear` computes it: `small_linear` for a few
 // bf16 rows on a plain weight (`small_rows`: its limit, 0 = never), else oneDNN on the packed copy
 // (`prepack`: an opaque mkldnn tensor) where there is one, else at::linear on the plain weight.
+// With `float_out`, the small-batch kernel's outputs are float32 (the others' stay in x's dtype).
 at::Tensor any_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& packed,
-                      const std::optional<at::Tensor>& bias, int64_t small_rows) {
+                      const std::optional<at::Tensor>& bias, int64_t small_rows, bool float_out) {
   if (x.size(0) <= small_rows && x.scalar_type() == at::kBFloat16 && weight.numel() > 0) {
-    return small_linear(x, weight, bias);
+    return small_linear_impl(x, weight, bias, float_out);
   }
   if (!packed.has_value()) return at::linear(x, weight, bias);
   const at::Tensor& packed_weight = *packed;
@@ -531,10 +565,11 @@ at::Tensor decoder_layers(at::Tensor residual, const std::optional<at::Tensor>& 
   at::Tensor mlp_out = pending.has_value() ? *pending : at::Tensor();
   for (int64_t layer = 0; layer < num_layers; ++layer) {
     const at::Tensor* w = weights.data() + layer * kLayerWeights;
-    // Projection i (0 qkv, 1 o, 2 gate_up, 3 down; its plain weight is w[plain]) of x.
+    // Projection i (0 qkv, 1 o, 2 gate_up, 3 down; its plain weight is w[plain]) of x; float32 outputs
+    // where the small-batch kernel runs for qkv, o and down (see DecoderLayer.forward).
     const auto project = [&](const at::Tensor& x, int64_t i, int64_t plain) {
       const int64_t index = layer * kLayerProjections + i;
-      return any_linear(x, w[plain], packed.get(index), biases.get(index), small_rows);
+      return any_linear(x, w[plain], packed.get(index), biases.get(index), small_rows, i != 2);
     };
     at::Tensor normed;
     {
@@ -549,6 +584,7 @@ at::Tensor decoder_layers(at::Tensor residual, const std::optional<at::Tensor>& 
     {
       RECORD_FUNCTION("rotary", c10::ArrayRef<const c10::IValue>{});
       rotary_(qkv, cos, sin, num_q_heads + num_kv_heads, head_dim);
+      if (qkv.scalar_type() != normed.scalar_type()) qkv = qkv.to(normed.scalar_type());  // one rounding, after it
     }
     at::Tensor attn;
     {
@@ -735,6 +771,7 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
         "int small_rows, Tensor cos, Tensor sin, Tensor(b!) kv_pool, Tensor slots, Tensor block_tables, Tensor seq_lens, Tensor cu_seqlens_q, "
         "Tensor seq_ids, int num_q_heads, int num_kv_heads, int head_dim, float eps, float scale) -> Tensor");
   m.def("small_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("small_linear_float(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("small_linear_rows() -> int");
   m.def("nucleus_draws(Tensor rows, Tensor inv_t, Tensor top_p, Tensor uniform, int k) -> Tensor");
   m.def("has_nucleus_draws() -> bool");
@@ -751,6 +788,7 @@ TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
   m.impl("rotary_", &rotary_);
   m.impl("write_kv_", &write_kv_);
   m.impl("small_linear", &small_linear);
+  m.impl("small_linear_float", &small_linear_float);
 #ifdef __AVX512F__
   m.impl("nucleus_draws", &nucleus_draws);
 #endif

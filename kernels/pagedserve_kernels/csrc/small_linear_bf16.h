@@ -1,7 +1,7 @@
 // A bf16 linear for a few rows (decode: one row per running sequence), included by cpu_ops.cpp where
 // the build has AVX512-BF16 (`__AVX512BF16__`). y (M, N) = x (M, K) @ weight (N, K)^T + bias, the
 // weight in its plain row-major layout, float32 accumulation, each output rounded to bf16 once (as
-// oneDNN's bf16 matmul does).
+// oneDNN's bf16 matmul does), or written as float32 (TOut = float: the LM head's logits).
 //
 // Why: at one to a few rows a linear only streams its weight from memory once, and that is a decode
 // step's whole cost (269 MB of weights a token for the default model). oneDNN's packed matmul read
@@ -35,8 +35,8 @@ inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh&>(x); }
 // Outputs [n0, n0 + rows) of rows [m0, m0 + MR) of x, one weight row at a time: the weight is read
 // front to back (one sequential stream, what the hardware prefetcher follows best; 4 rows read
 // side by side ran at half this speed), two accumulator chains per row of x (independent adds).
-template <int MR>
-inline void block(const c10::BFloat16* x, const c10::BFloat16* weight, const c10::BFloat16* bias, c10::BFloat16* y,
+template <int MR, typename TOut>
+inline void block(const c10::BFloat16* x, const c10::BFloat16* weight, const c10::BFloat16* bias, TOut* y,
                   int64_t K, int64_t N, int64_t m0, int64_t n0, int64_t rows) {
   const int64_t tail = K % 32;
   const __mmask32 mask = (__mmask32)((1ull << tail) - 1);
@@ -70,13 +70,14 @@ inline void block(const c10::BFloat16* x, const c10::BFloat16* weight, const c10
     }
     const float b = bias != nullptr ? static_cast<float>(bias[n]) : 0.0f;
     for (int i = 0; i < MR; ++i)
-      y[(m0 + i) * N + n] = static_cast<c10::BFloat16>(_mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1])) + b);
+      y[(m0 + i) * N + n] = static_cast<TOut>(_mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1])) + b);
   }
 }
 
 // y (M, N) = x (M, K) @ weight (N, K)^T (+ bias (N,)), every pointer contiguous bf16; any M (passes of
 // kMaxRows rows over a thread's weight rows, which stay in cache between passes when they are few).
-inline void linear(const c10::BFloat16* x, const c10::BFloat16* weight, const c10::BFloat16* bias, c10::BFloat16* y,
+template <typename TOut>
+inline void linear(const c10::BFloat16* x, const c10::BFloat16* weight, const c10::BFloat16* bias, TOut* y,
                    int64_t M, int64_t K, int64_t N) {
   const int64_t num_blocks = (N + kWeightRows - 1) / kWeightRows;
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(),
@@ -87,11 +88,11 @@ inline void linear(const c10::BFloat16* x, const c10::BFloat16* weight, const c1
     for (int64_t b = begin; b < end; ++b) {
       const int64_t n0 = b * kWeightRows, rows = std::min(kWeightRows, N - n0);
       int64_t m0 = 0;  // passes of kMaxRows rows of x: the block's weight rows stay in L1 between them
-      for (; m0 + kMaxRows <= M; m0 += kMaxRows) block<kMaxRows>(x, weight, bias, y, K, N, m0, n0, rows);
+      for (; m0 + kMaxRows <= M; m0 += kMaxRows) block<kMaxRows, TOut>(x, weight, bias, y, K, N, m0, n0, rows);
       switch (M - m0) {
-        case 3: block<3>(x, weight, bias, y, K, N, m0, n0, rows); break;
-        case 2: block<2>(x, weight, bias, y, K, N, m0, n0, rows); break;
-        case 1: block<1>(x, weight, bias, y, K, N, m0, n0, rows); break;
+        case 3: block<3, TOut>(x, weight, bias, y, K, N, m0, n0, rows); break;
+        case 2: block<2, TOut>(x, weight, bias, y, K, N, m0, n0, rows); break;
+        case 1: block<1, TOut>(x, weight, bias, y, K, N, m0, n0, rows); break;
         default: break;
       }
     }
