@@ -2,8 +2,8 @@
 
 A tenant is who the key says it is. Everything security-relevant is derived from the tenant, never
 from what a request claims: its concurrency share, the highest priority it may ask for, and the
-prefix-cache namespace its prompts live in. Logs, metrics and cache namespaces name the tenant,
-never its key.
+prefix-cache namespace its prompts live in (derived from its keys: `Tenant.namespace`). Logs and
+metrics name the tenant, never its key.
 
 This module knows nothing of gRPC or HTTP, so every front (the gRPC servicer, an OpenAI HTTP front)
 shares one model through two calls: ``Tenants.identify(bearer_token)`` (which tenant is it; None:
@@ -26,6 +26,7 @@ long the keys are.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import json
@@ -42,6 +43,7 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 # A key travels as "authorization: Bearer KEY": printable ASCII without spaces.
 _KEY = re.compile(r"[\x21-\x7e]{1,256}")
 _TENANT_FIELDS = {"keys", "max_priority", "max_concurrent"}
+_NAMESPACE_MESSAGE = b"pagedserve prefix-cache namespace v1"
 
 
 @dataclass(frozen=True)
@@ -77,13 +79,29 @@ class Tenant:
             raise PermissionDeniedError(f"priority {priority} is above the max_priority of tenant {self.name!r} "
                                         f"({self.max_priority}); ask the operator for more")
 
+    @functools.cached_property
+    def namespace(self) -> str:
+        """What the tenant's prefix-cache namespace derives from: its keys, never its name.
+
+        Plain keys are named by list position (``key-1``) and the disk tier keeps namespaces across
+        restarts, so a namespace of the name let a new key in the first position read the cached
+        prompts of the revoked key that stood there (issue 37 item 3). A keyed digest of each key
+        (HMAC-SHA256 under the key itself: stable across restarts, and no key can be learnt from it),
+        all of a tenant's keys together: adding or removing a key starts the tenant on a new,
+        empty namespace. Only the keyless local tenant is named by its name.
+        """
+        if not self.keys:
+            return self.name
+        digests = sorted(hmac.new(key.encode(), _NAMESPACE_MESSAGE, hashlib.sha256).hexdigest() for key in self.keys)
+        return "keys-" + hashlib.sha256("\n".join(digests).encode()).hexdigest()
+
     def cache_salt(self, client_salt: str) -> str:
         """The prefix-cache namespace of a request: the tenant's, narrowed by the client's salt.
 
         A digest, so no client salt of one tenant can name another tenant's namespace; the
-        newline cannot occur in a tenant name, so (tenant, salt) pairs never collide.
+        newline cannot occur in a namespace, so (namespace, salt) pairs never collide.
         """
-        digest = hashlib.sha256(f"{self.name}\n{client_salt}".encode()).hexdigest()
+        digest = hashlib.sha256(f"{self.namespace}\n{client_salt}".encode()).hexdigest()
         return f"tenant-{digest}"
 
 

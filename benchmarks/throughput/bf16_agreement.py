@@ -1,14 +1,15 @@
-"""bf16 accuracy on the default model: teacher-forced top-1 agreement with transformers.
+"""bf16 accuracy on the default model: teacher-forced top-1 agreement with float32 and with transformers.
 
 Over English text (benchmarks/throughput/realistic.py's), each passage runs through our model as a
 prefill of its first half (the prompt-tile kernels), then one teacher-forced decode step per token
 of its second half (the decode kernels); at every position the top-1 next token is compared with
 transformers' on the whole passage, in bfloat16 and in float32. Prints one JSON line: the agreement
-of ours-bf16 with transformers-bf16 (the contract), with transformers-fp32, transformers' own bf16
-against its fp32 (what bf16 alone changes), ours-fp32 with transformers-fp32, and the count of
-non-finite logits.
+of ours-bf16 with float32 (ours and transformers': issue 36's goal, >= 99%), with transformers-bf16,
+transformers' own bf16 against its fp32 (a plain bf16 forward), ours-fp32 with transformers-fp32,
+and the count of non-finite logits. The default, 20 passages of 200 tokens, scores 2,000 positions
+(about 4 minutes on 2 cores).
 
-    python -m benchmarks.throughput.bf16_agreement [--passages 4] [--tokens 200]
+    python -m benchmarks.throughput.bf16_agreement [--passages 20] [--tokens 200]
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def ours_top1(model, ids: list[int], split: int) -> tuple[torch.Tensor, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--passages", type=int, default=4)
+    parser.add_argument("--passages", type=int, default=20)
     parser.add_argument("--tokens", type=int, default=200, help="tokens per passage (half prefill, half decode)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -54,8 +55,8 @@ def main() -> None:
               for name in ("bfloat16", "float32")}
     text_ids = tokenizer(english_text(), add_special_tokens=False).input_ids
     rng = random.Random(args.seed)
-    counts = {"ours_bf16_vs_hf_bf16": 0, "ours_bf16_vs_hf_fp32": 0, "hf_bf16_vs_hf_fp32": 0,
-              "ours_fp32_vs_hf_fp32": 0}
+    counts = {"ours_bf16_vs_ours_fp32": 0, "ours_bf16_vs_hf_fp32": 0, "hf_bf16_vs_hf_fp32": 0,
+              "ours_bf16_vs_hf_bf16": 0, "ours_fp32_vs_hf_fp32": 0}
     positions = non_finite = 0
     split = args.tokens // 2
     for _ in range(args.passages):
@@ -68,6 +69,7 @@ def main() -> None:
             ours_fp32, _ = ours_top1(ours["float32"].model, ids, split)
         non_finite += bad
         positions += len(ours_bf16)
+        counts["ours_bf16_vs_ours_fp32"] += int((ours_bf16 == ours_fp32).sum())
         counts["ours_bf16_vs_hf_bf16"] += int((ours_bf16 == hf["bfloat16"]).sum())
         counts["ours_bf16_vs_hf_fp32"] += int((ours_bf16 == hf["float32"]).sum())
         counts["hf_bf16_vs_hf_fp32"] += int((hf["bfloat16"] == hf["float32"]).sum())

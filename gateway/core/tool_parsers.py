@@ -43,7 +43,7 @@ def call_of(value: object, tools: dict[str, dict]) -> ToolCall | None:
     if isinstance(arguments, str):  # some models write the arguments as JSON text
         try:
             arguments = json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested past the decoder's depth
             return None
     return new_call(value["name"], arguments) if isinstance(arguments, dict) else None
 
@@ -104,7 +104,7 @@ class HermesParser:
                 return None
             try:
                 call = call_of(json.loads(match.group(1)), tools)
-            except ValueError:
+            except (ValueError, RecursionError):
                 return None
             if call is None:
                 return None

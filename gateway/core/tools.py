@@ -103,7 +103,7 @@ class ToolPlan:
             return parsed
         try:
             value = json.loads(text)
-        except ValueError:  # unfinished (length, a stop string)
+        except (ValueError, RecursionError):  # unfinished (length, a stop string), or nested past the decoder
             return None
         if self.mode == "function":
             return ("", [new_call(self.function, value)]) if isinstance(value, dict) else None
@@ -123,12 +123,16 @@ def _schema(i: int, tool: Tool) -> dict:
         schema = json.loads(tool.parameters)
     except ValueError as exc:
         raise InvalidArgument(f"tools[{i}].parameters: not valid JSON ({exc})") from None
+    except RecursionError:  # Python's decoder gives up past its recursion limit
+        raise InvalidArgument(f"tools[{i}].parameters: nested too deeply") from None
     if not isinstance(schema, dict) or schema.get("type", "object") != "object":
         raise InvalidArgument(f"tools[{i}].parameters must be a JSON schema of an object")
     import jsonschema  # the gateway's only use of it: loaded with the first request that has tools
 
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
+    except RecursionError:  # a schema parsed within the decoder's depth but deeper than the checker's
+        raise InvalidArgument(f"tools[{i}].parameters: nested too deeply") from None
     except jsonschema.SchemaError as exc:
         raise InvalidArgument(f"tools[{i}].parameters: invalid JSON schema: {echo(exc.message, 200)}") from None
     return schema
@@ -146,7 +150,7 @@ def _check_history(messages: Sequence[ChatMessage]) -> None:
                                       f"'_', '-' or '.', got {echo(call.name)}")
             try:
                 arguments = json.loads(call.arguments or "{}")
-            except ValueError:
+            except (ValueError, RecursionError):  # nested past the decoder's depth: bad input, not a bug
                 arguments = None
             if not isinstance(arguments, dict):
                 raise InvalidArgument(f"messages[{i}].tool_calls[{j}].arguments must be the JSON text of an object")

@@ -65,6 +65,7 @@ import hashlib
 import os
 import re
 import secrets
+import stat
 import struct
 import mmap
 import threading
@@ -229,9 +230,12 @@ class DiskTier:
                 continue  # not ours (e.g. the service's id file)
             key = bytes.fromhex(entry.name[: -len(FILE_SUFFIX)])
             try:
-                with open(entry.path, "rb") as f:
+                with open_block_file(entry.path) as f:
                     header = f.read(HEADER_SIZE)
-                st = entry.stat(follow_symlinks=False)
+                    st = os.fstat(f.fileno())
+            except NotOurFile as exc:
+                self._remove_bad(Path(entry.path), str(exc))
+                continue
             except OSError as exc:
                 self._remove_bad(Path(entry.path), f"unreadable ({exc.strerror})")
                 continue
@@ -281,7 +285,7 @@ class DiskTier:
         size, offset = identity.file_size, identity.payload_offset
         buffer = bytearray(size)
         try:
-            with open(path, "rb", buffering=0) as f, memoryview(buffer) as into:
+            with open_block_file(path) as f, memoryview(buffer) as into:
                 num_read = 0
                 while num_read < size:  # a short read (a signal, a network file system) goes on
                     num = f.readinto(into[num_read:])
@@ -292,6 +296,10 @@ class DiskTier:
                     num_read += 1  # longer than a block: not ours to trust
         except FileNotFoundError:
             self._forget(key)
+            return None
+        except NotOurFile as exc:  # planted in the directory: a miss, and removed
+            self._forget(key)
+            self._remove_bad(path, str(exc))
             return None
         except OSError as exc:
             log.warning("kv_tier_read_failed", path=str(path), error=exc.strerror)
@@ -499,6 +507,39 @@ class DiskTier:
 
 
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+# Never follow a link, never wait: a FIFO opened for reading blocks until a writer comes, and one
+# planted under a block's name held the tier's loader (and every later load) forever (issue 37).
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
+
+
+class NotOurFile(OSError):
+    """A name in the tier directory that is no block file of ours: not a regular file, another user's,
+    or linked from elsewhere (a hard link could make us serve, or later overwrite, a file we never wrote)."""
+
+
+def open_block_file(path: str | Path):
+    """A block file opened for reading (unbuffered binary), only if it is a regular file of this
+    process's user with one link; else NotOurFile (the caller removes the name). Never blocks: the
+    open does not follow symlinks nor wait on a FIFO (and O_NONBLOCK does nothing to a regular file's
+    reads)."""
+    try:
+        fd = os.open(path, _READ_FLAGS)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise NotOurFile("a symbolic link") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotOurFile(f"not a regular file (mode {stat.filemode(st.st_mode)})")
+        if st.st_uid != os.geteuid():
+            raise NotOurFile(f"owned by uid {st.st_uid}, not {os.geteuid()}")
+        if st.st_nlink != 1:
+            raise NotOurFile(f"{st.st_nlink} links")
+        return os.fdopen(fd, "rb", buffering=0)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _write_rest(fd: int, data: memoryview) -> None:

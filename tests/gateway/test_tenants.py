@@ -146,6 +146,20 @@ def test_cache_namespace_is_the_tenants_narrowed_by_the_clients_salt() -> None:
     assert all(len(t.cache_salt("s" * 256)) <= 256 and "team" not in t.cache_salt("") for t in (a, b))
 
 
+def test_the_cache_namespace_is_bound_to_the_key_not_its_position_or_name() -> None:
+    """Issue 37 item 3: a new key listed first (named key-1, as the revoked key before it) read the
+    old tenant's cached prompts; the namespace now derives from the key itself."""
+    [old] = load_tenants(["old-secret"], None, "env", 8)
+    new, kept = load_tenants(["new-secret", "old-secret"], None, "env", 8)
+    assert old.name == new.name == "key-1" and kept.name == "key-2"
+    assert new.cache_salt("") != old.cache_salt("") and kept.cache_salt("") == old.cache_salt("")
+    # A tenants file's explicit name stays, its namespace still the key's; no key shows in it.
+    named = Tenant("team-a", keys=("old-secret",))
+    assert named.cache_salt("x") == kept.cache_salt("x") != Tenant("team-a", keys=("other",)).cache_salt("x")
+    assert "secret" not in named.namespace and "team" not in named.namespace
+    assert Tenant("local").namespace == "local"
+
+
 def test_a_batch_is_admitted_all_or_none() -> None:
     """Issue 27 item 2: an HTTP prompt list takes every slot it needs at once, or none."""
     from pagedserve.errors import ResourceExhaustedError

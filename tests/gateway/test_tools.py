@@ -49,6 +49,11 @@ def _request(**fields: object) -> GenerateRequest:
      r"^messages\[0\]\.tool_calls: only an assistant"),
     ({"messages": [ChatMessage("assistant", "", (ToolCall("c", "f", "[1]"),))]},
      r"^messages\[0\]\.tool_calls\[0\]\.arguments must be the JSON text of an object"),
+    # Issue 37 item 9: nested 100,000 levels, Python's decoder raised RecursionError, a 500.
+    ({"messages": [ChatMessage("assistant", "", (ToolCall("c", "f", '{"a":' * 100_000 + "1" + "}" * 100_000),))]},
+     r"^messages\[0\]\.tool_calls\[0\]\.arguments must be the JSON text of an object"),
+    ({"tools": [Tool("f", parameters='{"a":' * 100_000 + "1" + "}" * 100_000)]},
+     r"^tools\[0\]\.parameters: nested too deeply"),
     ({"tools": [Tool(f"f{i}") for i in range(129)]}, r"^tools: at most 128 tools"),
 ])
 def test_bad_tools_name_the_field(fields: dict, message: str) -> None:

@@ -330,3 +330,26 @@ def test_a_file_of_the_first_layout_is_removed_at_open(tmp_path: Path) -> None:
     assert KEYS[0] not in reopened and not path.exists()
     assert [e["problem"] for e in logs if e["event"] == "kv_tier_file_removed"] == [
         "layout version 1, this service reads 2"]
+
+
+@pytest.mark.parametrize("plant", ["fifo", "hard_link", "symlink"])
+def test_a_name_that_is_no_block_file_of_ours_is_a_quick_miss_and_removed(tmp_path: Path, plant: str) -> None:
+    """Issue 37 items 4 and 6: a FIFO under a block's name hung the loader (and every later load) in
+    open(); a hard-linked or symlinked file was served. Each is now a miss at once, and removed."""
+    tier = open_tier(tmp_path / "tier")
+    assert tier.put(KEYS[0], NS, payload(0)) and tier.put(KEYS[1], NS, payload(1))
+    path = tmp_path / "tier" / f"{KEYS[0].hex()}.kv"
+    elsewhere = tmp_path / "elsewhere.kv"
+    os.replace(path, elsewhere)  # the real bytes, now outside
+    if plant == "fifo":
+        os.mkfifo(path, 0o600)
+    elif plant == "hard_link":
+        os.link(elsewhere, path)
+    else:
+        path.symlink_to(elsewhere)
+    assert tier.get(KEYS[0], NS) is None  # returns (a FIFO blocked here forever)
+    assert not os.path.lexists(path) and KEYS[0] not in tier and tier.counters().num_bad_files == 1
+    assert bytes(tier.get(KEYS[1], NS)) == bytes(payload(1))  # the tier goes on serving
+    if plant == "hard_link":  # and at the next open, a planted link is removed rather than indexed
+        os.link(tmp_path / "tier" / f"{KEYS[1].hex()}.kv", tmp_path / "other-link")
+        assert open_tier(tmp_path / "tier").counters().num_blocks == 0
