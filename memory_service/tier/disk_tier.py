@@ -61,6 +61,7 @@ files at once).
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import os
 import re
@@ -192,6 +193,7 @@ class DiskTier:
             raise PreconditionError(f"kv_disk_dir {str(self.directory)!r} belongs to another user")
         if st.st_mode & 0o777 != 0o700:
             os.chmod(self.directory, 0o700)
+        self._lock_fd = _lock_directory(self.directory)
         self.identity: TierIdentity | None = None
         self._lock = threading.Lock()
         self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> file size, least recently used first
@@ -202,6 +204,12 @@ class DiskTier:
         self._num_bad_files = 0
         self._is_direct = True  # O_DIRECT writes until the file system refuses one (module docstring)
         self._buffer: mmap.mmap | None = None  # the file a put writes, page-aligned (set by ``open``)
+
+    def close(self) -> None:
+        """Releases the directory (its lock) for another service; the files stay for the next one."""
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # the flock goes with the last descriptor of its open file
+            self._lock_fd = None
 
     # --- opening ------------------------------------------------------------------------------
 
@@ -510,6 +518,30 @@ _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
 # Never follow a link, never wait: a FIFO opened for reading blocks until a writer comes, and one
 # planted under a block's name held the tier's loader (and every later load) forever (issue 37).
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
+
+
+LOCK_FILE_NAME = ".lock"
+
+
+def _lock_directory(directory: Path) -> int:
+    """An exclusive lock on the tier directory for this service's life (a descriptor to keep open).
+
+    Two services on one directory kept two budgets over the same files (20 files against a 10-file
+    budget), and a service for another model removed the other's files, half-written ones included,
+    when it opened (issue 37). The second now refuses to start, naming the directory and the holder.
+    flock, not a pid file: the kernel releases it when the holder dies however it dies.
+    """
+    fd = os.open(directory / LOCK_FILE_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+        os.close(fd)
+        raise PreconditionError(f"kv_disk_dir {str(directory)!r} is in use by another memory service (pid "
+                                f"{holder}): give each service a directory of its own") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
 
 class NotOurFile(OSError):

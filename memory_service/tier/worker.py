@@ -215,6 +215,8 @@ class TierWorker:
         self._loader.join()
         if self._readers is not None:
             self._readers.shutdown(wait=True, cancel_futures=True)
+        if self.disk is not None:
+            self.disk.close()  # its directory's lock: another service may take it now
 
     # --- the threads --------------------------------------------------------------------------
 

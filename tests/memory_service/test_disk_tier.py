@@ -8,6 +8,7 @@ import mmap
 import os
 import stat
 import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -56,6 +57,7 @@ def test_round_trip_modes_and_warm_restart(tmp_path: Path) -> None:
     assert tier.get(KEYS[1], bytes(16)) is None  # another namespace: a miss, and a bad file
     assert [key in tier for key in KEYS[:3]] == [True, False, True]  # the namespace mismatch removed KEYS[1]
 
+    tier.close()  # the service stops (its lock on the directory goes with it)
     restarted = open_tier(directory)  # a new service on the same directory
     assert [key in restarted for key in KEYS[:3]] == [True, False, True]
     assert bytes(restarted.get(KEYS[2], NS)) == bytes(payload(2))
@@ -93,9 +95,10 @@ def test_another_model_dtype_block_size_or_layout_is_removed_at_open(tmp_path: P
     assert tier.put(KEYS[0], NS, payload(0))
     (tmp_path / ".tmp-leftover").write_bytes(b"cut short")  # a write a SIGKILL interrupted
     (tmp_path / "memory-service-id").write_text("not a block")  # not ours: left alone
+    tier.close()
     reopened = open_tier(tmp_path, identity=other)
     assert files(tmp_path) == [] and reopened.counters().num_bad_files == 1
-    assert sorted(os.listdir(tmp_path)) == ["memory-service-id"]
+    assert sorted(os.listdir(tmp_path)) == [".lock", "memory-service-id"]
 
 
 def test_truncated_file_is_removed_at_open(tmp_path: Path) -> None:
@@ -103,6 +106,7 @@ def test_truncated_file_is_removed_at_open(tmp_path: Path) -> None:
     assert tier.put(KEYS[0], NS, payload(0)) and tier.put(KEYS[1], NS, payload(1))
     path = tmp_path / f"{KEYS[1].hex()}.kv"
     path.write_bytes(path.read_bytes()[: HEADER_SIZE + 7])
+    tier.close()
     reopened = open_tier(tmp_path)
     assert KEYS[0] in reopened and KEYS[1] not in reopened and not path.exists()
 
@@ -114,6 +118,7 @@ def test_open_says_how_many_partial_writes_and_bad_files_it_removed(tmp_path: Pa
     path.write_bytes(path.read_bytes()[: HEADER_SIZE + 7])  # truncated
     for name in (".tmp-a", ".tmp-b"):  # writes a SIGKILL cut short
         (tmp_path / name).write_bytes(b"cut short")
+    tier.close()
     with capture_logs() as events:
         open_tier(tmp_path)
     by_event = {e["event"]: e for e in events}
@@ -180,7 +185,7 @@ def small_tmpfs(directory: Path, num_pages: int) -> Iterator[Path]:
 
 def test_a_full_file_system_below_the_budget_evicts_lru_files_and_keeps_writing(tmp_path: Path) -> None:
     assert HEADER_SIZE + BLOCK_BYTES <= PAGE  # one page per block file
-    with small_tmpfs(tmp_path / "fs", 8) as fs, capture_logs() as logs:
+    with small_tmpfs(tmp_path / "fs", 9) as fs, capture_logs() as logs:  # 8 block files and the lock file
         tier = open_tier(fs / "tier", capacity=1 << 30)  # a budget far above the file system's 8 pages
         for i in range(8):
             assert tier.put(MANY_KEYS[i], NS, payload(i))
@@ -325,6 +330,7 @@ def test_a_file_of_the_first_layout_is_removed_at_open(tmp_path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[8:10] = (1).to_bytes(2, "little")  # layout 1: CRC-32 checksums, another header
     path.write_bytes(data)
+    tier.close()
     with capture_logs() as logs:
         reopened = open_tier(tmp_path)
     assert KEYS[0] not in reopened and not path.exists()
@@ -352,4 +358,22 @@ def test_a_name_that_is_no_block_file_of_ours_is_a_quick_miss_and_removed(tmp_pa
     assert bytes(tier.get(KEYS[1], NS)) == bytes(payload(1))  # the tier goes on serving
     if plant == "hard_link":  # and at the next open, a planted link is removed rather than indexed
         os.link(tmp_path / "tier" / f"{KEYS[1].hex()}.kv", tmp_path / "other-link")
+        tier.close()
         assert open_tier(tmp_path / "tier").counters().num_blocks == 0
+
+
+def test_a_second_service_on_the_same_directory_refuses_to_start(tmp_path: Path) -> None:
+    """Issue 37 item 7: two services on one directory kept two budgets over the same files, and one for
+    another model removed the other's files when it opened. The second refuses, naming both."""
+    tier = open_tier(tmp_path / "tier")
+    assert tier.put(KEYS[0], NS, payload(0))
+    other = TierIdentity("model-b", "float32", 4, 2, 2, 4)
+    done = subprocess.run([sys.executable, "-c", (
+        "import sys; from memory_service.tier.disk_tier import DiskTier\n"
+        f"DiskTier({str(tmp_path / 'tier')!r}, 1 << 20)")], capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert f"kv_disk_dir '{tmp_path / 'tier'}' is in use by another memory service (pid {os.getpid()})" in done.stderr
+    assert files(tmp_path / "tier") == [f"{KEYS[0].hex()}.kv"]  # nothing of the first service's was touched
+    tier.close()
+    reopened = open_tier(tmp_path / "tier", identity=other)  # once it stops, the directory is free
+    assert files(tmp_path / "tier") == [] and reopened.counters().num_bad_files == 1
