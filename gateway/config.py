@@ -9,11 +9,10 @@ from pathlib import Path
 from gateway.core.tool_parsers import PARSER_NAMES
 from gateway.tenants import Tenant, load_tenants
 from pagedserve import sampling_rules
-from pagedserve.service_auth import check_token, load_token
+from pagedserve.service_auth import API_KEYS_ENV, check_token, load_token
 from pagedserve.config import ServiceConfig, check_listen
 
 # Where API keys come from besides --api-keys-file: comma-separated keys.
-API_KEYS_ENV = "PAGEDSERVE_API_KEYS"
 
 
 def _positive(name: str, value: float) -> None:

@@ -17,9 +17,9 @@ import grpc
 
 from pagedserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from pagedserve.log import LOG_FORMATS
+from pagedserve.service_auth import API_KEY_ENV
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
-API_KEY_ENV = "PAGEDSERVE_API_KEY"
 
 
 class NotListening(Exception):

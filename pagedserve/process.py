@@ -34,7 +34,7 @@ from typing import IO, NoReturn
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagedserve import cpu_preload
+from pagedserve import cpu_preload, service_auth
 
 _PR_SET_PDEATHSIG = 1
 
@@ -171,9 +171,10 @@ class ServiceProcess:
         if self.log_file is not None:
             self._log = open(self.log_file, "ab")
         tie = ["--parent-pid", str(os.getpid())] if die_with_parent else []
-        base = dict(os.environ if env is None else env)
+        # Only the secrets this service uses (service_auth.SECRET_ENVS): never the API keys but in the gateway.
+        base = service_auth.env_for_service(module, os.environ if env is None else env)
         if module == "compute_service":  # tcmalloc + Intel OpenMP when installed (cpu_preload.py)
-            env = cpu_preload.env_for(self.args, base) or env
+            env = cpu_preload.env_for(self.args, base) or base
         else:  # not for the other services, even when a preloaded process starts them
             env = cpu_preload.strip_env(base)
         self.proc = subprocess.Popen(

@@ -24,7 +24,23 @@ TOKEN_ENV = "PAGEDSERVE_COMPUTE_TOKEN"
 # The memory service's own token (memory_service/service/trust.py): a different secret, since the
 # gateways that hold the compute token never talk to the memory service.
 MEMORY_TOKEN_ENV = "PAGEDSERVE_MEMORY_TOKEN"
+# The gateway's API keys (gateway/config.py) and a client's own key (pagedserve/cli.py).
+API_KEYS_ENV = "PAGEDSERVE_API_KEYS"
+API_KEY_ENV = "PAGEDSERVE_API_KEY"
+# Which services may find each secret in their environment: a started service gets only its own
+# (ServiceProcess), so a compute or memory service's /proc/PID/environ holds no API key (issue 37).
+SECRET_ENVS: dict[str, tuple[str, ...]] = {
+    API_KEYS_ENV: ("gateway",),
+    API_KEY_ENV: (),
+    TOKEN_ENV: ("gateway", "compute_service"),
+    MEMORY_TOKEN_ENV: ("compute_service", "memory_service"),
+}
 MIN_TOKEN_CHARS = 16
+
+
+def env_for_service(module: str, env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` without the secrets that the service ``module`` has no use for (``SECRET_ENVS``)."""
+    return {name: value for name, value in env.items() if module in SECRET_ENVS.get(name, (module,))}
 _OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
 _TOKEN_CHARS = frozenset(string.ascii_letters + string.digits + string.punctuation)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -67,8 +68,14 @@ def test_the_kernels_folder_is_no_package() -> None:
 def test_the_wheel_installs_only_our_import_names(tmp_path: Path) -> None:
     """A wheel (what the image and `pip install <git url>` install) writes no top-level name but ours,
     and carries the kernels' C++ source."""
+    source = tmp_path / "source"  # a copy: setuptools leaves build/ in the tree it builds
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    for name in ("pagedserve", "memory_service", "compute_service", "gateway", "kernels"):
+        shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-                    "--wheel-dir", str(tmp_path), str(ROOT)], check=True, capture_output=True, timeout=300)
+                    "--wheel-dir", str(tmp_path), str(source)], check=True, capture_output=True, timeout=300)
     [wheel] = tmp_path.glob("pagedserve-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     top = {name.split("/")[0] for name in names if not name.split("/")[0].endswith(".dist-info")}

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from pagedserve.process import ServiceProcess, check_health, wait_until
+from pagedserve.service_auth import env_for_service
 from tests.processes import is_gone, lowered_open_files_limit, open_files_limits
 
 
@@ -39,6 +40,32 @@ def test_a_service_raises_its_open_files_limit_to_the_hard_limit(tmp_path: Path)
         assert soft == hard and hard > 256
     finally:
         assert service.stop() == 0
+
+
+def test_a_service_gets_only_the_secrets_it_uses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 37 item 10: the API keys were in every service's /proc/PID/environ. The memory service
+    keeps its own token and nothing of the gateway's or the client's."""
+    secrets = {"PAGEDSERVE_API_KEYS": "key-one-0123456789", "PAGEDSERVE_API_KEY": "client-key-0123456789",
+               "PAGEDSERVE_COMPUTE_TOKEN": "compute-token-0123456789",
+               "PAGEDSERVE_MEMORY_TOKEN": "memory-token-0123456789"}
+    for name, value in secrets.items():
+        monkeypatch.setenv(name, value)
+    socket = tmp_path / "memory.sock"
+    service = ServiceProcess.launch("memory_service", ["--socket", socket, "--max-num-blocks", "8", "--block-size", "4",
+                                                       "--log-level", "warning"],
+                                    address=f"unix:{socket}", health_service="pagedserve.memory.v1.MemoryManager",
+                                    ready_timeout_s=60)
+    try:
+        environ = Path(f"/proc/{service.pid}/environ").read_bytes().split(b"\0")
+        names = {entry.split(b"=", 1)[0].decode() for entry in environ if entry}
+        assert names & set(secrets) == {"PAGEDSERVE_MEMORY_TOKEN"}
+        assert not any(value.encode() in Path(f"/proc/{service.pid}/environ").read_bytes()
+                       for name, value in secrets.items() if name != "PAGEDSERVE_MEMORY_TOKEN")
+    finally:
+        assert service.stop() == 0
+    assert env_for_service("gateway", secrets).keys() == {"PAGEDSERVE_API_KEYS", "PAGEDSERVE_COMPUTE_TOKEN"}
+    assert env_for_service("compute_service", {**secrets, "HOME": "/h"}).keys() == {
+        "PAGEDSERVE_COMPUTE_TOKEN", "PAGEDSERVE_MEMORY_TOKEN", "HOME"}
 
 
 def test_failed_start_quotes_the_log_and_leaves_no_process(tmp_path: Path) -> None:
