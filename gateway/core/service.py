@@ -20,7 +20,7 @@ from gateway.config import GatewayConfig
 from gateway.core import tool_parsers, tools
 from gateway.core.streaming import ReplyBudget
 from gateway.core.types import Delta, GenerateRequest, Usage
-from gateway.core.validate import PromptLimits, check_prompt, validate
+from gateway.core.validate import PromptLimits, check_prompt, check_prompt_size, validate
 from gateway.dispatch import Dispatcher, Route
 from gateway.metrics import GatewayMetrics
 from gateway.tenants import Admission, Tenant, Tenants
@@ -138,6 +138,7 @@ class GatewayCore:
         """
         [admission] = self.admit(tenant, record)
         try:
+            check_prompt_size(request, self.require_model().info, self.prompt_limits)
             check_prompt(request, self.require_model().info, self.prompt_limits)
             token_ids = await self.encode(request, add_special_tokens)
             record.usage.prompt_tokens = len(token_ids)
@@ -202,6 +203,7 @@ class GatewayCore:
         is_waiting = False
         try:
             model = self.require_model()
+            check_prompt_size(request, model.info, self.prompt_limits)  # before tools are parsed or rendered
             tool_plan = tools.plan(request, self.tool_parser(model))
             request = tools.constrained(request, tool_plan)
             validated = validate(request, model.info, self.prompt_limits, reply, num_prompts)

@@ -137,6 +137,33 @@ def check_prompt(request: GenerateRequest, info: ModelInfo, limits: PromptLimits
         rules.check_prompt_chars(request.prompt or "", limits.max_prompt_chars)
 
 
+# A prompt averaging more characters a token than this is refused as too long for the model's
+# context before it is rendered or tokenized: English runs at ~4, JSON schemas ~3.
+MAX_CHARS_PER_TOKEN = 16
+
+
+def check_prompt_size(request: GenerateRequest, info: ModelInfo, limits: PromptLimits) -> None:
+    """Before anything of a prompt is parsed, rendered or tokenized: its characters, a chat's messages,
+    earlier tool calls and tools all counted, within ``max_prompt_chars`` and within
+    ``MAX_CHARS_PER_TOKEN`` per token of the model's context.
+
+    Why tools count: they are rendered into the prompt. 128 tools of 220 properties each (3.8 MB)
+    passed the messages' character cap and took 21.9 s to tokenize into 1.48M tokens, a 400 only
+    after that, the gateway stalled meanwhile (issue 37 item 1).
+    """
+    num_chars = len(request.prompt or "")
+    for m in request.messages or ():
+        num_chars += len(m.content) + sum(len(c.name) + len(c.arguments) for c in m.tool_calls)
+    num_chars += sum(len(t.name) + len(t.description) + len(t.parameters) for t in request.tools or ())
+    limit = limits.max_prompt_chars
+    if info.max_model_len:
+        limit = min(limit, info.max_model_len * MAX_CHARS_PER_TOKEN)
+    if num_chars > limit:
+        fields = "prompt" if request.prompt else "messages, tools" if request.tools else "messages"
+        raise InvalidArgument(f"{fields}: at most {limit} characters in all for this model (its context is "
+                              f"{info.max_model_len or 'unknown'} tokens; tools count), got {num_chars}")
+
+
 def check_message_count(num_messages: int, max_messages: int) -> None:
     """At most ``max_messages`` chat messages: an edge calls it before copying any."""
     if num_messages > max_messages:

@@ -251,3 +251,24 @@ def test_gateway_flag_names_the_parsers() -> None:
     assert GatewayConfig(backends=("unix:x",), tool_call_parser="llama3_json").tool_call_parser == "llama3_json"
     with pytest.raises(ValueError, match="tool_call_parser must be one of auto, hermes, llama3_json"):
         GatewayConfig(backends=("unix:x",), tool_call_parser="mistral")
+
+
+def test_tools_count_against_the_prompt_size_before_anything_is_parsed() -> None:
+    """Issue 37 item 1: 128 tools of 220 properties (3.8 MB) passed the messages' character cap and took
+    21.9 s to render and tokenize before their 400. Now the tools' text counts, against the model's
+    context too (16 characters a token at most), and the 400 comes before any schema is parsed."""
+    import time
+
+    from gateway.core.validate import MAX_CHARS_PER_TOKEN, PromptLimits, check_prompt_size
+
+    schema = json.dumps({"type": "object", "properties": {f"p{j}": {"type": "string", "description": "x" * 80}
+                                                          for j in range(220)}})
+    request = _request(tools=[Tool(f"f{i}", "A tool", schema) for i in range(128)])
+    started = time.perf_counter()
+    with pytest.raises(InvalidArgument, match=rf"^messages, tools: at most {512 * MAX_CHARS_PER_TOKEN} characters in "
+                                              r"all for this model \(its context is 512 tokens; tools count\)"):
+        check_prompt_size(request, INFO, PromptLimits())
+    assert time.perf_counter() - started < 0.05
+    check_prompt_size(_request(), INFO, PromptLimits())  # the usual request passes
+    with pytest.raises(InvalidArgument, match=r"^prompt: at most 100 characters"):
+        check_prompt_size(GenerateRequest(prompt="x" * 101), INFO, PromptLimits(max_prompt_chars=100))
