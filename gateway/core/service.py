@@ -208,6 +208,8 @@ class GatewayCore:
             request = tools.constrained(request, tool_plan)
             validated = validate(request, model.info, self.prompt_limits, reply, num_prompts)
             token_ids = request.prompt_token_ids if request.prompt_token_ids is not None else await self.encode(request)
+            if reply is not None and request.options.prompt_logprobs is not None:
+                reply.check_prompt_scores(len(token_ids), request.options.prompt_logprobs)
             # The cache namespace is the tenant's: its hits are on its own prompts only.
             backend_request = validated.to_backend(list(token_ids), tenant.cache_salt(request.cache_salt),
                                                    max_tokens_to_context, tenant.name)

@@ -19,7 +19,8 @@ from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 
 from gateway.core.types import Completion, Delta, Reply, TokenLogprobs, Usage
-from pagedserve.errors import ResourceExhaustedError
+from pagedserve import sampling_rules as rules
+from pagedserve.errors import InvalidArgument, ResourceExhaustedError
 
 
 def _varint_bytes(value: int) -> int:
@@ -44,12 +45,16 @@ def logprobs_bytes(lp: TokenLogprobs) -> int:
     return size
 
 
-def delta_bytes(delta: Delta) -> int:
-    """What ``delta`` adds to a unary reply on the wire: its ids, text and logprobs entries."""
-    entries = (size + 1 + _varint_bytes(size)
-               for size in map(logprobs_bytes, [*delta.logprobs, *(delta.prompt_logprobs or ())]))
+def _entries_bytes(entries: list[TokenLogprobs]) -> int:
+    return sum(size + 1 + _varint_bytes(size) for size in map(logprobs_bytes, entries))
+
+
+def delta_bytes(delta: Delta, prompt_copies: int = 1) -> int:
+    """What ``delta`` adds to a unary reply on the wire: its ids, text and logprobs entries, the
+    prompt's scores ``prompt_copies`` times (as often as the answer repeats them)."""
     calls = sum(len(c.id) + len(c.name) + len(c.arguments.encode()) + 8 for c in delta.tool_calls)
-    return sum(map(_varint_bytes, delta.token_ids)) + len(delta.text.encode()) + sum(entries) + calls
+    return (sum(map(_varint_bytes, delta.token_ids)) + len(delta.text.encode()) + _entries_bytes(delta.logprobs)
+            + prompt_copies * _entries_bytes(delta.prompt_logprobs or []) + calls)
 
 
 @dataclass
@@ -58,14 +63,33 @@ class ReplyBudget:
 
     One measure for both fronts, the public gRPC reply's size: the limit a gRPC answer must fit,
     and the HTTP answer's bound (its JSON grows with the same ids, text and logprobs).
+    ``prompt_copies``: how many times the answer carries a prompt's scores. A gRPC reply carries
+    them once; an HTTP completion repeats them in every choice, twice with ``echo`` (its logprobs
+    and ``prompt_logprobs``): counted once, 64 choices of a 1,315-token prompt's top-20 scores
+    made a 162.6 MB body within a 4 MiB budget (issue 37 item 2).
     """
 
     max_bytes: int
     used: int = 0
     hint: str = "use GenerateStream"
+    prompt_copies: int = 1
+
+    def check_prompt_scores(self, num_prompt_tokens: int, num_top: int) -> None:
+        """Before the work: a prompt's scores, as many times as the answer carries them, must fit.
+
+        Raises:
+            InvalidArgument: they cannot (their smallest size on the wire is past what is left).
+        """
+        need = rules.min_reply_bytes(self.prompt_copies, num_prompt_tokens, num_top)
+        if self.used + need > self.max_bytes:
+            raise InvalidArgument(
+                f"prompt_logprobs: the prompt's {num_prompt_tokens} tokens scored with {num_top} alternatives, "
+                f"{self.prompt_copies} time(s) in the answer (once per choice, twice with echo), take at least "
+                f"{need} bytes, more than the {self.max_bytes - self.used} one unary answer may still carry; "
+                f"{self.hint}, or lower n or the logprobs")
 
     def spend(self, delta: Delta) -> None:
-        self.used += delta_bytes(delta)
+        self.used += delta_bytes(delta, self.prompt_copies)
         if self.used > self.max_bytes:
             raise ResourceExhaustedError(f"the reply has grown past the {self.max_bytes} bytes one unary reply "
                                          f"may carry; {self.hint}")

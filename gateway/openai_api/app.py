@@ -257,7 +257,12 @@ class OpenAIFront:
                         echo=echo, decode_text=model.decode, num_top=prompts[0].request.options.logprobs or 0,
                         prompt_logprobs=body.prompt_logprobs is not None)
         # One unary answer carries what one gRPC reply may (the same cap, the same measure).
-        reply = None if body.stream else ReplyBudget(self.core.config.max_message_bytes, hint="use stream: true")
+        # A completion repeats the prompt's scores in each choice: in its logprobs with echo, and in
+        # prompt_logprobs when asked for (both: twice); a chat carries prompt_logprobs once (responses.py).
+        copies = 1 if endpoint == "chat" else (body.n or 1) * max(
+            1, (echo is not None and answer.logprobs) + answer.prompt_logprobs)
+        reply = None if body.stream else ReplyBudget(self.core.config.max_message_bytes, hint="use stream: true",
+                                                     prompt_copies=copies)
         records: list[RequestRecord] = []
 
         def run(prompt: convert.Prompt, admission: Admission) -> AsyncIterator[Delta]:

@@ -539,8 +539,11 @@ def _lock_directory(directory: Path) -> int:
         os.close(fd)
         raise PreconditionError(f"kv_disk_dir {str(directory)!r} is in use by another memory service (pid "
                                 f"{holder}): give each service a directory of its own") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    try:  # the holder's pid, for the message above; a full disk (the service must still start) goes without
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except OSError:
+        pass
     return fd
 
 

@@ -105,6 +105,24 @@ def test_unary_http_answers_have_the_grpc_reply_cap(front: Front, engines: list[
     assert sum(len(json.loads(e[6:])["choices"][0]["logprobs"]["tokens"]) for e in events[:-1]) == 600
 
 
+def test_prompt_scores_count_as_often_as_the_answer_repeats_them(front: Front, engines: list[Engine]) -> None:
+    """Issue 37 item 2: a 1,315-token prompt's top-20 scores, counted once, came back in each of 64
+    choices, twice with echo: a 200 with a 162.6 MB body. Now each copy counts, and a prompt whose
+    copies cannot fit is refused before it is scored."""
+    body = {"prompt": "The quick brown fox jumps over the lazy dog. " * 2, "max_tokens": 1, "temperature": 0,
+            "echo": True, "logprobs": 20, "prompt_logprobs": 20}
+    once = front.post("/v1/completions", body)
+    assert once.status_code == 200, once.text
+    [choice] = once.json()["choices"]
+    assert len(choice["prompt_logprobs"]) > 80  # ~90 tokens, each scored twice in the answer: fits 64 KiB
+    many = front.post("/v1/completions", {**body, "n": 4})  # 8 copies of ~90 x 107 bytes at least
+    assert many.status_code == 400, many.text
+    error = many.json()["error"]
+    assert error["param"] == "prompt_logprobs" and "8 time(s) in the answer" in error["message"]
+    assert "use stream: true" in error["message"]
+    _idle(front, engines[0])
+
+
 def test_an_sse_stream_whose_client_reads_nothing_is_ended(front: Front, engines: list[Engine]) -> None:
     """Item 4: two never-read streams held their tenant's slots for 55 s and write_stalls stayed 0.
     A client with a small receive buffer reads the headers, then nothing: the stream ends after the
