@@ -25,6 +25,7 @@ import contextlib
 import os
 import re
 import secrets
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,6 +67,24 @@ def new_epoch() -> str:
     return secrets.token_hex(8)
 
 
+def _read_id_file(id_file: Path) -> str | None:
+    """The kept id's text, or None: only from a regular file of ours, never through a link, at most a
+    page (a symlink to /dev/zero read to a MemoryError, a FIFO hung the start: issue 37 item 6)."""
+    try:
+        fd = os.open(id_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError:  # ELOOP: a symbolic link; anything else: unreadable. Replaced by a fresh id.
+        return ""
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1:
+            return ""  # not a file of ours: a well-formed id cannot come from it
+        return os.read(fd, 4096).decode("ascii", "replace").strip()
+    finally:
+        os.close(fd)
+
+
 def service_id(directory: str | Path | None) -> str:
     """This service's id: a fresh one, or, given a tier directory, the one kept there (made on first use).
 
@@ -77,10 +96,7 @@ def service_id(directory: str | Path | None) -> str:
     path = Path(directory)
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     id_file = path / ID_FILE_NAME
-    try:
-        kept = id_file.read_text().strip()
-    except FileNotFoundError:
-        kept = None
+    kept = _read_id_file(id_file)
     if kept is not None and _ID_PATTERN.fullmatch(kept):
         return kept
     if kept is not None:
@@ -89,7 +105,10 @@ def service_id(directory: str | Path | None) -> str:
     # Written whole under another name, then renamed: a crash leaves the old file or the new one.
     tmp = path / f".{ID_FILE_NAME}.{os.getpid()}.tmp"
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        tmp.unlink(missing_ok=True)  # a leftover of an earlier start with this pid (or a planted name)
+        # Created exclusively, never through a link: a planted symlink under this name was followed and
+        # its target overwritten (issue 37 item 6).
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(fresh + "\n")
         os.replace(tmp, id_file)

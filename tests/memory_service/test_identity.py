@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from pathlib import Path
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
+from memory_service import identity
 from memory_service.identity import ID_FILE_NAME, KvTierInfo, service_id
 
 
@@ -36,13 +38,19 @@ def test_a_torn_or_edited_id_file_is_replaced(tmp_path: Path, content: str) -> N
     assert service_id(tmp_path) == fresh
 
 
-def test_a_full_disk_leaves_the_id_unkept_instead_of_failing_the_start(tmp_path: Path) -> None:
+def test_a_full_disk_leaves_the_id_unkept_instead_of_failing_the_start(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Seen with the tier on a full tmpfs: the id's write failed with ENOSPC and the memory service
-    exited with a traceback before serving. /dev/full gives the same ENOSPC without a mount: the
-    temporary file's name points there."""
-    (tmp_path / f".{ID_FILE_NAME}.{os.getpid()}.tmp").symlink_to("/dev/full")
+    exited with a traceback before serving. The write fails so here without a mount. (A symlink from
+    the temporary file's name to /dev/full did it before; such a link is no longer followed.)"""
+    def full_disk(fd: int, *args: object, **kwargs: object) -> None:
+        os.close(fd)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(identity.os, "fdopen", full_disk)
     with capture_logs() as events:
         first = service_id(tmp_path)
+    monkeypatch.undo()
     assert first.startswith("ms-") and [e["event"] for e in events] == ["memory_service_id_not_kept"]
     assert events[0]["error"] == "No space left on device"
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing kept, nothing left behind
@@ -56,3 +64,26 @@ def test_tier_info_is_validated() -> None:
         KvTierInfo("tape", 1)
     with pytest.raises(ValueError, match="capacity_bytes"):
         KvTierInfo("host", 0)
+
+
+@pytest.mark.parametrize("plant", ["symlink_to_dev_zero", "fifo", "hard_link"])
+def test_a_planted_id_file_is_replaced_not_followed(tmp_path: Path, plant: str) -> None:
+    """Issue 37 item 6: a symlink to /dev/zero read to a MemoryError, a FIFO hung the start, and a
+    planted symlink under the temporary file's name had its target overwritten. Each is now a fresh
+    id, at once, and nothing outside the directory is written."""
+    kept = service_id(tmp_path)
+    outside = tmp_path.parent / f"{tmp_path.name}-outside"
+    outside.write_text(kept + "\n")
+    id_file = tmp_path / ID_FILE_NAME
+    id_file.unlink()
+    if plant == "symlink_to_dev_zero":
+        id_file.symlink_to("/dev/zero")
+    elif plant == "fifo":
+        os.mkfifo(id_file, 0o600)
+    else:
+        os.link(outside, id_file)  # a well-formed id, but a file linked from elsewhere
+    (tmp_path / f".{ID_FILE_NAME}.{os.getpid()}.tmp").symlink_to(outside)  # the temp name, planted
+    fresh = service_id(tmp_path)
+    assert fresh != kept and id_file.read_text().strip() == fresh
+    assert stat.S_ISREG(os.lstat(id_file).st_mode) and os.lstat(id_file).st_nlink == 1
+    assert outside.read_text() == kept + "\n"  # the link's target untouched
