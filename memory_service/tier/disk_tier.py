@@ -191,9 +191,13 @@ class DiskTier:
             raise PreconditionError(f"kv_disk_dir {str(self.directory)!r} is not a directory")
         if st.st_uid != os.getuid():
             raise PreconditionError(f"kv_disk_dir {str(self.directory)!r} belongs to another user")
-        if st.st_mode & 0o777 != 0o700:
-            os.chmod(self.directory, 0o700)
-        self._lock_fd = _lock_directory(self.directory)
+        try:  # a read-only file system (issue 37 item 8) fails here: a clear refusal, not a traceback
+            if st.st_mode & 0o777 != 0o700:
+                os.chmod(self.directory, 0o700)
+            self._lock_fd = _lock_directory(self.directory)
+        except OSError as exc:
+            raise PreconditionError(f"kv_disk_dir {str(self.directory)!r}: {exc.strerror}: the disk tier needs a "
+                                    "directory it can write (or leave --kv-disk-dir out)") from exc
         self.identity: TierIdentity | None = None
         self._lock = threading.Lock()
         self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> file size, least recently used first

@@ -377,3 +377,23 @@ def test_a_second_service_on_the_same_directory_refuses_to_start(tmp_path: Path)
     tier.close()
     reopened = open_tier(tmp_path / "tier", identity=other)  # once it stops, the directory is free
     assert files(tmp_path / "tier") == [] and reopened.counters().num_bad_files == 1
+
+
+def test_a_read_only_file_system_is_a_clear_refusal(tmp_path: Path) -> None:
+    """Issue 37 item 8: a tier directory on a read-only file system crashed the start with an
+    uncaught error. Now the service refuses to start with a message naming the flag."""
+    mount_point = tmp_path / "ro"
+    mount_point.mkdir()
+    try:
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=65536,mode=0700", "tmpfs", str(mount_point)],
+                              capture_output=True, text=True, timeout=30)
+    except OSError as exc:
+        pytest.skip(f"a read-only file system needs a tmpfs mount: {exc.strerror}")
+    if done.returncode != 0:
+        pytest.skip(f"a read-only file system needs a tmpfs mount, not permitted here: {done.stderr.strip()}")
+    try:
+        with pytest.raises(PreconditionError, match=r"kv_disk_dir .*: Read-only file system: the disk tier needs a "
+                                                    r"directory it can write \(or leave --kv-disk-dir out\)"):
+            DiskTier(mount_point, 1 << 20)
+    finally:
+        subprocess.run(["umount", str(mount_point)], capture_output=True, timeout=30)
