@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import mmap
@@ -165,22 +166,28 @@ MANY_KEYS = chain_hashes(root_hash(IDENTITY.digest, NS), bytes(range(256)), 16, 
 
 
 @contextmanager
-def small_tmpfs(directory: Path, num_pages: int) -> Iterator[Path]:
-    """A tmpfs of ``num_pages`` pages mounted on ``directory``: a file system that really fills (ENOSPC),
-    where a block file takes one page. Skips the test where mounting is not permitted."""
+def mounted(directory: Path, fs_type: str, options: str, why: str) -> Iterator[Path]:
+    """A file system of ``fs_type`` mounted on ``directory`` (made here) for the test's body, unmounted
+    after; skips the test (saying ``why`` it needs one) where mounting is not permitted."""
     directory.mkdir()
     try:
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={num_pages * PAGE},mode=0700", "tmpfs",
-                               str(directory)], capture_output=True, text=True, timeout=30)
+        done = subprocess.run(["mount", "-t", fs_type, "-o", options, fs_type, str(directory)],
+                              capture_output=True, text=True, timeout=30)
     except OSError as exc:
-        pytest.skip(f"a full file system needs a tmpfs mount, and there is no mount command: {exc.strerror}")
+        pytest.skip(f"{why} needs a {fs_type} mount, and there is no mount command: {exc.strerror}")
     if done.returncode != 0:
-        pytest.skip(f"a full file system needs a tmpfs mount, not permitted here: {done.stderr.strip()}")
+        pytest.skip(f"{why} needs a {fs_type} mount, not permitted here: {done.stderr.strip()}")
     try:
         yield directory
     finally:
         if subprocess.run(["umount", str(directory)], capture_output=True, timeout=30).returncode != 0:
             subprocess.run(["umount", "-l", str(directory)], capture_output=True, timeout=30)
+
+
+def small_tmpfs(directory: Path, num_pages: int) -> contextlib.AbstractContextManager[Path]:
+    """A tmpfs of ``num_pages`` pages: a file system that really fills (ENOSPC), where a block file
+    takes one page."""
+    return mounted(directory, "tmpfs", f"size={num_pages * PAGE},mode=0700", "a full file system")
 
 
 def test_a_full_file_system_below_the_budget_evicts_lru_files_and_keeps_writing(tmp_path: Path) -> None:
@@ -300,16 +307,7 @@ def test_a_block_of_whole_pages_is_written_past_the_page_cache(tmp_path: Path) -
 
 
 def test_a_file_system_without_direct_io_gets_buffered_writes(tmp_path: Path) -> None:
-    directory = tmp_path / "ramfs"
-    directory.mkdir()
-    try:
-        done = subprocess.run(["mount", "-t", "ramfs", "-o", "mode=0700", "ramfs", str(directory)],
-                              capture_output=True, text=True, timeout=30)
-    except OSError as exc:
-        pytest.skip(f"needs a ramfs mount (no O_DIRECT there), and there is no mount command: {exc.strerror}")
-    if done.returncode != 0:
-        pytest.skip(f"needs a ramfs mount (no O_DIRECT there), not permitted here: {done.stderr.strip()}")
-    try:
+    with mounted(tmp_path / "ramfs", "ramfs", "mode=0700", "a file system without O_DIRECT") as directory:
         tier = open_tier(directory / "tier", identity=PAGE_IDENTITY)
         with capture_logs() as logs:
             for i in range(3):
@@ -318,9 +316,6 @@ def test_a_file_system_without_direct_io_gets_buffered_writes(tmp_path: Path) ->
         assert files(directory / "tier") == sorted(f"{k.hex()}.kv" for k in PAGE_KEYS[:3])  # no temporary left
         assert [bytes(tier.get(k, NS)) for k in PAGE_KEYS[:3]] == [bytes(page_payload(i)) for i in range(3)]
         assert tier.counters().num_write_errors == 0
-    finally:
-        if subprocess.run(["umount", str(directory)], capture_output=True, timeout=30).returncode != 0:
-            subprocess.run(["umount", "-l", str(directory)], capture_output=True, timeout=30)
 
 
 def test_a_file_of_the_first_layout_is_removed_at_open(tmp_path: Path) -> None:
@@ -382,18 +377,7 @@ def test_a_second_service_on_the_same_directory_refuses_to_start(tmp_path: Path)
 def test_a_read_only_file_system_is_a_clear_refusal(tmp_path: Path) -> None:
     """Issue 37 item 8: a tier directory on a read-only file system crashed the start with an
     uncaught error. Now the service refuses to start with a message naming the flag."""
-    mount_point = tmp_path / "ro"
-    mount_point.mkdir()
-    try:
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=65536,mode=0700", "tmpfs", str(mount_point)],
-                              capture_output=True, text=True, timeout=30)
-    except OSError as exc:
-        pytest.skip(f"a read-only file system needs a tmpfs mount: {exc.strerror}")
-    if done.returncode != 0:
-        pytest.skip(f"a read-only file system needs a tmpfs mount, not permitted here: {done.stderr.strip()}")
-    try:
+    with mounted(tmp_path / "ro", "tmpfs", "ro,size=65536,mode=0700", "a read-only file system") as mount_point:
         with pytest.raises(PreconditionError, match=r"kv_disk_dir .*: Read-only file system: the disk tier needs a "
                                                     r"directory it can write \(or leave --kv-disk-dir out\)"):
             DiskTier(mount_point, 1 << 20)
-    finally:
-        subprocess.run(["umount", str(mount_point)], capture_output=True, timeout=30)
