@@ -24,8 +24,8 @@ FLAGS = {
     "http_host": "bind address of the HTTP API (default: the --listen host)",
     "http_read_timeout_s": "an HTTP request's headers, then its body, must each arrive within this many seconds "
                            "(late headers: the connection is closed; a late body: 408)",
-    "http_max_connections": "HTTP connections open at once (at most half the open-files limit); more are answered "
-                            "503 and closed",
+    "http_max_connections": "HTTP connections open at once (at most half the open-files limit); one more takes "
+                            "the place of the one waiting longest for its headers, or is answered 503",
     "http_allowed_hosts": "a Host name the HTTP API answers ('*': any); repeat for more. localhost and IP "
                           "addresses always; without the flag, only those when there are no API keys and any with keys",
     "api_keys_file": "tenants and their keys, sent as 'authorization: Bearer KEY': a JSON file "

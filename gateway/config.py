@@ -47,7 +47,8 @@ class GatewayConfig(ServiceConfig):
             (late headers: the connection is closed; a late body: 408), so idle clients cannot hold
             connections.
         http_max_connections: HTTP connections open at once (at most half the descriptor limit);
-            one more is answered 503 and closed at once.
+            one more takes the place of the one waiting longest for its headers, or, when every open
+            connection has its request, is answered 503 and closed at once.
         http_allowed_hosts: ``Host`` names the HTTP front answers (without the port; ``*``: any).
             Loopback names and IP addresses always; empty: those only without API keys (a browser
             page cannot then read a keyless server through DNS rebinding), any with keys.

@@ -14,9 +14,16 @@ arrived, which an idle client never lets happen. 1,100 such connections exhauste
   ``read_timeout_s`` after its headers. Late headers: the connection is closed (there is no
   request to answer yet; nginx does the same). A late body: 408 with an OpenAI error object, then
   closed; the handler, which was waiting for the body, sees the client gone.
-- a cap: a connection beyond ``max_connections`` open ones is answered 503 and closed at once,
-  before it can hold anything. With the deadline, a flood of idle clients holds at most
-  ``max_connections`` descriptors for at most ``read_timeout_s``.
+- a cap: a connection beyond ``max_connections`` open ones takes the place of the one that has
+  waited longest for its headers (closed, nothing to answer), or, when every open connection has
+  its request, is answered 503 and closed at once. With the deadline, a flood of idle clients
+  holds at most ``max_connections`` descriptors for at most ``read_timeout_s``.
+
+Why evict rather than refuse: refusing, 1,100 half-sent requests reopened as fast as they were
+closed held every place, and for 30 s ``/health`` and keyed completions got 503 too (issue 37 item
+5): a client without a key could starve the keyed ones. A real client sends its headers within
+milliseconds of connecting, so it is past the eviction window before a flood can reach it, and the
+connections that carry requests are never the ones closed.
 
 Why deadlines per phase rather than on each read: a client that sends one byte every few seconds
 must not keep its connection forever, which a per-read idle timeout would allow.
@@ -35,6 +42,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 # Why a connection was closed by the guard (the keys of ConnectionGuard.num_closed).
 HEADERS_TIMEOUT, BODY_TIMEOUT, OVER_CAPACITY = "headers_timeout", "body_timeout", "over_capacity"
+EVICTED = "evicted_waiting_for_headers"
 
 
 @dataclass
@@ -51,6 +59,10 @@ class ConnectionGuard:
     max_connections: int
     on_closed: Callable[[str], None] | None = None
     num_closed: Counter[str] = field(default_factory=Counter)
+    # The connections waiting for a request's headers, longest-waiting first (dicts keep order), and
+    # those evicted but not gone yet (they still count among uvicorn's connections until then).
+    waiting: dict[GuardedH11Protocol, None] = field(default_factory=dict, repr=False)
+    evicting: set[GuardedH11Protocol] = field(default_factory=set, repr=False)
 
     def __post_init__(self) -> None:
         if not self.read_timeout_s > 0:
@@ -94,16 +106,27 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        if len(self.connections) > self.guard.max_connections:
-            self.guard.closed(OVER_CAPACITY)
-            transport.write(_error_response(503, "Service Unavailable", "too many open connections; retry later"))
-            transport.close()
-            return
+        if len(self.connections) - len(self.guard.evicting) > self.guard.max_connections:
+            oldest = next(iter(self.guard.waiting), None)
+            if oldest is None:  # every open connection has its request: nothing to give way
+                self.guard.closed(OVER_CAPACITY)
+                transport.write(_error_response(503, "Service Unavailable", "too many open connections; retry later"))
+                transport.close()
+                return
+            oldest._evict()
         self._arm(HEADERS_TIMEOUT)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self.guard.evicting.discard(self)
         super().connection_lost(exc)
+
+    def _evict(self) -> None:
+        """Gives this connection's place to a new one: it has no request yet, so nothing to answer."""
+        self._disarm()
+        self.guard.evicting.add(self)
+        self.guard.closed(EVICTED)
+        self.transport.close()
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
@@ -134,15 +157,19 @@ class GuardedH11Protocol(H11Protocol):
         self._disarm()
         self._waiting_for = waiting_for
         self._deadline = self.loop.call_later(self.guard.read_timeout_s, self._expired)
+        if waiting_for == HEADERS_TIMEOUT:
+            self.guard.waiting[self] = None  # the newest waiter: last in line for eviction
 
     def _disarm(self) -> None:
         if self._deadline is not None:
             self._deadline.cancel()
         self._deadline, self._waiting_for = None, None
+        self.guard.waiting.pop(self, None)
 
     def _expired(self) -> None:
         waiting_for = self._waiting_for
         self._deadline, self._waiting_for = None, None
+        self.guard.waiting.pop(self, None)
         if self.transport.is_closing() or waiting_for is None:
             return
         self.guard.closed(waiting_for)

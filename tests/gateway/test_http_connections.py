@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from gateway.openai_api.connections import BODY_TIMEOUT, HEADERS_TIMEOUT, OVER_CAPACITY
+from gateway.openai_api.connections import BODY_TIMEOUT, EVICTED, HEADERS_TIMEOUT, OVER_CAPACITY
 from gateway.openai_api.server import HttpServer
 from pagedserve.process import async_wait_until
 from tests.processes import lowered_open_files_limit
@@ -105,10 +105,29 @@ def test_a_body_that_stops_coming_is_answered_408() -> None:
     _serve(read_timeout_s=0.5, max_connections=20)(test)
 
 
-def test_connections_beyond_the_cap_are_refused_at_once() -> None:
+def test_a_connection_beyond_the_cap_takes_the_place_of_the_longest_waiting_for_headers() -> None:
+    """Issue 37 item 5: refusing new connections beyond the cap let half-sent requests, reopened as
+    fast as they were closed, hold every place: /health and keyed requests got 503 for 30 s. Now the
+    connection that has waited longest for its headers gives way, and the new client is served."""
     async def test(server: HttpServer) -> None:
         held = [await _open(server.port, HALF_SENT) for _ in range(3)]
         await async_wait_until(lambda: _connections(server) == 3, 30, "3 connections open")
+        assert (await _get_health(server.port)).startswith(b"HTTP/1.1 200")
+        assert await _answer(held[0][0]) == b""  # the oldest half-sent request: closed, nothing to answer
+        assert server.guard.num_closed == {EVICTED: 1}
+        for _, writer in held:
+            writer.close()
+
+    _serve(read_timeout_s=60, max_connections=3)(test)
+
+
+def test_connections_beyond_the_cap_are_refused_when_every_place_has_a_request() -> None:
+    async def test(server: HttpServer) -> None:
+        # Headers whole, the body on its way: requests in progress, which never give way.
+        busy = b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"
+        held = [await _open(server.port, busy) for _ in range(3)]
+        await async_wait_until(lambda: _connections(server) == 3 and not server.guard.waiting, 30,
+                               "3 requests in progress")
         reader, writer = await _open(server.port)
         refused = await _answer(reader)
         writer.close()
