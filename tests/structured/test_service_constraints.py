@@ -86,7 +86,16 @@ def test_pathological_schema_times_out_while_others_are_served(services) -> None
     # While it compiles: an unconstrained and a constrained request complete.
     plain = services.generate(PROMPTS[1], max_tokens=6, temperature=0.0)
     assert sum(len(r.token_ids) for r in plain) == 6 and plain[-1].finish_reason == "length"
-    digits = services.generate(PROMPTS[2], max_tokens=8, temperature=0.0, regex=r"\d{3}")
+    # As a client told "busy; retry later" does: a queued compile waits only the 0.3 s timeout to start,
+    # and on 2 loaded cores (the whole suite running) the free worker can take longer to pick it up.
+    for attempt in range(5):
+        try:
+            digits = services.generate(PROMPTS[2], max_tokens=8, temperature=0.0, regex=r"\d{3}")
+            break
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or "retry later" not in exc.details() or attempt == 4:
+                raise
+            time.sleep(0.2)
     assert re.fullmatch(r"\d{3}", "".join(r.text for r in digits))
     thread.join(60)
     error = result["error"]
