@@ -25,10 +25,10 @@ import contextlib
 import os
 import re
 import secrets
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from memory_service.tier.disk_tier import open_own_file
 from pagedserve.log import get_logger
 
 log = get_logger("memory_service.identity")
@@ -71,18 +71,12 @@ def _read_id_file(id_file: Path) -> str | None:
     """The kept id's text, or None: only from a regular file of ours, never through a link, at most a
     page (a symlink to /dev/zero read to a MemoryError, a FIFO hung the start: issue 37 item 6)."""
     try:
-        fd = os.open(id_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        with open_own_file(id_file) as f:
+            return f.read(4096).decode("ascii", "replace").strip()
     except FileNotFoundError:
         return None
-    except OSError:  # ELOOP: a symbolic link; anything else: unreadable. Replaced by a fresh id.
+    except OSError:  # not a file of ours (NotOurFile), or unreadable: replaced by a fresh id
         return ""
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1:
-            return ""  # not a file of ours: a well-formed id cannot come from it
-        return os.read(fd, 4096).decode("ascii", "replace").strip()
-    finally:
-        os.close(fd)
 
 
 def service_id(directory: str | Path | None) -> str:

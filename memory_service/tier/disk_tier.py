@@ -242,7 +242,7 @@ class DiskTier:
                 continue  # not ours (e.g. the service's id file)
             key = bytes.fromhex(entry.name[: -len(FILE_SUFFIX)])
             try:
-                with open_block_file(entry.path) as f:
+                with open_own_file(entry.path) as f:
                     header = f.read(HEADER_SIZE)
                     st = os.fstat(f.fileno())
             except NotOurFile as exc:
@@ -297,7 +297,7 @@ class DiskTier:
         size, offset = identity.file_size, identity.payload_offset
         buffer = bytearray(size)
         try:
-            with open_block_file(path) as f, memoryview(buffer) as into:
+            with open_own_file(path) as f, memoryview(buffer) as into:
                 num_read = 0
                 while num_read < size:  # a short read (a signal, a network file system) goes on
                     num = f.readinto(into[num_read:])
@@ -556,9 +556,9 @@ class NotOurFile(OSError):
     or linked from elsewhere (a hard link could make us serve, or later overwrite, a file we never wrote)."""
 
 
-def open_block_file(path: str | Path):
-    """A block file opened for reading (unbuffered binary), only if it is a regular file of this
-    process's user with one link; else NotOurFile (the caller removes the name). Never blocks: the
+def open_own_file(path: str | Path):
+    """A file of the tier directory (a block file, the service's id) opened for reading (unbuffered
+    binary), only if it is a regular file of this process's user with one link; else NotOurFile. Never blocks: the
     open does not follow symlinks nor wait on a FIFO (and O_NONBLOCK does nothing to a regular file's
     reads)."""
     try:
