@@ -21,12 +21,13 @@ Two tiers, either or both: the host tier (``host_tier.py``, RAM) in front of the
   A clean stop (``close``: SIGTERM) first writes what is committed and not on disk yet, staged or
   not, for at most ``CLOSE_WRITE_S`` (a line says what a cut-short stop left): those are the
   newest blocks, the ones a restart is most likely asked for. A crash loses them (the cache only).
-- The loader: fills the fresh pool blocks of a load (pinned, invisible to every client, so no lock
-  is needed for their bytes), each from the fastest tier that holds it: the host tier (a copy from
-  its slot, ``non_blocking`` on CUDA), else the disk tier's file, which is then also put in the host
-  tier (the next eviction of that prefix is found in RAM). Then it ends the load under the lock
-  (``BlockManager.finish_load``). A block no tier has (or a bad file) ends the load early: what was
-  not loaded is recomputed by the client, never an error.
+- The loaders (``LOADERS`` threads, a load each): fill the fresh pool blocks of a load (pinned,
+  invisible to every client, so no lock is needed for their bytes), each from the fastest tier that
+  holds it: the host tier (a copy from its slot, ``non_blocking`` on CUDA), else the disk tier's
+  file, which is then also put in the host tier (the next eviction of that prefix is found in RAM).
+  Then it ends the load under the lock (``BlockManager.finish_load``). A block no tier has (or a
+  bad file) ends the load early: what was not loaded is recomputed by the client, never an error;
+  so does a file read still out at the load's deadline (``LOAD_DEADLINE_S``).
 
 Loading or recomputing (``worth_loading``), and what is counted (``stats``): ``accounts.py``. Host
 loads are asynchronous too (the same ``loading`` contract): a memcpy of a long prompt's blocks (~180
@@ -74,6 +75,16 @@ KEPT_BUFFERS = 64
 # past the page cache, so a load reads them from the device, where one read at a time left most of
 # its bandwidth unused (a 4,000-token prompt: 0.21-0.29 s, 0.12 s from the page cache).
 READ_AHEAD_FILES = 8
+# Loader threads: loads run side by side, so one slow disk load (a long prompt, a stalled device) never
+# holds another prompt's load, nor a host-tier load (a memcpy) behind it.
+LOADERS = 2
+# A load's deadline (issue 37 item 4): ``LOAD_DEADLINE_S`` plus its bytes at ``LOAD_DEADLINE_BYTES_PER_S``,
+# a bandwidth far below any device's (a 4,000-token prompt of the default model reads in 0.2-0.3 s here;
+# an 8B model's ~0.5 GB in ~0.5 s from an NVMe). A file read that has not come back by then ends the
+# load: what was loaded stays, the rest is recomputed by the client (a miss, never an error). The read
+# itself cannot be interrupted: its reader thread stays in it (one of ``READ_AHEAD_FILES``).
+LOAD_DEADLINE_S = 2.0
+LOAD_DEADLINE_BYTES_PER_S = 50e6
 # How long the writer sleeps when nothing wakes it (a Step wakes it at once).
 WRITER_IDLE_S = 0.05
 # The writer thread runs at SCHED_IDLE (Linux: per thread; where that is refused, at this nice value).
@@ -136,9 +147,11 @@ class TierWorker:
         self._loads: queue.SimpleQueue[TierLoad | None] = queue.SimpleQueue()
         self._readers = ThreadPoolExecutor(READ_AHEAD_FILES, thread_name_prefix="kv-tier-read") if disk else None
         self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
-        self._loader = threading.Thread(target=self._load_loop, name="kv-tier-loader", daemon=True)
+        self._loaders = [threading.Thread(target=self._load_loop, name=f"kv-tier-loader-{i}", daemon=True)
+                         for i in range(LOADERS)]
         self._writer.start()
-        self._loader.start()
+        for loader in self._loaders:
+            loader.start()
 
     # --- what the manager asks (TierDirectory), under its lock ---------------------------------
 
@@ -210,9 +223,11 @@ class TierWorker:
         self._close_deadline = time.monotonic() + CLOSE_WRITE_S
         self._stopping.set()
         self._wake_writer.set()
-        self._loads.put(None)
+        for _ in self._loaders:
+            self._loads.put(None)
         self._writer.join()
-        self._loader.join()
+        for loader in self._loaders:
+            loader.join()
         if self._readers is not None:
             self._readers.shutdown(wait=True, cancel_futures=True)
         if self.disk is not None:
@@ -325,11 +340,11 @@ class TierWorker:
         return torch.frombuffer(buffer, dtype=torch.uint8, count=self._bytes_per_block,
                                 offset=offset).view(self._dtype).view(self._block_shape)
 
-    def _read_ahead(self, keys: list[bytes], ns_key: bytes) -> Iterator[memoryview | None]:
-        """The disk tier's payloads of ``keys`` in order (None: missing or bad), up to
-        ``READ_AHEAD_FILES`` of them read in parallel ahead of the one asked for. Files read ahead of a
-        gap that ends the load were read all the same: the disk tier counts their bytes and makes them
-        recently used."""
+    def _read_ahead(self, keys: list[bytes], ns_key: bytes, deadline: float) -> Iterator[memoryview | None]:
+        """The disk tier's payloads of ``keys`` in order (None: missing or bad, or not read by
+        ``deadline``, a ``time.monotonic()``), up to ``READ_AHEAD_FILES`` of them read in parallel
+        ahead of the one asked for. Files read ahead of a gap that ends the load were read all the
+        same: the disk tier counts their bytes and makes them recently used."""
         if self.disk is None:
             yield from itertools.repeat(None, len(keys))
             return
@@ -338,7 +353,12 @@ class TierWorker:
             self._readers.submit(self.disk.get, key, ns_key) for key in itertools.islice(remaining, READ_AHEAD_FILES))
         try:
             while pending:
-                payload = pending.popleft().result()
+                try:
+                    payload = pending.popleft().result(timeout=max(0.0, deadline - time.monotonic()))
+                except TimeoutError:
+                    log.warning("kv_tier_load_deadline", num_left=len(pending) + 1,
+                                deadline_s=round(deadline - time.monotonic(), 3), action="the rest is recomputed")
+                    payload = None
                 key = next(remaining, None)
                 if key is not None:
                     pending.append(self._readers.submit(self.disk.get, key, ns_key))
@@ -379,6 +399,7 @@ class TierWorker:
             if load is None or self._stopping.is_set():
                 return
             start = time.monotonic()
+            deadline = start + LOAD_DEADLINE_S + len(load.hashes) * self._bytes_per_block / LOAD_DEADLINE_BYTES_PER_S
             read_s = dict.fromkeys(self.accounts.kinds, 0.0)
             num_read = dict.fromkeys(read_s, 0)
             num_loaded = 0
@@ -387,7 +408,7 @@ class TierWorker:
             held = [host.acquire(key, load.ns_key) if host is not None else None for key in load.hashes]
             is_read = [False] * len(held)  # per held slot: copied from (it stops at a block no tier has)
             files = self._read_ahead([key for key, slot_view in zip(load.hashes, held) if slot_view is None],
-                                     load.ns_key)
+                                     load.ns_key, deadline)
             try:
                 for i, (key, block_id, slot_view) in enumerate(zip(load.hashes, load.block_ids, held)):
                     target = self._pool[:, :, block_id]

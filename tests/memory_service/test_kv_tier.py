@@ -15,6 +15,7 @@ from pagedserve.errors import InvalidArgument
 from memory_service.api import AllocateOp, FreeOp, KvLayout, OpResult
 from memory_service.in_process import InProcessAllocator
 from memory_service.manager.block_types import BlockManagerConfig
+from memory_service.tier import worker
 
 pytestmark = pytest.mark.unit
 
@@ -101,6 +102,51 @@ def test_a_load_stops_at_a_block_file_that_went(allocator: InProcessAllocator, t
     assert loaded and result.ok and result.num_cached_tokens == 4
     assert (allocator.pool[:, :, result.block_ids[0]] == 1.0).all()
     assert allocator.stats().tiers[0].num_loads == 1
+
+
+def test_a_stalled_read_ends_its_load_at_the_deadline_and_holds_no_other_load(
+        allocator: InProcessAllocator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 37 item 4: one loader thread and no deadline, so a file read that never came back (a FIFO
+    planted under a block's name, before ``open_own_file``) held its prompt and every later disk load
+    for good. The first file read of the first load stalls here as a hung device's would (a regular
+    file whose read never returns cannot be made in a test): that load ends at its deadline, a
+    recompute (no cached tokens); a second prompt's load, submitted after it, is not held behind it."""
+    monkeypatch.setattr(worker, "LOAD_DEADLINE_S", 3.0)
+    second = list(range(300, 313))
+    [first, other] = allocator.step([AllocateOp("w1", PROMPT, len(PROMPT), namespace="ns"),
+                                     AllocateOp("w2", second, len(second), namespace="ns")])
+    for result in (first, other):
+        for position, block_id in enumerate(result.block_ids):
+            allocator.pool[:, :, block_id] = float(position + 1)
+    allocator.step([FreeOp("w1"), FreeOp("w2")])
+    wait_for(lambda: allocator.stats().tiers[0].num_blocks == 6)
+    evict(allocator, "hog")
+    disk, stall, calls = allocator.tier.disk, threading.Event(), iter(range(10**6))
+    read = disk.get
+
+    def stalled_get(key: bytes, ns_key: bytes):
+        if next(calls) == 0:
+            stall.wait()
+        return read(key, ns_key)
+
+    monkeypatch.setattr(disk, "get", stalled_get)
+    try:
+        start = time.monotonic()
+        slow_op, fast_op = (AllocateOp("s3", PROMPT, len(PROMPT), namespace="ns"),
+                            AllocateOp("s4", second, len(second), namespace="ns"))
+        assert allocator.step([slow_op])[0].loading
+        assert allocator.step([fast_op])[0].loading
+        reported: list[str] = []
+        wait_for(lambda: "s4" in reported or bool(reported.extend(allocator.step_with_counts([]).loaded_seq_ids)))
+        assert "s3" not in reported and time.monotonic() - start < 2.0
+        [fast] = allocator.step([fast_op])
+        assert fast.ok and fast.num_cached_tokens == 12
+        wait_for(lambda: "s3" in reported or bool(reported.extend(allocator.step_with_counts([]).loaded_seq_ids)))
+        assert 3.0 <= time.monotonic() - start < 10.0
+        [slow] = allocator.step([slow_op])
+        assert slow.ok and not slow.loading and slow.num_cached_tokens == 0
+    finally:
+        stall.set()
 
 
 def test_namespaces_stay_apart(allocator: InProcessAllocator) -> None:
@@ -321,7 +367,7 @@ def test_the_writer_thread_runs_at_the_lowest_priority(tmp_path: Path) -> None:
         [result] = alloc.step([AllocateOp("s1", list(range(9)), 9, namespace="ns")])
         assert result.ok
         threads = {t.name: t for t in threading.enumerate()}
-        writer, loader = threads["kv-tier-writer"], threads["kv-tier-loader"]
+        writer, loader = threads["kv-tier-writer"], threads["kv-tier-loader-0"]
         deadline = time.monotonic() + 10
         while os.sched_getscheduler(writer.native_id) != os.SCHED_IDLE and time.monotonic() < deadline:
             time.sleep(0.01)  # it sets its own policy as it starts
