@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
 from pagedserve.errors import AlreadyExistsError, InvalidArgument, UnavailableError, echo
@@ -38,6 +39,7 @@ from compute_service.engine.engine import Engine
 from compute_service.engine.outputs import RequestDelta
 from compute_service.engine.request import EngineLoad, GenerateInput
 from compute_service.engine.sampling_params import SamplingParams
+from compute_service.service.request_metrics import RequestTimes
 
 log = get_logger("engine_loop")
 
@@ -104,6 +106,7 @@ class AddCommand:
     request: GenerateInput
     sink: Sink
     grammar: Any | None = None  # params.constraint compiled off this thread (xgrammar CompiledGrammar)
+    arrival_s: float = field(default_factory=time.monotonic)  # handed to the loop (the latency histograms)
 
     @property
     def request_id(self) -> str:
@@ -146,6 +149,7 @@ class EngineLoop:
         self.lease: MemoryLease | None = None
         self.load = EngineLoad(0, 0, 0.0, 0.0, 0)  # replaced (never mutated) after each step
         self.totals = LoopTotals()  # written by the loop thread only
+        self.request_times = RequestTimes()  # the latency histograms, fed by the loop thread
         self._is_warm = False
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
@@ -248,7 +252,9 @@ class EngineLoop:
                 continue
             num_steps = engine.num_steps
             num_drafts, num_accepted = engine.num_draft_tokens, engine.num_accepted_draft_tokens
+            step_start = time.monotonic()
             outputs = engine.step()
+            self.request_times.stepped(engine, step_start, outputs, time.monotonic())
             if not outputs and engine.num_steps == num_steps:
                 self._wake.wait(WAITING_POLL_S)  # requests wait for blocks: poll, do not spin
             self.load = engine.load()  # before the outputs: a client that saw them sees this load
@@ -298,9 +304,11 @@ class EngineLoop:
                 command.sink(exc)
                 continue
             self._sinks[command.request_id] = command.sink
+            self.request_times.arrived(command.request_id, command.arrival_s)
 
     def _fail_all(self, exc: Exception) -> None:
         sinks, self._sinks = self._sinks, {}
+        self.request_times.forget_all()
         for sink in sinks.values():
             sink(exc)
         self._drain_commands(None)

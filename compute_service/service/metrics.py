@@ -1,4 +1,13 @@
-"""Prometheus metrics of the compute service, read from the engine loop's snapshot at scrape time."""
+"""Prometheus metrics of the compute service, read from the engine loop's snapshot at scrape time.
+
+What a router outside pagedserve reads (the Gateway API Inference Extension's model-server protocol,
+llm-d's metrics extractor) is here under our names, mapped in docs/design.md ("Metrics for routers"):
+``pagedserve_compute_requests_waiting`` (vLLM's ``vllm:num_requests_waiting``),
+``pagedserve_compute_requests_running`` (``vllm:num_requests_running``), ``pagedserve_compute_kv_usage``
+(``vllm:kv_cache_usage_perc``, a fraction in [0, 1] as vLLM's is) and
+``pagedserve_compute_cache_config_info{block_size,num_gpu_blocks}`` (``vllm:cache_config_info``,
+vLLM's label names, which the routers read). The latency histograms are request_metrics.py's.
+"""
 
 from __future__ import annotations
 
@@ -45,6 +54,16 @@ class ComputeCollector(Collector):
             per_tenant.add_metric([queue.tenant, "waiting"], queue.num_waiting)
         yield per_tenant
         yield GaugeMetricFamily("pagedserve_compute_kv_usage", "Share of KV blocks in use", value=load.kv_usage)
+        lease = self._loop.lease
+        if lease is not None:  # attached: the pool this engine allocates from (a new one after a re-attach)
+            # Value 1, the facts as labels (vLLM's cache_config_info and its label names: routers read
+            # block_size to hash prompts as the engine does, num_gpu_blocks to size their index of it).
+            cache = GaugeMetricFamily("pagedserve_compute_cache_config_info",
+                                      "The KV cache this engine allocates from: tokens per block, blocks in "
+                                      "the pool (on the GPU, or in host memory on a CPU engine)",
+                                      labels=["block_size", "num_gpu_blocks"])
+            cache.add_metric([str(lease.block_size), str(lease.num_blocks)], 1.0)
+            yield cache
         yield GaugeMetricFamily("pagedserve_compute_pending_tokens", "Tokens still to compute",
                                 value=load.num_pending_tokens)
         yield GaugeMetricFamily("pagedserve_compute_prefix_cache_hit_rate",
@@ -75,4 +94,5 @@ class ComputeCollector(Collector):
 def start_metrics_server(host: str, port: int, loop: EngineLoop, servicer: ComputeServicer) -> None:
     registry = CollectorRegistry()
     registry.register(ComputeCollector(loop, servicer))
+    loop.request_times.register(registry)
     start_http_server(port, addr=host, registry=registry)

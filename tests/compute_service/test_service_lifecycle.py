@@ -109,14 +109,19 @@ def test_grpcurl_lists_through_reflection_and_generates(services: Services, serv
     assert messages[-1]["finish_reason"] == "length" and messages[-1]["usage"]["completion_tokens"] == 5
 
 
+def scrape(metrics_port: int) -> dict[str, float]:
+    """The compute service's metrics, sample name (with its labels) -> value."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line and not line.startswith("#")}
+
+
 def test_metrics_endpoint(services: Services, metrics_port: int) -> None:
     services.generate(PROMPT, max_tokens=3, temperature=0.0, ignore_eos=True)
     # A repeated motif: the greedy continuation is drafted from the prompt (speculative decoding).
     services.generate(PROMPT * 6, max_tokens=40, temperature=0.0, ignore_eos=True)
-    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as reply:
-        text = reply.read().decode()
-    values = {line.split()[0]: float(line.split()[1])
-              for line in text.splitlines() if line and not line.startswith("#")}
+    values = scrape(metrics_port)
     assert values["pagedserve_compute_ready"] == 1.0
     path, _, level = services.stub.Info(cpb.InfoRequest()).kernels.partition(" ")
     assert [k for k in values if k.startswith("pagedserve_compute_kernels")] == [
@@ -127,6 +132,48 @@ def test_metrics_endpoint(services: Services, metrics_port: int) -> None:
     assert values["pagedserve_compute_generated_tokens_total"] >= 3
     assert values["pagedserve_compute_finished_requests_total"] >= 1
     assert values["pagedserve_compute_requests_running"] == 0
+
+
+def test_router_metrics(services: Services, metrics_port: int) -> None:
+    """What the inference gateway's routers read (queue, running, KV usage, the cache's shape) and the
+    latency histograms, with one request running and one waiting (--max-num-seqs 1)."""
+    assert scrape(metrics_port)['pagedserve_compute_cache_config_info{block_size="4",num_gpu_blocks="300"}'] == 1.0
+    before = scrape(metrics_port)
+    first = services.stub.Generate(cpb.GenerateRequest(
+        request_id="running", prompt_token_ids=PROMPT, params=cpb.SamplingParams(max_tokens=500, ignore_eos=True)))
+    next(first)
+    second: list[cpb.GenerateResponse] = []
+    waiter = threading.Thread(target=lambda: second.extend(services.generate(
+        PROMPT, request_id="waiting", max_tokens=4, temperature=0.0, ignore_eos=True)))
+    waiter.start()
+    wait_until(lambda: services.stub.Load(cpb.LoadRequest()).num_waiting == 1, 10, "one request waiting",
+               interval_s=0.01)
+    during = scrape(metrics_port)
+    assert (during["pagedserve_compute_requests_running"], during["pagedserve_compute_requests_waiting"]) == (1, 1)
+    # The running request's blocks: at least its prompt's 3 of the 300.
+    assert 3 / 300 <= during["pagedserve_compute_kv_usage"] < 1
+    assert services.stub.Abort(cpb.AbortRequest(request_id="running")).found
+    waiter.join(timeout=30)
+    assert list(first)[-1].finish_reason == "abort"
+    after = scrape(metrics_port)
+    assert (after["pagedserve_compute_requests_running"], after["pagedserve_compute_requests_waiting"]) == (0, 0)
+
+    def delta(name: str) -> float:
+        return after[f"pagedserve_compute_{name}"] - before[f"pagedserve_compute_{name}"]
+
+    # Both requests were admitted and finished; both produced a first token.
+    for name in ("time_to_first_token", "request_queue_time", "request_prefill_time", "e2e_request_latency"):
+        assert delta(f"{name}_seconds_count") == 2, name
+    # One gap between consecutive outputs with tokens, per request; the waiting request's 4 tokens
+    # came in len(second) messages.
+    num_gaps = delta("inter_token_latency_seconds_count")
+    assert len(second) - 1 <= num_gaps and sum(len(m.token_ids) for m in second) == 4
+    # Queue then prefill is the time to the first token, to the clock tick.
+    queue_and_prefill = delta("request_queue_time_seconds_sum") + delta("request_prefill_time_seconds_sum")
+    assert queue_and_prefill == pytest.approx(delta("time_to_first_token_seconds_sum"), abs=1e-6)
+    # The waiting request queued behind the running one: at least until the latter was scraped.
+    assert delta("request_queue_time_seconds_sum") > 0
+    assert delta("e2e_request_latency_seconds_sum") >= delta("time_to_first_token_seconds_sum") > 0
 
 
 def test_priority_jumps_the_queue(services: Services) -> None:
