@@ -88,8 +88,9 @@ class ModelTokenizer:
         return list(self.hf_tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
 
     def encode_chat(self, messages: Sequence[dict[str, Any]], add_special_tokens: bool = False,
-                    tools: list[dict] | None = None) -> list[int]:
-        """Token ids of a chat through the chat template, with the generation prompt appended.
+                    tools: list[dict] | None = None, add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a chat through the chat template, with the generation prompt appended
+        (unless ``add_generation_prompt`` is False: vLLM's ``/tokenize`` flag).
 
         ``add_special_tokens``: also the tokenizer's own special tokens around the rendered chat
         (vLLM's flag; off by default since a template writes its BOS itself). ``tools``: OpenAI's
@@ -98,10 +99,10 @@ class ModelTokenizer:
         if not self.has_chat_template:
             raise InvalidArgument(f"messages: model {self.info.model_name!r} has no chat template; send a prompt")
         if any(text in m["content"] for m in messages for text in self.special_texts):
-            ids = self._encode_chat_escaped(messages, tools)
+            ids = self._encode_chat_escaped(messages, tools, add_generation_prompt)
         else:
             # No special token's text in any content: the template's string tokenizes as it always has.
-            ids = self._render(messages, tools, tokenize=True)
+            ids = self._render(messages, tools, tokenize=True, add_generation_prompt=add_generation_prompt)
             if hasattr(ids, "keys"):  # newer transformers return a BatchEncoding
                 ids = ids["input_ids"]
         if add_special_tokens:
@@ -125,15 +126,18 @@ class ModelTokenizer:
             raise InvalidArgument(f"tokens: model {self.info.model_name!r} has no tokenizer")
         return str(self.hf_tokenizer.decode(list(token_ids)))
 
-    def _render(self, messages: Sequence[dict[str, Any]], tools: list[dict] | None, tokenize: bool) -> Any:
+    def _render(self, messages: Sequence[dict[str, Any]], tools: list[dict] | None, tokenize: bool,
+                add_generation_prompt: bool = True) -> Any:
         try:
-            return self.hf_tokenizer.apply_chat_template(list(messages), tools=tools, add_generation_prompt=True,
+            return self.hf_tokenizer.apply_chat_template(list(messages), tools=tools,
+                                                         add_generation_prompt=add_generation_prompt,
                                                          tokenize=tokenize)
         except Exception as exc:  # the template itself raised (jinja's raise_exception: bad roles/order)
             # The template's message may quote the caller's content: echoed, cut short.
             raise InvalidArgument(f"messages: the chat template rejected them: {echo(str(exc), 200)}") from None
 
-    def _encode_chat_escaped(self, messages: Sequence[dict[str, Any]], tools: list[dict] | None) -> list[int]:
+    def _encode_chat_escaped(self, messages: Sequence[dict[str, Any]], tools: list[dict] | None,
+                             add_generation_prompt: bool = True) -> list[int]:
         """The chat's ids with each message's content tokenized with special tokens split.
 
         Each content is wrapped in markers the caller cannot know (private-use characters around
@@ -144,7 +148,7 @@ class ModelTokenizer:
         nonce = secrets.token_hex(8)
         open_mark, close_mark = f"\ue000{nonce}\ue001", f"\ue001{nonce}\ue000"
         text = self._render([{**m, "content": f"{open_mark}{m['content']}{close_mark}"} for m in messages], tools,
-                            tokenize=False)
+                            tokenize=False, add_generation_prompt=add_generation_prompt)
         ids: list[int] = []
         rest = text
         while rest:

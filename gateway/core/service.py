@@ -115,32 +115,33 @@ class GatewayCore:
             admission.release()
         self.metrics.queue_length.set(self.tenants.num_in_flight)
 
-    async def encode(self, request: GenerateRequest, add_special_tokens: bool | None = None) -> list[int]:
+    async def encode(self, request: GenerateRequest, add_special_tokens: bool | None = None,
+                     add_generation_prompt: bool = True) -> list[int]:
         """The tokens of a prompt or chat (its input already checked), on the tokenizer's threads.
 
         ``add_special_tokens``: None is what generation uses (a prompt gets them, a chat's template
-        writes its own).
+        writes its own). ``add_generation_prompt``: a chat ends with the assistant's turn opened.
         """
         model = self.require_model()
         loop = asyncio.get_running_loop()
         if request.messages:
             messages, tool_specs = tools.template_messages(request, model.renders_tools, self.tool_parser(model))
             return await loop.run_in_executor(self.tokenize_executor, model.encode_chat, messages,
-                                              bool(add_special_tokens), tool_specs)
+                                              bool(add_special_tokens), tool_specs, add_generation_prompt)
         return await loop.run_in_executor(self.tokenize_executor, model.encode_prompt, request.prompt or "",
                                           add_special_tokens is not False)
 
     async def tokenize(self, request: GenerateRequest, record: RequestRecord, tenant: Tenant,
-                       add_special_tokens: bool | None = None) -> list[int]:
+                       add_special_tokens: bool | None = None, add_generation_prompt: bool = True) -> list[int]:
         """A prompt's or chat's tokens; admitted like a generation (tokenizing costs this gateway).
 
-        ``add_special_tokens``: see ``encode`` (None: as generation tokenizes it).
+        ``add_special_tokens``, ``add_generation_prompt``: see ``encode`` (None: as generation tokenizes it).
         """
         [admission] = self.admit(tenant, record)
         try:
             check_prompt_size(request, self.require_model().info, self.prompt_limits)
             check_prompt(request, self.require_model().info, self.prompt_limits)
-            token_ids = await self.encode(request, add_special_tokens)
+            token_ids = await self.encode(request, add_special_tokens, add_generation_prompt)
             record.usage.prompt_tokens = len(token_ids)
             return token_ids
         except Exception as exc:  # the front answers it
@@ -260,8 +261,9 @@ class GatewayCore:
             record.status = "DEADLINE_EXCEEDED"
         self.metrics.write_stalls.inc()
 
-    def finish(self, record: RequestRecord, request: GenerateRequest | None) -> None:
-        """Metrics and the access line (no prompt text unless the config asks for it)."""
+    def finish(self, record: RequestRecord, request: GenerateRequest | None, path: str | None = None) -> None:
+        """Metrics and the access line (no prompt text unless the config asks for it; ``path``: an
+        HTTP route no endpoint serves, named in the line)."""
         now = time.perf_counter()
         self.metrics.requests.labels(record.method, record.status).inc()
         ttft = None
@@ -272,7 +274,7 @@ class GatewayCore:
             num_tokens = record.usage.completion_tokens / max(request.options.n or 1, 1)
             if num_tokens > 1 and record.last_token_at is not None:
                 self.metrics.tpot.observe((record.last_token_at - record.first_token_at) / (num_tokens - 1))
-        extra = {}
+        extra: dict[str, object] = {} if path is None else {"path": path}
         if self.config.log_prompts and request is not None:
             extra = {"prompt": request.prompt or "", "messages": [m.content for m in request.messages or ()]}
         log.info("request", request_id=record.request_id, method=record.method, tenant=record.tenant,

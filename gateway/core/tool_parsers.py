@@ -30,8 +30,12 @@ from gateway.core.types import ToolCall
 PARSER_NAMES = ("auto", "hermes", "llama3_json")
 
 
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 def new_call(name: str, arguments: dict) -> ToolCall:
-    return ToolCall(f"call_{uuid.uuid4().hex[:24]}", name, json.dumps(arguments, ensure_ascii=False))
+    return ToolCall(new_call_id(), name, json.dumps(arguments, ensure_ascii=False))
 
 
 def call_of(value: object, tools: dict[str, dict]) -> ToolCall | None:

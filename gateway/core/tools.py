@@ -37,7 +37,7 @@ import re
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
-from gateway.core.tool_parsers import PARSERS, ToolCallParser, call_of, new_call
+from gateway.core.tool_parsers import PARSERS, ToolCallParser, call_of, new_call, new_call_id
 from gateway.core.types import ChatMessage, Constraint, Delta, GenerateRequest, Tool, ToolCall
 from pagedserve.errors import InvalidArgument, echo
 
@@ -48,6 +48,9 @@ CHOICES = ("none", "auto", "required", "function")
 # constrained model write keys until max_tokens).
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 HERMES = PARSERS["hermes"]
+# The start of a "required" output's unfinished item, up to its arguments' text (names have no quotes
+# or escapes: _NAME).
+_UNFINISHED_CALL = re.compile(r'\{\s*"name"\s*:\s*"(?P<name>[A-Za-z0-9_.-]{1,64})"\s*,\s*"arguments"\s*:\s*')
 
 # The generic rendering of tools into the system turn, for templates without a tools branch (the
 # parser's instructions follow).
@@ -111,6 +114,33 @@ class ToolPlan:
             return None
         calls = [call_of(item, self.tools) for item in value]
         return None if any(c is None for c in calls) else ("", calls)  # type: ignore[return-value]
+
+    def partial(self, text: str) -> list[ToolCall]:
+        """The calls of a "required" or named output cut short by max_tokens: those complete, then
+        the unfinished one with its arguments' text so far (not valid JSON), as vLLM answers it.
+
+        The grammar fixed the output's shape (the arguments object; or ``[{"name": ..., "arguments":
+        ...}, ...]``, name first, as the schema orders it), so only where it stops is unknown.
+        """
+        if self.mode == "function":
+            return [ToolCall(new_call_id(), self.function, text)]
+        decoder = json.JSONDecoder()
+        calls: list[ToolCall] = []
+        pos = text.find("[") + 1
+        while pos:
+            pos = len(text) - len(text[pos:].lstrip(" \n\t,"))
+            try:
+                item, pos = decoder.raw_decode(text, pos)
+            except (ValueError, RecursionError):  # the unfinished item
+                break
+            call = call_of(item, self.tools)
+            if call is None:
+                return calls
+            calls.append(call)
+        unfinished = _UNFINISHED_CALL.match(text, pos) if pos else None
+        if unfinished is not None and unfinished["name"] in self.tools:
+            calls.append(ToolCall(new_call_id(), unfinished["name"], text[unfinished.end():]))
+        return calls
 
 
 # --- the request ---------------------------------------------------------------------------------
@@ -303,7 +333,9 @@ async def with_tool_calls(deltas: AsyncIterator[Delta], tool_plan: ToolPlan,
             if eos_text and text.endswith(eos_text):
                 text = text[: -len(eos_text)]
         parsed = tool_plan.parse(text) if text.strip() else None
-        if parsed is None:
+        if parsed is None and hold_all and delta.finish_reason == "length":  # a forced call cut short
+            yield dataclasses.replace(delta, text="", tool_calls=tool_plan.partial(text))
+        elif parsed is None:
             yield dataclasses.replace(delta, text=released + c.held)
         else:
             content, calls = parsed

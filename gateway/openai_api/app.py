@@ -78,8 +78,26 @@ class OpenAIFront:
         ], exception_handlers={HTTPException: self._http_exception})
 
     async def _http_exception(self, request: Request, exc: Exception) -> Response:
+        """Starlette's refusals before any endpoint: an unknown route (404) or method (405).
+
+        Said as OpenAI says it (``Invalid URL (POST /v1/x)``, no ``code``): the 404 of an unknown
+        model is ``model_not_found``, and a client told that for a route it called (langchain raises
+        ``OpenAIModelNotFoundError``) looks for the wrong mistake. Counted and logged as an access
+        line (method ``OpenAI.UnknownRoute``) like any refused request.
+        """
         assert isinstance(exc, HTTPException)
-        return JSONResponse(error_body(exc.status_code, exc.detail), status_code=exc.status_code)
+        status = exc.status_code
+        message = str(exc.detail)
+        if status in (404, 405):
+            what = "no such route" if status == 404 else "method not allowed on this route"
+            path = request.url.path if len(request.url.path) <= 200 else request.url.path[:200] + "..."
+            message = f"Invalid URL ({request.method[:16]} {path}): {what}"
+            record = RequestRecord("OpenAI.UnknownRoute", uuid.uuid4().hex)
+            record.status = "NOT_FOUND" if status == 404 else "UNIMPLEMENTED"
+            self.core.finish(record, None, path=f"{request.method[:16]} {path}")
+        body = error_body(status, message)
+        body["error"]["code"] = None
+        return JSONResponse(body, status_code=status)
 
     def _tenant(self, request: Request) -> Tenant:
         """Who the key says the client is: the gRPC front's tenants, the same lookup."""
@@ -117,7 +135,7 @@ class OpenAIFront:
             first = exc.errors()[0]
             if first["type"] == "json_invalid":
                 raise HttpError(400, f"the body is not valid JSON: {first['msg']}") from None
-            param = error_param(first["loc"])
+            param = error_param(first["loc"], schema)
             raise HttpError(400, f"{param or 'body'}: {first['msg']}", param) from None
         if body.model_extra:
             log.info("openai_unknown_fields", path=request.url.path, **unknown_fields(body))
@@ -171,7 +189,8 @@ class OpenAIFront:
             converted = convert.tokenize_request(body)
             record = RequestRecord("OpenAI.Tokenize", uuid.uuid4().hex)
             token_ids = await until_disconnect(
-                request.receive, self.core.tokenize(converted, record, tenant, body.add_special_tokens))
+                request.receive, self.core.tokenize(converted, record, tenant, body.add_special_tokens,
+                                                        body.add_generation_prompt))
             model = self.core.require_model()
             return JSONResponse({"count": len(token_ids), "max_model_len": model.info.max_model_len,
                                  "tokens": token_ids, "token_strs": model.tokens(token_ids)})

@@ -10,6 +10,8 @@ vLLM does: clients send fields of newer API versions, and refusing them would br
 from __future__ import annotations
 
 import itertools
+import types
+import typing
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -133,6 +135,8 @@ class TokenizeRequest(_Body):
     messages: list[ChatMessage] | None = None
     # None: as generation tokenizes it (a prompt gets BOS, a chat's template writes its own).
     add_special_tokens: bool | None = None
+    # A chat ends with the assistant's turn opened (vLLM's default); False counts the chat as it is.
+    add_generation_prompt: bool = True
 
 
 class DetokenizeRequest(_Body):
@@ -160,7 +164,54 @@ def unknown_fields(body: BaseModel) -> dict[str, object]:
     return {"num_fields": len(extra), "fields": [_cut(name) for name in first]}
 
 
-def error_param(loc: tuple[int | str, ...]) -> str | None:
-    """The parameter a pydantic error names (``messages.0.content``), each part cut short: a part
-    may be a client's dict key of any length (``logit_bias``'s)."""
-    return ".".join(_cut(part) for part in loc) or None
+def error_param(loc: tuple[int | str, ...], body: type[BaseModel] | None = None) -> str | None:
+    """The parameter a pydantic error names (``messages.0.content``) as the client spells it, each
+    part cut short: a part may be a client's dict key of any length (``logit_bias``'s).
+
+    Why ``body``: pydantic's location of a value that fits no member of a union names the member
+    it tried (``prompt.str``, ``messages.0.content.list[ContentPart].0.type``); walking the body's
+    types tells those labels from field names and dict keys, and drops them.
+    """
+    kept: list[int | str] = []
+    annotation: Any = body
+    for part in loc:
+        members = _members(annotation)
+        if len(members) > 1:  # this part is the label of the member tried: not the client's
+            annotation = next((m for m in members if _label(m) == part), None)
+            continue
+        annotation = members[0] if members else None
+        kept.append(part)
+        annotation = _inner(annotation, part)
+    return ".".join(_cut(part) for part in kept) or None
+
+
+def _members(annotation: Any) -> list[Any]:
+    """A union's members without None (one for a plain or optional type; none for unknown)."""
+    if annotation is None:
+        return []
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return [a for a in typing.get_args(annotation) if a is not type(None)]
+    return [annotation]
+
+
+def _label(annotation: Any) -> str:
+    """pydantic's name of a union member in an error's location (``list[int]``, ``ContentPart``)."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is list:
+        return f"list[{_label(args[0])}]"
+    if origin is dict:
+        return f"dict[{_label(args[0])},{_label(args[1])}]"
+    return "any" if annotation is Any else getattr(annotation, "__name__", str(annotation))
+
+
+def _inner(annotation: Any, part: int | str) -> Any:
+    """The type of ``annotation``'s element ``part`` (a field, an index, a key); None: unknown."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        field = annotation.model_fields.get(str(part))
+        return field.annotation if field is not None else None
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is list and args:
+        return args[0]
+    if origin is dict and len(args) == 2:
+        return args[1]
+    return None

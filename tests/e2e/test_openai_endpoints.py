@@ -155,3 +155,41 @@ def test_bad_logit_bias_is_invalid_argument_on_grpc(http: Http, bias: dict) -> N
         http.gateway.stub.Generate(gateway_pb2.GenerateRequest(prompt="x", params=params), timeout=10)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert info.value.details().startswith("params.logit_bias"), info.value.details()
+
+
+# --- issue 42 item 3: the small gaps real clients hit ----------------------------------------------
+
+
+def test_tokenize_honours_add_generation_prompt_as_vllm_does(http: Http, service_model: ServiceModel) -> None:
+    """Read and passed to the template (the e2e model's template writes no generation prompt, so
+    the tokens are the same either way: ``test_tokenizer`` has one that does)."""
+    chat = [{"role": "user", "content": "count me"}]
+    want = service_model.tokenizer.apply_chat_template(chat, add_generation_prompt=False, tokenize=True)
+    want = want["input_ids"] if hasattr(want, "keys") else want
+    closed = _post(http, "/tokenize", {"messages": chat, "add_generation_prompt": False}).json()["tokens"]
+    assert closed == list(want)
+    assert "add_generation_prompt" not in http.gateway.log_file.read_text()  # not an unknown field
+
+
+def test_an_unknown_route_is_a_404_saying_so_and_an_access_line(http: Http) -> None:
+    reply = httpx.post(f"{http.base_url}/v1/nothing-here", json={"model": http.model}, timeout=10)
+    assert reply.status_code == 404
+    error = reply.json()["error"]
+    assert error["code"] is None and error["message"].startswith("Invalid URL (POST /v1/nothing-here)"), error
+    assert "model" not in error["message"]
+    wrong_method = httpx.get(f"{http.base_url}/v1/chat/completions", timeout=10)
+    assert wrong_method.status_code == 405 and wrong_method.json()["error"]["code"] is None
+    log = http.gateway.log_file.read_text()
+    assert '"method": "OpenAI.UnknownRoute"' in log and "POST /v1/nothing-here" in log, log[-2000:]
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", {"prompt": 5}, "prompt"),
+    ("/v1/completions", {"prompt": [[1, "x"]]}, "prompt"),
+    ("/v1/completions", {"prompt": "x", "stop": [1]}, "stop"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": 5}, "tool_choice"),
+])
+def test_a_wrong_type_names_the_clients_parameter(http: Http, path: str, body: dict, param: str) -> None:
+    reply = _post(http, path, body)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text

@@ -151,3 +151,20 @@ def test_bad_tools_are_invalid_argument_on_grpc(http: Http) -> None:
         with pytest.raises(grpc.RpcError) as info:
             http.gateway.stub.Generate(gateway_pb2.GenerateRequest(messages=messages, **fields), timeout=10)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and info.value.details().startswith(message)
+
+
+def test_a_forced_call_cut_short_is_finish_reason_length_with_the_partial_call(http: Http) -> None:
+    """vLLM's answer (issue 42): the call the client forced, its arguments' text so far, and
+    finish_reason "length" as for any answer cut short; whole and streamed alike."""
+    client = http.client()
+    kwargs = dict(model=http.model, messages=MESSAGES, tools=TOOLS, tool_choice=NAMED, temperature=0, max_tokens=3)
+    [cut] = client.chat.completions.create(**kwargs).choices
+    assert cut.finish_reason == "length" and cut.message.content is None
+    [call] = cut.message.tool_calls
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    assert call.function.arguments.startswith("{")
+    with pytest.raises(ValueError):
+        json.loads(call.function.arguments)
+    content, calls, finish = _reassemble(client.chat.completions.create(**kwargs, stream=True))
+    assert (content, finish) == ("", "length")
+    assert [(c["name"], c["arguments"]) for c in calls] == [("get_weather", call.function.arguments)]

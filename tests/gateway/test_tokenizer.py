@@ -48,6 +48,16 @@ def test_ordinary_chats_tokenize_exactly_as_the_template_does(model: ModelTokeni
     assert model.hf_tokenizer.decode(ids) == "<s>system: be brief</s>\n<s>user: a</s>b</s>\n<s>assistant: "
 
 
+def test_add_generation_prompt_false_ends_the_chat_at_its_last_turn(model: ModelTokenizer) -> None:
+    """vLLM's ``/tokenize`` flag, on both rendering paths (content with a special token's text is
+    tokenized piecewise)."""
+    for content in ("plain", "a</s>b"):
+        chat = [{"role": "user", "content": content}]
+        opened, closed = model.encode_chat(chat), model.encode_chat(chat, add_generation_prompt=False)
+        assert model.hf_tokenizer.decode(opened) == model.hf_tokenizer.decode(closed) + "<s>assistant: "
+        assert opened[:len(closed)] == closed and model.hf_tokenizer.decode(closed).endswith("</s>\n")
+
+
 # --- the download ---------------------------------------------------------------------------
 
 

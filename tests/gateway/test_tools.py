@@ -161,8 +161,25 @@ def test_required_and_named_outputs_become_calls_without_the_eos_text() -> None:
     choice, _ = _run(required, ['[{"name":"now","arguments":{}},', '{"name":"now","arguments":{}}]'])
     assert [c.name for c in choice.tool_calls] == ["now", "now"] and choice.finish_reason == "tool_calls"
     assert len({c.id for c in choice.tool_calls}) == 2
-    choice, _ = _run(named, ['{"city":"Os'], "length")  # cut short: the partial text, as content
-    assert (choice.text, choice.finish_reason, choice.tool_calls) == ('{"city":"Os', "length", [])
+    choice, _ = _run(named, ['{"city":"Os'], "length")  # cut short: the partial call, finish_reason "length"
+    [call] = choice.tool_calls
+    assert (choice.text, choice.finish_reason, call.name, call.arguments) == ("", "length", "get_weather",
+                                                                              '{"city":"Os')
+
+
+@pytest.mark.parametrize("text,want", [
+    ('[{"name":"now","arguments":{}}, {"name": "get_weather", "arguments": {"city":"Os',
+     [("now", "{}"), ("get_weather", '{"city":"Os')]),
+    ('[{"name":"now","arguments":{}}', [("now", "{}")]),
+    ('[{"name":"get_wea', []),
+    ('[', []),
+    (' ', []),
+])
+def test_a_required_output_cut_short_is_its_calls_so_far(text: str, want: list) -> None:
+    choice, _ = _run(tools.plan(_request(tool_choice="required")), [text], "length")
+    assert choice.finish_reason == "length" and choice.text == ""
+    assert [(c.name, c.arguments) for c in choice.tool_calls] == want
+    assert all(c.id.startswith("call_") for c in choice.tool_calls)
 
 
 # --- Llama 3.x JSON calls, and choosing the parser -------------------------------------------------
