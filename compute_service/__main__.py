@@ -45,7 +45,7 @@ SERVICE_FLAGS = {
                        f"(also ${TOKEN_ENV}); the gateway sends it with --backend-token-file",
     "memory_token_file": "send this file's token to the memory service (its --auth-token-file; also "
                          "$PAGEDSERVE_MEMORY_TOKEN): only then may this service name cache namespaces there",
-    "grammar_compile_timeout_s": "longest compile of one structured-output constraint before it is refused",
+    "grammar_compile_timeout_s": "CPU seconds one structured-output constraint may compile before it is refused",
     "grammar_compile_threads": "worker processes that compile structured-output constraints",
     "grammar_compiles_per_tenant": "compiles one tenant may have running at once (its others wait)",
     "grammar_probe_max_fill_s": "CPU seconds one token mask may take when a new grammar is probed",

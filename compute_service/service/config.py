@@ -40,8 +40,8 @@ class ComputeServiceConfig(ServiceConfig):
             call to it (trusted: it may name cache namespaces); else ``$PAGEDSERVE_MEMORY_TOKEN``.
         memory_token: that token itself (read from the file or the environment when not given).
         grammar_compile_threads: worker processes that compile structured-output constraints.
-        grammar_compile_timeout_s: the longest one constraint may compile before its request is
-            refused (INVALID_ARGUMENT: too complex).
+        grammar_compile_timeout_s: the CPU seconds one constraint may compile before its request is
+            refused (INVALID_ARGUMENT: too complex); see ``GrammarCompilerConfig.timeout_s``.
         grammar_cache_size: compiled constraints (and failures) kept.
         grammar_compiles_per_tenant: compiles one tenant may have running at once (the others wait).
         grammar_probe_max_fill_s: CPU seconds one token mask may take when a new grammar's masks are

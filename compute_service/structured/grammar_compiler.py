@@ -61,14 +61,22 @@ log = get_logger("grammar_compiler")
 
 _POLL_S = 0.05  # how often a supervisor looks whether anyone still waits for its running job
 _BOOT_POLL_S = 0.25  # how often a caller waiting for the workers to start looks at its deadline
+WALL_LIMIT_FACTOR = 8.0  # a running compile's wall-time limit, in multiples of its CPU limit (timeout_s)
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+# A job's outcome when its worker was killed at the wall-time limit: the request is told to retry.
+_STARVED = (None, "starved")
 
 
 @dataclass(frozen=True)
 class GrammarCompilerConfig:
     """Attributes:
         num_threads: compile worker processes (vLLM uses (cpus + 1) // 2 threads).
-        timeout_s: the longest one compile (and its mask probe) may run before it is killed and
-            its request refused.
+        timeout_s: the CPU seconds one compile (and its mask probe) may use before it is killed
+            and its request refused as too complex (a verdict, cached). CPU, not wall time: the
+            workers run at a low priority (``compile_worker.WORKER_NICE``), so on a busy machine a
+            compile takes longer without costing more. One still running ``WALL_LIMIT_FACTOR``
+            times as long in wall time (the machine too busy to give it the CPU) is killed too, and
+            its request told to retry (RESOURCE_EXHAUSTED, no verdict).
         cache_size: compiled grammars (and failures) kept, least recently used dropped first.
         max_jobs_per_tenant: compiles one tenant may have running at once (its others wait).
         probe: how each grammar's mask cost is probed before it is accepted.
@@ -132,6 +140,15 @@ class _Worker:
         if not self.from_worker.poll(timeout_s):
             raise RuntimeError(f"the grammar compile worker did not start within {timeout_s} s")
         self.from_worker.recv()  # ("ready", "")
+
+    def cpu_seconds(self) -> float | None:
+        """The CPU time (user + system) the worker has used, from ``/proc``; None where there is none."""
+        try:
+            with open(f"/proc/{self.process.pid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()  # after the command name, which may hold spaces
+        except OSError:
+            return None
+        return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
 
     def kill(self) -> None:
         self.process.kill()
@@ -334,9 +351,12 @@ class GrammarCompiler:
 
     def _drop(self, job: _Job) -> None:  # under the lock
         job.state = "dropped"
+        self._uncache(job)
+        job.future.set_result((None, "dropped: nobody waited for it"))
+
+    def _uncache(self, job: _Job) -> None:  # under the lock
         if self._cache.get(job.key) is job:
             del self._cache[job.key]  # not a verdict: whoever asks again compiles afresh
-        job.future.set_result((None, "dropped: nobody waited for it"))
 
     def _finished(self, job: _Job) -> None:  # under the lock: a running job ended, its owner may run another
         self.num_running -= 1
@@ -375,7 +395,7 @@ class GrammarCompiler:
         raise ResourceExhaustedError(f"params.{kind}: every grammar compile worker is busy; retry later")
 
     def _too_costly(self, job: _Job) -> str:
-        return f"compiling took longer than {self.config.timeout_s} s; the constraint is too complex"
+        return f"compiling took more than {self.config.timeout_s} s of CPU; the constraint is too complex"
 
     @staticmethod
     def _result(job: _Job, result: tuple[xgr.CompiledGrammar | None, str | None]) -> xgr.CompiledGrammar:
@@ -428,9 +448,16 @@ class GrammarCompiler:
                 self._finished(job)
                 if outcome is None:  # killed: nobody waited
                     self._drop(job)
+                elif outcome is _STARVED:  # not a verdict: whoever asks again compiles afresh
+                    self._uncache(job)
+                    job.state = "done"
+                    job.future.set_exception(ResourceExhaustedError(
+                        f"params.{job.constraint.kind}: the machine is too busy to compile this constraint "
+                        f"now (it got under {self.config.timeout_s} s of CPU in {WALL_LIMIT_FACTOR:g} times "
+                        "as long); retry later"))
                 else:
                     job.state = "done"
-            if outcome is not None:
+            if outcome is not None and outcome is not _STARVED:
                 log.debug("grammar_compiled", kind=job.constraint.kind, ok=outcome[0] is not None,
                           seconds=round(time.monotonic() - job.started_at, 4))
                 job.future.set_result(outcome)  # the verdict first, then the slot's new worker
@@ -442,17 +469,26 @@ class GrammarCompiler:
         waited for it any more; whether the worker was killed). A worker past the timeout is killed."""
         worker = self._workers[slot]
         c = job.constraint
+        cpu_at_start = worker.cpu_seconds()
         worker.to_worker.send((c.kind, c.spec, c.choices))
-        deadline = job.started_at + self.config.timeout_s
-        while not worker.from_worker.poll(min(_POLL_S, max(0.0, deadline - time.monotonic()))):
+        limit_s = self.config.timeout_s
+        wall_deadline = job.started_at + (limit_s if cpu_at_start is None else WALL_LIMIT_FACTOR * limit_s)
+        while not worker.from_worker.poll(min(_POLL_S, max(0.0, wall_deadline - time.monotonic()))):
             if job.num_waiters == 0:
                 self._kill(slot)
                 return None, True
-            if time.monotonic() >= deadline:
+            cpu_s = None if cpu_at_start is None else worker.cpu_seconds() - cpu_at_start
+            is_past_wall = time.monotonic() >= wall_deadline
+            if (cpu_s is not None and cpu_s >= limit_s) or (cpu_s is None and is_past_wall):
                 self._kill(slot)
-                log.warning("grammar_compile_timeout", kind=c.kind, timeout_s=self.config.timeout_s,
+                log.warning("grammar_compile_timeout", kind=c.kind, timeout_s=limit_s,
                             num_chars=len(c.spec) + sum(map(len, c.choices)))
                 return (None, self._too_costly(job)), True
+            if is_past_wall:
+                self._kill(slot)
+                log.warning("grammar_compile_starved", kind=c.kind, cpu_s=round(cpu_s, 3),
+                            wall_s=round(time.monotonic() - job.started_at, 3), action="told to retry")
+                return _STARVED, True
         status, payload = worker.from_worker.recv()
         if status == "ok":
             return (xgr.CompiledGrammar.deserialize_json(payload, self.tokenizer_info), None), False
