@@ -7,7 +7,8 @@ Life cycle:
 3. Memory service lost: NOT_SERVING, requests in flight end UNAVAILABLE, the loop re-attaches by
    itself (new lease, new pool mapping) and the health turns SERVING again.
 4. SIGTERM/SIGINT: NOT_SERVING for good, new requests UNAVAILABLE, running ones get
-   ``shutdown_grace_s`` to finish (then they are cancelled), the loop detaches (lease released).
+   ``shutdown_grace_s`` to finish (then they are cancelled), the loop detaches (lease released);
+   the process has exited ``shutdown_grace_s + drain.COMPUTE_STOP_S`` after the signal at the latest.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from grpc_health.v1 import health_pb2
 
 from pagedserve import rpc, sampling_rules, sockets
 from pagedserve.compute.v1 import compute_pb2, compute_pb2_grpc
+from pagedserve.drain import COMPUTE_STOP_S
 from pagedserve.dtypes import dtype_name
 from pagedserve.errors import UnavailableError
 from pagedserve.log import get_logger
@@ -171,8 +173,10 @@ async def serve(config: ComputeServiceConfig, engine_config: EngineConfig,
 
     await stopping
     await drain(servicer, health, config.shutdown_grace_s)
+    # Within drain.COMPUTE_STOP_S from here (the chart's grace period counts on it).
     await server.stop(1.0)  # streams still open are cancelled: their requests are aborted
-    await asyncio.to_thread(loop.stop)  # detaches: the memory service frees what is left
+    # Detaches: the memory service frees what is left (a detach cut short: the lease's TTL does it).
+    await asyncio.to_thread(loop.stop, COMPUTE_STOP_S - 2)
     _remove_socket(address)
     if grammars is not None:
         grammars.close()  # its worker processes (a compile in progress is killed)

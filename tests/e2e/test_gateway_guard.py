@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,12 +16,16 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pagedserve.drain import GATEWAY_STOP_S
+
 from gateway.config import API_KEYS_ENV
-from pagedserve.gateway.v1 import gateway_pb2
+from pagedserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from pagedserve.process import wait_until
 from tests.e2e.conftest import Engine, Gateway, start_gateway
 
 FILE_KEY, ENV_KEY = "file-key-0123456789", "env-key-9876543210"
+DRAIN_DELAY_S = 1
+GRACE_PERIOD_S = 10  # pagedserve.testing.stack.gateway_args
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +34,7 @@ def guarded(engines: list[Engine], run_dir: Path) -> Iterator[Gateway]:
     keys.write_text(f"# one key per line\n{FILE_KEY}\n")
     env = {**os.environ, API_KEYS_ENV: ENV_KEY}
     started = start_gateway([e.address for e in engines], run_dir, "--api-keys-file", str(keys),
-                            "--max-queued-requests", "1", "--drain-delay-s", "1", env=env)
+                            "--max-queued-requests", "1", "--drain-delay-s", str(DRAIN_DELAY_S), env=env)
     yield started
     started.stop()
 
@@ -70,13 +75,27 @@ def test_backpressure_beyond_the_queue_is_resource_exhausted(guarded: Gateway, e
 
 
 def test_sigterm_stops_serving_but_lets_the_stream_finish(guarded: Gateway) -> None:
+    """Readiness fails first, the stream in flight is delivered whole, and the gateway has exited within
+    the bound the chart's grace period is derived from (drain delay + grace period + GATEWAY_STOP_S)."""
     health = health_pb2_grpc.HealthStub(guarded.channel)
-    stream = guarded.stub.GenerateStream(_request(60, ignore_eos=True), metadata=_auth(FILE_KEY), timeout=60)
+    # 8 completions with 20 logprobs a token, on a channel without BDP probing, whose client reads
+    # nothing until after the signal: more than HTTP/2's 64 KiB window, so the call is still open
+    # in the gateway when the signal comes.
+    channel = grpc.insecure_channel(guarded.process.address, options=[("grpc.http2.bdp_probe", 0)])
+    stream = gateway_pb2_grpc.GatewayStub(channel).GenerateStream(
+        _request(100, ignore_eos=True, logprobs=20, n=8), metadata=_auth(FILE_KEY), timeout=60)
     pieces = [next(stream)]
+    sigterm_at = time.monotonic()
     guarded.process.send_signal(signal.SIGTERM)
     # NOT_SERVING first (load balancers stop sending; the drain delay gives them time to notice).
     wait_until(lambda: health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
                == health_pb2.HealthCheckResponse.NOT_SERVING, timeout_s=2, what="NOT_SERVING")
+    not_serving_at = time.monotonic()
     pieces += list(stream)  # the in-flight stream runs to its end within the grace period
-    assert pieces[-1].finish_reason == "length" and pieces[-1].usage.completion_tokens == 60
-    assert guarded.process.proc.wait(timeout=20) == 0
+    assert not_serving_at < time.monotonic()
+    finishes = [p for p in pieces if p.finish_reason]
+    assert sorted(p.index for p in finishes) == list(range(8)) and {p.finish_reason for p in finishes} == {"length"}
+    assert pieces[-1].usage.completion_tokens == 8 * 100
+    assert guarded.process.proc.wait(timeout=DRAIN_DELAY_S + GRACE_PERIOD_S + GATEWAY_STOP_S + 20) == 0
+    assert time.monotonic() - sigterm_at <= DRAIN_DELAY_S + GRACE_PERIOD_S + GATEWAY_STOP_S
+    channel.close()

@@ -10,6 +10,7 @@ import helm_python as helm
 import kubernetes_validate
 import pytest
 
+from pagedserve.drain import COMPUTE_STOP_S, GATEWAY_STOP_S, MEMORY_STOP_S
 from tests.helm.chart import NAMESPACE, container, engine_pod, env, flag, gateway_pod, lint, mounts, render
 
 KUBE_VERSION = "1.34.0"  # first release with resource.k8s.io/v1 (DRA) enabled by default
@@ -64,7 +65,6 @@ def test_engine_containers_share_socket_shm_and_cache(case) -> None:
     assert [c["name"] for c in pod["containers"]] == ["compute"]
     assert pod["initContainers"][-1]["name"] == "memory"
     assert memory["restartPolicy"] == "Always"
-    assert pod["terminationGracePeriodSeconds"] > 30  # the compute service's drain, then the sidecar
     # The one socket path, on both sides, inside the directory both mount from one emptyDir.
     socket = flag(memory, "--socket")
     assert socket == flag(compute, "--memory-socket") == "/run/pagedserve/memory/memory.sock"
@@ -84,6 +84,28 @@ def test_engine_containers_share_socket_shm_and_cache(case) -> None:
         assert volumes["cache"]["persistentVolumeClaim"] == {"claimName": claim}
     else:
         assert "emptyDir" in volumes["cache"]
+
+
+@pytest.mark.parametrize("drain", [None, {"preStopSeconds": 0, "timeoutSeconds": 120}])
+def test_grace_periods_are_the_drain_bound(drain: dict | None) -> None:
+    """preStop sleep, then SIGTERM: the drain timeout is each service's flag, and the pod's grace
+    period covers preStop + drain + the stop times pagedserve/drain.py states (the tests of the drain
+    measure those on real processes), nothing less: the kubelet's SIGKILL never cuts a drain short."""
+    values = {"engine": {"drain": drain}, "gateway": {"drain": drain}} if drain else {}
+    rendered = render(values)
+    expected = drain or {"preStopSeconds": 5, "timeoutSeconds": 30}
+    for pod, name, flag_name, stop_s in (
+            (engine_pod(rendered), "compute", "--shutdown-grace-s", COMPUTE_STOP_S + MEMORY_STOP_S),
+            (gateway_pod(rendered), "gateway", "--grace-period-s", GATEWAY_STOP_S)):
+        c = container(pod, name)
+        assert flag(c, flag_name) == str(expected["timeoutSeconds"])
+        assert pod["terminationGracePeriodSeconds"] == expected["preStopSeconds"] + expected["timeoutSeconds"] + stop_s
+        if expected["preStopSeconds"]:
+            assert c["lifecycle"] == {"preStop": {"sleep": {"seconds": expected["preStopSeconds"]}}}
+        else:
+            assert "lifecycle" not in c
+    # The memory sidecar has no preStop: it must outlive the compute container's drain, not sleep.
+    assert "lifecycle" not in container(engine_pod(rendered), "memory")
 
 
 def test_probes_are_grpc_health_with_a_generous_startup(case) -> None:

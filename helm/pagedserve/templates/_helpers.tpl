@@ -174,3 +174,25 @@ device-plugin: only the memory container (which allocates the KV pool) requests 
 {{- float64 $number | int64 -}}
 {{- end -}}
 {{- end }}
+
+{{/* Graceful drain (pagedserve/drain.py). A pod's terminationGracePeriodSeconds: its preStop sleep,
+then its drain timeout, then the seconds each of its containers takes to stop after the drain:
+COMPUTE_STOP_S + MEMORY_STOP_S for an engine pod (the memory sidecar stops after compute),
+GATEWAY_STOP_S for a gateway pod. tests/helm checks these numbers against pagedserve/drain.py.
+Argument: (list <drain values> "engine"|"gateway"). */}}
+{{- define "pagedserve.drainGrace" -}}
+{{- $drain := index . 0 -}}
+{{- $stopSeconds := dict "engine" (add 5 5) "gateway" 5 -}}
+{{- add (int $drain.preStopSeconds) (int $drain.timeoutSeconds) (get $stopSeconds (index . 1)) -}}
+{{- end }}
+
+{{/* The preStop sleep of a container that drains (Kubernetes' sleep action, 1.30+: no binary needed in
+the image); none when preStopSeconds is 0. Argument: the drain values. */}}
+{{- define "pagedserve.preStop" -}}
+{{- if .preStopSeconds }}
+lifecycle:
+  preStop:
+    sleep:
+      seconds: {{ int .preStopSeconds }}
+{{- end }}
+{{- end }}

@@ -1,0 +1,29 @@
+"""Graceful drain: how long a service may take to exit after SIGTERM, which the Helm chart's grace
+periods are derived from (helm/pagedserve/templates/_helpers.tpl, ``pagedserve.drainGrace``).
+
+On SIGTERM a service turns NOT_SERVING at once (readiness fails first: load balancers, our gateways
+and an InferencePool's endpoint picker stop sending), refuses new requests with UNAVAILABLE naming
+the shutdown, lets the requests in flight finish within its drain timeout (the compute service's
+``--shutdown-grace-s``, the gateway's ``--drain-delay-s`` plus ``--grace-period-s``), ends those
+still running, and exits. After the drain timeout, each service stops within its ``*_STOP_S``
+below, so it has exited ``drain timeout + *_STOP_S`` seconds after the signal at the latest; the
+tests of the drain measure that bound on real processes (tests/compute_service/test_service_drain.py,
+tests/e2e/test_gateway_guard.py).
+
+In a pod, Kubernetes first runs the preStop hook (a sleep: the pod leaves its Services' endpoints and
+the routers' lists while it still serves everything), then sends SIGTERM; the pod's
+``terminationGracePeriodSeconds`` is preStop + drain timeout + the stop times of its containers
+(the engine pod's memory sidecar stops after the compute container). tests/helm checks the rendered
+chart against these constants.
+"""
+
+from __future__ import annotations
+
+# The compute service after its drain: the gRPC server's stop (1 s), the engine loop's detach from the
+# memory service (its thread ends between two steps), the grammar compiler's worker processes.
+COMPUTE_STOP_S = 5
+# The gateway after its grace period: both fronts closed, its backend channels and the core.
+GATEWAY_STOP_S = 5
+# The memory service (a sidecar, signalled after the compute container exited): the KV tier writes
+# what is not on disk yet for 2 s at most (docs/design.md, "KV tiers"), then the pool is freed.
+MEMORY_STOP_S = 5
