@@ -34,10 +34,12 @@ from gateway.core.streaming import ReplyBudget, collect, pieces
 from gateway.core.types import Delta
 from gateway.openai_api import convert
 from gateway.openai_api.errors import HttpError, ParamError, as_http_error, error_body, error_response
+from gateway.openai_api.response_store import ResponseStore, StoreLimits
 from gateway.openai_api.responses import Answer, events, merge
+from gateway.openai_api.responses_api import ResponsesEndpoint
 from gateway.openai_api.schema import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                                        error_param, unknown_fields)
-from gateway.openai_api.transport import ClientGone, EventStream, until_disconnect
+from gateway.openai_api.transport import ClientGone, EventStream, first_piece, until_disconnect
 from gateway.tenants import Admission, Tenant
 from pagedserve.errors import echo
 from pagedserve.log import get_logger
@@ -60,11 +62,14 @@ class OpenAIFront:
     Args:
         core: the gateway core every request goes through.
         is_serving: whether the gateway is ready (its health check says SERVING).
+        store_limits: the Responses API's stored responses, per tenant.
     """
 
-    def __init__(self, core: GatewayCore, is_serving: Callable[[], bool]) -> None:
+    def __init__(self, core: GatewayCore, is_serving: Callable[[], bool],
+                 store_limits: StoreLimits | None = None) -> None:
         self.core = core
         self.is_serving = is_serving
+        self.responses = ResponsesEndpoint(self, ResponseStore(store_limits or StoreLimits()))
         self.app = Starlette(routes=[
             Route("/health", self.health, methods=["GET"]),
             Route("/v1/models", self.models, methods=["GET"]),
@@ -75,6 +80,7 @@ class OpenAIFront:
             Route("/detokenize", self.detokenize, methods=["POST"]),
             Route("/version", self.version, methods=["GET"]),
             Route("/tokenizer_info", self.tokenizer_info, methods=["GET"]),
+            *self.responses.routes(),
         ], exception_handlers={HTTPException: self._http_exception})
 
     async def _http_exception(self, request: Request, exc: Exception) -> Response:
@@ -95,11 +101,9 @@ class OpenAIFront:
             record = RequestRecord("OpenAI.UnknownRoute", uuid.uuid4().hex)
             record.status = "NOT_FOUND" if status == 404 else "UNIMPLEMENTED"
             self.core.finish(record, None, path=f"{request.method[:16]} {path}")
-        body = error_body(status, message)
-        body["error"]["code"] = None
-        return JSONResponse(body, status_code=status)
+        return JSONResponse(error_body(status, message), status_code=status)
 
-    def _tenant(self, request: Request) -> Tenant:
+    def tenant_of(self, request: Request) -> Tenant:
         """Who the key says the client is: the gRPC front's tenants, the same lookup."""
         header = request.headers.get("authorization", "")
         tenant = self.core.tenants.identify(bearer_token([("authorization", header)]))
@@ -107,7 +111,7 @@ class OpenAIFront:
             raise HttpError(401, "missing or invalid API key (Authorization: Bearer KEY)")
         return tenant
 
-    def _served(self, name: str | None) -> str:
+    def served_model(self, name: str | None) -> str:
         model = self.core.model
         if model is None:
             raise HttpError(503, "no backend has been reached yet")
@@ -116,7 +120,7 @@ class OpenAIFront:
                                  f"{model.info.model_name!r})", "model")
         return model.info.model_name
 
-    async def _read(self, request: Request, schema: type[BaseModel]) -> Any:
+    async def read_body(self, request: Request, schema: type[BaseModel]) -> Any:
         limit = self.core.config.max_message_bytes
         content_type = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
         if content_type != "application/json" and not content_type.endswith("+json"):
@@ -156,7 +160,7 @@ class OpenAIFront:
         """The served model, once a backend is ready: 503 before (a client polling it for readiness
         must not send while the model loads, nor when no backend is in rotation)."""
         try:
-            self._tenant(request)
+            self.tenant_of(request)
             if self.core.model is None or not self.is_serving():
                 raise HttpError(503, "no backend is ready yet")
         except HttpError as exc:
@@ -171,7 +175,7 @@ class OpenAIFront:
         tokenize with this server's ``/tokenize`` and ``/detokenize`` instead of a local copy of the
         tokenizer (lm-evaluation-harness's remote tokenizer looks for it)."""
         try:
-            self._tenant(request)
+            self.tenant_of(request)
             model = self.core.model
             if model is None or not self.is_serving():
                 raise HttpError(503, "no backend is ready yet")
@@ -183,9 +187,9 @@ class OpenAIFront:
         """vLLM's ``/tokenize``: ``{"count", "max_model_len", "tokens": [ids], "token_strs"}`` (the gRPC
         ``Tokenize`` names them the other way round: ``token_ids`` and ``tokens``)."""
         try:
-            tenant = self._tenant(request)
-            body = await self._read(request, TokenizeRequest)
-            self._served(body.model)
+            tenant = self.tenant_of(request)
+            body = await self.read_body(request, TokenizeRequest)
+            self.served_model(body.model)
             converted = convert.tokenize_request(body)
             record = RequestRecord("OpenAI.Tokenize", uuid.uuid4().hex)
             token_ids = await until_disconnect(
@@ -202,9 +206,9 @@ class OpenAIFront:
     async def detokenize(self, request: Request) -> Response:
         """vLLM's ``/detokenize``: ``{"model", "tokens": [ids]}`` -> ``{"prompt"}``."""
         try:
-            tenant = self._tenant(request)
-            body = await self._read(request, DetokenizeRequest)
-            self._served(body.model)
+            tenant = self.tenant_of(request)
+            body = await self.read_body(request, DetokenizeRequest)
+            self.served_model(body.model)
             record = RequestRecord("OpenAI.Detokenize", uuid.uuid4().hex)
             text = await until_disconnect(request.receive, self.core.detokenize(body.tokens, record, tenant))
             return JSONResponse({"prompt": text})
@@ -215,8 +219,8 @@ class OpenAIFront:
 
     async def model(self, request: Request) -> Response:
         try:
-            self._tenant(request)
-            self._served(request.path_params["model"])
+            self.tenant_of(request)
+            self.served_model(request.path_params["model"])
         except HttpError as exc:
             return error_response(exc)
         return JSONResponse(self._model_card())
@@ -237,10 +241,10 @@ class OpenAIFront:
             return error_response(exc, constraint_param[0] if constraint_param else None)
 
     async def _answer(self, request: Request, endpoint: str, constraint_param: list[str]) -> Response:
-        tenant = self._tenant(request)
+        tenant = self.tenant_of(request)
         schema = ChatCompletionRequest if endpoint == "chat" else CompletionRequest
-        body = await self._read(request, schema)
-        model_name = self._served(body.model)
+        body = await self.read_body(request, schema)
+        model_name = self.served_model(body.model)
         request_id = request.headers.get("x-request-id") or f"{'chatcmpl' if endpoint == 'chat' else 'cmpl'}-" \
                                                             f"{uuid.uuid4().hex}"
         method = "OpenAI.ChatCompletions" if endpoint == "chat" else "OpenAI.Completions"
@@ -303,11 +307,7 @@ class OpenAIFront:
             # Rendered off the event loop: a large answer's JSON (its logprobs' texts) takes a while.
             return await asyncio.to_thread(lambda: JSONResponse(answer.body(replies)))
         merged = merge([pieces(run(p, a)) for p, a in zip(prompts, admissions)])
-        try:
-            first = await until_disconnect(request.receive, anext(merged))
-        except BaseException:
-            await merged.aclose()
-            raise
+        first = await first_piece(request.receive, merged)
 
         def stream_error(exc: BaseException) -> dict:
             error = as_http_error(exc, constraint_param[0] if constraint_param else None)

@@ -52,8 +52,11 @@ class HttpError(Exception):
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:
+    """An OpenAI error object. A 404 is ``model_not_found`` only when it names ``model``: an unknown
+    route or stored response said so sent clients looking for a wrong model name."""
     kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": _CODES.get(status)}}
+    code = None if status == 404 and param != "model" else _CODES.get(status)
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def as_http_error(exc: BaseException, constraint_param: str | None = None) -> HttpError:

@@ -22,16 +22,16 @@ from pagedserve.errors import ECHO_CHARS
 NUM_LOGGED_UNKNOWN_FIELDS = 5
 
 
-class _Body(BaseModel):
+class Body(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
-class StreamOptions(_Body):
+class StreamOptions(Body):
     include_usage: bool | None = None
     continuous_usage_stats: bool | None = None
 
 
-class _Sampling(_Body):
+class _Sampling(Body):
     """Fields both endpoints take (OpenAI's and the vLLM extensions users rely on)."""
 
     model: str | None = None
@@ -77,23 +77,23 @@ class CompletionRequest(_Sampling):
     best_of: int | None = None
 
 
-class ContentPart(_Body):
+class ContentPart(Body):
     type: str
     text: str | None = None
 
 
-class FunctionCall(_Body):
+class FunctionCall(Body):
     name: str
     arguments: str  # the JSON text of an object, as OpenAI sends and expects it
 
 
-class ToolCall(_Body):
+class ToolCall(Body):
     id: str | None = None
     type: str = "function"
     function: FunctionCall
 
 
-class ChatMessage(_Body):
+class ChatMessage(Body):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -101,14 +101,14 @@ class ChatMessage(_Body):
     tool_call_id: str | None = None  # a tool's answer names its call
 
 
-class FunctionDefinition(_Body):
+class FunctionDefinition(Body):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None  # the required/named output follows the schema whatever it says
 
 
-class ToolDefinition(_Body):
+class ToolDefinition(Body):
     type: str = "function"
     function: FunctionDefinition
 
@@ -127,7 +127,7 @@ class ChatCompletionRequest(_Sampling):
     function_call: Any | None = None
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(Body):
     """vLLM's ``POST /tokenize``: a prompt, or messages through the chat template."""
 
     model: str | None = None
@@ -139,7 +139,7 @@ class TokenizeRequest(_Body):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(Body):
     """vLLM's ``POST /detokenize``."""
 
     model: str | None = None

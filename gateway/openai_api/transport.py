@@ -48,6 +48,17 @@ async def until_disconnect(receive: Receive, work: Awaitable[T]) -> T:
     return task.result()
 
 
+async def first_piece(receive: Receive, stream: AsyncIterator[T]) -> T:
+    """A stream's first piece, raced against a disconnect (``until_disconnect``); the stream is
+    closed (its requests aborted) when that fails. The response starts (200) only after it, so every
+    failure before it is a real status."""
+    try:
+        return await until_disconnect(receive, anext(stream))
+    except BaseException:
+        await stream.aclose()  # type: ignore[attr-defined]
+        raise
+
+
 class EventStream(StreamingResponse):
     """An SSE response that stops (closing its generator, so aborting the request) on disconnect,
     and when its client reads nothing for the write-stall timeout.
