@@ -61,7 +61,10 @@ log = get_logger("grammar_compiler")
 
 _POLL_S = 0.05  # how often a supervisor looks whether anyone still waits for its running job
 _BOOT_POLL_S = 0.25  # how often a caller waiting for the workers to start looks at its deadline
-WALL_LIMIT_FACTOR = 8.0  # a running compile's wall-time limit, in multiples of its CPU limit (timeout_s)
+# A running compile's wall-time limit: WALL_LIMIT_FACTOR times its CPU limit (timeout_s), at least
+# MIN_WALL_LIMIT_S (a short timeout on a loaded machine: a compile's start, a scheduler's slices).
+WALL_LIMIT_FACTOR = 8.0
+MIN_WALL_LIMIT_S = 10.0
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 # A job's outcome when its worker was killed at the wall-time limit: the request is told to retry.
 _STARVED = (None, "starved")
@@ -75,8 +78,9 @@ class GrammarCompilerConfig:
             and its request refused as too complex (a verdict, cached). CPU, not wall time: the
             workers run at a low priority (``compile_worker.WORKER_NICE``), so on a busy machine a
             compile takes longer without costing more. One still running ``WALL_LIMIT_FACTOR``
-            times as long in wall time (the machine too busy to give it the CPU) is killed too, and
-            its request told to retry (RESOURCE_EXHAUSTED, no verdict).
+            times as long in wall time (and at least ``MIN_WALL_LIMIT_S``: the machine too busy to
+            give it the CPU) is killed too, and its request told to retry (RESOURCE_EXHAUSTED, no
+            verdict).
         cache_size: compiled grammars (and failures) kept, least recently used dropped first.
         max_jobs_per_tenant: compiles one tenant may have running at once (its others wait).
         probe: how each grammar's mask cost is probed before it is accepted.
@@ -453,8 +457,8 @@ class GrammarCompiler:
                     job.state = "done"
                     job.future.set_exception(ResourceExhaustedError(
                         f"params.{job.constraint.kind}: the machine is too busy to compile this constraint "
-                        f"now (it got under {self.config.timeout_s} s of CPU in {WALL_LIMIT_FACTOR:g} times "
-                        "as long); retry later"))
+                        f"now (it got under {self.config.timeout_s} s of CPU in "
+                        f"{time.monotonic() - job.started_at:.1f} s); retry later"))
                 else:
                     job.state = "done"
             if outcome is not None and outcome is not _STARVED:
@@ -472,7 +476,8 @@ class GrammarCompiler:
         cpu_at_start = worker.cpu_seconds()
         worker.to_worker.send((c.kind, c.spec, c.choices))
         limit_s = self.config.timeout_s
-        wall_deadline = job.started_at + (limit_s if cpu_at_start is None else WALL_LIMIT_FACTOR * limit_s)
+        wall_deadline = job.started_at + (limit_s if cpu_at_start is None else
+                                          max(WALL_LIMIT_FACTOR * limit_s, MIN_WALL_LIMIT_S))
         while not worker.from_worker.poll(min(_POLL_S, max(0.0, wall_deadline - time.monotonic()))):
             if job.num_waiters == 0:
                 self._kill(slot)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from compute_service import Constraint
-from compute_service.structured import compile_worker
+from compute_service.structured import compile_worker, grammar_compiler
 from compute_service.structured.grammar_compiler import GrammarCompiler, GrammarCompilerConfig, choice_grammar
 from pagedserve import cpu_preload
 from pagedserve.errors import InvalidArgument, ResourceExhaustedError
@@ -156,12 +156,14 @@ def test_a_worker_ignores_ctrl_c_and_keeps_compiling(byte_model: ByteModel) -> N
     assert_closed(compiler, [pid])
 
 
-def test_workers_run_at_a_low_priority_and_the_timeout_counts_their_cpu(byte_model: ByteModel) -> None:
+def test_workers_run_at_a_low_priority_and_the_timeout_counts_their_cpu(
+        byte_model: ByteModel, monkeypatch: pytest.MonkeyPatch) -> None:
     """A costly compile beside a busy engine took half a core from its parallel region (other tenants'
     requests ran several times slower): the workers run at nice ``WORKER_NICE``. A worker that gets
     no CPU (stopped here, as a starved one would be) is not blamed: past 8x the timeout in wall time
     its request is told to retry (RESOURCE_EXHAUSTED, before: "too complex", remembered), and the
     same constraint compiles when asked again."""
+    monkeypatch.setattr(grammar_compiler, "MIN_WALL_LIMIT_S", 0.0)
     compiler = GrammarCompiler(byte_model.tokenizer, VOCAB, [EOS], GrammarCompilerConfig(num_threads=1, timeout_s=0.25))
     assert compiler.compile(Constraint.regex("[ab]+")) is not None
     [pid] = compiler.worker_pids()
