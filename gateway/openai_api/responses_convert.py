@@ -18,16 +18,11 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from pydantic import ValidationError
-
 from gateway.openai_api.errors import HttpError, ParamError
 from gateway.openai_api.responses_schema import ContentPart, InputItem, ResponsesRequest, ResponseTool
-from gateway.openai_api.schema import ChatCompletionRequest, error_param
+from gateway.openai_api.schema import ChatCompletionRequest, SamplingExtensions
 from pagedserve.errors import echo
 
-# vLLM's sampling extensions a Responses body may carry as on chat (unknown fields to OpenAI's schema).
-EXTENSIONS = ("seed", "stop", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
-              "min_tokens", "ignore_eos", "stop_token_ids", "logit_bias", "priority", "cache_salt")
 # A chat parameter an error names -> the Responses parameter the client wrote.
 RENAMED = {"messages": "input", "response_format": "text.format", "max_completion_tokens": "max_output_tokens",
            "max_tokens": "max_output_tokens"}
@@ -86,19 +81,19 @@ def chat_body(body: ResponsesRequest, context: list[dict]) -> tuple[ChatCompleti
     chat: dict[str, Any] = {"model": body.model, "messages": messages, "max_completion_tokens": body.max_output_tokens,
                             "temperature": body.temperature, "top_p": body.top_p, "stream": body.stream,
                             "parallel_tool_calls": body.parallel_tool_calls, "user": body.user}
-    chat.update({name: value for name, value in (body.model_extra or {}).items() if name in EXTENSIONS})
+    chat.update({name: getattr(body, name) for name in SamplingExtensions.model_fields})
     if body.tools is not None:
         chat["tools"] = [_tool(i, tool) for i, tool in enumerate(body.tools)]
     if body.tool_choice is not None:
         chat["tool_choice"] = _tool_choice(body.tool_choice)
     if body.text is not None and body.text.format is not None:
-        chat["response_format"] = _response_format(body.text.format)
-    try:
-        return ChatCompletionRequest.model_validate(chat), conversation
-    except ValidationError as exc:  # an extension of the wrong type (the rest was typed already)
-        first = exc.errors()[0]
-        param = error_param(first["loc"], ChatCompletionRequest)
-        raise ParamError(param or "input", f"{param}: {first['msg']}") from None
+        response_format = _response_format(body.text.format)
+        # A forced call is the whole answer, held to the tool's schema: text.format, which shapes
+        # text, has nothing to shape (OpenAI takes both; the Agents SDK sends both when an agent
+        # with an output type forces a tool). Chat refuses the pair; here the call wins.
+        if not _forces_a_call(chat.get("tool_choice")):
+            chat["response_format"] = response_format
+    return ChatCompletionRequest.model_validate(chat), conversation
 
 
 def input_messages(given: str | list[InputItem] | None) -> list[dict]:
@@ -168,6 +163,10 @@ def _tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
         return {"type": "function", "function": {"name": choice["name"]}}
     raise ParamError("tool_choice", 'tool_choice must be "none", "auto", "required" or {"type": "function", "name": '
                                     f'...}}; built-in tools are not supported, got type {echo(choice.get("type"))}')
+
+
+def _forces_a_call(choice: str | dict | None) -> bool:
+    return choice == "required" or isinstance(choice, dict)
 
 
 def _response_format(given: Any) -> dict:

@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import Field
 
-from gateway.openai_api.schema import Body
+from gateway.openai_api.schema import Body, SamplingExtensions
 
 
 class ContentPart(Body):
@@ -61,8 +61,8 @@ class TextOptions(Body):
     verbosity: str | None = None
 
 
-class ResponsesRequest(Body):
-    """``POST /v1/responses``."""
+class ResponsesRequest(SamplingExtensions):
+    """``POST /v1/responses`` (with the sampling extensions chat takes, as vLLM's Responses API does)."""
 
     model: str | None = None
     input: str | list[InputItem] | None = None

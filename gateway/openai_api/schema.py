@@ -31,22 +31,16 @@ class StreamOptions(Body):
     continuous_usage_stats: bool | None = None
 
 
-class _Sampling(Body):
-    """Fields both endpoints take (OpenAI's and the vLLM extensions users rely on)."""
+class SamplingExtensions(Body):
+    """Sampling fields beyond the Responses API's own that every generating endpoint takes: chat
+    and completions' OpenAI ones and vLLM's extensions users rely on (``/v1/responses`` takes them
+    too, through the SDK's ``extra_body``)."""
 
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
-    stream: bool | None = False
-    stream_options: StreamOptions | None = None
     # vLLM's extensions
     top_k: int | None = None
     min_p: float | None = None
@@ -54,9 +48,22 @@ class _Sampling(Body):
     min_tokens: int | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
-    prompt_logprobs: int | None = None  # the prompt's tokens scored (not with stream)
     priority: int | None = None
     cache_salt: str | None = None
+
+
+class _Sampling(SamplingExtensions):
+    """Fields both endpoints take."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    user: str | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    prompt_logprobs: int | None = None  # the prompt's tokens scored (not with stream; vLLM's)
     # Structured outputs (gateway.openai_api.constraints): OpenAI's response_format, vLLM's
     # structured_outputs and its older guided_* fields.
     response_format: dict[str, Any] | None = None

@@ -113,6 +113,19 @@ def test_a_forced_call_cut_short_is_an_incomplete_function_call(http: Http) -> N
     assert call.type == "function_call" and call.status == "incomplete" and call.arguments.startswith("{")
 
 
+def test_vllm_extensions_apply_and_a_forced_call_wins_over_text_format(http: Http) -> None:
+    client = http.client()
+    kwargs = dict(model=http.model, input="x", temperature=1.0, max_output_tokens=6,
+                  extra_body={"seed": 11, "ignore_eos": True, "top_k": 5})
+    first, second = client.responses.create(**kwargs), client.responses.create(**kwargs)
+    assert first.output_text == second.output_text and first.usage.output_tokens == 6
+    assert "top_k" not in http.gateway.log_file.read_text()  # read, not logged as unknown
+    # The Agents SDK sends both when an agent with an output type forces a tool: the call is the answer.
+    reply = client.responses.create(model=http.model, input="Weather?", tools=[TOOL], tool_choice=NAMED,
+                                    text={"format": {"type": "json_object"}}, max_output_tokens=100, temperature=0)
+    assert [item.type for item in reply.output] == ["function_call"] and reply.status == "completed"
+
+
 @pytest.mark.parametrize("text_format", [
     {"type": "json_schema", "name": "weather", "schema": WEATHER, "strict": True},
     {"type": "json_object"},
