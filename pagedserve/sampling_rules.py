@@ -92,8 +92,10 @@ SAMPLING_DEFAULTS: Mapping[str, object] = {
     "max_tokens": DEFAULT_MAX_TOKENS, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": None,
     "stop": (), "stop_token_ids": (), "ignore_eos": False, "min_tokens": 0, "repetition_penalty": 1.0,
     "presence_penalty": 0.0, "frequency_penalty": 0.0, "n": 1, "logprobs": None, "logit_bias": (),
-    "prompt_logprobs": None,
+    "prompt_logprobs": None, "pooling": None,
 }
+# An embedding request's pooling of the final hidden states (SamplingParams.pooling).
+POOLING_TYPES = ("last", "mean")
 
 
 def resolve_sampling(given: Mapping[str, object]) -> dict[str, object]:
@@ -157,8 +159,9 @@ def check_sampling(values: Mapping[str, object], *, prefix: str = "params.", lim
     Args:
         values: max_tokens, temperature, top_p, top_k, min_p, seed, stop, stop_token_ids,
             min_tokens, repetition_penalty, presence_penalty, frequency_penalty, n, logprobs, logit_bias,
-            prompt_logprobs (absent: None). With prompt_logprobs, max_tokens may be 0: the prompt is
-            scored and nothing generated (then n must be 1: there is nothing to fork).
+            prompt_logprobs, pooling (absent: None). With prompt_logprobs, max_tokens may be 0: the
+            prompt is scored and nothing generated (then n must be 1: there is nothing to fork);
+            pooling (an embedding) needs max_tokens 0 and n 1.
         prefix: put before each field's name in messages (``params.`` as the wires spell it).
         limits: the bounds (the compute service's own, or what a backend reported).
         vocab_size: stop token ids must be below it (None: only >= 0 is checked).
@@ -167,8 +170,9 @@ def check_sampling(values: Mapping[str, object], *, prefix: str = "params.", lim
     """
     v = values
     check_counts(len(v["stop"]), len(v["stop_token_ids"]), prefix=prefix, limits=limits)
-    prompt_logprobs = v.get("prompt_logprobs")
-    check_range(f"{prefix}max_tokens", v["max_tokens"], 0 if prompt_logprobs is not None else 1, None)
+    prompt_logprobs, pooling = v.get("prompt_logprobs"), v.get("pooling")
+    is_prompt_only = prompt_logprobs is not None or pooling is not None
+    check_range(f"{prefix}max_tokens", v["max_tokens"], 0 if is_prompt_only else 1, None)
     check_range(f"{prefix}temperature", v["temperature"], 0.0, None)
     check_range(f"{prefix}top_p", v["top_p"], 0.0, 1.0, low_open=True)
     check_range(f"{prefix}top_k", v["top_k"], 0, None)
@@ -185,6 +189,11 @@ def check_sampling(values: Mapping[str, object], *, prefix: str = "params.", lim
         if v["max_tokens"] == 0 and v["n"] != 1:
             raise InvalidArgument(f"{prefix}n must be 1 with max_tokens 0 (only the prompt is scored), "
                                   f"got {echo(v['n'])}")
+    if pooling is not None:
+        if pooling not in POOLING_TYPES:
+            raise InvalidArgument(f"{prefix}pooling must be one of {', '.join(POOLING_TYPES)}, got {echo(pooling)}")
+        if v["max_tokens"] != 0 or v["n"] != 1 or v["logprobs"] is not None or prompt_logprobs is not None:
+            raise InvalidArgument(f"{prefix}pooling: an embedding generates nothing (max_tokens 0, n 1, no logprobs)")
     if v["seed"] is not None and not 0 <= v["seed"] < 2**64:
         raise InvalidArgument(f"{prefix}seed must be in [0, 2**64), got {echo(v['seed'])}")
     for i, stop in enumerate(v["stop"]):

@@ -307,9 +307,11 @@ class Engine:
                 scored = step.prompt_logprobs[row]
                 self.requests[seq.request_id].prompt_logprobs.extend(scored)
                 seq.add_prompt_logprobs(len(scored))
+            if step is not None and row in step.pooled:
+                seq.add_pooled(*step.pooled[row])
             if not seq.advance(item.num_new_tokens, is_appended=item.is_appended):
                 continue  # a prompt chunk before the last
-            if seq.params.max_tokens == 0:  # the prompt scored, nothing to generate
+            if seq.params.max_tokens == 0:  # the prompt scored or pooled, nothing to generate
                 seq.finish(FinishReason.LENGTH)
                 self.scheduler.finish(seq)
                 touched[seq.request_id] = self.requests[seq.request_id]

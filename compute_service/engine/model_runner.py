@@ -25,10 +25,13 @@ class StepLogits(NamedTuple):
             after each of the D drafts, sequence after sequence, in order.
         prompt_logprobs: by scheduled index, the prompt tokens this step scored
             (``Sequence.prompt_logprob_targets``), in order; only sequences that asked for them.
+        pooled: by scheduled index, the (hidden,) float32 sum of the final normed hidden states at
+            the positions ``Sequence.pooling_targets`` names, and that range; only embedding requests.
     """
 
     logits: torch.Tensor
     prompt_logprobs: dict[int, list[TokenLogprobs]]
+    pooled: dict[int, tuple[torch.Tensor, range]]
 
 
 class ModelRunner:
@@ -72,13 +75,28 @@ class ModelRunner:
         # its rows in the hidden states returned (token t is scored at position t - 1).
         targets = [(i, s.seq.prompt_logprob_targets(s.num_new_tokens)) for i, s in enumerate(scheduled)]
         targets = [(i, t) for i, t in targets if t]
-        if not targets:
-            return StepLogits(self.model(batch, self.kv_pool, logits_rows).cpu(), {})  # already float32
+        # Per embedding request: its scheduled index and the prompt positions it pools this step.
+        pools = [(i, s.seq.pooling_targets(s.num_new_tokens)) for i, s in enumerate(scheduled)]
+        pools = [(i, t) for i, t in pools if t]
+        if not targets and not pools:
+            return StepLogits(self.model(batch, self.kv_pool, logits_rows).cpu(), {}, {})  # already float32
         starts = batch.cu_seqlens_q[:-1].tolist()
         rows = [starts[i] + (t.start - 1 - scheduled[i].seq.num_computed_tokens) for i, t in targets]
-        hidden_rows = torch.cat([torch.arange(first, first + len(t)) for first, (_, t) in zip(rows, targets)])
+        rows += [starts[i] + (t.start - scheduled[i].seq.num_computed_tokens) for i, t in pools]
+        hidden_rows = torch.cat([torch.arange(first, first + len(t)) for first, (_, t) in zip(rows, targets + pools)])
         logits, hidden = self.model(batch, self.kv_pool, logits_rows, hidden_rows.to(self.model.device))
-        return StepLogits(logits.cpu(), self._score_prompts(scheduled, targets, hidden))
+        num_scored = sum(len(t) for _, t in targets)
+        return StepLogits(logits.cpu(), self._score_prompts(scheduled, targets, hidden[:num_scored]),
+                          self._pool(pools, hidden[num_scored:]))
+
+    @staticmethod
+    def _pool(pools: list[tuple[int, range]], hidden: torch.Tensor) -> dict[int, tuple[torch.Tensor, range]]:
+        """Each embedding request's rows of ``hidden`` (P, hidden), summed in float32."""
+        out, first = {}, 0
+        for i, target in pools:
+            out[i] = (hidden[first : first + len(target)].float().sum(dim=0).cpu(), target)
+            first += len(target)
+        return out
 
     @torch.inference_mode()
     def _score_prompts(self, scheduled: list[ScheduledSeq], targets: list[tuple[int, range]],

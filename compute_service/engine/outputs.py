@@ -49,6 +49,8 @@ class RequestDelta:
     error: str | None = None
     # params.prompt_logprobs: prompt tokens 1..L-1 scored, in the one delta after the prompt was computed.
     prompt_logprobs: list[TokenLogprobs] | None = None
+    # params.pooling: the prompt's embedding (hidden_size floats, unit norm), in the request's last delta.
+    embedding: list[float] | None = None
 
 
 
@@ -78,11 +80,14 @@ class RequestOutput:
     finished: bool = False
     error: str | None = None
     prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 1..L-1, when asked for
+    embedding: list[float] | None = None  # with params.pooling
 
     def add(self, delta: RequestDelta) -> None:
         """Append one step's news (deltas of one request, in step order)."""
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
+        if delta.embedding is not None:
+            self.embedding = delta.embedding
         for d in delta.completions:
             while len(self.outputs) <= d.index:  # completions are numbered 0..n-1; all share the params
                 self.outputs.append(CompletionOutput(len(self.outputs), logprobs=None if d.logprobs is None else []))

@@ -143,13 +143,24 @@ class Request:
                 and len(self.prompt_logprobs) == len(self.prompt_token_ids) - 1):
             prompt_logprobs, self.prompt_logprobs = self.prompt_logprobs, []
             self.is_prompt_logprobs_reported = True
+        finished = self.is_finished
+        embedding = self._embedding() if finished else None
         return RequestDelta(
             request_id=self.request_id,
             prompt_token_ids=self.prompt_token_ids,
             completions=completions,
             num_cached_tokens=self.completions[0].seq.num_cached_tokens,
             num_completion_tokens=sum(c.seq.num_output_tokens for c in self.completions.values()),
-            finished=self.is_finished,
+            finished=finished,
             error=self.error,
             prompt_logprobs=prompt_logprobs,
+            embedding=embedding,
         )
+
+    def _embedding(self) -> list[float] | None:
+        """The pooled prompt, L2-normalized (vLLM's embedding pooler), once every position it takes is in."""
+        seq = self.completions[0].seq if 0 in self.completions else None
+        if self.params.pooling is None or seq is None or seq.pooled is None or seq.needs_pooling:
+            return None
+        pooled = seq.pooled / (len(self.prompt_token_ids) if self.params.pooling == "mean" else 1)
+        return (pooled / pooled.norm().clamp_min(1e-12)).tolist()

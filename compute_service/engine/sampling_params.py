@@ -35,6 +35,8 @@ class SamplingParams:
         logprobs: None = none; 0 = the sampled token's log-probability; N = also the N most likely.
         prompt_logprobs: None = none; N = the log-probability of each prompt token after the first
             (and the N most likely tokens at its position); then max_tokens may be 0 (score only).
+        pooling: None = generate; "last" / "mean" = an embedding request (max_tokens 0): the final
+            normed hidden state at the last prompt position, or averaged over the prompt.
         logit_bias: (token id, bias) pairs, sorted by id, added to the logits before anything else
             (penalties, a constraint's mask, sampling); a mapping given is turned into them.
     """
@@ -56,6 +58,7 @@ class SamplingParams:
     logprobs: int | None = _DEFAULT["logprobs"]
     logit_bias: tuple[tuple[int, float], ...] = _DEFAULT["logit_bias"]
     prompt_logprobs: int | None = _DEFAULT["prompt_logprobs"]
+    pooling: str | None = _DEFAULT["pooling"]
     constraint: Constraint | None = None
     stop_token_id_set: frozenset[int] = field(default=frozenset(), init=False, repr=False, compare=False)
     # What the engine derives from these fields once per request rather than once per step (the

@@ -77,6 +77,10 @@ class Sequence:
     # Prompt logprobs (params.prompt_logprobs): prompt tokens 1..num_prompt_logprobs are scored
     # (the logits at positions 0..num_prompt_logprobs - 1 were computed and reduced).
     num_prompt_logprobs: int = 0
+    # Pooling (params.pooling, an embedding): the final normed hidden states of the prompt positions
+    # before num_pooled that the pooling takes ("last": only the last), summed: (hidden,) float32.
+    num_pooled: int = 0
+    pooled: Any | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -124,6 +128,29 @@ class Sequence:
         """``num`` more prompt tokens were scored (``prompt_logprob_targets``' range, in order)."""
         assert self.num_prompt_logprobs + num <= len(self.prompt_token_ids) - 1
         self.num_prompt_logprobs += num
+
+    @property
+    def needs_pooling(self) -> bool:
+        """Prompt positions are still to be pooled: each must be computed (as for prompt logprobs)."""
+        return self.params.pooling is not None and self.index == 0 and self.num_pooled < len(self.prompt_token_ids)
+
+    def pooling_targets(self, num_new_tokens: int) -> range:
+        """The prompt positions this step's ``num_new_tokens`` computes that the pooling takes: all
+        of them for "mean", the prompt's last for "last"; none pooled before (a recompute after
+        preemption pools nothing twice)."""
+        if not self.needs_pooling:
+            return range(0)
+        num_prompt = len(self.prompt_token_ids)
+        start = max(self.num_computed_tokens, self.num_pooled)
+        if self.params.pooling == "last":
+            start = max(start, num_prompt - 1)
+        return range(start, max(start, min(self.num_computed_tokens + num_new_tokens, num_prompt)))
+
+    def add_pooled(self, summed: Any, target: range) -> None:
+        """The hidden states of ``target`` (``pooling_targets``' range), summed, (hidden,) float32."""
+        assert target.start >= self.num_pooled and target.stop <= len(self.prompt_token_ids)
+        self.pooled = summed if self.pooled is None else self.pooled + summed
+        self.num_pooled = target.stop
 
     def tokens_to_compute(self, n: int) -> list[int]:
         """The next ``n`` tokens whose K/V is not in the pool yet."""

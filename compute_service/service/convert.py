@@ -55,6 +55,7 @@ def params_from_pb(msg: pb.SamplingParams) -> SamplingParams:
     given: dict = {name: getattr(msg, name) for name in _PLAIN_FIELDS}
     given.update({name: getattr(msg, name) for name in _OPTIONAL_FIELDS if msg.HasField(name)})
     given["n"] = msg.n or None  # a zero n is unset on this wire
+    given["pooling"] = msg.pooling or None  # empty: generate
     given["stop"] = tuple(msg.stop)
     given["stop_token_ids"] = tuple(msg.stop_token_ids)
     if msg.logit_bias:
@@ -80,6 +81,7 @@ def params_to_pb(params: SamplingParams) -> pb.SamplingParams:
         msg.logprobs = params.logprobs
     if params.prompt_logprobs is not None:
         msg.prompt_logprobs = params.prompt_logprobs
+    msg.pooling = params.pooling or ""
     if params.constraint is not None:
         constraint_to_pb(params.constraint, msg)
     msg.logit_bias.update(dict(params.logit_bias))
@@ -129,6 +131,10 @@ def responses_to_pb(out: RequestDelta) -> list[pb.GenerateResponse]:
         if not messages:
             messages.append(pb.GenerateResponse(request_id=out.request_id))
         messages[0].prompt_logprobs.extend(_logprobs_to_pb(lp) for lp in out.prompt_logprobs)
+    if out.embedding is not None:  # once, when the request finishes
+        if not messages:
+            messages.append(pb.GenerateResponse(request_id=out.request_id))
+        messages[0].embedding.extend(out.embedding)
     if out.finished:
         if not messages:  # nothing new in the last step (cannot happen today; keep usage anyway)
             messages.append(pb.GenerateResponse(request_id=out.request_id))

@@ -13,17 +13,7 @@ from compute_service.engine.outputs import RequestOutput, collect
 from compute_service.engine.sampling_params import SamplingParams
 from pagedserve.errors import InvalidArgument
 
-from tests.compute_service.tiny_llama import VOCAB, build_tiny_llama, in_process_engine, to_causal_lm
-
-
-@pytest.fixture(scope="module")
-def hf_model():
-    return build_tiny_llama(seed=0)
-
-
-@pytest.fixture(scope="module")
-def model(hf_model):
-    return to_causal_lm(hf_model)
+from tests.compute_service.tiny_llama import VOCAB, in_process_engine
 
 
 def hf_prompt_logprobs(hf_model, prompt: list[int]) -> torch.Tensor:

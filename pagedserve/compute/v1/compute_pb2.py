@@ -26,7 +26,7 @@ from pagedserve.common.v1 import common_pb2 as pagedserve_dot_common_dot_v1_dot_
 
 from pagedserve.common.v1.common_pb2 import *
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#pagedserve/compute/v1/compute.proto\x12\x15pagedserve.compute.v1\x1a!pagedserve/common/v1/common.proto\"\xe6\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x03\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x12\n\nmin_tokens\x18\t \x01(\x05\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x02H\x05\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12\x0c\n\x04stop\x18\r \x03(\t\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\x06\x88\x01\x01\x12\t\n\x01n\x18\x0f \x01(\x05\x12\x15\n\x0bjson_schema\x18\x10 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x11 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x12 \x01(\tH\x00\x12\x32\n\x06\x63hoice\x18\x13 \x01(\x0b\x32 .pagedserve.common.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x14 \x01(\tH\x00\x12H\n\nlogit_bias\x18\x15 \x03(\x0b\x32\x34.pagedserve.compute.v1.SamplingParams.LogitBiasEntry\x12\x1c\n\x0fprompt_logprobs\x18\x16 \x01(\x05H\x07\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0c\n\nconstraintB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\xac\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x35\n\x06params\x18\x03 \x01(\x0b\x32%.pagedserve.compute.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x0e\n\x06tenant\x18\x06 \x01(\t\"\xce\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x35\n\x08logprobs\x18\x05 \x03(\x0b\x32#.pagedserve.common.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\x15\n\x0bstop_string\x18\x07 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x08 \x01(\x05H\x00\x12*\n\x05usage\x18\t \x01(\x0b\x32\x1b.pagedserve.common.v1.Usage\x12<\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32#.pagedserve.common.v1.TokenLogprobsB\x0e\n\x0cmatched_stop\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\r\n\x0bLoadRequest\"\xdb\x01\n\x0cLoadResponse\x12\x13\n\x0bnum_running\x18\x01 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x10\n\x08kv_usage\x18\x03 \x01(\x01\x12\x1d\n\x15prefix_cache_hit_rate\x18\x04 \x01(\x01\x12\x1a\n\x12num_pending_tokens\x18\x05 \x01(\x03\x12\x1b\n\x13max_queued_requests\x18\x06 \x01(\x05\x12\x19\n\x11memory_service_id\x18\x07 \x01(\t\x12\x1c\n\x14memory_service_epoch\x18\x08 \x01(\t\"\r\n\x0bInfoRequest\";\n\rTokenizerFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x03\x12\x0e\n\x06sha256\x18\x03 \x01(\t\"\xa9\x04\n\x0cInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x12\n\nvocab_size\x18\x06 \x01(\x05\x12\x15\n\reos_token_ids\x18\x07 \x03(\x05\x12\x14\n\x0c\x62os_token_id\x18\x08 \x01(\x05\x12\x14\n\x0cpad_token_id\x18\t \x01(\x05\x12\x15\n\rchat_template\x18\n \x01(\t\x12=\n\x0ftokenizer_files\x18\x0b \x03(\x0b\x32$.pagedserve.compute.v1.TokenizerFile\x12\r\n\x05max_n\x18\x0c \x01(\x05\x12\x14\n\x0cmax_logprobs\x18\r \x01(\x05\x12\x18\n\x10max_stop_strings\x18\x0e \x01(\x05\x12=\n\x0e\x64\x65\x66\x61ult_params\x18\x0f \x01(\x0b\x32%.pagedserve.compute.v1.SamplingParams\x12\x15\n\rnum_kv_blocks\x18\x10 \x01(\x05\x12\x19\n\x11memory_service_id\x18\x11 \x01(\t\x12/\n\x08kv_tiers\x18\x12 \x03(\x0b\x32\x1d.pagedserve.compute.v1.KvTier\x12\x0f\n\x07kernels\x18\x13 \x01(\t\x12\x1c\n\x14memory_service_epoch\x18\x14 \x01(\t\"G\n\x06KvTier\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x03\x12\x17\n\x0f\x63\x61pacity_blocks\x18\x03 \x01(\x03\"\x15\n\x13GetTokenizerRequest\"L\n\x0eTokenizerChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0e\n\x06sha256\x18\x04 \x01(\t2\xc3\x03\n\x07\x43ompute\x12]\n\x08Generate\x12&.pagedserve.compute.v1.GenerateRequest\x1a\'.pagedserve.compute.v1.GenerateResponse0\x01\x12R\n\x05\x41\x62ort\x12#.pagedserve.compute.v1.AbortRequest\x1a$.pagedserve.compute.v1.AbortResponse\x12O\n\x04Load\x12\".pagedserve.compute.v1.LoadRequest\x1a#.pagedserve.compute.v1.LoadResponse\x12O\n\x04Info\x12\".pagedserve.compute.v1.InfoRequest\x1a#.pagedserve.compute.v1.InfoResponse\x12\x63\n\x0cGetTokenizer\x12*.pagedserve.compute.v1.GetTokenizerRequest\x1a%.pagedserve.compute.v1.TokenizerChunk0\x01P\x00\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#pagedserve/compute/v1/compute.proto\x12\x15pagedserve.compute.v1\x1a!pagedserve/common/v1/common.proto\"\xf7\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x03\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x12\n\nmin_tokens\x18\t \x01(\x05\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x02H\x05\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12\x0c\n\x04stop\x18\r \x03(\t\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\x06\x88\x01\x01\x12\t\n\x01n\x18\x0f \x01(\x05\x12\x15\n\x0bjson_schema\x18\x10 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x11 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x12 \x01(\tH\x00\x12\x32\n\x06\x63hoice\x18\x13 \x01(\x0b\x32 .pagedserve.common.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x14 \x01(\tH\x00\x12H\n\nlogit_bias\x18\x15 \x03(\x0b\x32\x34.pagedserve.compute.v1.SamplingParams.LogitBiasEntry\x12\x1c\n\x0fprompt_logprobs\x18\x16 \x01(\x05H\x07\x88\x01\x01\x12\x0f\n\x07pooling\x18\x17 \x01(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0c\n\nconstraintB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\xac\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x35\n\x06params\x18\x03 \x01(\x0b\x32%.pagedserve.compute.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x0e\n\x06tenant\x18\x06 \x01(\t\"\xe1\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x35\n\x08logprobs\x18\x05 \x03(\x0b\x32#.pagedserve.common.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\x15\n\x0bstop_string\x18\x07 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x08 \x01(\x05H\x00\x12*\n\x05usage\x18\t \x01(\x0b\x32\x1b.pagedserve.common.v1.Usage\x12<\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32#.pagedserve.common.v1.TokenLogprobs\x12\x11\n\tembedding\x18\x0b \x03(\x02\x42\x0e\n\x0cmatched_stop\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\r\n\x0bLoadRequest\"\xdb\x01\n\x0cLoadResponse\x12\x13\n\x0bnum_running\x18\x01 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x10\n\x08kv_usage\x18\x03 \x01(\x01\x12\x1d\n\x15prefix_cache_hit_rate\x18\x04 \x01(\x01\x12\x1a\n\x12num_pending_tokens\x18\x05 \x01(\x03\x12\x1b\n\x13max_queued_requests\x18\x06 \x01(\x05\x12\x19\n\x11memory_service_id\x18\x07 \x01(\t\x12\x1c\n\x14memory_service_epoch\x18\x08 \x01(\t\"\r\n\x0bInfoRequest\";\n\rTokenizerFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x03\x12\x0e\n\x06sha256\x18\x03 \x01(\t\"\xa9\x04\n\x0cInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x12\n\nvocab_size\x18\x06 \x01(\x05\x12\x15\n\reos_token_ids\x18\x07 \x03(\x05\x12\x14\n\x0c\x62os_token_id\x18\x08 \x01(\x05\x12\x14\n\x0cpad_token_id\x18\t \x01(\x05\x12\x15\n\rchat_template\x18\n \x01(\t\x12=\n\x0ftokenizer_files\x18\x0b \x03(\x0b\x32$.pagedserve.compute.v1.TokenizerFile\x12\r\n\x05max_n\x18\x0c \x01(\x05\x12\x14\n\x0cmax_logprobs\x18\r \x01(\x05\x12\x18\n\x10max_stop_strings\x18\x0e \x01(\x05\x12=\n\x0e\x64\x65\x66\x61ult_params\x18\x0f \x01(\x0b\x32%.pagedserve.compute.v1.SamplingParams\x12\x15\n\rnum_kv_blocks\x18\x10 \x01(\x05\x12\x19\n\x11memory_service_id\x18\x11 \x01(\t\x12/\n\x08kv_tiers\x18\x12 \x03(\x0b\x32\x1d.pagedserve.compute.v1.KvTier\x12\x0f\n\x07kernels\x18\x13 \x01(\t\x12\x1c\n\x14memory_service_epoch\x18\x14 \x01(\t\"G\n\x06KvTier\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x03\x12\x17\n\x0f\x63\x61pacity_blocks\x18\x03 \x01(\x03\"\x15\n\x13GetTokenizerRequest\"L\n\x0eTokenizerChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0e\n\x06sha256\x18\x04 \x01(\t2\xc3\x03\n\x07\x43ompute\x12]\n\x08Generate\x12&.pagedserve.compute.v1.GenerateRequest\x1a\'.pagedserve.compute.v1.GenerateResponse0\x01\x12R\n\x05\x41\x62ort\x12#.pagedserve.compute.v1.AbortRequest\x1a$.pagedserve.compute.v1.AbortResponse\x12O\n\x04Load\x12\".pagedserve.compute.v1.LoadRequest\x1a#.pagedserve.compute.v1.LoadResponse\x12O\n\x04Info\x12\".pagedserve.compute.v1.InfoRequest\x1a#.pagedserve.compute.v1.InfoResponse\x12\x63\n\x0cGetTokenizer\x12*.pagedserve.compute.v1.GetTokenizerRequest\x1a%.pagedserve.compute.v1.TokenizerChunk0\x01P\x00\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,33 +36,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=98
-  _globals['_SAMPLINGPARAMS']._serialized_end=840
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=672
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=720
-  _globals['_GENERATEREQUEST']._serialized_start=843
-  _globals['_GENERATEREQUEST']._serialized_end=1015
-  _globals['_GENERATERESPONSE']._serialized_start=1018
-  _globals['_GENERATERESPONSE']._serialized_end=1352
-  _globals['_ABORTREQUEST']._serialized_start=1354
-  _globals['_ABORTREQUEST']._serialized_end=1388
-  _globals['_ABORTRESPONSE']._serialized_start=1390
-  _globals['_ABORTRESPONSE']._serialized_end=1420
-  _globals['_LOADREQUEST']._serialized_start=1422
-  _globals['_LOADREQUEST']._serialized_end=1435
-  _globals['_LOADRESPONSE']._serialized_start=1438
-  _globals['_LOADRESPONSE']._serialized_end=1657
-  _globals['_INFOREQUEST']._serialized_start=1659
-  _globals['_INFOREQUEST']._serialized_end=1672
-  _globals['_TOKENIZERFILE']._serialized_start=1674
-  _globals['_TOKENIZERFILE']._serialized_end=1733
-  _globals['_INFORESPONSE']._serialized_start=1736
-  _globals['_INFORESPONSE']._serialized_end=2289
-  _globals['_KVTIER']._serialized_start=2291
-  _globals['_KVTIER']._serialized_end=2362
-  _globals['_GETTOKENIZERREQUEST']._serialized_start=2364
-  _globals['_GETTOKENIZERREQUEST']._serialized_end=2385
-  _globals['_TOKENIZERCHUNK']._serialized_start=2387
-  _globals['_TOKENIZERCHUNK']._serialized_end=2463
-  _globals['_COMPUTE']._serialized_start=2466
-  _globals['_COMPUTE']._serialized_end=2917
+  _globals['_SAMPLINGPARAMS']._serialized_end=857
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=689
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=737
+  _globals['_GENERATEREQUEST']._serialized_start=860
+  _globals['_GENERATEREQUEST']._serialized_end=1032
+  _globals['_GENERATERESPONSE']._serialized_start=1035
+  _globals['_GENERATERESPONSE']._serialized_end=1388
+  _globals['_ABORTREQUEST']._serialized_start=1390
+  _globals['_ABORTREQUEST']._serialized_end=1424
+  _globals['_ABORTRESPONSE']._serialized_start=1426
+  _globals['_ABORTRESPONSE']._serialized_end=1456
+  _globals['_LOADREQUEST']._serialized_start=1458
+  _globals['_LOADREQUEST']._serialized_end=1471
+  _globals['_LOADRESPONSE']._serialized_start=1474
+  _globals['_LOADRESPONSE']._serialized_end=1693
+  _globals['_INFOREQUEST']._serialized_start=1695
+  _globals['_INFOREQUEST']._serialized_end=1708
+  _globals['_TOKENIZERFILE']._serialized_start=1710
+  _globals['_TOKENIZERFILE']._serialized_end=1769
+  _globals['_INFORESPONSE']._serialized_start=1772
+  _globals['_INFORESPONSE']._serialized_end=2325
+  _globals['_KVTIER']._serialized_start=2327
+  _globals['_KVTIER']._serialized_end=2398
+  _globals['_GETTOKENIZERREQUEST']._serialized_start=2400
+  _globals['_GETTOKENIZERREQUEST']._serialized_end=2421
+  _globals['_TOKENIZERCHUNK']._serialized_start=2423
+  _globals['_TOKENIZERCHUNK']._serialized_end=2499
+  _globals['_COMPUTE']._serialized_start=2502
+  _globals['_COMPUTE']._serialized_end=2953
 # @@protoc_insertion_point(module_scope)
