@@ -41,6 +41,12 @@ FLAGS = {
                      "least recently used dropped beyond it, lost at a restart. Page-locked (pinned) memory "
                      "on a CUDA pool; plain host memory on a CPU pool, where it is an overflow of the pool "
                      "cheaper than recomputing (a pool sized for the compute service, a larger RAM tier)",
+    "kv_events_endpoint": "publish KV events (blocks stored, removed, in which medium) in vLLM's format on this "
+                          "ZMQ address: tcp://*:PORT binds, tcp://HOST:PORT connects to a subscriber that binds "
+                          "(default: none)",
+    "kv_events_replay_endpoint": "bind a ZMQ ROUTER here that replays buffered KV event batches from a sequence "
+                                 "number (vLLM's replay protocol)",
+    "kv_events_topic": "the topic frame of every KV event message",
     "auth_token_file": "file holding the token clients present at Attach ('authorization: Bearer TOKEN'; "
                        "also $PAGEDSERVE_MEMORY_TOKEN): only they may name cache namespaces",
 }

@@ -72,6 +72,11 @@ class MemoryServiceConfig(ServiceConfig):
     kv_disk_dir: str | None = None  # directory of the disk tier (None: no tier)
     kv_disk_bytes: int | None = None  # its budget (None: DEFAULT_KV_DISK_BYTES)
     kv_host_bytes: int | None = None  # budget of the host-RAM tier (None: no host tier)
+    # KV events (memory_service/service/kv_events.py): a ZMQ PUB address (None: no events), the replay
+    # socket's (bound; None: no replay) and the topic, the first frame of every message.
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
+    kv_events_topic: str = "kv-events"
     # The token itself: never written out by write_config_file, never in repr or logs.
     auth_token: str | None = field(default=None, repr=False, metadata={"secret": True})
 
@@ -111,6 +116,12 @@ class MemoryServiceConfig(ServiceConfig):
             raise ValueError(f"kv_host_bytes must be an integer >= 1, got {self.kv_host_bytes!r}")
         if self.kv_host_bytes is not None and not self.enable_prefix_caching:
             raise ValueError("kv_host_bytes needs enable_prefix_caching: the tier keeps cached blocks")
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            endpoint = getattr(self, name)
+            if endpoint is not None and not endpoint.startswith(("tcp://", "ipc://")):
+                raise ValueError(f"{name} must be a ZMQ address, tcp://HOST:PORT or ipc://PATH, got {endpoint!r}")
+        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
+            raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint (the events it replays)")
         if self.auth_token is not None:
             check_token(self.auth_token, "auth_token")
         else:

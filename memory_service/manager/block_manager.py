@@ -53,6 +53,7 @@ from memory_service.manager.block_types import (
     OpResult,
     PoolStats,
 )
+from memory_service.manager.kv_events import KvEventLog
 from memory_service.manager.op_apply import NO_QUOTA, BatchState, OpApplier, SequenceState
 from memory_service.manager.op_validation import OpValidator
 from memory_service.manager.prefix_cache import ROOT_ENTRY_ID, PrefixCache
@@ -120,6 +121,12 @@ class BlockManager:
         for client_id in self._client_seqs:
             self._tier.add_client(client_id, None)
         return self._tier
+
+    def send_kv_events(self, events: KvEventLog) -> None:
+        """Tells ``events`` of every block committed or evicted from now on (kv_events.py); without
+        prefix caching no block is ever shared, so there is nothing to tell."""
+        if self._prefix_cache is not None:
+            self._prefix_cache.events = events
 
     def add_client(self, client_id: str, max_blocks: int | None = None, tier_identity: bytes | None = None) -> None:
         """Registers a client (a lease) that may own sequences.
@@ -436,13 +443,13 @@ class BlockManager:
             loaded: dict[int, None] = {}
             block_ids = load.block_ids[:num_loaded]
             cache.register(block_ids, load.token_bytes, 0, load.ns_key, parent_entry_id, load.client_id, loaded)
-            cache.commit(loaded)
             directory, to_persist = self._tier.directory, self._tier.to_persist
             for block_id, tier_hash in zip(block_ids, load.hashes):
                 if block_id in loaded:
                     cache.tier_hashes[block_id] = tier_hash
                     if directory.needs_write(tier_hash):  # loaded from RAM, not on disk (yet): written now
                         to_persist[block_id] = (tier_hash, self._pool.generations[block_id])
+            cache.commit(loaded)  # with their tier keys set: KV events follow their tier copies too
         self._pool.release(reversed([*prefix, *load.block_ids]))
         self._tier.end_load(load)
 

@@ -42,6 +42,7 @@ import hashlib
 from collections.abc import Iterable, Sequence
 
 from memory_service.manager.eviction_queue import EvictionQueue
+from memory_service.manager.kv_events import KvEventLog
 from memory_service.token_encoding import TOKEN_WIDTH
 
 # Parent entry id of a sequence's first block.
@@ -93,6 +94,8 @@ class PrefixCache:
         # clients that use one; cleared with the cache key, so it never outlives the content.
         self.tier_hashes: list[bytes | None] = [None] * num_blocks
         self._next_entry_id = ROOT_ENTRY_ID + 1
+        # Told of every block committed and evicted, when the service sends KV events (kv_events.py).
+        self.events: KvEventLog | None = None
 
     def __len__(self) -> int:
         return len(self._block_ids)
@@ -183,6 +186,9 @@ class PrefixCache:
         owners = self.pending_owners
         for block_id in block_ids:
             owners[block_id] = None
+        if self.events is not None:
+            keys, entry_ids, tier_hashes = self.block_keys, self.entry_ids, self.tier_hashes
+            self.events.pool_stored((entry_ids[b], keys[b], tier_hashes[b]) for b in block_ids)
 
     def unregister(self, block_id: int) -> None:
         """Forgets a pending block whose writer went away before committing (its bytes are not valid).
@@ -207,6 +213,8 @@ class PrefixCache:
         """
         index, block_keys, tier_hashes = self._block_ids, self.block_keys, self.tier_hashes
         evicted = lru.pop_oldest(num_blocks)
+        if self.events is not None:
+            self.events.pool_removed([self.entry_ids[b] for b in evicted])
         for block_id in evicted:
             del index[block_keys[block_id]]
             block_keys[block_id] = None  # its entry id goes stale: read only while a key is set

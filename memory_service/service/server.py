@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 from prometheus_client import CollectorRegistry, start_http_server
@@ -16,6 +18,9 @@ from memory_service.service.metrics import MemoryStatsCollector
 from memory_service.pool.kv_pool import remove_stale_segments
 from memory_service.service.servicer import MemoryManagerServicer
 
+if TYPE_CHECKING:
+    from memory_service.service.kv_events import KvEventPublisher
+
 log = get_logger("memory_service")
 
 SERVICE_NAME = memory_pb2.DESCRIPTOR.services_by_name["MemoryManager"].full_name
@@ -27,12 +32,15 @@ class RunningMemoryService:
     servicer: MemoryManagerServicer
     addresses: list[str]
     health: rpc.AioHealth
+    kv_events: KvEventPublisher | None = None
 
     async def stop(self, grace: float | None = 1.0) -> None:
-        """NOT_SERVING, end the streams, stop the server, free the pool."""
+        """NOT_SERVING, end the streams, stop the server, free the pool, send the last KV events."""
         await self.health.shut_down()
         await self.servicer.close()  # ends KeepAlive streams, so the grace period is not spent on them
         await self.server.stop(grace)
+        if self.kv_events is not None:
+            await asyncio.to_thread(self.kv_events.close)
 
 
 async def start(config: MemoryServiceConfig, *, pool_creation_delay_s: float = 0.0) -> RunningMemoryService:
@@ -41,7 +49,8 @@ async def start(config: MemoryServiceConfig, *, pool_creation_delay_s: float = 0
     ``pool_creation_delay_s``: a test hook (pagedserve/test_hooks.py), see ``MemoryManagerServicer``.
 
     Raises:
-        PreconditionError: the socket path is unsafe or a live service answers there.
+        PreconditionError: the socket path is unsafe or a live service answers there, or the KV events'
+            addresses cannot be opened.
     """
     num_removed = remove_stale_segments()
     if num_removed:
@@ -50,6 +59,14 @@ async def start(config: MemoryServiceConfig, *, pool_creation_delay_s: float = 0
     server, health = rpc.create_aio_server(
         [lambda s: memory_pb2_grpc.add_MemoryManagerServicer_to_server(servicer, s)], [SERVICE_NAME]
     )
+    kv_events = None
+    if servicer.kv_events is not None:  # before serving: an address that cannot be opened fails the start
+        # Imported only then: pyzmq and msgpack cost a service without events nothing.
+        from memory_service.service.kv_events import KvEventCollector, KvEventPublisher
+
+        kv_events = KvEventPublisher(servicer.kv_events, config.kv_events_endpoint, config.kv_events_replay_endpoint,
+                                     config.kv_events_topic)
+        kv_events.start()
     addresses = []
     socket = config.socket if config.socket is not None or config.address is not None else sockets.default_socket_path()
     if socket is not None:
@@ -64,7 +81,10 @@ async def start(config: MemoryServiceConfig, *, pool_creation_delay_s: float = 0
     if config.metrics_port is not None:
         registry = CollectorRegistry()
         registry.register(MemoryStatsCollector(servicer.stats, servicer.load_latency))
+        if kv_events is not None:
+            registry.register(KvEventCollector(kv_events))
         start_http_server(config.metrics_port, addr=config.metrics_host, registry=registry)
     log.info("memory_service_started", addresses=addresses, metrics_port=config.metrics_port,
              memory_service_id=servicer.service_id)
-    return RunningMemoryService(server=server, servicer=servicer, addresses=addresses, health=health)
+    return RunningMemoryService(server=server, servicer=servicer, addresses=addresses, health=health,
+                                kv_events=kv_events)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import math
 import secrets
 import threading
@@ -51,6 +52,7 @@ from pagedserve.service_auth import bearer_token
 
 from memory_service import convert
 from memory_service.manager.block_manager import BlockManager, BlockManagerConfig, BlockManagerStats
+from memory_service.manager.kv_events import MEDIUM_DISK, MEDIUM_HOST, KvEventLog
 from memory_service.config import DEFAULT_KV_DISK_BYTES, MAX_NUM_BLOCKS, MemoryServiceConfig
 from memory_service.identity import KvTierInfo, new_epoch, service_id
 from memory_service.pool.kv_pool import (
@@ -127,6 +129,8 @@ class MemoryManagerServicer(memory_pb2_grpc.MemoryManagerServicer):
         self._opened_identity: TierIdentity | None = None  # the tiers' model and layout, once open
         self.tier: TierWorker | None = None  # once the tiers are open (the module docstring)
         self._tier_lock = asyncio.Lock()
+        # Told of every block committed, evicted, stored in or dropped from a tier (kv_events.py).
+        self.kv_events = KvEventLog(config.block_size) if config.kv_events_endpoint is not None else None
         if config.kv_host_bytes is not None:  # allocated at the first trusted Attach: refused now if it cannot be
             check_host_tier_space(config.kv_host_bytes)
         if config.kv_disk_dir is not None:  # made (0700) now: a bad directory fails the start
@@ -207,6 +211,8 @@ class MemoryManagerServicer(memory_pb2_grpc.MemoryManagerServicer):
                                              self._pool_creation_delay_s)
         self.layout = layout
         self.block_manager = BlockManager(bm_config, copy_block=self.pool.copy_block)
+        if self.kv_events is not None:
+            self.block_manager.send_kv_events(self.kv_events)
         log.info(
             "pool_created",
             num_blocks=num_blocks,
@@ -334,6 +340,8 @@ class MemoryManagerServicer(memory_pb2_grpc.MemoryManagerServicer):
         if self.config.kv_host_bytes is not None:
             self._host = HostTier(self.config.kv_host_bytes)
             self._host.open(identity, pin_memory=pool.tensor.is_cuda)
+        if self.kv_events is not None:
+            self._send_tier_events(self.kv_events, identity, self.block_manager.config.num_blocks)
         with self._lock:
             # ``close`` may have begun while the tiers opened: it reads ``tier`` under this lock, after
             # setting ``_stopping``, then frees the pool. So no thread starts over a pool being freed.
@@ -342,6 +350,17 @@ class MemoryManagerServicer(memory_pb2_grpc.MemoryManagerServicer):
             self.tier = TierWorker(self.block_manager, self._lock, pool.tensor, host=self._host, disk=self._disk)
             self.block_manager.enable_tier(self.tier)
             self._opened_identity = identity
+
+    def _send_tier_events(self, events: KvEventLog, identity: TierIdentity, num_pool_blocks: int) -> None:
+        """The tiers tell ``events`` what they store and drop, in their media (manager/kv_events.py)."""
+        num_blocks = num_pool_blocks
+        if self._host is not None:
+            self._host.on_change = functools.partial(events.tier_changed, MEDIUM_HOST)
+            num_blocks += self._host.num_slots
+        if self._disk is not None:
+            self._disk.on_change = functools.partial(events.tier_changed, MEDIUM_DISK)
+            num_blocks += self._disk.capacity_bytes // identity.file_size
+        events.set_tier_capacity(num_blocks)
 
     async def Detach(self, request: pb.DetachRequest, context: grpc.aio.ServicerContext) -> pb.DetachResponse:
         self._lease(request.client_id, context)

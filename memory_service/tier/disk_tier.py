@@ -71,6 +71,7 @@ import struct
 import mmap
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -208,6 +209,8 @@ class DiskTier:
         self._num_bad_files = 0
         self._is_direct = True  # O_DIRECT writes until the file system refuses one (module docstring)
         self._buffer: mmap.mmap | None = None  # the file a put writes, page-aligned (set by ``open``)
+        # Told of each block stored (True) or dropped (False), by the thread that did it: KV events.
+        self.on_change: Callable[[bytes, bool], None] | None = None
 
     def close(self) -> None:
         """Releases the directory (its lock) for another service; the files stay for the next one."""
@@ -403,6 +406,8 @@ class DiskTier:
             self._index[key] = size
             self._num_bytes += size
             self._num_bytes_written += size
+        if self.on_change is not None:
+            self.on_change(key, True)
         return True
 
     def _write_file(self, key: bytes, data: memoryview) -> None:
@@ -497,12 +502,16 @@ class DiskTier:
                 victims.append(key)
         for key in victims:
             self._unlink(self._path(key))
+            if self.on_change is not None:
+                self.on_change(key, False)
 
     def _forget(self, key: bytes) -> None:
         with self._lock:
             size = self._index.pop(key, None)
             if size is not None:
                 self._num_bytes -= size
+        if size is not None and self.on_change is not None:
+            self.on_change(key, False)
 
     def _remove_bad(self, path: Path, problem: str) -> None:
         with self._lock:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -79,6 +80,8 @@ class HostTier:
         self._num_bytes_written = 0
         self._num_bytes_read = 0
         self._num_dropped = 0
+        # Told of each block stored (True) or dropped (False), under the tier's lock: KV events.
+        self.on_change: Callable[[bytes, bool], None] | None = None
 
     def open(self, identity: TierIdentity, pin_memory: bool) -> int:
         """Allocates the buffer for a model and layout.
@@ -175,6 +178,8 @@ class HostTier:
             self._buffer[slot].copy_(block)
             self._index[key] = _Entry(slot, ns_key)
             self._num_bytes_written += identity.bytes_per_block
+            if self.on_change is not None:
+                self.on_change(key, True)
         return True
 
     def _free_slot(self) -> int | None:
@@ -184,6 +189,8 @@ class HostTier:
         for key, entry in self._index.items():
             if self._pins[entry.slot] == 0:
                 del self._index[key]
+                if self.on_change is not None:
+                    self.on_change(key, False)
                 return entry.slot
         return None
 

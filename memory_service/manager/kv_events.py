@@ -1,0 +1,204 @@
+"""KV events: which blocks the memory service holds, and where, as vLLM's KV events say it.
+
+Routers that place requests by prefix (llm-d's precise prefix-cache scorer, Dynamo's KV router)
+keep an index of the blocks each engine holds, fed by the engine's events: ``BlockStored`` (blocks
+that can now be shared), ``BlockRemoved`` (blocks gone), ``AllBlocksCleared`` (start over). Here
+the memory service is the one that knows (it owns the pool and the tiers below it), so it sends them
+(memory_service/service/kv_events.py puts them on the wire); this module says what happened, under
+the manager's lock or a tier's, and never waits: events queue here, bounded, for the publisher's
+thread.
+
+When each event is made:
+- ``BlockStored`` medium ``MEDIUM_POOL``: a block's K/V is committed (``PrefixCache.commit``): other
+  clients may share it from now on. Pending blocks are never announced (their bytes may never be
+  written); a block loaded from a tier is announced when its load registers it.
+- ``BlockRemoved`` medium ``MEDIUM_POOL``: the pool evicts a cached block (``PrefixCache.evict``).
+- ``BlockStored``/``BlockRemoved`` medium ``MEDIUM_HOST``/``MEDIUM_DISK``: a tier took a copy of a
+  block announced in the pool before (the tiers are inclusive: a block may be in several media at
+  once, one event each), or dropped one.
+- ``AllBlocksCleared``: the service (re)started: every earlier event of this endpoint is void.
+
+Block hashes: each block gets a 64-bit hash chained over (its parent's hash, its namespace key, its
+token ids), so equal content in one namespace has one hash in every medium and across restarts, as
+vLLM's hashes do; ``parent_block_hash`` is the previous block's (None for a sequence's first).
+Consumers that recompute their own keys from ``token_ids`` use the hashes only to apply removals.
+
+The namespace travels in ``extra_keys`` (one entry per block: ``[namespace key as hex]``), vLLM's
+place for a block's cache salt: ``namespace_key(cache_namespace(model, cache_salt)).hex()``
+(memory_service.api), the same for every block of one model and salt, different across tenants, so a
+router never mixes tenants' blocks. It is a digest, never the salt itself.
+
+Medium names are those routers already know: ``GPU`` for the engine's own KV pool (vLLM's name for
+its device cache, which vLLM's CPU build also sends), ``CPU`` for the host-RAM tier (vLLM's offload
+medium), ``DISK`` for the disk tier (SGLang's).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from memory_service.token_encoding import decode_token_ids
+
+MEDIUM_POOL = "GPU"
+MEDIUM_HOST = "CPU"
+MEDIUM_DISK = "DISK"
+# Events waiting for the publisher beyond which new ones are dropped (and counted): a subscriber, or
+# a publisher, that falls behind never holds a Step or a tier's writer.
+MAX_PENDING_EVENTS = 100_000
+
+
+@dataclass(frozen=True)
+class BlockStored:
+    """Blocks of one chain (each the parent of the next) now held in ``medium``."""
+
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]  # block_size per block, in order
+    block_size: int
+    medium: str
+    namespace: str  # the namespace key, hex (the module docstring)
+
+
+@dataclass(frozen=True)
+class BlockRemoved:
+    block_hashes: list[int]
+    medium: str
+
+
+@dataclass(frozen=True)
+class AllBlocksCleared:
+    pass
+
+
+KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass(frozen=True, slots=True)
+class _Block:
+    """What a ``BlockStored`` says of one block, kept for the tiers' copies of it."""
+
+    block_hash: int
+    parent_hash: int | None
+    token_bytes: bytes
+    namespace: str
+
+
+class KvEventLog:
+    """The events since the publisher last took them, bounded; thread-safe.
+
+    The pool's methods are called under the block manager's lock (one caller at a time); the tiers'
+    from their own threads.
+
+    Args:
+        block_size: tokens per block.
+        max_pending_events: events kept for the publisher; beyond, new ones are dropped (counted).
+    """
+
+    def __init__(self, block_size: int, max_pending_events: int = MAX_PENDING_EVENTS) -> None:
+        self.block_size = block_size
+        self.max_pending_events = max_pending_events
+        self.num_events = 0  # made, dropped ones included
+        self.num_dropped_events = 0
+        self._lock = threading.Lock()
+        self._has_events = threading.Condition(self._lock)
+        self._pending: list[KvEvent] = []
+        self._pool: dict[int, _Block] = {}  # prefix-cache entry id -> its block, while the pool caches it
+        # Tier key -> its block, for the tiers' copies of blocks the pool announced; least recently
+        # stored first, at most ``_max_tier_blocks`` (set when the tiers open: what they and the pool hold).
+        self._tier_blocks: OrderedDict[bytes, _Block] = OrderedDict()
+        self._max_tier_blocks = 0
+
+    # --- made under the block manager's lock ------------------------------------------------
+
+    def pool_stored(self, blocks: Iterable[tuple[int, tuple[int, bytes, bytes], bytes | None]]) -> None:
+        """Blocks committed in the pool, parents first.
+
+        Args:
+            blocks: per block, its prefix-cache entry id, its cache key (parent entry id, token bytes,
+                namespace key) and its tier key (None without a tier).
+        """
+        events: list[BlockStored] = []
+        run: list[_Block] = []
+        for entry_id, (parent_entry_id, token_bytes, ns_key), tier_key in blocks:
+            parent = self._pool.get(parent_entry_id)
+            parent_hash = parent.block_hash if parent is not None else None
+            digest = hashlib.blake2b((parent_hash or 0).to_bytes(8, "big") + ns_key + token_bytes, digest_size=8)
+            block = _Block(int.from_bytes(digest.digest(), "big"), parent_hash, token_bytes, ns_key.hex())
+            self._pool[entry_id] = block
+            if tier_key is not None and self._max_tier_blocks:
+                self._remember_tier_block(tier_key, block)
+            if run and (parent_hash != run[-1].block_hash or block.namespace != run[0].namespace):
+                events.append(self._stored(run, MEDIUM_POOL))
+                run = []
+            run.append(block)
+        if run:
+            events.append(self._stored(run, MEDIUM_POOL))
+        self._add(events)
+
+    def pool_removed(self, entry_ids: Iterable[int]) -> None:
+        """Blocks the pool evicted."""
+        hashes = [self._pool.pop(entry_id).block_hash for entry_id in entry_ids if entry_id in self._pool]
+        if hashes:
+            self._add([BlockRemoved(hashes, MEDIUM_POOL)])
+
+    # --- made by the tiers' threads -----------------------------------------------------------
+
+    def set_tier_capacity(self, num_blocks: int) -> None:
+        """The tiers are open: their blocks and the pool's together (bounds what is kept for them)."""
+        with self._lock:
+            self._max_tier_blocks = num_blocks
+
+    def tier_changed(self, medium: str, tier_key: bytes, is_stored: bool) -> None:
+        """A tier stored or dropped the block ``tier_key``. A block the pool never announced in this
+        process (one found on disk at a restart) has no tokens here: no event."""
+        with self._lock:
+            block = self._tier_blocks.get(tier_key)
+            if block is not None and is_stored:
+                self._tier_blocks.move_to_end(tier_key)
+        if block is None:
+            return
+        self._add([self._stored([block], medium) if is_stored else BlockRemoved([block.block_hash], medium)])
+
+    # --- the publisher ----------------------------------------------------------------------
+
+    def cleared(self) -> None:
+        """The service (re)started: consumers forget this endpoint's blocks."""
+        self._add([AllBlocksCleared()])
+
+    def take(self, timeout_s: float) -> list[KvEvent]:
+        """The events since the last call, oldest first; waits up to ``timeout_s`` for one."""
+        with self._has_events:
+            if not self._pending:
+                self._has_events.wait(timeout_s)
+            events, self._pending = self._pending, []
+        return events
+
+    # --- inside -----------------------------------------------------------------------------
+
+    def _stored(self, blocks: list[_Block], medium: str) -> BlockStored:
+        return BlockStored([b.block_hash for b in blocks], blocks[0].parent_hash,
+                           decode_token_ids(b"".join(b.token_bytes for b in blocks)), self.block_size, medium,
+                           blocks[0].namespace)
+
+    def _remember_tier_block(self, tier_key: bytes, block: _Block) -> None:
+        with self._lock:
+            self._tier_blocks[tier_key] = block
+            self._tier_blocks.move_to_end(tier_key)
+            while len(self._tier_blocks) > self._max_tier_blocks:
+                self._tier_blocks.popitem(last=False)
+
+    def _add(self, events: list[KvEvent]) -> None:
+        if not events:
+            return
+        with self._has_events:
+            self.num_events += len(events)
+            room = self.max_pending_events - len(self._pending)
+            if room < len(events):
+                self.num_dropped_events += len(events) - max(room, 0)
+                events = events[:max(room, 0)]
+            self._pending += events
+            self._has_events.notify()

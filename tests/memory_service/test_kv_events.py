@@ -1,0 +1,206 @@
+"""KV events of a real memory service, read by a plain pyzmq SUB socket and decoded with msgpack, as
+a router's subscriber would (vLLM's wire format, memory_service/service/kv_events.py).
+
+A compute service with the tiny model sends real requests; the events must say exactly which blocks
+were committed (their tokens, chained hashes, block size, the namespace of their cache salt), in
+which medium (the pool "GPU", the host tier "CPU"), which the pool evicted, and, replayed from
+sequence 0, that the service started clean; the holdings rebuilt from them must match the memory
+service's Stats.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import msgpack
+import pytest
+import zmq
+
+from memory_service.api import cache_namespace
+from memory_service.config import MemoryServiceConfig
+from memory_service.manager.kv_events import KvEventLog
+from memory_service.manager.prefix_cache import namespace_key
+from memory_service.service.kv_events import encode_event
+from memory_service.token_encoding import encode_token_ids
+from pagedserve.compute.v1 import compute_pb2 as cpb
+from pagedserve.process import wait_until
+from pagedserve.sockets import free_port
+from pagedserve.testing.tiny_model import ServiceModel
+from tests.compute_service.service_fixtures import BLOCK_SIZE, Services, running_services
+
+PROMPT = [40, 97, 109, 32, 97, 32, 116, 105, 110, 121]  # 10 tokens: 2 full blocks of 4
+TOPIC = "kv-events"
+NUM_POOL_BLOCKS = 32  # 128 tokens
+
+
+class Subscriber:
+    """A SUB socket bound where the memory service's PUB connects (llm-d's central indexer does the
+    same), and a DEALER socket on the service's replay ROUTER."""
+
+    def __init__(self, context: zmq.Context) -> None:
+        self.port, self.replay_port = free_port(), free_port()
+        self.sub = context.socket(zmq.SUB)
+        self.sub.bind(f"tcp://127.0.0.1:{self.port}")
+        self.sub.setsockopt_string(zmq.SUBSCRIBE, TOPIC)
+        # A DEALER, not a REQ: one request is answered with one message per batch, then an end marker.
+        self.replay_socket = context.socket(zmq.DEALER)
+        self.batches: dict[int, list] = {}  # seq -> decoded [ts, events, dp_rank]
+        self.num_received = 0  # batches that came through the SUB socket
+
+    def receive(self, timeout_s: float = 0.1) -> None:
+        while self.sub.poll(int(timeout_s * 1000)):
+            topic, seq, payload = self.sub.recv_multipart()
+            assert topic == TOPIC.encode() and len(seq) == 8
+            self.batches[int.from_bytes(seq, "big")] = msgpack.unpackb(payload)
+            self.num_received += 1
+            timeout_s = 0.01
+
+    def replay(self, start_seq: int) -> dict[int, list]:
+        self.replay_socket.send_multipart([b"", start_seq.to_bytes(8, "big")])
+        replayed = {}
+        while True:
+            assert self.replay_socket.poll(10_000), "no replay answer"
+            delimiter, seq, payload = self.replay_socket.recv_multipart()
+            assert delimiter == b""
+            if seq == (-1).to_bytes(8, "big", signed=True):
+                assert payload == b""
+                return replayed
+            replayed[int.from_bytes(seq, "big")] = msgpack.unpackb(payload)
+
+    def events(self) -> list[list]:
+        """Every event so far, in sequence order: as received, and what the SUB socket has not (yet)
+        received asked for on the replay socket (a subscriber that joins misses the first batches)."""
+        self.receive()
+        first_missing = next(s for s in range(len(self.batches) + 1) if s not in self.batches)
+        self.batches.update(self.replay(first_missing))
+        return [event for seq in sorted(self.batches) for event in self.batches[seq][1]]
+
+
+@pytest.fixture
+def subscriber() -> Iterator[Subscriber]:
+    context = zmq.Context()
+    try:
+        yield Subscriber(context)
+    finally:
+        context.destroy(linger=0)
+
+
+def stored_blocks(events: list[list], medium: str) -> list[tuple[int, int | None, list[int], str]]:
+    """Each block a BlockStored of ``medium`` announced: (hash, parent hash, its tokens, its namespace)."""
+    blocks = []
+    for event in events:
+        if event[0] == "BlockStored" and event[6] == medium:
+            _, hashes, parent, token_ids, block_size, lora_id, _, lora_name, extra_keys = event
+            assert block_size == BLOCK_SIZE and lora_id is None and lora_name is None
+            assert len(token_ids) == BLOCK_SIZE * len(hashes) and len(extra_keys) == len(hashes)
+            for i, block_hash in enumerate(hashes):
+                [namespace] = extra_keys[i]
+                blocks.append((block_hash, parent, token_ids[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE], namespace))
+                parent = block_hash
+    return blocks
+
+
+def holdings(events: list[list]) -> dict[str, set[int]]:
+    """The blocks each medium holds, rebuilt from the events as a router's index would."""
+    held: dict[str, set[int]] = {}
+    for event in events:
+        if event[0] == "AllBlocksCleared":
+            held.clear()
+        elif event[0] == "BlockStored":
+            held.setdefault(event[6], set()).update(event[1])
+        elif event[0] == "BlockRemoved":
+            held.setdefault(event[2], set()).difference_update(event[1])
+    return held
+
+
+def generate(services: Services, prompt: list[int], max_tokens: int, cache_salt: str = "") -> list[int]:
+    replies = services.generate(prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True, cache_salt=cache_salt)
+    return [t for r in replies for t in r.token_ids]
+
+
+def test_events_follow_real_requests_through_pool_and_host_tier(service_model: ServiceModel,
+                                                                 subscriber: Subscriber) -> None:
+    memory_args = ("--max-num-blocks", str(NUM_POOL_BLOCKS), "--kv-host-bytes", str(1 << 20),
+                   "--kv-events-endpoint", f"tcp://127.0.0.1:{subscriber.port}",
+                   "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{subscriber.replay_port}")
+    with running_services(service_model.path, memory_args=memory_args,
+                          compute_args=("--num-speculative-tokens", "0")) as services:
+        subscriber.replay_socket.connect(f"tcp://127.0.0.1:{subscriber.replay_port}")
+        # The first batch of a start, replayed for a subscriber that joined late.
+        assert subscriber.replay(0)[0][1:] == [[["AllBlocksCleared"]], 0]
+        model_name = services.stub.Info(cpb.InfoRequest()).model_name
+
+        # One request: its prompt's 2 full blocks and the block its first generated tokens filled
+        # (10 + 5 tokens computed; the last sampled token never is) are committed, in one chain.
+        output = generate(services, PROMPT, 6)
+        tokens = PROMPT + output
+        wait_until(lambda: len(stored_blocks(subscriber.events(), "GPU")) == 3, 10, "3 blocks stored")
+        plain = stored_blocks(subscriber.events(), "GPU")
+        plain_ns = namespace_key(cache_namespace(model_name, "")).hex()
+        assert [b[2] for b in plain] == [tokens[0:4], tokens[4:8], tokens[8:12]]
+        assert [b[1] for b in plain] == [None, plain[0][0], plain[1][0]]  # chained: each the next one's parent
+        assert {b[3] for b in plain} == {plain_ns}
+        assert len({b[0] for b in plain}) == 3
+
+        # The same prompt under a cache salt: the same tokens in a namespace of its own, other hashes.
+        generate(services, PROMPT, 6, cache_salt="tenant-a")
+        wait_until(lambda: len(stored_blocks(subscriber.events(), "GPU")) == 6, 10, "3 more blocks stored")
+        salted = stored_blocks(subscriber.events(), "GPU")[3:]
+        assert [b[2] for b in salted] == [b[2] for b in plain]
+        assert {b[3] for b in salted} == {namespace_key(cache_namespace(model_name, "tenant-a")).hex()} != {plain_ns}
+        assert not {b[0] for b in salted} & {b[0] for b in plain}
+
+        # The host tier copies each committed block: the same hashes, tokens and parents, medium CPU.
+        wait_until(lambda: len(stored_blocks(subscriber.events(), "CPU")) == 6, 30, "6 blocks in the host tier")
+        assert sorted(stored_blocks(subscriber.events(), "CPU")) == sorted(plain + salted)
+
+        # A request that needs the whole pool evicts every cached block, least recently used first;
+        # the host tier keeps its copies.
+        long_prompt = [(7 * i) % 250 + 1 for i in range(100)]
+        generate(services, long_prompt, NUM_POOL_BLOCKS * BLOCK_SIZE - len(long_prompt))
+        wait_until(lambda: sum(len(e[1]) for e in subscriber.events()
+                               if e[0] == "BlockRemoved" and e[2] == "GPU") == 6, 10, "6 blocks evicted")
+        removed = [h for e in subscriber.events() if e[0] == "BlockRemoved" for h in e[1]]
+        assert sorted(removed) == sorted(b[0] for b in plain + salted)
+        assert not [e for e in subscriber.events() if e[0] == "BlockRemoved" and e[2] != "GPU"]
+
+        # What a router rebuilds from the events is what the memory service says it holds.
+        def rebuilt_matches_stats() -> bool:
+            stats, held = services.memory_stats(), holdings(subscriber.events())
+            return (len(held.get("GPU", ())) == sum(p.num_cached_blocks for p in stats.pools)
+                    and len(held.get("CPU", ())) == stats.tiers[0].num_blocks)
+
+        services.wait_released()
+        wait_until(rebuilt_matches_stats, 30, "the events' holdings to match Stats", interval_s=0.1)
+        assert len(holdings(subscriber.events())["GPU"]) == 31  # the long request's full blocks (127 tokens computed)
+        seqs = sorted(subscriber.batches)
+        assert seqs == list(range(len(seqs)))  # no gap left: received, or replayed
+        assert subscriber.num_received > 0  # the PUB socket delivers, beside the replay
+        assert all(isinstance(b[0], float) and abs(b[0] - time.time()) < 120 and b[2] == 0
+                   for b in subscriber.batches.values())
+
+
+def test_a_full_log_drops_new_events_and_counts_them() -> None:
+    """The publisher's backlog is bounded: a Step never waits for a subscriber (the drops are counted
+    and exported as pagedserve_memory_kv_events_dropped_total)."""
+    log = KvEventLog(block_size=BLOCK_SIZE, max_pending_events=2)
+    ns_key = namespace_key(cache_namespace("m", ""))
+    blocks = [(i + 1, (i, encode_token_ids([i] * BLOCK_SIZE), ns_key), None) for i in range(3)]
+    log.pool_stored(blocks)  # one chain: one event
+    log.pool_removed([1, 2, 3])
+    log.cleared()  # the third: dropped
+    assert (log.num_events, log.num_dropped_events) == (3, 1)
+    stored, removed = log.take(timeout_s=0)
+    assert [encode_event(e)[0] for e in (stored, removed)] == ["BlockStored", "BlockRemoved"]
+    assert stored.token_ids == [0] * 4 + [1] * 4 + [2] * 4 and stored.parent_block_hash is None
+    assert removed.block_hashes == stored.block_hashes and removed.medium == "GPU"
+    assert log.take(timeout_s=0) == []
+
+
+@pytest.mark.parametrize("endpoint", ["127.0.0.1:5557", "http://host:5557"])
+def test_a_kv_events_endpoint_must_be_a_zmq_address(endpoint: str) -> None:
+    with pytest.raises(ValueError, match="kv_events_endpoint must be a ZMQ address"):
+        MemoryServiceConfig(kv_events_endpoint=endpoint)
+    with pytest.raises(ValueError, match="needs kv_events_endpoint"):
+        MemoryServiceConfig(kv_events_replay_endpoint="tcp://*:5558")
