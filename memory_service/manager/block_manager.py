@@ -263,6 +263,8 @@ class BlockManager:
             One result per op, in order.
         """
         encoded_token_ids, late_free_indices = self._validator.validate(client_id, ops)
+        if self._prefix_cache is not None and self._prefix_cache.events is not None:
+            self._prefix_cache.events.note_namespaces(op.namespace for op in ops if type(op) is AllocateOp)
         self.commit(client_id)
         batch = BatchState(client_id, self._client_seqs[client_id], self._pending[client_id], late_free_indices,
                            self._num_table_blocks[client_id],

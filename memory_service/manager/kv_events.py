@@ -23,10 +23,13 @@ token ids), so equal content in one namespace has one hash in every medium and a
 vLLM's hashes do; ``parent_block_hash`` is the previous block's (None for a sequence's first).
 Consumers that recompute their own keys from ``token_ids`` use the hashes only to apply removals.
 
-The namespace travels in ``extra_keys`` (one entry per block: ``[namespace key as hex]``), vLLM's
-place for a block's cache salt: ``namespace_key(cache_namespace(model, cache_salt)).hex()``
+A cache salt travels in ``extra_keys``, vLLM's place for it: one entry per block,
+``[namespace key as hex]`` = ``namespace_key(cache_namespace(model, cache_salt)).hex()``
 (memory_service.api), the same for every block of one model and salt, different across tenants, so a
-router never mixes tenants' blocks. It is a digest, never the salt itself.
+router never mixes tenants' blocks; a digest, never the salt itself (the service only ever sees the
+namespace, and a gateway's salts derive from API keys). Blocks of a request without a salt carry none
+(``extra_keys`` nil, as vLLM sends them), so a router's keys of unsalted prompts match ours; a
+namespace the log has not seen named in an AllocateOp (``note_namespaces``) counts as salted.
 
 Medium names are those routers already know: ``GPU`` for the engine's own KV pool (vLLM's name for
 its device cache, which vLLM's CPU build also sends), ``CPU`` for the host-RAM tier (vLLM's offload
@@ -41,6 +44,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from memory_service.manager.prefix_cache import namespace_key
 from memory_service.token_encoding import decode_token_ids
 
 MEDIUM_POOL = "GPU"
@@ -49,6 +53,9 @@ MEDIUM_DISK = "DISK"
 # Events waiting for the publisher beyond which new ones are dropped (and counted): a subscriber, or
 # a publisher, that falls behind never holds a Step or a tier's writer.
 MAX_PENDING_EVENTS = 100_000
+MAX_NAMESPACES = 4096  # namespaces whose salt (or none) the log remembers
+# ``cache_namespace(model, "")`` ends so: a namespace without a cache salt.
+UNSALTED_SUFFIX = "|"
 
 
 @dataclass(frozen=True)
@@ -60,7 +67,7 @@ class BlockStored:
     token_ids: list[int]  # block_size per block, in order
     block_size: int
     medium: str
-    namespace: str  # the namespace key, hex (the module docstring)
+    namespace: str | None  # the namespace key, hex; None without a cache salt (the module docstring)
 
 
 @dataclass(frozen=True)
@@ -84,7 +91,7 @@ class _Block:
     block_hash: int
     parent_hash: int | None
     token_bytes: bytes
-    namespace: str
+    namespace: str | None
 
 
 class KvEventLog:
@@ -111,8 +118,18 @@ class KvEventLog:
         # stored first, at most ``_max_tier_blocks`` (set when the tiers open: what they and the pool hold).
         self._tier_blocks: OrderedDict[bytes, _Block] = OrderedDict()
         self._max_tier_blocks = 0
+        self._is_salted: dict[bytes, bool] = {}  # namespace key -> whether its namespace has a cache salt
 
     # --- made under the block manager's lock ------------------------------------------------
+
+    def note_namespaces(self, namespaces: Iterable[str]) -> None:
+        """The namespaces of a batch's AllocateOps: which of them carry a cache salt."""
+        for namespace in namespaces:
+            ns_key = namespace_key(namespace)
+            if ns_key not in self._is_salted:
+                if len(self._is_salted) >= MAX_NAMESPACES:
+                    self._is_salted.clear()  # forgotten ones count as salted until named again
+                self._is_salted[ns_key] = not namespace.endswith(UNSALTED_SUFFIX)
 
     def pool_stored(self, blocks: Iterable[tuple[int, tuple[int, bytes, bytes], bytes | None]]) -> None:
         """Blocks committed in the pool, parents first.
@@ -127,7 +144,8 @@ class KvEventLog:
             parent = self._pool.get(parent_entry_id)
             parent_hash = parent.block_hash if parent is not None else None
             digest = hashlib.blake2b((parent_hash or 0).to_bytes(8, "big") + ns_key + token_bytes, digest_size=8)
-            block = _Block(int.from_bytes(digest.digest(), "big"), parent_hash, token_bytes, ns_key.hex())
+            namespace = ns_key.hex() if self._is_salted.get(ns_key, True) else None
+            block = _Block(int.from_bytes(digest.digest(), "big"), parent_hash, token_bytes, namespace)
             self._pool[entry_id] = block
             if tier_key is not None and self._max_tier_blocks:
                 self._remember_tier_block(tier_key, block)

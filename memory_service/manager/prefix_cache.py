@@ -41,9 +41,13 @@ import functools
 import hashlib
 from collections.abc import Iterable, Sequence
 
+from typing import TYPE_CHECKING
+
 from memory_service.manager.eviction_queue import EvictionQueue
-from memory_service.manager.kv_events import KvEventLog
 from memory_service.token_encoding import TOKEN_WIDTH
+
+if TYPE_CHECKING:
+    from memory_service.manager.kv_events import KvEventLog
 
 # Parent entry id of a sequence's first block.
 ROOT_ENTRY_ID = 0

@@ -15,8 +15,8 @@ so that its subscribers (llm-d's KV-cache indexer, Dynamo's KV router, vLLM's ow
 - an event is an array, its type's name first, then its fields in vLLM's order (msgspec's
   ``array_like`` layout of vLLM's tagged structs, the one its example subscriber decodes):
   ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
-  lora_name, extra_keys]`` (no LoRA: ``lora_id`` and ``lora_name`` nil; ``extra_keys`` one
-  ``[namespace key hex]`` per block), ``["BlockRemoved", block_hashes, medium]``,
+  lora_name, extra_keys]`` (no LoRA: ``lora_id`` and ``lora_name`` nil; ``extra_keys`` nil without a
+  cache salt, else one ``[namespace key hex]`` per block), ``["BlockRemoved", block_hashes, medium]``,
   ``["AllBlocksCleared"]``.
 - replay (``--kv-events-replay-endpoint``, a ROUTER socket): a client (a REQ socket) sends a start
   sequence number (8 bytes, big-endian) and gets every batch still buffered from there on, one
@@ -56,8 +56,9 @@ CLOSE_FLUSH_S = 1.0  # at a stop: the events still in the log go out, for this l
 def encode_event(event: KvEvent) -> list:
     """One event in vLLM's array layout (the module docstring)."""
     if isinstance(event, BlockStored):
+        extra_keys = None if event.namespace is None else [[event.namespace]] * len(event.block_hashes)
         return ["BlockStored", event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size,
-                None, event.medium, None, [[event.namespace]] * len(event.block_hashes)]
+                None, event.medium, None, extra_keys]
     if isinstance(event, BlockRemoved):
         return ["BlockRemoved", event.block_hashes, event.medium]
     if isinstance(event, AllBlocksCleared):
