@@ -46,6 +46,7 @@ FLAGS = {
     "tool_call_parser": "how tool_choice auto reads a model's tool calls: hermes (<tool_call> blocks), llama3_json "
                         "(Llama 3.x JSON), or auto (from the chat template)",
     "chat_template_file": "a Jinja chat template file to use instead of the backends' model's",
+    "embedding_pooling": "how /v1/embeddings pools the final hidden states: last (the last prompt token's) or mean",
 }
 
 

@@ -14,7 +14,7 @@ from pagedserve.compute.v1 import compute_pb2
 # Optional on the compute wire (presence means "set"): copied only when given.
 _OPTIONAL = ("temperature", "top_p", "repetition_penalty", "seed", "logprobs", "prompt_logprobs")
 # Plain on the compute wire (zero = the default): a None is sent as the zero.
-_PLAIN = ("top_k", "min_p", "min_tokens", "presence_penalty", "frequency_penalty", "n")
+_PLAIN = ("top_k", "min_p", "min_tokens", "presence_penalty", "frequency_penalty", "n", "pooling")
 
 
 def to_compute_request(request: BackendRequest, backend_request_id: str) -> compute_pb2.GenerateRequest:
@@ -57,7 +57,8 @@ def delta_from_pb(message: compute_pb2.GenerateResponse) -> Delta:
     # (A one-token prompt has nothing to score: its empty list reads as none, and the fronts show none.)
     prompt_logprobs = logprobs_from_pb(message.prompt_logprobs) if message.prompt_logprobs else None
     return Delta(message.index, message.text, list(message.token_ids), logprobs, message.finish_reason,
-                 stop_string, usage, prompt_logprobs=prompt_logprobs)
+                 stop_string, usage, prompt_logprobs=prompt_logprobs,
+                 embedding=list(message.embedding) if message.embedding else None)
 
 
 def logprobs_from_pb(items) -> list[TokenLogprobs]:  # type: ignore[no-untyped-def]

@@ -81,6 +81,8 @@ class GatewayConfig(ServiceConfig):
             or "auto" (from the chat template; ``gateway.core.tool_parsers``).
         chat_template_file: a Jinja chat template to use instead of the backends' (vLLM's
             ``--chat-template``), read at start.
+        embedding_pooling: how ``/v1/embeddings`` pools the model's final hidden states: "last"
+            (the last prompt token's, vLLM's default for decoder models) or "mean".
     """
 
     backends: tuple[str, ...] = ()
@@ -114,6 +116,7 @@ class GatewayConfig(ServiceConfig):
     backend_token: str | None = field(default=None, repr=False)
     tool_call_parser: str = "auto"
     chat_template_file: str | None = None
+    embedding_pooling: str = "last"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -140,6 +143,9 @@ class GatewayConfig(ServiceConfig):
         if self.tool_call_parser not in PARSER_NAMES:
             raise ValueError(f"tool_call_parser must be one of {', '.join(PARSER_NAMES)}, "
                              f"got {self.tool_call_parser!r}")
+        if self.embedding_pooling not in sampling_rules.POOLING_TYPES:
+            raise ValueError(f"embedding_pooling must be one of {', '.join(sampling_rules.POOLING_TYPES)}, "
+                             f"got {self.embedding_pooling!r}")
         for name in ("tls_cert_file", "tls_key_file", "chat_template_file"):
             path = getattr(self, name)
             if path is not None and not Path(path).is_file():

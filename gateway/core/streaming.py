@@ -54,7 +54,7 @@ def delta_bytes(delta: Delta, prompt_copies: int = 1) -> int:
     prompt's scores ``prompt_copies`` times (as often as the answer repeats them)."""
     calls = sum(len(c.id) + len(c.name) + len(c.arguments.encode()) + 8 for c in delta.tool_calls)
     return (sum(map(_varint_bytes, delta.token_ids)) + len(delta.text.encode()) + _entries_bytes(delta.logprobs)
-            + prompt_copies * _entries_bytes(delta.prompt_logprobs or []) + calls)
+            + prompt_copies * _entries_bytes(delta.prompt_logprobs or []) + calls + 4 * len(delta.embedding or ()))
 
 
 @dataclass
@@ -104,6 +104,7 @@ async def collect(request_id: str, deltas: AsyncIterator[Delta]) -> Reply:
         async for delta in deltas:
             if delta.prompt_logprobs is not None:
                 reply.prompt_logprobs, reply.prompt_token_ids = delta.prompt_logprobs, delta.prompt_token_ids
+            reply.embedding = delta.embedding or reply.embedding
             choice = choices.get(delta.index)
             if choice is None:
                 choice = choices[delta.index] = Completion(delta.index)
@@ -137,11 +138,12 @@ async def pieces(deltas: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
             h = held.setdefault(delta.index, _Held())
             h.token_ids += delta.token_ids
             h.logprobs += delta.logprobs
-            if not (delta.text or delta.finish_reason or delta.usage is not None or delta.prompt_logprobs is not None):
+            if not (delta.text or delta.finish_reason or delta.usage is not None or delta.prompt_logprobs is not None
+                    or delta.embedding is not None):
                 continue
             held[delta.index] = _Held()
             yield Delta(delta.index, delta.text, h.token_ids, h.logprobs, delta.finish_reason, delta.stop_string,
-                        delta.usage, delta.tool_calls, delta.prompt_logprobs, delta.prompt_token_ids)
+                        delta.usage, delta.tool_calls, delta.prompt_logprobs, delta.prompt_token_ids, delta.embedding)
 
 
 async def send_within(write: Awaitable[None], timeout_s: float) -> bool:

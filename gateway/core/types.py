@@ -47,6 +47,8 @@ class SamplingOptions:
     logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit
     # The prompt's tokens scored, with this many alternatives each (the request reads no cached prefix).
     prompt_logprobs: int | None = None
+    # An embedding request (max_tokens 0): "last" or "mean" pooling of the final hidden states.
+    pooling: str | None = None
 
 
 @dataclass(frozen=True)
@@ -156,6 +158,7 @@ class Delta:
     # L token ids (the core adds them: the backend's answer names each scored token, not the first).
     prompt_logprobs: list[TokenLogprobs] | None = None
     prompt_token_ids: list[int] | None = None
+    embedding: list[float] | None = None  # options.pooling: the prompt's, unit norm, once
 
 
 @dataclass
@@ -180,6 +183,7 @@ class Reply:
     usage: Usage
     prompt_logprobs: list[TokenLogprobs] | None = None  # as Delta's
     prompt_token_ids: list[int] | None = None
+    embedding: list[float] | None = None  # as Delta's
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ or stops reading a stream, aborts its requests (``transport``).
 from __future__ import annotations
 
 import asyncio
+import functools
 import uuid
 from collections.abc import AsyncIterator, Callable
 from importlib.metadata import PackageNotFoundError
@@ -30,16 +31,17 @@ from starlette.routing import Route
 
 from gateway.auth import bearer_token
 from gateway.core.service import GatewayCore, RequestRecord
-from gateway.core.streaming import ReplyBudget, collect, pieces
+from gateway.core.streaming import ReplyBudget, pieces
 from gateway.core.types import Delta
 from gateway.openai_api import convert
+from gateway.openai_api.embeddings_api import create_embeddings
 from gateway.openai_api.errors import HttpError, ParamError, as_http_error, error_body, error_response
 from gateway.openai_api.response_store import ResponseStore, StoreLimits
 from gateway.openai_api.responses import Answer, events, merge
 from gateway.openai_api.responses_api import ResponsesEndpoint
 from gateway.openai_api.schema import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                                        error_param, unknown_fields)
-from gateway.openai_api.transport import ClientGone, EventStream, first_piece, until_disconnect
+from gateway.openai_api.transport import ClientGone, EventStream, first_piece, until_disconnect, whole_answers
 from gateway.tenants import Admission, Tenant
 from pagedserve.errors import echo
 from pagedserve.log import get_logger
@@ -81,6 +83,7 @@ class OpenAIFront:
             Route("/version", self.version, methods=["GET"]),
             Route("/tokenizer_info", self.tokenizer_info, methods=["GET"]),
             *self.responses.routes(),
+            Route("/v1/embeddings", functools.partial(create_embeddings, self), methods=["POST"]),
         ], exception_handlers={HTTPException: self._http_exception})
 
     async def _http_exception(self, request: Request, exc: Exception) -> Response:
@@ -294,16 +297,8 @@ class OpenAIFront:
                                  num_prompts=len(prompts), max_tokens_to_context=endpoint == "chat")
 
         if not body.stream:
-            async def whole() -> list:
-                async with asyncio.TaskGroup() as group:  # one prompt failing cancels the others
-                    tasks = [group.create_task(collect(p.request.request_id, run(p, a)))
-                             for p, a in zip(prompts, admissions)]
-                return [t.result() for t in tasks]
-
-            try:
-                replies = await until_disconnect(request.receive, whole())
-            except ExceptionGroup as group:
-                raise group.exceptions[0] from None
+            replies = await whole_answers(request.receive, [(p.request.request_id, run(p, a))
+                                                            for p, a in zip(prompts, admissions)])
             # Rendered off the event loop: a large answer's JSON (its logprobs' texts) takes a while.
             return await asyncio.to_thread(lambda: JSONResponse(answer.body(replies)))
         merged = merge([pieces(run(p, a)) for p, a in zip(prompts, admissions)])

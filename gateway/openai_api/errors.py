@@ -8,6 +8,7 @@ OpenAI parameter (``ParamError``, or the gRPC field a core message starts with, 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
 import grpc
 from starlette.responses import JSONResponse
@@ -49,6 +50,17 @@ class HttpError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
+
+
+def renamed_param(error: HttpError, names: Mapping[str, str]) -> HttpError:
+    """The error naming the parameter as an endpoint's client spells it (``names``: the chat or core
+    name -> this endpoint's; ``/v1/embeddings`` says ``input`` where the core says ``prompt``), in
+    ``param`` and at the head of the message."""
+    name = re.match(r"[a-z_]*", error.param or "")[0]  # type: ignore[index]
+    if name not in names:
+        return error
+    message = names[name] + error.message[len(name):] if error.message.startswith(name) else error.message
+    return HttpError(error.status, message, names[name])
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:

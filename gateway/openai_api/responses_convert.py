@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from gateway.openai_api.errors import HttpError, ParamError
+from gateway.openai_api.errors import HttpError, ParamError, renamed_param
 from gateway.openai_api.responses_schema import ContentPart, InputItem, ResponsesRequest, ResponseTool
 from gateway.openai_api.schema import ChatCompletionRequest, SamplingExtensions
 from pagedserve.errors import echo
@@ -26,7 +26,7 @@ from pagedserve.errors import echo
 # A chat parameter an error names -> the Responses parameter the client wrote.
 RENAMED = {"messages": "input", "response_format": "text.format", "max_completion_tokens": "max_output_tokens",
            "max_tokens": "max_output_tokens"}
-_LEADING_NAME = re.compile(r"^(messages|response_format|max_completion_tokens|max_tokens)(\[\d+\])?")
+_CHAT_TURN = re.compile(r"^messages\[(\d+)\]")
 # OpenAI's bounds on metadata.
 MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -34,16 +34,11 @@ _TEXT_PARTS = ("input_text", "output_text", "text")
 
 def renamed(error: HttpError) -> HttpError:
     """The error with the chat parameter it names replaced by the Responses one."""
-    if error.param is None:
-        return error
-    param = RENAMED.get(error.param.split(".")[0].split("[")[0])
-    if param is None:
-        return error
-    turn = _LEADING_NAME.match(error.message)
-    if turn is not None and turn[2]:  # a chat turn: where the instructions and earlier responses come first
-        where = f"{param} (turn {turn[2][1:-1]} of the conversation, instructions and earlier responses first)"
-        return HttpError(error.status, where + error.message[turn.end():], param)
-    return HttpError(error.status, _LEADING_NAME.sub(param, error.message), param)
+    turn = _CHAT_TURN.match(error.message)
+    if error.param == "messages" and turn is not None:  # where the instructions and earlier responses come first
+        where = f"input (turn {turn[1]} of the conversation, instructions and earlier responses first)"
+        return HttpError(error.status, where + error.message[turn.end():], "input")
+    return renamed_param(error, RENAMED)
 
 
 def refuse_unsupported(body: ResponsesRequest) -> None:

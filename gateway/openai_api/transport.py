@@ -18,7 +18,8 @@ import anyio
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from gateway.core.streaming import send_within
+from gateway.core.streaming import collect, send_within
+from gateway.core.types import Delta, Reply
 
 T = TypeVar("T")
 
@@ -46,6 +47,24 @@ async def until_disconnect(receive: Receive, work: Awaitable[T]) -> T:
     if task.cancelled():
         raise ClientGone
     return task.result()
+
+
+async def whole_answers(receive: Receive, streams: list[tuple[str, AsyncIterator[Delta]]]) -> list[Reply]:
+    """Each request's whole answer (``collect``), run together and raced against a disconnect: one
+    failing cancels the others (aborting them), and its error is raised as it is.
+
+    Args:
+        streams: (request id, its deltas) per request.
+    """
+    async def whole() -> list[Reply]:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(collect(request_id, deltas)) for request_id, deltas in streams]
+        return [t.result() for t in tasks]
+
+    try:
+        return await until_disconnect(receive, whole())
+    except ExceptionGroup as group:
+        raise group.exceptions[0] from None
 
 
 async def first_piece(receive: Receive, stream: AsyncIterator[T]) -> T:
