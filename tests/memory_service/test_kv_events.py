@@ -3,7 +3,7 @@ a router's subscriber would (vLLM's wire format, memory_service/service/kv_event
 
 A compute service with the tiny model sends real requests; the events must say exactly which blocks
 were committed (their tokens, chained hashes, block size, the namespace of their cache salt), in
-which medium (the pool "GPU", the host tier "CPU"), which the pool evicted, and, replayed from
+which medium (the pool "GPU", the host tier "CPU", the disk tier "DISK"), which the pool evicted, and, replayed from
 sequence 0, that the service started clean; the holdings rebuilt from them must match the memory
 service's Stats.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import msgpack
 import pytest
@@ -121,9 +122,10 @@ def generate(services: Services, prompt: list[int], max_tokens: int, cache_salt:
     return [t for r in replies for t in r.token_ids]
 
 
-def test_events_follow_real_requests_through_pool_and_host_tier(service_model: ServiceModel,
-                                                                 subscriber: Subscriber) -> None:
+def test_events_follow_real_requests_through_pool_and_tiers(service_model: ServiceModel, subscriber: Subscriber,
+                                                            tmp_path: Path) -> None:
     memory_args = ("--max-num-blocks", str(NUM_POOL_BLOCKS), "--kv-host-bytes", str(1 << 20),
+                   "--kv-disk-dir", str(tmp_path / "tier"),
                    "--kv-events-endpoint", f"tcp://127.0.0.1:{subscriber.port}",
                    "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{subscriber.replay_port}")
     with running_services(service_model.path, memory_args=memory_args,
@@ -152,9 +154,10 @@ def test_events_follow_real_requests_through_pool_and_host_tier(service_model: S
         assert {b[3] for b in salted} == {namespace_key(cache_namespace(model_name, "tenant-a")).hex()}
         assert not {b[0] for b in salted} & {b[0] for b in plain}
 
-        # The host tier copies each committed block: the same hashes, tokens and parents, medium CPU.
-        wait_until(lambda: len(stored_blocks(subscriber.events(), "CPU")) == 6, 30, "6 blocks in the host tier")
-        assert sorted(stored_blocks(subscriber.events(), "CPU")) == sorted(plain + salted)
+        # The tiers copy each committed block: the same hashes, tokens and parents, media CPU and DISK.
+        for medium in ("CPU", "DISK"):
+            wait_until(lambda m=medium: len(stored_blocks(subscriber.events(), m)) == 6, 30, f"6 blocks in {medium}")
+            assert sorted(stored_blocks(subscriber.events(), medium)) == sorted(plain + salted)
 
         # A request that needs the whole pool evicts every cached block, least recently used first;
         # the host tier keeps its copies.
@@ -169,8 +172,9 @@ def test_events_follow_real_requests_through_pool_and_host_tier(service_model: S
         # What a router rebuilds from the events is what the memory service says it holds.
         def rebuilt_matches_stats() -> bool:
             stats, held = services.memory_stats(), holdings(subscriber.events())
+            host, disk = stats.tiers  # fastest first
             return (len(held.get("GPU", ())) == sum(p.num_cached_blocks for p in stats.pools)
-                    and len(held.get("CPU", ())) == stats.tiers[0].num_blocks)
+                    and len(held.get("CPU", ())) == host.num_blocks and len(held.get("DISK", ())) == disk.num_blocks)
 
         services.wait_released()
         wait_until(rebuilt_matches_stats, 30, "the events' holdings to match Stats", interval_s=0.1)
