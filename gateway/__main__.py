@@ -47,6 +47,9 @@ FLAGS = {
                         "(Llama 3.x JSON), or auto (from the chat template)",
     "chat_template_file": "a Jinja chat template file to use instead of the backends' model's",
     "embedding_pooling": "how /v1/embeddings pools the final hidden states: last (the last prompt token's) or mean",
+    "responses_store_max_responses": "per tenant, stored /v1/responses answers kept at most (oldest evicted first)",
+    "responses_store_max_bytes": "per tenant, bytes of stored /v1/responses answers kept at most",
+    "responses_store_ttl_s": "how long a stored /v1/responses answer is kept",
 }
 
 

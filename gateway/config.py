@@ -83,6 +83,9 @@ class GatewayConfig(ServiceConfig):
             ``--chat-template``), read at start.
         embedding_pooling: how ``/v1/embeddings`` pools the model's final hidden states: "last"
             (the last prompt token's, vLLM's default for decoder models) or "mean".
+        responses_store_max_responses, responses_store_max_bytes, responses_store_ttl_s: per
+            tenant, the Responses API's stored responses (``store: true``): how many, how many
+            bytes of JSON, kept how long (``gateway.openai_api.response_store``).
     """
 
     backends: tuple[str, ...] = ()
@@ -117,6 +120,9 @@ class GatewayConfig(ServiceConfig):
     tool_call_parser: str = "auto"
     chat_template_file: str | None = None
     embedding_pooling: str = "last"
+    responses_store_max_responses: int = 1000
+    responses_store_max_bytes: int = 64 << 20
+    responses_store_ttl_s: float = 3600.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -131,7 +137,8 @@ class GatewayConfig(ServiceConfig):
         for name in ("max_queued_requests", "max_prompt_chars", "max_messages", "max_prompts_per_request",
                      "max_message_bytes",
                      "affinity_max_blocks", "health_interval_s", "dns_refresh_s", "affinity_max_load_ratio",
-                     "write_stall_timeout_s", "tokenize_threads", "http_read_timeout_s", "http_max_connections"):
+                     "write_stall_timeout_s", "tokenize_threads", "http_read_timeout_s", "http_max_connections",
+                     "responses_store_max_responses", "responses_store_max_bytes", "responses_store_ttl_s"):
             _positive(name, getattr(self, name))
         for name in ("grace_period_s", "drain_delay_s", "affinity_max_load_gap"):
             if getattr(self, name) < 0:

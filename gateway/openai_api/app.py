@@ -64,14 +64,14 @@ class OpenAIFront:
     Args:
         core: the gateway core every request goes through.
         is_serving: whether the gateway is ready (its health check says SERVING).
-        store_limits: the Responses API's stored responses, per tenant.
     """
 
-    def __init__(self, core: GatewayCore, is_serving: Callable[[], bool],
-                 store_limits: StoreLimits | None = None) -> None:
+    def __init__(self, core: GatewayCore, is_serving: Callable[[], bool]) -> None:
         self.core = core
         self.is_serving = is_serving
-        self.responses = ResponsesEndpoint(self, ResponseStore(store_limits or StoreLimits()))
+        self.responses = ResponsesEndpoint(self, ResponseStore(StoreLimits(
+            core.config.responses_store_max_responses, core.config.responses_store_max_bytes,
+            core.config.responses_store_ttl_s)))
         self.app = Starlette(routes=[
             Route("/health", self.health, methods=["GET"]),
             Route("/v1/models", self.models, methods=["GET"]),

@@ -189,19 +189,28 @@ def test_raw_events_are_named_and_the_access_line_says_responses(http: Http) -> 
     assert '"method": "OpenAI.Responses"' in http.gateway.log_file.read_text()
 
 
-def test_tenants_see_only_their_own_stored_responses(engines: list[Engine], run_dir: Path) -> None:
+def test_tenants_have_their_own_bounded_stores_keys_and_priority_caps(engines: list[Engine], run_dir: Path) -> None:
     keys = run_dir / "responses-keys.txt"
     keys.write_text("responses-key-a-0123456789\nresponses-key-b-0123456789\n")
-    keyed = start_http(engines, run_dir, "--api-keys-file", str(keys), key="responses-key-a-0123456789")
+    keyed = start_http(engines, run_dir, "--api-keys-file", str(keys), "--responses-store-max-responses", "2",
+                       key="responses-key-a-0123456789")
     try:
         a, b = keyed.client("responses-key-a-0123456789"), keyed.client("responses-key-b-0123456789")
-        reply = a.responses.create(model=keyed.model, input="mine", max_output_tokens=2)
-        assert a.responses.retrieve(reply.id).id == reply.id
+        theirs = b.responses.create(model=keyed.model, input="theirs", max_output_tokens=2)
+        mine = [a.responses.create(model=keyed.model, input="mine", max_output_tokens=2) for _ in range(3)]
+        assert a.responses.retrieve(mine[2].id).id == mine[2].id
         with pytest.raises(openai.NotFoundError):
-            b.responses.retrieve(reply.id)
+            a.responses.retrieve(mine[0].id)  # the oldest of a's, past its bound of 2
+        assert b.responses.retrieve(theirs.id).id == theirs.id  # a's traffic evicts none of b's
+        with pytest.raises(openai.NotFoundError):
+            b.responses.retrieve(mine[2].id)
         with pytest.raises(openai.BadRequestError):
-            b.responses.create(model=keyed.model, input="x", previous_response_id=reply.id, max_output_tokens=2)
+            b.responses.create(model=keyed.model, input="x", previous_response_id=mine[2].id, max_output_tokens=2)
         with pytest.raises(openai.AuthenticationError):
             keyed.client("wrong").responses.create(model=keyed.model, input="x", max_output_tokens=2)
+        with pytest.raises(openai.PermissionDeniedError):  # above the tenant's priority cap (0)
+            a.responses.create(model=keyed.model, input="x", max_output_tokens=2, extra_body={"priority": 3})
+        with pytest.raises(openai.PermissionDeniedError):
+            a.embeddings.create(model=keyed.model, input="x", extra_body={"priority": 3})
     finally:
         assert keyed.gateway.stop() == 0
