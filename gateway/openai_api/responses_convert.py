@@ -51,8 +51,8 @@ def refuse_unsupported(body: ResponsesRequest) -> None:
         raise ParamError("conversation", "conversations are not supported; use previous_response_id")
     if body.top_logprobs:
         raise ParamError("top_logprobs", "top_logprobs are not supported on /v1/responses; use /v1/chat/completions")
-    if body.input is None and body.previous_response_id is None:
-        raise ParamError("input", "input is required")
+    if not body.input and body.previous_response_id is None:
+        raise ParamError("input", "input is required (a string or a non-empty list of items)")
     metadata = body.metadata or {}
     if len(metadata) > MAX_METADATA_PAIRS:
         raise ParamError("metadata", f"metadata: at most {MAX_METADATA_PAIRS} pairs, got {len(metadata)}")

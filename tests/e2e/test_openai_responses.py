@@ -169,6 +169,18 @@ def test_stored_responses_are_read_deleted_and_named_when_missing(http: Http) ->
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input", "item_reference"),
     ({"input": 5}, "input", ""),
     ({"metadata": {"k": "v" * 600}}, "metadata", "512"),
+    ({"metadata": {"k": 1}}, "metadata.k", ""),
+    ({"input": []}, "input", "required"),
+    ({"input": [{}]}, "input", "input[0].type"),
+    ({"input": [{"role": "tool", "content": "x"}]}, "input", "role"),
+    ({"tools": [{"type": "function"}]}, "tools", "name"),
+    ({"tools": [TOOL], "tool_choice": "bogus"}, "tool_choice", "bogus"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "name": "other"}}, "tool_choice", "other"),
+    ({"text": {"format": {"type": "json_schema", "schema": 5}}}, "text.format", ""),
+    ({"text": {"format": {"type": "xml"}}}, "text.format", "xml"),
+    ({"previous_response_id": 5}, "previous_response_id", ""),
+    ({"background": True}, "background", "background"),
+    ({"stream": "maybe"}, "stream", ""),
 ])
 def test_what_cannot_be_honoured_is_a_400_naming_it(http: Http, kwargs: dict, param: str, words: str) -> None:
     body = {"model": http.model, "input": "x", "max_output_tokens": 4, **kwargs}
