@@ -61,6 +61,9 @@ def test_embeddings_of_texts_and_ids_in_both_encodings(http: Http, service_model
     ({"input": ""}, "input"),
     ({"input": [[1, 10**9]]}, "input"),
     ({"input": 5}, "input"),
+    ({"input": [[]]}, "input"),
+    ({"input": ["a", 1]}, "input"),
+    ({"input": "x", "priority": "high"}, "priority"),
     ({}, "input"),
 ])
 def test_bad_input_is_a_400_naming_it(http: Http, body: dict, param: str) -> None:
