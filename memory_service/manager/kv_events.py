@@ -5,8 +5,8 @@ keep an index of the blocks each engine holds, fed by the engine's events: ``Blo
 that can now be shared), ``BlockRemoved`` (blocks gone), ``AllBlocksCleared`` (start over). Here
 the memory service is the one that knows (it owns the pool and the tiers below it), so it sends them
 (memory_service/service/kv_events.py puts them on the wire); this module says what happened, under
-the manager's lock or a tier's, and never waits: events queue here, bounded, for the publisher's
-thread.
+the manager's lock or a tier's, and never waits: the changes queue here, bounded, and become events
+on the publisher's thread (``KvEventLog`` says why).
 
 When each event is made:
 - ``BlockStored`` medium ``MEDIUM_POOL``: a block's K/V is committed (``PrefixCache.commit``): other
@@ -50,9 +50,10 @@ from memory_service.token_encoding import decode_token_ids
 MEDIUM_POOL = "GPU"
 MEDIUM_HOST = "CPU"
 MEDIUM_DISK = "DISK"
-# Events waiting for the publisher beyond which new ones are dropped (and counted): a subscriber, or
-# a publisher, that falls behind never holds a Step or a tier's writer.
-MAX_PENDING_EVENTS = 100_000
+# Changes (a block stored or removed, a clear) waiting for the publisher beyond which new ones are
+# dropped (and counted): a subscriber, or a publisher, that falls behind never holds a Step or a
+# tier's writer, and the backlog's memory stays bounded.
+MAX_PENDING_CHANGES = 100_000
 MAX_NAMESPACES = 4096  # namespaces whose salt (or none) the log remembers
 # ``cache_namespace(model, "")`` ends so: a namespace without a cache salt.
 UNSALTED_SUFFIX = "|"
@@ -95,24 +96,30 @@ class _Block:
 
 
 class KvEventLog:
-    """The events since the publisher last took them, bounded; thread-safe.
+    """What happened since the publisher last asked, bounded; thread-safe.
 
-    The pool's methods are called under the block manager's lock (one caller at a time); the tiers'
-    from their own threads.
+    Why two halves: the block manager's lock (every client's Step waits on it) and a tier's are
+    held only for a list append per change (a raw record: entry ids, the cache key's bytes, a tier
+    key); hashing, decoding tokens and building events happen in ``take``, on the publisher's
+    thread, which alone keeps the resolver's state (the hashes of cached entries, the tiers' blocks).
+    Records resolve in the order they were made, so a parent is always known before its child.
 
     Args:
         block_size: tokens per block.
-        max_pending_events: events kept for the publisher; beyond, new ones are dropped (counted).
+        max_pending_records: changes kept for the publisher; beyond, new ones are dropped (counted
+            as dropped events: a removal then finds no block, a store is never announced).
     """
 
-    def __init__(self, block_size: int, max_pending_events: int = MAX_PENDING_EVENTS) -> None:
+    def __init__(self, block_size: int, max_pending_records: int = MAX_PENDING_CHANGES) -> None:
         self.block_size = block_size
-        self.max_pending_events = max_pending_events
-        self.num_events = 0  # made, dropped ones included
-        self.num_dropped_events = 0
+        self.max_pending_records = max_pending_records
+        self.num_events = 0  # made (resolved), by ``take``
+        self.num_dropped_events = 0  # changes dropped before they became events
         self._lock = threading.Lock()
-        self._has_events = threading.Condition(self._lock)
-        self._pending: list[KvEvent] = []
+        self._has_records = threading.Condition(self._lock)
+        self._records: list[tuple] = []  # (kind, payload) in order; kinds: the _on_* methods below
+        self._num_pending = 0  # changes in _records (a record of n blocks counts n)
+        # The resolver's state, touched by ``take`` only:
         self._pool: dict[int, _Block] = {}  # prefix-cache entry id -> its block, while the pool caches it
         # Tier key -> its block, for the tiers' copies of blocks the pool announced; least recently
         # stored first, at most ``_max_tier_blocks`` (set when the tiers open: what they and the pool hold).
@@ -120,10 +127,58 @@ class KvEventLog:
         self._max_tier_blocks = 0
         self._is_salted: dict[bytes, bool] = {}  # namespace key -> whether its namespace has a cache salt
 
-    # --- made under the block manager's lock ------------------------------------------------
+    # --- told under the block manager's lock --------------------------------------------------
 
     def note_namespaces(self, namespaces: Iterable[str]) -> None:
         """The namespaces of a batch's AllocateOps: which of them carry a cache salt."""
+        names = list(namespaces)
+        if names:
+            self._record("namespaces", names, 0)
+
+    def pool_stored(self, blocks: list[tuple[int, tuple[int, bytes, bytes], bytes | None]]) -> None:
+        """Blocks committed in the pool, parents first.
+
+        Args:
+            blocks: per block, its prefix-cache entry id, its cache key (parent entry id, token bytes,
+                namespace key) and its tier key (None without a tier); kept as they are (immutable).
+        """
+        if blocks:
+            self._record("pool_stored", blocks, len(blocks))
+
+    def pool_removed(self, entry_ids: list[int]) -> None:
+        """Blocks the pool evicted."""
+        if entry_ids:
+            self._record("pool_removed", entry_ids, len(entry_ids))
+
+    # --- told by the tiers' threads -----------------------------------------------------------
+
+    def set_tier_capacity(self, num_blocks: int) -> None:
+        """The tiers are open: their blocks and the pool's together (bounds what is kept for them)."""
+        self._record("tier_capacity", num_blocks, 0)
+
+    def tier_changed(self, medium: str, tier_key: bytes, is_stored: bool) -> None:
+        """A tier stored or dropped the block ``tier_key``."""
+        self._record("tier_changed", (medium, tier_key, is_stored), 1)
+
+    def cleared(self) -> None:
+        """The service (re)started: consumers forget this endpoint's blocks."""
+        self._record("cleared", None, 1)
+
+    # --- the publisher's thread ---------------------------------------------------------------
+
+    def take(self, timeout_s: float) -> list[KvEvent]:
+        """The events since the last call, oldest first; waits up to ``timeout_s`` for a change."""
+        with self._has_records:
+            if not self._records:
+                self._has_records.wait(timeout_s)
+            records, self._records, self._num_pending = self._records, [], 0
+        events: list[KvEvent] = []
+        for kind, payload in records:
+            getattr(self, f"_on_{kind}")(payload, events)
+        self.num_events += len(events)
+        return events
+
+    def _on_namespaces(self, namespaces: list[str], events: list[KvEvent]) -> None:
         for namespace in namespaces:
             ns_key = namespace_key(namespace)
             if ns_key not in self._is_salted:
@@ -131,14 +186,7 @@ class KvEventLog:
                     self._is_salted.clear()  # forgotten ones count as salted until named again
                 self._is_salted[ns_key] = not namespace.endswith(UNSALTED_SUFFIX)
 
-    def pool_stored(self, blocks: Iterable[tuple[int, tuple[int, bytes, bytes], bytes | None]]) -> None:
-        """Blocks committed in the pool, parents first.
-
-        Args:
-            blocks: per block, its prefix-cache entry id, its cache key (parent entry id, token bytes,
-                namespace key) and its tier key (None without a tier).
-        """
-        events: list[BlockStored] = []
+    def _on_pool_stored(self, blocks: list, events: list[KvEvent]) -> None:
         run: list[_Block] = []
         for entry_id, (parent_entry_id, token_bytes, ns_key), tier_key in blocks:
             parent = self._pool.get(parent_entry_id)
@@ -148,75 +196,53 @@ class KvEventLog:
             block = _Block(int.from_bytes(digest.digest(), "big"), parent_hash, token_bytes, namespace)
             self._pool[entry_id] = block
             if tier_key is not None and self._max_tier_blocks:
-                self._remember_tier_block(tier_key, block)
+                self._tier_blocks[tier_key] = block
+                self._tier_blocks.move_to_end(tier_key)
+                while len(self._tier_blocks) > self._max_tier_blocks:
+                    self._tier_blocks.popitem(last=False)
             if run and (parent_hash != run[-1].block_hash or block.namespace != run[0].namespace):
                 events.append(self._stored(run, MEDIUM_POOL))
                 run = []
             run.append(block)
         if run:
             events.append(self._stored(run, MEDIUM_POOL))
-        self._add(events)
 
-    def pool_removed(self, entry_ids: Iterable[int]) -> None:
-        """Blocks the pool evicted."""
+    def _on_pool_removed(self, entry_ids: list[int], events: list[KvEvent]) -> None:
         hashes = [self._pool.pop(entry_id).block_hash for entry_id in entry_ids if entry_id in self._pool]
         if hashes:
-            self._add([BlockRemoved(hashes, MEDIUM_POOL)])
+            events.append(BlockRemoved(hashes, MEDIUM_POOL))
 
-    # --- made by the tiers' threads -----------------------------------------------------------
+    def _on_tier_capacity(self, num_blocks: int, events: list[KvEvent]) -> None:
+        self._max_tier_blocks = num_blocks
 
-    def set_tier_capacity(self, num_blocks: int) -> None:
-        """The tiers are open: their blocks and the pool's together (bounds what is kept for them)."""
-        with self._lock:
-            self._max_tier_blocks = num_blocks
-
-    def tier_changed(self, medium: str, tier_key: bytes, is_stored: bool) -> None:
-        """A tier stored or dropped the block ``tier_key``. A block the pool never announced in this
-        process (one found on disk at a restart) has no tokens here: no event."""
-        with self._lock:
-            block = self._tier_blocks.get(tier_key)
-            if block is not None and is_stored:
-                self._tier_blocks.move_to_end(tier_key)
+    def _on_tier_changed(self, change: tuple[str, bytes, bool], events: list[KvEvent]) -> None:
+        # A block the pool never announced in this process (one found on disk at a restart) has no
+        # tokens here: no event.
+        medium, tier_key, is_stored = change
+        block = self._tier_blocks.get(tier_key)
         if block is None:
             return
-        self._add([self._stored([block], medium) if is_stored else BlockRemoved([block.block_hash], medium)])
+        if is_stored:
+            self._tier_blocks.move_to_end(tier_key)
+            events.append(self._stored([block], medium))
+        else:
+            events.append(BlockRemoved([block.block_hash], medium))
 
-    # --- the publisher ----------------------------------------------------------------------
+    def _on_cleared(self, _: None, events: list[KvEvent]) -> None:
+        events.append(AllBlocksCleared())
 
-    def cleared(self) -> None:
-        """The service (re)started: consumers forget this endpoint's blocks."""
-        self._add([AllBlocksCleared()])
-
-    def take(self, timeout_s: float) -> list[KvEvent]:
-        """The events since the last call, oldest first; waits up to ``timeout_s`` for one."""
-        with self._has_events:
-            if not self._pending:
-                self._has_events.wait(timeout_s)
-            events, self._pending = self._pending, []
-        return events
-
-    # --- inside -----------------------------------------------------------------------------
+    # --- inside -------------------------------------------------------------------------------
 
     def _stored(self, blocks: list[_Block], medium: str) -> BlockStored:
         return BlockStored([b.block_hash for b in blocks], blocks[0].parent_hash,
                            decode_token_ids(b"".join(b.token_bytes for b in blocks)), self.block_size, medium,
                            blocks[0].namespace)
 
-    def _remember_tier_block(self, tier_key: bytes, block: _Block) -> None:
-        with self._lock:
-            self._tier_blocks[tier_key] = block
-            self._tier_blocks.move_to_end(tier_key)
-            while len(self._tier_blocks) > self._max_tier_blocks:
-                self._tier_blocks.popitem(last=False)
-
-    def _add(self, events: list[KvEvent]) -> None:
-        if not events:
-            return
-        with self._has_events:
-            self.num_events += len(events)
-            room = self.max_pending_events - len(self._pending)
-            if room < len(events):
-                self.num_dropped_events += len(events) - max(room, 0)
-                events = events[:max(room, 0)]
-            self._pending += events
-            self._has_events.notify()
+    def _record(self, kind: str, payload: object, num_changes: int) -> None:
+        with self._has_records:
+            if num_changes and self._num_pending + num_changes > self.max_pending_records:
+                self.num_dropped_events += num_changes
+                return
+            self._records.append((kind, payload))
+            self._num_pending += num_changes
+            self._has_records.notify()

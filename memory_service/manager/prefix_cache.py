@@ -192,7 +192,7 @@ class PrefixCache:
             owners[block_id] = None
         if self.events is not None:
             keys, entry_ids, tier_hashes = self.block_keys, self.entry_ids, self.tier_hashes
-            self.events.pool_stored((entry_ids[b], keys[b], tier_hashes[b]) for b in block_ids)
+            self.events.pool_stored([(entry_ids[b], keys[b], tier_hashes[b]) for b in block_ids])
 
     def unregister(self, block_id: int) -> None:
         """Forgets a pending block whose writer went away before committing (its bytes are not valid).

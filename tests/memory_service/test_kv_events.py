@@ -186,21 +186,24 @@ def test_events_follow_real_requests_through_pool_and_tiers(service_model: Servi
                    for b in subscriber.batches.values())
 
 
-def test_a_full_log_drops_new_events_and_counts_them() -> None:
+def test_a_full_log_drops_new_changes_and_counts_them() -> None:
     """The publisher's backlog is bounded: a Step never waits for a subscriber (the drops are counted
     and exported as pagedserve_memory_kv_events_dropped_total)."""
-    log = KvEventLog(block_size=BLOCK_SIZE, max_pending_events=2)
+    log = KvEventLog(block_size=BLOCK_SIZE, max_pending_records=4)
     ns_key = namespace_key(cache_namespace("m", ""))
-    blocks = [(i + 1, (i, encode_token_ids([i] * BLOCK_SIZE), ns_key), None) for i in range(3)]
-    log.pool_stored(blocks)  # one chain: one event
-    log.pool_removed([1, 2, 3])
-    log.cleared()  # the third: dropped
-    assert (log.num_events, log.num_dropped_events) == (3, 1)
-    stored, removed = log.take(timeout_s=0)
-    assert [encode_event(e)[0] for e in (stored, removed)] == ["BlockStored", "BlockRemoved"]
+    log.note_namespaces([cache_namespace("m", "")])
+    log.pool_stored([(i + 1, (i, encode_token_ids([i] * BLOCK_SIZE), ns_key), None) for i in range(3)])  # 3 changes
+    log.pool_removed([1, 2, 3])  # 3 more: past 4, dropped
+    log.cleared()  # the 4th
+    assert log.num_dropped_events == 3
+    stored, cleared = log.take(timeout_s=0)
+    assert [encode_event(e)[0] for e in (stored, cleared)] == ["BlockStored", "AllBlocksCleared"]
     assert stored.token_ids == [0] * 4 + [1] * 4 + [2] * 4 and stored.parent_block_hash is None
+    assert stored.namespace is None and encode_event(stored)[8] is None  # no cache salt: extra_keys nil
+    log.pool_removed([1, 2, 3])  # room again
+    [removed] = log.take(timeout_s=0)
     assert removed.block_hashes == stored.block_hashes and removed.medium == "GPU"
-    assert log.take(timeout_s=0) == []
+    assert (log.num_events, log.take(timeout_s=0)) == (3, [])
 
 
 @pytest.mark.parametrize("endpoint", ["127.0.0.1:5557", "http://host:5557"])
