@@ -26,13 +26,13 @@ Consumers that recompute their own keys from ``token_ids`` use the hashes only t
 A cache salt travels in ``extra_keys``, vLLM's place for it: one entry per block,
 ``[namespace key as hex]`` = ``namespace_key(cache_namespace(model, cache_salt)).hex()``
 (memory_service.api), the same for every block of one model and salt, different across tenants, so a
-router never mixes tenants' blocks; a digest, never the salt itself (the service only ever sees the
+router that reads it keeps tenants apart; a digest, never the salt itself (the service only ever sees the
 namespace, and a gateway's salts derive from API keys). Blocks of a request without a salt carry none
 (``extra_keys`` nil, as vLLM sends them), so a router's keys of unsalted prompts match ours; a
 namespace the log has not seen named in an AllocateOp (``note_namespaces``) counts as salted.
 
-Medium names are those routers already know: ``GPU`` for the engine's own KV pool (vLLM's name for
-its device cache, which vLLM's CPU build also sends), ``CPU`` for the host-RAM tier (vLLM's offload
+Medium names are those routers already know: ``GPU`` for the engine's own KV pool (vLLM's one name
+for the engine's cache, whatever its device), ``CPU`` for the host-RAM tier (vLLM's offload
 medium), ``DISK`` for the disk tier (SGLang's).
 """
 
