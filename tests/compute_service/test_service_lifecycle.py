@@ -140,7 +140,7 @@ def test_router_metrics(services: Services, metrics_port: int) -> None:
     assert scrape(metrics_port)['pagedserve_compute_cache_config_info{block_size="4",num_gpu_blocks="300"}'] == 1.0
     before = scrape(metrics_port)
     first = services.stub.Generate(cpb.GenerateRequest(
-        request_id="running", prompt_token_ids=PROMPT, params=cpb.SamplingParams(max_tokens=500, ignore_eos=True)))
+        request_id="running", prompt_token_ids=PROMPT, params=cpb.SamplingParams(max_tokens=1000, ignore_eos=True)))
     next(first)
     second: list[cpb.GenerateResponse] = []
     waiter = threading.Thread(target=lambda: second.extend(services.generate(
