@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import base64
 import uuid
-from typing import TYPE_CHECKING
 
 import numpy as np
 from starlette.requests import ClientDisconnect, Request
@@ -25,13 +24,12 @@ from starlette.responses import JSONResponse, Response
 from gateway.core.service import RequestRecord
 from gateway.core.streaming import ReplyBudget
 from gateway.core.types import GenerateRequest, SamplingOptions
+from gateway.openai_api.edge import Front
 from gateway.openai_api.errors import ParamError, as_http_error, error_body, renamed_param
 from gateway.openai_api.schema import Body
 from gateway.openai_api.transport import ClientGone, whole_answers
 from pagedserve.errors import echo
 
-if TYPE_CHECKING:
-    from gateway.openai_api.app import OpenAIFront
 
 METHOD = "OpenAI.Embeddings"
 ENCODINGS = ("float", "base64")
@@ -62,7 +60,7 @@ def encoded(vector: list[float], encoding_format: str) -> list[float] | str:
     return vector
 
 
-async def create_embeddings(front: OpenAIFront, request: Request) -> Response:
+async def create_embeddings(front: Front, request: Request) -> Response:
     """The endpoint (a function of the front: it holds no state of its own)."""
     try:
         return await _create(front, request)
@@ -73,7 +71,7 @@ async def create_embeddings(front: OpenAIFront, request: Request) -> Response:
         return JSONResponse(error_body(error.status, error.message, error.param), status_code=error.status)
 
 
-async def _create(front: OpenAIFront, request: Request) -> Response:
+async def _create(front: Front, request: Request) -> Response:
     core = front.core
     tenant = front.tenant_of(request)
     body: EmbeddingRequest = await front.read_body(request, EmbeddingRequest)

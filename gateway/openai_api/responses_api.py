@@ -16,7 +16,6 @@ API adds is HTTP-side state (stored responses) and event shapes that a gRPC clie
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
@@ -25,6 +24,7 @@ from starlette.routing import Route
 from gateway.core.service import RequestRecord
 from gateway.core.streaming import ReplyBudget, collect, pieces
 from gateway.openai_api import convert
+from gateway.openai_api.edge import Front
 from gateway.openai_api.errors import HttpError, as_http_error, error_body
 from gateway.openai_api.response_store import ResponseStore, StoredResponse
 from gateway.openai_api.responses_convert import chat_body, renamed
@@ -35,8 +35,6 @@ from gateway.openai_api.transport import ClientGone, EventStream, first_piece, u
 from gateway.tenants import Admission, Tenant
 from pagedserve.errors import echo
 
-if TYPE_CHECKING:
-    from gateway.openai_api.app import OpenAIFront
 
 METHOD = "OpenAI.Responses"
 
@@ -49,7 +47,7 @@ class ResponsesEndpoint:
         store: where ``store: true`` responses are kept.
     """
 
-    def __init__(self, front: OpenAIFront, store: ResponseStore) -> None:
+    def __init__(self, front: Front, store: ResponseStore) -> None:
         self.front = front
         self.core = front.core
         self.store = store
