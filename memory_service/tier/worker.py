@@ -78,7 +78,7 @@ READ_AHEAD_FILES = 8
 # Loader threads: loads run side by side, so one slow disk load (a long prompt, a stalled device) never
 # holds another prompt's load, nor a host-tier load (a memcpy) behind it.
 LOADERS = 2
-# A load's deadline (issue 37 item 4): ``LOAD_DEADLINE_S`` plus its bytes at ``LOAD_DEADLINE_BYTES_PER_S``,
+# A load's deadline: ``LOAD_DEADLINE_S`` plus its bytes at ``LOAD_DEADLINE_BYTES_PER_S``,
 # a bandwidth far below any device's (a 4,000-token prompt of the default model reads in 0.2-0.3 s here;
 # an 8B model's ~0.5 GB in ~0.5 s from an NVMe). A file read that has not come back by then ends the
 # load: what was loaded stays, the rest is recomputed by the client (a miss, never an error). The read
