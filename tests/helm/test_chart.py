@@ -451,6 +451,34 @@ def test_a_keyless_gateway_answers_its_service_names_only() -> None:
     assert hosts({"gateway": {"apiKeys": {"secretName": "keys"}, "httpAllowedHosts": ["*"]}}) == ["*"]
 
 
+def test_kv_events_are_off_by_default_and_bound_on_the_pods_ports_when_on() -> None:
+    """engine.memory.kvEvents: the memory service's flags (bound on the pod, the topic with the pod's IP
+    from the downward API), its ports, and a NetworkPolicy rule admitting only the named peers."""
+    memory = container(engine_pod(render()), "memory")
+    assert flag(memory, "--kv-events-endpoint") is None and "POD_IP" not in env(memory)
+    router = {"podSelector": {"matchLabels": {"app": "epp"}}}
+    rendered = render({"engine": {"memory": {"kvEvents": {"enabled": True, "from": [router]}}}})
+    memory = container(engine_pod(rendered), "memory")
+    assert flag(memory, "--kv-events-endpoint") == "tcp://*:5557"
+    assert flag(memory, "--kv-events-replay-endpoint") == "tcp://*:5558"
+    assert flag(memory, "--kv-events-topic") == "kv@$(POD_IP)@pagedserve"  # Kubernetes expands $(POD_IP)
+    [pod_ip] = [e for e in memory["env"] if e["name"] == "POD_IP"]
+    assert pod_ip["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert {p["name"]: p["containerPort"] for p in memory["ports"]} == {
+        "memory-metrics": 9092, "kv-events": 5557, "kv-events-replay": 5558}
+    for obj in rendered.objects:
+        if obj["kind"] in ("Deployment", "NetworkPolicy"):
+            kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+    events_rule = rendered.one("NetworkPolicy", "-engine")["spec"]["ingress"][-1]
+    assert events_rule == {"from": [router], "ports": [{"port": 5557, "protocol": "TCP"},
+                                                       {"port": 5558, "protocol": "TCP"}]}
+    # No replay socket: no flag, no port.
+    rendered = render({"engine": {"memory": {"kvEvents": {"enabled": True, "replayPort": None}}}})
+    memory = container(engine_pod(rendered), "memory")
+    assert flag(memory, "--kv-events-replay-endpoint") is None
+    assert [p["name"] for p in memory["ports"]] == ["memory-metrics", "kv-events"]
+
+
 def test_kv_tier_is_off_by_default() -> None:
     pod = engine_pod(render({}))
     memory = container(pod, "memory")
