@@ -192,8 +192,12 @@ def check_sampling(values: Mapping[str, object], *, prefix: str = "params.", lim
     if pooling is not None:
         if pooling not in POOLING_TYPES:
             raise InvalidArgument(f"{prefix}pooling must be one of {', '.join(POOLING_TYPES)}, got {echo(pooling)}")
-        if v["max_tokens"] != 0 or v["n"] != 1 or v["logprobs"] is not None or prompt_logprobs is not None:
-            raise InvalidArgument(f"{prefix}pooling: an embedding generates nothing (max_tokens 0, n 1, no logprobs)")
+        # The first field that an embedding, which generates nothing, cannot take, named with its value.
+        for name, value, allowed in (("max_tokens", v["max_tokens"], 0), ("n", v["n"], 1),
+                                     ("logprobs", v["logprobs"], None), ("prompt_logprobs", prompt_logprobs, None)):
+            if value != allowed:
+                raise InvalidArgument(f"{prefix}pooling: an embedding generates nothing (max_tokens 0, n 1, no "
+                                      f"logprobs), got {prefix}{name} {echo(value)} with pooling {echo(pooling)}")
     if v["seed"] is not None and not 0 <= v["seed"] < 2**64:
         raise InvalidArgument(f"{prefix}seed must be in [0, 2**64), got {echo(v['seed'])}")
     for i, stop in enumerate(v["stop"]):
@@ -272,8 +276,13 @@ def check_constraint(kind: str, spec: str = "", choices: Sequence[str] = (), *, 
                                       f"got {len(choice)}")
 
 
-def check_constrained_sampling(kind: str, *, ignore_eos: bool, min_tokens: int, prefix: str = "params.") -> None:
-    """The grammar decides where a constrained output ends: no ignore_eos, no min_tokens."""
+def check_constrained_sampling(kind: str, *, ignore_eos: bool, min_tokens: int, pooling: str | None = None,
+                               prefix: str = "params.") -> None:
+    """The grammar decides where a constrained output ends: no ignore_eos, no min_tokens; and an
+    embedding (``pooling``) generates nothing for a constraint to shape."""
+    if pooling:
+        raise InvalidArgument(f"{prefix}pooling cannot be combined with {kind}: an embedding generates nothing, "
+                              f"got pooling {echo(pooling)}")
     for name, value in (("ignore_eos", ignore_eos), ("min_tokens", min_tokens)):
         if value:
             raise InvalidArgument(f"{prefix}{name} cannot be combined with {kind}: "

@@ -79,7 +79,7 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_id_set", frozenset(self.stop_token_ids))
         if self.constraint is not None:
             check_constrained_sampling(self.constraint.kind, ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
-                                       prefix="")
+                                       pooling=self.pooling, prefix="")
 
     @property
     def is_greedy(self) -> bool:

@@ -253,7 +253,7 @@ class Scheduler:
                 break  # its turn: no one behind it jumps the queue
             self._take(needed)
             plan.work.append((AllocateOp(seq.seq_id, seq.token_ids, n, seq.priority, seq.cache_namespace,
-                                         skip_cache_read=seq.needs_prompt_logprobs or seq.needs_pooling), seq))
+                                         skip_cache_read=seq.needs_every_position), seq))
             budget -= n
             num_running += 1
             candidates.remove(seq)

@@ -80,7 +80,7 @@ class Sequence:
     # Pooling (params.pooling, an embedding): the final normed hidden states of the prompt positions
     # before num_pooled that the pooling takes ("last": only the last), summed: (hidden,) float32.
     num_pooled: int = 0
-    pooled: Any | None = None
+    pooled: torch.Tensor | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -134,6 +134,13 @@ class Sequence:
         """Prompt positions are still to be pooled: each must be computed (as for prompt logprobs)."""
         return self.params.pooling is not None and self.index == 0 and self.num_pooled < len(self.prompt_token_ids)
 
+    @property
+    def needs_every_position(self) -> bool:
+        """Its admission may read no prefix cache: prompt logprobs score every position, and "mean"
+        pooling averages them. "last" pooling takes only the last prompt position, which is always
+        computed (a cache hit leaves at least the prompt's last token to compute), so it may."""
+        return self.needs_prompt_logprobs or (self.needs_pooling and self.params.pooling == "mean")
+
     def pooling_targets(self, num_new_tokens: int) -> range:
         """The prompt positions this step's ``num_new_tokens`` computes that the pooling takes: all
         of them for "mean", the prompt's last for "last"; none pooled before (a recompute after
@@ -146,7 +153,7 @@ class Sequence:
             start = max(start, num_prompt - 1)
         return range(start, max(start, min(self.num_computed_tokens + num_new_tokens, num_prompt)))
 
-    def add_pooled(self, summed: Any, target: range) -> None:
+    def add_pooled(self, summed: torch.Tensor, target: range) -> None:
         """The hidden states of ``target`` (``pooling_targets``' range), summed, (hidden,) float32."""
         assert target.start >= self.num_pooled and target.stop <= len(self.prompt_token_ids)
         self.pooled = summed if self.pooled is None else self.pooled + summed

@@ -109,7 +109,8 @@ def validate(request: GenerateRequest, info: ModelInfo, limits: PromptLimits = P
         _check_int32("params.logit_bias", max(o.logit_bias))
     if o.constraint is not None:
         c = o.constraint
-        rules.check_constrained_sampling(c.kind, ignore_eos=o.ignore_eos, min_tokens=o.min_tokens or 0)
+        rules.check_constrained_sampling(c.kind, ignore_eos=o.ignore_eos, min_tokens=o.min_tokens or 0,
+                                         pooling=o.pooling)
         rules.check_constraint(c.kind, c.spec, c.choices)
     if reply is not None:
         rules.check_reply_fits(params["n"] * num_prompts, params["max_tokens"], params["logprobs"],  # type: ignore
