@@ -221,6 +221,10 @@ class TierWorker:
         for at most ``CLOSE_WRITE_S`` (module docstring); a load in progress ends first, queued ones
         are dropped."""
         self._close_deadline = time.monotonic() + CLOSE_WRITE_S
+        # Back at the normal policy from here: a writer at SCHED_IDLE on cores that other threads fill
+        # would not run at all before the deadline, not even to raise its own priority.
+        if self._writer.native_id is not None:
+            _set_writer_policy(idle=False, tid=self._writer.native_id)
         self._stopping.set()
         self._wake_writer.set()
         for _ in self._loaders:
@@ -454,11 +458,12 @@ class TierWorker:
                      **{f"num_{kind}_blocks": n for kind, n in num_read.items()}, elapsed_s=round(elapsed_s, 4))
 
 
-def _set_writer_policy(*, idle: bool) -> None:
-    """The calling thread at SCHED_IDLE (``idle``; ``WRITER_NICE``'s comment says why), else at nice
-    ``WRITER_NICE`` where that is refused; or back at the normal policy (a clean stop's last writes:
-    unprivileged, Linux may keep it idle, which only slows those). Not Linux, or not permitted: as it is."""
-    tid = threading.get_native_id()
+def _set_writer_policy(*, idle: bool, tid: int | None = None) -> None:
+    """The thread ``tid`` (default: the calling one) at SCHED_IDLE (``idle``; ``WRITER_NICE``'s comment
+    says why), else at nice ``WRITER_NICE`` where that is refused; or back at the normal policy (a clean
+    stop's last writes: unprivileged, Linux may keep it idle, which only slows those). Not Linux, or
+    not permitted: as it is."""
+    tid = threading.get_native_id() if tid is None else tid
     try:
         os.sched_setscheduler(tid, os.SCHED_IDLE if idle else os.SCHED_OTHER, os.sched_param(0))
         return

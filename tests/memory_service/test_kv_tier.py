@@ -339,9 +339,12 @@ def test_parked_sequences_their_client_frees_leave_nothing_in_the_tier_book(allo
     assert (book.loaded, book.reports) == ({client: set()}, {client: []})
 
 
-def test_close_writes_the_committed_blocks_not_on_disk_yet(tmp_path: Path) -> None:
+def test_close_writes_the_committed_blocks_not_on_disk_yet(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A clean stop right after a commit: the writer had copied (staged) the blocks, not written them;
-    ``close`` writes them all before it returns, so a new tier on the directory finds every one."""
+    ``close`` writes them all before it returns, so a new tier on the directory finds every one. (Its
+    deadline raised: on a loaded machine 2 s of file writes were not always enough; ``close`` returns
+    once everything is written, not at the deadline.)"""
+    monkeypatch.setattr(worker, "CLOSE_WRITE_S", 60.0)
     alloc = InProcessAllocator(LAYOUT, BlockManagerConfig(num_blocks=72, block_size=4),
                                kv_disk_dir=tmp_path / "tier", model_fingerprint="model-a")
     prompt = list(range(2000, 2000 + 64 * 4 + 1))  # 64 full blocks and one token
