@@ -68,4 +68,5 @@ def logprobs_from_pb(items) -> list[TokenLogprobs]:  # type: ignore[no-untyped-d
 
 def model_info_from_pb(info: compute_pb2.InfoResponse) -> ModelInfo:
     return ModelInfo(info.model_name, info.max_model_len, info.vocab_size, info.block_size, info.max_n,
-                     info.max_logprobs, info.max_stop_strings, info.chat_template)
+                     info.max_logprobs, info.max_stop_strings, info.chat_template,
+                     info.hidden_size)

@@ -51,6 +51,7 @@ class ModelInfo:
     chat_template: str
     tokenizer_files: tuple[TokenizerFile, ...]
     kernels: str  # what every step runs: kernels.step_path ("fused-cpp x86-64-v4", "torch-fallback", ...)
+    hidden_size: int = 0  # an embedding's length (0: not known)
 
 
 def model_info(loaded: LoadedModel, served_model_name: str | None = None) -> ModelInfo:
@@ -78,4 +79,5 @@ def model_info(loaded: LoadedModel, served_model_name: str | None = None) -> Mod
         chat_template=template if isinstance(template, str) else "",
         tokenizer_files=files,
         kernels=kernels.step_path(loaded.model.device, loaded.model.dtype, config.head_dim),
+        hidden_size=config.hidden_size,
     )

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 
@@ -49,12 +50,20 @@ def _entries_bytes(entries: list[TokenLogprobs]) -> int:
     return sum(size + 1 + _varint_bytes(size) for size in map(logprobs_bytes, entries))
 
 
-def delta_bytes(delta: Delta, prompt_copies: int = 1) -> int:
-    """What ``delta`` adds to a unary reply on the wire: its ids, text and logprobs entries, the
-    prompt's scores ``prompt_copies`` times (as often as the answer repeats them)."""
+# What one float of an embedding takes in an answer, by how the answer writes it: 4 bytes on the
+# gRPC wire; in JSON, float32 values written as Python floats take up to 24 characters with their
+# comma (-1.2345678901234567e-05,); base64 writes 4 bytes as 16/3 characters.
+BYTES_PER_FLOAT = {"wire": 4.0, "float": 24.0, "base64": 16 / 3}
+
+
+def delta_bytes(delta: Delta, prompt_copies: int = 1, bytes_per_float: float = BYTES_PER_FLOAT["wire"]) -> int:
+    """What ``delta`` adds to a unary reply: its ids, text and logprobs entries as on the wire, the
+    prompt's scores ``prompt_copies`` times (as often as the answer repeats them), and its embedding's
+    floats at ``bytes_per_float`` each (``BYTES_PER_FLOAT`` of the answer's encoding)."""
     calls = sum(len(c.id) + len(c.name) + len(c.arguments.encode()) + 8 for c in delta.tool_calls)
     return (sum(map(_varint_bytes, delta.token_ids)) + len(delta.text.encode()) + _entries_bytes(delta.logprobs)
-            + prompt_copies * _entries_bytes(delta.prompt_logprobs or []) + calls + 4 * len(delta.embedding or ()))
+            + prompt_copies * _entries_bytes(delta.prompt_logprobs or []) + calls
+            + math.ceil(bytes_per_float * len(delta.embedding or ())))
 
 
 @dataclass
@@ -66,13 +75,15 @@ class ReplyBudget:
     ``prompt_copies``: how many times the answer carries a prompt's scores. A gRPC reply carries
     them once; an HTTP completion repeats them in every choice, twice with ``echo`` (its logprobs
     and ``prompt_logprobs``): counted once, 64 choices of a 1,315-token prompt's top-20 scores
-    made a 162.6 MB body within a 4 MiB budget (issue 37 item 2).
+    made a 162.6 MB body within a 4 MiB budget (issue 37 item 2). ``bytes_per_float``: likewise an
+    embedding's floats as the answer writes them (JSON takes about six times the wire's 4 bytes).
     """
 
     max_bytes: int
     used: int = 0
     hint: str = "use GenerateStream"
     prompt_copies: int = 1
+    bytes_per_float: float = BYTES_PER_FLOAT["wire"]  # an embedding's, as the answer encodes it
 
     def check_prompt_scores(self, num_prompt_tokens: int, num_top: int) -> None:
         """Before the work: a prompt's scores, as many times as the answer carries them, must fit.
@@ -89,7 +100,7 @@ class ReplyBudget:
                 f"{self.hint}, or lower n or the logprobs")
 
     def spend(self, delta: Delta) -> None:
-        self.used += delta_bytes(delta, self.prompt_copies)
+        self.used += delta_bytes(delta, self.prompt_copies, self.bytes_per_float)
         if self.used > self.max_bytes:
             raise ResourceExhaustedError(f"the reply has grown past the {self.max_bytes} bytes one unary reply "
                                          f"may carry; {self.hint}")

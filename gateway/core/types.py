@@ -201,3 +201,4 @@ class ModelInfo:
     max_logprobs: int = 0
     max_stop_strings: int = 0
     chat_template: str = ""
+    hidden_size: int = 0  # an embedding's length

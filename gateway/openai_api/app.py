@@ -14,7 +14,6 @@ or stops reading a stream, aborts its requests (``transport``).
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -25,7 +24,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -36,12 +35,13 @@ from gateway.core.types import Delta
 from gateway.openai_api import convert
 from gateway.openai_api.embeddings_api import create_embeddings
 from gateway.openai_api.errors import HttpError, ParamError, as_http_error, error_body, error_response
+from gateway.openai_api.handler import admitted, answered, event_stream, failure_body, rendered, request_id_of
 from gateway.openai_api.response_store import ResponseStore, StoreLimits
 from gateway.openai_api.responses import Answer, events, merge
 from gateway.openai_api.responses_api import ResponsesEndpoint
 from gateway.openai_api.schema import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                                        error_param, unknown_fields)
-from gateway.openai_api.transport import ClientGone, EventStream, first_piece, until_disconnect, whole_answers
+from gateway.openai_api.transport import first_piece, until_disconnect, whole_answers
 from gateway.tenants import Admission, Tenant
 from pagedserve.errors import echo
 from pagedserve.log import get_logger
@@ -189,7 +189,7 @@ class OpenAIFront:
     async def tokenize(self, request: Request) -> Response:
         """vLLM's ``/tokenize``: ``{"count", "max_model_len", "tokens": [ids], "token_strs"}`` (the gRPC
         ``Tokenize`` names them the other way round: ``token_ids`` and ``tokens``)."""
-        try:
+        async def work(_: list[str]) -> Response:
             tenant = self.tenant_of(request)
             body = await self.read_body(request, TokenizeRequest)
             self.served_model(body.model)
@@ -201,24 +201,20 @@ class OpenAIFront:
             model = self.core.require_model()
             return JSONResponse({"count": len(token_ids), "max_model_len": model.info.max_model_len,
                                  "tokens": token_ids, "token_strs": model.tokens(token_ids)})
-        except (ClientGone, ClientDisconnect):
-            return Response(status_code=499)
-        except Exception as exc:  # every failure becomes an OpenAI error object
-            return error_response(exc)
+
+        return await answered(work)
 
     async def detokenize(self, request: Request) -> Response:
         """vLLM's ``/detokenize``: ``{"model", "tokens": [ids]}`` -> ``{"prompt"}``."""
-        try:
+        async def work(_: list[str]) -> Response:
             tenant = self.tenant_of(request)
             body = await self.read_body(request, DetokenizeRequest)
             self.served_model(body.model)
             record = RequestRecord("OpenAI.Detokenize", uuid.uuid4().hex)
             text = await until_disconnect(request.receive, self.core.detokenize(body.tokens, record, tenant))
             return JSONResponse({"prompt": text})
-        except (ClientGone, ClientDisconnect):
-            return Response(status_code=499)
-        except Exception as exc:  # every failure becomes an OpenAI error object
-            return error_response(exc)
+
+        return await answered(work)
 
     async def model(self, request: Request) -> Response:
         try:
@@ -235,37 +231,24 @@ class OpenAIFront:
         return await self._generate(request, "chat")
 
     async def _generate(self, request: Request, endpoint: str) -> Response:
-        constraint_param: list[str] = []  # the parameter that gave the constraint, once converted
-        try:
-            return await self._answer(request, endpoint, constraint_param)
-        except (ClientGone, ClientDisconnect):  # gone mid-body too (or cut off by the body read deadline)
-            return Response(status_code=499)  # nobody reads it; the access line says CANCELLED
-        except Exception as exc:  # every failure becomes an OpenAI error object
-            return error_response(exc, constraint_param[0] if constraint_param else None)
+        return await answered(lambda constraint_param: self._answer(request, endpoint, constraint_param))
 
     async def _answer(self, request: Request, endpoint: str, constraint_param: list[str]) -> Response:
         tenant = self.tenant_of(request)
         schema = ChatCompletionRequest if endpoint == "chat" else CompletionRequest
         body = await self.read_body(request, schema)
         model_name = self.served_model(body.model)
-        request_id = request.headers.get("x-request-id") or f"{'chatcmpl' if endpoint == 'chat' else 'cmpl'}-" \
-                                                            f"{uuid.uuid4().hex}"
+        request_id = request_id_of(request, "chatcmpl" if endpoint == "chat" else "cmpl")
         method = "OpenAI.ChatCompletions" if endpoint == "chat" else "OpenAI.Completions"
         num_prompts = 1 if endpoint == "chat" else convert.num_prompts(body)
         limit = self.core.config.max_prompts_per_request
         if num_prompts > limit:
             raise ParamError("prompt", f"prompt: at most {limit} prompts per request "
                                        f"(max_prompts_per_request), got {num_prompts}")
-        # The tenant's slots for every prompt, all or none, before any prompt is converted: a list
-        # beyond its free slots costs a comparison, not a request object and a task per prompt.
-        admissions = self.core.admit(tenant, RequestRecord(method, request_id), body.priority or 0,
-                                     max(num_prompts, 1))
-        try:
-            return await self._run(request, body, endpoint, method, request_id, model_name, tenant, admissions,
-                                   constraint_param)
-        except BaseException:
-            self.core.release(admissions)  # idempotent: also those of requests that never started
-            raise
+        return await admitted(self.core, tenant, RequestRecord(method, request_id), body.priority or 0,
+                              max(num_prompts, 1),
+                              lambda admissions: self._run(request, body, endpoint, method, request_id, model_name,
+                                                           tenant, admissions, constraint_param))
 
     async def _run(self, request: Request, body: Any, endpoint: str, method: str, request_id: str, model_name: str,
                    tenant: Tenant, admissions: list[Admission], constraint_param: list[str]) -> Response:
@@ -299,15 +282,8 @@ class OpenAIFront:
         if not body.stream:
             replies = await whole_answers(request.receive, [(p.request.request_id, run(p, a))
                                                             for p, a in zip(prompts, admissions)])
-            # Rendered off the event loop: a large answer's JSON (its logprobs' texts) takes a while.
-            return await asyncio.to_thread(lambda: JSONResponse(answer.body(replies)))
+            return await rendered(lambda: answer.body(replies))  # its logprobs' texts take a while
         merged = merge([pieces(run(p, a)) for p, a in zip(prompts, admissions)])
         first = await first_piece(request.receive, merged)
-
-        def stream_error(exc: BaseException) -> dict:
-            error = as_http_error(exc, constraint_param[0] if constraint_param else None)
-            return error_body(error.status, error.message, error.param)
-
-        return EventStream(events(answer, first, merged, stream_error), self.core.config.write_stall_timeout_s,
-                           on_stall=lambda: self.core.stalled(records),
-                           on_close=lambda: self.core.release(admissions))
+        return event_stream(self.core, events(answer, first, merged, lambda exc: failure_body(exc, constraint_param)),
+                            records, admissions)

@@ -88,13 +88,26 @@ def _request(body: CompletionRequest | ChatCompletionRequest, options: SamplingO
                            cache_salt=body.cache_salt or "")
 
 
+def prompt_list(given: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]]) -> Sequence[str | list[int]]:
+    """The prompts of a completions ``prompt`` or an embeddings ``input``: a string or a flat list of
+    ids is one; a list of strings or of id lists is a batch. Nothing copied or converted."""
+    if isinstance(given, str) or (given and isinstance(given[0], int)):
+        return [given]  # type: ignore[list-item]
+    return given  # type: ignore[return-value]
+
+
+def with_prompt(request: GenerateRequest, prompt: str | list[int]) -> GenerateRequest:
+    """``request`` with its prompt: a text, or token ids."""
+    if isinstance(prompt, str):
+        request.prompt = prompt
+    else:
+        request.prompt_token_ids = list(prompt)
+    return request
+
+
 def num_prompts(body: CompletionRequest) -> int:
-    """How many prompts a completions body holds (a list of strings or of id lists is a batch),
-    counted without converting any."""
-    prompt = body.prompt
-    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-        return 1
-    return len(prompt)
+    """How many prompts a completions body holds, counted without converting any."""
+    return len(prompt_list(body.prompt))
 
 
 def completion_prompts(body: CompletionRequest, request_id: str) -> list[Prompt]:
@@ -103,11 +116,7 @@ def completion_prompts(body: CompletionRequest, request_id: str) -> list[Prompt]
         raise ParamError("suffix", "suffix is not supported")
     if body.best_of is not None and body.best_of != (body.n or 1):
         raise ParamError("best_of", "best_of other than n is not supported")
-    prompt = body.prompt
-    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-        prompts: Sequence[str | list[int]] = [prompt]  # type: ignore[list-item]
-    else:
-        prompts = prompt  # type: ignore[assignment]
+    prompts = prompt_list(body.prompt)
     if not prompts:
         raise ParamError("prompt", "prompt must not be empty")
     # echo with logprobs scores the prompt too (its tokens lead the choice's logprobs); with
@@ -120,11 +129,7 @@ def completion_prompts(body: CompletionRequest, request_id: str) -> list[Prompt]
     out = []
     for i, one in enumerate(prompts):
         request = _request(body, options, request_id if len(prompts) == 1 else f"{request_id}-{i}")
-        if isinstance(one, str):
-            request.prompt = one
-        else:
-            request.prompt_token_ids = list(one)
-        out.append(Prompt(request, constraint_param))
+        out.append(Prompt(with_prompt(request, one), constraint_param))
     return out
 
 

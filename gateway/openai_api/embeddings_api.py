@@ -10,25 +10,34 @@ as vLLM's pooler for decoder models). Nothing is generated, so ``usage`` has pro
 ``encoding_format`` "base64" is the float32 little-endian bytes, base64 (what the openai SDK asks
 for by default and decodes); ``dimensions`` is refused: the size is the model's hidden size, and
 cutting a vector that was not trained for it (Matryoshka) would give a worse one silently.
+
+The answer's size: each float is charged as the answer writes it (``BYTES_PER_FLOAT``: JSON's ~24
+characters, base64's 16/3), not the gRPC wire's 4 bytes, against the gateway's ``max_message_bytes``;
+when the backend reported its hidden size, a list whose embeddings cannot fit is a 400 naming
+``input`` before any work (a 429 would be retried by the SDKs, as if waiting could help). The JSON
+is built off the event loop.
 """
 
 from __future__ import annotations
 
 import base64
-import uuid
+from collections.abc import Sequence
 
 import numpy as np
-from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response
+from starlette.requests import Request
+from starlette.responses import Response
 
-from gateway.core.service import RequestRecord
-from gateway.core.streaming import ReplyBudget
-from gateway.core.types import GenerateRequest, SamplingOptions
+from gateway.core.service import GatewayCore, RequestRecord
+from gateway.core.streaming import BYTES_PER_FLOAT, ReplyBudget
+from gateway.core.types import GenerateRequest, Reply, SamplingOptions
+from gateway.openai_api import convert
 from gateway.openai_api.edge import Front
-from gateway.openai_api.errors import ParamError, as_http_error, error_body, renamed_param
+from gateway.openai_api.errors import ParamError, renamed_param
+from gateway.openai_api.handler import admitted, answered, rendered, request_id_of
 from gateway.openai_api.schema import Body
-from gateway.openai_api.transport import ClientGone, whole_answers
-from pagedserve.errors import echo
+from gateway.openai_api.transport import whole_answers
+from gateway.tenants import Admission, Tenant
+from pagedserve.errors import UnavailableError, echo
 
 
 METHOD = "OpenAI.Embeddings"
@@ -47,28 +56,54 @@ class EmbeddingRequest(Body):
     cache_salt: str | None = None
 
 
-def inputs_of(given: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
-    """The inputs, one per embedding (a flat list of ints is one input's token ids)."""
-    if isinstance(given, str) or (given and isinstance(given[0], int)):
-        return [given]  # type: ignore[list-item]
-    return list(given)  # type: ignore[arg-type]
-
-
 def encoded(vector: list[float], encoding_format: str) -> list[float] | str:
     if encoding_format == "base64":
         return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()
     return vector
 
 
+def check_answer_fits(num_inputs: int, hidden_size: int, encoding_format: str, max_bytes: int) -> None:
+    """Before any work: ``num_inputs`` embeddings of ``hidden_size`` floats, as ``encoding_format``
+    writes them, must fit in one answer (``hidden_size`` 0: not known, checked as they arrive).
+
+    Raises:
+        ParamError: naming ``input``, with how many inputs would fit.
+    """
+    per_input = BYTES_PER_FLOAT[encoding_format] * hidden_size
+    if hidden_size and num_inputs * per_input > max_bytes:
+        other = ", or encoding_format base64 (a quarter of the size)" if encoding_format == "float" else ""
+        raise ParamError("input", f"input: {num_inputs} embeddings of {hidden_size} floats as {encoding_format} take "
+                                  f"about {num_inputs * per_input:.0f} bytes, more than the {max_bytes} one answer "
+                                  f"may carry (max_message_bytes); send at most {int(max_bytes // per_input)} inputs "
+                                  f"per request{other}")
+
+
+def embeddings_body(replies: list[Reply], encoding_format: str, model_name: str) -> dict:
+    """The answer's JSON (a list of ``hidden_size`` floats or a base64 string per input)."""
+    data = [{"object": "embedding", "index": i, "embedding": encoded(r.embedding, encoding_format)}  # type: ignore
+            for i, r in enumerate(replies)]
+    num_tokens = sum(r.usage.prompt_tokens for r in replies)
+    return {"object": "list", "data": data, "model": model_name,
+            "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
+
+
+def check_embeddings(replies: list[Reply]) -> None:
+    """Every input has its embedding.
+
+    Raises:
+        UnavailableError: one has none (the backend dropped the request: it restarted, or the
+        gateway is shutting down), never an empty vector in a 200.
+    """
+    for i, reply in enumerate(replies):
+        if not reply.embedding:
+            reason = reply.choices[0].finish_reason if reply.choices else None
+            raise UnavailableError(f"input[{i}]: the backend answered no embedding (finish_reason "
+                                   f"{echo(reason)}: it dropped the request); retry")
+
+
 async def create_embeddings(front: Front, request: Request) -> Response:
     """The endpoint (a function of the front: it holds no state of its own)."""
-    try:
-        return await _create(front, request)
-    except (ClientGone, ClientDisconnect):  # nobody reads it; the access lines say CANCELLED
-        return Response(status_code=499)
-    except Exception as exc:  # every failure becomes an OpenAI error object
-        error = renamed_param(as_http_error(exc), {"prompt": "input"})
-        return JSONResponse(error_body(error.status, error.message, error.param), status_code=error.status)
+    return await answered(lambda _: _create(front, request), lambda error: renamed_param(error, {"prompt": "input"}))
 
 
 async def _create(front: Front, request: Request) -> Response:
@@ -82,32 +117,34 @@ async def _create(front: Front, request: Request) -> Response:
     if encoding_format not in ENCODINGS:
         raise ParamError("encoding_format", f"encoding_format must be float or base64, got {echo(encoding_format)}")
     # Counted before any is converted, as completions' prompt lists.
-    inputs = inputs_of(body.input)
+    inputs = convert.prompt_list(body.input)
     limit = core.config.max_prompts_per_request
     if not inputs or len(inputs) > limit:
         raise ParamError("input", f"input: 1 to {limit} inputs per request (max_prompts_per_request), "
                                   f"got {len(inputs)}")
-    request_id = f"embd-{uuid.uuid4().hex}"
-    admissions = core.admit(tenant, RequestRecord(METHOD, request_id), body.priority or 0, len(inputs))
-    try:
-        reply = ReplyBudget(core.config.max_message_bytes, hint="send fewer inputs per request")
-        streams = []
-        for i, one in enumerate(inputs):
-            options = SamplingOptions(max_tokens=0, pooling=core.config.embedding_pooling)
-            generate = GenerateRequest(options=options, request_id=f"{request_id}-{i}", priority=body.priority or 0,
-                                       cache_salt=body.cache_salt or "")
-            if isinstance(one, str):
-                generate.prompt = one
-            else:
-                generate.prompt_token_ids = list(one)
-            record = RequestRecord(METHOD, generate.request_id)
-            streams.append((generate.request_id, core.run(generate, record, tenant, None, admission=admissions[i],
-                                                          reply=reply, num_prompts=len(inputs))))
-        replies = await whole_answers(request.receive, streams)
-    finally:
-        core.release(admissions)  # idempotent: the runs released theirs
-    data = [{"object": "embedding", "index": i, "embedding": encoded(r.embedding or [], encoding_format)}
-            for i, r in enumerate(replies)]
-    num_tokens = sum(r.usage.prompt_tokens for r in replies)
-    return JSONResponse({"object": "list", "data": data, "model": model_name,
-                         "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}})
+    check_answer_fits(len(inputs), core.require_model().info.hidden_size, encoding_format,
+                      core.config.max_message_bytes)
+    request_id = request_id_of(request, "embd")
+    return await admitted(core, tenant, RequestRecord(METHOD, request_id), body.priority or 0, len(inputs),
+                          lambda admissions: _run(core, request, body, inputs, encoding_format, request_id,
+                                                  model_name, tenant, admissions))
+
+
+async def _run(core: GatewayCore, request: Request, body: EmbeddingRequest, inputs: Sequence[str | list[int]],
+               encoding_format: str, request_id: str, model_name: str, tenant: Tenant,
+               admissions: list[Admission]) -> Response:
+    """The admitted inputs: each a prefill-only request with pooling, answered whole."""
+    reply = ReplyBudget(core.config.max_message_bytes, hint="send fewer inputs per request",
+                        bytes_per_float=BYTES_PER_FLOAT[encoding_format])
+    streams = []
+    for i, one in enumerate(inputs):
+        options = SamplingOptions(max_tokens=0, pooling=core.config.embedding_pooling)
+        generate = convert.with_prompt(GenerateRequest(options=options, request_id=f"{request_id}-{i}",
+                                                       priority=body.priority or 0, cache_salt=body.cache_salt or ""),
+                                       one)
+        record = RequestRecord(METHOD, generate.request_id)
+        streams.append((generate.request_id, core.run(generate, record, tenant, None, admission=admissions[i],
+                                                      reply=reply, num_prompts=len(inputs))))
+    replies = await whole_answers(request.receive, streams)
+    check_embeddings(replies)
+    return await rendered(lambda: embeddings_body(replies, encoding_format, model_name))

@@ -1,7 +1,8 @@
 """``/v1/embeddings`` (issue 42 item 2) with the official ``openai`` SDK: both encodings (the SDK
 asks for base64 unless told otherwise), texts and token ids, equal to transformers' pooled final
-hidden states of the e2e model, usage counted, bad input a 400 naming the field; and a gateway with
-``--embedding-pooling mean``."""
+hidden states of the e2e model, usage counted, bad input a 400 naming the field, a list whose answer
+cannot fit a 400 before any work, the client's x-request-id; a gateway with ``--embedding-pooling
+mean``; and an input the backend dropped an error, never an empty vector."""
 
 from __future__ import annotations
 
@@ -14,6 +15,9 @@ import openai
 import pytest
 import torch
 
+from gateway.core.types import Completion, Reply, Usage
+from gateway.openai_api.embeddings_api import check_embeddings
+from pagedserve.errors import UnavailableError
 from pagedserve.process import wait_until
 from pagedserve.testing.tiny_model import ServiceModel
 from tests.e2e.conftest import Engine, Http, start_http
@@ -85,3 +89,32 @@ def test_mean_pooling_by_flag(engines: list[Engine], run_dir: Path, service_mode
         np.testing.assert_allclose(np.array(reply.data[0].embedding), want, atol=1e-4)
     finally:
         assert mean.gateway.stop() == 0
+
+
+def test_an_answer_past_the_cap_is_refused_before_any_work(engines: list[Engine], run_dir: Path) -> None:
+    # 64 floats an embedding (the e2e model): ~1,536 bytes as JSON, so 2,730 fit in the 4 MiB cap.
+    # At the wire's 4 bytes a float, 2,800 were let through, run, and answered in a ~4.3 MB body.
+    big = start_http(engines, run_dir, "--max-prompts-per-request", "4000")
+    try:
+        wait_until(lambda: big.gateway.num_healthy_backends() == 1, what="the backend in rotation")
+        body = {"input": ["x"] * 2800, "encoding_format": "float"}
+        reply = httpx.post(f"{big.base_url}/v1/embeddings", json=body, timeout=60,
+                           headers={"x-request-id": "rid-emb-refused"})
+        assert reply.status_code == 400, reply.text[:300]
+        error = reply.json()["error"]
+        assert error["param"] == "input" and "at most 2730 inputs" in error["message"], error
+        assert "rid-emb-refused" not in big.gateway.log_file.read_text()  # nothing ran
+        ok = httpx.post(f"{big.base_url}/v1/embeddings", json={"input": ["x", "y"]}, timeout=30,
+                        headers={"x-request-id": "rid-emb"})
+        assert ok.status_code == 200 and len(ok.json()["data"]) == 2
+        assert '"request_id": "rid-emb-1"' in big.gateway.log_file.read_text()  # the client's id, per input
+    finally:
+        assert big.gateway.stop() == 0
+
+
+def test_an_input_without_its_embedding_is_an_error() -> None:
+    whole = Reply("embd-0", [Completion(0, finish_reason="length")], Usage(prompt_tokens=2), embedding=[1.0])
+    dropped = Reply("embd-1", [Completion(0, finish_reason="abort")], Usage(prompt_tokens=2))
+    check_embeddings([whole])
+    with pytest.raises(UnavailableError, match=r"^input\[1\]: .*abort"):
+        check_embeddings([whole, dropped])  # was a 200 with "embedding": []
