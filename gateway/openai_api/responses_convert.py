@@ -51,6 +51,20 @@ def refuse_unsupported(body: ResponsesRequest) -> None:
         raise ParamError("conversation", "conversations are not supported; use previous_response_id")
     if body.top_logprobs:
         raise ParamError("top_logprobs", "top_logprobs are not supported on /v1/responses; use /v1/chat/completions")
+    if body.truncation not in (None, "disabled"):
+        raise ParamError("truncation", f'truncation must be "disabled", got {echo(body.truncation)}: a conversation '
+                                       "longer than the model's context is a 400, never cut silently")
+    if body.max_tool_calls is not None:
+        raise ParamError("max_tool_calls", "max_tool_calls is not supported; use parallel_tool_calls: false for "
+                                           "at most one call")
+    if body.include:
+        raise ParamError("include", f"include is not supported (no reasoning, logprobs or built-in tool outputs to "
+                                    f"add), got {echo(body.include)}")
+    if body.prompt is not None:
+        raise ParamError("prompt", "prompt (a stored prompt template) is not supported; send instructions and input")
+    if body.text is not None and body.text.verbosity not in (None, "medium"):
+        raise ParamError("text.verbosity", f"text.verbosity is not supported (only the default, medium), "
+                                           f"got {echo(body.text.verbosity)}")
     if not body.input and body.previous_response_id is None:
         raise ParamError("input", "input is required (a string or a non-empty list of items)")
     metadata = body.metadata or {}

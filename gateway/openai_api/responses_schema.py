@@ -2,7 +2,8 @@
 
 As ``schema``'s models: a wrong JSON type is a 400 naming the field, every bound is checked later
 (the chat conversion's and the core's), and unknown fields are accepted and logged. Fields the
-gateway reads but cannot honour (``reasoning``, built-in tools, ``background``) are typed here so
+gateway reads but cannot honour (``reasoning``, built-in tools, ``background``, ``truncation`` other
+than "disabled", ``max_tool_calls``, ``include``, ``prompt``, ``text.verbosity``) are typed here so
 that ``responses_convert`` can refuse them by name.
 """
 
@@ -80,8 +81,13 @@ class ResponsesRequest(SamplingExtensions):
     stream: bool | None = False
     user: str | None = None
     truncation: str | None = None
-    # Read to be refused when set (the gateway has no reasoning models, no background jobs).
+    # Read to be refused when set (the gateway has no reasoning models, no background jobs, no
+    # stored prompts, no truncation of a long conversation, no cap on calls): answering without
+    # them would look like honouring them.
     reasoning: dict[str, Any] | None = None
     background: bool | None = None
     conversation: Any | None = None
     top_logprobs: int | None = None
+    max_tool_calls: int | None = None
+    include: list[str] | None = None
+    prompt: Any | None = None

@@ -181,6 +181,11 @@ def test_stored_responses_are_read_deleted_and_named_when_missing(http: Http) ->
     ({"previous_response_id": 5}, "previous_response_id", ""),
     ({"background": True}, "background", "background"),
     ({"stream": "maybe"}, "stream", ""),
+    ({"truncation": "auto"}, "truncation", "auto"),
+    ({"max_tool_calls": 1}, "max_tool_calls", "max_tool_calls"),
+    ({"include": ["message.output_text.logprobs"]}, "include", "logprobs"),
+    ({"prompt": {"id": "pmpt_1"}}, "prompt", "template"),
+    ({"text": {"verbosity": "low"}}, "text.verbosity", "low"),
 ])
 def test_what_cannot_be_honoured_is_a_400_naming_it(http: Http, kwargs: dict, param: str, words: str) -> None:
     body = {"model": http.model, "input": "x", "max_output_tokens": 4, **kwargs}
