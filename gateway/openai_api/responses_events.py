@@ -58,6 +58,14 @@ def _function_call(item_id: str, call: ToolCall, status: str, arguments: str | N
             "arguments": call.arguments if arguments is None else arguments, "status": status}
 
 
+def _is_complete(call: ToolCall) -> bool:
+    """Whether a call's arguments are the JSON text of an object (a call cut short has the start of one)."""
+    try:
+        return isinstance(json.loads(call.arguments or "{}"), dict)
+    except ValueError:
+        return False
+
+
 @dataclass
 class Output:
     """What the model produced, and how it ended."""
@@ -84,12 +92,23 @@ class Output:
         return message + [_function_call(i, c, status) for i, c in zip(self.call_ids, self.calls)]
 
     def chat_message(self) -> dict:
-        """The answer as the conversation's next chat turn (a stored response's context)."""
-        message: dict = {"role": "assistant", "content": self.text or None}
-        if self.calls:
+        """The answer as the conversation's next chat turn (a stored response's context).
+
+        Only complete calls: a forced call cut short by ``max_output_tokens`` has arguments that
+        are not JSON, which the chat conversion rightly refuses in a conversation, so a stored turn
+        carrying it would make every continuation (``previous_response_id``) a 400 that blames the
+        client. Why not its text as the turn's content instead: that text is the arguments' start,
+        not what the model wrote (the grammar's ``{"name": ..., "arguments": ...`` wrapper is gone),
+        and a turn of raw JSON would prompt the model to answer the next turn with JSON as text. So
+        the cut-off call is left out, as if the turn had stopped before it: the client, told
+        ``incomplete``, continues with a new message or a larger ``max_output_tokens``.
+        """
+        calls = [c for c in self.calls if self.status != "incomplete" or _is_complete(c)]
+        message: dict = {"role": "assistant", "content": self.text or (None if calls else "")}
+        if calls:
             message["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name,
                                                                                   "arguments": c.arguments}}
-                                     for c in self.calls]
+                                     for c in calls]
         return message
 
 

@@ -113,6 +113,28 @@ def test_a_forced_call_cut_short_is_an_incomplete_function_call(http: Http) -> N
     assert call.type == "function_call" and call.status == "incomplete" and call.arguments.startswith("{")
 
 
+def test_a_stored_call_cut_short_does_not_break_its_continuation(http: Http) -> None:
+    client = http.client()
+    for stream in (False, True):
+        kwargs = dict(model=http.model, input="Weather?", tools=[TOOL], tool_choice=NAMED, max_output_tokens=3,
+                      temperature=0)
+        if stream:
+            with client.responses.stream(**kwargs) as events:
+                cut = events.get_final_response()
+        else:
+            cut = client.responses.create(**kwargs)
+        [call] = cut.output
+        assert cut.status == "incomplete" and call.status == "incomplete" and cut.store
+        # The stored turn holds no unfinished call (its arguments are not JSON): both ways the SDK
+        # continues, a call's output and a new message, are answered.
+        answer = client.responses.create(model=http.model, previous_response_id=cut.id, tools=[TOOL],
+                                         max_output_tokens=2, input=[{"type": "function_call_output",
+                                                                      "call_id": call.call_id, "output": "sunny"}])
+        again = client.responses.create(model=http.model, previous_response_id=cut.id, input="try again",
+                                        max_output_tokens=2)
+        assert answer.previous_response_id == again.previous_response_id == cut.id
+
+
 def test_vllm_extensions_apply_and_a_forced_call_wins_over_text_format(http: Http) -> None:
     client = http.client()
     kwargs = dict(model=http.model, input="x", temperature=1.0, max_output_tokens=6,
