@@ -50,6 +50,8 @@ FLAGS = {
     "responses_store_max_responses": "per tenant, stored /v1/responses answers kept at most (oldest evicted first)",
     "responses_store_max_bytes": "per tenant, bytes of stored /v1/responses answers kept at most",
     "responses_store_ttl_s": "how long a stored /v1/responses answer is kept",
+    "responses_store_max_total_bytes": "bytes of all tenants' stored /v1/responses answers kept at most (past it, "
+                                       "the tenant holding the most loses its oldest)",
 }
 
 

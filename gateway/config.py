@@ -86,6 +86,8 @@ class GatewayConfig(ServiceConfig):
         responses_store_max_responses, responses_store_max_bytes, responses_store_ttl_s: per
             tenant, the Responses API's stored responses (``store: true``): how many, how many
             bytes of JSON, kept how long (``gateway.openai_api.response_store``).
+        responses_store_max_total_bytes: the bytes of all tenants' stored responses together (past
+            it, the tenant holding the most loses its oldest).
     """
 
     backends: tuple[str, ...] = ()
@@ -123,6 +125,7 @@ class GatewayConfig(ServiceConfig):
     responses_store_max_responses: int = 1000
     responses_store_max_bytes: int = 64 << 20
     responses_store_ttl_s: float = 3600.0
+    responses_store_max_total_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -138,7 +141,8 @@ class GatewayConfig(ServiceConfig):
                      "max_message_bytes",
                      "affinity_max_blocks", "health_interval_s", "dns_refresh_s", "affinity_max_load_ratio",
                      "write_stall_timeout_s", "tokenize_threads", "http_read_timeout_s", "http_max_connections",
-                     "responses_store_max_responses", "responses_store_max_bytes", "responses_store_ttl_s"):
+                     "responses_store_max_responses", "responses_store_max_bytes", "responses_store_ttl_s",
+                     "responses_store_max_total_bytes"):
             _positive(name, getattr(self, name))
         for name in ("grace_period_s", "drain_delay_s", "affinity_max_load_gap"):
             if getattr(self, name) < 0:

@@ -71,7 +71,7 @@ class OpenAIFront:
         self.is_serving = is_serving
         self.responses = ResponsesEndpoint(self, ResponseStore(StoreLimits(
             core.config.responses_store_max_responses, core.config.responses_store_max_bytes,
-            core.config.responses_store_ttl_s)))
+            core.config.responses_store_ttl_s, core.config.responses_store_max_total_bytes)))
         self.app = Starlette(routes=[
             Route("/health", self.health, methods=["GET"]),
             Route("/v1/models", self.models, methods=["GET"]),

@@ -31,6 +31,10 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permi
           404: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
           415: "invalid_request_error", 429: "rate_limit_error"}
 _CODES = {401: "invalid_api_key", 404: "model_not_found", 429: "rate_limit_exceeded"}
+# The access line's status of an HTTP answer that no gRPC code gave (the gRPC front's names).
+_ACCESS_STATUS = {200: "OK", 400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED",
+                  404: "NOT_FOUND", 409: "ALREADY_EXISTS", 413: "INVALID_ARGUMENT", 415: "INVALID_ARGUMENT",
+                  429: "RESOURCE_EXHAUSTED", 499: "CANCELLED", 503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED"}
 # "params.top_p must be ...", "messages[2].role must be ...": the OpenAI parameter a message names.
 _PARAM = re.compile(r"^(?:params\.)?([a-z_]+)")
 
@@ -61,6 +65,11 @@ def renamed_param(error: HttpError, names: Mapping[str, str]) -> HttpError:
         return error
     message = names[name] + error.message[len(name):] if error.message.startswith(name) else error.message
     return HttpError(error.status, message, names[name])
+
+
+def access_status(status: int) -> str:
+    """The access line's status of an HTTP answer (``INTERNAL`` for any other 5xx)."""
+    return _ACCESS_STATUS.get(status, "INTERNAL" if status >= 500 else "UNKNOWN")
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:

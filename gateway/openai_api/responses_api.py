@@ -16,8 +16,9 @@ API adds is HTTP-side state (stored responses) and event shapes that a gRPC clie
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -25,16 +26,19 @@ from gateway.core.service import RequestRecord
 from gateway.core.streaming import ReplyBudget, collect, pieces
 from gateway.openai_api import convert
 from gateway.openai_api.edge import Front
-from gateway.openai_api.errors import HttpError, as_http_error, error_body
-from gateway.openai_api.response_store import ResponseStore, StoredResponse
+from gateway.openai_api.errors import HttpError, access_status
+from gateway.openai_api.handler import admitted, answered, event_stream, failure_body, rendered, request_id_of
+from gateway.openai_api.response_store import ResponseStore, StoredResponse, stored_bytes
 from gateway.openai_api.responses_convert import chat_body, renamed
 from gateway.openai_api.responses_events import Draft, Output, events, new_id
 from gateway.openai_api.responses_schema import ResponsesRequest
 from gateway.openai_api.schema import ChatCompletionRequest
-from gateway.openai_api.transport import ClientGone, EventStream, first_piece, until_disconnect
+from gateway.openai_api.transport import first_piece, until_disconnect
 from gateway.tenants import Admission, Tenant
 from pagedserve.errors import echo
+from pagedserve.log import get_logger
 
+log = get_logger("gateway.openai")
 
 METHOD = "OpenAI.Responses"
 
@@ -44,7 +48,7 @@ class ResponsesEndpoint:
 
     Args:
         front: the HTTP front it is part of.
-        store: where ``store: true`` responses are kept.
+        store: where ``store: true`` responses are kept, by tenant namespace.
     """
 
     def __init__(self, front: Front, store: ResponseStore) -> None:
@@ -57,49 +61,48 @@ class ResponsesEndpoint:
                 Route("/v1/responses/{response_id}", self.retrieve, methods=["GET"]),
                 Route("/v1/responses/{response_id}", self.delete, methods=["DELETE"])]
 
-    def _error_body(self, exc: BaseException, constraint_param: list[str]) -> tuple[int, dict]:
-        """The status and OpenAI error object of a failure, naming the Responses parameter."""
-        error = renamed(as_http_error(exc, constraint_param[0] if constraint_param else None))
-        return error.status, error_body(error.status, error.message, error.param)
-
-    def _error(self, exc: BaseException, constraint_param: list[str] | None = None) -> JSONResponse:
-        status, body = self._error_body(exc, constraint_param or [])
-        return JSONResponse(body, status_code=status)
-
     def _stored(self, tenant: Tenant, response_id: str, param: str | None = None) -> StoredResponse:
         """The tenant's stored response; a 404 (a 400 naming ``param``, when a request names it) otherwise."""
-        stored = self.store.get(tenant.name, response_id)
+        stored = self.store.get(tenant.namespace, response_id)
         if stored is None:
             status = 400 if param else 404
             raise HttpError(status, f"Response with id {echo(response_id)} not found (stored responses are kept "
                                     f"{self.store.limits.ttl_s:g} s, on the gateway replica that answered)", param)
         return stored
 
-    async def retrieve(self, request: Request) -> Response:
-        try:
+    async def _logged(self, request: Request, method: str, work: Callable[[Tenant], Awaitable[Response]]) -> Response:
+        """``work``'s answer for the key's tenant, with an access line (method, status, tenant)."""
+        record = RequestRecord(method, request_id_of(request, "resp-op"))
+
+        async def run(_: list[str]) -> Response:
             tenant = self.front.tenant_of(request)
-            return JSONResponse(self._stored(tenant, request.path_params["response_id"]).body)
-        except Exception as exc:  # every failure becomes an OpenAI error object
-            return self._error(exc)
+            record.tenant = tenant.name
+            return await work(tenant)
+
+        response = await answered(run)
+        record.status = access_status(response.status_code)
+        self.core.finish(record, None)
+        return response
+
+    async def retrieve(self, request: Request) -> Response:
+        response_id = request.path_params["response_id"]
+        return await self._logged(request, "OpenAI.Responses.Retrieve",
+                                  lambda tenant: self._body_of(tenant, response_id))
+
+    async def _body_of(self, tenant: Tenant, response_id: str) -> Response:
+        return JSONResponse(self._stored(tenant, response_id).body)
 
     async def delete(self, request: Request) -> Response:
-        try:
-            tenant = self.front.tenant_of(request)
+        async def work(tenant: Tenant) -> Response:
             response_id = request.path_params["response_id"]
             self._stored(tenant, response_id)
-            self.store.delete(tenant.name, response_id)
+            self.store.delete(tenant.namespace, response_id)
             return JSONResponse({"id": response_id, "object": "response", "deleted": True})
-        except Exception as exc:  # every failure becomes an OpenAI error object
-            return self._error(exc)
+
+        return await self._logged(request, "OpenAI.Responses.Delete", work)
 
     async def create(self, request: Request) -> Response:
-        constraint_param: list[str] = []  # the parameter that gave the constraint, once converted
-        try:
-            return await self._create(request, constraint_param)
-        except (ClientGone, ClientDisconnect):  # nobody reads it; the access line says CANCELLED
-            return Response(status_code=499)
-        except Exception as exc:  # every failure becomes an OpenAI error object
-            return self._error(exc, constraint_param)
+        return await answered(lambda constraint_param: self._create(request, constraint_param), renamed)
 
     async def _create(self, request: Request, constraint_param: list[str]) -> Response:
         tenant = self.front.tenant_of(request)
@@ -108,41 +111,48 @@ class ResponsesEndpoint:
         context = self._stored(tenant, body.previous_response_id, "previous_response_id").context \
             if body.previous_response_id else []
         chat, conversation = chat_body(body, context)
-        [admission] = self.core.admit(tenant, RequestRecord(METHOD, draft.id), chat.priority or 0)
-        try:
-            return await self._run(request, draft, chat, conversation, tenant, admission, constraint_param)
-        except BaseException:
-            self.core.release([admission])  # idempotent: also when the request never started
-            raise
+        # The request's id (the access line's, the backend's) is the client's x-request-id when it
+        # sends one; the response's id stays the gateway's own, unique, as stored responses need.
+        request_id = request.headers.get("x-request-id") or draft.id
+        return await admitted(self.core, tenant, RequestRecord(METHOD, request_id), chat.priority or 0, 1,
+                              lambda admissions: self._run(request, request_id, draft, chat, conversation, tenant,
+                                                           admissions, constraint_param))
 
-    async def _run(self, request: Request, draft: Draft, chat: ChatCompletionRequest, conversation: list[dict],
-                   tenant: Tenant, admission: Admission, constraint_param: list[str]) -> Response:
+    async def _keep(self, tenant: Tenant, final: dict, conversation: list[dict], out: Output) -> None:
+        """Stores the response when asked; one too large to store says ``store: false`` (and is logged)."""
+        if final["store"] is False:
+            return
+        context = [*conversation, out.chat_message()]
+        num_bytes = await asyncio.to_thread(stored_bytes, final, context)
+        if not self.store.put(tenant.namespace, final, context, num_bytes):
+            final["store"] = False
+            log.warning("responses_store_refused", response_id=final["id"], tenant=tenant.name, num_bytes=num_bytes,
+                        max_bytes=min(self.store.limits.max_bytes, self.store.limits.max_total_bytes))
+
+    async def _run(self, request: Request, request_id: str, draft: Draft, chat: ChatCompletionRequest,
+                   conversation: list[dict], tenant: Tenant, admissions: list[Admission],
+                   constraint_param: list[str]) -> Response:
         """The admitted request: run through the core, answered whole or streamed, stored when asked."""
         body = draft.body
-        prompt = convert.chat_prompt(chat, draft.id)
+        prompt = convert.chat_prompt(chat, request_id)
         constraint_param.extend([prompt.constraint_param] if prompt.constraint_param else [])
-        record = RequestRecord(METHOD, draft.id)
+        record = RequestRecord(METHOD, request_id)
         reply = None if body.stream else ReplyBudget(self.core.config.max_message_bytes, hint="use stream: true")
-        deltas = self.core.run(prompt.request, record, tenant, None, admission=admission, reply=reply,
+        deltas = self.core.run(prompt.request, record, tenant, None, admission=admissions[0], reply=reply,
                                max_tokens_to_context=True)
 
-        def keep(final: dict, out: Output) -> None:
-            if body.store is not False:
-                self.store.put(tenant.name, final, [*conversation, out.chat_message()])
+        async def keep(final: dict, out: Output) -> None:
+            await self._keep(tenant, final, conversation, out)
 
         if not body.stream:
-            answer = await until_disconnect(request.receive, collect(draft.id, deltas))
+            answer = await until_disconnect(request.receive, collect(request_id, deltas))
             [choice] = answer.choices
             out = Output(choice.text, choice.tool_calls, choice.finish_reason, answer.usage)
             final = draft.json(out.status, out)
-            keep(final, out)
-            return await asyncio.to_thread(lambda: JSONResponse(final))
+            await keep(final, out)
+            return await rendered(lambda: final)
         streamed = pieces(deltas)
         first = await first_piece(request.receive, streamed)
-
-        def failed(exc: BaseException) -> dict:
-            return self._error_body(exc, constraint_param)[1]
-
-        return EventStream(events(draft, first, streamed, failed, keep), self.core.config.write_stall_timeout_s,
-                           on_stall=lambda: self.core.stalled([record]),
-                           on_close=lambda: self.core.release([admission]))
+        return event_stream(self.core, events(draft, first, streamed,
+                                              lambda exc: failure_body(exc, constraint_param, renamed), keep),
+                            [record], admissions)

@@ -26,7 +26,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from gateway.core.types import Delta, ToolCall, Usage
@@ -162,12 +162,13 @@ def _opened(event: _Events, message_id: str) -> list[str]:
 
 
 async def events(draft: Draft, first: Delta, rest: AsyncIterator[Delta], error_body: Callable[[BaseException], dict],
-                 on_done: Callable[[dict, Output], None]) -> AsyncIterator[str]:
+                 on_done: Callable[[dict, Output], Awaitable[None]]) -> AsyncIterator[str]:
     """The SSE stream of a response whose first piece has arrived (so its status is 200).
 
     Args:
         error_body: the OpenAI error object of a failure after the first piece.
-        on_done: called with the final response and its output before ``response.completed`` goes out.
+        on_done: awaited with the final response and its output before ``response.completed`` goes out
+            (it may change the response: ``store`` false when it could not be stored).
     """
     event, out = _Events(), Output()
     yield event("response.created", response=draft.json("in_progress"))
@@ -212,5 +213,5 @@ async def events(draft: Draft, first: Delta, rest: AsyncIterator[Delta], error_b
                     name=call.name, arguments=call.arguments)
         yield event("response.output_item.done", output_index=index, item=item)
     final = draft.json(out.status, out)
-    on_done(final, out)
+    await on_done(final, out)
     yield event("response.completed", response=final)

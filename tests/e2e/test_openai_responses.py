@@ -217,15 +217,47 @@ def test_what_cannot_be_honoured_is_a_400_naming_it(http: Http, kwargs: dict, pa
     assert error["param"] == param and words in error["message"] and error["type"] == "invalid_request_error", error
 
 
-def test_raw_events_are_named_and_the_access_line_says_responses(http: Http) -> None:
+def test_raw_events_are_named_and_the_access_lines_say_responses(http: Http) -> None:
     body = {"model": http.model, "input": "x", "max_output_tokens": 2, "stream": True}
-    with httpx.stream("POST", f"{http.base_url}/v1/responses", json=body, timeout=30) as reply:
+    with httpx.stream("POST", f"{http.base_url}/v1/responses", json=body, timeout=30,
+                      headers={"x-request-id": "rid-responses-stream"}) as reply:
         assert reply.status_code == 200 and reply.headers["content-type"].startswith("text/event-stream")
         lines = [line for line in reply.iter_lines() if line]
     names = [line.removeprefix("event: ") for line in lines if line.startswith("event: ")]
     datas = [json.loads(line.removeprefix("data: ")) for line in lines if line.startswith("data: ")]
     assert names == [d["type"] for d in datas] and names[0] == "response.created" and names[-1] == "response.completed"
-    assert '"method": "OpenAI.Responses"' in http.gateway.log_file.read_text()
+    response_id = datas[-1]["response"]["id"]
+    assert response_id.startswith("resp_")  # the client's request id names the request, not the response
+    whole = httpx.post(f"{http.base_url}/v1/responses", json={**body, "stream": False}, timeout=30,
+                       headers={"x-request-id": "rid-responses-whole"})
+    assert whole.status_code == 200
+    assert httpx.get(f"{http.base_url}/v1/responses/{response_id}", timeout=10).status_code == 200
+    assert httpx.delete(f"{http.base_url}/v1/responses/{response_id}", timeout=10).status_code == 200
+    assert httpx.get(f"{http.base_url}/v1/responses/{response_id}", timeout=10).status_code == 404
+    lines = [json.loads(line) for line in http.gateway.log_file.read_text().splitlines() if line.startswith("{")]
+    access = {(line.get("method"), line.get("status")) for line in lines if line.get("event") == "request"}
+    assert {("OpenAI.Responses.Retrieve", "OK"), ("OpenAI.Responses.Delete", "OK"),
+            ("OpenAI.Responses.Retrieve", "NOT_FOUND")} <= access
+    ids = {line.get("request_id") for line in lines if line.get("method") == "OpenAI.Responses"}
+    assert {"rid-responses-stream", "rid-responses-whole"} <= ids
+
+
+def test_a_response_too_large_to_store_says_store_false(engines: list[Engine], run_dir: Path) -> None:
+    small = start_http(engines, run_dir, "--responses-store-max-bytes", "200")
+    try:
+        client = small.client()
+        for stream in (False, True):
+            if stream:
+                with client.responses.stream(model=small.model, input="x", max_output_tokens=2) as events:
+                    reply = events.get_final_response()
+            else:
+                reply = client.responses.create(model=small.model, input="x", max_output_tokens=2)
+            assert reply.store is False, stream  # said now, not as a later 404
+            with pytest.raises(openai.NotFoundError):
+                client.responses.retrieve(reply.id)
+            assert f'"response_id": "{reply.id}"' in small.gateway.log_file.read_text()
+    finally:
+        assert small.gateway.stop() == 0
 
 
 def test_tenants_have_their_own_bounded_stores_keys_and_priority_caps(engines: list[Engine], run_dir: Path) -> None:
