@@ -83,7 +83,7 @@ LOADERS = 2
 # an 8B model's ~0.5 GB in ~0.5 s from an NVMe). A file read that has not come back by then ends the
 # load: what was loaded stays, the rest is recomputed by the client (a miss, never an error). The read
 # itself cannot be interrupted: its reader thread stays in it (one of ``READ_AHEAD_FILES``).
-LOAD_DEADLINE_S = 2.0
+LOAD_DEADLINE_S = 5.0
 LOAD_DEADLINE_BYTES_PER_S = 50e6
 # How long the writer sleeps when nothing wakes it (a Step wakes it at once).
 WRITER_IDLE_S = 0.05

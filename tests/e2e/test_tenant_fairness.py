@@ -80,7 +80,9 @@ def test_a_newcomer_finishes_before_anothers_backlog(fair_stack: tuple[Stack, Ga
         except BaseException as exc:  # reported by the test's thread below
             errors.append(exc)
 
-    threads = [threading.Thread(target=run, args=(f"a{i}", KEY_A, 48)) for i in range(NUM_A)]
+    # 480 tokens each: long enough that a0 and a1 still run when a7 arrives on a loaded machine (at 48,
+    # two of a's could finish before the last had come, and the backlog of 6 was never seen).
+    threads = [threading.Thread(target=run, args=(f"a{i}", KEY_A, 480)) for i in range(NUM_A)]
     for thread in threads:
         thread.start()
     assert stack.compute is not None
