@@ -88,6 +88,10 @@ def ttft_and_tokens(llm: LLM, prompt: list[int], max_tokens: int, request_id: st
                 return ttft, tokens, num_cached
 
 
+# The warm-up prompt's tokens: its full blocks reach the tier too, so a wait for a prompt's blocks counts them.
+WARM_UP_TOKENS = 64
+
+
 def wait_for_tier(llm: LLM, num_blocks: int, timeout_s: float = 300.0) -> None:
     """Until the write-behind has written ``num_blocks`` blocks (or the timeout: measured all the same)."""
     deadline = time.monotonic() + timeout_s
@@ -134,9 +138,9 @@ def returning_and_restart(args: argparse.Namespace, root: Path, rng: random.Rand
     tier_dir = root / "returning"
     common = {"max_num_blocks": num_blocks, "block_size": BLOCK_SIZE, "max_num_batched_tokens": 2048}
     with LLM(args.model, kv_disk_dir=str(tier_dir), **common) as llm:
-        ttft_and_tokens(llm, [rng.randrange(FIRST_TOKEN, args.vocab) for _ in range(64)], 1, "warm-up")
+        ttft_and_tokens(llm, [rng.randrange(FIRST_TOKEN, args.vocab) for _ in range(WARM_UP_TOKENS)], 1, "warm-up")
         recompute_s, first_tokens, _ = ttft_and_tokens(llm, prompt, args.max_tokens, "first")
-        wait_for_tier(llm, args.prompt_tokens // BLOCK_SIZE - 1)
+        wait_for_tier(llm, WARM_UP_TOKENS // BLOCK_SIZE + args.prompt_tokens // BLOCK_SIZE - 1)
         for i, evictor in enumerate(evictors):
             ttft_and_tokens(llm, evictor, 1, f"evict-{i}")
         tier_s, again_tokens, num_cached = ttft_and_tokens(llm, prompt, args.max_tokens, "again")
@@ -148,10 +152,10 @@ def returning_and_restart(args: argparse.Namespace, root: Path, rng: random.Rand
         "tier_loads": tier_stats.num_loads, "tier_bytes_read": tier_stats.num_bytes_read,
     }
     with LLM(args.model, kv_disk_dir=str(tier_dir), **common) as llm:  # a new pair on the same directory
-        ttft_and_tokens(llm, [rng.randrange(FIRST_TOKEN, args.vocab) for _ in range(64)], 1, "warm-up")
+        ttft_and_tokens(llm, [rng.randrange(FIRST_TOKEN, args.vocab) for _ in range(WARM_UP_TOKENS)], 1, "warm-up")
         warm_s, warm_tokens, warm_cached = ttft_and_tokens(llm, prompt, args.max_tokens, "warm")
     with LLM(args.model, kv_disk_dir=str(root / "cold"), **common) as llm:  # a cold pair: empty directory
-        ttft_and_tokens(llm, [rng.randrange(FIRST_TOKEN, args.vocab) for _ in range(64)], 1, "warm-up")
+        ttft_and_tokens(llm, [rng.randrange(FIRST_TOKEN, args.vocab) for _ in range(WARM_UP_TOKENS)], 1, "warm-up")
         cold_s, cold_tokens, _ = ttft_and_tokens(llm, prompt, args.max_tokens, "cold")
     restart = {
         "warm_ttft_s": round(warm_s, 3), "cold_ttft_s": round(cold_s, 3), "speedup": round(cold_s / warm_s, 2),
@@ -175,11 +179,11 @@ def returning_per_tier(args: argparse.Namespace, root: Path, rng: random.Random)
     recompute, first_tokens = [], None
     for kind, tier in (("host", {"kv_host_bytes": args.host_bytes}), ("disk", {"kv_disk_dir": str(root / "per-tier")})):
         with LLM(args.model, **tier, **common) as llm:
-            ttft_and_tokens(llm, [rng.randrange(FIRST_TOKEN, args.vocab) for _ in range(64)], 1, "warm-up")
+            ttft_and_tokens(llm, [rng.randrange(FIRST_TOKEN, args.vocab) for _ in range(WARM_UP_TOKENS)], 1, "warm-up")
             recompute_s, tokens, _ = ttft_and_tokens(llm, prompt, args.max_tokens, "first")
             recompute.append(recompute_s)
             first_tokens = first_tokens or tokens
-            wait_for_tier(llm, args.prompt_tokens // BLOCK_SIZE - 1)
+            wait_for_tier(llm, WARM_UP_TOKENS // BLOCK_SIZE + args.prompt_tokens // BLOCK_SIZE - 1)
             for i, evictor in enumerate(evictors):
                 ttft_and_tokens(llm, evictor, 1, f"evict-{i}")
             tier_s, again_tokens, num_cached = ttft_and_tokens(llm, prompt, args.max_tokens, "again")
@@ -208,7 +212,7 @@ def working_set(args: argparse.Namespace, root: Path, rng: random.Random) -> dic
     with LLM(args.model, kv_disk_dir=str(root / "ws-tier"), **common) as tier_llm, LLM(args.model, **common) as plain:
         llms = {"tier": tier_llm, "no_tier": plain}
         for label, llm in llms.items():
-            ttft_and_tokens(llm, [rng.randrange(FIRST_TOKEN, args.vocab) for _ in range(64)], 1, "warm-up")
+            ttft_and_tokens(llm, [rng.randrange(FIRST_TOKEN, args.vocab) for _ in range(WARM_UP_TOKENS)], 1, "warm-up")
             ttfts, num_cached, num_prompt = [], 0, 0
             for i, (doc, question) in enumerate(zip(order, questions)):
                 ttft, _, cached = ttft_and_tokens(llm, docs[doc] + question, 1, f"ws-{i}")
