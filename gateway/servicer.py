@@ -22,7 +22,7 @@ from gateway.core.streaming import ReplyBudget, collect, pieces, send_within
 from gateway.core.types import Delta
 from gateway.grpc_convert import piece_to_pb, reply_to_pb, request_from_pb, tokenize_from_pb
 from gateway.tenants import Tenant
-from pagedserve.errors import DeadlineExceededError, InvalidArgument
+from pagedserve.errors import DeadlineExceededError, InvalidArgument, ResourceExhaustedError
 from pagedserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
 
@@ -42,6 +42,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED,
                                 "missing or invalid API key (authorization: Bearer KEY)")
         record.tenant = tenant.name
+        try:
+            self.core.tenants.charge(tenant)  # its max_requests_per_s, before the request is converted
+        except ResourceExhaustedError as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         return tenant
 
     def _refused(self, record: RequestRecord, exc: InvalidArgument) -> InvalidArgument:

@@ -10,11 +10,15 @@ shares one model through two calls: ``Tenants.identify(bearer_token)`` (which te
 not a key of ours) and ``Tenants.admit(tenant)`` (hold a slot until ``Admission.release``).
 
 Where tenants come from (``load_tenants``): ``--api-keys-file`` holds either a JSON object,
-``{"tenants": {"team-a": {"keys": ["..."], "max_priority": 5, "max_concurrent": 64}}}``, or one
+``{"tenants": {"team-a": {"keys": ["..."], "max_priority": 5, "max_concurrent": 64,
+"max_requests_per_s": 20}}}``, or one
 key per line; keys given one per line, in ``PAGEDSERVE_API_KEYS`` (comma-separated) or in a JSON
 config's ``api_keys`` list are tenants of their own, named ``key-1``, ``key-2``, ... in that order.
 Defaults: ``max_priority`` 0 (the operator grants more), ``max_concurrent`` a fair share of the
-gateway, ``max(1, max_queued_requests // number of tenants)``. Without any key there is one
+gateway, ``max(1, max_queued_requests // number of tenants)``; ``max_requests_per_s`` none (a
+tenant given one may send that many requests a second, in bursts of a second's worth, on both
+fronts: ``Tenants.charge``; beyond, RESOURCE_EXHAUSTED / 429 before the request is read, so a flood of
+requests that would each be refused costs the engine's cores next to nothing). Without any key there is one
 tenant, ``local``, with no limits beyond the gateway's own (priorities and the reserved pool work
 as for a single user).
 
@@ -32,6 +36,8 @@ import hmac
 import json
 import re
 import secrets
+import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -42,7 +48,7 @@ LOCAL_TENANT = "local"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 # A key travels as "authorization: Bearer KEY": printable ASCII without spaces.
 _KEY = re.compile(r"[\x21-\x7e]{1,256}")
-_TENANT_FIELDS = {"keys", "max_priority", "max_concurrent"}
+_TENANT_FIELDS = {"keys", "max_priority", "max_concurrent", "max_requests_per_s"}
 _NAMESPACE_MESSAGE = b"pagedserve prefix-cache namespace v1"
 
 
@@ -55,12 +61,14 @@ class Tenant:
         max_priority: the highest request priority it may ask for (None: any).
         max_concurrent: requests it may hold in the gateway at once (None: the gateway's limit only).
         keys: its API keys (never printed: not in repr).
+        max_requests_per_s: requests it may send a second, in bursts of a second's worth (None: any).
     """
 
     name: str
     max_priority: int | None = 0
     max_concurrent: int | None = None
     keys: tuple[str, ...] = field(default=(), repr=False, compare=False)
+    max_requests_per_s: float | None = None
 
     def __post_init__(self) -> None:
         if not _NAME.fullmatch(self.name):
@@ -68,6 +76,8 @@ class Tenant:
                              "starting with a letter or digit")
         if self.max_concurrent is not None and self.max_concurrent < 1:
             raise ValueError(f"tenant {self.name!r}: max_concurrent must be >= 1, got {self.max_concurrent}")
+        if self.max_requests_per_s is not None and not self.max_requests_per_s > 0:
+            raise ValueError(f"tenant {self.name!r}: max_requests_per_s must be > 0, got {self.max_requests_per_s}")
 
     def check_priority(self, priority: int) -> None:
         """Refuses a priority above the tenant's maximum (never clamps it silently).
@@ -124,8 +134,18 @@ def _int_field(spec: dict, name: str, tenant: str, where: str) -> int | None:
     return value
 
 
-def parse_tenants_json(data: object, where: str) -> list[tuple[str, list[str], int | None, int | None]]:
-    """(name, keys, max_priority, max_concurrent) of each tenant of a JSON tenants file.
+def _rate_field(spec: dict, name: str, tenant: str, where: str) -> float | None:
+    value = spec.get(name)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise ValueError(f"{where}: tenant {tenant!r}: {name} must be a number, got {type(value).__name__}")
+    return value
+
+
+_Spec = tuple[str, list[str], int | None, int | None, float | None]
+
+
+def parse_tenants_json(data: object, where: str) -> list[_Spec]:
+    """(name, keys, max_priority, max_concurrent, max_requests_per_s) of each tenant of a JSON tenants file.
 
     Raises:
         ValueError: the shape is wrong; the message names the tenant and field, never a key.
@@ -144,7 +164,8 @@ def parse_tenants_json(data: object, where: str) -> list[tuple[str, list[str], i
         if not isinstance(keys, list) or not keys:
             raise ValueError(f"{where}: tenant {name!r}: keys must be a non-empty list of strings")
         found.append((name, [_check_key(k, f"{where}: tenant {name!r}") for k in keys],
-                      _int_field(spec, "max_priority", name, where), _int_field(spec, "max_concurrent", name, where)))
+                      _int_field(spec, "max_priority", name, where), _int_field(spec, "max_concurrent", name, where),
+                      _rate_field(spec, "max_requests_per_s", name, where)))
     if not found:
         raise ValueError(f"{where}: names no tenant")
     return found
@@ -162,7 +183,7 @@ def load_tenants(plain_keys: Sequence[str], file_text: str | None, where: str,
     Raises:
         ValueError: a malformed file, a bad key, a name or a key given twice.
     """
-    specs: list[tuple[str, list[str], int | None, int | None]] = []
+    specs: list[_Spec] = []
     plain = [_check_key(k, "api_keys or PAGEDSERVE_API_KEYS") for k in plain_keys]
     if file_text is not None:
         if file_text.lstrip().startswith("{"):
@@ -177,12 +198,12 @@ def load_tenants(plain_keys: Sequence[str], file_text: str | None, where: str,
             if not from_file:
                 raise ValueError(f"{where} holds no key")
             plain += from_file
-    specs += [(_plain_name(i), [key], None, None) for i, key in enumerate(plain, start=1)]
+    specs += [(_plain_name(i), [key], None, None, None) for i, key in enumerate(plain, start=1)]
     if not specs:
         return ()
     share = max(1, max_queued_requests // len(specs))
     tenants, names, keys = [], set(), set()
-    for name, tenant_keys, max_priority, max_concurrent in specs:
+    for name, tenant_keys, max_priority, max_concurrent, max_requests_per_s in specs:
         if name in names:
             raise ValueError(f"{where}: tenant {name!r} is named twice")
         for key in tenant_keys:
@@ -192,7 +213,8 @@ def load_tenants(plain_keys: Sequence[str], file_text: str | None, where: str,
         names.add(name)
         try:
             tenants.append(Tenant(name, 0 if max_priority is None else max_priority,
-                                  share if max_concurrent is None else max_concurrent, tuple(tenant_keys)))
+                                  share if max_concurrent is None else max_concurrent, tuple(tenant_keys),
+                                  max_requests_per_s))
         except ValueError as exc:
             raise ValueError(f"{where}: {exc}") from None
     return tuple(tenants)
@@ -232,7 +254,8 @@ class Tenants:
     """
 
     def __init__(self, tenants: Sequence[Tenant], max_in_flight: int,
-                 on_change: Callable[[str, int], None] | None = None) -> None:
+                 on_change: Callable[[str, int], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.requires_key = bool(tenants)
         self.local = Tenant(LOCAL_TENANT, max_priority=None, max_concurrent=None)
         self.tenants = tuple(tenants) or (self.local,)
@@ -246,6 +269,9 @@ class Tenants:
         self._on_change = on_change or (lambda _name, _count: None)
         self._hmac_key = secrets.token_bytes(32)
         self._digests = [(self._digest(k.encode()), t) for t in tenants for k in t.keys]
+        self._clock = clock
+        self._rate_lock = threading.Lock()  # the gRPC and HTTP fronts run on threads of their own
+        self._allowance: dict[str, tuple[float, float]] = {}  # tenant -> (requests it may send now, as of)
 
     def _digest(self, token: bytes) -> bytes:
         return hmac.new(self._hmac_key, token, hashlib.sha256).digest()
@@ -267,6 +293,29 @@ class Tenants:
             if hmac.compare_digest(digest, key_digest):
                 found = tenant
         return found if token else None
+
+    def charge(self, tenant: Tenant) -> None:
+        """Counts one request of ``tenant`` against its ``max_requests_per_s`` (a token bucket of a
+        second's worth, at least one request); call as soon as the key is known, before the body is
+        read or converted.
+
+        Raises:
+            ResourceExhaustedError: the tenant has sent its share; the message says when to retry.
+        """
+        rate = tenant.max_requests_per_s
+        if rate is None:
+            return
+        burst = max(1.0, rate)
+        with self._rate_lock:
+            now = self._clock()
+            allowance, as_of = self._allowance.get(tenant.name, (burst, now))
+            allowance = min(burst, allowance + (now - as_of) * rate)
+            if allowance < 1.0:
+                self._allowance[tenant.name] = (allowance, now)
+                raise ResourceExhaustedError(
+                    f"tenant {tenant.name!r} sends more than its max_requests_per_s ({rate:g} a second); "
+                    f"retry in {(1.0 - allowance) / rate:.2f} s")
+            self._allowance[tenant.name] = (allowance - 1.0, now)
 
     def admit(self, tenant: Tenant) -> Admission:
         """Holds a slot for one request of ``tenant`` (synchronously: call before any await).

@@ -112,6 +112,7 @@ class OpenAIFront:
         tenant = self.core.tenants.identify(bearer_token([("authorization", header)]))
         if tenant is None:
             raise HttpError(401, "missing or invalid API key (Authorization: Bearer KEY)")
+        self.core.tenants.charge(tenant)  # its max_requests_per_s, before the body is read
         return tenant
 
     def served_model(self, name: str | None) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,11 +17,14 @@ import pytest
 
 from pagedserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from pagedserve.process import wait_until
+from pagedserve.sockets import free_port
 from tests.e2e.conftest import Engine, Gateway, start_gateway
 
-KEY_A, KEY_B = "tenant-a-key-7f3c91d2", "tenant-b-key-0a6e4b58"
+KEY_A, KEY_B, KEY_C = "tenant-a-key-7f3c91d2", "tenant-b-key-0a6e4b58", "tenant-c-key-5b21e9a7"
 TENANTS = {"tenants": {"team-a": {"keys": [KEY_A], "max_priority": 5, "max_concurrent": 1},
-                       "team-b": {"keys": [KEY_B]}}}
+                       "team-b": {"keys": [KEY_B]},
+                       "team-c": {"keys": [KEY_C], "max_requests_per_s": 0.2}}}
+HTTP_PORT = free_port()
 STALL_S = 1.0
 
 
@@ -29,7 +33,8 @@ def tenanted(engines: list[Engine], run_dir: Path) -> Iterator[Gateway]:
     keys = run_dir / "tenants.json"
     keys.write_text(json.dumps(TENANTS))
     started = start_gateway([engines[0].address], run_dir, "--api-keys-file", str(keys),
-                            "--max-queued-requests", "8", "--write-stall-timeout-s", str(STALL_S))
+                            "--max-queued-requests", "8", "--write-stall-timeout-s", str(STALL_S),
+                            "--http-port", str(HTTP_PORT))
     yield started
     assert started.stop() == 0
     log = started.log_file.read_text()
@@ -135,3 +140,23 @@ def test_a_stream_whose_client_stops_reading_is_ended_and_aborted(tenanted: Gate
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "write_stall_timeout_s" in info.value.details()
     assert sum(len(p.token_ids) for p in pieces) < 900 and not any(p.finish_reason for p in pieces)
     channel.close()
+
+
+def test_a_tenant_past_its_request_rate_is_refused_before_its_request_is_read(tenanted: Gateway) -> None:
+    """team-c may send 0.2 requests a second (a burst of one): its first request is served, the next
+    ones are refused on both fronts (RESOURCE_EXHAUSTED / 429, with the time to wait) before the
+    request is converted, the HTTP one before its body is read; other tenants are not affected."""
+    stub = tenanted.stub
+    assert stub.Generate(_request(), metadata=_auth(KEY_C), timeout=60).usage.completion_tokens == 2
+    code, details = _code(stub.Generate, _request(), metadata=_auth(KEY_C), timeout=60)
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert re.fullmatch(r"tenant 'team-c' sends more than its max_requests_per_s \(0\.2 a second\); "
+                        r"retry in [0-9.]+ s", details), details
+    body = b"{" * 1000  # not JSON: read, it would be a 400
+    http = urllib.request.Request(f"http://127.0.0.1:{HTTP_PORT}/v1/completions", data=body, method="POST",
+                                  headers={"Authorization": f"Bearer {KEY_C}", "Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(http, timeout=30)
+    assert info.value.code == 429
+    assert "max_requests_per_s" in json.loads(info.value.read())["error"]["message"]
+    assert stub.Generate(_request(), metadata=_auth(KEY_B), timeout=60).usage.completion_tokens == 2

@@ -176,3 +176,38 @@ def test_a_batch_is_admitted_all_or_none() -> None:
     for admission in held + held:  # release is idempotent
         admission.release()
     assert (tenants.num_in_flight, tenants.num_active["small"]) == (0, 0)
+
+
+def test_a_tenants_request_rate_is_a_bucket_of_a_seconds_worth() -> None:
+    """max_requests_per_s 2: two requests at once, then one more each half second; a tenant without
+    the field is never charged; the refusal says when to retry."""
+    now = [100.0]
+    limited = Tenant("team-r", 0, None, ("rate-key-0123456789",), max_requests_per_s=2)
+    free = Tenant("team-f", 0, None, ("free-key-0123456789",))
+    tenants = Tenants([limited, free], 16, clock=lambda: now[0])
+    tenants.charge(limited)
+    tenants.charge(limited)
+    with pytest.raises(ResourceExhaustedError, match=r"^tenant 'team-r' sends more than its max_requests_per_s "
+                                                     r"\(2 a second\); retry in 0\.50 s$"):
+        tenants.charge(limited)
+    now[0] += 0.5
+    tenants.charge(limited)
+    with pytest.raises(ResourceExhaustedError, match="retry in 0.50 s"):
+        tenants.charge(limited)
+    now[0] += 10.0  # idle: back to a second's worth, no more
+    tenants.charge(limited)
+    tenants.charge(limited)
+    with pytest.raises(ResourceExhaustedError):
+        tenants.charge(limited)
+    for _ in range(100):
+        tenants.charge(free)
+
+
+def test_a_tenants_file_sets_its_request_rate(tmp_path, monkeypatch) -> None:
+    text = json.dumps({"tenants": {"team-r": {"keys": ["rate-key-0123456789"], "max_requests_per_s": 0.5}}})
+    [tenant] = load_tenants([], text, "keys.json", 8)
+    assert tenant.max_requests_per_s == 0.5
+    for bad, named in ((0, "must be > 0"), ("5", "must be a number"), (True, "must be a number")):
+        text = json.dumps({"tenants": {"team-r": {"keys": ["rate-key-0123456789"], "max_requests_per_s": bad}}})
+        with pytest.raises(ValueError, match=f"team-r.*max_requests_per_s {named}"):
+            load_tenants([], text, "keys.json", 8)
