@@ -26,6 +26,27 @@
 {{- printf "%s-engine" (include "pagedserve.fullname" . | trunc 56 | trimSuffix "-") }}
 {{- end }}
 
+{{- define "pagedserve.eppName" -}}
+{{- printf "%s-epp" (include "pagedserve.fullname" . | trunc 59 | trimSuffix "-") }}
+{{- end }}
+
+{{/* Whether our gateway Deployment (and its Services) is rendered: gateway.enabled, or when that is
+null, unless the engines sit behind an InferencePool (whose endpoint picker routes to each engine
+pod's own OpenAI front instead). "true" or "" (false). */}}
+{{- define "pagedserve.gatewayEnabled" -}}
+{{- $enabled := .Values.gateway.enabled -}}
+{{- if kindIs "invalid" $enabled -}}
+{{- $enabled = not .Values.inferencePool.enabled -}}
+{{- end -}}
+{{- if $enabled }}true{{ end -}}
+{{- end }}
+
+{{/* The EPP Service the InferencePool names: the chart's own, or inferencePool.endpointPicker.serviceName. */}}
+{{- define "pagedserve.eppServiceName" -}}
+{{- $epp := .Values.inferencePool.endpointPicker -}}
+{{- if $epp.enabled }}{{ include "pagedserve.eppName" . }}{{ else }}{{ $epp.serviceName }}{{ end -}}
+{{- end }}
+
 {{/* Labels of one component's objects ("gateway" or "engine"): pass (list $ "engine"). */}}
 {{- define "pagedserve.labels" -}}
 {{- $root := index . 0 -}}
@@ -177,7 +198,8 @@ device-plugin: only the memory container (which allocates the KV pool) requests 
 
 {{/* Graceful drain (pagedserve/drain.py). A pod's terminationGracePeriodSeconds: its preStop sleep,
 then its drain timeout, then the seconds each of its containers takes to stop after the drain:
-COMPUTE_STOP_S + MEMORY_STOP_S for an engine pod (the memory sidecar stops after compute),
+COMPUTE_STOP_S + MEMORY_STOP_S for an engine pod (the memory sidecar stops after compute; the
+per-pod OpenAI front of an InferencePool drains beside compute, and GATEWAY_STOP_S <= COMPUTE_STOP_S),
 GATEWAY_STOP_S for a gateway pod. tests/helm checks these numbers against pagedserve/drain.py.
 Argument: (list <drain values> "engine"|"gateway"). */}}
 {{- define "pagedserve.drainGrace" -}}
