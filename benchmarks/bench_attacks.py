@@ -15,12 +15,15 @@ a (or a client without a key) runs each attack for ``--seconds``:
 - ``costly_grammar``: a JSON schema of 1,200 optional properties, compiled to its timeout and
   refused (the compile worker runs at nice 5, its timeout in CPU seconds).
 
-Each attack runs ``--attackers`` clients in a loop. Prints a table, then as its last line one JSON
+Each attack runs ``--attackers`` clients in a loop, back to back: a flood, harsher than one attack
+request at a time. ``--attacker-requests-per-s R`` gives tenant a the tenants file's
+``max_requests_per_s`` (the operator's bound on such floods; b has none). Prints a table, then as its last line one JSON
 object: per attack the victim's p50 and worst latency and their ratios to the idle p50, ``/health``'s
 worst, and what the attack's requests were answered. From the repository root:
 
     python -m benchmarks.bench_attacks                  # default model, 20 s per attack
     python -m benchmarks.bench_attacks --quick          # tiny random model, 4 s per attack
+    python -m benchmarks.bench_attacks --attacker-requests-per-s 5   # the same with a's rate bounded
 """
 
 from __future__ import annotations
@@ -203,10 +206,17 @@ def main() -> None:
     parser.add_argument("--attackers", type=int, default=2, help="attacking clients per HTTP attack")
     parser.add_argument("--flood-connections", type=int, default=1100)
     parser.add_argument("--attacks", default="tools,prompt_scores,connection_flood,costly_grammar")
+    parser.add_argument("--attacker-requests-per-s", type=float, default=None,
+                        help="tenant a's max_requests_per_s in the gateway's tenants file (default: none)")
     args = parser.parse_args()
     seconds = args.seconds or (4.0 if args.quick else 20.0)
-    os.environ[API_KEYS_ENV] = f"{KEY_A},{KEY_B}"
+    os.environ.pop(API_KEYS_ENV, None)
     with tempfile.TemporaryDirectory(prefix="bench-attacks-") as tmp:
+        attacker: dict = {"keys": [KEY_A]}
+        if args.attacker_requests_per_s is not None:
+            attacker["max_requests_per_s"] = args.attacker_requests_per_s
+        keys_file = Path(tmp) / "tenants.json"
+        keys_file.write_text(json.dumps({"tenants": {"a": attacker, "b": {"keys": [KEY_B]}}}))
         if args.quick:
             from pagedserve.testing.tiny_model import build_service_model
             model = str(build_service_model(Path(tmp) / "tiny-model").path)
@@ -214,7 +224,7 @@ def main() -> None:
             model = "default"
         http_port = free_port()
         config = StackConfig(model=model, max_num_blocks=4096, max_num_seqs=64, dtype="auto",
-                             gateway_args=("--http-port", str(http_port)))
+                             gateway_args=("--http-port", str(http_port), "--api-keys-file", str(keys_file)))
         (Path(tmp) / "run").mkdir()
         # pagedserve.stack's launcher, as ``pagedserve up``: the test kit's start warms up through gRPC
         # without a key, and this gateway has two.
@@ -251,6 +261,7 @@ def main() -> None:
               f"{row['max_ratio']:>7.2f} {row['health_max_s']:>10.3f}")
     print(json.dumps({"benchmark": "attacks", "cpu": cpu_name(), "num_cpus": os.cpu_count(),
                       "model": "tiny-random" if args.quick else "default", "seconds_per_attack": seconds,
+                      "attackers": args.attackers, "attacker_requests_per_s": args.attacker_requests_per_s,
                       "victim_failures": dict(victim.failures), **results}))
 
 
