@@ -15,9 +15,10 @@ a (or a client without a key) runs each attack for ``--seconds``:
 - ``costly_grammar``: a JSON schema of 1,200 optional properties, compiled to its timeout and
   refused (the compile worker runs at nice 5, its timeout in CPU seconds).
 
-Each attack runs ``--attackers`` clients in a loop, back to back: a flood, harsher than one attack
-request at a time. ``--attacker-requests-per-s R`` gives tenant a the tenants file's
-``max_requests_per_s`` (the operator's bound on such floods; b has none). Prints a table, then as its last line one JSON
+Each attack runs ``--attackers`` clients in a loop, back to back (a flood, harsher than one attack
+request at a time), or with ``--interval-s`` between each answer and the next request.
+``--attacker-requests-per-s R`` gives tenant a the tenants file's ``max_requests_per_s`` (the
+operator's bound on such floods; b has none). Prints a table, then as its last line one JSON
 object: per attack the victim's p50 and worst latency and their ratios to the idle p50, ``/health``'s
 worst, and what the attack's requests were answered. From the repository root:
 
@@ -128,7 +129,8 @@ def run_attack(attack: Callable[[threading.Event, collections.Counter], None], n
     return latencies, answers
 
 
-def http_attack(base_url: str, path: str, body: dict) -> Callable[[threading.Event, collections.Counter], None]:
+def http_attack(base_url: str, path: str, body: dict,
+                interval_s: float = 0.0) -> Callable[[threading.Event, collections.Counter], None]:
     payload = json.dumps(body).encode()
 
     def attack(stop: threading.Event, answers: collections.Counter) -> None:
@@ -142,6 +144,7 @@ def http_attack(base_url: str, path: str, body: dict) -> Callable[[threading.Eve
                 except httpx.HTTPError as exc:
                     answers[type(exc).__name__] += 1
                 answers["seconds"] += time.perf_counter() - start
+                stop.wait(interval_s)
     return attack
 
 
@@ -206,6 +209,8 @@ def main() -> None:
     parser.add_argument("--attackers", type=int, default=2, help="attacking clients per HTTP attack")
     parser.add_argument("--flood-connections", type=int, default=1100)
     parser.add_argument("--attacks", default="tools,prompt_scores,connection_flood,costly_grammar")
+    parser.add_argument("--interval-s", type=float, default=0.0,
+                        help="each HTTP attacker's pause after each answer (default 0: back to back, a flood)")
     parser.add_argument("--attacker-requests-per-s", type=float, default=None,
                         help="tenant a's max_requests_per_s in the gateway's tenants file (default: none)")
     args = parser.parse_args()
@@ -239,10 +244,11 @@ def main() -> None:
             idle_p50 = statistics.median(idle["completion"])
             chat, completions = "/v1/chat/completions", "/v1/completions"
             attacks = {
-                "tools": lambda: http_attack(base_url, chat, tools_body(model_name)),
-                "prompt_scores": lambda: http_attack(base_url, completions, prompt_scores_body(model_name)),
+                "tools": lambda: http_attack(base_url, chat, tools_body(model_name), args.interval_s),
+                "prompt_scores": lambda: http_attack(base_url, completions, prompt_scores_body(model_name),
+                                                     args.interval_s),
                 "connection_flood": lambda: flood_attack(http_port, args.flood_connections),
-                "costly_grammar": lambda: http_attack(base_url, chat, costly_grammar_body(model_name)),
+                "costly_grammar": lambda: http_attack(base_url, chat, costly_grammar_body(model_name), args.interval_s),
             }
             results = {"idle": summary(idle, idle_p50)}
             for name in args.attacks.split(","):
@@ -261,7 +267,8 @@ def main() -> None:
               f"{row['max_ratio']:>7.2f} {row['health_max_s']:>10.3f}")
     print(json.dumps({"benchmark": "attacks", "cpu": cpu_name(), "num_cpus": os.cpu_count(),
                       "model": "tiny-random" if args.quick else "default", "seconds_per_attack": seconds,
-                      "attackers": args.attackers, "attacker_requests_per_s": args.attacker_requests_per_s,
+                      "attackers": args.attackers, "interval_s": args.interval_s,
+                      "attacker_requests_per_s": args.attacker_requests_per_s,
                       "victim_failures": dict(victim.failures), **results}))
 
 
