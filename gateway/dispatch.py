@@ -20,6 +20,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -37,6 +38,10 @@ from pagedserve.errors import (
     UnavailableError,
 )
 from pagedserve.log import get_logger
+from pagedserve.trace_context import TRACEPARENT
+
+if TYPE_CHECKING:
+    from pagedserve.tracing import Span, Tracer
 
 log = get_logger("gateway.dispatch")
 
@@ -103,9 +108,10 @@ class Dispatcher:
         self.router = router
         self.affinity_max_blocks = affinity_max_blocks
         self._on_route = on_route
+        self.tracer: Tracer | None = None  # set by the gateway when traces are on (pagedserve/tracing.py)
 
     async def run(self, request: BackendRequest, model_name: str, route: Route,
-                  timeout_s: float | None) -> AsyncIterator[Delta]:
+                  timeout_s: float | None, span: Span | None = None) -> AsyncIterator[Delta]:
         """Streams the backend's answer to ``request``, as deltas.
 
         Args:
@@ -114,6 +120,8 @@ class Dispatcher:
             model_name: only backends serving this model are used.
             route: filled with the backend used.
             timeout_s: the client's remaining time (None = no deadline).
+            span: the request's span (traces on): each attempt is a ``gateway.backend_call`` child,
+                whose traceparent the call carries.
         Raises:
             UnavailableError: no backend could serve it, or the backend failed mid-stream.
             DeadlineExceededError: the client's deadline passed mid-stream.
@@ -141,7 +149,13 @@ class Dispatcher:
             message = to_compute_request(request, f"gw-{uuid.uuid4().hex}")
             # A retry gets what is left of the client's time, not the whole of it again.
             remaining = None if deadline is None else max(deadline - time.monotonic(), 0.001)
-            call = backend.stub.Generate(message, timeout=remaining)
+            call_span = metadata = call_error = None
+            if span is not None and self.tracer is not None:
+                call_span = self.tracer.start("gateway.backend_call", span, kind="client", attributes={
+                    "pagedserve.backend": backend.address, "pagedserve.attempt": attempt + 1,
+                    "pagedserve.backend_request_id": message.request_id})
+                metadata = ((TRACEPARENT, self.tracer.traceparent(call_span)),)
+            call = backend.stub.Generate(message, timeout=remaining, metadata=metadata)
             route.call, route.target, route.backend_request_id = call, backend, message.request_id
             has_first = False
             try:
@@ -154,6 +168,7 @@ class Dispatcher:
                 return
             except grpc.aio.AioRpcError as exc:
                 code = exc.code()
+                call_error = code.name
                 if code == grpc.StatusCode.UNAVAILABLE:
                     backend.mark_failed(f"request failed: {exc.details()}")
                 if has_first:
@@ -170,6 +185,8 @@ class Dispatcher:
             finally:
                 ticket.release()
                 route.cancel()  # a no-op unless the client went away (cancel, deadline) mid-call
+                if call_span is not None and self.tracer is not None:
+                    self.tracer.end(call_span, error=call_error)
         raise first_error or UnavailableError("no healthy backend")
 
 

@@ -29,9 +29,11 @@ from gateway.routing import Router
 from gateway.servicer import GatewayServicer
 from gateway.tenants import Tenants
 from gateway.tokenizer import TokenizerFetchError, fetch_tokenizer
+from gateway.traces import TraceparentMiddleware
 from pagedserve import rpc, sockets
 from pagedserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from pagedserve.log import get_logger
+from pagedserve.trace_context import tracer_for
 
 log = get_logger("gateway")
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
@@ -56,6 +58,8 @@ class Gateway:
             self.metrics,
             self.tenants,
         )
+        self.tracer = tracer_for(config.otlp_traces_endpoint, "pagedserve-gateway")  # None (no import) when off
+        self.core.tracer = self.core.dispatcher.tracer = self.tracer
         self.servicer = GatewayServicer(self.core)
         interceptors = [ApiKeyInterceptor(self.tenants)] if self.tenants.requires_key else []
         self.server, self.health = rpc.create_aio_server(
@@ -66,6 +70,8 @@ class Gateway:
             front = OpenAIFront(self.core, lambda: self.health.is_serving and not self._stopping)
             # The gRPC front's certificate serves HTTPS here (TLS on one front only would be a gap).
             app = RequestGuard(front.app, allowed_hosts(config.http_allowed_hosts, self.tenants.requires_key))
+            if self.tracer is not None:
+                app = TraceparentMiddleware(app)
             self.http = HttpServer(app, config.http_bind_host, config.http_port, config.grace_period_s,
                                    config.tls_cert_file, config.tls_key_file, config.http_read_timeout_s,
                                    config.http_max_connections, self.metrics.http_connection_closed)
@@ -145,6 +151,8 @@ class Gateway:
         await asyncio.gather(*stopping)
         await self.pool.close()
         self.core.close()
+        if self.tracer is not None:
+            await asyncio.to_thread(self.tracer.shutdown)  # the spans still batched
 
 
 async def serve(config: GatewayConfig) -> None:

@@ -22,8 +22,10 @@ from gateway.core.streaming import ReplyBudget, collect, pieces, send_within
 from gateway.core.types import Delta
 from gateway.grpc_convert import piece_to_pb, reply_to_pb, request_from_pb, tokenize_from_pb
 from gateway.tenants import Tenant
+from gateway.traces import INCOMING_TRACEPARENT
 from pagedserve.errors import DeadlineExceededError, InvalidArgument, ResourceExhaustedError
 from pagedserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from pagedserve.trace_context import traceparent_of
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
@@ -64,6 +66,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             raise self._refused(record, exc) from None
         # grpc.aio cancels the handler when the client goes away, but not while grpc itself writes.
         context.add_done_callback(lambda _: record.route.cancel())
+        if self.core.tracer is not None:
+            INCOMING_TRACEPARENT.set(traceparent_of(context.invocation_metadata()))  # this call's task only
         deltas = self.core.run(converted, record, tenant, context.time_remaining(), reply=reply)
         async with contextlib.aclosing(deltas):
             async for delta in deltas:

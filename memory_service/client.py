@@ -7,7 +7,7 @@ Step RPC. Protobuf stays at this edge: callers pass and get the block manager's 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import grpc
@@ -15,6 +15,7 @@ import grpc
 from pagedserve.errors import PreconditionError, UnavailableError
 from pagedserve.memory.v1 import memory_pb2 as pb
 from pagedserve.memory.v1 import memory_pb2_grpc
+from pagedserve.trace_context import TRACEPARENT
 
 from memory_service import convert
 from memory_service.manager.block_types import AppendOp, BlockManagerStats, Op, OpResult, ReservedPool
@@ -119,6 +120,9 @@ class MemoryClient:
             self._channel.close()
             raise
         self.pool = self._mapped.tensor  # (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+        # The traceparent of a step's ops, if a traced request needs it (the compute service's
+        # request spans set it when traces are on): sent with that Step only (docs/design.md, "Traces").
+        self.traceparent_of: Callable[[Sequence[Op]], str | None] | None = None
         self._keepalive_call: grpc.Future | None = None
         self._keepalive_lock = threading.Lock()
         self._keepalive_thread = threading.Thread(target=self._keep_alive, name="memory-keepalive", daemon=True)
@@ -187,7 +191,9 @@ class MemoryClient:
             late_ops=[convert.op_to_pb(op) for op in ops[end:]],
             prefill_tokens_per_s=prefill_tokens_per_s,
         )
-        reply = self._call(self._stub.Step, request)
+        traceparent = self.traceparent_of(ops) if self.traceparent_of is not None and ops else None
+        metadata = self._metadata if traceparent is None else (*(self._metadata or ()), (TRACEPARENT, traceparent))
+        reply = self._call(self._stub.Step, request, metadata)
         results = [convert.result_from_pb(r) for r in reply.results]
         results[first:first] = convert.append_results_from_pb(reply.append_results)
         return StepResult(results, reply.num_available_blocks, reply.num_available_reserved_blocks,
@@ -216,10 +222,11 @@ class MemoryClient:
         """Raises ``MemoryServiceUnavailable`` unless the service answers (the idle owner's check)."""
         self._call(self._stub.Ping, pb.PingRequest())
 
-    def _call(self, method: grpc.UnaryUnaryMultiCallable, request: object) -> object:
+    def _call(self, method: grpc.UnaryUnaryMultiCallable, request: object,
+              metadata: tuple[tuple[str, str], ...] | None = None) -> object:
         """Every RPC after Attach: the codes of ``_GONE`` become ``MemoryServiceUnavailable``."""
         try:
-            return method(request, timeout=self._step_timeout_s, metadata=self._metadata)
+            return method(request, timeout=self._step_timeout_s, metadata=metadata or self._metadata)
         except grpc.RpcError as exc:
             if exc.code() not in _GONE:
                 raise

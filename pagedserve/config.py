@@ -38,11 +38,14 @@ class ServiceConfig:
             free port).
         metrics_host: the metrics server's bind address (it has no authentication: keep it local).
         log_level: one of LOG_LEVELS.
+        otlp_traces_endpoint: send spans over OTLP/gRPC to this collector, ``http://HOST:PORT`` or
+            ``https://HOST:PORT`` (None = no traces; pagedserve/tracing.py).
     """
 
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
     log_level: str = "info"
+    otlp_traces_endpoint: str | None = None
 
     def __post_init__(self) -> None:
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
@@ -51,6 +54,9 @@ class ServiceConfig:
             raise ValueError("metrics_host must be a bind address, got an empty string")
         if self.log_level.lower() not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+        endpoint = self.otlp_traces_endpoint
+        if endpoint is not None and not (endpoint.startswith(("http://", "https://")) and len(endpoint) > 8):
+            raise ValueError(f"otlp_traces_endpoint must be http://HOST:PORT or https://HOST:PORT, got {endpoint!r}")
 
 
 # Help for ServiceConfig's flags, which every service takes.
@@ -58,6 +64,8 @@ SERVICE_FLAGS = {
     "metrics_port": "serve Prometheus metrics over HTTP on this port (0 = any free port)",
     "metrics_host": "bind address of the metrics server (it has no authentication)",
     "log_level": "/".join(LOG_LEVELS),
+    "otlp_traces_endpoint": "send trace spans over OTLP/gRPC to this collector, http://HOST:PORT or https://HOST:PORT "
+                            "(default: no traces); a W3C traceparent from the caller is followed",
 }
 
 

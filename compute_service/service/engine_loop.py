@@ -25,14 +25,14 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
 from pagedserve.errors import AlreadyExistsError, InvalidArgument, UnavailableError, echo
 from pagedserve.log import get_logger
 
-from memory_service.api import KvTierInfo, MemoryServiceUnavailable
+from memory_service.api import KvTierInfo, MemoryServiceUnavailable, Op
 
 from compute_service.engine.allocator import KvAllocator
 from compute_service.engine.engine import Engine
@@ -40,6 +40,7 @@ from compute_service.engine.outputs import RequestDelta
 from compute_service.engine.request import EngineLoad, GenerateInput
 from compute_service.engine.sampling_params import SamplingParams
 from compute_service.service.request_metrics import RequestTimes
+from compute_service.service.request_traces import RequestSpans
 
 log = get_logger("engine_loop")
 
@@ -73,6 +74,8 @@ class MemoryLease(KvAllocator, Protocol):
     memory_service_id: str
     memory_service_epoch: str
     tiers: tuple[KvTierInfo, ...]
+    # The traceparent a Step's ops carry (memory_service.client.MemoryClient; set when traces are on).
+    traceparent_of: Callable[[Sequence[Op]], str | None] | None
 
     @property
     def is_connected(self) -> bool: ...
@@ -107,6 +110,7 @@ class AddCommand:
     sink: Sink
     grammar: Any | None = None  # params.constraint compiled off this thread (xgrammar CompiledGrammar)
     arrival_s: float = field(default_factory=time.monotonic)  # handed to the loop (the latency histograms)
+    traceparent: str | None = None  # the caller's W3C trace context (used only when traces are on)
 
     @property
     def request_id(self) -> str:
@@ -150,6 +154,7 @@ class EngineLoop:
         self.load = EngineLoad(0, 0, 0.0, 0.0, 0)  # replaced (never mutated) after each step
         self.totals = LoopTotals()  # written by the loop thread only
         self.request_times = RequestTimes()  # the latency histograms, fed by the loop thread
+        self.request_spans: RequestSpans | None = None  # set before ``start`` when traces are on
         self._is_warm = False
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
@@ -225,6 +230,8 @@ class EngineLoop:
                 self._wake.clear()
                 continue
             engine, lease = attached
+            if self.request_spans is not None:  # the Steps that admit a traced request carry its traceparent
+                lease.traceparent_of = self.request_spans.traceparent_of
             self.engine, self.lease = engine, lease
             self.load = engine.load()
             log.info("engine_attached", client_id=lease.client_id, num_blocks=lease.num_blocks)
@@ -254,7 +261,10 @@ class EngineLoop:
             num_drafts, num_accepted = engine.num_draft_tokens, engine.num_accepted_draft_tokens
             step_start = time.monotonic()
             outputs = engine.step()
-            self.request_times.stepped(engine, step_start, outputs, time.monotonic())
+            step_end = time.monotonic()
+            self.request_times.stepped(engine, step_start, outputs, step_end)
+            if self.request_spans is not None:
+                self.request_spans.stepped(engine, step_start, outputs, step_end)
             if not outputs and engine.num_steps == num_steps:
                 self._wake.wait(WAITING_POLL_S)  # requests wait for blocks: poll, do not spin
             self.load = engine.load()  # before the outputs: a client that saw them sees this load
@@ -305,10 +315,14 @@ class EngineLoop:
                 continue
             self._sinks[command.request_id] = command.sink
             self.request_times.arrived(command.request_id, command.arrival_s)
+            if self.request_spans is not None:
+                self.request_spans.arrived(engine, command.request_id, command.traceparent, command.arrival_s)
 
     def _fail_all(self, exc: Exception) -> None:
         sinks, self._sinks = self._sinks, {}
         self.request_times.forget_all()
+        if self.request_spans is not None:
+            self.request_spans.forget_all(str(exc))
         for sink in sinks.values():
             sink(exc)
         self._drain_commands(None)

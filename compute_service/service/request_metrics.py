@@ -69,7 +69,7 @@ class RequestTimes:
 
     def stepped(self, engine: Engine, step_start: float, outputs: Iterable[RequestDelta], now: float) -> None:
         """After one step that began at ``step_start`` and ended at ``now`` with ``outputs``."""
-        for request_id in [r for r in self._queued if self._is_admitted(engine, r)]:
+        for request_id in [r for r in self._queued if is_admitted(engine, r)]:
             self._queued.discard(request_id)
             self._admissions[request_id] = step_start
             self.request_queue_time.observe(step_start - self._arrivals[request_id])
@@ -102,7 +102,8 @@ class RequestTimes:
         for request_id in list(self._arrivals):
             self.forget(request_id)
 
-    @staticmethod
-    def _is_admitted(engine: Engine, request_id: str) -> bool:
-        request = engine.requests.get(request_id)
-        return request is not None and any(seq.block_table for seq in request.seqs)
+
+def is_admitted(engine: Engine, request_id: str) -> bool:
+    """Whether the request holds blocks (its first sequence was admitted; request_traces.py asks too)."""
+    request = engine.requests.get(request_id)
+    return request is not None and any(seq.block_table for seq in request.seqs)

@@ -30,6 +30,7 @@ from pagedserve.errors import UnavailableError
 from pagedserve.log import get_logger
 from pagedserve.process import check_health
 from pagedserve.service_auth import TokenInterceptor
+from pagedserve.trace_context import tracer_for
 
 from memory_service.api import KvLayout, MemoryClient
 
@@ -44,6 +45,7 @@ from compute_service.service.engine_loop import Attached, EngineLoop
 from compute_service.model.fingerprint import weights_fingerprint
 from compute_service.model.model_info import ModelInfo, model_info
 from compute_service.model.model_loader import LoadedModel, load_model
+from compute_service.service.request_traces import RequestSpans
 from compute_service.service.servicer import ComputeServicer
 
 log = get_logger("compute_service")
@@ -164,6 +166,9 @@ async def serve(config: ComputeServiceConfig, engine_config: EngineConfig,
                     config.memory_token, detokenize_fault),
         on_ready, retry_interval_s=config.memory_retry_interval_s, ping_interval_s=config.memory_ping_interval_s,
     )
+    tracer = tracer_for(config.otlp_traces_endpoint, "pagedserve-compute")  # None (nothing imported) when off
+    if tracer is not None:
+        loop.request_spans = RequestSpans(tracer)
     servicer.start(loop, info, grammars)
     loop.start()
     if config.metrics_port is not None:
@@ -180,6 +185,8 @@ async def serve(config: ComputeServiceConfig, engine_config: EngineConfig,
     _remove_socket(address)
     if grammars is not None:
         grammars.close()  # its worker processes (a compile in progress is killed)
+    if tracer is not None:
+        await asyncio.to_thread(tracer.shutdown)  # the spans still batched
     log.info("compute_service_stopped")
     if num_abandoned_fills():
         # A mask fill past its deadline still runs in C++: interpreter finalization would destroy

@@ -27,6 +27,7 @@ from pagedserve.errors import (
     AlreadyExistsError, RequestFailedError, ResourceExhaustedError, StreamStalledError, UnavailableError, echo,
 )
 from pagedserve.log import get_logger
+from pagedserve.trace_context import traceparent_of
 
 from compute_service.service import convert
 from compute_service.engine.config import EngineConfig
@@ -139,7 +140,8 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
         finished = False
         has_streamed = False
         try:
-            loop.submit(AddCommand(req, buffer.put, grammar))
+            traceparent = traceparent_of(context.invocation_metadata()) if loop.request_spans is not None else None
+            loop.submit(AddCommand(req, buffer.put, grammar, traceparent=traceparent))
             while not finished:
                 item = await buffer.get()
                 if isinstance(item, Exception):

@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncIterator, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from gateway.config import GatewayConfig
 from gateway.core import tool_parsers, tools
@@ -25,10 +26,14 @@ from gateway.dispatch import Dispatcher, Route
 from gateway.metrics import GatewayMetrics
 from gateway.tenants import Admission, Tenant, Tenants
 from gateway.tokenizer import ModelTokenizer
+from gateway.traces import INCOMING_TRACEPARENT
 from pagedserve import sampling_rules as rules
 from pagedserve.errors import InvalidArgument, UnavailableError
 from pagedserve.log import get_logger
 from pagedserve.rpc import status_for
+
+if TYPE_CHECKING:
+    from pagedserve.tracing import Span, Tracer
 
 log = get_logger("gateway.access")
 
@@ -46,6 +51,7 @@ class RequestRecord:
     last_token_at: float | None = None
     usage: Usage = field(default_factory=Usage)
     route: Route = field(default_factory=Route)
+    span: Span | None = None  # its trace span, when traces are on (ended by ``GatewayCore.finish``)
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.started
@@ -72,6 +78,7 @@ class GatewayCore:
         # Tokenizing a long prompt takes milliseconds to seconds of CPU: on threads of its own, few
         # of them, so neither the event loop nor the default executor's other work waits on it.
         self.tokenize_executor = ThreadPoolExecutor(config.tokenize_threads, thread_name_prefix="gateway-tokenize")
+        self.tracer: Tracer | None = None  # set by the gateway when traces are on (pagedserve/tracing.py)
 
     @property
     def num_in_flight(self) -> int:
@@ -197,6 +204,10 @@ class GatewayCore:
             InvalidArgument, ResourceExhaustedError, PermissionDeniedError, UnavailableError, ...:
             every failure is a ``pagedserve.errors`` type; each front answers it with its status.
         """
+        started = time.monotonic()
+        if self.tracer is not None:  # the front's traceparent (gateway/traces.py), else a new trace
+            record.span = self.tracer.start(f"gateway {record.method}", INCOMING_TRACEPARENT.get(), kind="server",
+                                            at=started, attributes={"pagedserve.request_id": record.request_id})
         if admission is None:
             [admission] = self.admit(tenant, record, request.priority)
         record.tenant = tenant.name
@@ -215,7 +226,11 @@ class GatewayCore:
             backend_request = validated.to_backend(list(token_ids), tenant.cache_salt(request.cache_salt),
                                                    max_tokens_to_context, tenant.name)
             record.usage.prompt_tokens = len(token_ids)  # until the backend's usage arrives
-            deltas = self.dispatcher.run(backend_request, model.info.model_name, record.route, timeout_s)
+            if record.span is not None and self.tracer is not None:  # admitted, validated, tokenized
+                self.tracer.record("gateway.admission", record.span, started, time.monotonic(), {
+                    "pagedserve.tenant": tenant.name, "pagedserve.num_prompt_tokens": len(token_ids)})
+            deltas = self.dispatcher.run(backend_request, model.info.model_name, record.route, timeout_s,
+                                         record.span)
             if tool_plan is not None:
                 deltas = tools.with_tool_calls(deltas, tool_plan, model.token_text)
             waiting.inc()  # until its first answer: the tenant's queue at the backends
@@ -277,6 +292,13 @@ class GatewayCore:
         extra: dict[str, object] = {} if path is None else {"path": path}
         if self.config.log_prompts and request is not None:
             extra = {"prompt": request.prompt or "", "messages": [m.content for m in request.messages or ()]}
+        if record.span is not None and self.tracer is not None:
+            self.tracer.end(record.span, error=None if record.status == "OK" else record.status, attributes={
+                "pagedserve.tenant": record.tenant, "pagedserve.status": record.status,
+                "pagedserve.backend": record.route.backend, "pagedserve.num_prompt_tokens": record.usage.prompt_tokens,
+                "pagedserve.num_output_tokens": record.usage.completion_tokens,
+                "pagedserve.num_cached_tokens": record.usage.cached_prompt_tokens})
+            record.span = None
         log.info("request", request_id=record.request_id, method=record.method, tenant=record.tenant,
                  status=record.status,
                  backend=record.route.backend, attempts=record.route.num_attempts,

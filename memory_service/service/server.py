@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from pagedserve import rpc, sockets
 from pagedserve.log import get_logger
 from pagedserve.memory.v1 import memory_pb2, memory_pb2_grpc
+from pagedserve.trace_context import tracer_for
 
 from memory_service.config import MemoryServiceConfig
 from memory_service.service.metrics import MemoryStatsCollector
@@ -19,6 +20,8 @@ from memory_service.pool.kv_pool import remove_stale_segments
 from memory_service.service.servicer import MemoryManagerServicer
 
 if TYPE_CHECKING:
+    from pagedserve.tracing import Tracer
+
     from memory_service.service.kv_events import KvEventPublisher
 
 log = get_logger("memory_service")
@@ -33,14 +36,17 @@ class RunningMemoryService:
     addresses: list[str]
     health: rpc.AioHealth
     kv_events: KvEventPublisher | None = None
+    tracer: Tracer | None = None
 
     async def stop(self, grace: float | None = 1.0) -> None:
-        """NOT_SERVING, end the streams, stop the server, free the pool, send the last KV events."""
+        """NOT_SERVING, end the streams, stop the server, free the pool, send the last KV events and spans."""
         await self.health.shut_down()
         await self.servicer.close()  # ends KeepAlive streams, so the grace period is not spent on them
         await self.server.stop(grace)
         if self.kv_events is not None:
             await asyncio.to_thread(self.kv_events.close)
+        if self.tracer is not None:
+            await asyncio.to_thread(self.tracer.shutdown)
 
 
 async def start(config: MemoryServiceConfig, *, pool_creation_delay_s: float = 0.0) -> RunningMemoryService:
@@ -56,6 +62,11 @@ async def start(config: MemoryServiceConfig, *, pool_creation_delay_s: float = 0
     if num_removed:
         log.info("stale_segments_removed", num_segments=num_removed)
     servicer = MemoryManagerServicer(config, pool_creation_delay_s=pool_creation_delay_s)
+    tracer = tracer_for(config.otlp_traces_endpoint, "pagedserve-memory")  # None (nothing imported) when off
+    if tracer is not None:
+        from memory_service.service.step_traces import StepTraces
+
+        servicer.traces = StepTraces(tracer)
     server, health = rpc.create_aio_server(
         [lambda s: memory_pb2_grpc.add_MemoryManagerServicer_to_server(servicer, s)], [SERVICE_NAME]
     )
@@ -87,4 +98,4 @@ async def start(config: MemoryServiceConfig, *, pool_creation_delay_s: float = 0
     log.info("memory_service_started", addresses=addresses, metrics_port=config.metrics_port,
              memory_service_id=servicer.service_id)
     return RunningMemoryService(server=server, servicer=servicer, addresses=addresses, health=health,
-                                kv_events=kv_events)
+                                kv_events=kv_events, tracer=tracer)

@@ -64,6 +64,7 @@ from memory_service.pool.kv_pool import (
     default_kv_budget,
 )
 from memory_service.service import trust
+from memory_service.service.step_traces import StepTrace, StepTraces
 from memory_service.tier.disk_tier import DiskTier, TierIdentity
 
 if TYPE_CHECKING:
@@ -131,6 +132,7 @@ class MemoryManagerServicer(memory_pb2_grpc.MemoryManagerServicer):
         self._tier_lock = asyncio.Lock()
         # Told of every block committed, evicted, stored in or dropped from a tier (kv_events.py).
         self.kv_events = KvEventLog(config.block_size) if config.kv_events_endpoint is not None else None
+        self.traces: StepTraces | None = None  # set before serving when traces are on (service/server.py)
         if config.kv_host_bytes is not None:  # allocated at the first trusted Attach: refused now if it cannot be
             check_host_tier_space(config.kv_host_bytes)
         if config.kv_disk_dir is not None:  # made (0700) now: a bad directory fails the start
@@ -348,6 +350,8 @@ class MemoryManagerServicer(memory_pb2_grpc.MemoryManagerServicer):
             if self._stopping.is_set():
                 raise UnavailableError("the memory service is shutting down")
             self.tier = TierWorker(self.block_manager, self._lock, pool.tensor, host=self._host, disk=self._disk)
+            if self.traces is not None:
+                self.tier.on_load_done = self.traces.load_done
             self.block_manager.enable_tier(self.tier)
             self._opened_identity = identity
 
@@ -397,6 +401,13 @@ class MemoryManagerServicer(memory_pb2_grpc.MemoryManagerServicer):
 
     async def Step(self, request: pb.StepRequest, context: grpc.aio.ServicerContext) -> pb.StepResponse:
         num_ops = len(request.ops) + len(request.appends.seq_ids) + len(request.late_ops)
+        if self.traces is None:
+            return self._step(request, context, num_ops, None)
+        with self.traces.step(context.invocation_metadata(), request.client_id, num_ops) as trace:
+            return self._step(request, context, num_ops, trace)
+
+    def _step(self, request: pb.StepRequest, context: grpc.aio.ServicerContext, num_ops: int,
+              trace: StepTrace | None) -> pb.StepResponse:
         if num_ops > MAX_OPS_PER_STEP:
             raise InvalidArgument(f"the step has {num_ops} ops; at most {MAX_OPS_PER_STEP} per step")
         lease = self._lease(request.client_id, context)
@@ -419,6 +430,8 @@ class MemoryManagerServicer(memory_pb2_grpc.MemoryManagerServicer):
             quota_left = max(0, manager.num_quota_left(request.client_id))
             loaded_seq_ids = manager.take_load_reports(request.client_id)
             new_loads = manager.take_new_loads()
+        if trace is not None:
+            trace.started_loads(new_loads)
         if self.tier is not None:
             self.tier.submit(new_loads)  # and wakes the writer for the blocks this step committed
         num_available_reserved = min(num_available_reserved, quota_left - min(num_available, quota_left))

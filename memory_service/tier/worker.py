@@ -48,7 +48,7 @@ import time
 
 import torch
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from pagedserve.dtypes import DTYPES
@@ -145,6 +145,9 @@ class TierWorker:
         self._close_deadline = 0.0  # set by ``close`` before ``_stopping``
         self._wake_writer = threading.Event()
         self._loads: queue.SimpleQueue[TierLoad | None] = queue.SimpleQueue()
+        # Called on the loader thread after each load (its start, blocks loaded, blocks read per tier):
+        # the service's trace spans (memory_service/service/step_traces.py), when on.
+        self.on_load_done: Callable[[TierLoad, float, int, dict[str, int]], None] | None = None
         self._readers = ThreadPoolExecutor(READ_AHEAD_FILES, thread_name_prefix="kv-tier-read") if disk else None
         self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
         self._loaders = [threading.Thread(target=self._load_loop, name=f"kv-tier-loader-{i}", daemon=True)
@@ -454,6 +457,8 @@ class TierWorker:
             with self._lock:
                 self._manager.finish_load(load, num_loaded)
             self.accounts.record(load, num_read, read_s, elapsed_s)
+            if self.on_load_done is not None:
+                self.on_load_done(load, start, num_loaded, num_read)
             log.info("kv_tier_loaded", seq_id=load.seq_id, num_blocks=len(load.block_ids), num_loaded=num_loaded,
                      **{f"num_{kind}_blocks": n for kind, n in num_read.items()}, elapsed_s=round(elapsed_s, 4))
 
