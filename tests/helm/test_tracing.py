@@ -44,6 +44,15 @@ def test_an_endpoint_turns_traces_on_in_every_service() -> None:
     assert lint(values) == []
 
 
+def test_behind_an_inference_pool_each_engine_pods_openai_front_traces_too() -> None:
+    values = {"inferencePool": {"enabled": True}, "gateway": {"httpAllowedHosts": ["llm.example.com"]},
+              "tracing": {"otlpEndpoint": ENDPOINT}}
+    engine = engine_pod(render(values))
+    assert {name: flag(container(engine, name), "--otlp-traces-endpoint") for name in ("memory", "compute", "openai")} \
+        == dict.fromkeys(("memory", "compute", "openai"), ENDPOINT)
+    assert gateway_main.build_parser().parse_args(container(engine, "openai")["args"]).otlp_traces_endpoint == ENDPOINT
+
+
 @pytest.mark.parametrize("endpoint", ["otel:4317", "grpc://otel:4317", "http://otel collector:4317"])
 def test_an_endpoint_without_its_scheme_fails_install_naming_the_key(endpoint: str) -> None:
     with pytest.raises(helm.HelmValuesError) as info:
