@@ -1,4 +1,4 @@
-"""python -m memory_service: run the memory service until SIGINT/SIGTERM."""
+"""python -m memory_service: run the memory service until SIGINT/SIGTERM, then drain and stop."""
 
 from __future__ import annotations
 
@@ -29,6 +29,8 @@ FLAGS = {
     "reserved_min_priority": "lowest priority that may use reserved blocks",
     "device": "cpu or cuda[:N]",
     "lease_ttl_s": "seconds of silence before a client's lease expires",
+    "drain_timeout_s": "on SIGTERM, seconds the attached clients' requests in flight may take to finish "
+                       "(no new attach meanwhile)",
     "max_clients": "clients attached at once",
     "max_blocks_per_client": "block-table entries one client's sequences may hold together (default: the pool)",
     "max_untrusted_client_blocks": "the same for a client without the token, when there is one",
@@ -91,6 +93,7 @@ async def _serve(config: MemoryServiceConfig, pool_creation_delay_s: float) -> i
         loop.add_signal_handler(sig, stop.set)
     print(f"memory service listening on {', '.join(service.addresses)}", flush=True)
     await stop.wait()
+    await service.drain(config.drain_timeout_s)
     await service.stop()
     return 0
 

@@ -62,6 +62,9 @@ class MemoryServiceConfig(ServiceConfig):
     reserved_min_priority: int = 1
     device: str = "cpu"  # "cpu" or "cuda" / "cuda:N"
     lease_ttl_s: float = 30.0
+    # SIGTERM: NOT_SERVING and no new attach at once, then the attached clients' requests in flight
+    # (sequences held) get this long to finish, their calls answered, before the service stops.
+    drain_timeout_s: float = 30.0
     max_clients: int = 64  # attached clients at once (each compute service is one)
     # Block-table entries one client's live sequences may hold together (None: the whole pool).
     max_blocks_per_client: int | None = None
@@ -98,6 +101,8 @@ class MemoryServiceConfig(ServiceConfig):
             raise ValueError(f"reserved_fraction must be in [0, 1), got {self.reserved_fraction}")
         if not (math.isfinite(self.lease_ttl_s) and self.lease_ttl_s > 0):
             raise ValueError(f"lease_ttl_s must be a finite number > 0, got {self.lease_ttl_s}")
+        if not (math.isfinite(self.drain_timeout_s) and self.drain_timeout_s >= 0):
+            raise ValueError(f"drain_timeout_s must be a finite number >= 0, got {self.drain_timeout_s}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.max_clients < 1:

@@ -124,7 +124,8 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     return run_up(UpConfig(model=args.model, host=args.host, port=args.port, http_port=args.http_port,
                            service_flags={item.field: getattr(args, item.field) for item in PASS_THROUGH},
-                           config_file=args.config, log_format=args.log_format))
+                           config_file=args.config, log_format=args.log_format,
+                           drain_timeout_s=args.drain_timeout_s))
 
 
 def _client_flags(parser: argparse.ArgumentParser) -> None:
@@ -154,6 +155,9 @@ def build_parser(with_up_flags: bool = True) -> argparse.ArgumentParser:
     up.add_argument("--log-format", choices=LOG_FORMATS,
                     help="the services' log lines: json or console (default: console on a terminal, json otherwise)")
     up.add_argument("--config", help="JSON config file for the memory and compute services")
+    up.add_argument("--drain-timeout-s", type=float, default=30.0,
+                    help="on Ctrl-C or SIGTERM, seconds each service may drain: requests in flight finish "
+                         "(gateway, then compute, then memory; default 30)")
     if with_up_flags:  # the services' own flags that up passes on (pagedserve/up.py's PASS_THROUGH)
         from pagedserve.up import add_pass_through_flags
 

@@ -24,6 +24,16 @@ from __future__ import annotations
 COMPUTE_STOP_S = 5
 # The gateway after its grace period: both fronts closed, its backend channels and the core.
 GATEWAY_STOP_S = 5
-# The memory service (a sidecar, signalled after the compute container exited): the KV tier writes
-# what is not on disk yet for 2 s at most (docs/design.md, "KV tiers"), then the pool is freed.
+# The memory service after its drain (``--drain-timeout-s``: its clients' requests in flight finish; in a
+# pod it is signalled after the compute container exited, so none is left): the KV tier writes what is not on
+# disk yet for 2 s at most (docs/design.md, "KV tiers"), then the pool is freed.
 MEMORY_STOP_S = 5
+
+_STOP_S = {"gateway": GATEWAY_STOP_S, "compute_service": COMPUTE_STOP_S, "memory_service": MEMORY_STOP_S}
+
+
+def stop_bound_s(module: str, drain_timeout_s: float) -> float:
+    """How long after its SIGTERM the service ``module`` ("gateway", "compute_service",
+    "memory_service") has exited at the latest, given its drain timeout: what ``pagedserve up`` waits
+    before it kills one."""
+    return drain_timeout_s + _STOP_S[module]

@@ -12,6 +12,11 @@ process dies (``PR_SET_PDEATHSIG``, Linux). It is set by the service itself rath
 parent with live channels then start a poller thread in the pre-exec child that aborts it now and
 then (SIGABRT). The kernel sends the signal when the *thread* that started the child exits, so
 start services from a long-lived thread (the main thread, or the thread that also stops them).
+
+Why each service runs in a process group of its own: the owner decides the order of the stop
+(``pagedserve up`` drains the gateway first, then the compute service, then the memory service), and a
+terminal's Ctrl-C signals the whole foreground process group at once, which would stop all three
+together: a memory service gone while the compute service still finishes a request fails it.
 """
 
 from __future__ import annotations
@@ -180,6 +185,7 @@ class ServiceProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", module, *self.args, *tie],
             env=env, stdout=self._log, stderr=subprocess.STDOUT if self._log else None, stdin=subprocess.DEVNULL,
+            process_group=0,  # the module docstring: a terminal's Ctrl-C reaches the owner alone
         )
 
     @classmethod

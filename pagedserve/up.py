@@ -8,11 +8,20 @@ token, made fresh for the run (pagedserve/stack.py): only this run's compute ser
 namespaces in it (memory_service/service/trust.py). ``up`` stops all three when
 it is interrupted (Ctrl-C, SIGTERM) or when any one of them dies, gateway first (no new requests),
 memory service last (it owns the KV pool's shared memory, which it unlinks as it exits).
+
+The stop is a drain, one service after the other: each gets SIGTERM only once the one in front of it
+has exited, and ``--drain-timeout-s`` (each service's own drain flag) to finish what it holds, so a
+stream in flight at Ctrl-C completes through all three (the gateway waits for it, and the compute
+and memory services behind it are still serving). Each is waited for at most its bound
+(pagedserve/drain.py, ``stop_bound_s``), so ``up`` has exited within the sum of the three. The
+services run in process groups of their own (pagedserve/process.py): a terminal's Ctrl-C reaches
+``up`` alone, which keeps that order.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import sys
@@ -24,6 +33,7 @@ from typing import Any
 from grpc_health.v1 import health_pb2
 
 from pagedserve.config import add_config_flags
+from pagedserve.drain import stop_bound_s
 from pagedserve.log import LOG_FORMATS
 from pagedserve.process import ServiceProcess, check_health
 from pagedserve.sockets import free_port
@@ -123,6 +133,9 @@ class UpConfig:
         log_format: the services' log lines, "json" or "console" (None: console when ``up`` itself
             writes to a terminal, JSON otherwise; the services' own output is never a terminal
             test, since they inherit ``up``'s).
+        drain_timeout_s: on Ctrl-C or SIGTERM, how long each service may drain (the gateway's
+            ``--grace-period-s``, the compute service's ``--shutdown-grace-s``, the memory service's
+            ``--drain-timeout-s``).
     """
 
     model: str = "default"
@@ -133,8 +146,11 @@ class UpConfig:
     config_file: str | None = None
     ready_timeout_s: float = 600.0
     log_format: str | None = None
+    drain_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
+        if not (math.isfinite(self.drain_timeout_s) and self.drain_timeout_s >= 0):
+            raise ValueError(f"drain_timeout_s must be a finite number >= 0, got {self.drain_timeout_s}")
         for name in ("port", "http_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"{name} must be in [0, 65536), got {getattr(self, name)}")
@@ -213,9 +229,11 @@ def stack_config(config: UpConfig, log_format: str, http_port: int) -> StackConf
             if item.is_path:
                 value = os.path.abspath(os.path.expanduser(str(value)))
             passed[item.service] += [item.flag, _flag_value(value)]
-    return StackConfig(model=config.model, memory_args=(*passed["memory"], *shared),
-                       compute_args=(*passed["compute"], *shared),
-                       gateway_args=("--http-port", str(http_port), "--log-format", log_format, *passed["gateway"]),
+    drain = _flag_value(config.drain_timeout_s)
+    return StackConfig(model=config.model, memory_args=(*passed["memory"], "--drain-timeout-s", drain, *shared),
+                       compute_args=(*passed["compute"], "--shutdown-grace-s", drain, *shared),
+                       gateway_args=("--http-port", str(http_port), "--log-format", log_format,
+                                     "--grace-period-s", drain, *passed["gateway"]),
                        gateway_host=config.host, gateway_port=config.port, log_to_files=False,
                        ready_timeout_s=config.ready_timeout_s)
 
@@ -263,6 +281,16 @@ def run_up(config: UpConfig) -> int:
     except KeyboardInterrupt:
         pass
     finally:
-        stack.stop(timeout_s=15)
+        drain_stack(stack, config.drain_timeout_s)
         _say("stopped")
     return status
+
+
+def drain_stack(stack: Stack, drain_timeout_s: float) -> None:
+    """Stops the services one after the other, gateway first, each given its drain bound before it is
+    killed (``ServiceProcess.stop``), then removes the runtime directory; says how long each took."""
+    for service in reversed(stack.services):
+        started = time.monotonic()
+        service.stop(timeout_s=stop_bound_s(service.module, drain_timeout_s))
+        _say(f"{service.module} stopped ({time.monotonic() - started:.1f} s)")
+    stack.stop()  # the services are gone: the directory and its sockets

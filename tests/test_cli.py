@@ -240,3 +240,76 @@ def test_up_passes_the_host_tier_flag_to_the_memory_service() -> None:
     assert "--kv-host-bytes" not in stack.compute_args
     with pytest.raises(ValueError, match="--kv-host-bytes: kv_host_bytes must be an integer >= 1, got 0"):
         UpConfig(service_flags={"kv_host_bytes": 0})
+
+
+def test_ctrl_c_drains_up_in_order_and_leaves_nothing(service_model) -> None:
+    """Issue 41 item 3: Ctrl-C (SIGINT to the terminal's whole process group) while a stream is in
+    flight. The services run in process groups of their own, so only ``up`` gets it and drains them in
+    order, gateway, compute, memory, each once the one in front has exited: the stream completes
+    through all three, a new request is refused, ``up`` exits 0 within the sum of the three bounds, and
+    nothing is left (processes, the runtime directory and its sockets, shared memory)."""
+    import os
+    import signal
+    import threading
+
+    import grpc
+
+    from pagedserve.drain import stop_bound_s
+    from pagedserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+    from pagedserve.stack import shm_segments
+    from tests.processes import child_pids, is_gone
+
+    drain_s = 20
+    proc = subprocess.Popen([*CLI, "up", "--model", str(service_model.path), "--port", "0", "--http-port", "0",
+                             "--drain-timeout-s", str(drain_s), "--log-format", "json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL,
+                            start_new_session=True)  # its own process group, like a job in a terminal
+    output: list[str] = []
+    reader = threading.Thread(target=lambda: output.extend(proc.stdout), daemon=True)
+    reader.start()
+    try:
+        def is_up() -> bool:
+            assert proc.poll() is None, "".join(output)
+            return any("pagedserve is up" in line for line in output)
+
+        from pagedserve.process import wait_until
+
+        wait_until(is_up, 180, "pagedserve up's ready line", interval_s=0.1)
+        text = "".join(output)
+        address = re.search(r"gateway on (\S+),", text).group(1)
+        runtime = Path(re.search(r"unix:(\S+)/memory\.sock", text).group(1))
+        services = child_pids(proc.pid)
+        assert len(services) == 3
+        assert all(os.getpgid(pid) == pid for pid in services)  # each its own group
+        channel = grpc.insecure_channel(address)
+        stream = gateway_pb2_grpc.GatewayStub(channel).GenerateStream(gateway_pb2.GenerateRequest(
+            prompt="a tiny", params=gateway_pb2.SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)),
+            timeout=120)
+        read = [next(stream)]
+        signal_at = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
+        read += list(stream)  # the stream in flight completes through all three services
+        with grpc.insecure_channel(address) as late, pytest.raises(grpc.RpcError) as refused:
+            gateway_pb2_grpc.GatewayStub(late).Generate(gateway_pb2.GenerateRequest(
+                prompt="a tiny", params=gateway_pb2.SamplingParams(max_tokens=2)), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        channel.close()
+        bound_s = sum(stop_bound_s(m, drain_s) for m in ("gateway", "compute_service", "memory_service"))
+        assert proc.wait(timeout=bound_s + 30) == 0
+        exited_s = time.monotonic() - signal_at
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    reader.join(timeout=10)
+    text = "".join(output)
+    assert sum(len(m.token_ids) for m in read) == 400
+    assert [m.finish_reason for m in read if m.finish_reason] == ["length"]
+    stopped = [line.split("pagedserve: ")[1].split(" stopped")[0] for line in text.splitlines()
+               if re.match(r"pagedserve: \S+ stopped \(", line)]
+    assert stopped == ["gateway", "compute_service", "memory_service"], text[-3000:]
+    print(f"up drain: exited {exited_s:.2f} s after Ctrl-C (bound {bound_s} s); "
+          + "; ".join(line for line in text.splitlines() if re.match(r"pagedserve: \S+ stopped \(", line)))
+    assert exited_s <= bound_s
+    assert all(is_gone(pid) for pid in services)
+    assert not runtime.exists()
+    assert not [name for pid in services for name in shm_segments(pid)]

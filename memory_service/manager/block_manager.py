@@ -152,6 +152,10 @@ class BlockManager:
         if self._tier is not None:
             self._tier.add_client(client_id, tier_identity)
 
+    def num_sequences_of(self, client_id: str) -> int:
+        """The live sequences ``client_id`` holds (0 for a client not attached)."""
+        return len(self._client_seqs.get(client_id, ()))
+
     def release_client(self, client_id: str) -> int:
         """Ends a client's lease: frees all its sequences and forgets it.
 

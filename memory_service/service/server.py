@@ -38,6 +38,21 @@ class RunningMemoryService:
     kv_events: KvEventPublisher | None = None
     tracer: Tracer | None = None
 
+    async def drain(self, timeout_s: float) -> None:
+        """SIGTERM's first part: NOT_SERVING at once (readiness fails first), new attaches refused
+        UNAVAILABLE, and the attached clients (compute services, which drain their own requests
+        meanwhile) get up to ``timeout_s`` to finish the requests they hold blocks for; their Steps and
+        KeepAlive streams are answered until then (``MemoryManagerServicer.num_busy_clients``: who is
+        waited for)."""
+        self.servicer.is_draining = True
+        await self.health.shut_down()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        log.info("memory_service_draining", num_clients=self.servicer.num_busy_clients, timeout_s=timeout_s)
+        while self.servicer.num_busy_clients and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        log.info("memory_service_drained", num_clients_left=self.servicer.num_busy_clients)
+
     async def stop(self, grace: float | None = 1.0) -> None:
         """NOT_SERVING, end the streams, stop the server, free the pool, send the last KV events and spans."""
         await self.health.shut_down()

@@ -122,6 +122,7 @@ class MemoryManagerServicer(memory_pb2_grpc.MemoryManagerServicer):
         self.pool: KvPool | None = None
         self.block_manager: BlockManager | None = None
         self._stopping = asyncio.Event()
+        self.is_draining = False  # SIGTERM: no new attach (service/server.py, drain)
         self._reaper: asyncio.Task | None = None
         self._pool_lock = asyncio.Lock()  # one first attach creates the pool; the others wait for it
         self._creating: asyncio.Task | None = None  # the pool's creation (see _ensure_pool)
@@ -267,7 +268,19 @@ class MemoryManagerServicer(memory_pb2_grpc.MemoryManagerServicer):
 
     # --- RPCs -------------------------------------------------------------------------------
 
+    @property
+    def num_busy_clients(self) -> int:
+        """Clients a drain waits for: attached, holding a KeepAlive stream open (alive: a compute
+        service holds one for its life), and holding sequences (requests in flight). An idle client is
+        not waited for (it detaches only when it stops itself), nor one that died (its stream is gone)."""
+        with self._lock:
+            return sum(1 for client_id, lease in self._leases.items()
+                       if lease.num_streams and self.block_manager.num_sequences_of(client_id))
+
     async def Attach(self, request: pb.AttachRequest, context: grpc.aio.ServicerContext) -> pb.AttachResponse:
+        if self.is_draining:
+            raise UnavailableError("the memory service is shutting down: attach to another one, or again after it "
+                                   "restarts")
         layout = convert.layout_from_pb(request.layout, self.config.block_size)
         if len(request.client_name) > 128:
             raise InvalidArgument(f"client_name has {len(request.client_name)} characters, at most 128")
