@@ -254,6 +254,8 @@ def test_ctrl_c_drains_up_in_order_and_leaves_nothing(service_model) -> None:
 
     import grpc
 
+    from pagedserve.compute.v1.compute_pb2 import LoadRequest
+    from pagedserve.compute.v1.compute_pb2_grpc import ComputeStub
     from pagedserve.drain import stop_bound_s
     from pagedserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
     from pagedserve.stack import shm_segments
@@ -286,6 +288,9 @@ def test_ctrl_c_drains_up_in_order_and_leaves_nothing(service_model) -> None:
             prompt="a tiny", params=gateway_pb2.SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)),
             timeout=120)
         read = [next(stream)]
+        # Still generating in the engine when Ctrl-C comes (its Unix socket in up's runtime directory).
+        with grpc.insecure_channel(f"unix:{runtime}/compute.sock") as compute:
+            assert ComputeStub(compute).Load(LoadRequest(), timeout=10).num_running == 1
         signal_at = time.monotonic()
         os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
         read += list(stream)  # the stream in flight completes through all three services

@@ -49,6 +49,7 @@ def test_sigterm_refuses_attach_serves_the_request_in_flight_and_exits_within_th
             prompt_token_ids=PROMPT, params=cpb.SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)),
             timeout=120)
         read = [next(stream)]
+        assert services.stub.Load(cpb.LoadRequest(), timeout=10).num_running == 1  # in flight at the signal
         sigterm_at = time.monotonic()
         memory.send_signal(signal.SIGTERM)
         wait_until(lambda: check_health(f"unix:{socket}") == NOT_SERVING, 5, "the memory service NOT_SERVING")
