@@ -4,11 +4,12 @@ periods are derived from (helm/pagedserve/templates/_helpers.tpl, ``pagedserve.d
 On SIGTERM a service turns NOT_SERVING at once (readiness fails first: load balancers, our gateways
 and an InferencePool's endpoint picker stop sending), refuses new requests with UNAVAILABLE naming
 the shutdown, lets the requests in flight finish within its drain timeout (the compute service's
-``--shutdown-grace-s``, the gateway's ``--drain-delay-s`` plus ``--grace-period-s``), ends those
-still running, and exits. After the drain timeout, each service stops within its ``*_STOP_S``
-below, so it has exited ``drain timeout + *_STOP_S`` seconds after the signal at the latest; the
-tests of the drain measure that bound on real processes (tests/compute_service/test_service_drain.py,
-tests/e2e/test_gateway_guard.py).
+``--shutdown-grace-s``, the gateway's ``--drain-delay-s`` plus ``--grace-period-s``, the memory
+service's ``--drain-timeout-s`` for its clients' requests), ends those still running, and exits.
+After the drain timeout, each service stops within its ``*_STOP_S`` below, so it has exited
+``drain timeout + *_STOP_S`` seconds after the signal at the latest; the tests of the drain measure that bound on real processes (tests/compute_service/test_service_drain.py,
+tests/e2e/test_gateway_guard.py, tests/memory_service/test_service_drain.py, and ``pagedserve up``'s,
+which drains the three in turn: tests/test_cli.py).
 
 In a pod, Kubernetes first runs the preStop hook (a sleep: the pod leaves its Services' endpoints and
 the routers' lists while it still serves everything), then sends SIGTERM; the pod's
