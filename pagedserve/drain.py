@@ -7,7 +7,8 @@ the shutdown, lets the requests in flight finish within its drain timeout (the c
 ``--shutdown-grace-s``, the gateway's ``--drain-delay-s`` plus ``--grace-period-s``, the memory
 service's ``--drain-timeout-s`` for its clients' requests), ends those still running, and exits.
 After the drain timeout, each service stops within its ``*_STOP_S`` below, so it has exited
-``drain timeout + *_STOP_S`` seconds after the signal at the latest; the tests of the drain measure that bound on real processes (tests/compute_service/test_service_drain.py,
+``drain timeout + *_STOP_S`` seconds after the signal at the latest; the tests of the drain measure
+that bound on real processes (tests/compute_service/test_service_drain.py,
 tests/e2e/test_gateway_guard.py, tests/memory_service/test_service_drain.py, and ``pagedserve up``'s,
 which drains the three in turn: tests/test_cli.py).
 
