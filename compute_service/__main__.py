@@ -29,7 +29,7 @@ from compute_service.service.config import ComputeServiceConfig
 
 # The flags: fields of ComputeServiceConfig, then of EngineConfig (their defaults are the dataclasses').
 SERVICE_FLAGS = {
-    "model": "'default' (SmolLM2-135M-Instruct) or a local Hugging Face Llama-family directory",
+    "model": "'default' (SmolLM2-135M-Instruct), a local Hugging Face Llama-family directory or a GGUF file",
     "memory_socket": "the memory service's Unix socket (default: $XDG_RUNTIME_DIR or /tmp/pagedserve-UID, memory.sock)",
     "listen": "host:port or unix:PATH",
     "served_model_name": "model name reported by Info",

@@ -147,7 +147,7 @@ def build_parser(with_up_flags: bool = True) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="start memory, compute and gateway locally (Ctrl-C stops them)")
     up.add_argument("--model", default="default",
-                    help="'default' (SmolLM2-135M-Instruct) or a local Hugging Face model directory")
+                    help="'default' (SmolLM2-135M-Instruct), a local Hugging Face model directory or a GGUF file")
     up.add_argument("--port", type=int, default=50051, help="gateway gRPC port (default 50051)")
     up.add_argument("--http-port", type=int, default=8000,
                     help="port of the OpenAI-compatible HTTP API (default 8000; 0 = any free port)")

@@ -122,7 +122,7 @@ class UpConfig:
     """What ``pagedserve up`` starts.
 
     Args:
-        model: "default" or a local Hugging Face model directory.
+        model: "default", a local Hugging Face model directory or a GGUF file.
         host: the gateway's bind host (both fronts).
         port: the gateway's gRPC port (0 = any free port).
         http_port: its OpenAI-compatible HTTP port (0 = any free port).

@@ -4,8 +4,10 @@
 package. De-quantizing it through transformers takes many seconds, so the first start converts it
 into a plain Hugging Face directory (float32 safetensors, config, generation config, tokenizer with its
 chat template) under `<cache root>/models/<name>`, and every later start reads that directory.
-Any other `model` is a local Hugging Face directory of the Llama family. Nothing is ever
-downloaded: every transformers call passes `local_files_only=True`.
+Any other `model` is a local Hugging Face directory of the Llama family, or a GGUF file (llama,
+qwen2): converted once into a directory under `<cache root>/models/<file stem>-<sha256 prefix>`,
+keyed by the file's sha256 (compute_service/model/gguf_file.py). Nothing is ever downloaded: every
+transformers call passes `local_files_only=True`.
 
 Cache root: `pagedserve.paths.cache_dir` (the `cache_dir` argument, else `$PAGEDSERVE_CACHE_DIR`
 read at call time, else `~/.cache/pagedserve`).
@@ -14,8 +16,10 @@ read at call time, else `~/.cache/pagedserve`).
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import importlib.util
 import json
+import os
 import shutil
 import time
 import uuid
@@ -33,6 +37,7 @@ from safetensors.torch import save_file
 from pagedserve.dtypes import AUTO, dtype_name, parse_dtype, resolve_auto
 from pagedserve.paths import cache_dir as pagedserve_cache_dir
 
+from compute_service.model.gguf_file import GGUF_CACHE_FORMAT, convert_gguf, file_sha256, is_gguf_file
 from compute_service.model.model import CausalLM
 from compute_service.model.model_config import SUPPORTED_MODEL_TYPES, ModelConfig
 
@@ -80,10 +85,11 @@ def resolve_model(model: str | Path, *, cache_dir: Path | None = None) -> ModelS
     """Turn a `model` argument into a loadable directory, converting the default model if needed.
 
     Args:
-        model: "default", or the path of a local Hugging Face model directory.
+        model: "default", the path of a local Hugging Face model directory, or of a GGUF file.
         cache_dir: cache root for converted models (see module docstring).
     Raises:
-        ValueError: the path does not exist or is not a supported Llama-family model.
+        ValueError: the path does not exist or is not a supported Llama-family model (a GGUF file's
+            unsupported architecture or tensor type is named).
     """
     if model == DEFAULT_MODEL:
         target = pagedserve_cache_dir(cache_dir) / "models" / DEFAULT_MODEL_NAME
@@ -91,9 +97,11 @@ def resolve_model(model: str | Path, *, cache_dir: Path | None = None) -> ModelS
     path = Path(model).expanduser()
     if not path.exists():
         raise ValueError(
-            f"model {model!r} is neither 'default' nor an existing local directory "
+            f"model {model!r} is neither 'default' nor an existing local directory or GGUF file "
             "(pagedserve never downloads models)"
         )
+    if path.is_file():
+        return _resolve_gguf(path, str(model), pagedserve_cache_dir(cache_dir))
     _check_model_dir(path, str(model))
     return ModelSource(name=path.resolve().name, path=path)
 
@@ -108,7 +116,8 @@ def load_model(
     """Resolve `model`, then load its weights into a `CausalLM` and its tokenizer.
 
     Args:
-        model: "default" or a local Hugging Face directory (Llama, Mistral, Qwen2, SmolLM).
+        model: "default", a local Hugging Face directory (Llama, Mistral, Qwen2, SmolLM) or a GGUF
+            file of one (its weights de-quantized at load into `dtype`).
         cache_dir: cache root for converted models.
         device: default CUDA if available, else CPU.
         dtype: a torch dtype or a name ("bf16"); None or "auto" (the default): bfloat16 on CUDA and
@@ -142,6 +151,43 @@ def load_tokenizer(path: Path) -> Any | None:
     from transformers import AutoTokenizer  # tokenization code only, no modeling code
 
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def _resolve_gguf(path: Path, model: str, root: Path) -> ModelSource:
+    """The converted directory of a GGUF file, converting it first unless a copy of this very file
+    (same sha256) is complete. A start with a complete copy never parses the file's metadata
+    (gguf's reader takes ~15 s over a 152k-token vocabulary); a conversion checks the architecture
+    and every tensor type first, so an unsupported one is refused before any de-quantizing."""
+    if not is_gguf_file(path):
+        raise ValueError(f"model {model!r} is a file but not a GGUF file (a model is 'default', a GGUF file "
+                         "or a Hugging Face directory)")
+    digest = _gguf_digest(path, root)
+    target = root / "models" / f"{path.stem}-{digest[:12]}"
+    fingerprint = {"format": GGUF_CACHE_FORMAT, "source": path.name, "sha256": digest}
+    source = _ensure_converted(target, lambda out_dir: convert_gguf(path, out_dir), fingerprint)
+    return ModelSource(name=path.stem, path=source.path, was_converted=source.was_converted)
+
+
+def _gguf_digest(path: Path, root: Path) -> str:
+    """The file's sha256, remembered under the cache root beside its size, mtime and inode.
+
+    Hashing a multi-GB file takes seconds at every start (and the page cache's share of memory);
+    a file whose size, modification time and inode are unchanged is taken to be the same file, as
+    make and rsync do. A file replaced or rewritten changes at least its mtime and is hashed again.
+    """
+    stat = path.stat()
+    identity = {"path": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "inode": stat.st_ino}
+    memo = root / "gguf-digests" / f"{hashlib.sha256(identity['path'].encode()).hexdigest()[:32]}.json"
+    if memo.is_file():
+        remembered = json.loads(memo.read_text())
+        if {k: remembered.get(k) for k in identity} == identity and "sha256" in remembered:
+            return remembered["sha256"]
+    digest = file_sha256(path)
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    tmp = memo.with_name(f".{memo.name}.{uuid.uuid4().hex[:8]}")
+    tmp.write_text(json.dumps({**identity, "sha256": digest}))
+    os.replace(tmp, memo)  # atomic: a concurrent start reads the old memo or the new one, never half
+    return digest
 
 
 def _check_model_dir(path: Path, model: str) -> None:

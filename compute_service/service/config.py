@@ -17,7 +17,7 @@ class ComputeServiceConfig(ServiceConfig):
     stay in EngineConfig, metrics and log level in ServiceConfig.
 
     Attributes:
-        model: "default" or a local Hugging Face directory.
+        model: "default", a local Hugging Face directory or a GGUF file.
         memory_socket: the memory service's Unix socket (None = its default path).
         listen: "host:port" or "unix:PATH".
         served_model_name: the name Info reports (default: the model's).

@@ -149,7 +149,14 @@ async def serve(config: ComputeServiceConfig, engine_config: EngineConfig,
         await server.stop(0)
         _remove_socket(address)
         return 0
-    loaded, info = loading.result()
+    try:
+        loaded, info = loading.result()
+    except ValueError as exc:  # load_model's one kind of bad input: the model (a path, an architecture, a GGUF type)
+        log.error("model_load_failed", model=config.model, error=str(exc))
+        print(f"error: --model: {exc}", file=sys.stderr, flush=True)
+        await server.stop(0)
+        _remove_socket(address)
+        return 2
 
     async def set_ready(ready: bool) -> None:
         servicer.is_ready = ready
