@@ -65,9 +65,10 @@ def _train_tokenizer():
 
 
 def write_gguf(hf_model: torch.nn.Module, path: Path, qtype: str, *, arch: str, tokenizer=None,
-               tensor_types: dict[str, str] | None = None) -> Path:
+               tensor_types: dict[str, str] | None = None, rope_freqs: np.ndarray | None = None) -> Path:
     """`hf_model` as llama.cpp would write it in `qtype` (matrices only; 1-D tensors stay F32).
-    `tensor_types` overrides the type of single tensors (by GGUF name), with random bytes."""
+    `tensor_types` overrides the type of single tensors (by GGUF name), with random bytes;
+    `rope_freqs` is written as llama.cpp writes Llama 3's rope scaling."""
     import gguf
 
     config = hf_model.config
@@ -103,6 +104,8 @@ def write_gguf(hf_model: torch.nn.Module, path: Path, qtype: str, *, arch: str, 
         writer.add_eos_token_id(tokenizer.eos_token_id)
         writer.add_chat_template(tokenizer.chat_template)
     qtype_enum = gguf.GGMLQuantizationType[qtype]
+    if rope_freqs is not None:
+        writer.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
     for hf_name, tensor in hf_model.state_dict().items():
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue
@@ -211,6 +214,32 @@ def test_gguf_k_quants_equal_transformers(tmp_path):
     assert _our_greedy(loaded.model, PROMPT, 8) == hf_greedy(reference, PROMPT, 8)
 
 
+def test_gguf_llama3_rope_is_recognised_from_rope_freqs(tmp_path):
+    """Llama 3.1's rope scaling, which a GGUF holds only as llama.cpp's per-frequency divisors."""
+    import transformers
+
+    from compute_service.model.model_config import RopeConfig
+
+    params = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 8192}
+    config = transformers.LlamaConfig(**{**TINY_SHAPE, "max_position_embeddings": 16384}, rope_theta=500000.0,
+                                      rope_scaling=params)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    hf_model = transformers.LlamaForCausalLM(config).eval()
+    # head_dim 16 at theta 500000 puts the 8 frequencies in all three bands of the llama3 rule.
+    divisors = gguf_file._llama3_divisors(500000.0, 16, params).numpy()
+    assert 1.0 in divisors and 8.0 in divisors and ((divisors > 1) & (divisors < 8)).any()
+    path = write_gguf(hf_model, tmp_path / "llama3.gguf", "F32", arch="llama", rope_freqs=divisors)
+    loaded = load_model(str(path), cache_dir=tmp_path / "cache", device="cpu", dtype="float32")
+    assert loaded.config.rope == RopeConfig(theta=500000.0, scaling_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                            high_freq_factor=4.0, original_max_position=8192)
+    assert _our_greedy(loaded.model, PROMPT, 12) == hf_greedy(hf_model, PROMPT, 12)
+    unknown = write_gguf(hf_model, tmp_path / "odd.gguf", "F32", arch="llama", rope_freqs=np.full(8, 2.0))
+    with pytest.raises(ValueError, match="rope_freqs .* match no llama3 rope scaling"):
+        resolve_model(str(unknown), cache_dir=tmp_path / "cache")
+
+
 def test_gguf_tokenizer_and_chat_template_come_from_the_file(tmp_path):
     import transformers
 
@@ -230,6 +259,14 @@ def test_gguf_tokenizer_and_chat_template_come_from_the_file(tmp_path):
     # The end of turn (the file's eos) and <|endoftext|> both stop a generation.
     im_end, endoftext = source.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
     assert {im_end, endoftext} <= set(loaded.config.eos_token_ids)
+    # Served through LLM (its own memory service), the chat goes through the file's template.
+    from compute_service import LLM
+
+    prompt = source.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    with LLM(model=str(path), cache_dir=tmp_path / "cache", device="cpu", dtype="float32",
+             kv_cache_bytes=4 << 20) as llm:
+        output = llm.chat(messages, max_tokens=6, temperature=0.0, ignore_eos=True)
+    assert output.token_ids == hf_greedy(_hf_from_gguf(path), list(prompt), 6)
 
 
 def test_gguf_conversion_is_cached_by_digest(make_tiny_model, tmp_path, monkeypatch):
