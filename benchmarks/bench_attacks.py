@@ -20,7 +20,9 @@ request at a time), or with ``--interval-s`` between each answer and the next re
 ``--attacker-requests-per-s R`` gives tenant a the tenants file's ``max_requests_per_s`` (the
 operator's bound on such floods; b has none). Prints a table, then as its last line one JSON
 object: per attack the victim's p50 and worst latency and their ratios to the idle p50, ``/health``'s
-worst, and what the attack's requests were answered. From the repository root:
+worst, the gateway's and compute service's CPU seconds per second (what the attack costs the
+servers, apart from the benchmark's own clients on the same cores), and what the attack's
+requests were answered. From the repository root:
 
     python -m benchmarks.bench_attacks                  # default model, 20 s per attack
     python -m benchmarks.bench_attacks --quick          # tiny random model, 4 s per attack
@@ -112,21 +114,34 @@ class Victim:
         return {"completion": completions, "health": health}
 
 
+def cpu_seconds(pid: int) -> float:
+    """A process's CPU time so far (user + system, /proc); its children's not counted."""
+    fields = Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def run_attack(attack: Callable[[threading.Event, collections.Counter], None], num_attackers: int,
-               victim: Victim, seconds: float) -> tuple[dict[str, list[float]], collections.Counter]:
+               victim: Victim, seconds: float,
+               servers: dict[str, int]) -> tuple[dict[str, list[float]], collections.Counter, dict[str, float]]:
     stop, answers = threading.Event(), collections.Counter()
     threads = [threading.Thread(target=attack, args=(stop, answers), daemon=True) for _ in range(num_attackers)]
     for thread in threads:
         thread.start()
     time.sleep(min(1.0, seconds / 4))  # the attack under way before the victim measures
-    end = time.monotonic() + seconds
+    start, cpu_before = time.monotonic(), {name: cpu_seconds(pid) for name, pid in servers.items()}
+    end = start + seconds
     try:
         latencies = victim.measure(lambda: time.monotonic() >= end)
+        elapsed = time.monotonic() - start
+        # The servers' cores spent a second of attack (the victim's own requests included): what a
+        # remote attacker costs the machine, apart from this benchmark's own clients.
+        cpu = {f"{name}_cpu_per_s": round((cpu_seconds(pid) - cpu_before[name]) / elapsed, 2)
+               for name, pid in servers.items()}
     finally:
         stop.set()
         for thread in threads:
             thread.join(timeout=60)
-    return latencies, answers
+    return latencies, answers, cpu
 
 
 def http_attack(base_url: str, path: str, body: dict,
@@ -240,7 +255,10 @@ def main() -> None:
             victim = Victim(base_url, model_name := victim_model(base_url))
             for _ in range(3):
                 victim.completion_s()  # warm
+            servers = {"gateway": stack.gateway.pid, "compute": stack.compute.pid}
+            idle_start, idle_cpu = time.monotonic(), {name: cpu_seconds(pid) for name, pid in servers.items()}
             idle = victim.measure(lambda: True, min_count=10)
+            idle_s = time.monotonic() - idle_start
             idle_p50 = statistics.median(idle["completion"])
             chat, completions = "/v1/chat/completions", "/v1/completions"
             attacks = {
@@ -251,20 +269,24 @@ def main() -> None:
                 "costly_grammar": lambda: http_attack(base_url, chat, costly_grammar_body(model_name), args.interval_s),
             }
             results = {"idle": summary(idle, idle_p50)}
+            results["idle"].update({f"{name}_cpu_per_s": round((cpu_seconds(pid) - idle_cpu[name]) / idle_s, 2)
+                                    for name, pid in servers.items()})
             for name in args.attacks.split(","):
                 num = 1 if name == "connection_flood" else args.attackers
-                latencies, answers = run_attack(attacks[name](), num, victim, seconds)
-                results[name] = summary(latencies, idle_p50)
+                latencies, answers, cpu = run_attack(attacks[name](), num, victim, seconds, servers)
+                results[name] = {**summary(latencies, idle_p50), **cpu}
                 num_answered = sum(v for k, v in answers.items() if k != "seconds")
                 if "seconds" in answers and num_answered:
                     results[name]["attack_mean_s"] = round(answers.pop("seconds") / num_answered, 3)
                 results[name]["attack_answers"] = dict(answers)
         finally:
             stack.stop()
-    print(f"{'phase':<18} {'victim p50':>10} {'victim max':>10} {'p50 x':>7} {'max x':>7} {'health max':>10}")
+    print(f"{'phase':<18} {'victim p50':>10} {'victim max':>10} {'p50 x':>7} {'max x':>7} {'health max':>10} "
+          f"{'gw cpu/s':>8} {'compute cpu/s':>13}")
     for name, row in results.items():
         print(f"{name:<18} {row['victim_p50_s']:>10.3f} {row['victim_max_s']:>10.3f} {row['p50_ratio']:>7.2f} "
-              f"{row['max_ratio']:>7.2f} {row['health_max_s']:>10.3f}")
+              f"{row['max_ratio']:>7.2f} {row['health_max_s']:>10.3f} {row['gateway_cpu_per_s']:>8.2f} "
+              f"{row['compute_cpu_per_s']:>13.2f}")
     print(json.dumps({"benchmark": "attacks", "cpu": cpu_name(), "num_cpus": os.cpu_count(),
                       "model": "tiny-random" if args.quick else "default", "seconds_per_attack": seconds,
                       "attackers": args.attackers, "interval_s": args.interval_s,

@@ -43,7 +43,7 @@ from gateway.openai_api.schema import (ChatCompletionRequest, CompletionRequest,
                                        error_param, unknown_fields)
 from gateway.openai_api.transport import first_piece, until_disconnect, whole_answers
 from gateway.tenants import Admission, Tenant
-from pagedserve.errors import echo
+from pagedserve.errors import ResourceExhaustedError, echo
 from pagedserve.log import get_logger
 
 __all__ = ["OpenAIFront", "as_http_error", "error_body"]
@@ -167,7 +167,7 @@ class OpenAIFront:
             self.tenant_of(request)
             if self.core.model is None or not self.is_serving():
                 raise HttpError(503, "no backend is ready yet")
-        except HttpError as exc:
+        except (HttpError, ResourceExhaustedError) as exc:  # a 429: the tenant's max_requests_per_s
             return error_response(exc)
         return JSONResponse({"object": "list", "data": [self._model_card()]})
 
@@ -183,7 +183,7 @@ class OpenAIFront:
             model = self.core.model
             if model is None or not self.is_serving():
                 raise HttpError(503, "no backend is ready yet")
-        except HttpError as exc:
+        except (HttpError, ResourceExhaustedError) as exc:  # a 429: the tenant's max_requests_per_s
             return error_response(exc)
         return JSONResponse(model.tokenizer_info())
 
@@ -221,7 +221,7 @@ class OpenAIFront:
         try:
             self.tenant_of(request)
             self.served_model(request.path_params["model"])
-        except HttpError as exc:
+        except (HttpError, ResourceExhaustedError) as exc:  # a 429: the tenant's max_requests_per_s
             return error_response(exc)
         return JSONResponse(self._model_card())
 

@@ -159,4 +159,10 @@ def test_a_tenant_past_its_request_rate_is_refused_before_its_request_is_read(te
         urllib.request.urlopen(http, timeout=30)
     assert info.value.code == 429
     assert "max_requests_per_s" in json.loads(info.value.read())["error"]["message"]
+    for path in ("/v1/models", "/v1/models/x", "/tokenizer_info"):  # the endpoints without a body too
+        listing = urllib.request.Request(f"http://127.0.0.1:{HTTP_PORT}{path}",
+                                         headers={"Authorization": f"Bearer {KEY_C}"})
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(listing, timeout=30)
+        assert info.value.code == 429, path
     assert stub.Generate(_request(), metadata=_auth(KEY_B), timeout=60).usage.completion_tokens == 2
