@@ -22,9 +22,8 @@ from pathlib import Path
 import pytest
 
 # Under pytest-xdist (scripts/test.sh runs one worker per core, up to 4): each worker's in-process
-# models, and the services it starts, get an equal share of the cores. Two workers of two OpenMP
-# threads each on two cores wait at every barrier for a thread that is not running: a default-model
-# fixture took 140 s instead of 25 s.
+# models, and the services it starts, get an equal share of the cores: two workers of two OpenMP
+# threads each on two cores wait at every barrier for a thread that is not running.
 _NUM_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _NUM_WORKERS > 1:
     _num_threads = max(1, len(os.sched_getaffinity(0)) // _NUM_WORKERS)

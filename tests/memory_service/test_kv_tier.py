@@ -106,11 +106,11 @@ def test_a_load_stops_at_a_block_file_that_went(allocator: InProcessAllocator, t
 
 def test_a_stalled_read_ends_its_load_at_the_deadline_and_holds_no_other_load(
         allocator: InProcessAllocator, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 37 item 4: one loader thread and no deadline, so a file read that never came back (a FIFO
-    planted under a block's name, before ``open_own_file``) held its prompt and every later disk load
-    for good. The first file read of the first load stalls here as a hung device's would (a regular
-    file whose read never returns cannot be made in a test): that load ends at its deadline, a
-    recompute (no cached tokens); a second prompt's load, submitted after it, is not held behind it."""
+    """One loader thread and no deadline held a prompt, and every later disk load, for good behind a
+    file read that never came back (a FIFO planted under a block's name, before ``open_own_file``).
+    The first file read of the first load stalls here as a hung device's would (a regular file whose
+    read never returns cannot be made in a test): that load ends at its deadline, a recompute (no
+    cached tokens); a second prompt's load, submitted after it, is not held behind it."""
     monkeypatch.setattr(worker, "LOAD_DEADLINE_S", 3.0)
     second = list(range(300, 313))
     [first, other] = allocator.step([AllocateOp("w1", PROMPT, len(PROMPT), namespace="ns"),
@@ -138,7 +138,7 @@ def test_a_stalled_read_ends_its_load_at_the_deadline_and_holds_no_other_load(
         assert allocator.step([fast_op])[0].loading
         reported: list[str] = []
         wait_for(lambda: "s4" in reported or bool(reported.extend(allocator.step_with_counts([]).loaded_seq_ids)))
-        assert "s3" not in reported and time.monotonic() - start < 2.0
+        assert "s3" not in reported  # the fast load came back while the stalled one waits for its deadline
         [fast] = allocator.step([fast_op])
         assert fast.ok and fast.num_cached_tokens == 12
         wait_for(lambda: "s3" in reported or bool(reported.extend(allocator.step_with_counts([]).loaded_seq_ids)))
