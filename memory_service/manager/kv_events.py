@@ -16,7 +16,8 @@ When each event is made:
 - ``BlockStored``/``BlockRemoved`` medium ``MEDIUM_HOST``/``MEDIUM_DISK``: a tier took a copy of a
   block announced in the pool before (the tiers are inclusive: a block may be in several media at
   once, one event each), or dropped one.
-- ``AllBlocksCleared``: the service (re)started: every earlier event of this endpoint is void.
+- ``AllBlocksCleared``: the service (re)started, or changes were dropped (``KvEventLog`` says why):
+  every earlier event of this endpoint is void.
 
 Block hashes: each block gets a 64-bit hash chained over (its parent's hash, its namespace key, its
 token ids), so equal content in one namespace has one hash in every medium and across restarts, as
@@ -44,15 +45,15 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from memory_service.manager.prefix_cache import namespace_key
+from memory_service.manager.prefix_cache import ROOT_ENTRY_ID, namespace_key
 from memory_service.token_encoding import decode_token_ids
 
 MEDIUM_POOL = "GPU"
 MEDIUM_HOST = "CPU"
 MEDIUM_DISK = "DISK"
-# Changes (a block stored or removed, a clear) waiting for the publisher beyond which new ones are
-# dropped (and counted): a subscriber, or a publisher, that falls behind never holds a Step or a
-# tier's writer, and the backlog's memory stays bounded.
+# Changes (a block stored or removed, a clear, a namespace named) waiting for the publisher beyond
+# which the backlog is dropped (and counted): a subscriber, or a publisher, that falls behind never
+# holds a Step or a tier's writer, and the backlog's memory stays bounded.
 MAX_PENDING_CHANGES = 100_000
 MAX_NAMESPACES = 4096  # namespaces whose salt (or none) the log remembers
 # ``cache_namespace(model, "")`` ends so: a namespace without a cache salt.
@@ -104,17 +105,28 @@ class KvEventLog:
     thread, which alone keeps the resolver's state (the hashes of cached entries, the tiers' blocks).
     Records resolve in the order they were made, so a parent is always known before its child.
 
+    Why a drop voids everything: a dropped store leaves its children without a parent hash (announced
+    as first blocks they would index false prefixes), a dropped removal leaves consumers (and
+    ``_pool``) with a block that is gone. So a change past the bound drops the whole backlog; the
+    next ``take`` sends ``AllBlocksCleared`` and forgets what it knew of the pool and the tiers. It
+    does not announce the current holdings again: the log knows them only through the records it
+    dropped, and asking the block manager would take its lock from the publisher's thread. From then
+    on a block is announced only if its parent is known (a root, or a block announced since the
+    clear); one whose parent is unknown is skipped (counted as dropped), and so are its children.
+    Blocks cached before the drop go unannounced until evicted and stored again: routers miss them
+    (a lost hit), never index a prefix that is not there.
+
     Args:
         block_size: tokens per block.
-        max_pending_records: changes kept for the publisher; beyond, new ones are dropped (counted
-            as dropped events: a removal then finds no block, a store is never announced).
+        max_pending_records: changes kept for the publisher (a record of n blocks or namespaces
+            counts n); one more drops them all (above).
     """
 
     def __init__(self, block_size: int, max_pending_records: int = MAX_PENDING_CHANGES) -> None:
         self.block_size = block_size
         self.max_pending_records = max_pending_records
         self.num_events = 0  # made (resolved), by ``take``
-        self.num_dropped_events = 0  # changes dropped before they became events
+        self.num_dropped_events = 0  # changes dropped before they became events, or blocks not announced
         self._lock = threading.Lock()
         self._has_records = threading.Condition(self._lock)
         self._records: list[tuple] = []  # (kind, payload) in order; kinds: the _on_* methods below
@@ -124,8 +136,9 @@ class KvEventLog:
         # Tier key -> its block, for the tiers' copies of blocks the pool announced; least recently
         # stored first, at most ``_max_tier_blocks`` (set when the tiers open: what they and the pool hold).
         self._tier_blocks: OrderedDict[bytes, _Block] = OrderedDict()
-        self._max_tier_blocks = 0
+        self._max_tier_blocks = 0  # set under the lock by ``set_tier_capacity``, read by ``take``
         self._is_salted: dict[bytes, bool] = {}  # namespace key -> whether its namespace has a cache salt
+        self._num_unannounced = 0  # blocks this ``take`` skipped: their parent is unknown
 
     # --- told under the block manager's lock --------------------------------------------------
 
@@ -133,7 +146,7 @@ class KvEventLog:
         """The namespaces of a batch's AllocateOps: which of them carry a cache salt."""
         names = list(namespaces)
         if names:
-            self._record("namespaces", names, 0)
+            self._record("namespaces", names, len(names))
 
     def pool_stored(self, blocks: list[tuple[int, tuple[int, bytes, bytes], bytes | None]]) -> None:
         """Blocks committed in the pool, parents first.
@@ -153,8 +166,12 @@ class KvEventLog:
     # --- told by the tiers' threads -----------------------------------------------------------
 
     def set_tier_capacity(self, num_blocks: int) -> None:
-        """The tiers are open: their blocks and the pool's together (bounds what is kept for them)."""
-        self._record("tier_capacity", num_blocks, 0)
+        """The tiers are open: their blocks and the pool's together (bounds what is kept for them).
+
+        A value, not a record: it is never dropped with a backlog, and takes no room in it.
+        """
+        with self._lock:
+            self._max_tier_blocks = num_blocks
 
     def tier_changed(self, medium: str, tier_key: bytes, is_stored: bool) -> None:
         """A tier stored or dropped the block ``tier_key``."""
@@ -172,13 +189,17 @@ class KvEventLog:
             if not self._records:
                 self._has_records.wait(timeout_s)
             records, self._records, self._num_pending = self._records, [], 0
+            max_tier_blocks = self._max_tier_blocks
         events: list[KvEvent] = []
+        self._num_unannounced = 0
         for kind, payload in records:
-            getattr(self, f"_on_{kind}")(payload, events)
+            getattr(self, f"_on_{kind}")(payload, events, max_tier_blocks)
         self.num_events += len(events)
+        with self._lock:
+            self.num_dropped_events += self._num_unannounced
         return events
 
-    def _on_namespaces(self, namespaces: list[str], events: list[KvEvent]) -> None:
+    def _on_namespaces(self, namespaces: list[str], events: list[KvEvent], _: int) -> None:
         for namespace in namespaces:
             ns_key = namespace_key(namespace)
             if ns_key not in self._is_salted:
@@ -186,19 +207,22 @@ class KvEventLog:
                     self._is_salted.clear()  # forgotten ones count as salted until named again
                 self._is_salted[ns_key] = not namespace.endswith(UNSALTED_SUFFIX)
 
-    def _on_pool_stored(self, blocks: list, events: list[KvEvent]) -> None:
+    def _on_pool_stored(self, blocks: list, events: list[KvEvent], max_tier_blocks: int) -> None:
         run: list[_Block] = []
         for entry_id, (parent_entry_id, token_bytes, ns_key), tier_key in blocks:
             parent = self._pool.get(parent_entry_id)
+            if parent is None and parent_entry_id != ROOT_ENTRY_ID:
+                self._num_unannounced += 1  # its parent's store was dropped (the class docstring)
+                continue
             parent_hash = parent.block_hash if parent is not None else None
             digest = hashlib.blake2b((parent_hash or 0).to_bytes(8, "big") + ns_key + token_bytes, digest_size=8)
             namespace = ns_key.hex() if self._is_salted.get(ns_key, True) else None
             block = _Block(int.from_bytes(digest.digest(), "big"), parent_hash, token_bytes, namespace)
             self._pool[entry_id] = block
-            if tier_key is not None and self._max_tier_blocks:
+            if tier_key is not None and max_tier_blocks:
                 self._tier_blocks[tier_key] = block
                 self._tier_blocks.move_to_end(tier_key)
-                while len(self._tier_blocks) > self._max_tier_blocks:
+                while len(self._tier_blocks) > max_tier_blocks:
                     self._tier_blocks.popitem(last=False)
             if run and (parent_hash != run[-1].block_hash or block.namespace != run[0].namespace):
                 events.append(self._stored(run, MEDIUM_POOL))
@@ -207,15 +231,12 @@ class KvEventLog:
         if run:
             events.append(self._stored(run, MEDIUM_POOL))
 
-    def _on_pool_removed(self, entry_ids: list[int], events: list[KvEvent]) -> None:
+    def _on_pool_removed(self, entry_ids: list[int], events: list[KvEvent], _: int) -> None:
         hashes = [self._pool.pop(entry_id).block_hash for entry_id in entry_ids if entry_id in self._pool]
         if hashes:
             events.append(BlockRemoved(hashes, MEDIUM_POOL))
 
-    def _on_tier_capacity(self, num_blocks: int, events: list[KvEvent]) -> None:
-        self._max_tier_blocks = num_blocks
-
-    def _on_tier_changed(self, change: tuple[str, bytes, bool], events: list[KvEvent]) -> None:
+    def _on_tier_changed(self, change: tuple[str, bytes, bool], events: list[KvEvent], _: int) -> None:
         # A block the pool never announced in this process (one found on disk at a restart) has no
         # tokens here: no event.
         medium, tier_key, is_stored = change
@@ -228,8 +249,14 @@ class KvEventLog:
         else:
             events.append(BlockRemoved([block.block_hash], medium))
 
-    def _on_cleared(self, _: None, events: list[KvEvent]) -> None:
+    def _on_cleared(self, _: None, events: list[KvEvent], __: int) -> None:
         events.append(AllBlocksCleared())
+
+    def _on_lost(self, _: None, events: list[KvEvent], __: int) -> None:
+        # A backlog was dropped (the class docstring): consumers and this resolver start over.
+        events.append(AllBlocksCleared())
+        self._pool.clear()
+        self._tier_blocks.clear()
 
     # --- inside -------------------------------------------------------------------------------
 
@@ -240,9 +267,11 @@ class KvEventLog:
 
     def _record(self, kind: str, payload: object, num_changes: int) -> None:
         with self._has_records:
-            if num_changes and self._num_pending + num_changes > self.max_pending_records:
-                self.num_dropped_events += num_changes
-                return
-            self._records.append((kind, payload))
-            self._num_pending += num_changes
+            if self._num_pending + num_changes > self.max_pending_records:
+                # The whole backlog goes, replaced by one marker (the class docstring says why).
+                self.num_dropped_events += self._num_pending + num_changes
+                self._records, self._num_pending = [("lost", None)], 0
+            else:
+                self._records.append((kind, payload))
+                self._num_pending += num_changes
             self._has_records.notify()

@@ -20,7 +20,7 @@ import zmq
 
 from memory_service.api import cache_namespace
 from memory_service.config import MemoryServiceConfig
-from memory_service.manager.kv_events import KvEventLog
+from memory_service.manager.kv_events import AllBlocksCleared, KvEventLog
 from memory_service.manager.prefix_cache import namespace_key
 from memory_service.service.kv_events import encode_event
 from memory_service.token_encoding import encode_token_ids
@@ -186,24 +186,51 @@ def test_events_follow_real_requests_through_pool_and_tiers(service_model: Servi
                    for b in subscriber.batches.values())
 
 
-def test_a_full_log_drops_new_changes_and_counts_them() -> None:
+def test_a_full_log_drops_its_backlog_and_clears() -> None:
     """The publisher's backlog is bounded: a Step never waits for a subscriber (the drops are counted
-    and exported as pagedserve_memory_kv_events_dropped_total)."""
+    and exported as pagedserve_memory_kv_events_dropped_total); past the bound everything pending is
+    void, and consumers are told to start over."""
     log = KvEventLog(block_size=BLOCK_SIZE, max_pending_records=4)
     ns_key = namespace_key(cache_namespace("m", ""))
-    log.note_namespaces([cache_namespace("m", "")])
-    log.pool_stored([(i + 1, (i, encode_token_ids([i] * BLOCK_SIZE), ns_key), None) for i in range(3)])  # 3 changes
-    log.pool_removed([1, 2, 3])  # 3 more: past 4, dropped
-    log.cleared()  # the 4th
-    assert log.num_dropped_events == 3
-    stored, cleared = log.take(timeout_s=0)
-    assert [encode_event(e)[0] for e in (stored, cleared)] == ["BlockStored", "AllBlocksCleared"]
+    log.note_namespaces([cache_namespace("m", "")])  # 1 change
+    log.pool_stored([(i + 1, (i, encode_token_ids([i] * BLOCK_SIZE), ns_key), None) for i in range(3)])  # 3 more
+    [stored] = log.take(timeout_s=0)
     assert stored.token_ids == [0] * 4 + [1] * 4 + [2] * 4 and stored.parent_block_hash is None
     assert stored.namespace is None and encode_event(stored)[8] is None  # no cache salt: extra_keys nil
-    log.pool_removed([1, 2, 3])  # room again
-    [removed] = log.take(timeout_s=0)
-    assert removed.block_hashes == stored.block_hashes and removed.medium == "GPU"
+    log.pool_removed([3])
+    log.pool_removed([1, 2])  # 3 pending
+    log.pool_stored([(4, (0, encode_token_ids([5] * BLOCK_SIZE), ns_key), None),
+                     (6, (4, encode_token_ids([6] * BLOCK_SIZE), ns_key), None)])  # past 4: all 5 dropped
+    log.pool_stored([(5, (0, encode_token_ids([7] * BLOCK_SIZE), ns_key), None)])  # a root: known
+    assert log.num_dropped_events == 5
+    cleared, root = log.take(timeout_s=0)
+    assert type(cleared) is AllBlocksCleared and root.parent_block_hash is None and root.token_ids == [7] * 4
+    log.pool_removed([1, 2, 3])  # forgotten at the clear: nothing to say
     assert (log.num_events, log.take(timeout_s=0)) == (3, [])
+
+
+def test_a_block_whose_parent_was_dropped_is_never_announced_as_a_first_block() -> None:
+    """A child of a dropped store, announced with parent None, would index a false prefix; a dropped
+    removal would leave its block in the resolver (and in consumers) for good; namespaces count."""
+    log = KvEventLog(block_size=2, max_pending_records=1)
+    ns_key = namespace_key(cache_namespace("m", "s"))
+    log.pool_stored([(1, (0, encode_token_ids([1, 2]), ns_key), None)])  # A (a root)
+    log.pool_stored([(2, (1, encode_token_ids([3, 4]), ns_key), None)])  # B, child of A: past the bound
+    assert [type(e) for e in log.take(timeout_s=0)] == [AllBlocksCleared]
+    log.pool_stored([(3, (2, encode_token_ids([5, 6]), ns_key), None)])  # C, child of the dropped B
+    assert log.take(timeout_s=0) == [] and log.num_dropped_events == 3  # A and B, then C unannounced
+    log.pool_stored([(4, (0, encode_token_ids([1, 2]), ns_key), None)])  # A again, stored anew
+    [a] = log.take(timeout_s=0)
+    log.pool_stored([(5, (4, encode_token_ids([3, 4]), ns_key), None)])
+    [b] = log.take(timeout_s=0)
+    assert (b.parent_block_hash, b.token_ids) == (a.block_hashes[0], [3, 4])
+    log.pool_removed([4])
+    log.pool_removed([5])  # dropped: the log forgets the pool, so nothing stays behind
+    assert [type(e) for e in log.take(timeout_s=0)] == [AllBlocksCleared]
+    assert log._pool == {}
+    for _ in range(3):
+        log.note_namespaces([cache_namespace("m", "s")] * 1000)  # past the bound too
+    assert len(log._records) == 1 and log.num_dropped_events == 3 + 2 + 3000
 
 
 @pytest.mark.parametrize("endpoint", ["127.0.0.1:5557", "http://host:5557"])
