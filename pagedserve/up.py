@@ -37,7 +37,7 @@ from pagedserve.drain import stop_bound_s
 from pagedserve.log import LOG_FORMATS
 from pagedserve.process import ServiceProcess, check_health
 from pagedserve.sockets import free_port
-from pagedserve.stack import Stack, StackConfig
+from pagedserve.stack import Stack, StackConfig, shm_segments
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
@@ -239,10 +239,20 @@ def stack_config(config: UpConfig, log_format: str, http_port: int) -> StackConf
 
 
 def run_up(config: UpConfig) -> int:
-    """Starts the stack and supervises it; returns 0 after a requested stop, 1 when a service died."""
+    """Starts the stack and supervises it; returns 0 after a requested stop, 1 when a service died.
+
+    The first Ctrl-C (or SIGTERM) drains the services in order (``drain_stack``); a second one does
+    not wait any more: every service still running is killed at once, and the memory service's
+    shared-memory pool removed after it."""
     stop = [False]
+    started: list[Stack] = []
 
     def on_signal(*_: object) -> None:
+        if stop[0]:  # the second one
+            _say("a second signal: killing the services without draining them")
+            for stack in started:
+                for service in stack.services:
+                    service.send_signal(signal.SIGKILL)
         stop[0] = True
 
     # Installed before anything starts, so an early Ctrl-C still stops what was started.
@@ -252,6 +262,7 @@ def run_up(config: UpConfig) -> int:
     log_format = config.log_format or ("console" if sys.stderr.isatty() else "json")
     http_port = config.http_port or free_port(config.host)
     stack = Stack(stack_config(config, log_format, http_port))  # a fresh 0700 runtime directory, removed by stop()
+    started.append(stack)
     status = 0
     try:
         _wait_serving(stack.spawn_memory(), "starting the memory service", config.ready_timeout_s, stop)
@@ -291,6 +302,9 @@ def drain_stack(stack: Stack, drain_timeout_s: float) -> None:
     killed (``ServiceProcess.stop``), then removes the runtime directory; says how long each took."""
     for service in reversed(stack.services):
         started = time.monotonic()
-        service.stop(timeout_s=stop_bound_s(service.module, drain_timeout_s))
+        status = service.stop(timeout_s=stop_bound_s(service.module, drain_timeout_s))
         _say(f"{service.module} stopped ({time.monotonic() - started:.1f} s)")
+        if status == -signal.SIGKILL and service.module == "memory_service":
+            for segment in shm_segments(service.pid):  # a killed memory service could not remove its pool
+                segment.unlink(missing_ok=True)
     stack.stop()  # the services are gone: the directory and its sockets

@@ -318,3 +318,57 @@ def test_ctrl_c_drains_up_in_order_and_leaves_nothing(service_model) -> None:
     assert all(is_gone(pid) for pid in services)
     assert not runtime.exists()
     assert not [name for pid in services for name in shm_segments(pid)]
+
+
+def test_a_second_ctrl_c_kills_without_draining_and_leaves_nothing(service_model) -> None:
+    """A stream whose client reads nothing holds the gateway's drain up to its timeout (60 s here).
+    A second Ctrl-C does not wait for it: every service is killed at once, and the memory service's
+    shared-memory pool, which a killed service cannot remove, is removed by ``up``."""
+    import os
+    import signal
+    import threading
+
+    import grpc
+
+    from pagedserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+    from pagedserve.process import wait_until
+    from pagedserve.stack import shm_segments
+    from tests.processes import child_pids, is_gone
+
+    proc = subprocess.Popen([*CLI, "up", "--model", str(service_model.path), "--port", "0", "--http-port", "0",
+                             "--drain-timeout-s", "60", "--log-format", "json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL,
+                            start_new_session=True)
+    output: list[str] = []
+    reader = threading.Thread(target=lambda: output.extend(proc.stdout), daemon=True)
+    reader.start()
+    try:
+        wait_until(lambda: proc.poll() is None and any("pagedserve is up" in line for line in output), 180,
+                   "pagedserve up's ready line", interval_s=0.1)
+        text = "".join(output)
+        address = re.search(r"gateway on (\S+),", text).group(1)
+        runtime = Path(re.search(r"unix:(\S+)/memory\.sock", text).group(1))
+        services = child_pids(proc.pid)
+        segments = [name for pid in services for name in shm_segments(pid)]
+        channel = grpc.insecure_channel(address)
+        stream = gateway_pb2_grpc.GatewayStub(channel).GenerateStream(gateway_pb2.GenerateRequest(
+            prompt="a tiny", params=gateway_pb2.SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True)),
+            timeout=120)
+        next(stream)  # then never read again
+        os.killpg(proc.pid, signal.SIGINT)
+        wait_until(lambda: any("gateway_stopping" in line or "draining" in line for line in output), 30,
+                   "the drain under way", interval_s=0.05)
+        signal_at = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)  # the second Ctrl-C
+        assert proc.wait(timeout=30) == 0
+        killed_s = time.monotonic() - signal_at
+        channel.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    reader.join(timeout=10)
+    assert "killing the services without draining them" in "".join(output)
+    assert killed_s < 10, killed_s
+    assert segments and all(is_gone(pid) for pid in services)
+    assert not runtime.exists()
+    assert not [name for pid in services for name in shm_segments(pid)]
