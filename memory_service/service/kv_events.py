@@ -21,7 +21,12 @@ so that its subscribers (llm-d's KV-cache indexer, Dynamo's KV router, vLLM's ow
 - replay (``--kv-events-replay-endpoint``, a ROUTER socket): a client (a REQ socket) sends a start
   sequence number (8 bytes, big-endian) and gets every batch still buffered from there on, one
   message ``[seq, batch]`` each, then ``[-1 as 8 signed bytes, b""]``. The last
-  ``REPLAY_BUFFER_BATCHES`` batches are kept; the first one of a start is ``AllBlocksCleared``.
+  ``REPLAY_BUFFER_BATCHES`` batches are kept, ``REPLAY_BUFFER_BYTES`` at most (batches of big blocks
+  can be large); the first one of a start is ``AllBlocksCleared``. Why the replay socket's own send
+  limit: ZMQ's default (1,000 messages per peer) would silently drop the rest of a longer replay,
+  its end marker included, and the client would wait forever; so the limit is above the most one
+  replay sends, and the socket is ROUTER_MANDATORY with a bounded wait: a client that does not read
+  (or asks again before reading) has its replay cut short, logged, never silently.
 
 Endpoint: as vLLM's, an address with a wildcard host (``tcp://*:5557``) or an ``ipc://`` path is
 bound; any other (``tcp://indexer:5557``) is connected to, for a subscriber that binds (llm-d's
@@ -47,6 +52,8 @@ from memory_service.manager.kv_events import AllBlocksCleared, BlockRemoved, Blo
 log = get_logger("memory_service.kv_events")
 
 REPLAY_BUFFER_BATCHES = 10_000
+REPLAY_BUFFER_BYTES = 64 << 20  # the payloads kept for replay, in all
+REPLAY_SEND_TIMEOUT_MS = 1_000  # a replay's message that finds its client's queue full waits this long
 MAX_EVENTS_PER_BATCH = 1_000  # one message stays small; a backlog goes out as several
 PUB_HIGH_WATER_MARK = 100_000  # messages queued per subscriber before the PUB socket drops for it
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
@@ -89,7 +96,8 @@ class KvEventPublisher:
         self._context = zmq.Context()
         self._pub: zmq.Socket | None = None
         self._replay: zmq.Socket | None = None
-        self._buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=REPLAY_BUFFER_BATCHES)
+        self._buffer: collections.deque[tuple[int, bytes]] = collections.deque()  # (seq, payload), oldest first
+        self._num_buffer_bytes = 0  # of the payloads in _buffer
         self.num_batches = 0  # sent; the next one's sequence number
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
@@ -108,6 +116,10 @@ class KvEventPublisher:
             if self.replay_endpoint is not None:
                 self._replay = self._context.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
+                # A whole replay fits the queue; past it a send waits, then fails (the module docstring).
+                self._replay.setsockopt(zmq.SNDHWM, REPLAY_BUFFER_BATCHES + 1)
+                self._replay.setsockopt(zmq.ROUTER_MANDATORY, 1)
+                self._replay.setsockopt(zmq.SNDTIMEO, REPLAY_SEND_TIMEOUT_MS)
                 self._replay.bind(self.replay_endpoint)
         except zmq.ZMQError as exc:
             pub.close(0)
@@ -150,6 +162,9 @@ class KvEventPublisher:
         payload = msgpack.packb([time.time(), [encode_event(e) for e in events], 0])
         self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
         self._buffer.append((seq, payload))
+        self._num_buffer_bytes += len(payload)
+        while len(self._buffer) > REPLAY_BUFFER_BATCHES or self._num_buffer_bytes > REPLAY_BUFFER_BYTES:
+            self._num_buffer_bytes -= len(self._buffer.popleft()[1])
         self.num_batches += 1
 
     def _answer_replay(self) -> None:
@@ -159,10 +174,13 @@ class KvEventPublisher:
             return
         client, delimiter, start = frames
         start_seq = int.from_bytes(start, "big")
-        for seq, payload in list(self._buffer):
-            if seq >= start_seq:
-                self._replay.send_multipart((client, delimiter, seq.to_bytes(8, "big"), payload))
-        self._replay.send_multipart((client, delimiter, END_OF_REPLAY, b""))
+        try:
+            for seq, payload in list(self._buffer):
+                if seq >= start_seq:
+                    self._replay.send_multipart((client, delimiter, seq.to_bytes(8, "big"), payload))
+            self._replay.send_multipart((client, delimiter, END_OF_REPLAY, b""))
+        except zmq.ZMQError as exc:  # Again: its queue stayed full; EHOSTUNREACH: it left
+            log.warning("kv_events_replay_cut_short", start_seq=start_seq, error=str(exc))
 
 
 class KvEventCollector(Collector):

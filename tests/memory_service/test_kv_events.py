@@ -22,7 +22,8 @@ from memory_service.api import cache_namespace
 from memory_service.config import MemoryServiceConfig
 from memory_service.manager.kv_events import AllBlocksCleared, KvEventLog
 from memory_service.manager.prefix_cache import namespace_key
-from memory_service.service.kv_events import encode_event
+from memory_service.service import kv_events as publisher_module
+from memory_service.service.kv_events import END_OF_REPLAY, KvEventPublisher, encode_event
 from memory_service.token_encoding import encode_token_ids
 from pagedserve.compute.v1 import compute_pb2 as cpb
 from pagedserve.process import wait_until
@@ -231,6 +232,50 @@ def test_a_block_whose_parent_was_dropped_is_never_announced_as_a_first_block() 
     for _ in range(3):
         log.note_namespaces([cache_namespace("m", "s")] * 1000)  # past the bound too
     assert len(log._records) == 1 and log.num_dropped_events == 3 + 2 + 3000
+
+
+def replayed_seqs(tmp_path: Path, num_batches: int) -> list[int]:
+    """The sequence numbers a replay from 0 returns after ``num_batches`` batches of one
+    ``AllBlocksCleared`` each, read by a client slower than the replay; fails without the end marker."""
+    log = KvEventLog(block_size=BLOCK_SIZE)
+    for _ in range(num_batches - 1):
+        log.cleared()
+    publisher = KvEventPublisher(log, f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay", "t")
+    publisher.start()  # its own AllBlocksCleared is the last
+    context = zmq.Context()
+    client = context.socket(zmq.DEALER)
+    try:
+        wait_until(lambda: publisher.num_batches == num_batches, 30, "the batches sent", interval_s=0.05)
+        client.connect(f"ipc://{tmp_path}/replay")
+        client.send_multipart([b"", (0).to_bytes(8, "big")])
+        time.sleep(1.0)  # the client reads only once the whole replay is queued
+        seqs = []
+        while True:
+            assert client.poll(10_000), f"the replay stopped after {len(seqs)} batches, without its end marker"
+            _, seq, payload = client.recv_multipart()
+            if seq == END_OF_REPLAY:
+                return seqs
+            seqs.append(int.from_bytes(seq, "big"))
+            assert msgpack.unpackb(payload)[1] == [["AllBlocksCleared"]]
+    finally:
+        client.close(0)
+        context.term()
+        publisher.close()
+
+
+def test_a_replay_longer_than_zmqs_default_send_limit_arrives_whole(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """ZMQ's default send limit (1,000 messages per peer) must not cut a replay: every buffered batch
+    comes back, then the end marker."""
+    monkeypatch.setattr(publisher_module, "MAX_EVENTS_PER_BATCH", 1)  # one batch per event
+    assert replayed_seqs(tmp_path, 5_000) == list(range(5_000))
+
+
+def test_the_replay_buffer_is_bounded_by_bytes_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(publisher_module, "MAX_EVENTS_PER_BATCH", 1)
+    num_payload_bytes = len(msgpack.packb([time.time(), [["AllBlocksCleared"]], 0]))  # the same for each batch
+    monkeypatch.setattr(publisher_module, "REPLAY_BUFFER_BYTES", 10 * num_payload_bytes + num_payload_bytes // 2)
+    assert replayed_seqs(tmp_path, 50) == list(range(40, 50))  # the 10 newest
 
 
 @pytest.mark.parametrize("endpoint", ["127.0.0.1:5557", "http://host:5557"])
