@@ -19,6 +19,7 @@ offset per process (``_offset_ns``), so that the spans of a process never disagr
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Mapping
 from urllib.parse import urlsplit
@@ -38,6 +39,13 @@ __all__ = ["TRACEPARENT", "Span", "Tracer"]
 
 Attributes = Mapping[str, str | int | float | bool]
 Parent = Span | str | None  # a span of ours, a traceparent header's value, or None (a new trace)
+# Why short bounds: the services' stops are bounded (pagedserve/drain.py, 5 s), and a collector that
+# is down must not hold one past them (the SDK's defaults, 10 s per export with retries and 30 s for
+# a shutdown, would). An export gives up after EXPORT_TIMEOUT_S (spans lost, as a full queue would
+# lose them); ``shutdown`` returns after SHUTDOWN_TIMEOUT_S whatever the exporter does, leaving the
+# flush on a daemon thread that the process exit ends.
+EXPORT_TIMEOUT_S = 1.0
+SHUTDOWN_TIMEOUT_S = 2.0
 
 
 class Tracer:
@@ -51,11 +59,14 @@ class Tracer:
 
     def __init__(self, endpoint: str, service_name: str, exporter: SpanExporter | None = None) -> None:
         if exporter is None:
-            exporter = OTLPSpanExporter(endpoint=endpoint, insecure=urlsplit(endpoint).scheme == "http")
+            exporter = OTLPSpanExporter(endpoint=endpoint, insecure=urlsplit(endpoint).scheme == "http",
+                                        timeout=EXPORT_TIMEOUT_S)
         # A provider of our own, not the global one: nothing else in the process (a library that
         # traces through the global API) sends spans to the operator's collector unasked.
         self._provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
-        self._provider.add_span_processor(BatchSpanProcessor(exporter))  # OTEL_BSP_* tune its batches
+        # OTEL_BSP_* tune its batches; the export timeout is ours (above).
+        self._provider.add_span_processor(BatchSpanProcessor(exporter,
+                                                             export_timeout_millis=EXPORT_TIMEOUT_S * 1000))
         self._tracer = self._provider.get_tracer("pagedserve")
         self._propagator = TraceContextTextMapPropagator()
         self._offset_ns = time.time_ns() - time.monotonic_ns()
@@ -94,8 +105,13 @@ class Tracer:
         return int(monotonic_s * 1e9) + self._offset_ns
 
     def shutdown(self) -> None:
-        """Sends what is still batched (bounded by the SDK's export timeout) and stops the thread."""
-        self._provider.shutdown()
+        """Sends what is still batched and stops the SDK's thread; returns within ``SHUTDOWN_TIMEOUT_S``.
+
+        The rest of a flush past that (a collector that does not answer) goes on on a daemon thread.
+        """
+        flush = threading.Thread(target=self._provider.shutdown, name="otel-shutdown", daemon=True)
+        flush.start()
+        flush.join(SHUTDOWN_TIMEOUT_S)
 
     def _context(self, parent: Parent) -> Context:
         # Always an explicit context: the SDK would otherwise take the current one (contextvars),

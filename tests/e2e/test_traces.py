@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from concurrent import futures
@@ -27,6 +28,7 @@ import grpc
 import httpx
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from pagedserve.gateway.v1 import gateway_pb2
 from pagedserve.process import wait_until
@@ -34,6 +36,7 @@ from pagedserve.sockets import free_port
 from pagedserve.stack import Stack, StackConfig, shm_segments, start_stacks
 from pagedserve.testing.stack import Gateway, memory_stats, start_gateway
 from pagedserve.testing.tiny_model import ServiceModel
+from pagedserve.tracing import SHUTDOWN_TIMEOUT_S, Tracer
 
 BLOCK = 16
 POOL_BLOCKS = 16  # small: two filler prompts evict a prompt's blocks to the disk tier
@@ -245,3 +248,32 @@ def test_a_prefix_loaded_from_the_disk_tier_is_a_span_of_its_step(traced: Traced
     assert load.attributes["pagedserve.num_loaded_blocks"] == load.attributes["pagedserve.num_blocks"] == 6
     assert load.attributes["pagedserve.num_disk_blocks"] == 6
     assert spans["prefill"].attributes["pagedserve.num_cached_tokens"] == 96
+
+
+def _stop_time_s(tracer: Tracer) -> float:
+    for _ in range(3):
+        tracer.record("s", None, time.monotonic() - 1, time.monotonic())
+    start = time.monotonic()
+    tracer.shutdown()
+    return time.monotonic() - start
+
+
+def test_a_shutdown_with_the_collector_down_returns_within_its_bound() -> None:
+    """The services' stops are bounded (5 s, pagedserve/drain.py): the SDK's retries against a closed
+    port (6.8 s before) must not hold one past them."""
+    assert _stop_time_s(Tracer(f"http://127.0.0.1:{free_port()}", "t")) < SHUTDOWN_TIMEOUT_S + 0.5
+
+
+def test_a_shutdown_returns_within_its_bound_whatever_the_exporter_does() -> None:
+    released = threading.Event()
+
+    class HangingExporter(SpanExporter):
+        def export(self, spans):
+            released.wait(30)
+            return SpanExportResult.SUCCESS
+
+    try:
+        assert _stop_time_s(Tracer("http://unused:1", "t", exporter=HangingExporter())) < SHUTDOWN_TIMEOUT_S + 0.5
+    finally:
+        released.set()
+
