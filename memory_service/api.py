@@ -17,10 +17,11 @@ from memory_service.manager.block_types import (
     OpResult,
     PoolStats,
     ReservedPool,
+    StepResult,
     cache_namespace,
 )
 from memory_service.identity import KvTierInfo
-from memory_service.client import MemoryClient, MemoryServiceUnavailable, StepResult, channel_target
+from memory_service.client import MemoryClient, MemoryServiceUnavailable, channel_target
 from memory_service.pool.kv_pool import KvLayout
 
 __all__ = [

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
 
 import grpc
 
@@ -18,7 +17,7 @@ from pagedserve.memory.v1 import memory_pb2_grpc
 from pagedserve.trace_context import TRACEPARENT
 
 from memory_service import convert
-from memory_service.manager.block_types import AppendOp, BlockManagerStats, Op, OpResult, ReservedPool
+from memory_service.manager.block_types import AppendOp, BlockManagerStats, Op, OpResult, ReservedPool, StepResult
 from memory_service.pool.mapped_pool import MappedPool
 from memory_service.pool.kv_pool import KvLayout
 
@@ -32,16 +31,6 @@ _GONE = (*_UNREACHABLE, grpc.StatusCode.FAILED_PRECONDITION)
 class MemoryServiceUnavailable(UnavailableError):
     """The memory service cannot be reached, or no longer knows this client (it restarted, or the
     lease expired). The client is unusable: close it and attach a new one when the service is back."""
-
-
-class StepResult(NamedTuple):
-    """Answer to one Step: a result per op, the blocks available for the next step, and the
-    sequences whose tier load ended (retry their AllocateOp: memory.proto's OpResult.loading)."""
-
-    results: list[OpResult]
-    num_available_blocks: int
-    num_available_reserved_blocks: int
-    loaded_seq_ids: Sequence[str] = ()
 
 
 def channel_target(socket: str | None = None, address: str | None = None) -> str:

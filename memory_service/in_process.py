@@ -1,36 +1,38 @@
 """The block manager and a plain tensor pool in the caller's process: a KV allocator with no service.
 
 ``InProcessAllocator`` answers the engine's steps exactly as ``MemoryClient`` does (same ops, same
-``StepResult``, the same ``BlockManager`` behind them), without a process, a socket or shared memory:
-the pool is an ordinary torch tensor on the model's device. It is the engine's allocator in unit
-tests (exact admission, preemption and block counts in milliseconds) and wherever one engine owns
-its pool alone. Not shared between processes, and single-threaded like the block manager (with a
-tier, its worker threads share the manager under a lock, as in the service).
+``StepResult``, the same ``MemoryCore`` behind them: tests/memory_service/test_allocator_parity.py),
+without a process, a socket or shared memory: the pool is an ordinary torch tensor on the model's
+device. It is the engine's allocator in unit tests (exact admission, preemption and block counts in
+milliseconds) and wherever one engine owns its pool alone. Not shared between processes, and
+single-threaded like the block manager (with a tier, its worker threads share the manager under the
+core's lock, as in the service).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from pagedserve.dtypes import DTYPES
 
-from memory_service.client import StepResult
-from memory_service.manager.block_manager import BlockManager
 from memory_service.config import DEFAULT_KV_DISK_BYTES
-from memory_service.manager.block_types import BlockManagerConfig, BlockManagerStats, Op, OpResult
+from memory_service.core import MemoryCore
+from memory_service.manager.block_types import BlockManagerConfig, BlockManagerStats, Op, OpResult, StepResult
 from memory_service.pool.kv_pool import KvLayout
 from memory_service.tier.disk_tier import DiskTier, TierIdentity
-from memory_service.tier.host_tier import HostTier
-from memory_service.tier.worker import TierWorker
+
+if TYPE_CHECKING:
+    from memory_service.manager.block_manager import BlockManager
+    from memory_service.tier.worker import TierWorker
 
 
 class InProcessAllocator:
-    """A ``KvAllocator`` (compute_service/engine/allocator.py) around an in-process ``BlockManager``.
+    """A ``KvAllocator`` (compute_service/engine/allocator.py) around an in-process ``MemoryCore``.
 
     Args:
         layout: the model's KV layout; its ``block_size`` must equal ``config.block_size``.
@@ -66,49 +68,49 @@ class InProcessAllocator:
         self.reserved = config.reserved_pool
         # (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim): the memory service's layout.
         self.pool = torch.zeros(layout.shape(config.num_blocks), dtype=DTYPES[layout.dtype], device=device)
-        self.block_manager = BlockManager(config, copy_block=self._copy_block)
-        self._lock = threading.Lock()  # the tier's threads call the manager too
-        self.tier: TierWorker | None = None
+        self.core = MemoryCore(config, self._copy_block)
         tier_identity = None
         if kv_disk_dir is not None or kv_host_bytes is not None:
             if not model_fingerprint:
                 raise ValueError("a KV tier (kv_disk_dir, kv_host_bytes) needs a model_fingerprint: tier blocks "
                                  "are keyed by the model")
+            if kv_host_bytes is not None and kv_host_bytes < 1:
+                raise ValueError(f"kv_host_bytes must be >= 1, got {kv_host_bytes}")
             identity = TierIdentity(model_fingerprint, layout.dtype, layout.block_size, layout.num_layers,
                                     layout.num_kv_heads, layout.head_dim)
-            host = disk = None
-            if kv_host_bytes is not None:
-                host = HostTier(kv_host_bytes)
-                host.open(identity, pin_memory=self.pool.is_cuda)
-            if kv_disk_dir is not None:
-                disk = DiskTier(kv_disk_dir, kv_disk_bytes)
-                disk.open(identity)
-            self.tier = TierWorker(self.block_manager, self._lock, self.pool, host=host, disk=disk)
-            self.block_manager.enable_tier(self.tier)
+            disk = DiskTier(kv_disk_dir, kv_disk_bytes) if kv_disk_dir is not None else None
+            self.core.open_tiers(identity, self.pool, host_bytes=kv_host_bytes, disk=disk)
             tier_identity = identity.digest
-        self.block_manager.add_client(client_id, max_blocks, tier_identity)
+        self.core.add_client(client_id, max_blocks, tier_identity)
+
+    @property
+    def block_manager(self) -> BlockManager:
+        """The core's block manager (tests read it)."""
+        return self.core.block_manager
+
+    @property
+    def tier(self) -> TierWorker | None:
+        """The tiers' worker, when there is a tier."""
+        return self.core.tier
+
+    @property
+    def _lock(self) -> threading.Lock:
+        """The core's lock (tests hold it to read the block manager while a tier's threads run)."""
+        return self.core.lock
 
     def _copy_block(self, src: int, dst: int) -> None:
         """Copy-on-write: one block's K and V, every layer."""
         self.pool[:, :, dst].copy_(self.pool[:, :, src])
 
     def step_with_counts(self, ops: Sequence[Op], prefill_tokens_per_s: float = 0.0) -> StepResult:
-        """Apply ops in order; one result per op (``ok=False`` = out of blocks; ``loading``: wait for
-        the sequence in ``loaded_seq_ids``, then retry), then the counts and the ended loads.
+        """Apply ops in order; one result per op (``ok=False`` = out of blocks or quota; ``loading``:
+        wait for the sequence in ``loaded_seq_ids``, then retry), then the counts (clipped by the
+        quota, as the service's) and the ended loads (``MemoryCore.step``).
 
         Raises:
             InvalidArgument: a bad batch (a caller bug; nothing was applied).
         """
-        manager = self.block_manager
-        with self._lock:
-            manager.set_prefill_speed(self.client_id, prefill_tokens_per_s)
-            results = manager.apply(self.client_id, ops)
-            num_general, num_reserved = manager.num_available_blocks()
-            loaded_seq_ids = manager.take_load_reports(self.client_id)
-            new_loads = manager.take_new_loads()
-        if self.tier is not None:
-            self.tier.submit(new_loads)
-        return StepResult(results, num_general, num_reserved, loaded_seq_ids)
+        return self.core.step(self.client_id, ops, prefill_tokens_per_s)
 
     def step(self, ops: Sequence[Op]) -> list[OpResult]:
         """Like ``step_with_counts``, the results only (``MemoryClient.step``)."""
@@ -116,36 +118,21 @@ class InProcessAllocator:
 
     def commit(self) -> None:
         """The K/V of the last step is written: its full blocks may be shared (``MemoryClient.commit``)."""
-        with self._lock:
-            self.block_manager.commit(self.client_id)
-        if self.tier is not None:
-            self.tier.submit([])  # wakes the writer for the blocks just committed
+        self.core.commit(self.client_id)
 
     def block_table(self, seq_id: str) -> list[int]:
         """The whole block table of one of this client's sequences."""
-        with self._lock:
-            return self.block_manager.block_table(self.client_id, seq_id)
+        return self.core.block_table(self.client_id, seq_id)
 
     def stats(self) -> BlockManagerStats:
         """The block manager's block, cache and client statistics (and the tier's)."""
-        with self._lock:
-            stats = self.block_manager.stats()
-            if self.tier is not None:
-                stats = dataclasses.replace(stats, tiers=self.tier.stats())
-        return stats
+        return self.core.stats()
 
     def close(self) -> None:
         """Stops the tier's threads (nothing else to release)."""
-        if self.tier is not None:
-            self.tier.close()
-            self.tier = None
+        self.core.close_tiers()
 
     def check_integrity(self) -> str | None:
         """None when every invariant of the block manager holds, else the first broken one
         (``MemoryClient.check_integrity``'s answer)."""
-        try:
-            with self._lock:
-                self.block_manager.check_integrity()
-        except AssertionError as exc:
-            return str(exc) or "integrity check failed"
-        return None
+        return self.core.check_integrity()

@@ -5,12 +5,13 @@
 - ``memory_service.client.MemoryClient``: the memory service in another process, one gRPC ``Step``
   per engine step, the pool mapped from shared memory (or a CUDA IPC handle). What the compute
   service and ``LLM`` run on.
-- ``memory_service.in_process.InProcessAllocator``: the same ``BlockManager`` in this process, a plain
-  torch tensor as the pool. Nothing to start: unit tests of the scheduler and the engine, notebooks.
+- ``memory_service.in_process.InProcessAllocator``: the same ``MemoryCore`` (memory_service/core.py)
+  in this process, a plain torch tensor as the pool. Nothing to start: unit tests of the scheduler
+  and the engine, notebooks.
 
 Both answer a step the same way (``StepResult``: one ``OpResult`` per op, out of blocks being a
-normal ``ok=False``, and the available block counts after the step), so the scheduler cannot tell
-them apart.
+normal ``ok=False``, and the available block counts after the step, clipped by the client's quota),
+so the scheduler cannot tell them apart (tests/memory_service/test_allocator_parity.py).
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
 def _require_int(name: str, value: object, minimum: int | None = None) -> None:
@@ -202,6 +203,17 @@ class OpResult:
     num_new_tokens: int = 0
     copies: list[tuple[int, int]] = field(default_factory=list)
     loading: bool = False
+
+
+class StepResult(NamedTuple):
+    """Answer to one step (``MemoryCore.step``, the Step RPC): a result per op, the blocks available
+    for the next step (the pool's count, clipped by what the client's quota still allows), and the
+    sequences whose tier load ended (retry their AllocateOp: memory.proto's OpResult.loading)."""
+
+    results: list[OpResult]
+    num_available_blocks: int
+    num_available_reserved_blocks: int
+    loaded_seq_ids: Sequence[str] = ()
 
 
 @dataclass(frozen=True)

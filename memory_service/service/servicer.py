@@ -1,9 +1,11 @@
-"""The MemoryManager gRPC servicer (grpc.aio): the pool, the block manager and client leases.
+"""The MemoryManager gRPC servicer (grpc.aio): the pool, client leases and trust, over a ``MemoryCore``.
 
-Every RPC runs on the server's event loop, so a KeepAlive stream is a suspended coroutine, not a
-thread: thousands of leases cost no worker. The block manager is single-threaded by design; the
-loop already serialises the RPCs, and ``_lock`` only keeps the metrics thread's ``stats()`` out of
-a half-applied step (each block-manager call is short and never awaits).
+The servicer is the edge: it creates the pool, keeps the leases, decides who is trusted, converts
+protobuf to ops and calls the core (memory_service/core.py: the block manager, its lock, the tiers,
+the KV events), which ``InProcessAllocator`` stands on too. Every RPC runs on the server's event
+loop, so a KeepAlive stream is a suspended coroutine, not a thread: thousands of leases cost no
+worker. The loop already serialises the RPCs; the core's lock keeps the metrics thread's
+``stats()`` and the tiers' threads out of a half-applied step.
 
 Leases: a client's lease lives while it has a KeepAlive stream open or has called within
 ``lease_ttl_s``. When the last stream ends the lease is NOT released at once: a stream may end for
@@ -18,18 +20,15 @@ the tiers open (the host tier's buffer allocated, the disk's files indexed, in a
 the first Attach of a trusted client with a model fingerprint, which binds them to that model and
 the pool's layout. Trusted clients of that fingerprint use them; the others (untrusted, no
 fingerprint, another model) never do: their blocks are not kept and they get no tier hits. The
-tiers' threads share ``_lock`` with the RPCs.
+tiers' threads share the core's lock with the RPCs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
-import functools
 import math
 import secrets
-import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -51,8 +50,9 @@ from pagedserve.memory.v1 import memory_pb2_grpc
 from pagedserve.service_auth import bearer_token
 
 from memory_service import convert
+from memory_service.core import MemoryCore
 from memory_service.manager.block_manager import BlockManager, BlockManagerConfig, BlockManagerStats
-from memory_service.manager.kv_events import MEDIUM_DISK, MEDIUM_HOST, KvEventLog
+from memory_service.manager.kv_events import KvEventLog
 from memory_service.config import DEFAULT_KV_DISK_BYTES, MAX_NUM_BLOCKS, MemoryServiceConfig
 from memory_service.identity import KvTierInfo, new_epoch, service_id
 from memory_service.pool.kv_pool import (
@@ -68,9 +68,8 @@ from memory_service.service.step_traces import StepTrace, StepTraces
 from memory_service.tier.disk_tier import DiskTier, TierIdentity
 
 if TYPE_CHECKING:
-    # Imported where the tiers open: they copy blocks with torch, seconds of CPU to import, which a
-    # service without a tier (the CPU pool is bytes to it) never needs.
-    from memory_service.tier.host_tier import HostTier
+    # Imported where the tiers open (MemoryCore.open_tiers): they copy blocks with torch, seconds of
+    # CPU to import, which a service without a tier (the CPU pool is bytes to it) never needs.
     from memory_service.tier.worker import TierWorker
 
 log = get_logger("memory_service")
@@ -116,20 +115,16 @@ class MemoryManagerServicer(memory_pb2_grpc.MemoryManagerServicer):
     def __init__(self, config: MemoryServiceConfig, *, pool_creation_delay_s: float = 0.0) -> None:
         self.config = config
         self._pool_creation_delay_s = pool_creation_delay_s
-        self._lock = threading.Lock()
         self._leases: dict[str, Lease] = {}
         self.layout: KvLayout | None = None
         self.pool: KvPool | None = None
-        self.block_manager: BlockManager | None = None
+        self.core: MemoryCore | None = None  # made with the pool, at the first attach
         self._stopping = asyncio.Event()
         self.is_draining = False  # SIGTERM: no new attach (service/server.py, drain)
         self._reaper: asyncio.Task | None = None
         self._pool_lock = asyncio.Lock()  # one first attach creates the pool; the others wait for it
         self._creating: asyncio.Task | None = None  # the pool's creation (see _ensure_pool)
         self._disk: DiskTier | None = None
-        self._host: HostTier | None = None  # made at the tiers' opening (it imports torch)
-        self._opened_identity: TierIdentity | None = None  # the tiers' model and layout, once open
-        self.tier: TierWorker | None = None  # once the tiers are open (the module docstring)
         self._tier_lock = asyncio.Lock()
         # Told of every block committed, evicted, stored in or dropped from a tier (kv_events.py).
         self.kv_events = KvEventLog(config.block_size) if config.kv_events_endpoint is not None else None
@@ -148,6 +143,16 @@ class MemoryManagerServicer(memory_pb2_grpc.MemoryManagerServicer):
         if self._disk is not None:
             tiers.append(KvTierInfo("disk", self._disk.capacity_bytes))
         self.tiers: tuple[KvTierInfo, ...] = tuple(tiers)
+
+    @property
+    def block_manager(self) -> BlockManager | None:
+        """The core's block manager (None before the pool exists)."""
+        return self.core.block_manager if self.core is not None else None
+
+    @property
+    def tier(self) -> TierWorker | None:
+        """The tiers' worker, once the tiers are open (the module docstring)."""
+        return self.core.tier if self.core is not None else None
 
     def start(self) -> None:
         """Starts the lease reaper; call on the server's event loop."""
@@ -213,9 +218,7 @@ class MemoryManagerServicer(memory_pb2_grpc.MemoryManagerServicer):
         self.pool = await asyncio.to_thread(_create_pool_now, layout, num_blocks, self.config.device,
                                              self._pool_creation_delay_s)
         self.layout = layout
-        self.block_manager = BlockManager(bm_config, copy_block=self.pool.copy_block)
-        if self.kv_events is not None:
-            self.block_manager.send_kv_events(self.kv_events)
+        self.core = MemoryCore(bm_config, self.pool.copy_block, kv_events=self.kv_events)
         log.info(
             "pool_created",
             num_blocks=num_blocks,
@@ -247,10 +250,9 @@ class MemoryManagerServicer(memory_pb2_grpc.MemoryManagerServicer):
 
     def _release(self, client_id: str, reason: str) -> int:
         lease = self._leases.pop(client_id, None)
-        if lease is None or self.block_manager is None:
+        if lease is None or self.core is None:
             return 0
-        with self._lock:
-            num_freed = self.block_manager.release_client(client_id)
+        num_freed = self.core.release_client(client_id)
         log.info("client_released", client_id=client_id, client_name=lease.name, reason=reason, num_freed=num_freed)
         return num_freed
 
@@ -273,9 +275,8 @@ class MemoryManagerServicer(memory_pb2_grpc.MemoryManagerServicer):
         """Clients a drain waits for: attached, holding a KeepAlive stream open (alive: a compute
         service holds one for its life), and holding sequences (requests in flight). An idle client is
         not waited for (it detaches only when it stops itself), nor one that died (its stream is gone)."""
-        with self._lock:
-            return sum(1 for client_id, lease in self._leases.items()
-                       if lease.num_streams and self.block_manager.num_sequences_of(client_id))
+        return sum(1 for client_id, lease in self._leases.items()
+                   if lease.num_streams and self.core.num_sequences_of(client_id))
 
     async def Attach(self, request: pb.AttachRequest, context: grpc.aio.ServicerContext) -> pb.AttachResponse:
         if self.is_draining:
@@ -295,7 +296,7 @@ class MemoryManagerServicer(memory_pb2_grpc.MemoryManagerServicer):
         if len(self._leases) >= self.config.max_clients:
             raise ResourceExhaustedError(f"{len(self._leases)} clients are attached, the most this service takes")
         client_id = f"{request.client_name or 'client'}-{secrets.token_hex(6)}"
-        bm_config = self.block_manager.config
+        bm_config = self.core.config
         # Built before the client is added: a reply that cannot be built must not leave a lease behind.
         reply = pb.AttachResponse(
             client_id=client_id,
@@ -310,8 +311,7 @@ class MemoryManagerServicer(memory_pb2_grpc.MemoryManagerServicer):
             memory_service_epoch=self.epoch,
         )
         max_blocks = self.config.max_blocks_per_client if is_trusted else self.config.max_untrusted_client_blocks
-        with self._lock:
-            self.block_manager.add_client(client_id, max_blocks, tier_identity)
+        self.core.add_client(client_id, max_blocks, tier_identity)
         self._leases[client_id] = Lease(name=request.client_name, last_seen=time.monotonic(), is_trusted=is_trusted)
         log.info("client_attached", client_id=client_id, is_trusted=is_trusted, max_blocks=max_blocks,
                  uses_tier=tier_identity is not None)
@@ -323,12 +323,12 @@ class MemoryManagerServicer(memory_pb2_grpc.MemoryManagerServicer):
         if not self.tiers or not fingerprint or not is_trusted:
             return None
         async with self._tier_lock:
-            if self.tier is None:
+            if self.core.tier_identity is None:
                 layout = self.layout
                 identity = TierIdentity(fingerprint, layout.dtype, layout.block_size, layout.num_layers,
                                         layout.num_kv_heads, layout.head_dim)
                 await asyncio.to_thread(self._open_tiers, identity)
-        identity = self._opened_identity
+        identity = self.core.tier_identity
         if identity.fingerprint != fingerprint:
             log.warning("kv_tier_not_for_this_model", reason="the tier keeps another model's blocks: "
                         "this client does not use it", tier_fingerprint=identity.fingerprint, fingerprint=fingerprint)
@@ -336,12 +336,9 @@ class MemoryManagerServicer(memory_pb2_grpc.MemoryManagerServicer):
         return identity.digest
 
     def _open_tiers(self, identity: TierIdentity) -> None:
-        """Opens the tiers for ``identity`` and starts their threads (in a worker thread: a disk tier
-        reads every file's header, a host tier allocates, and on CUDA page-locks, its buffer)."""
+        """Opens the tiers for ``identity`` and starts their threads (in a worker thread: see
+        ``MemoryCore.open_tiers``)."""
         import torch
-
-        from memory_service.tier.host_tier import HostTier
-        from memory_service.tier.worker import TierWorker
 
         # The tier's block copies on one thread: torch's default, a thread per core whose OpenMP
         # workers spin after each copy, takes CPU from the compute services beside this service (the
@@ -350,34 +347,9 @@ class MemoryManagerServicer(memory_pb2_grpc.MemoryManagerServicer):
         pool = self.pool
         if pool is None:  # closed meanwhile
             raise UnavailableError("the memory service is shutting down")
-        if self._disk is not None:
-            self._disk.open(identity)
-        if self.config.kv_host_bytes is not None:
-            self._host = HostTier(self.config.kv_host_bytes)
-            self._host.open(identity, pin_memory=pool.tensor.is_cuda)
-        if self.kv_events is not None:
-            self._send_tier_events(self.kv_events, identity, self.block_manager.config.num_blocks)
-        with self._lock:
-            # ``close`` may have begun while the tiers opened: it reads ``tier`` under this lock, after
-            # setting ``_stopping``, then frees the pool. So no thread starts over a pool being freed.
-            if self._stopping.is_set():
-                raise UnavailableError("the memory service is shutting down")
-            self.tier = TierWorker(self.block_manager, self._lock, pool.tensor, host=self._host, disk=self._disk)
-            if self.traces is not None:
-                self.tier.on_load_done = self.traces.load_done
-            self.block_manager.enable_tier(self.tier)
-            self._opened_identity = identity
-
-    def _send_tier_events(self, events: KvEventLog, identity: TierIdentity, num_pool_blocks: int) -> None:
-        """The tiers tell ``events`` what they store and drop, in their media (manager/kv_events.py)."""
-        num_blocks = num_pool_blocks
-        if self._host is not None:
-            self._host.on_change = functools.partial(events.tier_changed, MEDIUM_HOST)
-            num_blocks += self._host.num_slots
-        if self._disk is not None:
-            self._disk.on_change = functools.partial(events.tier_changed, MEDIUM_DISK)
-            num_blocks += self._disk.capacity_bytes // identity.file_size
-        events.set_tier_capacity(num_blocks)
+        on_load_done = self.traces.load_done if self.traces is not None else None
+        self.core.open_tiers(identity, pool.tensor, host_bytes=self.config.kv_host_bytes, disk=self._disk,
+                             on_load_done=on_load_done)
 
     async def Detach(self, request: pb.DetachRequest, context: grpc.aio.ServicerContext) -> pb.DetachResponse:
         self._lease(request.client_id, context)
@@ -424,46 +396,30 @@ class MemoryManagerServicer(memory_pb2_grpc.MemoryManagerServicer):
         if num_ops > MAX_OPS_PER_STEP:
             raise InvalidArgument(f"the step has {num_ops} ops; at most {MAX_OPS_PER_STEP} per step")
         lease = self._lease(request.client_id, context)
-        prefill_tokens_per_s = request.prefill_tokens_per_s
-        if not (math.isfinite(prefill_tokens_per_s) and prefill_tokens_per_s >= 0):
-            raise InvalidArgument(f"prefill_tokens_per_s must be a finite number >= 0, got {prefill_tokens_per_s}")
         early = [convert.op_from_pb(op) for op in request.ops]
         appends = convert.appends_from_pb(request.appends)
         late = [convert.op_from_pb(op) for op in request.late_ops]
         if not lease.is_trusted:  # before anything applies: a refused namespace changes nothing
             early = trust.confine(request.client_id, early)
             late = trust.confine(request.client_id, late, "late_ops")
-        manager = self.block_manager
-        with self._lock:
-            manager.set_prefill_speed(request.client_id, prefill_tokens_per_s)
-            # One apply() so that validation covers the whole step before anything changes.
-            results = manager.apply(request.client_id, [*early, *appends, *late])
-            num_available, num_available_reserved = manager.num_available_blocks()
-            # What this client may still take, for its scheduler's plan: the pool's count or its quota.
-            quota_left = max(0, manager.num_quota_left(request.client_id))
-            loaded_seq_ids = manager.take_load_reports(request.client_id)
-            new_loads = manager.take_new_loads()
-        if trace is not None:
-            trace.started_loads(new_loads)
-        if self.tier is not None:
-            self.tier.submit(new_loads)  # and wakes the writer for the blocks this step committed
-        num_available_reserved = min(num_available_reserved, quota_left - min(num_available, quota_left))
-        num_available = min(num_available, quota_left)
+        # One step so that validation covers the whole batch before anything changes.
+        step = self.core.step(request.client_id, [*early, *appends, *late], request.prefill_tokens_per_s,
+                              on_new_loads=trace.started_loads if trace is not None else None)
+        results = step.results
         num_early = len(early)
         return pb.StepResponse(
             results=[convert.result_to_pb(r) for r in results[:num_early] + results[num_early + len(appends) :]],
             append_results=convert.append_results_to_pb(results[num_early : num_early + len(appends)]),
-            num_available_blocks=num_available,
-            num_available_reserved_blocks=num_available_reserved,
-            loaded_seq_ids=loaded_seq_ids,
+            num_available_blocks=step.num_available_blocks,
+            num_available_reserved_blocks=step.num_available_reserved_blocks,
+            loaded_seq_ids=step.loaded_seq_ids,
         )
 
     async def GetBlockTable(
         self, request: pb.GetBlockTableRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetBlockTableResponse:
         self._lease(request.client_id, context)
-        with self._lock:
-            return pb.GetBlockTableResponse(block_ids=self.block_manager.block_table(request.client_id, request.seq_id))
+        return pb.GetBlockTableResponse(block_ids=self.core.block_table(request.client_id, request.seq_id))
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
         return convert.stats_to_pb(self.stats())
@@ -481,30 +437,24 @@ class MemoryManagerServicer(memory_pb2_grpc.MemoryManagerServicer):
 
     def stats(self) -> BlockManagerStats:
         """A snapshot of blocks, cache and clients; safe to call from any thread."""
-        with self._lock:
-            if self.block_manager is None:  # before the first attach there is no pool
-                return BlockManagerStats.empty(self.config.block_size, num_clients=len(self._leases))
-            stats = self.block_manager.stats()
-            if self.tier is not None:
-                stats = dataclasses.replace(stats, tiers=self.tier.stats())
-            return stats
+        core = self.core
+        if core is None:  # before the first attach there is no pool
+            return BlockManagerStats.empty(self.config.block_size, num_clients=len(self._leases))
+        return core.stats()
 
     def load_latency(self) -> dict[str, tuple[list[tuple[float, int]], float]]:
         """The tiers' load latency histograms (``TierWorker.load_latency``), empty without a tier."""
-        tier = self.tier
-        return tier.load_latency() if tier is not None else {}
+        core = self.core
+        return core.load_latency() if core is not None else {}
 
     def check_integrity(self) -> str | None:
         """None when every block-manager invariant holds, else the first broken one (logged as an error)."""
-        with self._lock:
-            if self.block_manager is None:
-                return None
-            try:
-                self.block_manager.check_integrity()
-            except AssertionError as exc:  # a bug of this service: reported to the caller, not hidden
-                log.error("integrity_check_failed", problem=str(exc))
-                return str(exc)
-        return None
+        if self.core is None:
+            return None
+        problem = self.core.check_integrity()
+        if problem is not None:  # a bug of this service: reported to the caller, not hidden
+            log.error("integrity_check_failed", problem=problem)
+        return problem
 
     async def close(self) -> None:
         """Ends the streams and the reaper, and frees the pool (the shared-memory name is unlinked)."""
@@ -514,11 +464,9 @@ class MemoryManagerServicer(memory_pb2_grpc.MemoryManagerServicer):
         if self._creating is not None:
             with contextlib.suppress(Exception):  # its Attach reports a failure; here only the pool matters
                 await self._creating
-        with self._lock:  # a tier opening from now on starts nothing (``_open_tiers``)
-            tier = self.tier
-        if tier is not None:  # before the pool goes: its threads read and write it
-            await asyncio.to_thread(tier.close)
-        with self._lock:
+        if self.core is not None:  # before the pool goes: the tiers' threads read and write it
+            await asyncio.to_thread(self.core.close_tiers)  # and a tier opening from now on starts nothing
+        with self.core.lock if self.core is not None else contextlib.nullcontext():
             if self.pool is not None:
                 self.pool.close()
                 self.pool = None

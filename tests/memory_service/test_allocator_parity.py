@@ -2,9 +2,8 @@
 through a real memory service (``MemoryClient`` over its socket) give equal ``StepResult``s, step
 for step: every op's result, both available-block counts, the loaded sequences.
 
-They have drifted: the service clips the available counts by what the client's quota still allows,
-the in-process allocator does not (issue 38, item 1), so the quota case fails until both stand on
-one core.
+Both stand on one ``MemoryCore`` (memory_service/core.py); this test keeps them from drifting again
+(the service clipped the counts by the client's quota, the in-process allocator did not).
 """
 
 from __future__ import annotations
@@ -67,11 +66,7 @@ def _normalized(result: StepResult) -> StepResult:
     return result._replace(loaded_seq_ids=list(result.loaded_seq_ids))
 
 
-QUOTA_DRIFT = pytest.mark.xfail(strict=True, reason="InProcessAllocator does not clip the available counts by "
-                                 "the client's quota, the memory service does (issue 38, item 1)")
-
-
-@pytest.fixture(params=[None, pytest.param(6, marks=QUOTA_DRIFT)], ids=["no_quota", "quota_6"])
+@pytest.fixture(params=[None, 6], ids=["no_quota", "quota_6"])
 def allocators(request: pytest.FixtureRequest) -> Iterator[tuple[InProcessAllocator, MemoryClient]]:
     """The in-process allocator and a client of a fresh service, both with the same pool and quota."""
     max_blocks = request.param
