@@ -4,10 +4,12 @@
 also covers Mistral and SmolLM files, or qwen2) and every tensor's type one of `SUPPORTED_TENSOR_TYPES`;
 either failure is a `ValueError` naming the architecture, or the type and the first tensor that has it.
 `convert_gguf` then writes the directory: config.json and generation_config.json from the file's
-metadata, the tokenizer (chat template included) built by transformers from the file, and every
-weight de-quantized by the `gguf` package into safetensors shards. The model loader caches that
-directory under `<cache root>/models/<file stem>-<sha256 prefix>`, keyed by the file's sha256
-(`file_sha256`), so each file is converted once and a changed file is converted again.
+tensors and metadata (the sizes taken from the tensors, the metadata checked against them, before
+anything is written: compute_service/model/gguf_shapes.py), the tokenizer (chat template included)
+built by transformers from the file, and every weight de-quantized by the `gguf` package into
+safetensors shards. The model loader caches that directory under
+`<cache root>/models/<file stem>-<sha256 prefix>`, keyed by the file's sha256 (`file_sha256`), so
+each file is converted once and a changed file is converted again.
 
 Why de-quantize into float32 (F16 and BF16 tensors stay as they are, exactly): today every linear
 runs in the served dtype (bf16 or float32), so the weights are widened at load anyway, and a float32
@@ -40,6 +42,8 @@ from typing import Any
 import numpy as np
 import structlog
 import torch
+
+from compute_service.model.gguf_shapes import Metadata, gguf_shape
 
 log = structlog.get_logger(__name__)
 
@@ -95,7 +99,7 @@ def inspect_gguf(path: Path) -> GgufSummary:
 
 
 def _inspect(reader: Any, path: Path) -> GgufSummary:
-    architecture = _field(reader, "general.architecture")
+    architecture = Metadata(reader, path).string("general.architecture")
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"GGUF file {path.name!r} has architecture {architecture!r}; "
                          f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
@@ -130,10 +134,14 @@ def convert_gguf(path: Path, out_dir: Path) -> None:
     reader = _reader(path)
     summary = _inspect(reader, path)
     tensors = {tensor.name: tensor for tensor in reader.tensors}
-    config = _hf_config(reader, summary, tensors, path)
+    meta = Metadata(reader, path)
+    config = _hf_config(meta, summary, tensors)
+    stop_token_ids = [meta.integer(f"tokenizer.ggml.{name}_token_id", low=0, high=config["vocab_size"] - 1)
+                      for name in ("eot", "eom")]  # checked before anything is written
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     tokenizer = _save_tokenizer(reader, path, out_dir)
-    generation = {"bos_token_id": config.get("bos_token_id"), "eos_token_id": _stop_token_ids(reader, tokenizer)}
+    generation = {"bos_token_id": config.get("bos_token_id"),
+                  "eos_token_id": _stop_token_ids([config["eos_token_id"], *stop_token_ids], tokenizer)}
     (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2))
     permute = summary.architecture == "llama"
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
@@ -210,66 +218,59 @@ def _write_shards(out_dir: Path, named: Iterator[tuple[str, torch.Tensor]]) -> N
     flush()
 
 
-def _hf_config(reader: Any, summary: GgufSummary, tensors: dict[str, Any], path: Path) -> dict[str, Any]:
-    """config.json from the file's metadata (llama.cpp's keys, `<architecture>.<key>`)."""
-    arch = summary.architecture
-
-    def key(name: str, default: Any = None) -> Any:
-        return _field(reader, f"{arch}.{name}", default)
-
-    num_heads = key("attention.head_count")
-    hidden = key("embedding_length")
-    shape = (num_heads, hidden, key("block_count"), key("feed_forward_length"))
-    if None in shape or "token_embd.weight" not in tensors:
-        raise ValueError(f"GGUF file {path.name!r} lacks the {arch} shape metadata "
-                         "(embedding_length, block_count, feed_forward_length, attention.head_count, token_embd)")
-    head_dim = key("attention.key_length") or hidden // num_heads
+def _hf_config(meta: Metadata, summary: GgufSummary, tensors: dict[str, Any]) -> dict[str, Any]:
+    """config.json from the file's tensors and metadata (llama.cpp's keys, `<architecture>.<key>`),
+    every size checked (compute_service/model/gguf_shapes.py)."""
+    arch, path = summary.architecture, meta.path
+    shape = gguf_shape(meta, arch, tensors)
+    head_dim = shape.head_dim
     config: dict[str, Any] = {
         "architectures": ["Qwen2ForCausalLM" if arch == "qwen2" else "LlamaForCausalLM"],
         "model_type": summary.model_type,
         "hidden_act": "silu",
-        "hidden_size": hidden,
-        "intermediate_size": key("feed_forward_length"),
-        "num_hidden_layers": key("block_count"),
-        "num_attention_heads": num_heads,
-        "num_key_value_heads": key("attention.head_count_kv") or num_heads,
+        "hidden_size": shape.hidden_size,
+        "intermediate_size": shape.intermediate_size,
+        "num_hidden_layers": shape.num_layers,
+        "num_attention_heads": shape.num_heads,
+        "num_key_value_heads": shape.num_kv_heads,
         "head_dim": head_dim,
-        "max_position_embeddings": key("context_length", 2048),
-        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-6)),
-        "rope_theta": float(key("rope.freq_base", 10000.0)),
-        "vocab_size": int(tensors["token_embd.weight"].shape[-1]),  # ggml order: (hidden, vocab)
+        "max_position_embeddings": shape.max_position,
+        "rms_norm_eps": meta.number(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_theta": meta.number(f"{arch}.rope.freq_base", 10000.0),
+        "vocab_size": shape.vocab_size,
         "tie_word_embeddings": "output.weight" not in tensors,
-        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "bos_token_id": meta.integer("tokenizer.ggml.bos_token_id", low=0, high=shape.vocab_size - 1),
+        "eos_token_id": meta.integer("tokenizer.ggml.eos_token_id", low=0, high=shape.vocab_size - 1),
         "torch_dtype": "float32",
     }
     if arch == "qwen2":
         config["use_sliding_window"] = False
     else:
         # llama.cpp writes q/k/v/o biases only for a model with attention_bias.
-        config["attention_bias"] = "blk.0.attn_q.bias" in tensors
-    rope_dims = key("rope.dimension_count")
+        config["attention_bias"] = shape.has_attention_bias
+    rope_dims = meta.integer(f"{arch}.rope.dimension_count", high=1 << 16)
     if rope_dims is not None and rope_dims != head_dim:
         raise ValueError(f"GGUF file {path.name!r} uses partial rotary embeddings ({rope_dims} of {head_dim} dims), "
                          "which are not supported")
-    scaling = _rope_scaling(reader, arch, config, tensors.get("rope_freqs.weight"), path)
+    scaling = _rope_scaling(meta, arch, config, tensors.get("rope_freqs.weight"))
     if scaling is not None:
         config["rope_scaling"] = scaling
     return config
 
 
-def _rope_scaling(reader: Any, arch: str, config: dict[str, Any], freqs: Any, path: Path) -> dict[str, Any] | None:
+def _rope_scaling(meta: Metadata, arch: str, config: dict[str, Any], freqs: Any) -> dict[str, Any] | None:
     """Rope scaling from `<arch>.rope.scaling.*`, or Llama 3's, recognised from its `rope_freqs` tensor.
 
     llama.cpp stores Llama 3's scaling only as the per-frequency divisors it implies; we run the
     llama3 rule from its parameters, so the tensor must equal the rule's divisors for one of the
     published parameter sets (Llama 3.1: factor 8, Llama 3.2: 32), or the file is refused.
     """
-    kind = _field(reader, f"{arch}.rope.scaling.type")
+    path = meta.path
+    kind = meta.string(f"{arch}.rope.scaling.type")
     if kind not in (None, "none"):
         if kind != "linear":
             raise ValueError(f"GGUF file {path.name!r} uses rope scaling {kind!r}; supported: linear, llama3")
-        return {"rope_type": "linear", "factor": float(_field(reader, f"{arch}.rope.scaling.factor", 1.0))}
+        return {"rope_type": "linear", "factor": meta.number(f"{arch}.rope.scaling.factor", 1.0)}
     if freqs is None:
         return None
     divisors = torch.from_numpy(np.array(freqs.data, dtype=np.float32)).reshape(-1)
@@ -309,8 +310,8 @@ def _save_tokenizer(reader: Any, path: Path, out_dir: Path) -> Any | None:
     return tokenizer
 
 
-def _stop_token_ids(reader: Any, tokenizer: Any | None) -> list[int]:
-    ids = [_field(reader, f"tokenizer.ggml.{name}_token_id") for name in ("eos", "eot", "eom")]
+def _stop_token_ids(ids: list[int | None], tokenizer: Any | None) -> list[int]:
+    """The file's end tokens (eos, eot, eom, checked), then the chat stop tokens its vocabulary has."""
     if tokenizer is not None:
         vocab = tokenizer.get_vocab()
         ids += [vocab.get(token) for token in _STOP_TOKENS]

@@ -320,17 +320,111 @@ def test_gguf_unsupported_architecture_and_tensor_type_are_named(make_tiny_model
     assert not [p for p in (tmp_path / "cache" / "models").iterdir() if p.is_dir()]  # nothing half-converted
 
 
-def test_compute_service_names_an_unsupported_gguf_without_a_traceback(make_tiny_model, tmp_path):
-    """`python -m compute_service --model x.gguf` (and so `pagedserve up`) exits with one error line."""
+def _compute_service_error(model: Path, tmp_path: Path) -> str:
+    """`python -m compute_service --model <model>`'s stderr, once it exited 2 without a traceback."""
     import subprocess
     import sys
 
-    gemma = write_gguf(make_tiny_model("llama").hf_model, tmp_path / "g.gguf", "F32", arch="gemma2")
     result = subprocess.run(
-        [sys.executable, "-m", "compute_service", "--model", str(gemma), "--cache-dir", str(tmp_path / "cache"),
+        [sys.executable, "-m", "compute_service", "--model", str(model), "--cache-dir", str(tmp_path / "cache"),
          "--memory-socket", str(tmp_path / "none.sock"), "--listen", f"unix:{tmp_path / 'c.sock'}",
          "--device", "cpu"],
         capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr
-    assert "error: --model: GGUF file 'g.gguf' has architecture 'gemma2'" in result.stderr
     assert "Traceback" not in result.stderr
+    return result.stderr
+
+
+def test_compute_service_names_an_unsupported_gguf_without_a_traceback(make_tiny_model, tmp_path):
+    """`python -m compute_service --model x.gguf` (and so `pagedserve up`) exits with one error line."""
+    gemma = write_gguf(make_tiny_model("llama").hf_model, tmp_path / "g.gguf", "F32", arch="gemma2")
+    assert "error: --model: GGUF file 'g.gguf' has architecture 'gemma2'" in _compute_service_error(gemma, tmp_path)
+
+
+def _write_small_llama(path: Path, metadata: dict | None = None, *, skip: tuple[str, ...] = (),
+                       num_layers: int = 2) -> Path:
+    """A llama GGUF of zeros (hidden 64, 4 heads of 16, 2 KV heads, feed-forward 128, vocabulary 32),
+    its metadata (keys after "llama.") overridden by `metadata`, each value written with its Python
+    type (None: left out); the tensors in `skip` left out."""
+    import gguf
+
+    values = {"embedding_length": 64, "block_count": num_layers, "feed_forward_length": 128,
+              "attention.head_count": 4, "attention.head_count_kv": 2, "context_length": 256, **(metadata or {})}
+    writer = gguf.GGUFWriter(path, "llama")
+    for key, value in values.items():
+        name = f"llama.{key}"
+        if isinstance(value, str):
+            writer.add_string(name, value)
+        elif isinstance(value, float):
+            writer.add_float32(name, value)
+        elif isinstance(value, list):
+            writer.add_array(name, value)
+        elif isinstance(value, int):
+            writer.add_uint64(name, value) if value >= 1 << 32 else writer.add_uint32(name, value)
+    shapes = {"token_embd.weight": (32, 64), "output_norm.weight": (64,)}
+    for layer in range(num_layers):
+        shapes |= {f"blk.{layer}.{part}.weight": shape for part, shape in (
+            ("attn_norm", (64,)), ("ffn_norm", (64,)), ("attn_q", (64, 64)), ("attn_k", (32, 64)),
+            ("attn_v", (32, 64)), ("attn_output", (64, 64)), ("ffn_gate", (128, 64)), ("ffn_up", (128, 64)),
+            ("ffn_down", (64, 128)))}
+    for name, shape in shapes.items():
+        if name not in skip:
+            writer.add_tensor(name, np.zeros(shape, np.float32))  # (out, in): ggml's order reversed
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _convert(path: Path) -> dict:
+    out = path.with_suffix(".out")
+    out.mkdir()
+    gguf_file.convert_gguf(path, out)
+    return json.loads((out / "config.json").read_text())
+
+
+def test_gguf_sizes_come_from_the_tensors_and_a_huge_context_length_is_clipped(tmp_path):
+    config = _convert(_write_small_llama(tmp_path / "ok.gguf", {"context_length": (1 << 32) - 1}))
+    assert {k: config[k] for k in ("hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads",
+                                   "num_key_value_heads", "head_dim", "intermediate_size")} == {
+        "hidden_size": 64, "vocab_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128}
+    assert config["max_position_embeddings"] == 1 << 20  # clipped to gguf_shapes.MAX_CONTEXT_LENGTH
+
+
+@pytest.mark.parametrize(("metadata", "skip", "error"), [
+    ({"attention.head_count": 0}, (), r"llama.attention.head_count must be an integer in \[1, 1024\], got 0"),
+    ({"block_count": 1_000_000}, (), r"llama.block_count must be an integer in \[1, 1024\], got 1000000"),
+    ({"block_count": 3}, (), "llama.block_count is 3, the tensors say 2"),
+    ({"embedding_length": 128}, (), "llama.embedding_length is 128, the tensors say 64"),
+    ({"block_count": "two"}, (), "llama.block_count must be an integer in .*, got 'two'"),
+    ({"feed_forward_length": 128.0}, (), "llama.feed_forward_length must be an integer in .*, got 128.0"),
+    ({"context_length": [256]}, (), r"llama.context_length must be an integer in .*, got \[256\]"),
+    ({"attention.layer_norm_rms_epsilon": "small"}, (), "llama.attention.layer_norm_rms_epsilon must be a positive"),
+    ({"attention.head_count": 8, "attention.key_length": 16}, (),
+     r"tensor 'blk.0.attn_q.weight' has shape \(64, 64\), expected \(128, 64\)"),
+    ({"attention.head_count_kv": 4}, (), r"tensor 'blk.0.attn_k.weight' has shape \(32, 64\), expected \(64, 64\)"),
+    ({"attention.head_count_kv": 3}, (), "head_count \\(4\\) is not a multiple of llama.attention.head_count_kv"),
+    ({"feed_forward_length": 100}, (), r"tensor 'blk.0.ffn_gate.weight' has shape \(128, 64\), expected \(100, 64\)"),
+    ({"attention.key_length": 15}, (), "a head size of 15 .* is not a positive even number"),
+    ({}, ("blk.1.ffn_up.weight",), "lacks tensor 'blk.1.ffn_up.weight'"),
+    ({}, tuple(f"blk.0.{p}.weight" for p in gguf_file._LAYER_TENSORS), r"layers 0..1 expected, missing: \[0\]"),
+    ({}, ("token_embd.weight",), "lacks a 2-D token_embd.weight"),
+])
+def test_gguf_metadata_that_the_tensors_contradict_is_refused_by_name(tmp_path, metadata, skip, error):
+    with pytest.raises(ValueError, match=error):
+        _convert(_write_small_llama(tmp_path / "bad.gguf", metadata, skip=skip))
+
+
+def test_gguf_metadata_with_no_layers_is_refused(tmp_path):
+    """The review's file: one 32x64 tensor, said to have a million layers."""
+    with pytest.raises(ValueError, match=r"has no layer tensors \(blk.N.\*\)"):
+        _convert(_write_small_llama(tmp_path / "huge.gguf", {"block_count": 1_000_000}, num_layers=0))
+
+
+def test_compute_service_names_bad_gguf_metadata_without_a_traceback(tmp_path):
+    """head_count 0 was a ZeroDivisionError's traceback."""
+    bad = _write_small_llama(tmp_path / "zero.gguf", {"attention.head_count": 0})
+    assert ("error: --model: GGUF file 'zero.gguf': llama.attention.head_count must be an integer"
+            in _compute_service_error(bad, tmp_path))
