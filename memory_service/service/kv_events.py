@@ -184,8 +184,9 @@ class KvEventPublisher:
 
 
 class KvEventCollector(Collector):
-    """``pagedserve_memory_kv_events_*``: events made, dropped (the log full: a subscriber's index is
-    then stale until the service restarts), and batches sent."""
+    """``pagedserve_memory_kv_events_*``: events made, dropped (the log full: its backlog is replaced by
+    ``AllBlocksCleared``, so a subscriber's index then lacks the blocks cached before, never holds
+    false ones; memory_service/manager/kv_events.py), and batches sent."""
 
     def __init__(self, publisher: KvEventPublisher) -> None:
         self._publisher = publisher
