@@ -22,7 +22,7 @@ from memory_service.manager.block_pool import BlockPool
 from memory_service.manager.block_types import AllocateOp, AppendOp, ForkOp, FreeOp, Op, OpResult, ReservedPool
 from memory_service.manager.prefix_cache import ROOT_ENTRY_ID, PrefixCache, namespace_key
 from memory_service.manager.tier_book import TierBook
-from memory_service.tier.chain import chain_hashes, root_hash
+from memory_service.manager.chain import chain_hashes, root_hash
 from memory_service.token_encoding import TOKEN_WIDTH
 
 NO_QUOTA = 1 << 62  # a client's quota of block-table entries when it has none
@@ -40,7 +40,7 @@ class SequenceState:
     # key it once it fills; and the cache entry id of the content of the last full block.
     partial_token_bytes: bytes
     last_entry_id: int
-    # With a tier (its client has a tier identity): the tier key of its last full block (tier/chain.py).
+    # With a tier (its client has a tier identity): the tier key of its last full block (chain.py).
     tier_hash: bytes | None = None
 
 

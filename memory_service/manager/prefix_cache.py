@@ -94,7 +94,7 @@ class PrefixCache:
         self.entry_ids: list[int] = [ROOT_ENTRY_ID] * num_blocks  # meaningful while the block has a key
         # The client whose write of the block is not acknowledged yet; None once committed.
         self.pending_owners: list[str | None] = [None] * num_blocks
-        # The block's key in a tier below the pool (tier/chain.py), set by the tier's book for
+        # The block's key in a tier below the pool (chain.py), set by the tier's book for
         # clients that use one; cleared with the cache key, so it never outlives the content.
         self.tier_hashes: list[bytes | None] = [None] * num_blocks
         self._next_entry_id = ROOT_ENTRY_ID + 1

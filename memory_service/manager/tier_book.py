@@ -3,7 +3,7 @@
 Pure bookkeeping under the manager's lock, like the rest of ``manager/``; the file IO happens in
 ``memory_service/tier/worker.py``'s threads, which take their work from here and report back.
 
-Write-behind. A full block of a client that uses the tier gets a tier key (``tier/chain.py``) when
+Write-behind. A full block of a client that uses the tier gets a tier key (``chain.py``) when
 it registers in the prefix cache, kept in ``PrefixCache.tier_hashes`` (cleared when the block loses
 its cache key). When the client commits it (its K/V is written), the block joins ``to_persist``;
 the writer thread takes it from there, checks under the lock that the block still holds that key

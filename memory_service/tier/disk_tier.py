@@ -1,6 +1,6 @@
 """The disk tier: KV blocks kept as files, found again by a new memory service on the same directory.
 
-One file per block, named by its chained key (``chain.py``): ``<64 hex digits>.kv``, mode 0600 in
+One file per block, named by its chained key (``manager/chain.py``): ``<64 hex digits>.kv``, mode 0600 in
 a directory of mode 0700 (other users must not read a tenant's KV, nor plant blocks). A file is a
 fixed header, then the block's bytes exactly as the pool holds them, ``(num_layers, 2, block_size,
 num_kv_heads, head_dim)`` in the pool's dtype:
@@ -81,7 +81,7 @@ from pagedserve.dtypes import ELEMENT_SIZES
 from pagedserve.errors import PreconditionError
 from pagedserve.log import get_logger
 
-from memory_service.tier.chain import HASH_SIZE
+from memory_service.manager.chain import HASH_SIZE
 
 log = get_logger("memory_service.tier")
 

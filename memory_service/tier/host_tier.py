@@ -8,7 +8,7 @@ copies between it and the device run by DMA at the bus's speed, and a load's cop
 overflow of the pool that is cheaper than recomputing (a pool sized for the compute service's needs,
 plus a larger RAM tier of cached blocks; a CPU pool lives in /dev/shm, the tier in ordinary pages).
 
-Keys and namespaces are the disk tier's (``chain.py``): a block's chained key names its whole prefix
+Keys and namespaces are the disk tier's (``manager/chain.py``): a block's chained key names its whole prefix
 in one model, layout and namespace; the namespace key is stored beside each block as well and
 checked on every read, like the disk header's, so tenants stay apart even if a caller mixed keys.
 

@@ -20,7 +20,7 @@ from structlog.testing import capture_logs
 from pagedserve.errors import PreconditionError
 
 from memory_service.config import MemoryServiceConfig
-from memory_service.tier.chain import chain_hashes, root_hash
+from memory_service.manager.chain import chain_hashes, root_hash
 from memory_service.tier.disk_tier import DIRECT_ALIGN, ENOSPC_FREE_BLOCKS, HEADER_SIZE, DiskTier, TierIdentity
 
 pytestmark = pytest.mark.unit
