@@ -35,12 +35,12 @@ COMPILE_OPTIONS = "xgrammar-v1:any_whitespace=False,strict_mode=True"
 # xgrammar prefixes its messages with "[time] /path/file.cc:line: " and sometimes a failed check's text.
 _ENGINE_PREFIX = re.compile(r"^\s*\[[^\]]*\]\s*\S+:\d+:\s*(Check failed: \(.*?\) is false:\s*)?")
 _MAX_MESSAGE_CHARS = 500
-# The worker's nice value. A compile is CPU-bound for up to its timeout, and on a machine whose cores
-# the engine's threads fill, a worker at the engine's priority takes half a core from one of them,
-# which holds every step's parallel region: other tenants' requests ran several times slower while a
-# costly grammar compiled to its timeout. At nice 5 it gets about a quarter of a busy core (CFS weights
-# 335 against 1024), and all of an idle one; the timeout counts CPU time (``GrammarCompilerConfig``),
-# so a busy machine makes a compile slower, not refused as too complex.
+# The worker's nice value, set by its parent as it starts (grammar_compiler._Worker: its own start,
+# importing xgrammar, runs niced too). A compile is CPU-bound for up to its timeout, and on a machine
+# whose cores the engine's threads fill, a worker at the engine's priority takes half a core from one
+# of them, which holds every step's parallel region. At nice 5 it gets about a quarter of a busy core
+# (CFS weights 335 against 1024), and all of an idle one; the timeout counts CPU time
+# (``GrammarCompilerConfig``), so a busy machine makes a compile slower, not refused as too complex.
 WORKER_NICE = 5
 # xgrammar 0.2's rule for the characters of a length-bounded JSON string (maxLength/minLength)
 # lets raw control characters through, which no strict JSON parser accepts (its unbounded string
@@ -183,7 +183,6 @@ def main() -> None:
     # KeyboardInterrupt traceback when `pagedserve up` stopped. A worker lives as long as its parent
     # wants it (it closes the pipe or kills it; its death sends SIGTERM): it ignores SIGINT.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    os.nice(WORKER_NICE)
     serve(Connection(args.read_fd, writable=False), Connection(args.write_fd, readable=False))
 
 
