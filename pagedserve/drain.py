@@ -27,9 +27,11 @@ COMPUTE_STOP_S = 5
 # The gateway after its grace period: both fronts closed, its backend channels and the core.
 GATEWAY_STOP_S = 5
 # The memory service after its drain (``--drain-timeout-s``: its clients' requests in flight finish; in a
-# pod it is signalled after the compute container exited, so none is left): the KV tier writes what is not on
-# disk yet for 2 s at most (docs/design.md, "KV tiers"), then the pool is freed.
-MEMORY_STOP_S = 5
+# pod it is signalled after the compute container exited, so none is left): the gRPC server's stop (1 s),
+# the KV tier's writes of what is not on disk yet (2 s at most: docs/design.md, "KV tiers"), the KV-event
+# publisher's last flush (its thread and socket linger) and the tracer's (2 s at most), then the pool is
+# freed: up to ~8 s when every one of them takes its bound.
+MEMORY_STOP_S = 10
 
 _STOP_S = {"gateway": GATEWAY_STOP_S, "compute_service": COMPUTE_STOP_S, "memory_service": MEMORY_STOP_S}
 

@@ -204,7 +204,7 @@ GATEWAY_STOP_S for a gateway pod. tests/helm checks these numbers against pageds
 Argument: (list <drain values> "engine"|"gateway"). */}}
 {{- define "pagedserve.drainGrace" -}}
 {{- $drain := index . 0 -}}
-{{- $stopSeconds := dict "engine" (add 5 5) "gateway" 5 -}}
+{{- $stopSeconds := dict "engine" (add 5 10) "gateway" 5 -}}
 {{- add (int $drain.preStopSeconds) (int $drain.timeoutSeconds) (get $stopSeconds (index . 1)) -}}
 {{- end }}
 
