@@ -262,9 +262,9 @@ class EngineLoop:
             step_start = time.monotonic()
             outputs = engine.step()
             step_end = time.monotonic()
-            self.request_times.stepped(engine, step_start, outputs, step_end)
+            admitted = self.request_times.stepped(engine, step_start, outputs, step_end)
             if self.request_spans is not None:
-                self.request_spans.stepped(engine, step_start, outputs, step_end)
+                self.request_spans.stepped(admitted, step_start, outputs, step_end)
             if not outputs and engine.num_steps == num_steps:
                 self._wake.wait(WAITING_POLL_S)  # requests wait for blocks: poll, do not spin
             self.load = engine.load()  # before the outputs: a client that saw them sees this load

@@ -67,9 +67,11 @@ class RequestTimes:
         self._arrivals[request_id] = now
         self._queued.add(request_id)
 
-    def stepped(self, engine: Engine, step_start: float, outputs: Iterable[RequestDelta], now: float) -> None:
-        """After one step that began at ``step_start`` and ended at ``now`` with ``outputs``."""
-        for request_id in [r for r in self._queued if is_admitted(engine, r)]:
+    def stepped(self, engine: Engine, step_start: float, outputs: Iterable[RequestDelta], now: float) -> list[str]:
+        """After one step that began at ``step_start`` and ended at ``now`` with ``outputs``; returns the
+        requests that step admitted (first given blocks: the traces' queue ends there too)."""
+        admitted = [r for r in self._queued if is_admitted(engine, r)]
+        for request_id in admitted:
             self._queued.discard(request_id)
             self._admissions[request_id] = step_start
             self.request_queue_time.observe(step_start - self._arrivals[request_id])
@@ -81,15 +83,16 @@ class RequestTimes:
                 last = self._last_tokens.get(request_id)
                 if last is None:
                     self.time_to_first_token.observe(now - self._arrivals[request_id])
-                    admitted = self._admissions.pop(request_id, None)
-                    if admitted is not None:
-                        self.request_prefill_time.observe(now - admitted)
+                    admitted_at = self._admissions.pop(request_id, None)
+                    if admitted_at is not None:
+                        self.request_prefill_time.observe(now - admitted_at)
                 else:
                     self.inter_token_latency.observe(now - last)
                 self._last_tokens[request_id] = now
             if out.finished:
                 self.e2e_request_latency.observe(now - self._arrivals[request_id])
                 self.forget(request_id)
+        return admitted
 
     def forget(self, request_id: str) -> None:
         """A request left without a finished output (its engine failed or was lost): no figures."""
@@ -104,6 +107,6 @@ class RequestTimes:
 
 
 def is_admitted(engine: Engine, request_id: str) -> bool:
-    """Whether the request holds blocks (its first sequence was admitted; request_traces.py asks too)."""
+    """Whether the request holds blocks (its first sequence was admitted)."""
     request = engine.requests.get(request_id)
     return request is not None and any(seq.block_table for seq in request.seqs)

@@ -26,7 +26,6 @@ from memory_service.api import AllocateOp, Op
 
 from compute_service.engine.engine import Engine
 from compute_service.engine.outputs import RequestDelta
-from compute_service.service.request_metrics import is_admitted
 
 if TYPE_CHECKING:
     from pagedserve.tracing import Span, Tracer
@@ -54,7 +53,6 @@ class RequestSpans:
     def __init__(self, tracer: Tracer) -> None:
         self.tracer = tracer
         self._requests: dict[str, _Request] = {}
-        self._queued: set[str] = set()  # not admitted yet
         self._seq_requests: dict[str, _Request] = {}  # seq id -> its request, for its Steps' traceparent
 
     def arrived(self, engine: Engine, request_id: str, traceparent: str | None, arrival: float) -> None:
@@ -65,7 +63,6 @@ class RequestSpans:
             "pagedserve.priority": request.priority, "pagedserve.n": request.params.n})
         traced = _Request(span, self.tracer.traceparent(span), arrival, [s.seq_id for s in request.seqs])
         self._requests[request_id] = traced
-        self._queued.add(request_id)
         for seq_id in traced.seq_ids:
             self._seq_requests[seq_id] = traced
 
@@ -81,13 +78,16 @@ class RequestSpans:
                     return traced.traceparent
         return None
 
-    def stepped(self, engine: Engine, step_start: float, outputs: Iterable[RequestDelta], now: float) -> None:
-        """After one step that began at ``step_start`` and ended at ``now`` with ``outputs``."""
+    def stepped(self, admitted: Iterable[str], step_start: float, outputs: Iterable[RequestDelta],
+                now: float) -> None:
+        """After one step that began at ``step_start`` and ended at ``now`` with ``outputs``, having
+        admitted the requests ``admitted`` (``RequestTimes.stepped``'s answer: one scan for both)."""
         if not self._requests:
             return
-        for request_id in [r for r in self._queued if is_admitted(engine, r)]:
-            self._queued.discard(request_id)
-            self._requests[request_id].admitted = step_start
+        for request_id in admitted:
+            traced = self._requests.get(request_id)
+            if traced is not None:
+                traced.admitted = step_start
         for out in outputs:
             traced = self._requests.get(out.request_id)
             if traced is None:
@@ -128,7 +128,6 @@ class RequestSpans:
 
     def _pop(self, request_id: str) -> _Request | None:
         traced = self._requests.pop(request_id, None)
-        self._queued.discard(request_id)
         if traced is not None:
             for seq_id in traced.seq_ids:
                 self._seq_requests.pop(seq_id, None)
