@@ -54,7 +54,7 @@ from pagedserve.service_auth import API_KEYS_ENV
 from pagedserve.sockets import free_port
 from pagedserve import stack as launcher
 from pagedserve.process import wait_until
-from pagedserve.testing.stack import StackConfig
+from pagedserve_testing.stack import StackConfig
 
 KEY_A, KEY_B = "attacker-key-0123456789abcdef", "victim-key-0123456789abcdef01"
 VICTIM_PROMPT = "The capital of France is"
@@ -238,7 +238,7 @@ def main() -> None:
         keys_file = Path(tmp) / "tenants.json"
         keys_file.write_text(json.dumps({"tenants": {"a": attacker, "b": {"keys": [KEY_B]}}}))
         if args.quick:
-            from pagedserve.testing.tiny_model import build_service_model
+            from pagedserve_testing.tiny_model import build_service_model
             model = str(build_service_model(Path(tmp) / "tiny-model").path)
         else:
             model = "default"

@@ -41,8 +41,8 @@ if __package__ in (None, ""):  # run as a script: the repository root on the pat
 
 import grpc
 
-from pagedserve.testing import fuzz, load
-from pagedserve.testing.stack import (
+from pagedserve_testing import fuzz, load
+from pagedserve_testing.stack import (
     NOT_SERVING, SERVING, Stack, StackConfig, kv_layout, start_gateway, start_stack,
 )
 from pagedserve.gateway.v1 import gateway_pb2
@@ -228,7 +228,7 @@ def _start(model: str, directory: Path, name: str, num_clients: int) -> tuple[St
     from compute_service.model.model_loader import resolve_model
 
     if model == "tiny":
-        from pagedserve.testing.tiny_model import build_service_model
+        from pagedserve_testing.tiny_model import build_service_model
 
         model = str(build_service_model(directory / "tiny-model").path)
     vocab_size = ModelConfig.from_dir(resolve_model(model).path, name=model).vocab_size

@@ -100,7 +100,7 @@ def make_tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str],
 def service_model(tmp_path_factory: pytest.TempPathFactory):
     """The tiny random Llama with a byte-level tokenizer (pagedserve.testing.tiny_model) of the
     service, end-to-end and reliability tests, built once per session and only read."""
-    from pagedserve.testing.tiny_model import build_service_model
+    from pagedserve_testing.tiny_model import build_service_model
 
     return build_service_model(tmp_path_factory.mktemp("service-model"))
 

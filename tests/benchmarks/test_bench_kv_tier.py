@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve.testing.tiny_model import ServiceModel
+from pagedserve_testing.tiny_model import ServiceModel
 
 ROOT = Path(__file__).resolve().parents[2]
 

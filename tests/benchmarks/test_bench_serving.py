@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pagedserve.testing.tiny_model import build_service_model
+from pagedserve_testing.tiny_model import build_service_model
 from pagedserve.stack import shm_segments
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from benchmarks.throughput.weight_floor import weight_bytes
-from pagedserve.testing.tiny_model import build_service_model
+from pagedserve_testing.tiny_model import build_service_model
 
 
 def test_untied_model_reads_lm_head_not_the_embedding(tmp_path: Path) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from compute_service.engine.detokenizer import IncrementalDetokenizer
-from pagedserve.testing.tiny_model import build_byte_tokenizer
+from pagedserve_testing.tiny_model import build_byte_tokenizer
 
 TEXT = "héllo wörld € 😀 done"
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagedserve.testing.tiny_model import hf_greedy
+from pagedserve_testing.tiny_model import hf_greedy
 
 from compute_service.model import gguf_file, model_loader
 from compute_service.model.model_loader import load_model, resolve_model

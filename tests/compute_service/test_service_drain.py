@@ -22,7 +22,7 @@ from pagedserve.compute.v1 import compute_pb2_grpc
 from pagedserve.drain import COMPUTE_STOP_S
 from pagedserve.process import wait_until
 from pagedserve.stack import COMPUTE_SERVICE
-from pagedserve.testing.tiny_model import ServiceModel
+from pagedserve_testing.tiny_model import ServiceModel
 from tests.compute_service.service_fixtures import running_services
 
 PROMPT = [40, 97, 109, 32, 97, 32, 116, 105, 110, 121]

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from pagedserve.testing.tiny_model import ServiceModel
+from pagedserve_testing.tiny_model import ServiceModel
 from pagedserve.compute.v1 import compute_pb2 as cpb
 from pagedserve.process import wait_until
 from tests.compute_service.service_fixtures import Services, running_services

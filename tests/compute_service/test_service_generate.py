@@ -18,7 +18,7 @@ import torch
 import pagedserve_kernels as kernels
 from pagedserve.compute.v1 import compute_pb2 as cpb
 
-from pagedserve.testing.tiny_model import EOS_PROMPT, ServiceModel, hf_greedy
+from pagedserve_testing.tiny_model import EOS_PROMPT, ServiceModel, hf_greedy
 from tests.compute_service.service_fixtures import Services, running_services
 from tests.processes import child_pids
 

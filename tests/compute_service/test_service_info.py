@@ -8,7 +8,7 @@ from compute_service.model.model_info import ModelInfo
 from compute_service.service import convert
 from memory_service.api import KvTierInfo
 from pagedserve.compute.v1 import compute_pb2 as cpb
-from pagedserve.testing.tiny_model import ServiceModel
+from pagedserve_testing.tiny_model import ServiceModel
 from tests.compute_service.service_fixtures import running_services
 
 INFO = ModelInfo(model_name="m", max_model_len=64, dtype="float32", device="cpu", vocab_size=10, eos_token_ids=(1,),

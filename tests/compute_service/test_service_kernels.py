@@ -8,7 +8,7 @@ import urllib.request
 from pathlib import Path
 
 from pagedserve.compute.v1 import compute_pb2 as cpb
-from pagedserve.testing.tiny_model import ServiceModel, hf_greedy
+from pagedserve_testing.tiny_model import ServiceModel, hf_greedy
 from tests.compute_service.service_fixtures import running_services
 
 PROMPT = [40, 97, 109, 32, 97, 32, 116, 105, 110, 121]

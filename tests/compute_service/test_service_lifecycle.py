@@ -25,7 +25,7 @@ from grpc_health.v1 import health_pb2
 from pagedserve.compute.v1 import compute_pb2 as cpb
 from pagedserve.process import check_health, wait_until
 
-from pagedserve.testing.tiny_model import ServiceModel, hf_greedy
+from pagedserve_testing.tiny_model import ServiceModel, hf_greedy
 from pagedserve.test_hooks import TEST_HOOKS_ENV, encode_test_hooks
 from pagedserve.stack import COMPUTE_SERVICE, shm_segments
 from tests.compute_service.service_fixtures import Services, running_services, start_memory

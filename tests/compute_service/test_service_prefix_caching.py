@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.testing.tiny_model import ServiceModel
+from pagedserve_testing.tiny_model import ServiceModel
 from tests.compute_service.service_fixtures import BLOCK_SIZE, running_services
 
 PROMPT = list(range(40, 40 + 4 * BLOCK_SIZE + 3))  # 4 full blocks and a partial one

@@ -20,8 +20,8 @@ import httpx
 import openai
 import pytest
 
-from pagedserve.testing.stack import EngineServices, Gateway, start_gateway
-from pagedserve.testing.tiny_model import ServiceModel
+from pagedserve_testing.stack import EngineServices, Gateway, start_gateway
+from pagedserve_testing.tiny_model import ServiceModel
 from pagedserve.compute.v1 import compute_pb2
 from pagedserve.gateway.v1 import gateway_pb2
 from pagedserve.process import wait_until

@@ -26,7 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedserve.compute.v1 import compute_pb2, compute_pb2_grpc
 from pagedserve.gateway.v1 import gateway_pb2
-from pagedserve.testing.tiny_model import ServiceModel, hf_greedy
+from pagedserve_testing.tiny_model import ServiceModel, hf_greedy
 from pagedserve.process import ServiceProcess, wait_until
 from pagedserve.sockets import free_port
 from pagedserve.stack import COMPUTE_SERVICE, compute_process, memory_process, ready, shm_segments

@@ -19,8 +19,8 @@ from pathlib import Path
 from pagedserve.gateway.v1 import gateway_pb2
 from pagedserve.process import wait_until
 from pagedserve.stack import Stack, StackConfig, shm_segments
-from pagedserve.testing.stack import memory_stats, start_gateway
-from pagedserve.testing.tiny_model import ServiceModel
+from pagedserve_testing.stack import memory_stats, start_gateway
+from pagedserve_testing.tiny_model import ServiceModel
 from tests.e2e.test_gateway_shared_cache import _decisions
 
 BLOCK = 16

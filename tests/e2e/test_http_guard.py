@@ -23,7 +23,7 @@ import pytest
 from pagedserve.gateway.v1 import gateway_pb2
 from pagedserve.process import wait_until
 from pagedserve.sockets import free_port
-from pagedserve.testing.stack import Gateway, start_gateway
+from pagedserve_testing.stack import Gateway, start_gateway
 from tests.e2e.conftest import Engine
 from tests.processes import lowered_open_files_limit, open_files_limits
 

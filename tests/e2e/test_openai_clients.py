@@ -17,7 +17,7 @@ from typing import Literal
 import pytest
 from pydantic import BaseModel
 
-from pagedserve.testing.tiny_model import ServiceModel
+from pagedserve_testing.tiny_model import ServiceModel
 from tests.e2e.conftest import Http
 
 

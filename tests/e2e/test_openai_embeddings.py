@@ -19,7 +19,7 @@ from gateway.core.types import Completion, Reply, Usage
 from gateway.openai_api.embeddings_api import check_embeddings
 from pagedserve.errors import UnavailableError
 from pagedserve.process import wait_until
-from pagedserve.testing.tiny_model import ServiceModel
+from pagedserve_testing.tiny_model import ServiceModel
 from tests.e2e.conftest import Engine, Http, start_http
 
 TEXTS = ["Hello, world", "a much longer second input, to be pooled"]

@@ -18,7 +18,7 @@ import pytest
 from pagedserve.gateway.v1 import gateway_pb2
 from pagedserve.process import ServiceProcess, wait_until
 from pagedserve.sockets import free_port
-from pagedserve.testing.tiny_model import ServiceModel
+from pagedserve_testing.tiny_model import ServiceModel
 from tests.e2e.conftest import Http, http_get
 
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi </s> there"}]

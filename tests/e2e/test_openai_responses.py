@@ -16,7 +16,7 @@ import jsonschema
 import openai
 import pytest
 
-from pagedserve.testing.tiny_model import ServiceModel
+from pagedserve_testing.tiny_model import ServiceModel
 from tests.e2e.conftest import Engine, Http, start_http
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6},

@@ -16,7 +16,7 @@ import jsonschema
 import openai
 import pytest
 
-from pagedserve.testing.tiny_model import ServiceModel
+from pagedserve_testing.tiny_model import ServiceModel
 from tests.e2e.conftest import Http
 
 SCHEMA = {"type": "object", "required": ["id", "ok"],

@@ -9,7 +9,7 @@ import re
 
 import jsonschema
 
-from pagedserve.testing.tiny_model import ServiceModel
+from pagedserve_testing.tiny_model import ServiceModel
 from tests.e2e.conftest import Gateway
 from tests.e2e.test_grpcurl import _json_stream, grpcurl
 

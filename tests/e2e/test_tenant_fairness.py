@@ -23,8 +23,8 @@ from pagedserve.gateway.v1 import gateway_pb2
 from pagedserve.process import wait_until
 from pagedserve.sockets import free_port
 from pagedserve.stack import Stack, StackConfig, start_stacks
-from pagedserve.testing.stack import Gateway, compute_load, start_gateway
-from pagedserve.testing.tiny_model import ServiceModel
+from pagedserve_testing.stack import Gateway, compute_load, start_gateway
+from pagedserve_testing.tiny_model import ServiceModel
 from tests.e2e.conftest import BLOCK_SIZE
 
 KEY_A, KEY_B = "fair-a-key-5d1e0c7b", "fair-b-key-93a2f6e4"

@@ -34,8 +34,8 @@ from pagedserve.gateway.v1 import gateway_pb2
 from pagedserve.process import wait_until
 from pagedserve.sockets import free_port
 from pagedserve.stack import Stack, StackConfig, shm_segments, start_stacks
-from pagedserve.testing.stack import Gateway, memory_stats, start_gateway
-from pagedserve.testing.tiny_model import ServiceModel
+from pagedserve_testing.stack import Gateway, memory_stats, start_gateway
+from pagedserve_testing.tiny_model import ServiceModel
 from pagedserve.tracing import SHUTDOWN_TIMEOUT_S, Tracer
 
 BLOCK = 16

@@ -12,7 +12,7 @@ import pytest
 from gateway.core.types import ModelInfo
 from gateway.tokenizer import ModelTokenizer, TokenizerFetchError, fetch_tokenizer
 from pagedserve.compute.v1 import compute_pb2
-from pagedserve.testing.tiny_model import build_byte_tokenizer
+from pagedserve_testing.tiny_model import build_byte_tokenizer
 
 BOS, EOS = 256, 257
 # A template that puts its own special tokens around every turn, as real chat templates do.

@@ -19,7 +19,7 @@ from gateway.compute_convert import model_info_from_pb
 from gateway.tokenizer import ModelTokenizer
 from pagedserve.compute.v1 import compute_pb2
 from pagedserve.errors import InvalidArgument
-from pagedserve.testing.tiny_model import build_byte_tokenizer
+from pagedserve_testing.tiny_model import build_byte_tokenizer
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
                                             "days": {"type": "integer", "minimum": 1, "maximum": 7}},

@@ -112,7 +112,7 @@ def test_engine_and_gateway_pods_serve_a_request(volume_root: Path) -> None:
 
     from pagedserve.compute.v1 import compute_pb2, compute_pb2_grpc
     from pagedserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-    from pagedserve.testing.tiny_model import build_service_model, hf_greedy
+    from pagedserve_testing.tiny_model import build_service_model, hf_greedy
 
     model_dir = volume_root / "model"  # the claim's contents: a tiny Llama with its byte tokenizer
     model_dir.mkdir()

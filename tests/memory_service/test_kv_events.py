@@ -28,7 +28,7 @@ from memory_service.token_encoding import encode_token_ids
 from pagedserve.compute.v1 import compute_pb2 as cpb
 from pagedserve.process import wait_until
 from pagedserve.sockets import free_port
-from pagedserve.testing.tiny_model import ServiceModel
+from pagedserve_testing.tiny_model import ServiceModel
 from tests.compute_service.service_fixtures import BLOCK_SIZE, Services, running_services
 
 PROMPT = [40, 97, 109, 32, 97, 32, 116, 105, 110, 121]  # 10 tokens: 2 full blocks of 4

@@ -22,7 +22,7 @@ from pagedserve.memory.v1 import memory_pb2 as mpb
 from pagedserve.memory.v1 import memory_pb2_grpc
 from pagedserve.process import check_health, wait_until
 from pagedserve.stack import shm_segments
-from pagedserve.testing.tiny_model import ServiceModel
+from pagedserve_testing.tiny_model import ServiceModel
 from tests.compute_service.service_fixtures import running_services
 
 PROMPT = [40, 97, 109, 32, 97, 32, 116, 105, 110, 121]

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve.testing.stack import Stack, StackConfig, start_stack
-from pagedserve.testing.tiny_model import ServiceModel
+from pagedserve_testing.stack import Stack, StackConfig, start_stack
+from pagedserve_testing.tiny_model import ServiceModel
 
 # Requests the session gateway holds at once: the overload test sends more than this.
 GATEWAY_MAX_QUEUED = 32

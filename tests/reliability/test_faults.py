@@ -8,7 +8,7 @@ import signal
 import grpc
 import pytest
 
-from pagedserve.testing.stack import LEASE_TTL_S, NOT_SERVING, SERVING, Stack
+from pagedserve_testing.stack import LEASE_TTL_S, NOT_SERVING, SERVING, Stack
 from pagedserve.gateway.v1 import gateway_pb2
 from pagedserve.process import wait_until
 from pagedserve.stack import shm_segments

@@ -12,8 +12,8 @@ from collections import Counter
 import pytest
 
 from pagedserve.gateway.v1 import gateway_pb2
-from pagedserve.testing import fuzz
-from pagedserve.testing.stack import Stack, kv_layout
+from pagedserve_testing import fuzz
+from pagedserve_testing.stack import Stack, kv_layout
 
 NUM_CASES = 150
 

@@ -6,8 +6,8 @@ The benchmark runs 256 clients on the default model; here 24 clients on the tiny
 
 from __future__ import annotations
 
-from pagedserve.testing import load
-from pagedserve.testing.stack import Stack
+from pagedserve_testing import load
+from pagedserve_testing.stack import Stack
 from pagedserve.process import wait_until
 from tests.reliability.conftest import GATEWAY_MAX_QUEUED
 

@@ -10,8 +10,8 @@ import grpc
 import pytest
 
 from pagedserve.gateway.v1 import gateway_pb2
-from pagedserve.testing import load
-from pagedserve.testing.stack import Stack
+from pagedserve_testing import load
+from pagedserve_testing.stack import Stack
 
 WARMUP, NUM_REQUESTS = 80, 240
 # A grpc server may add a worker thread or a descriptor now and then (pollers, a new connection);

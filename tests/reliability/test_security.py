@@ -15,7 +15,7 @@ import pytest
 from gateway import auth, tenants
 from pagedserve.compute.v1 import compute_pb2, compute_pb2_grpc
 from pagedserve.gateway.v1 import gateway_pb2
-from pagedserve.testing.stack import Stack, start_gateway
+from pagedserve_testing.stack import Stack, start_gateway
 from pagedserve.stack import shm_segments
 
 

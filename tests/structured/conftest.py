@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from compute_service import LLM
-from pagedserve.testing.tiny_model import build_byte_tokenizer
+from pagedserve_testing.tiny_model import build_byte_tokenizer
 
 EOS = 257
 VOCAB = 258

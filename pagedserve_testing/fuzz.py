@@ -29,7 +29,7 @@ from pagedserve.compute.v1 import compute_pb2 as cpb
 from pagedserve.gateway.v1 import gateway_pb2 as gpb
 from pagedserve.memory.v1 import memory_pb2 as mpb
 from pagedserve.memory.v1 import memory_pb2_grpc as mpb_grpc
-from pagedserve.testing.fuzz_requests import (
+from pagedserve_testing.fuzz_requests import (
     FuzzRandom, compute_request, gateway_request, maybe, memory_request, text,
 )
 

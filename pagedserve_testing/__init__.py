@@ -8,5 +8,7 @@
 
 They live here rather than in ``benchmarks/`` so that the tests depend on no benchmark code, and
 rather than in ``tests/`` so that the benchmarks' quick modes can use them too (benchmarks never
-import tests).
+import tests). Their own package, above the services rather than inside ``pagedserve/``: the kit
+knows what it starts (``stack.kv_layout`` reads the compute service's model config), while the shared
+floor below the services imports none of them (tests/test_imports.py holds both rules).
 """
