@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-from gateway.routing import RouteDecision
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+if TYPE_CHECKING:  # the core imports these metrics: at run time they import no adapter
+    from gateway.backend.routing import RouteDecision
 
 # Latencies of an LLM: first tokens in tens of ms to seconds; tokens in a few to hundreds of ms.
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)

@@ -17,18 +17,18 @@ from pathlib import Path
 import grpc
 
 from gateway.auth import ApiKeyInterceptor
-from gateway.backends import Backend, BackendPool
+from gateway.backend.dispatch import Dispatcher
+from gateway.backend.pool import Backend, BackendPool
+from gateway.backend.routing import Router
+from gateway.backend.tokenizer import TokenizerFetchError, fetch_tokenizer
 from gateway.config import GatewayConfig
 from gateway.core.service import GatewayCore
-from gateway.dispatch import Dispatcher
 from gateway.metrics import GatewayMetrics
 from gateway.openai_api.app import OpenAIFront
 from gateway.openai_api.guard import RequestGuard, allowed_hosts
 from gateway.openai_api.server import HttpServer
-from gateway.routing import Router
 from gateway.servicer import GatewayServicer
 from gateway.tenants import Tenants
-from gateway.tokenizer import TokenizerFetchError, fetch_tokenizer
 from gateway.traces import TraceparentMiddleware
 from pagedserve import rpc, sockets
 from pagedserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
@@ -49,17 +49,14 @@ class Gateway:
         self.pool = BackendPool(config, self._after_poll)
         # One tenant model for every front of this gateway (see gateway.tenants).
         self.tenants = Tenants(config.tenants, config.max_queued_requests, self.metrics.tenant_changed)
-        # One core; each front is an edge over it.
-        self.core = GatewayCore(
-            config,
-            Dispatcher(self.pool, Router(config.affinity_max_load_gap, config.affinity_max_load_ratio,
-                                         tier_weight=config.affinity_tier_weight),
-                       config.affinity_max_blocks, self.metrics.routed),
-            self.metrics,
-            self.tenants,
-        )
+        # The composition root: the core stands on ports (gateway.core.ports), implemented by
+        # gateway.backend and wired here; one core, and each front is an edge over it.
+        self.dispatcher = Dispatcher(self.pool, Router(config.affinity_max_load_gap, config.affinity_max_load_ratio,
+                                                       tier_weight=config.affinity_tier_weight),
+                                     config.affinity_max_blocks, self.metrics.routed)
+        self.core = GatewayCore(config, self.dispatcher, self.metrics, self.tenants)
         self.tracer = tracer_for(config.otlp_traces_endpoint, "pagedserve-gateway")  # None (no import) when off
-        self.core.tracer = self.core.dispatcher.tracer = self.tracer
+        self.core.tracer = self.dispatcher.tracer = self.tracer
         self.servicer = GatewayServicer(self.core)
         interceptors = [ApiKeyInterceptor(self.tenants)] if self.tenants.requires_key else []
         self.server, self.health = rpc.create_aio_server(

@@ -110,9 +110,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         if model is None:
             return gateway_pb2.ListModelsResponse()
         info = model.info
-        pool = self.core.dispatcher.pool
+        backends = self.core.backends
         return gateway_pb2.ListModelsResponse(models=[gateway_pb2.ModelInfo(
             name=info.model_name, max_model_len=info.max_model_len, vocab_size=info.vocab_size,
             block_size=info.block_size, has_chat_template=model.has_chat_template,
-            num_healthy_backends=len(pool.in_rotation(info.model_name)), num_backends=len(pool.backends),
+            num_healthy_backends=backends.num_in_rotation(info.model_name), num_backends=backends.num_backends(),
             max_n=info.max_n, max_logprobs=info.max_logprobs, max_stop_strings=info.max_stop_strings)])

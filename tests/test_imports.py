@@ -1,6 +1,7 @@
 """Who may import whom among the repository's top-level folders: the tests take their fixtures
 from ``pagedserve_testing``, never from the benchmarks (only ``tests/benchmarks``, which test the
-benchmarks, import them), and no service imports the testing helpers."""
+benchmarks, import them), no service imports the testing helpers, and the ground floor (``pagedserve``)
+imports nothing above it."""
 
 from __future__ import annotations
 
@@ -12,6 +13,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVICE_PACKAGES = ("pagedserve", "memory_service", "compute_service", "gateway", "kernels")
+# What stands on the ground floor: the services, the kernels, and what is built on them (the command
+# line with ``up``, the test kit), the benchmarks and the tests.
+ABOVE_THE_GROUND_FLOOR = ("memory_service", "compute_service", "gateway", "pagedserve_kernels", "pagedserve_cli",
+                          "pagedserve_testing", "benchmarks", "tests")
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -44,8 +49,20 @@ def test_no_service_imports_the_testing_helpers_or_the_tests() -> None:
     files = [p for package in SERVICE_PACKAGES for p in (ROOT / package).rglob("*.py")]
     assert files
     assert offenders(files, "pagedserve_testing") == {}
+    assert offenders(files, "pagedserve_cli") == {}
     assert offenders(files, "tests") == {}
     assert offenders(files, "benchmarks") == {}
+
+
+def test_the_ground_floor_imports_nothing_above_it() -> None:
+    """``pagedserve`` is what every service stands on, so it imports none of them, nor anything built on
+    them, not even inside a function: it starts the services as processes, by module name
+    (pagedserve/stack.py). Before, ``pagedserve up`` and the test kit lived here and imported the
+    services' configs."""
+    files = list((ROOT / "pagedserve").rglob("*.py"))
+    assert files
+    found = {above: bad for above in ABOVE_THE_GROUND_FLOOR if (bad := offenders(files, above))}
+    assert found == {}
 
 
 def test_benchmarks_import_no_test() -> None:
@@ -86,6 +103,15 @@ def test_the_gateway_has_no_import_circle() -> None:
         return False
 
     assert [m for m in sorted(graph) if reaches(m, m, set())] == []
+
+
+def test_the_gateway_core_imports_no_adapter_and_no_front() -> None:
+    """The core stands on its ports (gateway/core/ports.py): the backends, the tokenizer and the
+    fronts are wired in by the composition root (gateway/server.py), never imported by the core."""
+    files = list((ROOT / "gateway" / "core").glob("*.py"))
+    assert files
+    for outside in ("gateway.backend", "gateway.grpc", "gateway.openai_api", "gateway.server", "grpc"):
+        assert offenders(files, outside) == {}, outside
 
 
 def test_the_gateway_core_and_the_http_front_know_no_protobuf() -> None:

@@ -3,8 +3,9 @@
 Admission (the tenant's priority cap and a slot, before any await), one ``validate``, tokenizing
 off the event loop, dispatch to a backend, the reply-size cap of unary answers, metrics and the
 access line: all here, on the core's own types (``gateway.core.types``). The fronts only convert:
-the gRPC servicer (``gateway.servicer``) and the OpenAI HTTP app (``gateway.openai_api.app``) turn
+the gRPC servicer (``gateway.grpc.servicer``) and the OpenAI HTTP app (``gateway.openai_api.app``) turn
 their wire's request into a ``GenerateRequest``, call ``GatewayCore.run`` and turn the deltas back.
+The core stands on ports (``gateway.core.ports``): it is handed its backends and its tokenizer.
 """
 
 from __future__ import annotations
@@ -19,13 +20,12 @@ from typing import TYPE_CHECKING
 
 from gateway.config import GatewayConfig
 from gateway.core import tool_parsers, tools
+from gateway.core.ports import Backends, Route, Tokenizer
 from gateway.core.streaming import ReplyBudget
 from gateway.core.types import Delta, GenerateRequest, Usage
 from gateway.core.validate import PromptLimits, check_prompt, check_prompt_size, validate
-from gateway.dispatch import Dispatcher, Route
 from gateway.metrics import GatewayMetrics
 from gateway.tenants import Admission, Tenant, Tenants
-from gateway.tokenizer import ModelTokenizer
 from gateway.traces import INCOMING_TRACEPARENT
 from pagedserve import sampling_rules as rules
 from pagedserve.errors import InvalidArgument, UnavailableError
@@ -62,19 +62,19 @@ class GatewayCore:
 
     Args:
         config: limits and logging choices.
-        dispatcher: sends requests to backends.
+        backends: runs requests on the compute services (``gateway.backend.dispatch.Dispatcher``).
         metrics: where requests are counted.
         tenants: who each key is, and admission (its own when None: the config's tenants).
     """
 
-    def __init__(self, config: GatewayConfig, dispatcher: Dispatcher, metrics: GatewayMetrics,
+    def __init__(self, config: GatewayConfig, backends: Backends, metrics: GatewayMetrics,
                  tenants: Tenants | None = None) -> None:
         self.config = config
-        self.dispatcher = dispatcher
+        self.backends = backends
         self.metrics = metrics
         self.tenants = tenants or Tenants(config.tenants, config.max_queued_requests, metrics.tenant_changed)
         self.prompt_limits = PromptLimits(config.max_prompt_chars, config.max_messages)
-        self.model: ModelTokenizer | None = None  # set once a backend's tokenizer is loaded
+        self.model: Tokenizer | None = None  # set once a backend's tokenizer is loaded
         # Tokenizing a long prompt takes milliseconds to seconds of CPU: on threads of its own, few
         # of them, so neither the event loop nor the default executor's other work waits on it.
         self.tokenize_executor = ThreadPoolExecutor(config.tokenize_threads, thread_name_prefix="gateway-tokenize")
@@ -87,12 +87,12 @@ class GatewayCore:
     def close(self) -> None:
         self.tokenize_executor.shutdown(wait=False, cancel_futures=True)
 
-    def require_model(self) -> ModelTokenizer:
+    def require_model(self) -> Tokenizer:
         if self.model is None:
             raise UnavailableError("no backend has been reached yet")
         return self.model
 
-    def tool_parser(self, model: ModelTokenizer) -> tool_parsers.ToolCallParser:
+    def tool_parser(self, model: Tokenizer) -> tool_parsers.ToolCallParser:
         """How ``tool_choice: auto`` reads this model's calls (the flag's, or its template's format)."""
         return tool_parsers.choose(self.config.tool_call_parser, model.chat_template_text)
 
@@ -229,8 +229,8 @@ class GatewayCore:
             if record.span is not None and self.tracer is not None:  # admitted, validated, tokenized
                 self.tracer.record("gateway.admission", record.span, started, time.monotonic(), {
                     "pagedserve.tenant": tenant.name, "pagedserve.num_prompt_tokens": len(token_ids)})
-            deltas = self.dispatcher.run(backend_request, model.info.model_name, record.route, timeout_s,
-                                         record.span)
+            deltas = self.backends.run(backend_request, model.info.model_name, record.route, timeout_s,
+                                       record.span)
             if tool_plan is not None:
                 deltas = tools.with_tool_calls(deltas, tool_plan, model.token_text)
             waiting.inc()  # until its first answer: the tenant's queue at the backends

@@ -2,7 +2,7 @@
 
 Both fronts convert to and from these at their edge (``gateway.grpc_convert`` for the public gRPC
 API, ``gateway.openai_api.convert`` for the HTTP API), and the dispatcher converts them to the
-compute service's messages at the one place it calls a backend (``gateway.compute_convert``).
+compute service's messages at the one place it calls a backend (``gateway.backend.compute_convert``).
 
 Unset is ``None``, never a zero: the public gRPC wire reads a zero ``max_tokens``, ``top_p``,
 ``repetition_penalty`` or ``n`` as "unset" and its edge says so; the HTTP edge passes what the

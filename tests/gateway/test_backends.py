@@ -10,8 +10,8 @@ import asyncio
 
 from grpc_health.v1 import health_pb2
 
-from gateway.backends import Backend, SharedCaches
-from gateway.routing import CacheMatch
+from gateway.backend.pool import Backend, SharedCaches
+from gateway.backend.routing import CacheMatch
 from pagedserve.compute.v1 import compute_pb2
 
 BLOCK = [b"b" * 16]

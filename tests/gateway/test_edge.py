@@ -7,15 +7,15 @@ import asyncio
 
 import pytest
 
+from compute_service.service.convert import params_from_pb
 from gateway.auth import bearer_token
-from gateway.backends import BackendPool
+from gateway.backend.compute_convert import model_info_from_pb, to_compute_request
+from gateway.backend.pool import BackendPool
 from gateway.config import API_KEYS_ENV, GatewayConfig, parse_backend
-from gateway.tenants import Tenant, Tenants
-from gateway.compute_convert import model_info_from_pb, to_compute_request
 from gateway.core.types import ChatMessage, GenerateRequest, ModelInfo
 from gateway.core.validate import PromptLimits, ValidatedRequest, check_prompt, validate
 from gateway.grpc_convert import request_from_pb
-from compute_service.service.convert import params_from_pb
+from gateway.tenants import Tenant, Tenants
 from pagedserve.compute.v1 import compute_pb2
 from pagedserve.errors import InvalidArgument
 from pagedserve.gateway.v1 import gateway_pb2

@@ -9,8 +9,8 @@ import grpc
 import pytest
 from pydantic import ValidationError
 
+from gateway.backend.dispatch import _client_error
 from gateway.core.validate import _check_int32
-from gateway.dispatch import _client_error
 from gateway.openai_api.app import as_http_error
 from gateway.openai_api.schema import CompletionRequest, error_param, unknown_fields
 from pagedserve import sampling_rules

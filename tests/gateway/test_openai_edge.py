@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from gateway.compute_convert import model_info_from_pb
+from gateway.backend.compute_convert import model_info_from_pb
 from gateway.core.types import Completion, Delta, Reply, TokenLogprobs, Usage
 from gateway.core.validate import validate
 from gateway.openai_api import convert

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from gateway.routing import AffinityIndex, CacheMatch, CacheModel, Router, block_hashes
+from gateway.backend.routing import AffinityIndex, CacheMatch, CacheModel, Router, block_hashes
 
 
 @dataclass(eq=False)
@@ -210,7 +210,7 @@ def test_tier_weight_is_validated() -> None:
 
 
 def test_shared_caches_give_backends_of_one_memory_service_one_model_sized_by_its_info() -> None:
-    from gateway.backends import SharedCaches
+    from gateway.backend.pool import SharedCaches
     from pagedserve.compute.v1 import compute_pb2
 
     def info(memory_service_id: str, tier_blocks: int = 0) -> compute_pb2.InfoResponse:

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from gateway.backend.tokenizer import ModelTokenizer, TokenizerFetchError, fetch_tokenizer
 from gateway.core.types import ModelInfo
-from gateway.tokenizer import ModelTokenizer, TokenizerFetchError, fetch_tokenizer
 from pagedserve.compute.v1 import compute_pb2
 from pagedserve_testing.tiny_model import build_byte_tokenizer
 
@@ -196,7 +196,7 @@ def test_logprob_texts_come_from_a_table_built_off_the_event_loop(files: dict[st
     Now the whole vocabulary is decoded once, in a worker thread, and token_text is a lookup."""
     import threading
 
-    import gateway.tokenizer as tokenizer
+    import gateway.backend.tokenizer as tokenizer
 
     built_in: list[str] = []
     table = tokenizer._token_texts

@@ -11,12 +11,12 @@ from collections.abc import AsyncIterator
 import jsonschema
 import pytest
 
+from gateway.backend.compute_convert import model_info_from_pb
+from gateway.backend.tokenizer import ModelTokenizer
 from gateway.core import tools
 from gateway.core.streaming import collect, pieces
 from gateway.core.types import ChatMessage, Delta, GenerateRequest, Tool, ToolCall
 from gateway.core.validate import validate
-from gateway.compute_convert import model_info_from_pb
-from gateway.tokenizer import ModelTokenizer
 from pagedserve.compute.v1 import compute_pb2
 from pagedserve.errors import InvalidArgument
 from pagedserve_testing.tiny_model import build_byte_tokenizer

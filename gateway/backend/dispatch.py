@@ -16,18 +16,19 @@ The failure rules of the public API live here:
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import grpc
 
-from gateway.backends import Backend, BackendPool
-from gateway.compute_convert import delta_from_pb, to_compute_request
+from gateway.backend.compute_convert import delta_from_pb, to_compute_request
+from gateway.backend.pool import Backend, BackendPool
+from gateway.backend.routing import RouteDecision, Router, block_hashes
+from gateway.core.ports import Route
 from gateway.core.types import BackendRequest, Delta
-from gateway.routing import RouteDecision, Router, block_hashes
 from pagedserve.compute.v1 import compute_pb2
 from pagedserve.errors import (
     DeadlineExceededError,
@@ -70,30 +71,8 @@ def _client_error(exc: grpc.aio.AioRpcError) -> Exception:
     return UnavailableError("backend unavailable")
 
 
-@dataclass
-class Route:
-    """Where a request runs: the access log reads it, and ``cancel`` ends it from outside.
-
-    grpc.aio cancels a handler task when its client goes away, and that unwinds the generators
-    below; but a cancellation that lands while grpc itself is writing a message does not pass
-    through them, so the servicer also calls ``cancel`` from the RPC's done callback.
-    """
-
-    backend: str = ""
-    num_attempts: int = 0
-    call: grpc.aio.UnaryStreamCall | None = None
-    target: Backend | None = None
-    backend_request_id: str = ""
-
-    def cancel(self) -> None:
-        """Cancels the backend call (which aborts the request there) if it is still running."""
-        if self.call is not None and not self.call.done() and self.target is not None:
-            self.call.cancel()
-            asyncio.ensure_future(_abort(self.target, self.backend_request_id))
-
-
 class Dispatcher:
-    """Sends requests to the pool's backends.
+    """Sends requests to the pool's backends (the core's ``Backends`` port).
 
     Args:
         pool: the backends.
@@ -109,6 +88,12 @@ class Dispatcher:
         self.affinity_max_blocks = affinity_max_blocks
         self._on_route = on_route
         self.tracer: Tracer | None = None  # set by the gateway when traces are on (pagedserve/tracing.py)
+
+    def num_backends(self) -> int:
+        return len(self.pool.backends)
+
+    def num_in_rotation(self, model_name: str) -> int:
+        return len(self.pool.in_rotation(model_name))
 
     async def run(self, request: BackendRequest, model_name: str, route: Route,
                   timeout_s: float | None, span: Span | None = None) -> AsyncIterator[Delta]:
@@ -156,7 +141,7 @@ class Dispatcher:
                     "pagedserve.backend_request_id": message.request_id})
                 metadata = ((TRACEPARENT, self.tracer.traceparent(call_span)),)
             call = backend.stub.Generate(message, timeout=remaining, metadata=metadata)
-            route.call, route.target, route.backend_request_id = call, backend, message.request_id
+            route.canceller = functools.partial(_cancel, call, backend, message.request_id)
             has_first = False
             try:
                 async for reply in call:
@@ -188,6 +173,14 @@ class Dispatcher:
                 if call_span is not None and self.tracer is not None:
                     self.tracer.end(call_span, error=call_error)
         raise first_error or UnavailableError("no healthy backend")
+
+
+def _cancel(call: grpc.aio.UnaryStreamCall, backend: Backend, request_id: str) -> None:
+    """Cancels a backend call that is still running (which aborts the request there), and sends an
+    explicit Abort too, so the blocks are freed even if the backend notices the cancellation late."""
+    if not call.done():
+        call.cancel()
+        asyncio.ensure_future(_abort(backend, request_id))
 
 
 async def _abort(backend: Backend, request_id: str) -> None:

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from gateway.compute_convert import model_info_from_pb
+from gateway.backend.compute_convert import model_info_from_pb
 from gateway.core.types import ModelInfo
 from pagedserve.compute.v1 import compute_pb2, compute_pb2_grpc
 from pagedserve.errors import InvalidArgument, echo

@@ -25,8 +25,8 @@ from collections.abc import Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gateway.backend.routing import CacheModel
 from gateway.config import GatewayConfig, parse_backend
-from gateway.routing import CacheModel
 from pagedserve import sampling_rules
 from pagedserve.compute.v1 import compute_pb2, compute_pb2_grpc
 from pagedserve.log import get_logger
