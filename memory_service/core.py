@@ -29,14 +29,14 @@ from pagedserve.errors import InvalidArgument, UnavailableError
 
 from memory_service.manager.block_manager import BlockManager
 from memory_service.manager.block_types import BlockManagerConfig, BlockManagerStats, Op, StepResult
-from memory_service.manager.kv_events import MEDIUM_DISK, MEDIUM_HOST, KvEventLog
+from memory_service.manager.kv_events import KvEventLog
 
 if TYPE_CHECKING:
     import torch
 
     from memory_service.manager.tier_book import TierLoad
     from memory_service.tier.disk_tier import DiskTier, TierIdentity
-    from memory_service.tier.host_tier import HostTier
+    from memory_service.tier.tier import IoTier, MemoryTier
     from memory_service.tier.worker import TierWorker
 
 
@@ -142,7 +142,7 @@ class MemoryCore:
     # --- tiers ------------------------------------------------------------------------------
 
     def open_tiers(self, identity: TierIdentity, pool: torch.Tensor, *, host_bytes: int | None = None,
-                   disk: DiskTier | None = None,
+                   disk: DiskTier | None = None, more: Sequence[MemoryTier | IoTier] = (),
                    on_load_done: Callable[[TierLoad, float, int, dict[str, int]], None] | None = None) -> None:
         """Opens the tiers below the pool for ``identity`` and starts their threads (seconds: a disk
         tier reads every file's header, a host tier allocates, and on CUDA page-locks, its buffer).
@@ -154,44 +154,41 @@ class MemoryCore:
             host_bytes: a host-RAM tier of this many bytes (page-locked when ``pool`` is on CUDA);
                 None: none.
             disk: a disk tier, made but not yet opened; None: none.
+            more: other tiers (tier/tier.py's Protocols), made but not yet opened: memory tiers go
+                after the host tier, IO tiers after the disk tier, each in the order given.
             on_load_done: the tier worker's hook after each load (``TierWorker.on_load_done``).
 
         Raises:
             UnavailableError: ``close_tiers`` already ran (the service is stopping).
         """
         from memory_service.tier.host_tier import HostTier
+        from memory_service.tier.tier import MemoryTier
         from memory_service.tier.worker import TierWorker
 
         assert self.tier is None, "the tiers are already open"
-        if disk is not None:
-            disk.open(identity)
-        host = None
-        if host_bytes is not None:
-            host = HostTier(host_bytes)
-            host.open(identity, pin_memory=pool.is_cuda)
+        host = HostTier(host_bytes) if host_bytes is not None else None
+        memory = [t for t in (host, *more) if t is not None and isinstance(t, MemoryTier)]
+        io = [t for t in (disk, *more) if t is not None and not isinstance(t, MemoryTier)]
+        tiers = [*memory, *io]  # fastest first
+        for t in sorted(tiers, key=lambda t: t is not disk):  # the disk first, as before the host
+            t.open(identity, pin_memory=pool.is_cuda)
         if self.kv_events is not None:
-            self._send_tier_events(self.kv_events, identity, host, disk)
+            self._send_tier_events(self.kv_events, tiers)
         with self.lock:
             # ``close_tiers`` reads ``tier`` under this lock after marking the core closed.
             if self._is_closed:
                 raise UnavailableError("the memory service is shutting down")
-            tier = TierWorker(self.block_manager, self.lock, pool, host=host, disk=disk)
+            tier = TierWorker(self.block_manager, self.lock, pool, tiers)
             tier.on_load_done = on_load_done
             self.block_manager.enable_tier(tier)
             self.tier = tier
             self.tier_identity = identity
 
-    def _send_tier_events(self, events: KvEventLog, identity: TierIdentity, host: HostTier | None,
-                          disk: DiskTier | None) -> None:
+    def _send_tier_events(self, events: KvEventLog, tiers: Sequence[MemoryTier | IoTier]) -> None:
         """The tiers tell ``events`` what they store and drop, in their media (manager/kv_events.py)."""
-        num_blocks = self.config.num_blocks
-        if host is not None:
-            host.on_change = functools.partial(events.tier_changed, MEDIUM_HOST)
-            num_blocks += host.num_slots
-        if disk is not None:
-            disk.on_change = functools.partial(events.tier_changed, MEDIUM_DISK)
-            num_blocks += disk.capacity_bytes // identity.file_size
-        events.set_tier_capacity(num_blocks)
+        for tier in tiers:
+            tier.on_change = functools.partial(events.tier_changed, tier.medium)
+        events.set_tier_capacity(self.config.num_blocks + sum(tier.num_slots for tier in tiers))
 
     def close_tiers(self) -> None:
         """Stops the tiers' threads (they read and write the pool: call before freeing it); a later

@@ -28,6 +28,7 @@ from memory_service.tier.disk_tier import DiskTier, TierIdentity
 
 if TYPE_CHECKING:
     from memory_service.manager.block_manager import BlockManager
+    from memory_service.tier.tier import IoTier, MemoryTier
     from memory_service.tier.worker import TierWorker
 
 
@@ -45,6 +46,8 @@ class InProcessAllocator:
         kv_host_bytes: a host-RAM tier of this many bytes in front of the disk tier (or alone), as
             the service's ``--kv-host-bytes`` (page-locked on a CUDA pool); it needs
             ``model_fingerprint``. None: no host tier.
+        kv_tiers: other tiers below the pool, made but not yet opened (memory_service/tier/tier.py's
+            Protocols; ``MemoryCore.open_tiers``'s ``more``); they need ``model_fingerprint``.
         model_fingerprint: the model's fingerprint (compute_service/model/fingerprint.py).
         max_blocks: the client's quota of block-table entries, as the service's
             ``--max-blocks-per-client`` (``BlockManager.add_client``); None: none.
@@ -57,7 +60,8 @@ class InProcessAllocator:
     def __init__(self, layout: KvLayout, config: BlockManagerConfig, *, device: str | torch.device = "cpu",
                  client_id: str = "local", kv_disk_dir: str | Path | None = None,
                  kv_disk_bytes: int = DEFAULT_KV_DISK_BYTES, kv_host_bytes: int | None = None,
-                 model_fingerprint: str = "", max_blocks: int | None = None) -> None:
+                 kv_tiers: Sequence[MemoryTier | IoTier] = (), model_fingerprint: str = "",
+                 max_blocks: int | None = None) -> None:
         if layout.block_size != config.block_size:
             raise ValueError(f"layout.block_size {layout.block_size} differs from config.block_size "
                              f"{config.block_size}")
@@ -70,16 +74,16 @@ class InProcessAllocator:
         self.pool = torch.zeros(layout.shape(config.num_blocks), dtype=DTYPES[layout.dtype], device=device)
         self.core = MemoryCore(config, self._copy_block)
         tier_identity = None
-        if kv_disk_dir is not None or kv_host_bytes is not None:
+        if kv_disk_dir is not None or kv_host_bytes is not None or kv_tiers:
             if not model_fingerprint:
-                raise ValueError("a KV tier (kv_disk_dir, kv_host_bytes) needs a model_fingerprint: tier blocks "
-                                 "are keyed by the model")
+                raise ValueError("a KV tier (kv_disk_dir, kv_host_bytes, kv_tiers) needs a model_fingerprint: "
+                                 "tier blocks are keyed by the model")
             if kv_host_bytes is not None and kv_host_bytes < 1:
                 raise ValueError(f"kv_host_bytes must be >= 1, got {kv_host_bytes}")
             identity = TierIdentity(model_fingerprint, layout.dtype, layout.block_size, layout.num_layers,
                                     layout.num_kv_heads, layout.head_dim)
             disk = DiskTier(kv_disk_dir, kv_disk_bytes) if kv_disk_dir is not None else None
-            self.core.open_tiers(identity, self.pool, host_bytes=kv_host_bytes, disk=disk)
+            self.core.open_tiers(identity, self.pool, host_bytes=kv_host_bytes, disk=disk, more=kv_tiers)
             tier_identity = identity.digest
         self.core.add_client(client_id, max_blocks, tier_identity)
 

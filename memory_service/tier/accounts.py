@@ -1,13 +1,13 @@
 """What the tiers below the pool count, and the load-or-recompute estimate built on those counts.
 
-``TierWorker`` (``worker.py``) moves the blocks; this module keeps its books, per tier (``host``,
-``disk``), under a lock of its own (never held while taking another: the manager's lock may be held
-when it is called, never the other way round):
+``TierWorker`` (``worker.py``) moves the blocks; this module keeps its books, per tier (by its
+``kind``: ``host``, ``disk``), under a lock of its own (never held while taking another: the
+manager's lock may be held when it is called, never the other way round):
 
 - Lookups (``count_lookup``, called by the block manager's book where it counts one): an allocation's
   lookup past the pool's prefix walks the blocks; each found block is a hit of the fastest tier that
-  holds it; a miss of the host tier is a block it lacked (found on disk, or the end of the walk); a
-  miss of the disk tier (the last) is a walk that ended on a block no tier holds. A skipped load
+  holds it; a miss of a tier is a block it lacked: found in a slower tier, or the end of the walk (so
+  a miss of the slowest, the disk, is a walk that ended on a block no tier holds). A skipped load
   counts for each tier it would have read.
 - Loads (``add_load`` when submitted, ``record`` when over): a load counts for each tier it is to read;
   its latency for the slowest tier it read; each tier's read bandwidth is an average of what past
@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 
 from memory_service.manager.tier_book import TierLoad
 
-HOST, DISK = "host", "disk"
 # Weight of the newest load in the read bandwidths' moving averages.
 BANDWIDTH_EWMA = 0.3
 # Upper bounds (seconds) of the load latency histogram's buckets (the last one is +Inf).
@@ -68,7 +67,7 @@ class TierAccounts:
     """Per-tier counters, queues and read bandwidths (module docstring).
 
     Args:
-        kinds: the tiers, fastest first (``HOST``, ``DISK``, either or both).
+        kinds: the tiers' kinds, fastest first (``TierWorker.tiers``).
         bytes_per_block: bytes of one block in every tier.
         block_size: tokens per block.
         tier_of: the fastest tier that holds a key now, or None (in-memory lookups, no IO).
@@ -102,10 +101,11 @@ class TierAccounts:
             for kind, count in split.items():
                 self._tally[kind].num_hits += count
                 self._tally[kind].num_loads_skipped += is_skipped and count > 0
-            if HOST in self._tally:  # what the host tier lacked: found on disk, or the end of the walk
-                self._tally[HOST].num_misses += split.get(DISK, 0) + is_short
-            if DISK in self._tally:
-                self._tally[DISK].num_misses += is_short
+            # What each tier lacked: blocks found in a slower tier, or the end of the walk.
+            num_slower = 0
+            for kind in reversed(self.kinds):
+                self._tally[kind].num_misses += num_slower + is_short
+                num_slower += split[kind]
 
     def worth_loading(self, keys: list[bytes], prefill_tokens_per_s: float) -> bool:
         """Whether loading the blocks ``keys`` (all held by some tier) is estimated faster than
@@ -144,7 +144,7 @@ class TierAccounts:
             read_s: seconds it spent reading, per tier.
             elapsed_s: its whole duration.
         """
-        slowest = DISK if num_read.get(DISK) or HOST not in self._tally else HOST
+        slowest = next((kind for kind in reversed(self.kinds) if num_read.get(kind)), self.kinds[0])
         with self._lock:
             for kind, count in self._queued.pop(id(load)).items():
                 self._tally[kind].queued_bytes -= count * self._bytes_per_block

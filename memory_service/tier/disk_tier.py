@@ -82,6 +82,8 @@ from pagedserve.errors import PreconditionError
 from pagedserve.log import get_logger
 
 from memory_service.manager.chain import HASH_SIZE
+from memory_service.manager.kv_events import MEDIUM_DISK
+from memory_service.tier.tier import TierCounters
 
 log = get_logger("memory_service.tier")
 
@@ -153,21 +155,8 @@ class TierIdentity:
         return self.payload_offset + self.bytes_per_block
 
 
-@dataclass(frozen=True)
-class DiskTierCounters:
-    """What the disk tier holds and has done (TierStats' share that the files know)."""
-
-    num_blocks: int
-    num_bytes: int
-    capacity_bytes: int
-    num_bytes_written: int
-    num_bytes_read: int
-    num_write_errors: int
-    num_bad_files: int
-
-
 class DiskTier:
-    """Block files in one directory, LRU within a byte budget (module docstring).
+    """Block files in one directory, LRU within a byte budget (module docstring); an ``IoTier`` (tier.py).
 
     Args:
         directory: created (0700) if missing; an existing one must belong to this user and is set
@@ -181,6 +170,8 @@ class DiskTier:
 
     def __init__(self, directory: str | Path, capacity_bytes: int) -> None:
         self.directory = Path(directory)
+        self.kind = "disk"
+        self.medium = MEDIUM_DISK
         self.capacity_bytes = capacity_bytes
         self.effective_capacity_bytes = capacity_bytes  # lowered by a full file system (module docstring)
         try:
@@ -220,7 +211,12 @@ class DiskTier:
 
     # --- opening ------------------------------------------------------------------------------
 
-    def open(self, identity: TierIdentity) -> int:
+    @property
+    def num_slots(self) -> int:
+        """The blocks its budget holds (0 before ``open``)."""
+        return self.capacity_bytes // self.identity.file_size if self.identity is not None else 0
+
+    def open(self, identity: TierIdentity, pin_memory: bool = False) -> int:
         """Binds the tier to a model and layout, and indexes the files already there (warm restart).
 
         Leftover temporary files (a write cut short) are removed (one line says how many), and so are
@@ -229,6 +225,7 @@ class DiskTier:
 
         Args:
             identity: the model and layout whose blocks this tier keeps from now on.
+            pin_memory: unused (a load copies from a file's bytes, read into pageable memory).
 
         Returns:
             The number of blocks found.
@@ -483,11 +480,11 @@ class DiskTier:
 
     # --- state --------------------------------------------------------------------------------
 
-    def counters(self) -> DiskTierCounters:
+    def counters(self) -> TierCounters:
         with self._lock:
-            return DiskTierCounters(len(self._index), self._num_bytes, self.effective_capacity_bytes,
-                                    self._num_bytes_written,
-                                    self._num_bytes_read, self._num_write_errors, self._num_bad_files)
+            return TierCounters(len(self._index), self._num_bytes, self.effective_capacity_bytes,
+                                self._num_bytes_written, self._num_bytes_read, self._num_write_errors,
+                                self._num_bad_files)
 
     def _path(self, key: bytes) -> Path:
         return self.directory / f"{key.hex()}{FILE_SUFFIX}"

@@ -35,21 +35,11 @@ import torch
 from pagedserve.dtypes import DTYPES
 from pagedserve.log import get_logger
 
+from memory_service.manager.kv_events import MEDIUM_HOST
 from memory_service.tier.disk_tier import NAMESPACE_KEY_SIZE, TierIdentity
+from memory_service.tier.tier import TierCounters
 
 log = get_logger("memory_service.tier")
-
-
-@dataclass(frozen=True)
-class HostTierCounters:
-    """What the host tier holds and has done (TierStats' share that the tier knows)."""
-
-    num_blocks: int
-    num_bytes: int
-    capacity_bytes: int
-    num_bytes_written: int
-    num_bytes_read: int
-    num_dropped: int  # puts that found every slot pinned by loads
 
 
 @dataclass(slots=True)
@@ -59,7 +49,8 @@ class _Entry:
 
 
 class HostTier:
-    """Block copies in one host buffer, LRU within a byte budget (module docstring).
+    """Block copies in one host buffer, LRU within a byte budget (module docstring); a ``MemoryTier``
+    (tier.py).
 
     Args:
         capacity_bytes: the most its blocks may take together (>= 1).
@@ -69,6 +60,8 @@ class HostTier:
         if capacity_bytes < 1:
             raise ValueError(f"kv_host_bytes must be >= 1, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
+        self.kind = "host"
+        self.medium = MEDIUM_HOST
         self.identity: TierIdentity | None = None
         self.is_pinned = False
         self.num_slots = 0  # blocks it can hold, once open
@@ -79,7 +72,7 @@ class HostTier:
         self._pins: list[int] = []  # per slot: loads reading it now
         self._num_bytes_written = 0
         self._num_bytes_read = 0
-        self._num_dropped = 0
+        self._num_dropped = 0  # puts that found every slot pinned by loads
         # Told of each block stored (True) or dropped (False), under the tier's lock: KV events.
         self.on_change: Callable[[bytes, bool], None] | None = None
 
@@ -207,8 +200,12 @@ class HostTier:
         with self._lock:
             return list(self._index)
 
-    def counters(self) -> HostTierCounters:
+    def counters(self) -> TierCounters:
+        """What it holds and has done; a put dropped for want of a slot counts as a write error."""
         with self._lock:
             bytes_per_block = self.identity.bytes_per_block if self.identity is not None else 0
-            return HostTierCounters(len(self._index), len(self._index) * bytes_per_block, self.capacity_bytes,
-                                    self._num_bytes_written, self._num_bytes_read, self._num_dropped)
+            return TierCounters(len(self._index), len(self._index) * bytes_per_block, self.capacity_bytes,
+                                self._num_bytes_written, self._num_bytes_read, self._num_dropped)
+
+    def close(self) -> None:
+        """Nothing to release: RAM goes with the process (the buffer with the last reference)."""

@@ -1,7 +1,9 @@
 """The threads that move blocks between the pool and the tiers below it, behind the block manager's back.
 
-Two tiers, either or both: the host tier (``host_tier.py``, RAM) in front of the disk tier
-(``disk_tier.py``, files). Inclusive, written through:
+The tiers, fastest first, each reached only through ``tier.py``'s Protocols: the memory tiers (the
+host tier, ``host_tier.py``, RAM) in front of the IO tiers (the disk tier, ``disk_tier.py``, files);
+either or both, or another of either kind. Inclusive, written through (below, "the host tier" stands
+for the memory tiers and "the disk" for the IO tiers):
 
 - The writer (write-behind): takes committed blocks from the manager's book (under the manager's
   lock: bookkeeping only) and copies each out of the pool without the lock, into a page-aligned
@@ -48,7 +50,7 @@ import time
 
 import torch
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from pagedserve.dtypes import DTYPES
@@ -57,9 +59,8 @@ from pagedserve.log import get_logger
 from memory_service.manager.block_manager import BlockManager
 from memory_service.manager.block_types import TierStats
 from memory_service.manager.tier_book import TierLoad
-from memory_service.tier.accounts import DISK, HOST, TierAccounts
-from memory_service.tier.disk_tier import DiskTier
-from memory_service.tier.host_tier import HostTier
+from memory_service.tier.accounts import TierAccounts
+from memory_service.tier.tier import IoTier, MemoryTier
 
 log = get_logger("memory_service.tier")
 
@@ -116,30 +117,34 @@ class TierWorker:
         manager: the block manager; every call to it is made under ``lock``.
         lock: the lock that serialises the manager's calls (the servicer's, or InProcessAllocator's).
         pool: the pool tensor, (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim).
-        host: the host tier, already ``open``, or None.
-        disk: the disk tier, already ``open``, or None (at least one of the two).
+        tiers: the tiers, already ``open``, fastest first: the memory tiers, then the IO tiers
+            (``tier.py``); at least one, each of its own ``kind``, all of one identity.
     """
 
-    def __init__(self, manager: BlockManager, lock: threading.Lock, pool: torch.Tensor, *,
-                 host: HostTier | None = None, disk: DiskTier | None = None) -> None:
-        tiers = [t for t in (host, disk) if t is not None]
+    def __init__(self, manager: BlockManager, lock: threading.Lock, pool: torch.Tensor,
+                 tiers: Sequence[MemoryTier | IoTier]) -> None:
         assert tiers and all(t.identity is not None for t in tiers), "open the tiers first"
         identity = tiers[0].identity
         assert all(t.identity == identity for t in tiers), "the tiers keep one model and layout"
-        self.host = host
-        self.disk = disk
+        assert len({t.kind for t in tiers}) == len(tiers), "one tier of each kind"
+        is_memory = [isinstance(t, MemoryTier) for t in tiers]
+        assert all(is_memory[i] or isinstance(t, IoTier) for i, t in enumerate(tiers)), "a tier of neither kind"
+        assert is_memory == sorted(is_memory, reverse=True), "the memory tiers come first (fastest first)"
+        self.tiers: dict[str, MemoryTier | IoTier] = {t.kind: t for t in tiers}  # fastest first
+        self._memory: list[MemoryTier] = [t for t, m in zip(tiers, is_memory) if m]
+        self._io: list[IoTier] = [t for t, m in zip(tiers, is_memory) if not m]
         self._manager = manager
         self._lock = lock
         self._pool = pool
         self._block_shape = identity.block_shape
         self._dtype = DTYPES[identity.dtype]
         self._bytes_per_block = identity.bytes_per_block
-        # Fastest first, as StatsResponse.tiers lists them.
-        kinds = [kind for kind, t in ((HOST, host), (DISK, disk)) if t is not None]
-        self.accounts = TierAccounts(kinds, identity.bytes_per_block, identity.block_size, self._tier_of)
-        self._num_disk_missed = 0  # deferred blocks the host tier evicted before their disk write
-        self._free_buffers: list[mmap.mmap] = []  # staging buffers written out, for the next copies
-        # Where a block goes that only the host tier takes (its copy is checked before it is put there).
+        self.accounts = TierAccounts(list(self.tiers), identity.bytes_per_block, identity.block_size, self._tier_of)
+        # Per IO tier: committed blocks the memory tiers evicted before their write (or that had no slot there).
+        self._num_missed = dict.fromkeys((t.kind for t in self._io), 0)
+        # Per IO tier: its staging buffers written out, for the next copies.
+        self._free_buffers: dict[str, list[mmap.mmap]] = {t.kind: [] for t in self._io}
+        # Where a block goes that only the memory tiers take (its copy is checked before it is put there).
         self._scratch = [torch.empty(self._block_shape, dtype=self._dtype) for _ in range(WRITE_BATCH_BLOCKS)]
         self._stopping = threading.Event()
         self._close_deadline = 0.0  # set by ``close`` before ``_stopping``
@@ -148,7 +153,8 @@ class TierWorker:
         # Called on the loader thread after each load (its start, blocks loaded, blocks read per tier):
         # the service's trace spans (memory_service/service/step_traces.py), when on.
         self.on_load_done: Callable[[TierLoad, float, int, dict[str, int]], None] | None = None
-        self._readers = ThreadPoolExecutor(READ_AHEAD_FILES, thread_name_prefix="kv-tier-read") if disk else None
+        self._readers = (ThreadPoolExecutor(READ_AHEAD_FILES, thread_name_prefix="kv-tier-read")
+                         if self._io else None)
         self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
         self._loaders = [threading.Thread(target=self._load_loop, name=f"kv-tier-loader-{i}", daemon=True)
                          for i in range(LOADERS)]
@@ -160,10 +166,9 @@ class TierWorker:
 
     def _tier_of(self, key: bytes) -> str | None:
         """The fastest tier that holds ``key`` (dict lookups: no IO)."""
-        if self.host is not None and key in self.host:
-            return HOST
-        if self.disk is not None and key in self.disk:
-            return DISK
+        for kind, tier in self.tiers.items():
+            if key in tier:
+                return kind
         return None
 
     def num_leading(self, keys: list[bytes]) -> int:
@@ -184,10 +189,10 @@ class TierWorker:
         return self.accounts.worth_loading(keys, prefill_tokens_per_s)
 
     def needs_write(self, key: bytes) -> bool:
-        """Whether the disk tier lacks ``key``: a block loaded from RAM whose disk write was missed or
-        failed, or whose file went (without it, a restart would not find that prefix). A block loaded
-        from the disk went into RAM on its way (``_load_loop``)."""
-        return self.disk is not None and key not in self.disk
+        """Whether an IO tier lacks ``key``: a block loaded from RAM whose write was missed or failed,
+        or whose file went (without it, a restart would not find that prefix). A block loaded from an
+        IO tier went into RAM on its way (``_load_loop``)."""
+        return any(key not in t for t in self._io)
 
     # --- what the owner calls after each step -------------------------------------------------
 
@@ -203,16 +208,11 @@ class TierWorker:
         counts = self.accounts.counts()
         num_missed = self._manager.num_tier_writes_missed  # an int read: no lock needed
         stats = []
-        if self.host is not None:
-            c, n = self.host.counters(), counts[HOST]
-            stats.append(TierStats(HOST, c.num_blocks, c.num_bytes, c.capacity_bytes, n.num_hits, n.num_misses,
-                                   c.num_bytes_written, c.num_bytes_read, c.num_dropped, 0, n.num_loads,
-                                   n.num_loads_skipped, num_missed))
-        if self.disk is not None:
-            c, n = self.disk.counters(), counts[DISK]
-            stats.append(TierStats(DISK, c.num_blocks, c.num_bytes, c.capacity_bytes, n.num_hits, n.num_misses,
+        for kind, tier in self.tiers.items():
+            c, n = tier.counters(), counts[kind]
+            stats.append(TierStats(kind, c.num_blocks, c.num_bytes, c.capacity_bytes, n.num_hits, n.num_misses,
                                    c.num_bytes_written, c.num_bytes_read, c.num_write_errors, c.num_bad_files,
-                                   n.num_loads, n.num_loads_skipped, num_missed + self._num_disk_missed))
+                                   n.num_loads, n.num_loads_skipped, num_missed + self._num_missed.get(kind, 0)))
         return tuple(stats)
 
     def load_latency(self) -> dict[str, tuple[list[tuple[float, int]], float]]:
@@ -220,9 +220,9 @@ class TierWorker:
         return self.accounts.load_latency()
 
     def close(self) -> None:
-        """Stops both threads. The writer first writes the committed blocks that are not on disk yet,
-        for at most ``CLOSE_WRITE_S`` (module docstring); a load in progress ends first, queued ones
-        are dropped."""
+        """Stops both threads. The writer first writes the committed blocks that are not in the IO
+        tiers yet, for at most ``CLOSE_WRITE_S`` (module docstring); a load in progress ends first,
+        queued ones are dropped. Then each tier's ``close``."""
         self._close_deadline = time.monotonic() + CLOSE_WRITE_S
         # Back at the normal policy from here: a writer at SCHED_IDLE on cores that other threads fill
         # would not run at all before the deadline, not even to raise its own priority.
@@ -237,24 +237,24 @@ class TierWorker:
             loader.join()
         if self._readers is not None:
             self._readers.shutdown(wait=True, cancel_futures=True)
-        if self.disk is not None:
-            self.disk.close()  # its directory's lock: another service may take it now
+        for tier in self.tiers.values():
+            tier.close()  # the disk's directory lock: another service may take it now
 
     # --- the threads --------------------------------------------------------------------------
 
     def _write_loop(self) -> None:
         # Copies first, writes after: a copy is what saves a block from eviction, a write (checksum,
-        # file) takes far longer. So whatever is committed is copied (into ``staged`` for the disk, and
-        # into the host tier) before the next file is written, up to STAGING_BYTES of staged copies; a
-        # small pool that evicts a prompt's blocks one request later still has them on their way to
-        # the disk. With a host tier, a full staging does not stop the copies into RAM: the blocks past
-        # it are written to the disk later from their host slots (``deferred``, at most as many as the
-        # host tier holds), so a disk slower than the commits never holds the host tier back.
+        # file) takes far longer. So whatever is committed is copied (into ``staged`` for the IO tiers,
+        # and into the memory tiers) before the next buffer is written, up to STAGING_BYTES of staged
+        # copies; a small pool that evicts a prompt's blocks one request later still has them on their
+        # way to the disk. With a memory tier, a full staging does not stop the copies into RAM: the
+        # blocks past it are written to the IO tiers later from their memory slots (``deferred``, at
+        # most as many as the memory tiers hold), so a disk slower than the commits never holds the
+        # host tier back.
         _set_writer_policy(idle=True)
-        host = self.host
-        staged: collections.deque[tuple[bytes, bytes, mmap.mmap]] = collections.deque()
-        deferred: collections.deque[tuple[bytes, bytes]] = collections.deque(
-            maxlen=max(1, host.num_slots) if host is not None else 1)
+        staged: collections.deque[tuple[IoTier, bytes, bytes, mmap.mmap]] = collections.deque()
+        deferred: collections.deque[tuple[IoTier, bytes, bytes]] = collections.deque(
+            maxlen=max(1, sum(t.num_slots for t in self._memory) * len(self._io)))
         while not self._stopping.is_set():
             if not staged and not deferred:
                 self._wake_writer.wait(WRITER_IDLE_S)
@@ -265,13 +265,13 @@ class TierWorker:
             if staged:
                 self._write_staged(*staged.popleft())
             elif deferred:
-                self._write_from_host(*deferred.popleft())
+                self._write_from_memory(*deferred.popleft())
         self._finish_writes(staged, deferred)
 
     def _finish_writes(self, staged: collections.deque, deferred: collections.deque) -> None:
-        """At close: writes the committed blocks not on disk yet (staged, deferred, or still in the
-        book) until none is left or ``CLOSE_WRITE_S`` is up, whichever comes first."""
-        if self.disk is None:  # RAM does not outlive the process
+        """At close: writes the committed blocks not in the IO tiers yet (staged, deferred, or still in
+        the book) until none is left or ``CLOSE_WRITE_S`` is up, whichever comes first."""
+        if not self._io:  # RAM does not outlive the process
             return
         _set_writer_policy(idle=False)  # the engine is stopping: these writes are all that is left
         num_written = 0
@@ -280,7 +280,7 @@ class TierWorker:
             if staged:
                 self._write_staged(*staged.popleft())
             elif deferred:
-                self._write_from_host(*deferred.popleft())
+                self._write_from_memory(*deferred.popleft())
             else:
                 break
             num_written += 1
@@ -293,71 +293,93 @@ class TierWorker:
 
     def _copy_committed(self, staged: collections.deque, deferred: collections.deque) -> None:
         """Copies the blocks committed since the last call into ``staged`` while it has room, and into
-        the host tier (``_write_loop``); the disk's others go to ``deferred`` with a host tier, else
-        wait in the book."""
-        host, disk = self.host, self.disk
+        the memory tiers (``_write_loop``); the IO tiers' others go to ``deferred`` with a memory tier,
+        else wait in the book."""
         while True:  # at close too (``_finish_writes``): what is committed is copied before the pool goes
             num_room = STAGING_BYTES // self._bytes_per_block - len(staged)
-            # Without a host tier a block past the staging's room would have nowhere to go: it waits in
+            # Without a memory tier a block past the staging's room would have nowhere to go: it waits in
             # the book (where an eviction may still take it: counted missed, not lost unseen).
-            num_wanted = WRITE_BATCH_BLOCKS if host is not None else min(WRITE_BATCH_BLOCKS, num_room)
+            num_wanted = WRITE_BATCH_BLOCKS if self._memory else min(WRITE_BATCH_BLOCKS, num_room)
             if num_wanted <= 0:
                 return
             with self._lock:
                 taken = self._manager.take_tier_writes(num_wanted)
             if not taken:
                 return
-            copies: list[tuple[bytes, bytes, mmap.mmap | None, torch.Tensor]] = []
+            # Per block: its key, namespace, the IO tiers lacking it, each one's staging buffer (None: no
+            # room, or a later IO tier's), and the one copy out of the pool (None: in every tier).
+            copies: list[tuple[bytes, bytes, list[IoTier], list[mmap.mmap | None], torch.Tensor | None]] = []
+            num_buffers = 0
             for block_id, key, ns_key, _ in taken:  # no lock: the generations say which copies hold
-                to_disk = disk is not None and key not in disk
-                if not to_disk and (host is None or key in host):
-                    copies.append((key, ns_key, None, None))  # in every tier: the host's made young below
+                to_io = [t for t in self._io if key not in t]
+                if not to_io and all(key in t for t in self._memory):
+                    copies.append((key, ns_key, [], [], None))  # in every tier: made young below
                     continue
-                buffer = self._staging_buffer() if to_disk and len(copies) < num_room else None
-                target = self._payload(buffer) if buffer is not None else self._scratch[len(copies)]
-                copies.append((key, ns_key, buffer, target.copy_(self._pool[:, :, block_id])))
+                buffers: list[mmap.mmap | None] = []
+                for tier in to_io:
+                    has_room = num_buffers < num_room
+                    buffers.append(self._staging_buffer(tier) if has_room else None)
+                    num_buffers += has_room
+                target = (self._payload(to_io[0], buffers[0]) if buffers and buffers[0] is not None
+                          else self._scratch[len(copies)])
+                copies.append((key, ns_key, to_io, buffers, target.copy_(self._pool[:, :, block_id])))
             with self._lock:
                 unchanged = [self._manager.is_unchanged(block_id, generation)
                              for block_id, _, _, generation in taken]
-            for (key, ns_key, buffer, block), is_unchanged in zip(copies, unchanged):
+            for (key, ns_key, to_io, buffers, block), is_unchanged in zip(copies, unchanged):
                 if not is_unchanged:
-                    if buffer is not None:
-                        self._recycle(buffer)
+                    for tier, buffer in zip(to_io, buffers):
+                        if buffer is not None:
+                            self._recycle(tier, buffer)
                     continue
                 if block is None:
-                    if host is not None:
-                        host.touch(key)
+                    for tier in self._memory:
+                        tier.touch(key)
                     continue
-                is_in_host = host is not None and host.put(key, ns_key, block)
-                if buffer is not None:
-                    staged.append((key, ns_key, buffer))
-                elif disk is not None and key not in disk:
-                    if not is_in_host or len(deferred) == deferred.maxlen:
-                        self._num_disk_missed += 1  # no slot in RAM to wait in, or the oldest waiting goes
-                    if is_in_host:
-                        deferred.append((key, ns_key))
+                is_in_memory = False
+                for tier in self._memory:
+                    is_in_memory = tier.put(key, ns_key, block) or is_in_memory
+                for i, (tier, buffer) in enumerate(zip(to_io, buffers)):
+                    if buffer is not None:
+                        if i > 0:  # the copy is in the first IO tier's buffer: this one gets its own
+                            self._payload(tier, buffer).copy_(block)
+                        staged.append((tier, key, ns_key, buffer))
+                        continue
+                    if not is_in_memory or len(deferred) == deferred.maxlen:
+                        self._num_missed[tier.kind] += 1  # no slot in RAM to wait in, or the oldest waiting goes
+                    if is_in_memory:
+                        deferred.append((tier, key, ns_key))
 
-    def _staging_buffer(self) -> mmap.mmap:
-        """A page-aligned buffer of one block file (``DiskTier.new_buffer``), reused once written."""
-        return self._free_buffers.pop() if self._free_buffers else self.disk.new_buffer()
+    def _staging_buffer(self, tier: IoTier) -> mmap.mmap:
+        """A buffer of ``tier`` (``IoTier.new_buffer``: page-aligned for the disk), reused once written."""
+        free = self._free_buffers[tier.kind]
+        return free.pop() if free else tier.new_buffer()
 
-    def _payload(self, buffer: mmap.mmap) -> torch.Tensor:
+    def _payload(self, tier: IoTier, buffer: mmap.mmap) -> torch.Tensor:
         """The block-shaped view of a staging buffer's payload."""
-        offset = self.disk.identity.payload_offset
         return torch.frombuffer(buffer, dtype=torch.uint8, count=self._bytes_per_block,
-                                offset=offset).view(self._dtype).view(self._block_shape)
+                                offset=tier.identity.payload_offset).view(self._dtype).view(self._block_shape)
 
-    def _read_ahead(self, keys: list[bytes], ns_key: bytes, deadline: float) -> Iterator[memoryview | None]:
-        """The disk tier's payloads of ``keys`` in order (None: missing or bad, or not read by
+    def _get(self, key: bytes, ns_key: bytes) -> tuple[str, memoryview] | None:
+        """The block ``key`` from the first IO tier that gives it (on a reader thread): its kind and bytes."""
+        for tier in self._io:
+            payload = tier.get(key, ns_key)
+            if payload is not None:
+                return tier.kind, payload
+        return None
+
+    def _read_ahead(self, keys: list[bytes], ns_key: bytes,
+                    deadline: float) -> Iterator[tuple[str, memoryview] | None]:
+        """The IO tiers' payloads of ``keys`` in order (``_get``; None: missing or bad, or not read by
         ``deadline``, a ``time.monotonic()``), up to ``READ_AHEAD_FILES`` of them read in parallel
         ahead of the one asked for. Files read ahead of a gap that ends the load were read all the
-        same: the disk tier counts their bytes and makes them recently used."""
-        if self.disk is None:
+        same: the tier counts their bytes and makes them recently used."""
+        if self._readers is None:
             yield from itertools.repeat(None, len(keys))
             return
         remaining = iter(keys)
         pending: collections.deque[Future] = collections.deque(
-            self._readers.submit(self.disk.get, key, ns_key) for key in itertools.islice(remaining, READ_AHEAD_FILES))
+            self._readers.submit(self._get, key, ns_key) for key in itertools.islice(remaining, READ_AHEAD_FILES))
         try:
             while pending:
                 try:
@@ -368,39 +390,50 @@ class TierWorker:
                     payload = None
                 key = next(remaining, None)
                 if key is not None:
-                    pending.append(self._readers.submit(self.disk.get, key, ns_key))
+                    pending.append(self._readers.submit(self._get, key, ns_key))
                 yield payload
         finally:
             for future in pending:
                 future.cancel()
 
-    def _recycle(self, buffer: mmap.mmap) -> None:
-        if len(self._free_buffers) < KEPT_BUFFERS:
-            self._free_buffers.append(buffer)  # (the others are unmapped when the last reference goes)
+    def _recycle(self, tier: IoTier, buffer: mmap.mmap) -> None:
+        free = self._free_buffers[tier.kind]
+        if len(free) < KEPT_BUFFERS:
+            free.append(buffer)  # (the others are unmapped when the last reference goes)
 
-    def _write_staged(self, key: bytes, ns_key: bytes, buffer: mmap.mmap) -> None:
+    def _write_staged(self, tier: IoTier, key: bytes, ns_key: bytes, buffer: mmap.mmap) -> None:
         try:
-            self.disk.put_buffer(key, ns_key, buffer)
+            tier.put_buffer(key, ns_key, buffer)
         finally:
-            self._recycle(buffer)
+            self._recycle(tier, buffer)
 
-    def _write_from_host(self, key: bytes, ns_key: bytes) -> None:
-        """Writes a deferred block to the disk from its host slot, if the host tier still holds it
+    def _write_from_memory(self, tier: IoTier, key: bytes, ns_key: bytes) -> None:
+        """Writes a deferred block to an IO tier from a memory tier's slot, if one still holds it
         (pinned meanwhile: no put reuses the slot under the write)."""
-        if key in self.disk:
+        if key in tier:
             return
-        held = self.host.acquire(key, ns_key, make_young=False)
-        if held is None:  # evicted from RAM before its turn: not written, as a block evicted from the pool
-            self._num_disk_missed += 1
+        for memory in self._memory:
+            held = memory.acquire(key, ns_key, make_young=False)
+            if held is not None:
+                break
+        else:  # evicted from RAM before its turn: not written, as a block evicted from the pool
+            self._num_missed[tier.kind] += 1
             return
         slot, view = held
         try:
-            self.disk.put(key, ns_key, memoryview(view.view(torch.uint8).numpy()).cast("B"))
+            tier.put(key, ns_key, memoryview(view.view(torch.uint8).numpy()).cast("B"))
         finally:
-            self.host.release(slot, is_read=False)
+            memory.release(slot, is_read=False)
+
+    def _acquire(self, key: bytes, ns_key: bytes) -> tuple[MemoryTier, int, torch.Tensor] | None:
+        """``key`` pinned in the fastest memory tier that holds it: the tier, its slot and view."""
+        for tier in self._memory:
+            held = tier.acquire(key, ns_key)
+            if held is not None:
+                return tier, *held
+        return None
 
     def _load_loop(self) -> None:
-        host = self.host
         while True:
             load = self._loads.get()
             if load is None or self._stopping.is_set():
@@ -410,37 +443,40 @@ class TierWorker:
             read_s = dict.fromkeys(self.accounts.kinds, 0.0)
             num_read = dict.fromkeys(read_s, 0)
             num_loaded = 0
-            # The host tier's blocks of this load pinned first: a disk block put in the host tier on
+            # The memory tiers' blocks of this load pinned first: an IO block put in a memory tier on
             # its way (below) then never evicts a block this same load is about to copy from there.
-            held = [host.acquire(key, load.ns_key) if host is not None else None for key in load.hashes]
+            held = [self._acquire(key, load.ns_key) for key in load.hashes]
             is_read = [False] * len(held)  # per held slot: copied from (it stops at a block no tier has)
-            files = self._read_ahead([key for key, slot_view in zip(load.hashes, held) if slot_view is None],
+            files = self._read_ahead([key for key, tier_slot_view in zip(load.hashes, held) if tier_slot_view is None],
                                      load.ns_key, deadline)
             try:
-                for i, (key, block_id, slot_view) in enumerate(zip(load.hashes, load.block_ids, held)):
+                for i, (key, block_id, tier_slot_view) in enumerate(zip(load.hashes, load.block_ids, held)):
                     target = self._pool[:, :, block_id]
                     t0 = time.monotonic()
-                    if slot_view is not None:
-                        target.copy_(slot_view[1], non_blocking=True)  # from page-locked memory on CUDA
+                    if tier_slot_view is not None:
+                        tier, _, view = tier_slot_view
+                        target.copy_(view, non_blocking=True)  # from page-locked memory on CUDA
                         is_read[i] = True
-                        read_s[HOST] += time.monotonic() - t0
-                        num_read[HOST] += 1
+                        read_s[tier.kind] += time.monotonic() - t0
+                        num_read[tier.kind] += 1
                     else:
-                        payload = next(files)
-                        if payload is None:
+                        kind_payload = next(files)
+                        if kind_payload is None:
                             break
+                        kind, payload = kind_payload
                         block = torch.frombuffer(payload, dtype=torch.uint8).view(self._dtype).view(self._block_shape)
                         target.copy_(block)
-                        read_s[DISK] += time.monotonic() - t0
-                        num_read[DISK] += 1
-                        if host is not None:
-                            host.put(key, load.ns_key, block)
+                        read_s[kind] += time.monotonic() - t0
+                        num_read[kind] += 1
+                        for memory in self._memory:
+                            memory.put(key, load.ns_key, block)
                     num_loaded += 1
                 if self._pool.is_cuda:  # the bytes are on the device before any client may read them
                     t0 = time.monotonic()
                     torch.cuda.synchronize(self._pool.device)
-                    if num_read.get(HOST):
-                        read_s[HOST] += time.monotonic() - t0
+                    for memory in self._memory:  # the wait for their non_blocking copies
+                        if num_read[memory.kind]:
+                            read_s[memory.kind] += time.monotonic() - t0
             except Exception as exc:  # a failed load is recomputed, never an error (logged here)
                 log.error("kv_tier_load_failed", seq_id=load.seq_id, num_loaded=num_loaded,
                           error=type(exc).__name__, exc_info=exc)
@@ -450,9 +486,9 @@ class TierWorker:
                         torch.cuda.synchronize(self._pool.device)
             finally:
                 files.close()  # the reads ahead not needed (past a block no tier has) are cancelled
-                for slot_view, was_read in zip(held, is_read):  # after the synchronisation: no copy reads them
-                    if slot_view is not None:
-                        host.release(slot_view[0], was_read)
+                for tier_slot_view, was_read in zip(held, is_read):  # after the synchronisation: no copy reads them
+                    if tier_slot_view is not None:
+                        tier_slot_view[0].release(tier_slot_view[1], was_read)
             elapsed_s = time.monotonic() - start
             with self._lock:
                 self._manager.finish_load(load, num_loaded)

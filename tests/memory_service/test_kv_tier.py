@@ -95,7 +95,7 @@ def test_a_load_stops_at_a_block_file_that_went(allocator: InProcessAllocator, t
     """Files are read ahead in parallel; a missing one still ends the load there: the blocks before
     it come back, the ones after it are recomputed (never loaded past a gap)."""
     write_prompt_and_evict(allocator)
-    written = list(allocator.tier.disk._index)  # PROMPT's keys, in the order written: block order
+    written = list(allocator.tier.tiers["disk"]._index)  # PROMPT's keys, in the order written: block order
     assert len(written) == 3
     (tmp_path / "tier" / f"{written[1].hex()}.kv").unlink()  # the middle block's
     result, loaded = load(allocator, "s3")
@@ -121,7 +121,7 @@ def test_a_stalled_read_ends_its_load_at_the_deadline_and_holds_no_other_load(
     allocator.step([FreeOp("w1"), FreeOp("w2")])
     wait_for(lambda: allocator.stats().tiers[0].num_blocks == 6)
     evict(allocator, "hog")
-    disk, stall, calls = allocator.tier.disk, threading.Event(), iter(range(10**6))
+    disk, stall, calls = allocator.tier.tiers["disk"], threading.Event(), iter(range(10**6))
     read = disk.get
 
     def stalled_get(key: bytes, ns_key: bytes):

@@ -1,0 +1,136 @@
+"""A third tier, written here against ``memory_service/tier/tier.py``'s ``MemoryTier`` Protocol and
+nothing else, plugs into the tier worker as it is: committed blocks reach it, evicted blocks come
+back from it byte for byte, alone and between the host and disk tiers (fastest first)."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagedserve.dtypes import DTYPES
+from memory_service.in_process import InProcessAllocator
+from memory_service.manager.block_types import BlockManagerConfig
+from memory_service.tier.disk_tier import TierIdentity
+from memory_service.tier.tier import IoTier, MemoryTier, TierCounters
+from tests.memory_service.test_host_tier import BLOCK_BYTES, assert_prompt_bytes, write_prompt
+from tests.memory_service.test_kv_tier import LAYOUT, load, wait_for
+
+pytestmark = pytest.mark.unit
+
+
+class DictTier:
+    """Blocks in a dict of tensors, LRU within ``num_slots``; a pinned block is never evicted."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.kind = "dict"
+        self.medium = "CPU"
+        self.identity: TierIdentity | None = None
+        self.num_slots = num_slots
+        self.on_change: Callable[[bytes, bool], None] | None = None
+        self._blocks: OrderedDict[bytes, tuple[bytes, torch.Tensor]] = OrderedDict()  # oldest first
+        self._pins: dict[bytes, int] = {}
+        self._by_slot: list[bytes] = []  # acquire's slot: an index into this
+        self._lock = threading.Lock()
+        self._num_written = self._num_read = self._num_dropped = 0
+
+    def open(self, identity: TierIdentity, pin_memory: bool) -> int:
+        self.identity = identity
+        return self.num_slots
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._blocks
+
+    def put(self, key: bytes, ns_key: bytes, block: torch.Tensor) -> bool:
+        with self._lock:
+            if key in self._blocks:
+                self._blocks.move_to_end(key)
+                return True
+            if len(self._blocks) == self.num_slots:
+                victim = next((k for k in self._blocks if not self._pins.get(k)), None)
+                if victim is None:
+                    self._num_dropped += 1
+                    return False
+                del self._blocks[victim]
+            self._blocks[key] = (ns_key, block.to("cpu", DTYPES[self.identity.dtype], copy=True))
+            self._num_written += 1
+            return True
+
+    def touch(self, key: bytes) -> None:
+        with self._lock:
+            if key in self._blocks:
+                self._blocks.move_to_end(key)
+
+    def acquire(self, key: bytes, ns_key: bytes, make_young: bool = True) -> tuple[int, torch.Tensor] | None:
+        with self._lock:
+            held = self._blocks.get(key)
+            if held is None or held[0] != ns_key:
+                return None
+            if make_young:
+                self._blocks.move_to_end(key)
+            self._pins[key] = self._pins.get(key, 0) + 1
+            self._by_slot.append(key)
+            return len(self._by_slot) - 1, held[1]
+
+    def release(self, slot: int, is_read: bool) -> None:
+        with self._lock:
+            self._pins[self._by_slot[slot]] -= 1
+            self._num_read += is_read
+
+    def counters(self) -> TierCounters:
+        with self._lock:
+            size = self.identity.bytes_per_block
+            return TierCounters(len(self._blocks), len(self._blocks) * size, self.num_slots * size,
+                                self._num_written * size, self._num_read * size, self._num_dropped)
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_tier_written_here_is_a_memory_tier_and_no_io_tier() -> None:
+    tier = DictTier(4)
+    assert isinstance(tier, MemoryTier) and not isinstance(tier, IoTier)
+
+
+def test_a_third_tier_alone_round_trips_evicted_blocks(tmp_path: Path) -> None:
+    tier = DictTier(num_slots=8)
+    alloc = InProcessAllocator(LAYOUT, BlockManagerConfig(num_blocks=8, block_size=4), kv_tiers=[tier],
+                               model_fingerprint="model-a")
+    try:
+        write_prompt(alloc)  # PROMPT's 3 full blocks committed, copied into the tier, evicted, the pool zeroed
+        result, loaded = load(alloc, "s3")
+        assert loaded and result.ok and result.num_cached_tokens == 12
+        assert_prompt_bytes(alloc, result.block_ids)  # each block's bytes, back from the tier
+        [stats] = alloc.stats().tiers
+        assert (stats.kind, stats.num_blocks, stats.num_hits, stats.num_loads, stats.num_bytes_read) == (
+            "dict", 3, 3, 1, 3 * BLOCK_BYTES)
+        assert alloc.tier.tiers == {"dict": tier}
+        assert alloc.check_integrity() is None
+    finally:
+        alloc.close()
+
+
+def test_a_third_tier_between_the_host_and_the_disk(tmp_path: Path) -> None:
+    """Written through to all three; a load reads each block from the fastest tier that holds it: the
+    host tier keeps PROMPT's last two blocks, so the first comes from the tier written here."""
+    tier = DictTier(num_slots=8)
+    alloc = InProcessAllocator(LAYOUT, BlockManagerConfig(num_blocks=8, block_size=4),
+                               kv_disk_dir=tmp_path / "tier", kv_host_bytes=2 * BLOCK_BYTES, kv_tiers=[tier],
+                               model_fingerprint="model-a")
+    try:
+        write_prompt(alloc)
+        wait_for(lambda: [t.num_blocks for t in alloc.stats().tiers] == [2, 3, 3])
+        result, loaded = load(alloc, "s3")
+        assert loaded and result.num_cached_tokens == 12
+        assert_prompt_bytes(alloc, result.block_ids)
+        host, third, disk = alloc.stats().tiers
+        assert (host.kind, third.kind, disk.kind) == ("host", "dict", "disk")
+        assert (host.num_hits, third.num_hits, disk.num_hits) == (2, 1, 0)
+        assert (host.num_bytes_read, third.num_bytes_read, disk.num_bytes_read) == (2 * BLOCK_BYTES, BLOCK_BYTES, 0)
+        assert alloc.check_integrity() is None
+    finally:
+        alloc.close()
