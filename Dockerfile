@@ -127,6 +127,7 @@ FROM build AS wheel
 # The packages alone (not `COPY .`: the staged torch wheel would be copied once more).
 COPY pyproject.toml README.md /src/
 COPY pagedserve/ /src/pagedserve/
+COPY pagedserve_cli/ /src/pagedserve_cli/
 COPY pagedserve_testing/ /src/pagedserve_testing/
 COPY memory_service/ /src/memory_service/
 COPY compute_service/ /src/compute_service/

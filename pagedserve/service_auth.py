@@ -24,7 +24,7 @@ TOKEN_ENV = "PAGEDSERVE_COMPUTE_TOKEN"
 # The memory service's own token (memory_service/service/trust.py): a different secret, since the
 # gateways that hold the compute token never talk to the memory service.
 MEMORY_TOKEN_ENV = "PAGEDSERVE_MEMORY_TOKEN"
-# The gateway's API keys (gateway/config.py) and a client's own key (pagedserve/cli.py).
+# The gateway's API keys (gateway/config.py) and a client's own key (pagedserve_cli/cli.py).
 API_KEYS_ENV = "PAGEDSERVE_API_KEYS"
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
 # Which services may find each secret in their environment: a started service gets only its own

@@ -124,7 +124,7 @@ def test_log_format_flag_of_every_service(log_format: str) -> None:
 
 def test_api_key_from_a_file_and_a_warning_for_one_on_the_command_line(tmp_path: Path, monkeypatch, capsys) -> None:
     """Issue 27 item 12: --api-key puts the key in ps and the shell history; --api-key-file does not."""
-    from pagedserve.cli import api_key, build_parser, main
+    from pagedserve_cli.cli import api_key, build_parser, main
 
     monkeypatch.delenv("PAGEDSERVE_API_KEY", raising=False)
     key_file = tmp_path / "key"
@@ -145,7 +145,7 @@ def test_api_key_from_a_file_and_a_warning_for_one_on_the_command_line(tmp_path:
 
 @pytest.mark.unit
 def test_up_passes_the_service_flags_it_is_given_and_no_others() -> None:
-    from pagedserve.up import UpConfig, stack_config
+    from pagedserve_cli.up import UpConfig, stack_config
 
     config = UpConfig(service_flags={"dtype": "float32", "kv_cache_bytes": 1 << 20})
     stack = stack_config(config, "json", 8000)
@@ -172,8 +172,8 @@ def test_up_flags_are_derived_from_the_services_configs(monkeypatch: pytest.Monk
     """Each pass-through flag takes the service's name, type, help and default; adding one is one line."""
     import compute_service.__main__ as compute_main
     import memory_service.__main__ as memory_main
-    from pagedserve import up
-    from pagedserve.cli import build_parser
+    from pagedserve_cli import up
+    from pagedserve_cli.cli import build_parser
 
     parser = build_parser()
     args = parser.parse_args(["up", "--kv-cache-bytes", "4096", "--dtype", "bfloat16"])
@@ -199,10 +199,10 @@ def test_up_passes_the_kv_tier_flags_to_the_memory_service(tmp_path: Path, monke
 
     from memory_service.api import KvLayout
     from memory_service.convert import layout_to_pb
-    from pagedserve.cli import build_parser
+    from pagedserve_cli.cli import build_parser
     from pagedserve.memory.v1 import memory_pb2, memory_pb2_grpc
     from pagedserve.stack import memory_process, ready
-    from pagedserve.up import UpConfig, stack_config
+    from pagedserve_cli.up import UpConfig, stack_config
 
     args = build_parser().parse_args(["up", "--kv-disk-dir", "tier", "--kv-disk-bytes", "1048576"])
     assert (args.kv_disk_dir, args.kv_disk_bytes) == ("tier", 1 << 20)
@@ -231,8 +231,8 @@ def test_up_passes_the_kv_tier_flags_to_the_memory_service(tmp_path: Path, monke
 def test_up_passes_the_host_tier_flag_to_the_memory_service() -> None:
     """``up --kv-host-bytes N`` reaches the memory service (with or without a disk tier); a bad value
     is refused naming the flag."""
-    from pagedserve.cli import build_parser
-    from pagedserve.up import UpConfig, stack_config
+    from pagedserve_cli.cli import build_parser
+    from pagedserve_cli.up import UpConfig, stack_config
 
     assert build_parser().parse_args(["up", "--kv-host-bytes", "4096"]).kv_host_bytes == 4096
     stack = stack_config(UpConfig(service_flags={"kv_host_bytes": 4096}), "json", 8000)

@@ -127,8 +127,8 @@ def test_entry_points_and_the_memory_service_import_no_torch() -> None:
     supervisor), every service's flag parsing (--help, a bad flag) and the whole memory service (the
     CPU pool is bytes to it) never import it; the compute service imports it only to serve. Before:
     compute_service.__main__ (through EngineConfig's dtype check) and the memory service's pool did."""
-    code = ("import sys, pagedserve.cli, pagedserve.up, compute_service.__main__, memory_service.__main__, "
-            "memory_service.service.server, gateway.__main__; "
+    code = ("import sys, pagedserve.cli, pagedserve_cli.cli, pagedserve_cli.up, compute_service.__main__, "
+            "memory_service.__main__, memory_service.service.server, gateway.__main__; "
             "print(sorted(m for m in ('torch', 'transformers', 'xgrammar') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 LOCK = ROOT / "requirements" / "lock.txt"
 # Our import names, one per top-level folder but the kernels' (kernels/pagedserve_kernels).
 IMPORT_NAMES = {"pagedserve", "memory_service", "compute_service", "gateway", "pagedserve_kernels",
-                "pagedserve_testing"}
+                "pagedserve_cli", "pagedserve_testing"}
 
 COEXISTENCE = """
 import json, sys
@@ -73,7 +73,8 @@ def test_the_wheel_installs_only_our_import_names(tmp_path: Path) -> None:
     source.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, source / name)
-    for name in ("pagedserve", "memory_service", "compute_service", "gateway", "kernels", "pagedserve_testing"):
+    for name in ("pagedserve", "memory_service", "compute_service", "gateway", "kernels", "pagedserve_cli",
+                 "pagedserve_testing"):
         shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
                     "--wheel-dir", str(tmp_path), str(source)], check=True, capture_output=True, timeout=300)
