@@ -69,7 +69,7 @@ def new_epoch() -> str:
 
 def _read_id_file(id_file: Path) -> str | None:
     """The kept id's text, or None: only from a regular file of ours, never through a link, at most a
-    page (a symlink to /dev/zero read to a MemoryError, a FIFO hung the start: issue 37 item 6)."""
+    page (a symlink to /dev/zero read to a MemoryError, a FIFO hung the start)."""
     try:
         with open_own_file(id_file) as f:
             return f.read(4096).decode("ascii", "replace").strip()
@@ -101,7 +101,7 @@ def service_id(directory: str | Path | None) -> str:
     try:
         tmp.unlink(missing_ok=True)  # a leftover of an earlier start with this pid (or a planted name)
         # Created exclusively, never through a link: a planted symlink under this name was followed and
-        # its target overwritten (issue 37 item 6).
+        # its target overwritten.
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(fresh + "\n")

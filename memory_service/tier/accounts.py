@@ -19,8 +19,8 @@ manager's lock may be held when it is called, never the other way round):
   goes ahead when it is the faster; while a figure it needs is unknown (a tier's first load, a client
   that sent none) it goes ahead. Both are rough (the disk's read bandwidth depends on the page cache;
   the prefill speed on the batch), which is why the comparison is a plain ratio and not a model: the
-  cases it must catch (a slow disk against a fast GPU, as sglang issue 26305 saw) differ by far more
-  than the error.
+  cases it must catch (a slow disk against a fast GPU, where a file tier's hit can take longer than
+  recomputing the prefix: docs/benchmarks.md) differ by far more than the error.
 """
 
 from __future__ import annotations

@@ -14,9 +14,9 @@ for the memory tiers and "the disk" for the IO tiers):
   generation meanwhile is dropped (``is_unchanged``, under the lock), so a block evicted and reused
   during its copy is never written with its new content. Why not copy under the lock, as before: the
   writer runs at the lowest priority, and a writer descheduled in the middle of a copy held every
-  client's Step until it ran again (the no-reuse benchmark: 0.948x with 4 blocks a hold, 0.981x with
-  1, both at nice 19). A Step never waits for a disk, nor does the host tier: with the staging
-  buffers full, blocks go into RAM and reach the disk from there. Why write
+  client's Step until it ran again (the no-reuse benchmark's cost: docs/benchmarks.md). A Step never
+  waits for a disk, nor does the host tier: with the staging buffers full, blocks go into RAM and
+  reach the disk from there. Why write
   through rather than let the host tier evict to the disk: every block reaches the disk as soon as
   it would have without the host tier, so a restart (which empties the RAM) finds what it found
   before; the disk writes cost the same as without a host tier, and a host eviction is a plain drop.
@@ -64,8 +64,9 @@ from memory_service.tier.tier import IoTier, MemoryTier
 
 log = get_logger("memory_service.tier")
 
-# Blocks the writer copies per hold of the manager's lock: ~10 us each for a small model's block,
-# so a Step waits at most a fraction of a millisecond for it.
+# Blocks the writer takes from the manager's book per hold of its lock (bookkeeping only: it copies
+# them without the lock, then checks their generations under it again): a few, so that a Step never
+# waits long for that lock.
 WRITE_BATCH_BLOCKS = 4
 # Bytes of block copies the writer may hold before writing them (see _write_loop).
 STAGING_BYTES = 256 << 20
@@ -74,16 +75,16 @@ STAGING_BYTES = 256 << 20
 KEPT_BUFFERS = 64
 # Block files a load reads ahead, in parallel (file reads release the GIL): the files are written
 # past the page cache, so a load reads them from the device, where one read at a time left most of
-# its bandwidth unused (a 4,000-token prompt: 0.21-0.29 s, 0.12 s from the page cache).
+# its bandwidth unused (docs/benchmarks.md, "Figures behind the code's choices").
 READ_AHEAD_FILES = 8
 # Loader threads: loads run side by side, so one slow disk load (a long prompt, a stalled device) never
 # holds another prompt's load, nor a host-tier load (a memcpy) behind it.
 LOADERS = 2
 # A load's deadline: ``LOAD_DEADLINE_S`` plus its bytes at ``LOAD_DEADLINE_BYTES_PER_S``,
-# a bandwidth far below any device's (a 4,000-token prompt of the default model reads in 0.2-0.3 s here;
-# an 8B model's ~0.5 GB in ~0.5 s from an NVMe). A file read that has not come back by then ends the
-# load: what was loaded stays, the rest is recomputed by the client (a miss, never an error). The read
-# itself cannot be interrupted: its reader thread stays in it (one of ``READ_AHEAD_FILES``).
+# a bandwidth far below any device's (what real loads take: docs/benchmarks.md). A file read that has
+# not come back by then ends the load: what was loaded stays, the rest is recomputed by the client (a
+# miss, never an error). The read itself cannot be interrupted: its reader thread stays in it (one of
+# ``READ_AHEAD_FILES``).
 LOAD_DEADLINE_S = 5.0
 LOAD_DEADLINE_BYTES_PER_S = 50e6
 # How long the writer sleeps when nothing wakes it (a Step wakes it at once).
@@ -91,19 +92,16 @@ WRITER_IDLE_S = 0.05
 # The writer thread runs at SCHED_IDLE (Linux: per thread; where that is refused, at this nice value).
 # Its work (copies, checksums, file writes) is never urgent, and on a machine whose cores the engine's
 # threads fill, every wake-up of a writer at the engine's priority descheduled one of them and held its
-# whole parallel region: the realistic workload with nothing reused ran at 0.86x of the same engine
-# without a tier, 0.89x at nice 19. With the cheaper writes of today (no copy under the manager's lock,
-# O_DIRECT, XXH3) the no-reuse benchmark read 0.981x and 1.031x at SCHED_IDLE, against 0.988x, 0.975x
-# and 0.967x at SCHED_BATCH and nice 19 (a 1/70 share against each busy engine thread), and the idle
-# writer still wrote 39-41% of the blocks while the engine was saturated (49-50%): it runs in the gaps
-# the engine leaves (between steps, while a Step is answered). The rest are evicted before it reaches
-# them (``num_blocks_missed``); below saturation it keeps up. The risk it carries: the writer holds the
-# manager's lock for bookkeeping and the GIL between the calls that release it, and a Step handler
-# needing either waits until the writer runs again. With one engine that is at once (the engine waits
-# on that Step, which frees a core); with several engines on the node, or other busy processes, a
-# descheduled writer may wait for a free core while the others run (at nice 19 too: a 3 ms slice in
-# ~400 ms against two busy threads). The way out is a writer in a process of its own (no GIL shared
-# with the Step handlers), not done.
+# whole parallel region; nice 19 still takes a share of each busy core, SCHED_IDLE only the time the
+# engine leaves (between steps, while a Step is answered). So under saturation the writer writes part
+# of the blocks and the rest are evicted before it reaches them (``num_blocks_missed``); below
+# saturation it keeps up. The risk it carries: the writer holds the manager's lock for bookkeeping and
+# the GIL between the calls that release it, and a Step handler needing either waits until the writer
+# runs again. With one engine that is at once (the engine waits on that Step, which frees a core); with
+# several engines on the node, or other busy processes, a descheduled writer may wait for a free core
+# while the others run (at nice 19 too, for a short slice). The way out is a writer in a process of its
+# own (no GIL shared with the Step handlers), not done. The no-reuse benchmark's figures at each
+# priority: docs/benchmarks.md ("Figures behind the code's choices").
 WRITER_NICE = 19
 # The most a clean stop waits for the writer to put what is committed on disk (module docstring);
 # well within the 10 s a ServiceProcess (and ``pagedserve up``) gives a service after SIGTERM.
