@@ -23,11 +23,11 @@ from gateway.backend.routing import Router
 from gateway.backend.tokenizer import TokenizerFetchError, fetch_tokenizer
 from gateway.config import GatewayConfig
 from gateway.core.service import GatewayCore
+from gateway.grpc.servicer import GatewayServicer
 from gateway.metrics import GatewayMetrics
 from gateway.openai_api.app import OpenAIFront
 from gateway.openai_api.guard import RequestGuard, allowed_hosts
 from gateway.openai_api.server import HttpServer
-from gateway.servicer import GatewayServicer
 from gateway.tenants import Tenants
 from gateway.traces import TraceparentMiddleware
 from pagedserve import rpc, sockets

@@ -1,6 +1,6 @@
 """The gateway's own model of a request and its answer: plain dataclasses, no protobuf.
 
-Both fronts convert to and from these at their edge (``gateway.grpc_convert`` for the public gRPC
+Both fronts convert to and from these at their edge (``gateway.grpc.convert`` for the public gRPC
 API, ``gateway.openai_api.convert`` for the HTTP API), and the dispatcher converts them to the
 compute service's messages at the one place it calls a backend (``gateway.backend.compute_convert``).
 

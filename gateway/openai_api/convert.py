@@ -1,6 +1,6 @@
 """OpenAI request bodies to the gateway core's ``GenerateRequest``, and its answers back to OpenAI JSON.
 
-The edge of the HTTP front, as ``gateway.grpc_convert`` is the gRPC servicer's: nothing here decides
+The edge of the HTTP front, as ``gateway.grpc.convert`` is the gRPC servicer's: nothing here decides
 what is valid beyond the JSON shape; every bound is the core's ``validate``, on the converted
 request, whose messages name the gRPC field (``params.n``) and which the app maps to the OpenAI
 parameter. Unlike the gRPC wire, a value here is what the client wrote: ``n: 0`` is a bad ``n``,

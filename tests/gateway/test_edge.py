@@ -14,7 +14,7 @@ from gateway.backend.pool import BackendPool
 from gateway.config import API_KEYS_ENV, GatewayConfig, parse_backend
 from gateway.core.types import ChatMessage, GenerateRequest, ModelInfo
 from gateway.core.validate import PromptLimits, ValidatedRequest, check_prompt, validate
-from gateway.grpc_convert import request_from_pb
+from gateway.grpc.convert import request_from_pb
 from gateway.tenants import Tenant, Tenants
 from pagedserve.compute.v1 import compute_pb2
 from pagedserve.errors import InvalidArgument
@@ -210,7 +210,7 @@ def test_shared_messages_are_one_class_and_the_reply_size_is_exact() -> None:
     """Issue 26 item 3: ChoiceList, TokenLogprobs and Usage live in common.proto, re-exported."""
     from gateway.core.streaming import delta_bytes
     from gateway.core.types import Delta, TokenLogprobs
-    from gateway.grpc_convert import logprobs_to_pb
+    from gateway.grpc.convert import logprobs_to_pb
 
     assert gateway_pb2.Usage is compute_pb2.Usage and gateway_pb2.TokenLogprobs is compute_pb2.TokenLogprobs
     assert gateway_pb2.ChoiceList is compute_pb2.ChoiceList

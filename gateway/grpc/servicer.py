@@ -1,6 +1,6 @@
 """``pagedserve.gateway.v1.Gateway``: the public gRPC API, a thin edge over the gateway core.
 
-Each call converts its message (``gateway.grpc_convert``), runs it through ``GatewayCore`` (the
+Each call converts its message (``gateway.grpc.convert``), runs it through ``GatewayCore`` (the
 admission, validation, tokenizing, routing, metrics and access line every front gets) and converts
 the answer back. What is this front's own: the tenant from the call's metadata, the client's
 deadline and cancellation, the unary reply's size cap (gRPC's send limit), and the write-stall
@@ -20,7 +20,7 @@ from gateway.auth import bearer_token
 from gateway.core.service import GatewayCore, RequestRecord
 from gateway.core.streaming import ReplyBudget, collect, pieces, send_within
 from gateway.core.types import Delta
-from gateway.grpc_convert import piece_to_pb, reply_to_pb, request_from_pb, tokenize_from_pb
+from gateway.grpc.convert import piece_to_pb, reply_to_pb, request_from_pb, tokenize_from_pb
 from gateway.tenants import Tenant
 from gateway.traces import INCOMING_TRACEPARENT
 from pagedserve.errors import DeadlineExceededError, InvalidArgument, ResourceExhaustedError
