@@ -1,4 +1,4 @@
-"""KV tier benchmark (issue 29): what the memory service's disk tier (--kv-disk-dir) buys and costs.
+"""KV tier benchmark: what the memory service's disk tier (--kv-disk-dir) buys and costs.
 
 Prints a table, then as its last line one JSON object:
 

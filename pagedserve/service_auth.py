@@ -28,7 +28,7 @@ MEMORY_TOKEN_ENV = "PAGEDSERVE_MEMORY_TOKEN"
 API_KEYS_ENV = "PAGEDSERVE_API_KEYS"
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
 # Which services may find each secret in their environment: a started service gets only its own
-# (ServiceProcess), so a compute or memory service's /proc/PID/environ holds no API key (issue 37).
+# (ServiceProcess), so a compute or memory service's /proc/PID/environ holds no API key.
 SECRET_ENVS: dict[str, tuple[str, ...]] = {
     API_KEYS_ENV: ("gateway",),
     API_KEY_ENV: (),

@@ -1,4 +1,4 @@
-"""The disk tier's faults on real processes (issue 29: "no wrong tokens, nothing lost beyond the
+"""The disk tier's faults on real processes (the goal: "no wrong tokens, nothing lost beyond the
 cache, a clear log line").
 
 A memory service with the tier and a compute service attached to it, started by

@@ -1,4 +1,4 @@
-"""What the tier costs when nothing is reused (issue 29: "within 3% of off; the write-back must not
+"""What the tier costs when nothing is reused (the goal: "within 3% of off; the write-back must not
 slow the engine"): the realistic workload offline, through ``LLM``, the tier on against off.
 
 The workload is bench_throughput's realistic one (benchmarks/throughput/realistic.py: English chat

@@ -3,8 +3,8 @@ after our stack has stopped, and the side-by-side figures.
 
 The requests are the very same texts (made from our tokenizer's tokens per word, same seed), sent
 with the same Poisson arrival times. The comparison, per rate, puts ours over vLLM's: TPOT p50 and
-TTFT p99 (below 1 is better for us), output tokens/s (above 1 is better), and checks the goal of
-issue 18: at every rate TPOT p50 and TTFT p99 no worse than vLLM's, saturation throughput >= 1.2x.
+TTFT p99 (below 1 is better for us), output tokens/s (above 1 is better), and checks the serving
+goal: at every rate TPOT p50 and TTFT p99 no worse than vLLM's, saturation throughput >= 1.2x.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def _get(run: dict, metric: str, q: str) -> float | None:
 
 
 def compare(ours: dict, theirs: dict) -> dict:
-    """Ours over vLLM's, per rate and at saturation, and whether issue 18's serving goal is met.
+    """Ours over vLLM's, per rate and at saturation, and whether the serving goal is met.
 
     Args:
         ours, theirs: bench_serving summaries (``rates``: per rate, ``saturation_out_tok_s``).

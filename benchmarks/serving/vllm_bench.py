@@ -38,7 +38,7 @@ from pagedserve import cpu_preload
 
 RUNNER = Path(__file__).with_name("vllm_bench_serve.py")
 ONE_AT_A_TIME = "one_at_a_time"
-SATURATION_GOAL = 1.2  # issue 28: realistic saturation output tokens/s >= 1.2x vLLM's
+SATURATION_GOAL = 1.2  # the goal: realistic saturation output tokens/s >= 1.2x vLLM's
 METRICS = ("ttft", "tpot", "itl", "e2el")
 QUANTILES = ("50", "90", "99")
 
@@ -158,7 +158,7 @@ def sweep(python: Path, base_url: str, model_dir: Path, datasets: dict[str, Path
 
 def compare(ours: dict, theirs: dict) -> dict:
     """Ours over vLLM's per phase (TTFT p50/p99, TPOT p50: below 1 is better for us; output
-    tokens/s: above 1), and issue 28's goals where the phases measure them."""
+    tokens/s: above 1), and the serving goals where the phases measure them."""
     ratios = {}
     for label, mine in ours["phases"].items():
         peer = theirs["phases"].get(label)

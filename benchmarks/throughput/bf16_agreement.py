@@ -4,7 +4,7 @@ Over English text (benchmarks/throughput/realistic.py's), each passage runs thro
 prefill of its first half (the prompt-tile kernels), then one teacher-forced decode step per token
 of its second half (the decode kernels); at every position the top-1 next token is compared with
 transformers' on the whole passage, in bfloat16 and in float32. Prints one JSON line: the agreement
-of ours-bf16 with float32 (ours and transformers': issue 36's goal, >= 99%), with transformers-bf16,
+of ours-bf16 with float32 (ours and transformers': the goal, >= 99%), with transformers-bf16,
 transformers' own bf16 against its fp32 (a plain bf16 forward), ours-fp32 with transformers-fp32,
 and the count of non-finite logits. The default, 20 passages of 200 tokens, scores 2,000 positions
 (about 4 minutes on 2 cores).

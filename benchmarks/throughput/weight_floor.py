@@ -3,7 +3,7 @@ machine's memory read bandwidth.
 
 At one sequence a decode step reads every projection weight once (and the embedding matrix again as
 the tied lm_head; the embedding lookup itself reads one row) and does little else, so no engine can
-make a step faster than ``weight bytes / read bandwidth``: the TPOT floor issue 28's goal is set
+make a step faster than ``weight bytes / read bandwidth``: the TPOT floor the serving goal is set
 against ("within 2x of the bf16 weight-read floor").
 
 Read bandwidth: ``torch.sum`` over blocks of a float32 tensor (default 1 GiB), each block 4x the

@@ -14,7 +14,7 @@ each file is converted once and a changed file is converted again.
 Why de-quantize into float32 (F16 and BF16 tensors stay as they are, exactly): today every linear
 runs in the served dtype (bf16 or float32), so the weights are widened at load anyway, and a float32
 copy makes "our float32" the exact de-quantized model that accuracy is measured against. Keeping
-the file's blocks quantized in memory and computing on them is the next step (issue 40, item 2).
+the file's blocks quantized in memory and computing on them is the next step.
 
 Why a list of tensor types rather than whatever `gguf` can de-quantize: the listed ones are those we
 test (and the legacy Q4_1/Q5_0/Q5_1 blocks of the default model's and the 0.5B Qwen's files); the

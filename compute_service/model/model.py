@@ -79,7 +79,7 @@ class CausalLM(nn.Module):
         self.check_kv_pool(kv_pool)
         # The residual stream is float32 whatever the weights' dtype (llama.cpp's CPU backend keeps its
         # activations so too): in bfloat16 its 30 layers of rounded adds flipped near-tied greedy answers,
-        # the README's own question among them (issue 36). Linears still read bf16 (each norm rounds
+        # the README's own question among them. Linears still read bf16 (each norm rounds
         # its output to the weights' dtype once) and the KV cache stays in the model's dtype.
         hidden = F.embedding(batch.input_ids, self.embed_tokens).float()  # (T, hidden) float32
         with profile_scope("rotary"):

@@ -106,7 +106,7 @@ def logits(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, n
     Where the small-batch kernel runs (up to `num_small_rows` rows: one request, or a few decoding
     together) a bfloat16 head's logits are float32 to the end. Rounded to bf16, a logit near 10 moves
     by up to 0.03, and the top two tokens are that close often enough to flip greedy answers (the
-    README's own question did: issue 36). Past those rows oneDNN's GEMM computes them, rounded to
+    README's own question did). Past those rows oneDNN's GEMM computes them, rounded to
     bf16: the small-batch kernel there took 4-5x as long on an AMX Xeon (docs/benchmarks.md).
     """
     return linear(x, weight, packed, None, num_small_rows, float_out=True).float()

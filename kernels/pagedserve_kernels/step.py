@@ -7,7 +7,7 @@ place on the QKV output, add+RMSNorm and SiLU-mul in one pass each) where they a
 Triton kernels on CUDA and the PyTorch reference elsewhere). The model never names either.
 
 Both take the residual stream in float32 (the model keeps it so whatever its weights' dtype, unlike
-transformers, which keeps it in the model's dtype: issue 36) and compute norms and rotary angles in
+transformers, which keeps it in the model's dtype) and compute norms and rotary angles in
 float32; a norm's output, the next linear's input, takes the weights' dtype.
 
 `run_layers` runs the whole layer stack in one call where an implementation can (the fused CPU
