@@ -123,7 +123,7 @@ def test_log_format_flag_of_every_service(log_format: str) -> None:
 
 
 def test_api_key_from_a_file_and_a_warning_for_one_on_the_command_line(tmp_path: Path, monkeypatch, capsys) -> None:
-    """Issue 27 item 12: --api-key puts the key in ps and the shell history; --api-key-file does not."""
+    """--api-key puts the key in ps and the shell history; --api-key-file does not."""
     from pagedserve_cli.cli import api_key, build_parser, main
 
     monkeypatch.delenv("PAGEDSERVE_API_KEY", raising=False)
@@ -160,7 +160,7 @@ def test_up_passes_the_service_flags_it_is_given_and_no_others() -> None:
         UpConfig(service_flags={"kv_cache_bytes": 0})
     with pytest.raises(ValueError, match=r"\['max_num_seqs'\] are not passed through"):
         UpConfig(service_flags={"max_num_seqs": 4})
-    # The gateway's flag too (issue 30: how tool_choice auto reads the model's calls).
+    # The gateway's flag too (how tool_choice auto reads the model's calls).
     gateway = stack_config(UpConfig(service_flags={"tool_call_parser": "llama3_json"}), "json", 8000).gateway_args
     assert gateway[-2:] == ("--tool-call-parser", "llama3_json")
     with pytest.raises(ValueError, match="--tool-call-parser: tool_call_parser must be one of auto, hermes"):
@@ -193,7 +193,7 @@ def test_up_flags_are_derived_from_the_services_configs(monkeypatch: pytest.Monk
 
 
 def test_up_passes_the_kv_tier_flags_to_the_memory_service(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 29: ``up --kv-disk-dir DIR --kv-disk-bytes N`` reaches the memory service (DIR made
+    """``up --kv-disk-dir DIR --kv-disk-bytes N`` reaches the memory service (DIR made
     absolute: the tier outlives the run), and the service it starts runs that tier."""
     import grpc
 
@@ -243,7 +243,7 @@ def test_up_passes_the_host_tier_flag_to_the_memory_service() -> None:
 
 
 def test_ctrl_c_drains_up_in_order_and_leaves_nothing(service_model) -> None:
-    """Issue 41 item 3: Ctrl-C (SIGINT to the terminal's whole process group) while a stream is in
+    """Ctrl-C (SIGINT to the terminal's whole process group) while a stream is in
     flight. The services run in process groups of their own, so only ``up`` gets it and drains them in
     order, gateway, compute, memory, each once the one in front has exited: the stream completes
     through all three, a new request is refused, ``up`` exits 0 within the sum of the three bounds, and

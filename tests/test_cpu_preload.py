@@ -1,4 +1,4 @@
-"""pagedserve.cpu_preload: which environment a CPU compute process is re-executed with (issue 18)."""
+"""pagedserve.cpu_preload: which environment a CPU compute process is re-executed with."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Health Watch streams of the asyncio servers (issue 17 item 17): capped per connection, a watcher
+"""Health Watch streams of the asyncio servers: capped per connection, a watcher
 that stops reading never blocks the server's own status changes, and a cancel that meets a blocked
 write is one debug line, not a traceback. An in-process grpc.aio server from pagedserve.rpc."""
 

@@ -1,5 +1,5 @@
 """What a fresh install gets: import names no other distribution in our dependency tree owns, and a
-lock that says the same as pyproject.toml (issue 36).
+lock that says the same as pyproject.toml.
 
 transformers 5.25 depends on Hugging Face's `kernels` distribution, imported as `kernels`; ours
 was imported by that name too, so `transformers.activations` got ours and every command failed.

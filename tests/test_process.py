@@ -28,7 +28,7 @@ def test_launch_ready_then_stop_leaves_nothing(tmp_path: Path) -> None:
 
 
 def test_a_service_raises_its_open_files_limit_to_the_hard_limit(tmp_path: Path) -> None:
-    """Issue 27 item 3: started under a soft limit of 256 descriptors (a container's 1024, lower
+    """Started under a soft limit of 256 descriptors (a container's 1024, lower
     still), the service runs with its hard limit: idle connections cannot exhaust it as early."""
     socket = tmp_path / "memory.sock"
     with lowered_open_files_limit(256):
@@ -43,7 +43,7 @@ def test_a_service_raises_its_open_files_limit_to_the_hard_limit(tmp_path: Path)
 
 
 def test_a_service_gets_only_the_secrets_it_uses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 37 item 10: the API keys were in every service's /proc/PID/environ. The memory service
+    """The API keys were in every service's /proc/PID/environ. The memory service
     keeps its own token and nothing of the gateway's or the client's."""
     secrets = {"PAGEDSERVE_API_KEYS": "key-one-0123456789", "PAGEDSERVE_API_KEY": "client-key-0123456789",
                "PAGEDSERVE_COMPUTE_TOKEN": "compute-token-0123456789",

@@ -1,5 +1,5 @@
 """The vLLM peer's parts that run without vLLM: arguments, environment, the side-by-side report.
-No test installs or starts vLLM (issue 18); the peer runs only from the benchmarks' command lines."""
+No test installs or starts vLLM; the peer runs only from the benchmarks' command lines."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Embeddings in the engine (issue 42 item 2; in process, the tiny random Llama): a prefill-only
+"""Embeddings in the engine (in process, the tiny random Llama): a prefill-only
 request whose answer is the final normed hidden state at the last prompt position, or averaged over
 the prompt, L2-normalized, equal to transformers' whole or chunked, batched beside generating
 requests, preempted mid-pool, read from the prefix cache only with "last" pooling, and its blocks

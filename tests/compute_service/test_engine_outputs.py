@@ -1,4 +1,4 @@
-"""What the engine hands out per step (issue 17, items 3 and 10), in process on a tiny Llama:
+"""What the engine hands out per step, in process on a tiny Llama:
 
 - each step's delta carries only that step's news, so what a slow consumer queues per step does not
   grow with the length (whatever n and logprobs), and LLM.generate still returns whole results

@@ -1,4 +1,4 @@
-"""Fair admission between tenants (issue 27 item 7), on the scheduler alone: its plans applied by a
+"""Fair admission between tenants, on the scheduler alone: its plans applied by a
 real in-process block manager, the sequences advanced by hand. Asserts admission order only.
 
 Before: first come, first served within a priority, so tenant b's request waited for all of tenant

@@ -1,4 +1,4 @@
-"""The compute service in a shared cluster (issue 17, items 2, 3, 10), on real processes: two compute
+"""The compute service in a shared cluster, on real processes: two compute
 services that require a service token (one memory service under both), a gateway that has it.
 
 - Only token holders may call: every RPC but health answers UNAUTHENTICATED without the token, and

@@ -1,4 +1,4 @@
-"""Prefix affinity across backends that share one memory service (issue 29, item 4), end to end.
+"""Prefix affinity across backends that share one memory service, end to end.
 
 Two compute services attached to one memory service share its pool: a prefix that one of them
 computed is a cache hit on the other. The gateway learns that from their Info (the same

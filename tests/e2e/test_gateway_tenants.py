@@ -1,4 +1,4 @@
-"""Tenants on a live gateway (issue 17 items 4-7): each key is a tenant with its own concurrency
+"""Tenants on a live gateway: each key is a tenant with its own concurrency
 share, priority cap and prefix-cache namespace; a stream whose client stops reading is ended and
 its backend request aborted. One gateway with a JSON tenants file, in front of one of the session's
 engines (one prefix cache, so cache hits are deterministic)."""

@@ -1,4 +1,4 @@
-"""Prefix affinity to a KV tier (issue 29, item 4), end to end: real memory, compute and gateway
+"""Prefix affinity to a KV tier, end to end: real memory, compute and gateway
 processes with the tiny random model.
 
 Two engine pods, each with a memory service of its own; only one has a disk tier. A prompt routed to

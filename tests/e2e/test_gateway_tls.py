@@ -1,4 +1,4 @@
-"""The gateway serves TLS when given a certificate and key (issue 17 item 9): a self-signed
+"""The gateway serves TLS when given a certificate and key: a self-signed
 certificate made here with the openssl CLI, a client that trusts it, and a plaintext client refused."""
 
 from __future__ import annotations

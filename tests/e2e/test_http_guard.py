@@ -1,4 +1,4 @@
-"""The HTTP front against hostile clients, on a real gateway process (issue 27 items 3, 8, 9, 10).
+"""The HTTP front against hostile clients, on a real gateway process.
 
 One gateway with its HTTP front, a cap of 20 connections and a 1 s read deadline, started under a
 soft descriptor limit of 512: it runs with its hard limit, closes idle half-sent connections, and
@@ -88,7 +88,7 @@ def test_idle_half_sent_connections_are_closed_and_both_fronts_answer(front: Fro
         for conn in idle:
             conn.close()
     # Each one closed by the server with nothing to answer: at its deadline, or, beyond the cap, when a
-    # newer connection took the place of the one waiting longest for its headers (issue 37 item 5; a
+    # newer connection took the place of the one waiting longest for its headers (or a
     # reset when the request reached it as it closed). None is refused: none carries a request.
     assert all(a in (b"", RESET) for a in answers), answers
     closed = {reason: front.metric("pagedserve_gateway_http_connections_closed_total", f'{{reason="{reason}"}}')
@@ -132,7 +132,7 @@ def test_the_liveness_probe_notices_a_stuck_gateway_that_tcp_does_not(front: Fro
 
 
 def test_a_keyless_gateway_answers_loopback_hosts_and_json_bodies_only(front: Front) -> None:
-    """Issue 27 item 9: a page using DNS rebinding (Host: evil.example) or a blind form POST gets an
+    """A page using DNS rebinding (Host: evil.example) or a blind form POST gets an
     OpenAI error; a loopback name with a JSON body is answered."""
     url = f"{front.base_url}/v1/completions"
     body = b'{"prompt": "hi", "max_tokens": 1}'
@@ -149,7 +149,7 @@ def test_a_keyless_gateway_answers_loopback_hosts_and_json_bodies_only(front: Fr
 
 
 def test_errors_and_log_lines_stay_short_whatever_the_body(front: Front) -> None:
-    """Issue 27 items 8 and 10: a 4300-digit seed is a short 400; 20,000 unknown fields are one
+    """A 4300-digit seed is a short 400; 20,000 unknown fields are one
     short log line (a count and five names), not every name."""
     url = f"{front.base_url}/v1/completions"
     with httpx.Client(timeout=60) as client:

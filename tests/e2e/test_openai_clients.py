@@ -1,4 +1,4 @@
-"""Agent frameworks against the Responses API (issue 42): the OpenAI Agents SDK with its default model
+"""Agent frameworks against the Responses API: the OpenAI Agents SDK with its default model
 class (``OpenAIResponsesModel``, chosen for a plain model name) and a tool, and langchain-openai with
 ``use_responses_api=True``. Each test is skipped where its package is not installed (they are not
 in the ``test`` extra: see docs/design.md).

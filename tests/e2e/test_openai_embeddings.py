@@ -1,4 +1,4 @@
-"""``/v1/embeddings`` (issue 42 item 2) with the official ``openai`` SDK: both encodings (the SDK
+"""``/v1/embeddings`` with the official ``openai`` SDK: both encodings (the SDK
 asks for base64 unless told otherwise), texts and token ids, equal to transformers' pooled final
 hidden states of the e2e model, usage counted, bad input a 400 naming the field, a list whose answer
 cannot fit a 400 before any work, the client's x-request-id; a gateway with ``--embedding-pooling

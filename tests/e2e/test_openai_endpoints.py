@@ -1,6 +1,6 @@
-"""Issue 30's additions to both APIs: the endpoints clients probe besides generation (item 4: vLLM's
+"""Additions to both APIs: the endpoints clients probe besides generation (vLLM's
 ``/tokenize`` and ``/detokenize``, ``/version``, ``/v1/models`` answering only once a backend is
-ready) and ``logit_bias`` (item 2) through the ``openai`` SDK and gRPC.
+ready) and ``logit_bias`` through the ``openai`` SDK and gRPC.
 
 One gateway with its HTTP front in front of one of the session's engines, talked to with httpx;
 its gRPC ``Tokenize`` is the reference (same tokenizer, same template).
@@ -157,7 +157,7 @@ def test_bad_logit_bias_is_invalid_argument_on_grpc(http: Http, bias: dict) -> N
     assert info.value.details().startswith("params.logit_bias"), info.value.details()
 
 
-# --- issue 42 item 3: the small gaps real clients hit ----------------------------------------------
+# --- the small gaps real clients hit --------------------------------------------------------------
 
 
 def test_tokenize_honours_add_generation_prompt_as_vllm_does(http: Http, service_model: ServiceModel) -> None:

@@ -1,4 +1,4 @@
-"""The HTTP front's limits that the gateway core now holds for both fronts (issue 27 items 2, 4, 5):
+"""The HTTP front's limits that the gateway core now holds for both fronts:
 a prompt list capped and admitted before it is converted, the unary reply cap, and the write-stall
 timeout of SSE streams. One gateway with tenants, a small reply cap (64 KiB) and a 1 s stall
 timeout, in front of one of the session's engines."""
@@ -106,7 +106,7 @@ def test_unary_http_answers_have_the_grpc_reply_cap(front: Front, engines: list[
 
 
 def test_prompt_scores_count_as_often_as_the_answer_repeats_them(front: Front, engines: list[Engine]) -> None:
-    """Issue 37 item 2: a 1,315-token prompt's top-20 scores, counted once, came back in each of 64
+    """A 1,315-token prompt's top-20 scores, counted once, came back in each of 64
     choices, twice with echo: a 200 with a 162.6 MB body. Now each copy counts, and a prompt whose
     copies cannot fit is refused before it is scored."""
     body = {"prompt": "The quick brown fox jumps over the lazy dog. " * 2, "max_tokens": 1, "temperature": 0,

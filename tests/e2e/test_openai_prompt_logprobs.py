@@ -1,4 +1,4 @@
-"""Prompt logprobs end to end (issue 30 item 3): OpenAI's ``echo`` with ``logprobs`` on
+"""Prompt logprobs end to end: OpenAI's ``echo`` with ``logprobs`` on
 /v1/completions (the shape lm-evaluation-harness's loglikelihood reads, ``max_tokens: 0`` included),
 vLLM's ``prompt_logprobs`` on both endpoints and the gRPC ``params.prompt_logprobs``, each equal to
 transformers' float32 log-softmax of the tiny random model's logits. Such a request reads nothing

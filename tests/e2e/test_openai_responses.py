@@ -1,4 +1,4 @@
-"""OpenAI's Responses API on the HTTP front (issue 42 item 1), driven by the official ``openai`` SDK:
+"""OpenAI's Responses API on the HTTP front, driven by the official ``openai`` SDK:
 ``responses.create``, ``responses.stream``, a tool round trip with ``function_call_output`` (whole
 input and ``previous_response_id``), structured ``text.format``, stored responses, and refusals.
 

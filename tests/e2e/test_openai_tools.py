@@ -1,4 +1,4 @@
-"""Tool calling through both fronts (issue 30 item 1), with the real ``openai`` SDK and gRPC.
+"""Tool calling through both fronts, with the real ``openai`` SDK and gRPC.
 
 The e2e model's template is a plain one without a tools branch, so the tools go into the prompt
 by the generic rendering and ``auto`` uses the Hermes parser; ``required`` and a named function
@@ -154,7 +154,7 @@ def test_bad_tools_are_invalid_argument_on_grpc(http: Http) -> None:
 
 
 def test_a_forced_call_cut_short_is_finish_reason_length_with_the_partial_call(http: Http) -> None:
-    """vLLM's answer (issue 42): the call the client forced, its arguments' text so far, and
+    """vLLM's answer: the call the client forced, its arguments' text so far, and
     finish_reason "length" as for any answer cut short; whole and streamed alike."""
     client = http.client()
     kwargs = dict(model=http.model, messages=MESSAGES, tools=TOOLS, tool_choice=NAMED, temperature=0, max_tokens=3)

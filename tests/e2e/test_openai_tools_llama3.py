@@ -1,4 +1,4 @@
-"""Llama 3.x JSON tool calls through the HTTP front (issue 30): a gateway whose chat template (its
+"""Llama 3.x JSON tool calls through the HTTP front: a gateway whose chat template (its
 ``--chat-template-file``) is Llama-3 style, so ``auto`` picks the llama3_json parser and the template
 renders tools and earlier calls itself.
 

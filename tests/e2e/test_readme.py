@@ -64,7 +64,7 @@ def up() -> Iterator[Up]:
     assert "exec pagedserve up" in (ROOT / "scripts" / "up.sh").read_text()
     port, http_port = free_port(), free_port()  # not the default 8000: other runs may hold it
     # The default dtype, as the README runs it (auto: bf16 on a CPU with native bf16): its own question
-    # must be answered right there (issue 36: a plain bf16 forward answered "L'Étoile, ...").
+    # must be answered right there (a plain bf16 forward answered "L'Étoile, ...").
     proc = subprocess.Popen([*_command("pagedserve"), "up", "--port", str(port), "--http-port", str(http_port)],
                             stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, cwd=ROOT,

@@ -1,4 +1,4 @@
-"""Fairness between tenants on a live stack (issue 27 item 7): tenant a's backlog fills an engine
+"""Fairness between tenants on a live stack: tenant a's backlog fills an engine
 of 2 slots; tenant b's one short request must finish before a's backlog drains. Judged by the order
 of completion and by the per-tenant queue gauges, never by times.
 

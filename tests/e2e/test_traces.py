@@ -1,4 +1,4 @@
-"""Traces end to end (issue 41, item 4): real gateway, compute and memory processes with the tiny
+"""Traces end to end: real gateway, compute and memory processes with the tiny
 random model, each sending its spans over OTLP/gRPC to a collector inside this test (the
 opentelemetry-proto service stubs), and one trace from the client's ``traceparent`` to the KV pool:
 

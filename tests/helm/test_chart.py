@@ -127,7 +127,7 @@ def test_probes_are_grpc_health_with_a_generous_startup(case) -> None:
     assert flag(gateway, "--listen") == "0.0.0.0:50051"
     assert gateway["readinessProbe"]["grpc"] == {"port": 50051, "service": "pagedserve.gateway.v1.Gateway"}
     # Not SERVING until an engine is ready (minutes): no restart for that, only readiness. Liveness
-    # asks both fronts for an answer, any status (issue 27 item 3: a TCP probe passed while the
+    # asks both fronts for an answer, any status (a TCP probe passed while the
     # gateway, out of descriptors, answered nothing).
     assert gateway["startupProbe"]["tcpSocket"] == {"port": "grpc"}
     live = gateway["livenessProbe"]["exec"]["command"]
@@ -289,7 +289,7 @@ def test_every_metrics_server_listens_on_the_pod_ip(case) -> None:
 
 
 def test_metrics_have_their_own_service_never_the_public_one() -> None:
-    """Issue 17 item 9: with type LoadBalancer the public Service used to publish the metrics port."""
+    """With type LoadBalancer the public Service used to publish the metrics port."""
     rendered = render({"gateway": {"service": {"type": "LoadBalancer"}}})
     public = rendered.one("Service", "-gateway")
     assert public["spec"]["type"] == "LoadBalancer"
@@ -304,13 +304,13 @@ def test_metrics_have_their_own_service_never_the_public_one() -> None:
 
 
 def test_gateway_tool_call_parser_is_passed() -> None:
-    """Issue 30: the chart chooses the tool-call format as `pagedserve up --tool-call-parser` does."""
+    """The chart chooses the tool-call format as `pagedserve up --tool-call-parser` does."""
     gateway = container(gateway_pod(render({"gateway": {"toolCallParser": "llama3_json"}})), "gateway")
     assert flag(gateway, "--tool-call-parser") == "llama3_json"
 
 
 def test_gateway_tls_from_an_existing_secret_or_from_values() -> None:
-    """Issue 17 item 9: the certificate is mounted, passed as flags, and readiness is checked over TLS."""
+    """The certificate is mounted, passed as flags, and readiness is checked over TLS."""
     existing = render({"gateway": {"tls": {"enabled": True, "secretName": "gw-cert", "serverName": "llm.example.com"}}})
     pod = gateway_pod(existing)
     gateway = container(pod, "gateway")
@@ -371,7 +371,7 @@ def test_engine_accepts_only_its_gateways(case) -> None:
 
 def test_memory_service_token_is_the_engine_pods_own(case) -> None:
     """A second Secret, mounted in both engine containers and not in the gateway: the memory
-    service requires it, the compute service presents it (issue 27 item 11)."""
+    service requires it, the compute service presents it."""
     _, _, rendered = case
     secret = rendered.one("Secret", "-engine-memory-token")
     token = base64.b64decode(secret["data"]["token"])
@@ -411,7 +411,7 @@ def _policies(rendered) -> list[str]:
 
 
 def test_gateway_metrics_only_from_the_scraper(case) -> None:
-    """Issue 27 item 12: the gateway's metrics listen on the pod IP; a NetworkPolicy on gateway pods
+    """The gateway's metrics listen on the pod IP; a NetworkPolicy on gateway pods
     admits the public ports from anyone (or apiFrom) and the metrics port from the scraper only."""
     _, _, rendered = case
     policy = rendered.one("NetworkPolicy", "-gateway")["spec"]
@@ -437,7 +437,7 @@ def test_gateway_policy_values() -> None:
 
 
 def test_a_keyless_gateway_answers_its_service_names_only() -> None:
-    """Issue 27 item 9: without keys the HTTP front refuses unknown Host names; the chart lists the
+    """Without keys the HTTP front refuses unknown Host names; the chart lists the
     Service's names (and gateway.httpAllowedHosts); with keys, only the latter."""
     def hosts(values: dict) -> list[str]:
         args = container(gateway_pod(render(values)), "gateway")["args"]
@@ -488,7 +488,7 @@ def test_kv_tier_is_off_by_default() -> None:
 
 @pytest.mark.parametrize("claim", ["", "kv-tier"])
 def test_kv_tier_volume_is_mounted_into_the_memory_service_and_passed_as_flags(claim: str) -> None:
-    """Issue 29: the disk tier's directory is a private subdirectory of its own volume (an emptyDir
+    """The disk tier's directory is a private subdirectory of its own volume (an emptyDir
     of sizeLimit, or an existing claim), in the memory container only, and its budget the flag's."""
     tier = {"enabled": True, "existingClaim": claim, "bytes": 4 << 30, "sizeLimit": "5Gi",
             "mountPath": "/var/lib/kv"}
@@ -520,7 +520,7 @@ def test_kv_tier_values_that_cannot_work_fail_at_install() -> None:
 
 
 def test_kv_host_tier_is_passed_with_or_without_the_disk_tier() -> None:
-    """Issue 29: engine.memory.kvTier.hostBytes is the memory service's --kv-host-bytes, alone or in
+    """engine.memory.kvTier.hostBytes is the memory service's --kv-host-bytes, alone or in
     front of the disk tier; off (null) by default; at or beyond the container's memory limit it fails."""
     assert flag(container(engine_pod(render({})), "memory"), "--kv-host-bytes") is None
     alone = container(engine_pod(render({"engine": {"memory": {"kvTier": {"hostBytes": 1 << 30}}}})), "memory")

@@ -159,7 +159,7 @@ def test_code_changes_do_not_reinstall_dependencies() -> None:
     stages = _stages()
     assert ("COPY", "pyproject.toml requirements/lock.txt scripts/lock_subset.py /build/") in stages["requirements"]
     build = stages["build"]
-    # Every dependency from the lock, checked by hash, nothing resolved beyond it (issue 36).
+    # Every dependency from the lock, checked by hash, nothing resolved beyond it.
     assert any("pip install --require-hashes --no-deps -r /build/requirements.txt" in rest
                for word, rest in build if word == "RUN")
     copies = [rest for word, rest in build if word == "COPY"]

@@ -1,4 +1,4 @@
-"""The chart as an InferencePool backend (issue 41 item 5): behind a cluster's inference gateway the
+"""The chart as an InferencePool backend: behind a cluster's inference gateway the
 chart renders the InferencePool over the engine pods, its endpoint picker (EPP) with our metric names
 mapped, and an OpenAI front in each engine pod; our own gateway is off. No cluster runs here: every
 object is validated against its schema (the Kubernetes built-ins with kubernetes-validate, the

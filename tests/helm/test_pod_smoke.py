@@ -86,7 +86,7 @@ def test_memory_container_answers_its_probes(volume_root: Path) -> None:
 
 def test_memory_container_with_the_kv_tier_makes_its_private_tier_directory(volume_root: Path) -> None:
     """engine.memory.kvTier as rendered: the memory service accepts the flags and makes its tier a
-    0700 subdirectory of the (world-writable) emptyDir, holding its identity (issue 29)."""
+    0700 subdirectory of the (world-writable) emptyDir, holding its identity."""
     values = _cpu_values({"source": "default"})
     values["engine"]["memory"]["kvTier"] = {"enabled": True, "bytes": 1 << 20, "sizeLimit": "1Mi"}
     engine, _, _ = _pods(values, volume_root)

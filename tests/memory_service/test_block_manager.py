@@ -752,7 +752,7 @@ def test_cache_namespace_is_unambiguous_and_bounded(make: MakeManager) -> None:
     assert len(keys) == 2 and all(len(key[2]) == NAMESPACE_KEY_SIZE for key in keys)
 
 
-# --- per-client quotas (issue 27 item 11) ---------------------------------------------------
+# --- per-client quotas ---------------------------------------------------
 
 
 def test_quota_refuses_beyond_n_block_table_entries(make: MakeManager) -> None:

@@ -335,7 +335,7 @@ def test_a_file_of_the_first_layout_is_removed_at_open(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("plant", ["fifo", "hard_link", "symlink"])
 def test_a_name_that_is_no_block_file_of_ours_is_a_quick_miss_and_removed(tmp_path: Path, plant: str) -> None:
-    """Issue 37 items 4 and 6: a FIFO under a block's name hung the loader (and every later load) in
+    """A FIFO under a block's name hung the loader (and every later load) in
     open(); a hard-linked or symlinked file was served. Each is now a miss at once, and removed."""
     tier = open_tier(tmp_path / "tier")
     assert tier.put(KEYS[0], NS, payload(0)) and tier.put(KEYS[1], NS, payload(1))
@@ -358,7 +358,7 @@ def test_a_name_that_is_no_block_file_of_ours_is_a_quick_miss_and_removed(tmp_pa
 
 
 def test_a_second_service_on_the_same_directory_refuses_to_start(tmp_path: Path) -> None:
-    """Issue 37 item 7: two services on one directory kept two budgets over the same files, and one for
+    """Two services on one directory kept two budgets over the same files, and one for
     another model removed the other's files when it opened. The second refuses, naming both."""
     tier = open_tier(tmp_path / "tier")
     assert tier.put(KEYS[0], NS, payload(0))
@@ -375,7 +375,7 @@ def test_a_second_service_on_the_same_directory_refuses_to_start(tmp_path: Path)
 
 
 def test_a_read_only_file_system_is_a_clear_refusal(tmp_path: Path) -> None:
-    """Issue 37 item 8: a tier directory on a read-only file system crashed the start with an
+    """A tier directory on a read-only file system crashed the start with an
     uncaught error. Now the service refuses to start with a message naming the flag."""
     with mounted(tmp_path / "ro", "tmpfs", "ro,size=65536,mode=0700", "a read-only file system") as mount_point:
         with pytest.raises(PreconditionError, match=r"kv_disk_dir .*: Read-only file system: the disk tier needs a "

@@ -68,7 +68,7 @@ def test_tier_info_is_validated() -> None:
 
 @pytest.mark.parametrize("plant", ["symlink_to_dev_zero", "fifo", "hard_link"])
 def test_a_planted_id_file_is_replaced_not_followed(tmp_path: Path, plant: str) -> None:
-    """Issue 37 item 6: a symlink to /dev/zero read to a MemoryError, a FIFO hung the start, and a
+    """A symlink to /dev/zero read to a MemoryError, a FIFO hung the start, and a
     planted symlink under the temporary file's name had its target overwritten. Each is now a fresh
     id, at once, and nothing outside the directory is written."""
     kept = service_id(tmp_path)

@@ -1,5 +1,5 @@
 """The CPU pool's size when none is given: the least of a cap, a quarter of available RAM and 90% of
-free /dev/shm, logged by the memory service (issue 18)."""
+free /dev/shm, logged by the memory service."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The memory service's token (issue 27 item 11), against a real memory service process: a client
+"""The memory service's token, against a real memory service process: a client
 without it cannot name another tenant's cache namespace (PERMISSION_DENIED, nothing applied), is
 confined to a namespace of its own and to its block quota, cannot act under a trusted client's id;
 TCP without a token is refused at start. Each test failed on the old code (its docstring says how).

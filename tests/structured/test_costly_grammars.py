@@ -1,4 +1,4 @@
-"""Grammars whose token masks cost too much never stall other requests (issue 27, items 1 and 6).
+"""Grammars whose token masks cost too much never stall other requests.
 
 A mask fill that misses its deadline ends its own request (finish_reason "error") while the others
 in its batch go on; costly grammars are refused at admission, by static limits on their text and

@@ -1,4 +1,4 @@
-"""logit_bias in the engine (issue 30 item 2), in process on the tiny byte-tokenizer Llama: added
+"""logit_bias in the engine, in process on the tiny byte-tokenizer Llama: added
 before sampling and before a constraint's mask, one batched op for the whole step; logprobs stay
 the raw logits'; n > 1 forks and speculative drafts respect it. The batched add itself is a unit
 test of the sampler (tests/compute_service/test_sampler.py)."""

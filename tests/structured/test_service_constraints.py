@@ -45,7 +45,7 @@ def _error(services, **params) -> grpc.RpcError:
     ({"regex": "a" * 4097}, "params.regex: at most 4096 characters, got 4097"),
     ({"choice": cpb.ChoiceList()}, "params.choice.choices must hold 1 to 256 strings, got 0"),
     ({"regex": "a", "ignore_eos": True}, "params.ignore_eos cannot be combined with regex"),
-    # Static limits (pagedserve/grammar_limits.py), before any compile: issue 27's 16 characters
+    # Static limits (pagedserve/grammar_limits.py), before any compile: a review's 16 characters
     ({"regex": "(.{0,60}){0,60}x"}, "params.regex: nested repetitions multiply to 3600 copies; the upper bounds"),
     ({"grammar": 'root ::= r{0,60} "x"\nr ::= [a-z]{0,60}'}, "params.grammar: nested repetitions multiply to 3600"),
     ({"json_schema": json.dumps({"type": "string", "pattern": "(a{0,99}){0,99}"})},
