@@ -90,7 +90,7 @@ def _gateway_graph() -> dict[str, set[str]]:
 
 
 def test_the_gateway_has_no_import_circle() -> None:
-    """Issue 26 item 1: openai_api's constraints and convert imported each other (worked around
+    """openai_api's constraints and convert imported each other (worked around
     inside a function); no module of the gateway may reach itself again."""
     graph = _gateway_graph()
     assert "gateway.core.service" in graph and "gateway.grpc.servicer" in graph
