@@ -4,7 +4,7 @@ Compute services attached to one memory service share its pool (and the tiers be
 that one of them cached is a cache hit for every other. A gateway cannot learn that from its own
 routing history, so the service names itself at Attach (``AttachResponse.memory_service_id``), each
 compute service reports that name in its ``Info``, and the gateway treats backends with the same
-name as one cache (gateway/routing.py).
+name as one cache (gateway/backend/routing.py).
 
 The id is random, made when the service starts. With a tier directory it is kept there instead
 (``memory-service-id``), because the directory is what outlives a restart: a new service on the same

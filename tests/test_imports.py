@@ -116,7 +116,7 @@ def test_the_gateway_core_imports_no_adapter_and_no_front() -> None:
 
 def test_the_gateway_core_and_the_http_front_know_no_protobuf() -> None:
     """The core is plain dataclasses; the fronts convert at their edge, and the compute service's
-    messages are converted where the dispatcher calls it (gateway/compute_convert.py)."""
+    messages are converted where the dispatcher calls it (gateway/backend/compute_convert.py)."""
     files = [*(ROOT / "gateway" / "core").glob("*.py"), *(ROOT / "gateway" / "openai_api").glob("*.py")]
     assert offenders(files, "pagedserve.gateway") == {} and offenders(files, "pagedserve.compute") == {}
     assert offenders(files, "google.protobuf") == {}

@@ -1,4 +1,4 @@
-"""A backend's model of its cache follows the memory service it reports (gateway/backends.py).
+"""A backend's model of its cache follows the memory service it reports (gateway/backend/pool.py).
 
 The backend's RPCs are replaced by scripted answers: what is tested is what the gateway does with
 Health, Load and Info, not the transport.
