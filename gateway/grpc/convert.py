@@ -11,18 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from gateway.core.tools import MAX_TOOLS
-from gateway.core.types import (
-    ChatMessage,
-    Constraint,
-    Delta,
-    GenerateRequest,
-    Reply,
-    SamplingOptions,
-    TokenLogprobs,
-    Tool,
-    ToolCall,
-    Usage,
-)
+from gateway.core.types import (ChatMessage, Constraint, Delta, GenerateRequest, Reply, SamplingOptions,
+                                TokenLogprobs, Tool, ToolCall, Usage)
 from gateway.core.validate import check_message_count
 from pagedserve import sampling_rules as rules
 from pagedserve.errors import InvalidArgument, echo
