@@ -136,5 +136,6 @@ class IoTier(Tier, Protocol):
         ...
 
     def get(self, key: bytes, ns_key: bytes) -> memoryview | None:
-        """The block's bytes, checked; None when missing or bad. Any thread, several at once."""
+        """The block's bytes, checked, in a writable buffer of their own (the loader views it as a
+        tensor); None when missing or bad. Any thread, several at once."""
         ...
