@@ -22,8 +22,8 @@ import torch
 
 from benchmarks.throughput.realistic import TEMPERATURE, TOP_P, make_realistic_workload
 from compute_service import LLM, SamplingParams
-from compute_service.engine import engine as engine_module
 from compute_service.engine import sampler
+from compute_service.engine import token_chooser as chooser_module
 
 
 def main() -> None:
@@ -39,7 +39,7 @@ def main() -> None:
     llm = LLM("default", dtype=args.dtype, max_num_seqs=max(args.sizes), kv_cache_bytes=256 << 20)
     engine = llm.engine
     timings: dict[str, list[float]] = {"forward": [], "sample": [], "sorted": []}
-    run, sample = engine.runner.run, engine_module.sample
+    run, sample = engine.runner.run, chooser_module.sample
 
     def timed_run(scheduled):
         started = time.perf_counter()
@@ -57,7 +57,7 @@ def main() -> None:
         timings["sorted"].append(time.perf_counter() - started)
         return tokens
 
-    engine.runner.run, engine_module.sample = timed_run, timed_sample
+    engine.runner.run, chooser_module.sample = timed_run, timed_sample
     workload = make_realistic_workload(llm.tokenizer, max(args.sizes), seed=0)
     try:
         for size in args.sizes:

@@ -1,5 +1,10 @@
-"""The engine loop: schedule, run, postprocess; one allocator step (a memory-service RPC) per step,
-except decode steps the memory service need not see (scheduler.py, rule 7)."""
+"""The engine loop: schedule, run, update; one allocator step (a memory-service RPC) per step,
+except decode steps the memory service need not see (scheduler.py, rule 7).
+
+The update appends what the model's output decided: the token choice (biases, grammar masks,
+sampling) is token_chooser.py's, what callers read (logprobs, text, stops, deltas) is
+output_processor.py's.
+"""
 
 from __future__ import annotations
 
@@ -11,8 +16,7 @@ from typing import Any
 import torch
 
 from memory_service.api import cache_namespace
-from pagedserve import sampling_rules as rules
-from pagedserve.errors import AlreadyExistsError, InvalidArgument, echo
+from pagedserve.errors import AlreadyExistsError, echo
 from pagedserve.log import get_logger
 
 from compute_service.engine.allocator import KvAllocator
@@ -21,16 +25,15 @@ from compute_service.model.model import CausalLM
 from compute_service.model.model_config import ModelConfig
 from compute_service.engine.model_runner import ModelRunner, StepLogits
 from compute_service.engine.faults import DetokenizeFault
+from compute_service.engine.output_processor import OutputProcessor
 from compute_service.engine.outputs import RequestDelta
-from compute_service.engine.request import EngineLoad, GenerateInput, Request, TenantQueue
-from compute_service.engine.sampler import apply_logit_bias, sample, token_logprobs
+from compute_service.engine.request import EngineLoad, GenerateInput, Request, check_input
 from compute_service.engine.sampling_params import SamplingParams
 from compute_service.engine.scheduler import ScheduledSeq, Scheduler
 from compute_service.engine import speculative
 from compute_service.engine.sequence import FinishReason, Sequence
-from compute_service.engine.stop import check_stop
+from compute_service.engine.token_chooser import TokenChooser
 from compute_service.structured.grammar_compiler import GrammarCompiler
-from compute_service.structured.logits_mask import LogitsMasker
 
 log = get_logger("engine")
 
@@ -62,10 +65,9 @@ class Engine:
                  detokenize_fault: DetokenizeFault | None = None) -> None:
         self.model_config = model_config
         self.tokenizer = tokenizer
-        self._grammars = grammars
-        self._owns_grammars = grammars is None  # made here on first use: closed by ``close``
-        self.masker = LogitsMasker(model_config.vocab_size, timeout_s=config.mask_fill_timeout_s,
-                                   max_fill_cpu_s=config.mask_fill_max_cpu_s)
+        self.chooser = TokenChooser(model_config, tokenizer, config, self._fail_request, grammars)
+        self.masker = self.chooser.masker  # its counters are read by benchmarks and tests
+        self.output = OutputProcessor(model_config.eos_token_ids, model_config.max_position, self._fail_request)
         self.memory = memory
         self.config = config
         self.runner = ModelRunner(model, memory.pool, memory.block_size)
@@ -89,44 +91,19 @@ class Engine:
     # --- requests ---------------------------------------------------------------------------
 
     def check_request(self, request: GenerateInput) -> None:
-        """Raise InvalidArgument (naming the field) unless this request can run on this model and pool.
-
-        Lengths before contents: the prompt's length is compared with the model's before any id is
-        read, and the ids are then checked in one pass (``check_token_ids``).
-        """
-        request_id, prompt_token_ids, params = request.request_id, request.prompt_token_ids, request.params
-        rules.check_ids(request_id, request.cache_salt)
-        rules.check_string_id("tenant", request.tenant, rules.MAX_TENANT_CHARS)
-        limit = self.model_config.max_position
-        rules.check_prompt_length(len(prompt_token_ids), params.max_tokens, limit)
-        vocab = self.model_config.vocab_size
-        rules.check_token_ids("prompt_token_ids", prompt_token_ids, vocab)
-        rules.check_token_ids("params.stop_token_ids", params.stop_token_ids, vocab)
-        rules.check_logit_bias(params.logit_bias, vocab_size=vocab)
-        if params.stop and self.tokenizer is None:
-            raise InvalidArgument("params.stop: this model has no tokenizer, so stop strings cannot match; "
-                                  "use stop_token_ids")
-        if params.constraint is not None and self.tokenizer is None:
-            raise InvalidArgument(f"params.{params.constraint.kind}: this model has no tokenizer, "
-                                  "so no grammar can be compiled")
-        # Rejected up front: waiting for blocks that can never be free at once would starve it
-        # (or preempt its own completions) forever. n completions hold n copies of max_tokens.
-        rules.check_capacity(len(prompt_token_ids), params.max_tokens, params.n, self.memory.block_size,
-                             self.scheduler.num_general_blocks)
+        """Raise InvalidArgument (naming the field) unless this request can run on this model and
+        pool (request.py's ``check_input``)."""
+        check_input(request, self.model_config, self.tokenizer is not None, self.memory.block_size,
+                    self.scheduler.num_general_blocks)
 
     @property
     def grammars(self) -> GrammarCompiler:
-        """The constraint compiler (built on first use: loading the tokenizer's vocabulary takes a while)."""
-        if self._grammars is None:
-            config = self.model_config
-            self._grammars = GrammarCompiler(self.tokenizer, config.vocab_size, config.eos_token_ids)
-        return self._grammars
+        """The constraint compiler (the token chooser's; built on first use)."""
+        return self.chooser.grammars
 
     def close(self) -> None:
         """Stop what this engine started itself: the grammar compiler's worker processes."""
-        if self._owns_grammars and self._grammars is not None:
-            self._grammars.close()
-            self._grammars = None
+        self.chooser.close()
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     *, priority: int = 0, cache_salt: str = "", tenant: str = "",
@@ -159,14 +136,6 @@ class Engine:
                   max_tokens=new.params.max_tokens, n=new.params.n, priority=new.priority)
 
     def _new_seq(self, request: Request, index: int) -> Sequence:
-        # A generator only for a seeded request (each completion its own stream): the sampler then
-        # draws exactly as every earlier version did (one exponential per vocabulary entry, ~4 ms a
-        # row on the default model). An unseeded row draws from the nucleus alone (inverse CDF on
-        # torch's global generator): the same distribution, a tenth of the sampler's cost.
-        generator = None
-        if not request.params.is_greedy and request.params.seed is not None:
-            generator = torch.Generator()
-            generator.manual_seed((request.params.seed + index) % 2**64)
         seq = Sequence(
             # Sequence ids are unique per memory service: other clients may share it.
             seq_id=f"{self.memory.client_id}/{next(self._seq_counter)}",
@@ -177,8 +146,8 @@ class Engine:
             cache_namespace=cache_namespace(self.model_config.name, request.cache_salt),
             tenant=request.tenant,
             index=index,
-            generator=generator,
-            matcher=self.grammars.new_matcher(request.grammar) if request.grammar is not None else None,
+            generator=self.chooser.new_generator(request.params, index),  # seeded requests only
+            matcher=self.chooser.new_matcher(request.grammar),
         )
         fault = self.detokenize_fault and self.detokenize_fault.detokenizer_for(
             request.prompt_token_ids, self.tokenizer, request.params.stop)
@@ -223,26 +192,10 @@ class Engine:
 
     def load(self) -> EngineLoad:
         """Queue lengths, outstanding tokens and KV usage, for routing (call from the engine thread)."""
-        running = {s.request_id for s in self.scheduler.running}
-        waiting = {s.request_id for s in self.scheduler.waiting} - running
-        num_pending = sum(
-            (s.num_tokens - s.num_computed_tokens) + (s.params.max_tokens - s.num_output_tokens)
-            for s in itertools.chain(self.scheduler.running, self.scheduler.waiting)
-        )
         admitted = self._num_prompt_tokens_admitted
-        tenants: dict[str, tuple[set[str], set[str]]] = {}  # tenant -> (running, waiting) request ids
-        for i, seqs in enumerate((self.scheduler.running, self.scheduler.waiting)):
-            for s in seqs:
-                tenants.setdefault(s.tenant, (set(), set()))[i].add(s.request_id)
-        return EngineLoad(
-            num_running=len(running),
-            num_waiting=len(waiting),
-            kv_usage=1.0 - self._num_available_blocks / self.memory.num_blocks,
-            prefix_cache_hit_rate=self._num_prompt_tokens_cached / admitted if admitted else 0.0,
-            num_pending_tokens=num_pending,
-            tenants=tuple(TenantQueue(name, len(run), len(wait - run))
-                          for name, (run, wait) in sorted(tenants.items())),
-        )
+        return EngineLoad.of(self.scheduler.running, self.scheduler.waiting,
+                             kv_usage=1.0 - self._num_available_blocks / self.memory.num_blocks,
+                             prefix_cache_hit_rate=self._num_prompt_tokens_cached / admitted if admitted else 0.0)
 
     # --- the loop ---------------------------------------------------------------------------
 
@@ -250,7 +203,7 @@ class Engine:
         """One step; returns what is new for each request that produced tokens or finished."""
         scheduled = self._schedule()
         step = self._run(scheduled) if scheduled else None
-        return self._postprocess(scheduled, step)
+        return self._update(scheduled, step)
 
     def _run(self, scheduled: list[ScheduledSeq]) -> StepLogits:
         """The model's forward; a step that prefills (a chunk of more than one token) also updates
@@ -293,7 +246,9 @@ class Engine:
                                       self.model_config.max_position)
         return scheduled
 
-    def _postprocess(self, scheduled: list[ScheduledSeq], step: StepLogits | None) -> list[RequestDelta]:
+    def _update(self, scheduled: list[ScheduledSeq], step: StepLogits | None) -> list[RequestDelta]:
+        """Advance the scheduled sequences by the model's output: count, score, choose and append
+        tokens, fork n > 1 completions, keep the drafts the model agreed with; then the deltas."""
         touched: dict[str, Request] = {}
         to_sample: list[tuple[int, Sequence]] = []
         logits = step.logits if step is not None else None
@@ -322,7 +277,7 @@ class Engine:
             # without a copy when they all do (every decode step).
             rows = logits if len(to_sample) == logits.shape[0] else logits[[row for row, _ in to_sample]]
             seqs = [seq for _, seq in to_sample]
-            tokens = self._sample(rows, seqs)
+            tokens = self.chooser.choose(rows, seqs)
             drafts = speculative.StepDrafts(scheduled, logits)  # the model's verdict on the drafts
             self.num_draft_tokens += drafts.num_draft_tokens
             for index, ((row, seq), token) in enumerate(zip(to_sample, tokens)):
@@ -341,51 +296,20 @@ class Engine:
         for request_id in self._aborted_ids:
             touched[request_id] = self.requests[request_id]
         self._aborted_ids.clear()
-        deltas = [self._delta(r) for r in touched.values()]
+        deltas = self.output.deltas(touched.values())
         for delta in deltas:
             if delta.finished:
-                self._log_finished(self.requests.pop(delta.request_id))
+                del self.requests[delta.request_id]
         return deltas
-
-    def _sample(self, rows: torch.Tensor, seqs: list[Sequence]) -> list[int | None]:
-        """One batched mask and sample; if it raises, each sequence alone, so only the failing
-        request fails (a grammar's mask as much as the sampler)."""
-        try:
-            return self._mask_and_sample(rows, seqs)
-        except Exception:  # isolated below, one sequence at a time
-            # (A seeded sequence sampled before the failure draws again: only on this failure path.
-            # Masking a row twice under the same matcher state gives the same row.)
-            tokens: list[int | None] = []
-            for seq, row in zip(seqs, rows):
-                try:
-                    [token] = self._mask_and_sample(row[None], [seq])
-                except Exception as exc:  # the request's error
-                    self._fail_request(seq.request_id, "sampling", exc)
-                    token = None
-                tokens.append(token)
-            return tokens
-
-    def _delta(self, request: Request) -> RequestDelta:
-        try:
-            return request.delta()
-        except Exception as exc:  # the detokenizer's final flush failed: the request's error
-            self._fail_request(request.request_id, "detokenizing", exc)
-            return request.delta()  # a failed completion's delta never detokenizes again
 
     def _fail_request(self, request_id: str, stage: str, exc: Exception) -> None:
         """End one request with finish_reason "error"; the others keep running."""
         request = self.requests[request_id]
         log.error("request_failed", request_id=request_id, stage=stage, error=type(exc).__name__, exc_info=exc)
         if request.error is None:
-            request.error = f"{stage} failed ({type(exc).__name__})"
             self.num_failed_requests += 1
-        for completion in request.completions.values():
-            seq = completion.seq
-            if completion.is_finish_reported:
-                continue  # its finish already went out: it stands
-            if not seq.is_finished:
-                self.scheduler.finish(seq)  # its blocks are freed by the next step
-            seq.fail()
+        for seq in request.fail(f"{stage} failed ({type(exc).__name__})"):
+            self.scheduler.finish(seq)  # its blocks are freed by the next step
 
     def _fork_children(self, parent: Sequence, row: torch.Tensor) -> None:
         """n > 1: the other completions share the parent's prompt blocks (ForkOp, copy-on-write)."""
@@ -394,58 +318,13 @@ class Engine:
             child = self._new_seq(request, index)
             parent.fork(child)
             self.scheduler.add_fork(parent, child)
-            [token] = self._sample(row[None], [child])
+            [token] = self.chooser.choose(row[None], [child])
             if token is not None:  # else the request has failed already
                 self._append_token(child, token, row[None], 0)
 
-    def _mask_and_sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int | None]:
-        """Next tokens from (B, V) logits, rows of this step's logits that nothing else reads. Logit
-        biases are added first, into a copy (the raw rows stay for logprobs, and for n > 1 forks,
-        which add their bias again). Constrained rows are masked: in place, unless a sequence asks for
-        logprobs (the raw rows' log-softmax) and no bias made a copy already, then in a copy. n > 1
-        forks sample again from a parent's row: their matchers are in the parent's state, so a row
-        already masked for it is the row they would mask.
-
-        A sequence whose mask failed (or came too late: ``LogitsMasker``) fails its request here and
-        gets None, and so does any sequence of an already failed request (its matcher may still be
-        in an abandoned fill: it is never touched again)."""
-        failures: dict[int, Exception] = {}
-        raw = logits
-        logits = apply_logit_bias(logits, seqs)  # a new tensor when any sequence has a bias
-        if any(seq.matcher is not None for seq in seqs):
-            keep_raw = logits is raw and any(seq.params.logprobs is not None for seq in seqs)
-            matchers = [None if seq.finish_reason is FinishReason.ERROR else seq.matcher for seq in seqs]
-            masked = self.masker.apply(logits, matchers, keep_raw=keep_raw)
-            logits, failures = masked.logits, masked.failures
-            for row, exc in failures.items():
-                self._fail_request(seqs[row].request_id, "masking", exc)
-        tokens = sample(logits, seqs, self.model_config.eos_token_ids)
-        return [None if seq.finish_reason is FinishReason.ERROR else token for seq, token in zip(seqs, tokens)]
-
     def _append_token(self, seq: Sequence, token: int, logits: torch.Tensor, row: int) -> None:
-        """Append ``token``, sampled from ``logits[row]`` (its logprobs come from there), and check
-        the stops. The row is indexed only when logprobs need it: a view per sequence and step costs."""
-        if seq.matcher is not None and not seq.matcher.accept_token(token):
-            # The token was sampled under this matcher's mask: a rejection is a bug, not bad input
-            # (it ends this request alone, finish_reason "error"; the token is never reported).
-            raise RuntimeError(f"{seq.seq_id}: the grammar rejected sampled token {token} despite its mask")
-        seq.append_token(token)
-        p = seq.params
-        completion = self.requests[seq.request_id].completions[seq.index]
-        if p.logprobs is not None:
-            completion.new_logprobs.extend(token_logprobs(logits[row : row + 1], [token], [p.logprobs]))
-        stop_match = completion.detokenizer.add_tokens([token], check_stop=seq.num_output_tokens >= p.min_tokens)
-        stopped = check_stop(token, seq.num_output_tokens, seq.num_tokens, p, self.model_config.eos_token_ids,
-                             self.model_config.max_position, stop_match.stop if stop_match is not None else None)
-        if stopped is not None:
-            reason, stop_reason = stopped
-            if stop_reason is not None:
-                completion.stop_reason = stop_reason
-            seq.finish(reason)
+        """Append ``token``, chosen from ``logits[row]``: its grammar advances, its completion gets the
+        token's logprobs and text, and a stop frees it in the scheduler."""
+        self.chooser.accept(seq, token)
+        if self.output.append_token(self.requests[seq.request_id].completions[seq.index], token, logits, row):
             self.scheduler.finish(seq)
-
-    def _log_finished(self, request: Request) -> None:
-        for seq in request.seqs:  # one event per completion (n > 1 has several); no text in logs
-            log.info("finished", request_id=request.request_id, index=seq.index, reason=seq.finish_reason.value,
-                     num_prompt_tokens=seq.num_prompt_tokens, num_completion_tokens=seq.num_output_tokens,
-                     num_cached_tokens=seq.num_cached_tokens)

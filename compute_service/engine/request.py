@@ -6,14 +6,19 @@ what is new since the last output) lives here, so that the engine loop stays thr
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
+
+from pagedserve import sampling_rules as rules
+from pagedserve.errors import InvalidArgument
 
 from compute_service.engine.detokenizer import IncrementalDetokenizer
 from compute_service.engine.outputs import CompletionDelta, RequestDelta
 from compute_service.engine.sampler import TokenLogprobs
 from compute_service.engine.sampling_params import SamplingParams
 from compute_service.engine.sequence import FinishReason, Sequence
+from compute_service.model.model_config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -28,6 +33,37 @@ class GenerateInput:
     priority: int = 0
     cache_salt: str = ""
     tenant: str = ""  # who it is for: admission is fair between tenants (scheduler.py)
+
+
+def check_input(request: GenerateInput, model_config: ModelConfig, has_tokenizer: bool, block_size: int,
+                num_general_blocks: int) -> None:
+    """Raise InvalidArgument (naming the field) unless ``request`` can run on this model and pool
+    (``Engine.check_request``: a pure function of constants, so any thread may call it).
+
+    Lengths before contents: the prompt's length is compared with the model's before any id is
+    read, and the ids are then checked in one pass (``check_token_ids``).
+
+    Args:
+        model_config: the model's (its length and vocabulary); has_tokenizer: whether it has one.
+        block_size, num_general_blocks: the KV pool's (blocks of any priority).
+    """
+    request_id, prompt_token_ids, params = request.request_id, request.prompt_token_ids, request.params
+    rules.check_ids(request_id, request.cache_salt)
+    rules.check_string_id("tenant", request.tenant, rules.MAX_TENANT_CHARS)
+    rules.check_prompt_length(len(prompt_token_ids), params.max_tokens, model_config.max_position)
+    vocab = model_config.vocab_size
+    rules.check_token_ids("prompt_token_ids", prompt_token_ids, vocab)
+    rules.check_token_ids("params.stop_token_ids", params.stop_token_ids, vocab)
+    rules.check_logit_bias(params.logit_bias, vocab_size=vocab)
+    if params.stop and not has_tokenizer:
+        raise InvalidArgument("params.stop: this model has no tokenizer, so stop strings cannot match; "
+                              "use stop_token_ids")
+    if params.constraint is not None and not has_tokenizer:
+        raise InvalidArgument(f"params.{params.constraint.kind}: this model has no tokenizer, "
+                              "so no grammar can be compiled")
+    # Rejected up front: waiting for blocks that can never be free at once would starve it
+    # (or preempt its own completions) forever. n completions hold n copies of max_tokens.
+    rules.check_capacity(len(prompt_token_ids), params.max_tokens, params.n, block_size, num_general_blocks)
 
 
 @dataclass(frozen=True)
@@ -49,6 +85,28 @@ class EngineLoad:
     prefix_cache_hit_rate: float
     num_pending_tokens: int
     tenants: tuple[TenantQueue, ...] = ()  # the tenants with requests in the engine, by name
+
+    @classmethod
+    def of(cls, running: list[Sequence], waiting: list[Sequence], kv_usage: float,
+           prefix_cache_hit_rate: float) -> EngineLoad:
+        """The load of an engine whose scheduler holds ``running`` and ``waiting``: requests (a
+        request with completions in both counts as running), outstanding tokens, tenants."""
+        running_ids = {s.request_id for s in running}
+        num_pending = sum((s.num_tokens - s.num_computed_tokens) + (s.params.max_tokens - s.num_output_tokens)
+                          for s in itertools.chain(running, waiting))
+        tenants: dict[str, tuple[set[str], set[str]]] = {}  # tenant -> (running, waiting) request ids
+        for i, seqs in enumerate((running, waiting)):
+            for s in seqs:
+                tenants.setdefault(s.tenant, (set(), set()))[i].add(s.request_id)
+        return cls(
+            num_running=len(running_ids),
+            num_waiting=len({s.request_id for s in waiting} - running_ids),
+            kv_usage=kv_usage,
+            prefix_cache_hit_rate=prefix_cache_hit_rate,
+            num_pending_tokens=num_pending,
+            tenants=tuple(TenantQueue(name, len(run), len(wait - run))
+                          for name, (run, wait) in sorted(tenants.items())),
+        )
 
 
 @dataclass
@@ -131,6 +189,25 @@ class Request:
         seqs = self.seqs
         ended_early = any(s.finish_reason in (FinishReason.ABORT, FinishReason.ERROR) for s in seqs)
         return all(s.is_finished for s in seqs) and (ended_early or len(seqs) == self.params.n)
+
+    def fail(self, error: str) -> list[Sequence]:
+        """End every completion with finish_reason "error"; ``error`` says what failed (the first
+        failure's stands). A completion whose finish was already reported keeps it.
+
+        Returns:
+            The sequences that had not finished: the caller frees them in the scheduler.
+        """
+        if self.error is None:
+            self.error = error
+        unfinished = []
+        for completion in self.completions.values():
+            seq = completion.seq
+            if completion.is_finish_reported:
+                continue  # its finish already went out: it stands
+            if not seq.is_finished:
+                unfinished.append(seq)
+            seq.fail()
+        return unfinished
 
     def delta(self) -> RequestDelta:
         """The request's news since the previous call: one entry per completion that has some."""
