@@ -11,11 +11,12 @@ Prints a table, then as its last line one JSON object:
   block16_vs_block32 (GB/s at block 16 over GB/s at block 32, decode b64 ctx2k), copy_gbps, ...
 
 With --cpu it benchmarks the fused CPU attention instead (benchmarks/kernels/cpu_attention.py: the
-default model's shapes, float32; decode GB/s, chunked prefill, fresh prompts) and prints its JSON line.
+default model's shapes, float32 or --dtype bfloat16; decode GB/s and its share of the machine's read
+bandwidth, chunked prefill, fresh prompts) and prints its JSON line.
 
 Usage, from the repository root (``python benchmarks/bench_kernels.py`` where the package is
 installed):
-  python -m benchmarks.bench_kernels [--quick] [--cpu [--threads N]]
+  python -m benchmarks.bench_kernels [--quick] [--cpu [--threads N] [--dtype bfloat16]]
 """
 
 import argparse
@@ -153,8 +154,10 @@ def bench_chunked_prefill(num_seqs: int, cached: int, chunk: int, num_decodes: i
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="only batch 64 at context 2k, and one prefill case")
-    parser.add_argument("--cpu", action="store_true", help="the fused CPU attention (float32, default model)")
+    parser.add_argument("--cpu", action="store_true", help="the fused CPU attention (default model's shapes)")
     parser.add_argument("--threads", type=int, help="with --cpu: torch threads (default: torch's)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="with --cpu: the K/V, query and output dtype")
     options = parser.parse_args()
     if options.cpu:
         from benchmarks.kernels import cpu_attention
@@ -162,7 +165,7 @@ def main() -> int:
         if options.threads:
             torch.set_num_threads(options.threads)
 
-        print(json.dumps(cpu_attention.run(options.quick)))
+        print(json.dumps(cpu_attention.run(options.quick, getattr(torch, options.dtype))))
         return 0
     if not torch.cuda.is_available():
         print("bench_kernels: needs a CUDA device (the Triton kernels do not run on CPU); refusing.",

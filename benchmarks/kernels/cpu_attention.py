@@ -1,11 +1,12 @@
 """CPU attention of the fused path on the default model's shapes (`bench_kernels --cpu`).
 
-SmolLM2-135M float32: 9 query heads, 3 KV heads, head dim 64, block size 16. Each case cycles
-through enough per-layer pools that K/V come from memory, not the 32 MiB L3, as in a real step
-(30 layers, each read once). Per case, in the same run: the fused path's `write_and_attend` (K/V
-write + `paged_attention`), the portable kernel on the same data (`vs_portable`: its time over the
-fused path's), and for fresh prompts PyTorch's causal SDPA as the path used it before (K/V expanded
-per query head, per-prompt transposed copies; `vs_sdpa`). Figures: best ms per layer call (on a
+SmolLM2-135M, float32 or bfloat16 (`--dtype`): 9 query heads, 3 KV heads, head dim 64, block size 16.
+Each case cycles through enough per-layer pools (3x this CPU's L3, read from sysfs) that K/V come
+from memory, not the cache, as in a real step (30 layers, each read once). Per case, in the same
+run: the fused path's `write_and_attend` (K/V write + `paged_attention`), the portable kernel on the
+same data (`vs_portable`: its time over the fused path's), and for fresh prompts PyTorch's causal
+SDPA as the path used it before (K/V expanded per query head, per-prompt transposed copies;
+`vs_sdpa`). Figures: best ms per layer call (on a
 shared machine the best is what the code can do; the median also counts time slices other
 processes took), effective GB/s (K/V bytes the call must read / best time), GFLOP/s of the causal
 attention for prompts; `read_gbps` is torch's sum over 512 MiB in the same run, the bandwidth bound.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +26,19 @@ from pagedserve_kernels.cpu_attention import CpuAttentionPlan
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 SCALE = HEAD_DIM**-0.5
-MIN_POOL_BYTES = 96 << 20  # K + V of all layer copies together: 3x the L3
+
+
+def l3_bytes() -> int:
+    """This CPU's last-level cache (sysfs; 32 MiB where it does not say)."""
+    sizes = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            size = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        sizes.append(int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size))
+    return max(sizes, default=32 << 20)
 
 
 def _time_ms(fn: Callable[[int], object], copies: int, iters: int) -> tuple[float, float]:
@@ -45,13 +59,15 @@ def read_gbps() -> float:
 
 
 class Case:
-    """Pools (as many copies as MIN_POOL_BYTES needs), shuffled block tables, the step's QKV."""
+    """Pools (as many copies as 3x the L3 needs), shuffled block tables, the step's QKV."""
 
-    def __init__(self, ctx_lens: list[int], q_lens: list[int], gen: torch.Generator) -> None:
+    def __init__(self, ctx_lens: list[int], q_lens: list[int], gen: torch.Generator,
+                 dtype: torch.dtype = torch.float32) -> None:
         blocks = [-(-s // BLOCK_SIZE) for s in ctx_lens]
         num_blocks = sum(blocks)
-        block_bytes = 2 * BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM * 4
-        self.copies = max(1, -(-MIN_POOL_BYTES // (num_blocks * block_bytes)))
+        self.itemsize = dtype.itemsize
+        block_bytes = 2 * BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM * self.itemsize
+        self.copies = max(1, -(-3 * l3_bytes() // (num_blocks * block_bytes)))
         order = torch.randperm(num_blocks, generator=gen).to(torch.int32)
         tables = torch.zeros(len(ctx_lens), max(blocks), dtype=torch.int32)
         start = 0
@@ -59,17 +75,17 @@ class Case:
             tables[b, :n] = order[start:start + n]
             start += n
         shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-        self.pools = [(torch.randn(shape, generator=gen), torch.randn(shape, generator=gen))
+        self.pools = [(torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype))
                       for _ in range(self.copies)]
         slots = [int(tables[b, p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE
                  for b, (s, q) in enumerate(zip(ctx_lens, q_lens)) for p in range(s - q, s)]
         cu = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
         self.plan = CpuAttentionPlan.build(torch.tensor(slots), tables, torch.tensor(ctx_lens, dtype=torch.int32),
-                                           cu, dtype=torch.float32, head_dim=HEAD_DIM)
+                                           cu, dtype=dtype, head_dim=HEAD_DIM)
         if self.plan is None:
             raise RuntimeError("the fused CPU kernels are unavailable here")
         num_tokens = sum(q_lens)
-        qkv = torch.randn(num_tokens, (NUM_Q_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM, generator=gen)
+        qkv = torch.randn(num_tokens, (NUM_Q_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM, generator=gen).to(dtype)
         q, k, v = qkv.split([NUM_Q_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM], dim=-1)
         self.q = q.view(num_tokens, NUM_Q_HEADS, HEAD_DIM)
         self.k = k.view(num_tokens, NUM_KV_HEADS, HEAD_DIM)
@@ -80,7 +96,7 @@ class Case:
         return self.plan.write_and_attend(self.q, self.k, self.v, *self.pools[i], SCALE)
 
     def portable(self, i: int) -> torch.Tensor:
-        out = torch.empty(self.q.shape)
+        out = torch.empty(self.q.shape, dtype=self.q.dtype)
         plan = self.plan
         plan.ops.paged_attention_portable(out, self.q.contiguous(), *self.pools[i], plan.block_tables, plan.seq_lens,
                                           plan.cu_seqlens_q, plan.seq_ids, SCALE)
@@ -89,7 +105,7 @@ class Case:
     def sdpa(self, i: int) -> torch.Tensor:
         """Fresh prompts as the fused path attended to them before: SDPA per prompt on expanded K/V."""
         group = NUM_Q_HEADS // NUM_KV_HEADS
-        out = torch.empty(self.q.shape)
+        out = torch.empty(self.q.shape, dtype=self.q.dtype)
         start = 0
         for n in self.q_lens:
             rows = slice(start, start + n)
@@ -103,7 +119,7 @@ class Case:
     def measure(self, iters: int, fresh: bool = False) -> dict:
         best, median = _time_ms(self.fused, self.copies, iters)
         portable, _ = _time_ms(self.portable, self.copies, iters)
-        kv_bytes = 2 * sum(self.ctx_lens) * NUM_KV_HEADS * HEAD_DIM * 4
+        kv_bytes = 2 * sum(self.ctx_lens) * NUM_KV_HEADS * HEAD_DIM * self.itemsize
         result = {"ms": round(best, 4), "median_ms": round(median, 4), "gbps": round(kv_bytes / best / 1e6, 1),
                   "vs_portable": round(portable / best, 2)}
         if fresh:
@@ -115,22 +131,29 @@ class Case:
         return result
 
 
-def run(quick: bool) -> dict:
-    """All CPU cases; returns the summary (printed as the JSON line by bench_kernels)."""
+def run(quick: bool, dtype: torch.dtype = torch.float32) -> dict:
+    """All CPU cases; returns the summary (printed as the JSON line by bench_kernels).
+
+    `decode_b32_ctx600` is the decode-attention goal's case: its `read_share` is its effective
+    GB/s over the machine's read bandwidth measured in the same run.
+    """
     gen = torch.Generator().manual_seed(0)
     iters = 10 if quick else 30
-    summary: dict = {"threads": torch.get_num_threads(), "read_gbps": round(read_gbps(), 1)}
-    decode = [(8, 256), (48, 217), (64, 1024)] if quick else \
-        [(1, 1024), (8, 128), (8, 256), (8, 1024), (48, 217), (64, 128), (64, 512), (64, 1024)]
+    bandwidth = read_gbps()
+    summary: dict = {"threads": torch.get_num_threads(), "dtype": str(dtype).removeprefix("torch."),
+                     "l3_mib": l3_bytes() >> 20, "read_gbps": round(bandwidth, 1)}
+    decode = [(8, 256), (32, 600), (48, 217), (64, 1024)] if quick else \
+        [(1, 1024), (8, 128), (8, 256), (8, 1024), (32, 600), (48, 217), (64, 128), (64, 512), (64, 1024)]
     for batch, ctx in decode:
         lens = torch.randint(ctx // 2, 3 * ctx // 2 + 1, (batch,), generator=gen).tolist()  # mean ~ctx
-        summary[f"decode_b{batch}_ctx{ctx}"] = Case(lens, [1] * batch, gen).measure(iters)
+        summary[f"decode_b{batch}_ctx{ctx}"] = Case(lens, [1] * batch, gen, dtype).measure(iters)
+    summary["decode_b32_ctx600"]["read_share"] = round(summary["decode_b32_ctx600"]["gbps"] / bandwidth, 3)
     lens = torch.randint(108, 326, (48,), generator=gen).tolist()  # speculative verification: 4 positions each
-    summary["verify_q4_b48_ctx217"] = Case(lens, [4] * 48, gen).measure(iters)
-    chunk = Case([768, 768] + [300] * 16, [256, 256] + [1] * 16, gen)  # 2 chunks over 512 cached + 16 decodes
+    summary["verify_q4_b48_ctx217"] = Case(lens, [4] * 48, gen, dtype).measure(iters)
+    chunk = Case([768, 768] + [300] * 16, [256, 256] + [1] * 16, gen, dtype)  # 2 chunks over 512 cached + 16 decodes
     summary["chunks_2x256_on_512_and_16_decodes"] = chunk.measure(iters)
     mixed = [16, 512, 300, 64, 200, 480, 128, 348]  # 2048 tokens, as bench_throughput's prompts (16-512)
-    summary["fresh_8_prompts_2048_tokens"] = Case(mixed, mixed, gen).measure(max(3, iters // 3), fresh=True)
-    summary["fresh_1x2048"] = Case([2048], [2048], gen).measure(max(3, iters // 5), fresh=True)
-    summary["fresh_16x16"] = Case([16] * 16, [16] * 16, gen).measure(iters, fresh=True)
+    summary["fresh_8_prompts_2048_tokens"] = Case(mixed, mixed, gen, dtype).measure(max(3, iters // 3), fresh=True)
+    summary["fresh_1x2048"] = Case([2048], [2048], gen, dtype).measure(max(3, iters // 5), fresh=True)
+    summary["fresh_16x16"] = Case([16] * 16, [16] * 16, gen, dtype).measure(iters, fresh=True)
     return summary

@@ -46,6 +46,7 @@ class CausalLM(nn.Module):
             else empty_parameter(config.vocab_size, config.hidden_size, device=device, dtype=dtype)
         )
         self.lm_head_packed: torch.Tensor | None = None  # see prepack_cpu_weights
+        self.lm_head_small: torch.Tensor | None = None  # the head's copy for the small-batch kernel (AMX tiles)
         self._layer_stack: kernels.LayerStack | None = None  # see layer_stack
         self.small_rows = 0  # see prepack_cpu_weights
 
@@ -123,7 +124,7 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, hidden) final normed hidden states -> (N, vocab_size) float32 logits (the LM head)."""
         with profile_scope("lm_head"):
-            return kernels.logits(hidden, self.lm_head, self.lm_head_packed, self.small_rows)
+            return kernels.logits(hidden, self.lm_head, self.lm_head_packed, self.small_rows, self.lm_head_small)
 
     def check_kv_pool(self, kv_pool: torch.Tensor) -> None:
         """Raise ValueError unless `kv_pool` has this model's layout, dtype and device."""
@@ -147,9 +148,10 @@ class CausalLM(nn.Module):
 
         The plain copies of the layers' projections are released (their packed copies replace them:
         the weights are not held twice), except where the small-batch kernel reads them (bfloat16
-        decode, `kernels.keeps_plain`, while that copy fits the machine's free memory); the head
-        keeps its plain copy, which may be the embedding table. A packed model cannot load weights
-        again: load a new one.
+        decode, `kernels.keeps_plain`, while that copy fits the machine's free memory: on an AMX CPU
+        in the tiles' layout, `kernels.small_weight`); the head keeps its plain copy, which may be the
+        embedding table, and on an AMX CPU a third one for the small-batch kernel. A packed model
+        cannot load weights again: load a new one.
         """
         if self.device.type != "cpu":
             return False
@@ -163,9 +165,13 @@ class CausalLM(nn.Module):
             packed = kernels.prepack(weight)
             if packed is not None:
                 setattr(module, f"{name}_packed", packed)
-                if not keep_plain:
-                    weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
+                # Kept for the small-batch kernel, in its layout (AMX tiles: the same bytes), or released.
+                weight.data = kernels.small_weight(weight) if keep_plain else torch.empty(0, dtype=weight.dtype,
+                                                                                          device=weight.device)
         self.lm_head_packed = kernels.prepack(self.lm_head)
+        if self.small_rows:
+            small = kernels.small_weight(self.lm_head)
+            self.lm_head_small = small if small is not self.lm_head else None
         self._layer_stack = None  # the packed copies join (or replace) the weights
         return self.is_prepacked
 

@@ -52,6 +52,7 @@ class ModelInfo:
     tokenizer_files: tuple[TokenizerFile, ...]
     kernels: str  # what every step runs: kernels.step_path ("fused-cpp x86-64-v4", "torch-fallback", ...)
     hidden_size: int = 0  # an embedding's length (0: not known)
+    kernel_paths: tuple[tuple[str, str], ...] = ()  # kernels.kernel_paths' (kernel, path) pairs: the code each runs
 
 
 def model_info(loaded: LoadedModel, served_model_name: str | None = None) -> ModelInfo:
@@ -80,4 +81,5 @@ def model_info(loaded: LoadedModel, served_model_name: str | None = None) -> Mod
         tokenizer_files=files,
         kernels=kernels.step_path(loaded.model.device, loaded.model.dtype, config.head_dim),
         hidden_size=config.hidden_size,
+        kernel_paths=tuple(kernels.kernel_paths(loaded.model.device, loaded.model.dtype, config.head_dim).items()),
     )

@@ -170,5 +170,5 @@ def info_to_pb(info: ModelInfo, *, block_size: int, num_kv_blocks: int, memory_s
         memory_service_id=memory_service_id, memory_service_epoch=memory_service_epoch,
         kv_tiers=[pb.KvTier(kind=t.kind, capacity_bytes=t.capacity_bytes,
                             capacity_blocks=t.capacity_bytes // bytes_per_block) for t in kv_tiers],
-        kernels=info.kernels, hidden_size=info.hidden_size,
+        kernels=info.kernels, hidden_size=info.hidden_size, kernel_paths=dict(info.kernel_paths),
     )

@@ -42,6 +42,12 @@ class ComputeCollector(Collector):
                                         "native), torch-fallback, torch or triton", labels=["path", "level"])
             kernels.add_metric([path, level], 1.0)
             yield kernels
+            paths = GaugeMetricFamily("pagedserve_compute_kernel_path",
+                                      "The code each kernel runs on this CPU (Info's kernel_paths), value 1",
+                                      labels=["kernel", "path"])
+            for kernel, kernel_path in info.kernel_paths:
+                paths.add_metric([kernel, kernel_path], 1.0)
+            yield paths
         yield GaugeMetricFamily("pagedserve_compute_requests_running", "Requests generating", value=load.num_running)
         yield GaugeMetricFamily("pagedserve_compute_requests_waiting", "Requests queued", value=load.num_waiting)
         # Per tenant (the requests' ``tenant``; "" = none given): the fair queues of the scheduler.

@@ -114,7 +114,8 @@ def _load(config: ComputeServiceConfig, engine_config: EngineConfig) -> tuple[Lo
         log.error("compute_kernels", kernels=info.kernels, device=info.device, dtype=info.dtype,
                   why="no usable fused CPU kernels (see the kernels.cpu_ops error above)")
     else:
-        log.info("compute_kernels", kernels=info.kernels, device=info.device, dtype=info.dtype)
+        log.info("compute_kernels", kernels=info.kernels, device=info.device, dtype=info.dtype,
+                 paths=dict(info.kernel_paths))
     return loaded, info
 
 

@@ -14,13 +14,15 @@ dependency of transformers, owns that one (docs/design.md, "Names").
 
 import torch
 
-from pagedserve_kernels.cpu_linear import PACKED_DTYPES, keeps_plain, linear, logits, prepack, small_rows
+from pagedserve_kernels.cpu_linear import (PACKED_DTYPES, keeps_plain, linear, linear_path, logits, prepack,
+                                           small_rows, small_weight)
 from pagedserve_kernels.cpu_linear import available as can_prepack
 from pagedserve_kernels.reference import paged_attention_reference, write_kv_reference
 from pagedserve_kernels.step import LayerStack, StepKernels, TorchStep
 
-__all__ = ["PACKED_DTYPES", "LayerStack", "StepKernels", "can_prepack", "keeps_plain", "linear", "logits",
-           "paged_attention", "plan_step", "prepack", "small_rows", "step_path", "write_kv"]
+__all__ = ["PACKED_DTYPES", "LayerStack", "StepKernels", "can_prepack", "keeps_plain", "kernel_paths", "linear",
+           "linear_path", "logits", "paged_attention", "plan_step", "prepack", "small_rows", "small_weight",
+           "step_path", "write_kv"]
 
 
 def plan_step(slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
@@ -62,6 +64,22 @@ def step_path(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
     if cpu_ops.load() is None:
         return "torch-fallback"
     return f"fused-cpp {cpu_ops.level()}"
+
+
+def kernel_paths(device: torch.device, dtype: torch.dtype, head_dim: int) -> dict[str, str]:
+    """Which code each kernel of a step runs on this CPU, for Info's kernel_paths and the metrics (a
+    benchmark's line can say what ran). Empty where the fused CPU kernels do not run (`step_path`).
+
+    Keys: "attention" ("avx512-bf16", "avx512" or "portable": the instructions of paged_attention's
+    build, for block sizes of 4 to 16 in steps of 4; others run the portable kernel), "linear"
+    (`cpu_linear.linear_path`: the small-batch rows and their kernel, then oneDNN, on AMX tiles or not).
+    """
+    if not step_path(device, dtype, head_dim).startswith("fused-cpp"):
+        return {}
+    from pagedserve_kernels import cpu_ops
+
+    ops = cpu_ops.load()
+    return {"attention": ops.attention_isa(), "linear": linear_path(dtype)}
 
 
 def write_kv(

@@ -26,12 +26,19 @@ bfloat16: oneDNN multiplies bf16 x bf16 with float32 accumulation and rounds the
 once, on AMX tiles where the CPU has AMX-BF16 and with AVX512-BF16 dot products (vdpbf16ps)
 otherwise; which one runs is oneDNN's choice at run time (`ONEDNN_VERBOSE=1` prints it). Packed
 bf16 reads half the bytes of packed float32 and beats bf16 through `F.linear` (docs/benchmarks.md).
+
+Where the CPU has AMX (`amx()`), the small-batch rows run on its tiles instead, with the same
+contract (float32 accumulation, float32 or bf16 outputs): ATen's bf16 brgemm (csrc/brgemm_linear.h)
+on each weight packed once into the tiles' layout (`small_weight`), which replaces the plain copy.
+There the dot-product kernel fell behind oneDNN's tiles from a few rows on (3x at 16 rows), and
+oneDNN's own output is rounded to bf16 (docs/benchmarks.md, "The linears on an AMX Xeon").
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -60,14 +67,55 @@ def prepack(weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
+def amx() -> bool:
+    """Whether this CPU multiplies bf16 on AMX tiles (torch's check: AMX-TILE and AMX-BF16 in cpuid and
+    the kernel's leave to use them)."""
+    check = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(check is not None and check())
+
+
+def _ops() -> Any | None:
+    from pagedserve_kernels import cpu_ops  # loads (or builds) the extension: not at import
+
+    return cpu_ops.load()
+
+
 def small_rows(dtype: torch.dtype) -> int:
     """The most rows `linear` gives the small-batch kernel in `dtype` (0: none here, or turned off)."""
     if dtype != torch.bfloat16 or os.environ.get(_SMALL_ENV, "1") == "0":
         return 0
-    from pagedserve_kernels import cpu_ops  # loads (or builds) the extension: not at import
-
-    ops = cpu_ops.load()
+    ops = _ops()
     return ops.small_linear_rows() if ops is not None else 0
+
+
+def _tiles(ops: Any) -> bool:
+    return amx() and ops.brgemm_linear_available()
+
+
+def small_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The copy of a bf16 (out, in) weight the small-batch kernel reads: packed for AMX tiles where the
+    CPU has them and they take its shape (out a multiple of 64, in even), else the weight itself."""
+    ops = _ops() if weight.dtype == torch.bfloat16 and weight.device.type == "cpu" else None
+    if ops is None or not _tiles(ops):
+        return weight
+    out, inputs = weight.shape
+    if out % ops.brgemm_block_n() or inputs % 2:
+        return weight
+    return ops.brgemm_pack(weight.detach())
+
+
+def linear_path(dtype: torch.dtype) -> str:
+    """Which kernels a model's projections in `dtype` run here, for Info and the metrics: the small-batch
+    rows ("small<=16 amx-tiles" or "small<=16 avx512-bf16"), then oneDNN ("onednn", on AMX tiles or not)."""
+    if dtype not in PACKED_DTYPES or not available():
+        return "torch"
+    tiles = dtype == torch.bfloat16 and amx()
+    large = "onednn-amx" if tiles else "onednn"
+    rows = small_rows(dtype)
+    if not rows:
+        return large
+    ops = _ops()
+    return f"small<={rows} {'amx-tiles' if _tiles(ops) else 'avx512-bf16'} {large}"
 
 
 def available_memory_bytes() -> int | None:
@@ -100,15 +148,19 @@ def keeps_plain(dtype: torch.dtype, plain_bytes: int = 0) -> bool:
     return False
 
 
-def logits(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, num_small_rows: int = 0) -> torch.Tensor:
+def logits(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, num_small_rows: int = 0,
+           small: torch.Tensor | None = None) -> torch.Tensor:
     """The LM head: (N, hidden) x (vocab, hidden) weight -> (N, vocab) float32 logits.
 
     Where the small-batch kernel runs (up to `num_small_rows` rows: one request, or a few decoding
-    together) a bfloat16 head's logits are float32 to the end. Rounded to bf16, a logit near 10 moves
-    by up to 0.03, and the top two tokens are that close often enough to flip greedy answers (the
-    README's own question did). Past those rows oneDNN's GEMM computes them, rounded to
-    bf16: the small-batch kernel there took 4-5x as long on an AMX Xeon (docs/benchmarks.md).
+    together) a bfloat16 head's logits are float32 to the end, from `small` (`small_weight(weight)`,
+    the head's copy for it) where given, else from the plain weight. Rounded to bf16, a logit near 10
+    moves by up to 0.03, and the top two tokens are that close often enough to flip greedy answers
+    (the README's own question did). Past those rows oneDNN's GEMM computes them, rounded to bf16:
+    the dot-product kernel there took 4-5x as long on an AMX Xeon (docs/benchmarks.md).
     """
+    if small is not None and x.shape[0] <= num_small_rows:
+        return torch.ops.pagedserve_cpu.small_linear_float(x, small, None)
     return linear(x, weight, packed, None, num_small_rows, float_out=True).float()
 
 

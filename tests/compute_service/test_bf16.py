@@ -16,7 +16,7 @@ import torch
 from structlog.testing import capture_logs
 
 import pagedserve_kernels as kernels
-from pagedserve_kernels import cpu_ops
+from pagedserve_kernels import cpu_linear, cpu_ops
 from compute_service import LLM, SamplingParams
 from compute_service.model.model_loader import load_model
 from memory_service.pool.kv_pool import KvLayout
@@ -49,6 +49,8 @@ def test_bf16_model_runs_the_fused_path_on_packed_bf16_weights(make_tiny_model) 
     assert attn.qkv_packed is not None and attn.qkv_packed.is_mkldnn
     # The plain copy stays only for the small-batch kernel (decode), where this build has it.
     assert (attn.qkv_weight.numel() > 0) is kernels.keeps_plain(torch.bfloat16)
+    if kernels.keeps_plain(torch.bfloat16) and cpu_linear.amx():  # kept in the AMX tiles' layout (same bytes)
+        assert attn.qkv_weight.shape == (128 // 64, 64 // 2, 64, 2) and model.lm_head_small is not None
     assert attn.qkv_packed.dtype == torch.bfloat16
     args = (torch.zeros(3, dtype=torch.int64), torch.zeros(1, 1, dtype=torch.int32),
             torch.tensor([3], dtype=torch.int32), torch.tensor([0, 3], dtype=torch.int32))

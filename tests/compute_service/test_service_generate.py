@@ -175,6 +175,9 @@ def test_info_and_tokenizer_files_rebuild_the_tokenizer(services: Services, mode
     assert info.memory_service_id.startswith("ms-") and len(info.kv_tiers) == 0
     assert info.chat_template == model.tokenizer.chat_template
     assert info.kernels == kernels.step_path(torch.device("cpu"), torch.float32, 16)  # "fused-cpp native" here
+    assert dict(info.kernel_paths) == kernels.kernel_paths(torch.device("cpu"), torch.float32, 16)
+    if info.kernels.startswith("fused-cpp"):  # a float32 model: no small-batch rows (bf16 only)
+        assert info.kernel_paths["linear"] in ("onednn", "torch")
     chunks = list(services.stub.GetTokenizer(cpb.GetTokenizerRequest()))
     for f in info.tokenizer_files:
         data = b"".join(c.data for c in chunks if c.name == f.name)

@@ -127,6 +127,11 @@ def test_metrics_endpoint(services: Services, metrics_port: int) -> None:
     assert [k for k in values if k.startswith("pagedserve_compute_kernels")] == [
         f'pagedserve_compute_kernels{{level="{level}",path="{path}"}}']
     assert values[f'pagedserve_compute_kernels{{level="{level}",path="{path}"}}'] == 1.0
+    paths = dict(services.stub.Info(cpb.InfoRequest()).kernel_paths)
+    assert sorted(k for k in values if k.startswith("pagedserve_compute_kernel_path")) == sorted(
+        f'pagedserve_compute_kernel_path{{kernel="{kernel}",path="{where}"}}' for kernel, where in paths.items())
+    if path == "fused-cpp":
+        assert set(paths) == {"attention", "linear"}
     drafts = values["pagedserve_compute_draft_tokens_total"]
     assert drafts > 0 and 0 < values["pagedserve_compute_accepted_draft_tokens_total"] <= drafts
     assert values["pagedserve_compute_generated_tokens_total"] >= 3

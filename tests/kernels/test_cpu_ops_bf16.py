@@ -168,6 +168,41 @@ def test_small_linear_float_is_the_same_product_unrounded(num_rows: int) -> None
         assert torch.equal(got.bfloat16(), ops.small_linear(x, weight, b))
 
 
+@pytest.mark.parametrize("num_rows", [1, 2, 5, 16, 33])  # decode rows, and past one brgemm call's 32
+@pytest.mark.parametrize("shape", [(576, 960), (1536, 576), (70, 128)])  # (K, N): the default model's, an even tail
+def test_small_linear_on_amx_tiles_has_the_plain_kernels_contract(num_rows: int, shape: tuple[int, int]) -> None:
+    # On an AMX CPU the small-batch rows read the weight packed for the tiles (csrc/brgemm_linear.h):
+    # the same contract as the dot-product kernel: float32-close to the float32 product of the same
+    # bf16 values, bf16 outputs the float32 ones rounded once, a row's result independent of the others.
+    if not ops.brgemm_linear_available():
+        pytest.skip("no bf16 brgemm (AMX) on this CPU")
+    in_features, out_features = shape
+    generator = torch.Generator().manual_seed(num_rows)
+    x = torch.randn(num_rows, in_features, generator=generator).bfloat16()
+    weight = (torch.randn(out_features, in_features, generator=generator) / in_features**0.5).bfloat16()
+    bias = torch.randn(out_features, generator=generator).bfloat16()
+    tiles = ops.brgemm_pack(weight)
+    assert tiles.shape == (out_features // 64, in_features // 2, 64, 2) and tiles.nbytes == weight.nbytes
+    for b in (None, bias):
+        want = F.linear(x.float(), weight.float(), None if b is None else b.float())
+        got = ops.small_linear_float(x, tiles, b)
+        assert got.dtype == torch.float32 and got.shape == (num_rows, out_features)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert torch.equal(ops.small_linear(x, tiles, b), got.bfloat16())
+        assert torch.equal(ops.small_linear_float(x[-1:].contiguous(), tiles, b), got[-1:])
+
+
+def test_brgemm_pack_refuses_what_the_tiles_cannot_take() -> None:
+    if not ops.brgemm_linear_available():
+        pytest.skip("no bf16 brgemm (AMX) on this CPU")
+    for shape in ((100, 64), (128, 63)):  # outputs not a multiple of 64; an odd K
+        with pytest.raises(RuntimeError, match="multiple of 64"):
+            ops.brgemm_pack(torch.zeros(shape, dtype=torch.bfloat16))
+    tiles = ops.brgemm_pack(torch.zeros(128, 64, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="small_linear"):  # x's K against a weight packed for another
+        ops.small_linear(torch.zeros(2, 32, dtype=torch.bfloat16), tiles, None)
+
+
 def test_a_float32_residual_stream_under_bf16_weights() -> None:
     # A bf16 model keeps its residual stream in float32 (compute_service/model/model.py): the sum is
     # float32 (no rounding), and the norm's output, the next linear's input, is bf16, rounded once.

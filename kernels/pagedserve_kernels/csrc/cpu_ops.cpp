@@ -12,7 +12,8 @@
 //
 // Inner loops run over a contiguous last dimension so that the compiler vectorises them (-O3
 // -march=native; `omp simd` lets it reorder the reductions); exp is a Cephes-style polynomial
-// (relative error ~1e-7, like the SLEEF exp of PyTorch's vectorised kernels) so it vectorises too.
+// (exp_approx.h: relative error ~1e-7, like the SLEEF exp of PyTorch's vectorised kernels) so it
+// vectorises too. The sampler's op (nucleus_draws) is sampler.h's: only its registration is here.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -27,15 +28,19 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <type_traits>
 #include <vector>
 
+#include "exp_approx.h"
 #ifdef __AVX512F__
 #include "paged_attention_avx512.h"
 #endif
+#include "brgemm_linear.h"
 #ifdef __AVX512BF16__
 #include "small_linear_bf16.h"
 #endif
+#include "sampler.h"
 
 namespace {
 
@@ -48,26 +53,6 @@ constexpr int64_t kMinElementsPerThread = 1 << 15;
 
 inline int64_t rows_per_thread(int64_t row_elements) {
   return std::max<int64_t>(1, kMinElementsPerThread / std::max<int64_t>(row_elements, 1));
-}
-
-inline float exp_approx(float x) {
-  // exp(x) = 2^n * exp(r), r = x - n ln2 in [-ln2/2, ln2/2]; degree-6 polynomial for exp(r).
-  x = std::min(std::max(x, -87.0f), 88.0f);
-  float fx = std::floor(x * 1.44269504088896341f + 0.5f);
-  float r = x - fx * 0.693359375f + fx * 2.12194440e-4f;
-  float z = r * r;
-  float y = 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * z + r + 1.0f;
-  int32_t n = static_cast<int32_t>(fx);
-  int32_t bits = (n + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return y * scale;
 }
 
 using BF16 = c10::BFloat16;
@@ -471,12 +456,17 @@ int64_t small_linear_rows() {
 // ~0.06 at a logit of 10, and near-ties decide greedy answers).
 at::Tensor small_linear_impl(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                              bool float_out) {
-  TORCH_CHECK(small_linear_rows() > 0, "small_linear needs a build with AVX512-BF16");
   check_dtype(x, "x", at::kBFloat16);
   check_dtype(weight, "weight", at::kBFloat16);
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1) && x.is_contiguous() &&
-                  weight.is_contiguous(), "small_linear: x (M, K) and weight (N, K) contiguous");
-  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  // A weight in the tile layout (`brgemm_pack`: (N / kBlockN, K / 2, kBlockN, 2)) or plain (N, K).
+  const bool tiles = weight.dim() == 4;
+  TORCH_CHECK(tiles ? brgemm_linear::available() : small_linear_rows() > 0,
+              "small_linear needs a build with AVX512-BF16, or AMX tiles for a packed weight");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.is_contiguous() &&
+                  (tiles ? weight.size(2) == brgemm_linear::kBlockN && weight.size(3) == 2 && x.size(1) == 2 * weight.size(1)
+                         : weight.dim() == 2 && x.size(1) == weight.size(1)),
+              "small_linear: x (M, K) and weight (N, K), or as brgemm_pack made it, contiguous");
+  const int64_t M = x.size(0), K = x.size(1), N = tiles ? weight.size(0) * brgemm_linear::kBlockN : weight.size(0);
   const c10::BFloat16* bias_ptr = nullptr;
   if (bias.has_value()) {
     check_dtype(*bias, "bias", at::kBFloat16);
@@ -484,6 +474,15 @@ at::Tensor small_linear_impl(const at::Tensor& x, const at::Tensor& weight, cons
     bias_ptr = bias->data_ptr<c10::BFloat16>();
   }
   at::Tensor y = at::empty({M, N}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
+  if (tiles) {
+    const c10::BFloat16* w = weight.data_ptr<c10::BFloat16>();
+    if (float_out) {
+      brgemm_linear::linear(x.data_ptr<c10::BFloat16>(), w, bias_ptr, y.data_ptr<float>(), M, K, N);
+    } else {
+      brgemm_linear::linear(x.data_ptr<c10::BFloat16>(), w, bias_ptr, y.data_ptr<c10::BFloat16>(), M, K, N);
+    }
+    return y;
+  }
 #ifdef __AVX512BF16__
   if (float_out) {
     bf16_rows::linear(x.data_ptr<c10::BFloat16>(), weight.data_ptr<c10::BFloat16>(), bias_ptr, y.data_ptr<float>(),
@@ -504,6 +503,33 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const std
 at::Tensor small_linear_float(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   return small_linear_impl(x, weight, bias, true);
 }
+
+// The instructions paged_attention is built with: "avx512-bf16" (bf16 K/V read in place as pairs,
+// csrc/paged_attention_avx512.h), "avx512" (bf16 widened to float32 first), "portable" (omp simd).
+std::string attention_isa() {
+#if defined(__AVX512BF16__)
+  return "avx512-bf16";
+#elif defined(__AVX512F__)
+  return "avx512";
+#else
+  return "portable";
+#endif
+}
+
+// Whether the small-batch linear runs on AMX tiles here (csrc/brgemm_linear.h): `brgemm_pack` works.
+bool brgemm_linear_available() { return brgemm_linear::available(); }
+
+// weight (N, K) bf16 -> the tile layout `small_linear` also reads (csrc/brgemm_linear.h): N a multiple
+// of brgemm_block_n(), K even, and only where brgemm_linear_available().
+at::Tensor brgemm_pack(const at::Tensor& weight) {
+  TORCH_CHECK(brgemm_linear::available(), "brgemm_pack: no bf16 brgemm on this CPU (brgemm_linear_available)");
+  check_dtype(weight, "weight", at::kBFloat16);
+  TORCH_CHECK(weight.dim() == 2 && brgemm_linear::packs(weight.size(0), weight.size(1)),
+              "brgemm_pack: weight must be (N, K), N a multiple of ", brgemm_linear::kBlockN, ", K even");
+  return brgemm_linear::pack(weight.contiguous());
+}
+
+int64_t brgemm_block_n() { return brgemm_linear::kBlockN; }
 
 // x (M, in) @ weight.T + bias as kernels/pagedserve_kernels/cpu_linear.py's `linear` computes it: `small_linear` for a few
 // bf16 rows on a plain weight (`small_rows`: its limit, 0 = never), else oneDNN on the packed copy
@@ -625,125 +651,6 @@ at::Tensor decoder_layers(at::Tensor residual, const std::optional<at::Tensor>& 
   return mlp_out;
 }
 
-#ifdef __AVX512F__
-// compute_service/engine/sampler.py's `_nucleus_draws` for rows (F, V) float32 at once, in one call
-// instead of ~25 tensor ops (each a pass or a dispatch, on caches a decode step's weights have just
-// evicted). Per row, as there: the K largest logits in (value descending, token id ascending) order;
-// the softmax's denominator z = sum of float32 exp((x - top) * inv_t) over the row, in float64; the
-// candidates' float64 probabilities, their running sum, the nucleus (exclusive sums <= top_p), and the
-// inverse-CDF draw of u * (the nucleus's mass). A row the candidates cannot decide (the nucleus may
-// reach past them, or its edge ties with the K-th value, or no finite distribution) gets -1.
-// Differences from the torch version: exp is the Cephes polynomial (relative error ~1e-7, like the
-// SLEEF exp torch vectorises; a probability may differ in its 7th digit) and the sums run in another
-// order; which of several tokens tied at the K-th value are candidates may differ, which no decided
-// row can see (its nucleus ends before that value).
-at::Tensor nucleus_draws(const at::Tensor& rows, const at::Tensor& inv_t, const at::Tensor& top_p,
-                         const at::Tensor& uniform, int64_t k) {
-  TORCH_CHECK(rows.device().is_cpu() && rows.scalar_type() == at::kFloat && rows.dim() == 2 && rows.is_contiguous(),
-              "rows must be (F, V) contiguous float32");
-  const int64_t num_rows = rows.size(0), vocab = rows.size(1);
-  TORCH_CHECK(inv_t.scalar_type() == at::kFloat && top_p.scalar_type() == at::kDouble &&
-                  uniform.scalar_type() == at::kDouble && inv_t.numel() == num_rows && top_p.numel() == num_rows &&
-                  uniform.numel() == num_rows && inv_t.is_contiguous() && top_p.is_contiguous() &&
-                  uniform.is_contiguous(), "inv_t (F,) float32, top_p and uniform (F,) float64");
-  k = std::min(k, vocab);
-  TORCH_CHECK(k >= 1, "k must be positive");
-  at::Tensor out = at::empty({num_rows}, rows.options().dtype(at::kLong));
-  const float* xp = rows.data_ptr<float>();
-  const float* tp = inv_t.data_ptr<float>();
-  const double* pp = top_p.data_ptr<double>();
-  const double* up = uniform.data_ptr<double>();
-  int64_t* op = out.data_ptr<int64_t>();
-  at::parallel_for(0, num_rows, 4, [&](int64_t begin, int64_t end) {
-    std::vector<std::pair<float, int32_t>> cand;
-    std::vector<double> cdf(k);
-    for (int64_t f = begin; f < end; ++f) {
-      const float* x = xp + f * vocab;
-      op[f] = -1;
-      // The row's largest value (a NaN anywhere: no decision, as torch's NaN z gives none).
-      __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-      __mmask16 nan = 0;
-      int64_t i = 0;
-      for (; i + 16 <= vocab; i += 16) {
-        const __m512 v = _mm512_loadu_ps(x + i);
-        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-        mx = _mm512_max_ps(mx, v);
-      }
-      float top = _mm512_reduce_max_ps(mx);
-      bool has_nan = nan != 0;
-      for (; i < vocab; ++i) {
-        has_nan |= std::isnan(x[i]);
-        top = std::max(top, x[i]);
-      }
-      if (has_nan || !std::isfinite(top)) continue;
-      // Candidates: every value within delta of the top, delta doubled from 1 until at least k are
-      // (the k-th largest is among them; a few counting passes beat sorting thousands of pairs).
-      float delta = 1.0f;
-      int64_t count = 0;
-      while (true) {
-        const float floor = top - delta;
-        const __m512 floor16 = _mm512_set1_ps(floor);
-        count = 0;
-        int64_t j = 0;
-        for (; j + 16 <= vocab; j += 16)
-          count += __builtin_popcount(_mm512_cmp_ps_mask(_mm512_loadu_ps(x + j), floor16, _CMP_GE_OQ));
-        for (; j < vocab; ++j) count += x[j] >= floor;
-        if (count >= k || delta > 1e30f) break;
-        delta *= 2.0f;
-      }
-      const float floor = count >= k ? top - delta : -std::numeric_limits<float>::infinity();
-      cand.clear();
-      for (int64_t j = 0; j < vocab; ++j)
-        if (x[j] >= floor) cand.emplace_back(x[j], static_cast<int32_t>(j));
-      if (static_cast<int64_t>(cand.size()) < k) continue;  // fewer finite values than k: the exact path
-      const auto before = [](const std::pair<float, int32_t>& a, const std::pair<float, int32_t>& b) {
-        return a.first > b.first || (a.first == b.first && a.second < b.second);
-      };
-      std::nth_element(cand.begin(), cand.begin() + (k - 1), cand.end(), before);
-      std::sort(cand.begin(), cand.begin() + k, before);
-      // z: float32 terms, float64 sum.
-      const float it = tp[f];
-      const __m512 top16 = _mm512_set1_ps(top), it16 = _mm512_set1_ps(it);
-      __m512d z0 = _mm512_setzero_pd(), z1 = _mm512_setzero_pd();
-      i = 0;
-      for (; i + 16 <= vocab; i += 16) {
-        const __m512 e = avx512_attention::exp512(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(x + i), top16), it16));
-        z0 = _mm512_add_pd(z0, _mm512_cvtps_pd(_mm512_castps512_ps256(e)));
-        z1 = _mm512_add_pd(z1, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1))));
-      }
-      double z = _mm512_reduce_add_pd(_mm512_add_pd(z0, z1));
-      for (; i < vocab; ++i) z += static_cast<double>(exp_approx((x[i] - top) * it));
-      if (!(std::isfinite(z) && z > 0.0)) continue;
-      // The candidates' probabilities, their running sums, the nucleus.
-      const double it64 = static_cast<double>(it), top64 = static_cast<double>(top);
-      double sum = 0.0;
-      int64_t num_kept = 0;
-      for (int64_t c = 0; c < k; ++c) {
-        const double prob = std::exp((static_cast<double>(cand[c].first) - top64) * it64) / z;
-        sum += prob;
-        cdf[c] = sum;
-        num_kept += cdf[c] - prob <= pp[f];  // the exclusive sum, computed as the torch version does
-      }
-      const int64_t last = std::max<int64_t>(num_kept - 1, 0);
-      if (num_kept == 0 || num_kept >= k || cand[last].first == cand[k - 1].first) continue;
-      const double u = up[f] * cdf[last];
-      int64_t pick = 0;
-      for (int64_t c = 0; c < k; ++c) pick += cdf[c] < u;
-      op[f] = cand[std::min(pick, last)].second;
-    }
-  });
-  return out;
-}
-#endif
-
-bool has_nucleus_draws() {
-#ifdef __AVX512F__
-  return true;
-#else
-  return false;
-#endif
-}
-
 // How many threads at::parallel_for really runs on in this build (one if it was compiled without
 // OpenMP, whatever torch.get_num_threads() says): the check that the ops above run in parallel.
 int64_t parallel_threads() {
@@ -773,6 +680,10 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("small_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("small_linear_float(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("small_linear_rows() -> int");
+  m.def("brgemm_linear_available() -> bool");
+  m.def("brgemm_block_n() -> int");
+  m.def("attention_isa() -> str");
+  m.def("brgemm_pack(Tensor weight) -> Tensor");
   m.def("nucleus_draws(Tensor rows, Tensor inv_t, Tensor top_p, Tensor uniform, int k) -> Tensor");
   m.def("has_nucleus_draws() -> bool");
   m.def("parallel_threads() -> int");
@@ -789,8 +700,9 @@ TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
   m.impl("write_kv_", &write_kv_);
   m.impl("small_linear", &small_linear);
   m.impl("small_linear_float", &small_linear_float);
+  m.impl("brgemm_pack", &brgemm_pack);
 #ifdef __AVX512F__
-  m.impl("nucleus_draws", &nucleus_draws);
+  m.impl("nucleus_draws", &sampler::nucleus_draws);
 #endif
 }
 
@@ -799,6 +711,9 @@ TORCH_LIBRARY_IMPL(pagedserve_cpu, CatchAll, m) {
   m.impl("decoder_layers", &decoder_layers);
   m.impl("parallel_threads", &parallel_threads);
   m.impl("small_linear_rows", &small_linear_rows);
-  m.impl("has_nucleus_draws", &has_nucleus_draws);
+  m.impl("brgemm_linear_available", &brgemm_linear_available);
+  m.impl("brgemm_block_n", &brgemm_block_n);
+  m.impl("attention_isa", &attention_isa);
+  m.impl("has_nucleus_draws", &sampler::has_nucleus_draws);
   m.impl("avx512_attention", &uses_avx512_attention);
 }

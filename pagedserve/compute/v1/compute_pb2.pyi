@@ -160,7 +160,14 @@ class TokenizerFile(_message.Message):
     def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model_name", "max_model_len", "block_size", "dtype", "device", "vocab_size", "eos_token_ids", "bos_token_id", "pad_token_id", "chat_template", "tokenizer_files", "max_n", "max_logprobs", "max_stop_strings", "default_params", "num_kv_blocks", "memory_service_id", "kv_tiers", "kernels", "memory_service_epoch", "hidden_size")
+    __slots__ = ("model_name", "max_model_len", "block_size", "dtype", "device", "vocab_size", "eos_token_ids", "bos_token_id", "pad_token_id", "chat_template", "tokenizer_files", "max_n", "max_logprobs", "max_stop_strings", "default_params", "num_kv_blocks", "memory_service_id", "kv_tiers", "kernels", "memory_service_epoch", "hidden_size", "kernel_paths")
+    class KernelPathsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -182,6 +189,7 @@ class InfoResponse(_message.Message):
     KERNELS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_SERVICE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KERNEL_PATHS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     max_model_len: int
     block_size: int
@@ -203,7 +211,8 @@ class InfoResponse(_message.Message):
     kernels: str
     memory_service_epoch: str
     hidden_size: int
-    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., pad_token_id: _Optional[int] = ..., chat_template: _Optional[str] = ..., tokenizer_files: _Optional[_Iterable[_Union[TokenizerFile, _Mapping]]] = ..., max_n: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., max_stop_strings: _Optional[int] = ..., default_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_kv_blocks: _Optional[int] = ..., memory_service_id: _Optional[str] = ..., kv_tiers: _Optional[_Iterable[_Union[KvTier, _Mapping]]] = ..., kernels: _Optional[str] = ..., memory_service_epoch: _Optional[str] = ..., hidden_size: _Optional[int] = ...) -> None: ...
+    kernel_paths: _containers.ScalarMap[str, str]
+    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token_id: _Optional[int] = ..., pad_token_id: _Optional[int] = ..., chat_template: _Optional[str] = ..., tokenizer_files: _Optional[_Iterable[_Union[TokenizerFile, _Mapping]]] = ..., max_n: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., max_stop_strings: _Optional[int] = ..., default_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_kv_blocks: _Optional[int] = ..., memory_service_id: _Optional[str] = ..., kv_tiers: _Optional[_Iterable[_Union[KvTier, _Mapping]]] = ..., kernels: _Optional[str] = ..., memory_service_epoch: _Optional[str] = ..., hidden_size: _Optional[int] = ..., kernel_paths: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class KvTier(_message.Message):
     __slots__ = ("kind", "capacity_bytes", "capacity_blocks")
