@@ -366,10 +366,17 @@ inline void decode_block_pairs(const c10::BFloat16* q, int64_t num_rows, const c
     const __m256bh lo = _mm512_cvtneps_pbh(_mm512_sub_ps(e, hi_wide));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(pw + r * 16), reinterpret_cast<const __m256i&>(hi));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(pw + r * 16 + 8), reinterpret_cast<const __m256i&>(lo));
-    const __m512 c = exp512(_mm512_sub_ps(old_max, new_max));
-    corr[r] = _mm512_cvtss_f32(c);
-    m[r] = _mm512_cvtss_f32(new_max);
-    _mm512_storeu_ps(l + r * 16, _mm512_fmadd_ps(_mm512_loadu_ps(l + r * 16), c, e));
+    // The running max rarely moves once a few blocks are in: then nothing is rescaled (exp(0) = 1).
+    const float max_now = _mm512_cvtss_f32(new_max);
+    if (max_now == m[r]) {
+      corr[r] = 1.0f;
+      _mm512_storeu_ps(l + r * 16, _mm512_add_ps(_mm512_loadu_ps(l + r * 16), e));
+    } else {
+      const __m512 c = exp512(_mm512_sub_ps(old_max, new_max));
+      corr[r] = _mm512_cvtss_f32(c);
+      _mm512_storeu_ps(l + r * 16, _mm512_fmadd_ps(_mm512_loadu_ps(l + r * 16), c, e));
+    }
+    m[r] = max_now;
   }
   // P @ V: RB rows x 2 DW accumulators (24 at most), a pair of tokens per step.
   constexpr int64_t RB = 24 / (2 * DW);
