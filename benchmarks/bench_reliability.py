@@ -1,7 +1,7 @@
 """Reliability benchmark: what the whole stack survives, measured on real processes.
 
 One stack (memory service, compute service, gateway; ``pagedserve.stack`` via
-``pagedserve/testing/stack.py``) serves the default model on the CPU, and the same scenarios as the
+``pagedserve_testing/stack.py``) serves the default model on the CPU, and the same scenarios as the
 ``tests/reliability`` suite run at full size:
 
 1. fuzzing: ``--fuzz-cases`` hostile requests per service (gateway, compute, memory), status codes

@@ -98,7 +98,7 @@ def make_tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str],
 
 @pytest.fixture(scope="session")
 def service_model(tmp_path_factory: pytest.TempPathFactory):
-    """The tiny random Llama with a byte-level tokenizer (pagedserve.testing.tiny_model) of the
+    """The tiny random Llama with a byte-level tokenizer (pagedserve_testing.tiny_model) of the
     service, end-to-end and reliability tests, built once per session and only read."""
     from pagedserve_testing.tiny_model import build_service_model
 

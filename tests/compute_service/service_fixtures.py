@@ -1,6 +1,6 @@
 """Real processes for the service tests: a memory service and a compute service, started by
 ``pagedserve.stack``, talked to over their sockets, stopped by PID. The model is the tiny
-byte-tokenizer Llama of ``pagedserve/testing/tiny_model.py``.
+byte-tokenizer Llama of ``pagedserve_testing/tiny_model.py``.
 """
 
 from __future__ import annotations

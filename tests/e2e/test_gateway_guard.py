@@ -25,7 +25,7 @@ from tests.e2e.conftest import Engine, Gateway, start_gateway
 
 FILE_KEY, ENV_KEY = "file-key-0123456789", "env-key-9876543210"
 DRAIN_DELAY_S = 1
-GRACE_PERIOD_S = 10  # pagedserve.testing.stack.gateway_args
+GRACE_PERIOD_S = 10  # pagedserve_testing.stack.gateway_args
 
 
 @pytest.fixture(scope="module")
