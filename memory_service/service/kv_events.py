@@ -12,15 +12,19 @@ so that its subscribers (llm-d's KV-cache indexer, Dynamo's KV router, vLLM's ow
   bytes, big-endian, from 0 at each start, one per batch), and the batch, msgpack;
 - a batch is ``[ts, [event, ...], data_parallel_rank]`` (``ts`` seconds since the epoch, a float;
   the rank always 0: one memory service is one cache);
-- an event is an array, its type's name first, then its fields in vLLM's order (msgspec's
-  ``array_like`` layout of vLLM's tagged structs, the one its example subscriber decodes):
-  ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
-  lora_name, extra_keys]`` (no LoRA: ``lora_id`` and ``lora_name`` nil; ``extra_keys`` nil without a
-  cache salt, else one ``[namespace key hex]`` per block), ``["BlockRemoved", block_hashes, medium]``,
-  ``["AllBlocksCleared"]``.
+- an event is a map, its type's name under ``type`` first, then its fields in vLLM's order (msgspec's
+  layout of vLLM's tagged structs, fields at their default left out, which vLLM's own
+  ``msgspec.msgpack.Decoder(type=KVEventBatch)`` decodes): ``{"type": "BlockStored", "block_hashes",
+  "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name", "extra_keys"}``
+  (no LoRA: ``lora_id`` and ``lora_name`` nil; ``extra_keys`` left out without a cache salt, else one
+  ``[namespace key hex]`` per block), ``{"type": "BlockRemoved", "block_hashes", "medium"}``,
+  ``{"type": "AllBlocksCleared"}``. Why maps: vLLM's structs are tagged but not ``array_like``, so its
+  decoder refuses an event sent as an array (the layout of its older example subscriber), and a
+  decoder of maps skips the fields it does not know (vLLM adds some in most releases).
 - replay (``--kv-events-replay-endpoint``, a ROUTER socket): a client (a REQ socket) sends a start
   sequence number (8 bytes, big-endian) and gets every batch still buffered from there on, one
-  message ``[seq, batch]`` each, then ``[-1 as 8 signed bytes, b""]``. The last
+  message ``[topic, seq, batch]`` each, then ``[b"", -1 as 8 signed bytes, b""]``, as vLLM's
+  ``ZmqEventPublisher`` answers. The last
   ``REPLAY_BUFFER_BATCHES`` batches are kept, ``REPLAY_BUFFER_BYTES`` at most (batches of big blocks
   can be large); the first one of a start is ``AllBlocksCleared``. Why the replay socket's own send
   limit: ZMQ's default (1,000 messages per peer) would silently drop the rest of a longer replay,
@@ -60,16 +64,19 @@ END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 CLOSE_FLUSH_S = 1.0  # at a stop: the events still in the log go out, for this long at most
 
 
-def encode_event(event: KvEvent) -> list:
-    """One event in vLLM's array layout (the module docstring)."""
+def encode_event(event: KvEvent) -> dict:
+    """One event in vLLM's layout (the module docstring)."""
     if isinstance(event, BlockStored):
-        extra_keys = None if event.namespace is None else [[event.namespace]] * len(event.block_hashes)
-        return ["BlockStored", event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size,
-                None, event.medium, None, extra_keys]
+        encoded = {"type": "BlockStored", "block_hashes": event.block_hashes,
+                   "parent_block_hash": event.parent_block_hash, "token_ids": event.token_ids,
+                   "block_size": event.block_size, "lora_id": None, "medium": event.medium, "lora_name": None}
+        if event.namespace is not None:
+            encoded["extra_keys"] = [[event.namespace]] * len(event.block_hashes)
+        return encoded
     if isinstance(event, BlockRemoved):
-        return ["BlockRemoved", event.block_hashes, event.medium]
+        return {"type": "BlockRemoved", "block_hashes": event.block_hashes, "medium": event.medium}
     if isinstance(event, AllBlocksCleared):
-        return ["AllBlocksCleared"]
+        return {"type": "AllBlocksCleared"}
     raise TypeError(f"not a KV event: {event!r}")
 
 
@@ -177,8 +184,8 @@ class KvEventPublisher:
         try:
             for seq, payload in list(self._buffer):
                 if seq >= start_seq:
-                    self._replay.send_multipart((client, delimiter, seq.to_bytes(8, "big"), payload))
-            self._replay.send_multipart((client, delimiter, END_OF_REPLAY, b""))
+                    self._replay.send_multipart((client, delimiter, self._topic, seq.to_bytes(8, "big"), payload))
+            self._replay.send_multipart((client, delimiter, b"", END_OF_REPLAY, b""))
         except zmq.ZMQError as exc:  # Again: its queue stayed full; EHOSTUNREACH: it left
             log.warning("kv_events_replay_cut_short", start_seq=start_seq, error=str(exc))
 

@@ -63,14 +63,15 @@ class Subscriber:
         replayed = {}
         while True:
             assert self.replay_socket.poll(10_000), "no replay answer"
-            delimiter, seq, payload = self.replay_socket.recv_multipart()
+            delimiter, topic, seq, payload = self.replay_socket.recv_multipart()
             assert delimiter == b""
             if seq == (-1).to_bytes(8, "big", signed=True):
-                assert payload == b""
+                assert (topic, payload) == (b"", b"")
                 return replayed
+            assert topic == TOPIC.encode()
             replayed[int.from_bytes(seq, "big")] = msgpack.unpackb(payload)
 
-    def events(self) -> list[list]:
+    def events(self) -> list[dict]:
         """Every event so far, in sequence order: as received, and what the SUB socket has not (yet)
         received asked for on the replay socket (a subscriber that joins misses the first batches)."""
         self.receive()
@@ -88,14 +89,15 @@ def subscriber() -> Iterator[Subscriber]:
         context.destroy(linger=0)
 
 
-def stored_blocks(events: list[list], medium: str) -> list[tuple[int, int | None, list[int], str]]:
+def stored_blocks(events: list[dict], medium: str) -> list[tuple[int, int | None, list[int], str]]:
     """Each block a BlockStored of ``medium`` announced: (hash, parent hash, its tokens, the namespace
     key of its cache salt: None without one)."""
     blocks = []
     for event in events:
-        if event[0] == "BlockStored" and event[6] == medium:
-            _, hashes, parent, token_ids, block_size, lora_id, _, lora_name, extra_keys = event
-            assert block_size == BLOCK_SIZE and lora_id is None and lora_name is None
+        if event["type"] == "BlockStored" and event["medium"] == medium:
+            hashes, parent, token_ids = event["block_hashes"], event["parent_block_hash"], event["token_ids"]
+            extra_keys = event.get("extra_keys")  # left out without a cache salt (vLLM's default)
+            assert event["block_size"] == BLOCK_SIZE and event["lora_id"] is None and event["lora_name"] is None
             assert len(token_ids) == BLOCK_SIZE * len(hashes)
             assert extra_keys is None or len(extra_keys) == len(hashes)
             for i, block_hash in enumerate(hashes):
@@ -105,16 +107,18 @@ def stored_blocks(events: list[list], medium: str) -> list[tuple[int, int | None
     return blocks
 
 
-def holdings(events: list[list]) -> dict[str, set[int]]:
+def holdings(events: list[dict]) -> dict[str, set[int]]:
     """The blocks each medium holds, rebuilt from the events as a router's index would."""
     held: dict[str, set[int]] = {}
     for event in events:
-        if event[0] == "AllBlocksCleared":
+        if event["type"] == "AllBlocksCleared":
             held.clear()
-        elif event[0] == "BlockStored":
-            held.setdefault(event[6], set()).update(event[1])
-        elif event[0] == "BlockRemoved":
-            held.setdefault(event[2], set()).difference_update(event[1])
+        elif event["type"] in ("BlockStored", "BlockRemoved"):
+            blocks = held.setdefault(event["medium"], set())
+            if event["type"] == "BlockStored":
+                blocks.update(event["block_hashes"])
+            else:
+                blocks.difference_update(event["block_hashes"])
     return held
 
 
@@ -133,7 +137,7 @@ def test_events_follow_real_requests_through_pool_and_tiers(service_model: Servi
                           compute_args=("--num-speculative-tokens", "0")) as services:
         subscriber.replay_socket.connect(f"tcp://127.0.0.1:{subscriber.replay_port}")
         # The first batch of a start, replayed for a subscriber that joined late.
-        assert subscriber.replay(0)[0][1:] == [[["AllBlocksCleared"]], 0]
+        assert subscriber.replay(0)[0][1:] == [[{"type": "AllBlocksCleared"}], 0]
         model_name = services.stub.Info(cpb.InfoRequest()).model_name
 
         # One request: its prompt's 2 full blocks and the block its first generated tokens filled
@@ -164,11 +168,11 @@ def test_events_follow_real_requests_through_pool_and_tiers(service_model: Servi
         # the host tier keeps its copies.
         long_prompt = [(7 * i) % 250 + 1 for i in range(100)]
         generate(services, long_prompt, NUM_POOL_BLOCKS * BLOCK_SIZE - len(long_prompt))
-        wait_until(lambda: sum(len(e[1]) for e in subscriber.events()
-                               if e[0] == "BlockRemoved" and e[2] == "GPU") == 6, 10, "6 blocks evicted")
-        removed = [h for e in subscriber.events() if e[0] == "BlockRemoved" for h in e[1]]
+        wait_until(lambda: sum(len(e["block_hashes"]) for e in subscriber.events()
+                               if e["type"] == "BlockRemoved" and e["medium"] == "GPU") == 6, 10, "6 blocks evicted")
+        removed = [h for e in subscriber.events() if e["type"] == "BlockRemoved" for h in e["block_hashes"]]
         assert sorted(removed) == sorted(b[0] for b in plain + salted)
-        assert not [e for e in subscriber.events() if e[0] == "BlockRemoved" and e[2] != "GPU"]
+        assert not [e for e in subscriber.events() if e["type"] == "BlockRemoved" and e["medium"] != "GPU"]
 
         # What a router rebuilds from the events is what the memory service says it holds.
         def rebuilt_matches_stats() -> bool:
@@ -197,7 +201,7 @@ def test_a_full_log_drops_its_backlog_and_clears() -> None:
     log.pool_stored([(i + 1, (i, encode_token_ids([i] * BLOCK_SIZE), ns_key), None) for i in range(3)])  # 3 more
     [stored] = log.take(timeout_s=0)
     assert stored.token_ids == [0] * 4 + [1] * 4 + [2] * 4 and stored.parent_block_hash is None
-    assert stored.namespace is None and encode_event(stored)[8] is None  # no cache salt: extra_keys nil
+    assert stored.namespace is None and "extra_keys" not in encode_event(stored)  # no cache salt: vLLM's default
     log.pool_removed([3])
     log.pool_removed([1, 2])  # 3 pending
     log.pool_stored([(4, (0, encode_token_ids([5] * BLOCK_SIZE), ns_key), None),
@@ -252,11 +256,11 @@ def replayed_seqs(tmp_path: Path, num_batches: int) -> list[int]:
         seqs = []
         while True:
             assert client.poll(10_000), f"the replay stopped after {len(seqs)} batches, without its end marker"
-            _, seq, payload = client.recv_multipart()
+            _, _, seq, payload = client.recv_multipart()
             if seq == END_OF_REPLAY:
                 return seqs
             seqs.append(int.from_bytes(seq, "big"))
-            assert msgpack.unpackb(payload)[1] == [["AllBlocksCleared"]]
+            assert msgpack.unpackb(payload)[1] == [{"type": "AllBlocksCleared"}]
     finally:
         client.close(0)
         context.term()
@@ -273,7 +277,7 @@ def test_a_replay_longer_than_zmqs_default_send_limit_arrives_whole(tmp_path: Pa
 
 def test_the_replay_buffer_is_bounded_by_bytes_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(publisher_module, "MAX_EVENTS_PER_BATCH", 1)
-    num_payload_bytes = len(msgpack.packb([time.time(), [["AllBlocksCleared"]], 0]))  # the same for each batch
+    num_payload_bytes = len(msgpack.packb([time.time(), [{"type": "AllBlocksCleared"}], 0]))  # the same for each batch
     monkeypatch.setattr(publisher_module, "REPLAY_BUFFER_BYTES", 10 * num_payload_bytes + num_payload_bytes // 2)
     assert replayed_seqs(tmp_path, 50) == list(range(40, 50))  # the 10 newest
 
