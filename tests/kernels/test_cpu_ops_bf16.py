@@ -72,6 +72,32 @@ def test_paged_attention_bf16_never_reads_slots_past_a_sequence(kernel: str, blo
     close_to_float32(out, want)
 
 
+@pytest.mark.parametrize("block_size", [16, 4])
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 128])
+def test_long_prompts_on_amx_tiles_match_float32(block_size: int, head_dim: int) -> None:
+    # Prompts of 64 new tokens or more take the AMX tiles where the CPU has them (csrc/prefill_tiles.h;
+    # elsewhere the AVX-512 tiles, the same contract): fresh ones, a chunk over cached context that
+    # ends mid-block, one at exactly the threshold, beside a decode and a short prompt in one step;
+    # slots no sequence owns hold NaN (the gather must not read them, nor the padding past a prompt).
+    seq_lens, q_lens = [150, 1, 200, 64, 40, 97], [150, 1, 121, 64, 40, 97]
+    batch = make_paged_batch(seq_lens, q_lens, num_q_heads=8, num_kv_heads=2, head_dim=head_dim,
+                             block_size=block_size, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(11))
+    used = torch.zeros(batch.k_cache.shape[0] * block_size, dtype=torch.bool)
+    for b, seq_len in enumerate(seq_lens):
+        positions = torch.arange(seq_len)
+        used[batch.block_tables[b, positions // block_size].long() * block_size + positions % block_size] = True
+    for cache in (batch.k_cache, batch.v_cache):
+        cache.view(-1, *cache.shape[2:])[~used] = float("nan")
+    query = batch.query.bfloat16()
+    scale = head_dim**-0.5
+    want = paged_attention_naive(query.float(), batch.k_cache.float(), batch.v_cache.float(), *batch.args()[3:],
+                                 scale=scale)
+    out = torch.full_like(query, float("nan"))
+    ops.paged_attention(out, query, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
+                        batch.cu_seqlens_q, torch.arange(len(seq_lens)), scale)
+    close_to_float32(out, want)
+
+
 def test_ops_refuse_mixed_dtypes() -> None:
     batch = make_paged_batch([5], [1], num_q_heads=2, num_kv_heads=1, head_dim=16, block_size=4,
                              dtype=torch.bfloat16)

@@ -33,10 +33,10 @@
 #include <vector>
 
 #include "exp_approx.h"
+#include "brgemm_linear.h"  // before the attention: its prompt tiles (prefill_tiles.h) call brgemm too
 #ifdef __AVX512F__
 #include "paged_attention_avx512.h"
 #endif
-#include "brgemm_linear.h"
 #ifdef __AVX512BF16__
 #include "small_linear_bf16.h"
 #endif

@@ -502,6 +502,10 @@ struct Shapes {
   float scale;
 };
 
+#ifdef __AVX512BF16__
+#include "prefill_tiles.h"
+#endif
+
 template <int64_t D, int64_t RV, typename T>
 void run_tile_item(const Item& it, const Shapes& sh, const T* q_ptr, T* o_ptr, const T* k_ptr,
                    const T* v_ptr, const int32_t* table, int64_t q_start, int64_t context, float* buf) {
@@ -707,6 +711,22 @@ void paged_attention(T* o_ptr, const T* q_ptr, const T* k_ptr, const T* v_ptr, c
                      const int32_t* lens, const int32_t* cu, const int64_t* ids, int64_t num_seqs, const Shapes& sh) {
   const int64_t g = sh.group;
   const int64_t tile_q = std::max<int64_t>(1, kTileRows / g);
+  // Prompts of at least kTilesMinQ new tokens on AMX tiles (prefill_tiles.h), bf16 only; the rest below.
+  std::vector<char> on_tiles(num_seqs, 0);
+#ifdef __AVX512BF16__
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (prefill_tiles::available()) {
+      std::vector<int64_t> prompts;
+      for (int64_t i = 0; i < num_seqs; ++i) {
+        if (cu[ids[i] + 1] - cu[ids[i]] >= prefill_tiles::kTilesMinQ) {
+          prompts.push_back(i);
+          on_tiles[i] = 1;
+        }
+      }
+      if (!prompts.empty()) prefill_tiles::run<D>(prompts, o_ptr, q_ptr, k_ptr, v_ptr, tables, lens, cu, ids, sh);
+    }
+  }
+#endif
   // Decode slices: enough items for every thread (four each), each at least 16 blocks long.
   int64_t decode_blocks = 0;
   for (int64_t i = 0; i < num_seqs; ++i) {
@@ -719,6 +739,7 @@ void paged_attention(T* o_ptr, const T* q_ptr, const T* k_ptr, const T* v_ptr, c
   std::vector<std::pair<int64_t, int64_t>> merges;  // (seq index, first partial) of each split decode
   int64_t num_parts = 0;
   for (int64_t i = 0; i < num_seqs; ++i) {
+    if (on_tiles[i]) continue;
     const int64_t b = ids[i], q_len = cu[b + 1] - cu[b], seq_len = lens[b];
     const int64_t blocks = (seq_len + sh.block_size - 1) / sh.block_size;
     if (q_len <= kDecodeMaxQ) {
