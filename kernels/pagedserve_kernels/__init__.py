@@ -71,7 +71,8 @@ def kernel_paths(device: torch.device, dtype: torch.dtype, head_dim: int) -> dic
     benchmark's line can say what ran). Empty where the fused CPU kernels do not run (`step_path`).
 
     Keys: "attention" ("avx512-bf16", "avx512" or "portable": the instructions of paged_attention's
-    build, for block sizes of 4 to 16 in steps of 4; others run the portable kernel), "linear"
+    build, for block sizes of 4 to 16 in steps of 4; others run the portable kernel; bf16 on an AMX
+    CPU adds ", prompts>=64 amx-tiles": the prompts that take csrc/prefill_tiles.h), "linear"
     (`cpu_linear.linear_path`: the small-batch rows and their kernel, then oneDNN, on AMX tiles or not).
     """
     if not step_path(device, dtype, head_dim).startswith("fused-cpp"):
@@ -79,7 +80,10 @@ def kernel_paths(device: torch.device, dtype: torch.dtype, head_dim: int) -> dic
     from pagedserve_kernels import cpu_ops
 
     ops = cpu_ops.load()
-    return {"attention": ops.attention_isa(), "linear": linear_path(dtype)}
+    attention = ops.attention_isa()
+    if dtype == torch.bfloat16 and ops.prompt_tiles_min_tokens():
+        attention += f", prompts>={ops.prompt_tiles_min_tokens()} amx-tiles"
+    return {"attention": attention, "linear": linear_path(dtype)}
 
 
 def write_kv(

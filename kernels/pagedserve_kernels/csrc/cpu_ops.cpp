@@ -516,6 +516,15 @@ std::string attention_isa() {
 #endif
 }
 
+// Prompts of at least this many new tokens take the AMX tiles in bf16 (csrc/prefill_tiles.h); 0: none here.
+int64_t prompt_tiles_min_tokens() {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  return avx512_attention::prefill_tiles::available() ? avx512_attention::prefill_tiles::kTilesMinQ : 0;
+#else
+  return 0;
+#endif
+}
+
 // Whether the small-batch linear runs on AMX tiles here (csrc/brgemm_linear.h): `brgemm_pack` works.
 bool brgemm_linear_available() { return brgemm_linear::available(); }
 
@@ -683,6 +692,7 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("brgemm_linear_available() -> bool");
   m.def("brgemm_block_n() -> int");
   m.def("attention_isa() -> str");
+  m.def("prompt_tiles_min_tokens() -> int");
   m.def("brgemm_pack(Tensor weight) -> Tensor");
   m.def("nucleus_draws(Tensor rows, Tensor inv_t, Tensor top_p, Tensor uniform, int k) -> Tensor");
   m.def("has_nucleus_draws() -> bool");
@@ -714,6 +724,7 @@ TORCH_LIBRARY_IMPL(pagedserve_cpu, CatchAll, m) {
   m.impl("brgemm_linear_available", &brgemm_linear_available);
   m.impl("brgemm_block_n", &brgemm_block_n);
   m.impl("attention_isa", &attention_isa);
+  m.impl("prompt_tiles_min_tokens", &prompt_tiles_min_tokens);
   m.impl("has_nucleus_draws", &sampler::has_nucleus_draws);
   m.impl("avx512_attention", &uses_avx512_attention);
 }
