@@ -63,6 +63,7 @@ from pathlib import Path
 
 import torch
 
+import pagedserve_kernels as kernels
 from benchmarks.throughput import hf_baselines, peer, realistic
 from benchmarks.throughput import step_profile
 from benchmarks.throughput.workload import (
@@ -442,6 +443,8 @@ def report(args: argparse.Namespace, workload: list[Request], results: list[RunR
         "load_avg_start": args.load_avg_start, "load_avg_end": round(os.getloadavg()[0], 2),
         "peak_rss_mib": round(peak_rss / 1024),  # largest single process (ru_maxrss is in KiB on Linux)
         "cpu_preload": os.environ.get("LD_PRELOAD", "") if cpu_preload_active() else None,
+        # What ran: the code each kernel takes on this CPU (the compute service's Info.kernel_paths).
+        "kernel_paths": kernels.kernel_paths(torch.device(args.device), DTYPES[args.dtype], config.head_dim),
     }
 
     prompt_lens, output_lens = [len(r.prompt_token_ids) for r in workload], [r.max_tokens for r in workload]
