@@ -29,6 +29,7 @@ from pagedserve.errors import InvalidArgument, UnavailableError
 
 from memory_service.manager.block_manager import BlockManager
 from memory_service.manager.block_types import BlockManagerConfig, BlockManagerStats, Op, StepResult
+from memory_service.manager.chain import BlockOrigin, root_hash
 from memory_service.manager.kv_events import KvEventLog
 
 if TYPE_CHECKING:
@@ -172,8 +173,9 @@ class MemoryCore:
         tiers = [*memory, *io]  # fastest first
         for t in sorted(tiers, key=lambda t: t is not disk):  # the disk first, as before the host
             t.open(identity, pin_memory=pool.is_cuda)
+        found = [(t.medium, t.take_found()) for t in io]  # taken anyway: an IO tier keeps them until asked
         if self.kv_events is not None:
-            self._send_tier_events(self.kv_events, tiers)
+            self._send_tier_events(self.kv_events, tiers, identity.digest, found)
         with self.lock:
             # ``close_tiers`` reads ``tier`` under this lock after marking the core closed.
             if self._is_closed:
@@ -184,11 +186,17 @@ class MemoryCore:
             self.tier = tier
             self.tier_identity = identity
 
-    def _send_tier_events(self, events: KvEventLog, tiers: Sequence[MemoryTier | IoTier]) -> None:
-        """The tiers tell ``events`` what they store and drop, in their media (manager/kv_events.py)."""
+    def _send_tier_events(self, events: KvEventLog, tiers: Sequence[MemoryTier | IoTier], identity_digest: bytes,
+                          found: list[tuple[str, list[tuple[bytes, bytes, BlockOrigin]]]]) -> None:
+        """The tiers tell ``events`` what they store and drop, in their media, after what the IO tiers
+        found from an earlier service (``IoTier.take_found``, parents first; manager/kv_events.py)."""
+        events.set_tier_capacity(self.config.num_blocks + sum(tier.num_slots for tier in tiers))
+        for medium, blocks in found:
+            roots = {root_hash(identity_digest, ns_key) for _, ns_key, _ in blocks}  # a first block's parent
+            events.tier_found(medium, [(key, ns_key, None if origin.parent_key in roots else origin.parent_key,
+                                        origin.token_bytes) for key, ns_key, origin in blocks])
         for tier in tiers:
             tier.on_change = functools.partial(events.tier_changed, tier.medium)
-        events.set_tier_capacity(self.config.num_blocks + sum(tier.num_slots for tier in tiers))
 
     def close_tiers(self) -> None:
         """Stops the tiers' threads (they read and write the pool: call before freeing it); a later

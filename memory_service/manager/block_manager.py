@@ -42,6 +42,7 @@ from pagedserve.errors import InvalidArgument, echo
 
 from memory_service.manager import manager_checks
 from memory_service.manager.block_pool import BlockPool
+from memory_service.manager.chain import BlockOrigin, root_hash
 from memory_service.manager.block_types import (
     AllocateOp,
     AppendOp,
@@ -381,14 +382,15 @@ class BlockManager:
         if self._tier is not None and client_id in self._client_seqs:
             self._tier.prefill_speeds[client_id] = prefill_tokens_per_s
 
-    def take_tier_writes(self, max_blocks: int) -> list[tuple[int, bytes, bytes, int]]:
+    def take_tier_writes(self, max_blocks: int) -> list[tuple[int, bytes, bytes, int, BlockOrigin]]:
         """The oldest committed blocks waiting for write-behind that still hold their content.
 
         Args:
             max_blocks: at most this many.
 
         Returns:
-            ``(block_id, tier key, namespace key, generation)`` each. The caller copies their bytes
+            ``(block_id, tier key, namespace key, generation, origin)`` each (the origin for the IO
+            tiers' files: chain.py's ``BlockOrigin``). The caller copies their bytes
             without the manager's lock, then asks ``is_unchanged`` under it: a block evicted and
             handed out meanwhile may have been rewritten, and its copy is dropped (counted missed).
 
@@ -400,12 +402,14 @@ class BlockManager:
         if self._tier is None:
             return []
         to_persist, cache, generations = self._tier.to_persist, self._prefix_cache, self._pool.generations
-        writes: list[tuple[int, bytes, bytes, int]] = []
+        writes: list[tuple[int, bytes, bytes, int, BlockOrigin]] = []
         while to_persist and len(writes) < max_blocks:
             block_id = next(iter(to_persist))
             tier_hash, generation = to_persist.pop(block_id)
             if generations[block_id] == generation and cache.tier_hashes[block_id] == tier_hash:
-                writes.append((block_id, tier_hash, cache.block_keys[block_id][2], generation))
+                _, token_bytes, ns_key = cache.block_keys[block_id]
+                origin = BlockOrigin(cache.tier_parents[block_id], token_bytes)
+                writes.append((block_id, tier_hash, ns_key, generation, origin))
             else:  # evicted (and maybe handed out again) before the writer came
                 self._tier.num_missed += 1
         return writes
@@ -450,11 +454,18 @@ class BlockManager:
             block_ids = load.block_ids[:num_loaded]
             cache.register(block_ids, load.token_bytes, 0, load.ns_key, parent_entry_id, load.client_id, loaded)
             directory, to_persist = self._tier.directory, self._tier.to_persist
+            identity = self._tier.identities.get(load.client_id)
+            # The key before the first loaded block: its cached prefix's, else the namespace's root
+            # (b"" when neither is known any more: the origin is then not believed, chain.py).
+            parent = (cache.tier_hashes[prefix[-1]] or b"") if prefix else (
+                root_hash(identity, load.ns_key) if identity is not None else b"")
             for block_id, tier_hash in zip(block_ids, load.hashes):
                 if block_id in loaded:
                     cache.tier_hashes[block_id] = tier_hash
+                    cache.tier_parents[block_id] = parent
                     if directory.needs_write(tier_hash):  # loaded from RAM, not on disk (yet): written now
                         to_persist[block_id] = (tier_hash, self._pool.generations[block_id])
+                parent = tier_hash
             cache.commit(loaded)  # with their tier keys set: KV events follow their tier copies too
         self._pool.release(reversed([*prefix, *load.block_ids]))
         self._tier.end_load(load)

@@ -17,8 +17,25 @@ Its cost, ~1 us a block, is paid only by clients that use a tier.
 from __future__ import annotations
 
 import hashlib
+from typing import NamedTuple
 
 HASH_SIZE = 32  # bytes of a block key
+
+
+class BlockOrigin(NamedTuple):
+    """What a tier block's key stands for, kept with its bytes so that a restarted service can say
+    which prefix a block file holds (its KV events, manager/kv_events.py): the key of the block
+    before it (``root_hash`` for a first block) and its own tokens.
+
+    It checks itself: ``is_of(key)`` holds only for the origin the key was chained from, so a torn or
+    foreign origin is never believed (the block is then served, but never announced).
+    """
+
+    parent_key: bytes
+    token_bytes: bytes  # encoded (token_encoding), block_size tokens
+
+    def is_of(self, key: bytes) -> bool:
+        return hashlib.blake2b(self.parent_key + self.token_bytes, digest_size=HASH_SIZE).digest() == key
 
 
 def root_hash(identity_digest: bytes, ns_key: bytes) -> bytes:

@@ -18,6 +18,12 @@ When each event is made:
   once, one event each), or dropped one.
 - ``AllBlocksCleared``: the service (re)started, or changes were dropped (``KvEventLog`` says why):
   every earlier event of this endpoint is void.
+- ``BlockStored`` medium ``MEDIUM_DISK`` at a start, after that ``AllBlocksCleared``: the blocks the
+  disk tier found from an earlier service (its files keep each block's parent and tokens:
+  tier/disk_tier.py), once the tiers open, parents first, each chain in a row (one event per chain,
+  ``MAX_FOUND_RUN_BLOCKS`` blocks at most). Their namespaces have not been named yet in this
+  process, so they count as salted (below) until a request names them: a router then misses those
+  unsalted prompts' disk blocks (their keys differ), never mixes tenants.
 
 Block hashes: each block gets a 64-bit hash chained over (its parent's hash, its namespace key, its
 token ids), so equal content in one namespace has one hash in every medium and across restarts, as
@@ -56,6 +62,9 @@ MEDIUM_DISK = "DISK"
 # holds a Step or a tier's writer, and the backlog's memory stays bounded.
 MAX_PENDING_CHANGES = 100_000
 MAX_NAMESPACES = 4096  # namespaces whose salt (or none) the log remembers
+# Blocks found at a start per record (a large disk index is several), and per event (one chain).
+FOUND_RECORD_BLOCKS = 10_000
+MAX_FOUND_RUN_BLOCKS = 256
 # ``cache_namespace(model, "")`` ends so: a namespace without a cache salt.
 UNSALTED_SUFFIX = "|"
 
@@ -173,6 +182,17 @@ class KvEventLog:
         with self._lock:
             self._max_tier_blocks = num_blocks
 
+    def tier_found(self, medium: str, blocks: list[tuple[bytes, bytes, bytes | None, bytes]]) -> None:
+        """Blocks a tier held before this start (the disk tier's files), parents first.
+
+        Args:
+            blocks: per block, its tier key, its namespace key, its parent's tier key (None for a
+                namespace's first block) and its token bytes.
+        """
+        for start in range(0, len(blocks), FOUND_RECORD_BLOCKS):
+            chunk = blocks[start:start + FOUND_RECORD_BLOCKS]
+            self._record("tier_found", (medium, chunk), len(chunk))
+
     def tier_changed(self, medium: str, tier_key: bytes, is_stored: bool) -> None:
         """A tier stored or dropped the block ``tier_key``."""
         self._record("tier_changed", (medium, tier_key, is_stored), 1)
@@ -214,22 +234,27 @@ class KvEventLog:
             if parent is None and parent_entry_id != ROOT_ENTRY_ID:
                 self._num_unannounced += 1  # its parent's store was dropped (the class docstring)
                 continue
-            parent_hash = parent.block_hash if parent is not None else None
-            digest = hashlib.blake2b((parent_hash or 0).to_bytes(8, "big") + ns_key + token_bytes, digest_size=8)
-            namespace = ns_key.hex() if self._is_salted.get(ns_key, True) else None
-            block = _Block(int.from_bytes(digest.digest(), "big"), parent_hash, token_bytes, namespace)
+            block = self._block(parent, ns_key, token_bytes)
             self._pool[entry_id] = block
-            if tier_key is not None and max_tier_blocks:
-                self._tier_blocks[tier_key] = block
-                self._tier_blocks.move_to_end(tier_key)
-                while len(self._tier_blocks) > max_tier_blocks:
-                    self._tier_blocks.popitem(last=False)
-            if run and (parent_hash != run[-1].block_hash or block.namespace != run[0].namespace):
-                events.append(self._stored(run, MEDIUM_POOL))
-                run = []
-            run.append(block)
+            if tier_key is not None:
+                self._keep_tier_block(tier_key, block, max_tier_blocks)
+            run = self._extend_run(run, block, events, MEDIUM_POOL)
         if run:
             events.append(self._stored(run, MEDIUM_POOL))
+
+    def _on_tier_found(self, found: tuple[str, list], events: list[KvEvent], max_tier_blocks: int) -> None:
+        medium, blocks = found
+        run: list[_Block] = []
+        for tier_key, ns_key, parent_key, token_bytes in blocks:
+            parent = self._tier_blocks.get(parent_key) if parent_key is not None else None
+            if parent is None and parent_key is not None:
+                self._num_unannounced += 1  # its parent's record was dropped (the class docstring)
+                continue
+            block = self._block(parent, ns_key, token_bytes)
+            self._keep_tier_block(tier_key, block, max_tier_blocks)
+            run = self._extend_run(run, block, events, medium, MAX_FOUND_RUN_BLOCKS)
+        if run:
+            events.append(self._stored(run, medium))
 
     def _on_pool_removed(self, entry_ids: list[int], events: list[KvEvent], _: int) -> None:
         hashes = [self._pool.pop(entry_id).block_hash for entry_id in entry_ids if entry_id in self._pool]
@@ -237,8 +262,8 @@ class KvEventLog:
             events.append(BlockRemoved(hashes, MEDIUM_POOL))
 
     def _on_tier_changed(self, change: tuple[str, bytes, bool], events: list[KvEvent], _: int) -> None:
-        # A block the pool never announced in this process (one found on disk at a restart) has no
-        # tokens here: no event.
+        # A block neither the pool nor a tier's files announced in this process (one whose file held
+        # no origin, or whose parent's file was gone) has no tokens here: no event.
         medium, tier_key, is_stored = change
         block = self._tier_blocks.get(tier_key)
         if block is None:
@@ -259,6 +284,32 @@ class KvEventLog:
         self._tier_blocks.clear()
 
     # --- inside -------------------------------------------------------------------------------
+
+    def _block(self, parent: _Block | None, ns_key: bytes, token_bytes: bytes) -> _Block:
+        """A block's event identity: its hash chained over its parent's (the module docstring)."""
+        parent_hash = parent.block_hash if parent is not None else None
+        digest = hashlib.blake2b((parent_hash or 0).to_bytes(8, "big") + ns_key + token_bytes, digest_size=8)
+        namespace = ns_key.hex() if self._is_salted.get(ns_key, True) else None
+        return _Block(int.from_bytes(digest.digest(), "big"), parent_hash, token_bytes, namespace)
+
+    def _keep_tier_block(self, tier_key: bytes, block: _Block, max_tier_blocks: int) -> None:
+        """Remembers ``block`` for the tiers' events of ``tier_key``, least recently stored first, bounded."""
+        if max_tier_blocks:
+            self._tier_blocks[tier_key] = block
+            self._tier_blocks.move_to_end(tier_key)
+            while len(self._tier_blocks) > max_tier_blocks:
+                self._tier_blocks.popitem(last=False)
+
+    def _extend_run(self, run: list[_Block], block: _Block, events: list[KvEvent], medium: str,
+                    max_run_blocks: int | None = None) -> list[_Block]:
+        """``run`` (blocks of one chain and namespace) with ``block``; a block that does not continue
+        it (or a full run) sends it as one event first."""
+        if run and (block.parent_hash != run[-1].block_hash or block.namespace != run[0].namespace
+                    or (max_run_blocks is not None and len(run) >= max_run_blocks)):
+            events.append(self._stored(run, medium))
+            run = []
+        run.append(block)
+        return run
 
     def _stored(self, blocks: list[_Block], medium: str) -> BlockStored:
         return BlockStored([b.block_hash for b in blocks], blocks[0].parent_hash,

@@ -203,7 +203,8 @@ class OpApplier:
                 )
                 if tier_hashes is not None:
                     new_hashes = tier_hashes[num_cached_blocks:num_full_blocks]
-                    _set_tier_hashes(cache, block_table, num_cached_blocks, new_hashes)
+                    parent = tier_hashes[num_cached_blocks - 1] if num_cached_blocks else tier_root
+                    _set_tier_hashes(cache, block_table, num_cached_blocks, new_hashes, parent)
             if tier_hashes is not None:
                 tier_root = tier_hashes[num_full_blocks - 1] if num_full_blocks else tier_root
             partial_token_bytes = prompt_bytes[num_full_blocks * block_size * TOKEN_WIDTH : num_tokens * TOKEN_WIDTH]
@@ -263,7 +264,7 @@ class OpApplier:
                 )
                 if seq.tier_hash is not None:
                     hashes = chain_hashes(seq.tier_hash, partial_token_bytes, block_size * TOKEN_WIDTH, num_filled)
-                    _set_tier_hashes(cache, block_table, first, hashes)
+                    _set_tier_hashes(cache, block_table, first, hashes, seq.tier_hash)
                     seq.tier_hash = hashes[-1]
                 partial_token_bytes = partial_token_bytes[num_filled * block_size * TOKEN_WIDTH :]
             seq.partial_token_bytes = partial_token_bytes
@@ -344,10 +345,14 @@ class OpApplier:
         return OpResult(True, list(parent.block_table))
 
 
-def _set_tier_hashes(cache: PrefixCache, block_table: list[int], first: int, hashes: list[bytes]) -> None:
+def _set_tier_hashes(cache: PrefixCache, block_table: list[int], first: int, hashes: list[bytes],
+                     parent: bytes) -> None:
     """Gives the tier keys ``hashes`` to the blocks ``block_table[first:]`` that just registered (a
-    block whose twin was cached already has no cache key, and gets none)."""
-    block_keys, tier_hashes = cache.block_keys, cache.tier_hashes
+    block whose twin was cached already has no cache key, and gets none); ``parent`` is the key of
+    the block before the first."""
+    block_keys, tier_hashes, tier_parents = cache.block_keys, cache.tier_hashes, cache.tier_parents
     for block_id, tier_hash in zip(block_table[first : first + len(hashes)], hashes):
         if block_keys[block_id] is not None:
             tier_hashes[block_id] = tier_hash
+            tier_parents[block_id] = parent
+        parent = tier_hash

@@ -97,6 +97,8 @@ class PrefixCache:
         # The block's key in a tier below the pool (chain.py), set by the tier's book for
         # clients that use one; cleared with the cache key, so it never outlives the content.
         self.tier_hashes: list[bytes | None] = [None] * num_blocks
+        # The tier key of the block before it (chain.py's BlockOrigin), meaningful while its tier key is set.
+        self.tier_parents: list[bytes] = [b""] * num_blocks
         self._next_entry_id = ROOT_ENTRY_ID + 1
         # Told of every block committed and evicted, when the service sends KV events (kv_events.py).
         self.events: KvEventLog | None = None

@@ -9,9 +9,17 @@ num_kv_heads, head_dim)`` in the pool's dtype:
     model fingerprint (its BLAKE2b-256), namespace key, chained block key, payload length,
     XXH3-64 of the payload, XXH3-64 of the header before it
 
-and zeros up to the payload's offset: 4 KiB where the block's bytes are a whole number of 4 KiB
-pages (every real model's: 16 tokens of a 64-dim head in 16 bits are one page), so the file can be
-written with ``O_DIRECT`` (below); else right after the header.
+then the block's origin (``manager/chain.py``'s ``BlockOrigin``: its parent's key, then its token
+ids, ``block_size * TOKEN_WIDTH`` bytes; zeros when the writer did not know it), and zeros up to the
+payload's offset: 4 KiB where the block's bytes are a whole number of 4 KiB pages (every real
+model's: 16 tokens of a 64-dim head in 16 bits are one page), so the file can be written with
+``O_DIRECT`` (below); else right after the origin.
+
+Why the origin: a restarted service announces the blocks it finds here in its KV events (a router
+learns what survived), and an event names a block by its tokens and its parent, which the key alone
+cannot give back. It needs no checksum of its own: it is believed only if it chains to the file's
+key (``BlockOrigin.is_of``), and a block it is wrong about is still served (the key and the
+payload's checksum decide that), only never announced.
 
 Never serve wrong KV: a file is used only when every header field equals what the reader expects
 (the model, dtype, block size and layout of the pool, the namespace and the key it was looked up
@@ -47,9 +55,10 @@ that shrinks further (another writer) gives another ENOSPC, which lowers the bud
 budget lasts until the service restarts (it starts from ``capacity_bytes``): a file system that
 others fill and then empty again is not watched.
 
-Warm restart: ``open`` rebuilds the index by reading every file's header (no separate index file to
-keep consistent with the files: the files are the index), least recently used first by mtime, which
-a hit refreshes. Files of another identity are removed then: a tier serves one model and layout.
+Warm restart: ``open`` rebuilds the index by reading every file's header and origin (no separate
+index file to keep consistent with the files: the files are the index), least recently used first
+by mtime, which a hit refreshes; ``take_found`` hands the blocks found to the KV events, parents
+first. Files of another identity are removed then: a tier serves one model and layout.
 LRU within ``capacity_bytes``: a write evicts the least recently used files until it fits (a full file
 system lowers that budget, below).
 
@@ -81,14 +90,15 @@ from pagedserve.dtypes import ELEMENT_SIZES
 from pagedserve.errors import PreconditionError
 from pagedserve.log import get_logger
 
-from memory_service.manager.chain import HASH_SIZE
+from memory_service.manager.chain import HASH_SIZE, BlockOrigin, root_hash
 from memory_service.manager.kv_events import MEDIUM_DISK
+from memory_service.token_encoding import TOKEN_WIDTH
 from memory_service.tier.tier import TierCounters
 
 log = get_logger("memory_service.tier")
 
 MAGIC = b"PSKVBLK\x01"
-LAYOUT_VERSION = 2  # 1: CRC-32 checksums, the payload right after the header
+LAYOUT_VERSION = 3  # 1: CRC-32 checksums, the payload right after the header; 2: no origin
 # magic, layout version, payload offset, dtype, block size, layers, KV heads, head dim, fingerprint
 # digest, namespace key, block key, payload length, payload XXH3-64; then the header's own XXH3-64.
 _FIELDS = struct.Struct("<8sHH16sIIII32s16s32sQQ")
@@ -146,9 +156,16 @@ class TierIdentity:
         return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
 
     @property
+    def origin_size(self) -> int:
+        """A file's ``BlockOrigin``, right after the header: the parent's key and the block's tokens."""
+        return HASH_SIZE + self.block_size * TOKEN_WIDTH
+
+    @property
     def payload_offset(self) -> int:
-        """Where a file's payload begins: a page in, when its bytes are whole pages (``O_DIRECT``)."""
-        return DIRECT_ALIGN if self.bytes_per_block % DIRECT_ALIGN == 0 else HEADER_SIZE
+        """Where a file's payload begins: on a page boundary past the header and the origin when its
+        bytes are whole pages (``O_DIRECT``), else right after the origin."""
+        end = HEADER_SIZE + self.origin_size
+        return -(-end // DIRECT_ALIGN) * DIRECT_ALIGN if self.bytes_per_block % DIRECT_ALIGN == 0 else end
 
     @property
     def file_size(self) -> int:
@@ -200,6 +217,7 @@ class DiskTier:
         self._num_bad_files = 0
         self._is_direct = True  # O_DIRECT writes until the file system refuses one (module docstring)
         self._buffer: mmap.mmap | None = None  # the file a put writes, page-aligned (set by ``open``)
+        self._found: dict[bytes, tuple[bytes, BlockOrigin]] = {}  # from ``open`` to ``take_found``: key -> (ns, origin)
         # Told of each block stored (True) or dropped (False), by the thread that did it: KV events.
         self.on_change: Callable[[bytes, bool], None] | None = None
 
@@ -231,6 +249,7 @@ class DiskTier:
             The number of blocks found.
         """
         found: list[tuple[float, bytes, int]] = []
+        origins: dict[bytes, tuple[bytes, BlockOrigin]] = {}
         num_partial = 0
         num_bad_before = self._num_bad_files
         for entry in os.scandir(self.directory):
@@ -243,7 +262,7 @@ class DiskTier:
             key = bytes.fromhex(entry.name[: -len(FILE_SUFFIX)])
             try:
                 with open_own_file(entry.path) as f:
-                    header = f.read(HEADER_SIZE)
+                    header = f.read(HEADER_SIZE + identity.origin_size)
                     st = os.fstat(f.fileno())
             except NotOurFile as exc:
                 self._remove_bad(Path(entry.path), str(exc))
@@ -258,12 +277,16 @@ class DiskTier:
                 self._remove_bad(Path(entry.path), problem)
                 continue
             found.append((st.st_mtime, key, st.st_size))
+            origin = BlockOrigin(header[HEADER_SIZE:HEADER_SIZE + HASH_SIZE], header[HEADER_SIZE + HASH_SIZE:])
+            if origin.is_of(key):
+                origins[key] = (_FIELDS.unpack_from(header)[9], origin)
         found.sort()
         with self._lock:
             self.identity = identity
             self._buffer = self.new_buffer()
             self._index = OrderedDict((key, size) for _, key, size in found)
             self._num_bytes = sum(size for _, _, size in found)
+            self._found = origins
         if num_partial:  # a service killed (or a disk filled) mid-write: said once, not per file
             log.warning("kv_tier_partial_writes_removed", directory=str(self.directory), num_files=num_partial,
                         reason="writes cut short (the service stopped mid-write); those blocks are recomputed")
@@ -272,6 +295,28 @@ class DiskTier:
                  num_partial_writes_removed=num_partial, num_bad_files_removed=self._num_bad_files - num_bad_before)
         self._evict_until(0)  # a smaller budget than last time
         return len(found)
+
+    def take_found(self) -> list[tuple[bytes, bytes, BlockOrigin]]:
+        """The blocks ``open`` found, with their origins, parents first (``IoTier.take_found``)."""
+        with self._lock:
+            found, self._found = {k: v for k, v in self._found.items() if k in self._index}, {}
+        if self.identity is None:
+            return []
+        digest = self.identity.digest
+        children: dict[bytes, list[bytes]] = {}
+        for key, (_, origin) in found.items():
+            children.setdefault(origin.parent_key, []).append(key)
+        # Depth first from each namespace's root: a child right after its parent, so one chain goes
+        # out as one event; a block whose parent is gone (evicted) is left out with its children.
+        roots = {root_hash(digest, ns_key) for ns_key, _ in found.values()}
+        stack = [key for root in roots for key in children.get(root, [])]
+        ordered: list[tuple[bytes, bytes, BlockOrigin]] = []
+        while stack:
+            key = stack.pop()
+            ns_key, origin = found[key]
+            ordered.append((key, ns_key, origin))
+            stack.extend(children.get(key, []))
+        return ordered
 
     # --- lookups ------------------------------------------------------------------------------
 
@@ -344,7 +389,7 @@ class DiskTier:
         assert self.identity is not None, "open the tier first"
         return mmap.mmap(-1, -(-self.identity.file_size // DIRECT_ALIGN) * DIRECT_ALIGN)  # anonymous: zeroed
 
-    def put(self, key: bytes, ns_key: bytes, payload: memoryview) -> bool:
+    def put(self, key: bytes, ns_key: bytes, payload: memoryview, origin: BlockOrigin | None = None) -> bool:
         """Writes a block atomically, evicting least recently used files to fit (one writer thread); a
         full file system lowers the budget and the write is retried once (module docstring).
 
@@ -352,6 +397,7 @@ class DiskTier:
             key: its chained key.
             ns_key: its namespace key.
             payload: ``identity.bytes_per_block`` bytes, the block as the pool holds it.
+            origin: its parent's key and its tokens (module docstring); None: unknown (zeros).
 
         Returns:
             True when the block is in the tier afterwards; False when it was dropped (logged).
@@ -362,11 +408,11 @@ class DiskTier:
         if key in self._index:
             return True
         self._buffer[identity.payload_offset:identity.file_size] = payload
-        return self.put_buffer(key, ns_key, self._buffer)
+        return self.put_buffer(key, ns_key, self._buffer, origin)
 
-    def put_buffer(self, key: bytes, ns_key: bytes, buffer: mmap.mmap) -> bool:
+    def put_buffer(self, key: bytes, ns_key: bytes, buffer: mmap.mmap, origin: BlockOrigin | None = None) -> bool:
         """``put`` of a block already in a ``new_buffer`` (at ``identity.payload_offset``); the header
-        is written into the same buffer."""
+        and the origin are written into the same buffer."""
         identity = self.identity
         if identity is None or len(ns_key) != NAMESPACE_KEY_SIZE:
             raise ValueError("put: the tier is not open, or the namespace key does not fit")
@@ -382,6 +428,10 @@ class DiskTier:
                               identity.fingerprint_digest, ns_key, key, identity.bytes_per_block,
                               xxhash.xxh3_64_intdigest(view[offset:size]))
         buffer[:HEADER_SIZE] = fields + _HEADER_CHECKSUM.pack(xxhash.xxh3_64_intdigest(fields))
+        origin_bytes = origin.parent_key + origin.token_bytes if origin is not None else b""
+        if len(origin_bytes) != identity.origin_size:  # unknown, or not one block's: not kept
+            origin_bytes = bytes(identity.origin_size)
+        buffer[HEADER_SIZE:HEADER_SIZE + identity.origin_size] = origin_bytes
         try:
             try:
                 self._write_file(key, view[:size])

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 
     import torch
 
+    from memory_service.manager.chain import BlockOrigin
     from memory_service.tier.disk_tier import TierIdentity
 
 
@@ -127,12 +128,19 @@ class IoTier(Tier, Protocol):
         """A buffer for ``put_buffer``, the block's bytes at ``identity.payload_offset``."""
         ...
 
-    def put_buffer(self, key: bytes, ns_key: bytes, buffer: mmap.mmap) -> bool:
-        """Writes a block already in a ``new_buffer``; True when held afterwards, False when dropped."""
+    def put_buffer(self, key: bytes, ns_key: bytes, buffer: mmap.mmap, origin: BlockOrigin | None = None) -> bool:
+        """Writes a block already in a ``new_buffer``; True when held afterwards, False when dropped.
+        ``origin`` (chain.py): kept with it, for ``take_found`` after a restart (None: unknown)."""
         ...
 
-    def put(self, key: bytes, ns_key: bytes, payload: memoryview) -> bool:
+    def put(self, key: bytes, ns_key: bytes, payload: memoryview, origin: BlockOrigin | None = None) -> bool:
         """Writes a block's ``identity.bytes_per_block`` bytes (a copy of them into its own buffer first)."""
+        ...
+
+    def take_found(self) -> list[tuple[bytes, bytes, BlockOrigin]]:
+        """The blocks ``open`` found from an earlier service, each ``(key, namespace key, origin)``,
+        whose origin holds and whose chain reaches its namespace's root through blocks held, parents
+        first, each chain's blocks in a row (KV events announce them); empty after the first call."""
         ...
 
     def get(self, key: bytes, ns_key: bytes) -> memoryview | None:

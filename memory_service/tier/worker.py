@@ -58,6 +58,7 @@ from pagedserve.log import get_logger
 
 from memory_service.manager.block_manager import BlockManager
 from memory_service.manager.block_types import TierStats
+from memory_service.manager.chain import BlockOrigin
 from memory_service.manager.tier_book import TierLoad
 from memory_service.tier.accounts import TierAccounts
 from memory_service.tier.tier import IoTier, MemoryTier
@@ -250,8 +251,8 @@ class TierWorker:
         # most as many as the memory tiers hold), so a disk slower than the commits never holds the
         # host tier back.
         _set_writer_policy(idle=True)
-        staged: collections.deque[tuple[IoTier, bytes, bytes, mmap.mmap]] = collections.deque()
-        deferred: collections.deque[tuple[IoTier, bytes, bytes]] = collections.deque(
+        staged: collections.deque[tuple[IoTier, bytes, bytes, mmap.mmap, BlockOrigin]] = collections.deque()
+        deferred: collections.deque[tuple[IoTier, bytes, bytes, BlockOrigin]] = collections.deque(
             maxlen=max(1, sum(t.num_slots for t in self._memory) * len(self._io)))
         while not self._stopping.is_set():
             if not staged and not deferred:
@@ -308,7 +309,7 @@ class TierWorker:
             # room, or a later IO tier's), and the one copy out of the pool (None: in every tier).
             copies: list[tuple[bytes, bytes, list[IoTier], list[mmap.mmap | None], torch.Tensor | None]] = []
             num_buffers = 0
-            for block_id, key, ns_key, _ in taken:  # no lock: the generations say which copies hold
+            for block_id, key, ns_key, _, _ in taken:  # no lock: the generations say which copies hold
                 to_io = [t for t in self._io if key not in t]
                 if not to_io and all(key in t for t in self._memory):
                     copies.append((key, ns_key, [], [], None))  # in every tier: made young below
@@ -323,8 +324,8 @@ class TierWorker:
                 copies.append((key, ns_key, to_io, buffers, target.copy_(self._pool[:, :, block_id])))
             with self._lock:
                 unchanged = [self._manager.is_unchanged(block_id, generation)
-                             for block_id, _, _, generation in taken]
-            for (key, ns_key, to_io, buffers, block), is_unchanged in zip(copies, unchanged):
+                             for block_id, _, _, generation, _ in taken]
+            for (key, ns_key, to_io, buffers, block), is_unchanged, (*_, origin) in zip(copies, unchanged, taken):
                 if not is_unchanged:
                     for tier, buffer in zip(to_io, buffers):
                         if buffer is not None:
@@ -341,12 +342,12 @@ class TierWorker:
                     if buffer is not None:
                         if i > 0:  # the copy is in the first IO tier's buffer: this one gets its own
                             self._payload(tier, buffer).copy_(block)
-                        staged.append((tier, key, ns_key, buffer))
+                        staged.append((tier, key, ns_key, buffer, origin))
                         continue
                     if not is_in_memory or len(deferred) == deferred.maxlen:
                         self._num_missed[tier.kind] += 1  # no slot in RAM to wait in, or the oldest waiting goes
                     if is_in_memory:
-                        deferred.append((tier, key, ns_key))
+                        deferred.append((tier, key, ns_key, origin))
 
     def _staging_buffer(self, tier: IoTier) -> mmap.mmap:
         """A buffer of ``tier`` (``IoTier.new_buffer``: page-aligned for the disk), reused once written."""
@@ -399,13 +400,13 @@ class TierWorker:
         if len(free) < KEPT_BUFFERS:
             free.append(buffer)  # (the others are unmapped when the last reference goes)
 
-    def _write_staged(self, tier: IoTier, key: bytes, ns_key: bytes, buffer: mmap.mmap) -> None:
+    def _write_staged(self, tier: IoTier, key: bytes, ns_key: bytes, buffer: mmap.mmap, origin: BlockOrigin) -> None:
         try:
-            tier.put_buffer(key, ns_key, buffer)
+            tier.put_buffer(key, ns_key, buffer, origin)
         finally:
             self._recycle(tier, buffer)
 
-    def _write_from_memory(self, tier: IoTier, key: bytes, ns_key: bytes) -> None:
+    def _write_from_memory(self, tier: IoTier, key: bytes, ns_key: bytes, origin: BlockOrigin) -> None:
         """Writes a deferred block to an IO tier from a memory tier's slot, if one still holds it
         (pinned meanwhile: no put reuses the slot under the write)."""
         if key in tier:
@@ -419,7 +420,7 @@ class TierWorker:
             return
         slot, view = held
         try:
-            tier.put(key, ns_key, memoryview(view.view(torch.uint8).numpy()).cast("B"))
+            tier.put(key, ns_key, memoryview(view.view(torch.uint8).numpy()).cast("B"), origin)
         finally:
             memory.release(slot, is_read=False)
 

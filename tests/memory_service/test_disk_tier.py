@@ -20,7 +20,7 @@ from structlog.testing import capture_logs
 from pagedserve.errors import PreconditionError
 
 from memory_service.config import MemoryServiceConfig
-from memory_service.manager.chain import chain_hashes, root_hash
+from memory_service.manager.chain import BlockOrigin, chain_hashes, root_hash
 from memory_service.tier.disk_tier import DIRECT_ALIGN, ENOSPC_FREE_BLOCKS, HEADER_SIZE, DiskTier, TierIdentity
 
 pytestmark = pytest.mark.unit
@@ -63,7 +63,33 @@ def test_round_trip_modes_and_warm_restart(tmp_path: Path) -> None:
     assert [key in restarted for key in KEYS[:3]] == [True, False, True]
     assert bytes(restarted.get(KEYS[2], NS)) == bytes(payload(2))
     counters = restarted.counters()
-    assert (counters.num_blocks, counters.num_bytes) == (2, 2 * (HEADER_SIZE + BLOCK_BYTES))
+    assert (counters.num_blocks, counters.num_bytes) == (2, 2 * (IDENTITY.file_size))
+
+
+def test_a_restart_finds_each_blocks_origin_parents_first(tmp_path: Path) -> None:
+    """Each file keeps its block's parent key and tokens: a new service on the directory hands the
+    blocks back in chain order (its KV events announce them); a block whose parent's file is gone, one
+    written without an origin and one whose origin does not chain to its key are served, never handed."""
+    token_bytes = bytes(range(64))
+    parents = [root_hash(IDENTITY.digest, NS), *KEYS[:3]]
+    origins = [BlockOrigin(parent, token_bytes[16 * i:16 * (i + 1)]) for i, parent in enumerate(parents)]
+    tier = open_tier(tmp_path / "tier")
+    for i in (3, 1, 0, 2):  # the writer's order is not the chain's
+        assert tier.put(KEYS[i], NS, payload(i), origins[i])
+    assert tier.take_found() == []  # nothing was there before
+    tier.close()
+    restarted = open_tier(tmp_path / "tier")
+    assert restarted.take_found() == [(KEYS[i], NS, origins[i]) for i in range(4)]
+    assert restarted.take_found() == []  # handed once
+    restarted.close()
+    (tmp_path / "tier" / f"{KEYS[1].hex()}.kv").unlink()  # the chain breaks after its first block
+    assert open_tier(tmp_path / "tier").take_found() == [(KEYS[0], NS, origins[0])]
+
+    other = open_tier(tmp_path / "other")
+    assert other.put(KEYS[0], NS, payload(0)) and other.put(KEYS[1], NS, payload(1), origins[0])  # none; not its own
+    other.close()
+    restarted = open_tier(tmp_path / "other")
+    assert restarted.take_found() == [] and bytes(restarted.get(KEYS[1], NS)) == bytes(payload(1))
 
 
 @pytest.mark.parametrize("damage", ["flip_payload", "truncate", "flip_header"])
@@ -73,7 +99,7 @@ def test_damaged_file_is_a_miss_and_removed(tmp_path: Path, damage: str) -> None
     path = tmp_path / f"{KEYS[0].hex()}.kv"
     data = bytearray(path.read_bytes())
     if damage == "flip_payload":
-        data[HEADER_SIZE + 100] ^= 1
+        data[IDENTITY.payload_offset + 100] ^= 1
     elif damage == "flip_header":
         data[20] ^= 1
     else:
@@ -132,7 +158,7 @@ def test_open_says_how_many_partial_writes_and_bad_files_it_removed(tmp_path: Pa
 
 
 def test_lru_within_the_budget(tmp_path: Path) -> None:
-    tier = open_tier(tmp_path, capacity=2 * (HEADER_SIZE + BLOCK_BYTES))
+    tier = open_tier(tmp_path, capacity=2 * (IDENTITY.file_size))
     assert tier.put(KEYS[0], NS, payload(0)) and tier.put(KEYS[1], NS, payload(1))
     assert tier.get(KEYS[0], NS) is not None  # KEYS[0] is now the most recently used
     assert tier.put(KEYS[2], NS, payload(2))
@@ -191,7 +217,7 @@ def small_tmpfs(directory: Path, num_pages: int) -> contextlib.AbstractContextMa
 
 
 def test_a_full_file_system_below_the_budget_evicts_lru_files_and_keeps_writing(tmp_path: Path) -> None:
-    assert HEADER_SIZE + BLOCK_BYTES <= PAGE  # one page per block file
+    assert IDENTITY.file_size <= PAGE  # one page per block file
     with small_tmpfs(tmp_path / "fs", 9) as fs, capture_logs() as logs:  # 8 block files and the lock file
         tier = open_tier(fs / "tier", capacity=1 << 30)  # a budget far above the file system's 8 pages
         for i in range(8):
@@ -206,7 +232,7 @@ def test_a_full_file_system_below_the_budget_evicts_lru_files_and_keeps_writing(
         assert ENOSPC_FREE_BLOCKS == 4
         assert files(fs / "tier") == sorted(f"{k.hex()}.kv" for k in (MANY_KEYS[0], *MANY_KEYS[5:9]))
         counters = tier.counters()
-        assert counters.capacity_bytes == 8 * (HEADER_SIZE + BLOCK_BYTES)
+        assert counters.capacity_bytes == 8 * (IDENTITY.file_size)
         assert (counters.num_blocks, counters.num_write_errors) == (5, 0)
         # New blocks keep coming: three fit the room left, then each evicts the least recently used.
         for i in range(9, 14):
@@ -217,7 +243,7 @@ def test_a_full_file_system_below_the_budget_evicts_lru_files_and_keeps_writing(
         assert tier.counters().num_write_errors == 0
     lowered = [e for e in logs if e["event"] == "kv_tier_budget_lowered"]
     assert len(lowered) == 1 and lowered[0]["error"] == "ENOSPC"
-    assert lowered[0]["effective_capacity_bytes"] == 8 * (HEADER_SIZE + BLOCK_BYTES)
+    assert lowered[0]["effective_capacity_bytes"] == 8 * (IDENTITY.file_size)
 
 
 def test_a_file_system_full_of_other_files_drops_the_block(tmp_path: Path) -> None:
@@ -330,7 +356,7 @@ def test_a_file_of_the_first_layout_is_removed_at_open(tmp_path: Path) -> None:
         reopened = open_tier(tmp_path)
     assert KEYS[0] not in reopened and not path.exists()
     assert [e["problem"] for e in logs if e["event"] == "kv_tier_file_removed"] == [
-        "layout version 1, this service reads 2"]
+        "layout version 1, this service reads 3"]
 
 
 @pytest.mark.parametrize("plant", ["fifo", "hard_link", "symlink"])

@@ -251,10 +251,10 @@ def test_a_copy_of_a_block_handed_out_meanwhile_is_dropped(tmp_path: Path, monke
         with alloc._lock:
             taken = manager.take_tier_writes(10)
             assert [t[0] for t in taken] == result.block_ids[:3]
-            assert [manager.is_unchanged(b, g) for b, _, _, g in taken] == [True] * 3  # nothing happened yet
+            assert [manager.is_unchanged(b, g) for b, _, _, g, _ in taken] == [True] * 3  # nothing happened yet
         evict(alloc)  # every block handed out again (the copies would now be torn)
         with alloc._lock:
-            assert [manager.is_unchanged(b, g) for b, _, _, g in taken] == [False] * 3
+            assert [manager.is_unchanged(b, g) for b, _, _, g, _ in taken] == [False] * 3
         assert alloc.stats().tiers[0].num_blocks_missed == 3
         assert alloc.stats().tiers[0].num_blocks == 0
     finally:
@@ -467,9 +467,9 @@ def test_a_slow_disk_does_not_hold_back_the_host_tier(tmp_path: Path, monkeypatc
     disk_free = threading.Event()
     real_put = DiskTier.put_buffer  # every write (``put`` too) goes through it
 
-    def slow_put(self: DiskTier, key: bytes, ns_key: bytes, buffer) -> bool:
+    def slow_put(self: DiskTier, key: bytes, ns_key: bytes, buffer, origin=None) -> bool:
         assert disk_free.wait(20)
-        return real_put(self, key, ns_key, buffer)
+        return real_put(self, key, ns_key, buffer, origin)
 
     monkeypatch.setattr(DiskTier, "put_buffer", slow_put)
     alloc = allocator(tmp_path, host_blocks=16, disk=True)

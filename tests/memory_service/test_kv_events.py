@@ -20,8 +20,9 @@ import zmq
 
 from memory_service.api import cache_namespace
 from memory_service.config import MemoryServiceConfig
-from memory_service.manager.kv_events import AllBlocksCleared, KvEventLog
-from memory_service.manager.prefix_cache import namespace_key
+from memory_service.manager import kv_events as log_module
+from memory_service.manager.kv_events import AllBlocksCleared, BlockRemoved, KvEventLog
+from memory_service.manager.prefix_cache import ROOT_ENTRY_ID, namespace_key
 from memory_service.service import kv_events as publisher_module
 from memory_service.service.kv_events import END_OF_REPLAY, KvEventPublisher, encode_event
 from memory_service.token_encoding import encode_token_ids
@@ -236,6 +237,32 @@ def test_a_block_whose_parent_was_dropped_is_never_announced_as_a_first_block() 
     for _ in range(3):
         log.note_namespaces([cache_namespace("m", "s")] * 1000)  # past the bound too
     assert len(log._records) == 1 and log.num_dropped_events == 3 + 2 + 3000
+
+
+def test_blocks_a_tier_found_at_a_start_are_announced_in_chains_after_the_clear(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The disk tier's blocks from before a restart, parents first: one event per chain (bounded), the
+    hashes the pool gives the same content, a block whose parent is unknown never announced, and a
+    found block's eviction announced too."""
+    monkeypatch.setattr(log_module, "MAX_FOUND_RUN_BLOCKS", 2)
+    log = KvEventLog(block_size=2)
+    log.set_tier_capacity(100)
+    log.cleared()
+    ns_key = namespace_key(cache_namespace("m", "s"))
+    tokens = [encode_token_ids([i, i]) for i in range(4)]
+    log.tier_found("DISK", [(b"a", ns_key, None, tokens[0]), (b"b", ns_key, b"a", tokens[1]),
+                            (b"c", ns_key, b"b", tokens[2]), (b"d", ns_key, b"gone", tokens[3])])
+    cleared, first, second = log.take(timeout_s=0)
+    assert type(cleared) is AllBlocksCleared
+    assert (first.medium, first.token_ids, first.parent_block_hash, first.namespace) == (
+        "DISK", [0, 0, 1, 1], None, ns_key.hex())  # a namespace not named yet counts as salted
+    assert (second.token_ids, second.parent_block_hash) == ([2, 2], first.block_hashes[-1])
+    assert log.num_dropped_events == 1  # d: its parent is unknown
+    log.pool_stored([(1, (ROOT_ENTRY_ID, tokens[0], ns_key), b"a"), (2, (1, tokens[1], ns_key), b"b")])
+    [pool] = log.take(timeout_s=0)
+    assert (pool.medium, pool.block_hashes) == ("GPU", first.block_hashes)  # one content, one hash
+    log.tier_changed("DISK", b"c", False)
+    assert log.take(timeout_s=0) == [BlockRemoved(second.block_hashes, "DISK")]
 
 
 def replayed_seqs(tmp_path: Path, num_batches: int) -> list[int]:

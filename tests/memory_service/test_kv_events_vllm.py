@@ -5,8 +5,9 @@ decodes every batch with vLLM's ``KVEventBatch`` decoder, as a router built on v
 it rebuilds, per medium (the pool "GPU", the host tier "CPU", the disk tier "DISK"), with their
 tokens, parents and tenants, must be what was committed and evicted, and as many as the Stats RPC
 says each medium holds. Then the memory service restarts on the same tier directory: the subscriber
-notices (the sequence starts over), forgets everything at the new ``AllBlocksCleared``, and follows
-the new service. Skipped where vLLM's venv is absent (CI has none).
+notices (the sequence starts over), forgets everything at the new ``AllBlocksCleared``, learns the
+disk tier's blocks again (announced from its files, medium "DISK", the same hashes and parents), and
+follows the new service. Skipped where vLLM's venv is absent (CI has none).
 """
 
 from __future__ import annotations
@@ -162,14 +163,29 @@ def test_a_vllm_subscriber_rebuilds_the_blocks_of_each_medium_and_follows_a_rest
         with MemoryClient(f"unix:{socket}", TINY_LAYOUT, token=TOKEN, model_fingerprint="model-a") as client:
             wait_until(lambda: subscriber.dump()["num_restarts"] == 1, 30, "the subscriber to see the restart",
                        interval_s=0.2)
+            # The disk tier's files are announced, after the new start's AllBlocksCleared: the same
+            # blocks, hashes and parents as before the restart, and what Stats counts.
+            wait_until(lambda: matches_stats(subscriber, client) and client.stats().tiers[1].num_blocks == 14, 30,
+                       "the disk tier's blocks announced", interval_s=0.2)
+            dump = subscriber.dump()
+            history = dump["history"]
+            restart = len(history) - 1 - history[::-1].index(["AllBlocksCleared", None, 0])
+            assert {kind for kind, _, _ in history[restart + 1:]} == {"BlockStored"}
+            assert {medium for _, medium, _ in history[restart + 1:]} == {"DISK"}
+            assert len(history) - restart - 1 == 3  # one event per chain: the salted, unsalted and big prompts
+            found = by_tokens(dump, "DISK")
+            assert {t: (b["hash"], b["parent"]) for t, b in found.items()} == {
+                t: (b["hash"], b["parent"]) for t, b in disk.items()}
+            assert [found[tuple(b)]["extra_keys"] for b in salted] == [tenant] * 3
             fresh = list(range(300, 309))  # 2 full blocks, in no tier
             commit(client, "fresh", fresh, UNSALTED)
             wait_until(lambda: len(subscriber.dump()["media"].get("GPU", [])) == 2, 30, "2 blocks in the pool",
                        interval_s=0.2)
             dump = subscriber.dump()
-            # Everything said before the restart is void: the pool holds the new blocks alone.
+            # The pool holds the new blocks alone; the disk keeps what it had, and the new ones.
             assert dump["history"].count(["AllBlocksCleared", None, 0]) == 2 and dump["num_batches"] > num_batches
             assert sorted(by_tokens(dump, "GPU")) == sorted(map(tuple, blocks_of(fresh)))
+            assert set(map(tuple, salted + unsalted + big)) <= set(by_tokens(dump, "DISK"))
             assert not set(by_tokens(dump, "CPU")) - set(map(tuple, blocks_of(fresh)))  # RAM did not survive
             assert client.check_integrity() is None
     finally:

@@ -17,6 +17,7 @@ import torch
 from pagedserve.dtypes import DTYPES
 from memory_service.in_process import InProcessAllocator
 from memory_service.manager.block_types import BlockManagerConfig
+from memory_service.manager.chain import BlockOrigin
 from memory_service.tier.disk_tier import TierIdentity
 from memory_service.tier.tier import IoTier, MemoryTier, TierCounters
 from tests.memory_service.test_host_tier import BLOCK_BYTES, assert_prompt_bytes, write_prompt
@@ -119,11 +120,12 @@ class BytesTier:
     def new_buffer(self) -> mmap.mmap:
         return mmap.mmap(-1, self.identity.file_size)
 
-    def put_buffer(self, key: bytes, ns_key: bytes, buffer: mmap.mmap) -> bool:
+    def put_buffer(self, key: bytes, ns_key: bytes, buffer: mmap.mmap, origin: BlockOrigin | None = None) -> bool:
         offset = self.identity.payload_offset
-        return self.put(key, ns_key, memoryview(buffer)[offset:offset + self.identity.bytes_per_block])
+        return self.put(key, ns_key, memoryview(buffer)[offset:offset + self.identity.bytes_per_block], origin)
 
-    def put(self, key: bytes, ns_key: bytes, payload: memoryview) -> bool:
+    def put(self, key: bytes, ns_key: bytes, payload: memoryview, origin: BlockOrigin | None = None) -> bool:
+        assert origin is not None and origin.is_of(key)  # the worker hands every block's origin on
         self.blocks[key] = (ns_key, bytes(payload))
         self._num_written += 1
         return True
@@ -134,6 +136,9 @@ class BytesTier:
             return None
         self._num_read += 1
         return memoryview(bytearray(held[1]))  # a copy of its own, as a file read gives
+
+    def take_found(self) -> list[tuple[bytes, bytes, BlockOrigin]]:
+        return []  # nothing outlives the process
 
     def counters(self) -> TierCounters:
         size = self.identity.bytes_per_block
