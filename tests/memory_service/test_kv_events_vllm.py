@@ -39,9 +39,10 @@ BIG_PROMPT = list(range(500, 532))  # the whole pool: evicts every cached block
 
 def find_vllm_python() -> Path | None:
     try:
-        return vllm_python(install=False)
+        python = vllm_python(install=False)
     except FileNotFoundError:
         return None
+    return python if python.exists() else None  # a $VLLM_PYTHON that is not there
 
 
 VLLM_PYTHON = find_vllm_python()
