@@ -95,7 +95,7 @@ class Tenant:
 
         Plain keys are named by list position (``key-1``) and the disk tier keeps namespaces across
         restarts, so a namespace of the name let a new key in the first position read the cached
-        prompts of the revoked key that stood there (issue 37 item 3). A keyed digest of each key
+        prompts of the revoked key that stood there. A keyed digest of each key
         (HMAC-SHA256 under the key itself: stable across restarts, and no key can be learnt from it),
         all of a tenant's keys together: adding or removing a key starts the tenant on a new,
         empty namespace. Only the keyless local tenant is named by its name.

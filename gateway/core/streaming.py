@@ -75,7 +75,7 @@ class ReplyBudget:
     ``prompt_copies``: how many times the answer carries a prompt's scores. A gRPC reply carries
     them once; an HTTP completion repeats them in every choice, twice with ``echo`` (its logprobs
     and ``prompt_logprobs``): counted once, 64 choices of a 1,315-token prompt's top-20 scores
-    made a 162.6 MB body within a 4 MiB budget (issue 37 item 2). ``bytes_per_float``: likewise an
+    made a 162.6 MB body within a 4 MiB budget. ``bytes_per_float``: likewise an
     embedding's floats as the answer writes them (JSON takes about six times the wire's 4 bytes).
     """
 

@@ -150,7 +150,7 @@ def check_prompt_size(request: GenerateRequest, info: ModelInfo, limits: PromptL
 
     Why tools count: they are rendered into the prompt. 128 tools of 220 properties each (3.8 MB)
     passed the messages' character cap and took 21.9 s to tokenize into 1.48M tokens, a 400 only
-    after that, the gateway stalled meanwhile (issue 37 item 1).
+    after that, the gateway stalled meanwhile.
     """
     num_chars = len(request.prompt or "")
     for m in request.messages or ():

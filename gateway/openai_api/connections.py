@@ -20,8 +20,8 @@ arrived, which an idle client never lets happen. 1,100 such connections exhauste
   holds at most ``max_connections`` descriptors for at most ``read_timeout_s``.
 
 Why evict rather than refuse: refusing, 1,100 half-sent requests reopened as fast as they were
-closed held every place, and for 30 s ``/health`` and keyed completions got 503 too (issue 37 item
-5): a client without a key could starve the keyed ones. A real client sends its headers within
+closed held every place, and for 30 s ``/health`` and keyed completions got 503 too: a client
+without a key could starve the keyed ones. A real client sends its headers within
 milliseconds of connecting, so it is past the eviction window before a flood can reach it, and the
 connections that carry requests are never the ones closed.
 

@@ -180,7 +180,7 @@ def test_dns_backends_are_every_address_the_name_resolves_to() -> None:
 
 
 def test_unset_fields_mean_the_same_defaults_everywhere() -> None:
-    """Issue 26 item 3: one function (sampling_rules.resolve_sampling) says what unset means, for the
+    """One function (sampling_rules.resolve_sampling) says what unset means, for the
     gateway's gRPC and HTTP edges, the compute service's edge and the engine's SamplingParams."""
     from dataclasses import asdict
 
@@ -207,7 +207,7 @@ def test_unset_fields_mean_the_same_defaults_everywhere() -> None:
 
 
 def test_shared_messages_are_one_class_and_the_reply_size_is_exact() -> None:
-    """Issue 26 item 3: ChoiceList, TokenLogprobs and Usage live in common.proto, re-exported."""
+    """ChoiceList, TokenLogprobs and Usage live in common.proto, re-exported."""
     from gateway.core.streaming import delta_bytes
     from gateway.core.types import Delta, TokenLogprobs
     from gateway.grpc.convert import logprobs_to_pb

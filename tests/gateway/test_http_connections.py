@@ -1,4 +1,4 @@
-"""The HTTP front's connection guard in process (issue 27 item 3): half-sent requests are closed at
+"""The HTTP front's connection guard in process: half-sent requests are closed at
 their read deadline, a body that stops coming is answered 408, connections beyond the cap are
 answered 503 at once, and the server keeps answering whole requests throughout."""
 
@@ -106,7 +106,7 @@ def test_a_body_that_stops_coming_is_answered_408() -> None:
 
 
 def test_a_connection_beyond_the_cap_takes_the_place_of_the_longest_waiting_for_headers() -> None:
-    """Issue 37 item 5: refusing new connections beyond the cap let half-sent requests, reopened as
+    """Refusing new connections beyond the cap let half-sent requests, reopened as
     fast as they were closed, hold every place: /health and keyed requests got 503 for 30 s. Now the
     connection that has waited longest for its headers gives way, and the new client is served."""
     async def test(server: HttpServer) -> None:

@@ -1,4 +1,4 @@
-"""What error answers and log lines repeat of a hostile request (issue 27 items 8 and 10): counts and
+"""What error answers and log lines repeat of a hostile request: counts and
 a few short names, never whole values, and no transport internals."""
 
 from __future__ import annotations

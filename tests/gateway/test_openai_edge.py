@@ -211,7 +211,7 @@ def test_stream_events_shape() -> None:
 
 
 def test_a_stalled_sse_send_ends_the_stream_and_frees_its_requests() -> None:
-    """Issue 27 item 4, in process: a send that never completes (the client's socket buffers full)
+    """In process: a send that never completes (the client's socket buffers full)
     ends the stream after the stall timeout: the stall is told once, the events' generator is
     closed (which aborts the requests) and the response's slots released."""
     from gateway.openai_api.transport import EventStream

@@ -1,4 +1,4 @@
-"""The HTTP front's Host and Content-Type rules (issue 27 item 9), in process: a keyless gateway
+"""The HTTP front's Host and Content-Type rules, in process: a keyless gateway
 answers loopback Host names only (unless told more), and a body must be JSON."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The Responses API's stored responses (issue 42): per tenant, bounded by count and bytes, the
+"""The Responses API's stored responses: per tenant, bounded by count and bytes, the
 oldest evicted first, expiring after the TTL (swept for every tenant), a total bound whose excess the
 heaviest tenant pays, keyed by the tenant's namespace; and the input items' conversion to chat
 messages."""

@@ -1,5 +1,5 @@
 """The tenant model without processes: the key file's formats and defaults, admission per tenant,
-the priority cap, the cache namespace, and a config's ``api_keys`` type (issue 17: 4, 5, 6, 7, 15)."""
+the priority cap, the cache namespace, and a config's ``api_keys`` type."""
 
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def test_a_plain_key_named_like_a_json_tenant_is_refused() -> None:
 
 
 def test_api_keys_string_in_a_json_config_is_an_error_not_one_key_per_character(tmp_path, monkeypatch) -> None:
-    """Issue 17 item 15: ``"api_keys": "supersecret"`` used to authorize ``Bearer s``."""
+    """``"api_keys": "supersecret"`` used to authorize ``Bearer s``."""
     monkeypatch.delenv(API_KEYS_ENV, raising=False)
     path = tmp_path / "gateway.json"
     path.write_text(json.dumps({"backends": ["h:1"], "api_keys": "supersecret"}))
@@ -84,7 +84,7 @@ def test_api_keys_string_in_a_json_config_is_an_error_not_one_key_per_character(
 
 
 def test_per_tenant_admission_names_the_limit_and_releases_once() -> None:
-    """Issue 17 item 4: one tenant at its max_concurrent leaves the others their slots."""
+    """One tenant at its max_concurrent leaves the others their slots."""
     seen: list[tuple[str, int]] = []
     a, b = Tenant("team-a", max_concurrent=2, keys=("ka",)), Tenant("team-b", max_concurrent=2, keys=("kb",))
     tenants = Tenants([a, b], max_in_flight=3, on_change=lambda name, n: seen.append((name, n)))
@@ -107,7 +107,7 @@ def test_per_tenant_admission_names_the_limit_and_releases_once() -> None:
 
 
 def test_one_tenant_cannot_fill_the_gateway() -> None:
-    """Issue 27 item 7: a tenant whose max_concurrent reaches the gateway's whole queue still holds
+    """A tenant whose max_concurrent reaches the gateway's whole queue still holds
     at most 3/4 of it when there are other tenants, so a newcomer gets in; a tenant alone may hold it
     all. Before: a took all 8 and b was refused (the gateway holds 8 requests)."""
     a, b = Tenant("team-a", max_concurrent=100, keys=("ka",)), Tenant("team-b", keys=("kb",))
@@ -123,7 +123,7 @@ def test_one_tenant_cannot_fill_the_gateway() -> None:
 
 
 def test_priority_above_the_tenants_maximum_is_permission_denied() -> None:
-    """Issue 17 item 5: refused, never clamped; the local tenant (no keys) has no cap."""
+    """Refused, never clamped; the local tenant (no keys) has no cap."""
     keyed = Tenant("team-b", keys=("kb",))  # max_priority defaults to 0
     keyed.check_priority(0)
     keyed.check_priority(-3)
@@ -138,7 +138,7 @@ def test_priority_above_the_tenants_maximum_is_permission_denied() -> None:
 
 
 def test_cache_namespace_is_the_tenants_narrowed_by_the_clients_salt() -> None:
-    """Issue 17 item 6: no client salt of one tenant names another tenant's namespace."""
+    """No client salt of one tenant names another tenant's namespace."""
     a, b = Tenant("team-a"), Tenant("team-b")
     assert a.cache_salt("") == a.cache_salt("")
     assert len({a.cache_salt(""), b.cache_salt(""), a.cache_salt("x"), b.cache_salt("x")}) == 4
@@ -147,7 +147,7 @@ def test_cache_namespace_is_the_tenants_narrowed_by_the_clients_salt() -> None:
 
 
 def test_the_cache_namespace_is_bound_to_the_key_not_its_position_or_name() -> None:
-    """Issue 37 item 3: a new key listed first (named key-1, as the revoked key before it) read the
+    """A new key listed first (named key-1, as the revoked key before it) read the
     old tenant's cached prompts; the namespace now derives from the key itself."""
     [old] = load_tenants(["old-secret"], None, "env", 8)
     new, kept = load_tenants(["new-secret", "old-secret"], None, "env", 8)
@@ -161,7 +161,7 @@ def test_the_cache_namespace_is_bound_to_the_key_not_its_position_or_name() -> N
 
 
 def test_a_batch_is_admitted_all_or_none() -> None:
-    """Issue 27 item 2: an HTTP prompt list takes every slot it needs at once, or none."""
+    """An HTTP prompt list takes every slot it needs at once, or none."""
     from pagedserve.errors import ResourceExhaustedError
 
     small = Tenant("small", max_concurrent=3)

@@ -1,4 +1,4 @@
-"""The gateway's tokenizer: special tokens typed into chat content stay text (issue 17 item 11), and
+"""The gateway's tokenizer: special tokens typed into chat content stay text, and
 the download from a backend checks what it writes (item 16), against a hostile backend's streams."""
 
 from __future__ import annotations
@@ -148,7 +148,7 @@ def test_files_listed_but_not_sent_or_unloadable_are_refused(files: dict[str, by
 
 
 def test_tokenizing_runs_on_the_gateways_own_bounded_executor(model: ModelTokenizer) -> None:
-    """Issue 17 item 7: not the loop's default executor, which every other to_thread shares."""
+    """Not the loop's default executor, which every other to_thread shares."""
     import threading
 
     from gateway.config import GatewayConfig
@@ -192,7 +192,7 @@ def test_add_special_tokens_follows_the_tokenizers_post_processor() -> None:
 
 
 def test_logprob_texts_come_from_a_table_built_off_the_event_loop(files: dict[str, bytes], monkeypatch) -> None:
-    """Issue 27 item 5: one reply's logprobs named 1.3M tokens, each a decode([id]) on the event loop.
+    """One reply's logprobs named 1.3M tokens, each a decode([id]) on the event loop.
     Now the whole vocabulary is decoded once, in a worker thread, and token_text is a lookup."""
     import threading
 

@@ -1,4 +1,4 @@
-"""Tool calling in the gateway core (issue 30 item 1), in process: the checks, the generic
+"""Tool calling in the gateway core, in process: the checks, the generic
 rendering into a plain template, the grammar of required and named choices, and the parser over
 streamed deltas (the Hermes format; unfinished or unparseable calls stay content)."""
 
@@ -49,7 +49,7 @@ def _request(**fields: object) -> GenerateRequest:
      r"^messages\[0\]\.tool_calls: only an assistant"),
     ({"messages": [ChatMessage("assistant", "", (ToolCall("c", "f", "[1]"),))]},
      r"^messages\[0\]\.tool_calls\[0\]\.arguments must be the JSON text of an object"),
-    # Issue 37 item 9: nested 100,000 levels, Python's decoder raised RecursionError, a 500.
+    # Nested 100,000 levels, Python's decoder raised RecursionError, a 500.
     ({"messages": [ChatMessage("assistant", "", (ToolCall("c", "f", '{"a":' * 100_000 + "1" + "}" * 100_000),))]},
      r"^messages\[0\]\.tool_calls\[0\]\.arguments must be the JSON text of an object"),
     ({"tools": [Tool("f", parameters='{"a":' * 100_000 + "1" + "}" * 100_000)]},
@@ -271,7 +271,7 @@ def test_gateway_flag_names_the_parsers() -> None:
 
 
 def test_tools_count_against_the_prompt_size_before_anything_is_parsed() -> None:
-    """Issue 37 item 1: 128 tools of 220 properties (3.8 MB) passed the messages' character cap and took
+    """128 tools of 220 properties (3.8 MB) passed the messages' character cap and took
     21.9 s to render and tokenize before their 400. Now the tools' text counts, against the model's
     context too (16 characters a token at most), and the 400 comes before any schema is parsed."""
     import time
