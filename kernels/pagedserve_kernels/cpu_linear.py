@@ -31,7 +31,7 @@ Where the CPU has AMX (`amx()`), the small-batch rows run on its tiles instead, 
 contract (float32 accumulation, float32 or bf16 outputs): ATen's bf16 brgemm (csrc/brgemm_linear.h)
 on each weight packed once into the tiles' layout (`small_weight`), which replaces the plain copy.
 There the dot-product kernel fell behind oneDNN's tiles from a few rows on (3x at 16 rows), and
-oneDNN's own output is rounded to bf16 (docs/benchmarks.md, "The linears on an AMX Xeon").
+oneDNN's own output is rounded to bf16 (docs/benchmarks.md, "The AMX Xeon: what each kernel runs there").
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 // another weight layout.
 //
 // Why: on a CPU with AMX-BF16 the small-batch kernel's AVX512-BF16 dot products fall behind the tiles
-// from a few rows on (3x at 16 rows), and oneDNN's packed matmul, as fast, rounds its outputs to
+// from a few rows on (docs/benchmarks.md, "The AMX Xeon"), and oneDNN's packed matmul, as fast, rounds its outputs to
 // bf16, where decode keeps float32 (the LM head's logits: near-ties flip greedy answers). Here a
 // projection's weight is packed once into column blocks of kBlockN in the VNNI layout the tiles read
 // (pairs of K interleaved: `cpublas::pack`), which replaces the plain copy the small-batch kernel

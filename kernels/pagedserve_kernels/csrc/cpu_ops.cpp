@@ -405,8 +405,8 @@ void rotary_(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, int64
 // (slot = block * block_size + offset; negative: not written). key, value: (T, H_kv, D), heads
 // contiguous in a row, any row stride (views into the fused QKV); caches: (num_blocks, block_size,
 // H_kv, D) contiguous, the dtype of key and value (a copy, no conversion). One memcpy per row and
-// cache, rows split between threads: `index_copy_` on the pool view ran at ~2.4 GB/s on a
-// 2048-token prompt (TensorIterator over a strided source).
+// cache, rows split between threads: `index_copy_` on the pool view (TensorIterator over a strided
+// source) was several times slower (docs/benchmarks.md, "Figures behind the code's choices").
 void write_kv_(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& key, const at::Tensor& value,
                const at::Tensor& slots) {
   const at::ScalarType dtype = k_cache.scalar_type();

@@ -5,8 +5,8 @@
 // bfloat16 K/V where the build has AVX512-BF16 (`__AVX512BF16__`: -march=native on Zen 4, Sapphire
 // Rapids, Cooper Lake): `vdpbf16ps` multiplies pairs of bf16 into float32 accumulators, so K (and in
 // decode V too) is read in place, in its storage format, and each instruction does two
-// multiply-adds (decode_block_pairs, scores_pairs below; 2x the widening kernel on a decode of 32 x
-// 800 tokens). Elsewhere (x86-64-v4 builds, no AVX512-BF16) each block is widened to float32 once
+// multiply-adds (decode_block_pairs, scores_pairs below; faster than widening: docs/benchmarks.md,
+// "Figures behind the code's choices"). Elsewhere (x86-64-v4 builds, no AVX512-BF16) each block is widened to float32 once
 // (a bf16 is the top half of a float32: a 16-bit shift) into a per-thread scratch that stays in L1,
 // and the float32 micro-kernels below run on it unchanged: a decode item widens the whole block (all
 // KV heads, one contiguous run) and prefetches the next block's lines as it goes; a tile item widens

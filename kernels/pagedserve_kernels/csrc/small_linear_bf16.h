@@ -4,9 +4,9 @@
 // oneDNN's bf16 matmul does), or written as float32 (TOut = float: the LM head's logits).
 //
 // Why: at one to a few rows a linear only streams its weight from memory once, and that is a decode
-// step's whole cost (269 MB of weights a token for the default model). oneDNN's packed matmul read
-// them at 16 GB/s on one Zen 5 core at M = 1 (13.1 ms for the 30 layers' projections), about half
-// of what the core can read (29 GB/s): it is built for GEMM tiles, not for a row. Here each thread
+// step's whole cost. Without AMX, oneDNN's packed matmul reads a weight at about half of what a core
+// can read at one row (docs/benchmarks.md, "Figures behind the code's choices"): it is built for GEMM
+// tiles, not for a row. Here each thread
 // streams its own contiguous share of the weight's rows front to back and does one `vdpbf16ps` (32
 // multiply-adds) per 64 bytes read and row of x, the rows of x staying in L1. Each output is a dot product over K in one order (16 lanes, then the lanes summed),
 // so a row's result does not depend on M or on the thread count.
@@ -34,7 +34,7 @@ inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh&>(x); }
 
 // Outputs [n0, n0 + rows) of rows [m0, m0 + MR) of x, one weight row at a time: the weight is read
 // front to back (one sequential stream, what the hardware prefetcher follows best; 4 rows read
-// side by side ran at half this speed), two accumulator chains per row of x (independent adds).
+// side by side ran slower), two accumulator chains per row of x (independent adds).
 template <int MR, typename TOut>
 inline void block(const c10::BFloat16* x, const c10::BFloat16* weight, const c10::BFloat16* bias, TOut* y,
                   int64_t K, int64_t N, int64_t m0, int64_t n0, int64_t rows) {
