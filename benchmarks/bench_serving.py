@@ -153,7 +153,8 @@ def stack_config(args: argparse.Namespace, enable_prefix_caching: bool) -> Stack
     return StackConfig(model=args.model, kv_cache_bytes=args.kv_cache_bytes, block_size=args.block_size,
                        enable_prefix_caching=enable_prefix_caching, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens,
-                       num_speculative_tokens=args.num_speculative_tokens, dtype=args.dtype)
+                       num_speculative_tokens=args.num_speculative_tokens, dtype=args.dtype,
+                       kv_events_endpoint=args.kv_events_endpoint)
 
 
 def start_http_stack(args: argparse.Namespace):
@@ -301,6 +302,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--question-tokens", type=int, default=16, help="each distinct question, tokens (default 16)")
     p.add_argument("--prefix-requests", type=int, default=12, help="shared-prefix requests timed (default 12)")
     p.add_argument("--prefix-max-tokens", type=int, default=8, help="their output tokens (default 8)")
+    p.add_argument("--kv-events-endpoint", default=None,
+                   help="turn the memory service's KV events on, published here (e.g. tcp://127.0.0.1:5557): "
+                        "their cost, against a run without")
     p.add_argument("--kv-cache-bytes", type=int, default=None,
                    help="KV pool of a started stack, bytes (512 MiB; with --peer vllm 1 GiB, whole GiB only)")
     p.add_argument("--block-size", type=int, default=16)

@@ -41,6 +41,7 @@ class StackConfig:
     max_num_batched_tokens: int | None = None
     num_speculative_tokens: int | None = None
     dtype: str | None = None
+    kv_events_endpoint: str | None = None  # the memory service's KV events (a ZMQ PUB address), off by default
     ready_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
@@ -53,6 +54,8 @@ class StackConfig:
         quiet = ("--log-level", "warning")
         memory = ("--kv-cache-bytes", str(self.kv_cache_bytes), "--block-size", str(self.block_size),
                   "--enable-prefix-caching", str(self.enable_prefix_caching).lower(), *quiet)
+        if self.kv_events_endpoint is not None:
+            memory += ("--kv-events-endpoint", self.kv_events_endpoint)
         compute = ["--block-size", str(self.block_size), *quiet]
         for flag, value in (("--max-num-seqs", self.max_num_seqs),
                             ("--max-num-batched-tokens", self.max_num_batched_tokens),
