@@ -18,32 +18,13 @@ python, the serving peer its OpenAI server (``serving/vllm_server.py``). No test
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from collections.abc import Iterable
 from pathlib import Path
 
 from pagedserve import cpu_preload
+from pagedserve_testing.vllm_venv import vllm_python  # noqa: F401  (the peers' lookup: vllm_peer.vllm_python)
 
-REPO = Path(__file__).resolve().parent.parent
-VENV_SCRIPT = REPO / "scripts" / "vllm_venv.sh"
 TCMALLOC_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
-
-
-def vllm_python(install: bool = True) -> Path:
-    """The python of vLLM's venv: ``$VLLM_PYTHON``, else ``.venv-vllm/bin/python``, created by
-    ``scripts/vllm_venv.sh`` when missing and ``install`` (it downloads a few GB the first time)."""
-    explicit = os.environ.get("VLLM_PYTHON")
-    if explicit:
-        return Path(explicit)
-    python = REPO / ".venv-vllm" / "bin" / "python"
-    if not python.exists() and install:
-        print(f"[vllm_peer] creating vLLM's venv with {VENV_SCRIPT.name} (first use; downloads a lot)",
-              file=sys.stderr, flush=True)
-        subprocess.run(["bash", str(VENV_SCRIPT)], check=True, stdout=sys.stderr)
-    if not python.exists():
-        raise FileNotFoundError(f"no vLLM venv at {python}: run scripts/vllm_venv.sh or set VLLM_PYTHON")
-    return python
 
 
 def find_tcmalloc(search: Iterable[str] = ("/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib",

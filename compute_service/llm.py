@@ -26,7 +26,6 @@ from pagedserve.stack import memory_process, ready
 from compute_service.engine.config import EngineConfig
 from compute_service.engine.engine import Engine
 from compute_service.model.model_loader import load_model
-from compute_service.model.fingerprint import weights_fingerprint
 from compute_service.engine.outputs import RequestOutput, collect
 from compute_service.engine.sampling_params import SamplingParams
 
@@ -132,7 +131,7 @@ class LLM:
             else:
                 token = load_token(memory_token_file, "memory_token_file", env=MEMORY_TOKEN_ENV)
             self._memory = MemoryClient(f"unix:{socket}", layout, client_name="llm", token=token,
-                                        model_fingerprint=weights_fingerprint(loaded.model, loaded.config))
+                                        model_fingerprint=loaded.fingerprint)
             self.engine = Engine(loaded.model, loaded.config, loaded.tokenizer, self._memory, self.config)
             # The pool's size, whoever chose it (a private memory service without a size picks its default).
             log.info("kv_pool", num_blocks=self._memory.num_blocks,

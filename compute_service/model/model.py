@@ -169,7 +169,7 @@ class CausalLM(nn.Module):
                 weight.data = kernels.small_weight(weight) if keep_plain else torch.empty(0, dtype=weight.dtype,
                                                                                           device=weight.device)
         self.lm_head_packed = kernels.prepack(self.lm_head)
-        if self.small_rows:
+        if self.small_rows and keep_plain:  # the third copy of the head only where the plain ones fit
             small = kernels.small_weight(self.lm_head)
             self.lm_head_small = small if small is not self.lm_head else None
         self._layer_stack = None  # the packed copies join (or replace) the weights

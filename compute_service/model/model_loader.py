@@ -37,6 +37,7 @@ from safetensors.torch import save_file
 from pagedserve.dtypes import AUTO, dtype_name, parse_dtype, resolve_auto
 from pagedserve.paths import cache_dir as pagedserve_cache_dir
 
+from compute_service.model.fingerprint import weights_fingerprint
 from compute_service.model.gguf_file import GGUF_CACHE_FORMAT, convert_gguf, file_sha256, is_gguf_file
 from compute_service.model.model import CausalLM
 from compute_service.model.model_config import SUPPORTED_MODEL_TYPES, ModelConfig
@@ -79,6 +80,7 @@ class LoadedModel:
     tokenizer: Any | None
     config: ModelConfig
     source: ModelSource
+    fingerprint: str  # weights_fingerprint of the weights as loaded, before any CPU packing
 
 
 def resolve_model(model: str | Path, *, cache_dir: Path | None = None) -> ModelSource:
@@ -138,10 +140,13 @@ def load_model(
     lm = CausalLM(config, device=device, dtype=dtype)
     lm.load_weights(_iter_weights(source.path))
     lm.eval()
+    # Before packing: packed copies (and which plain weights stay) depend on the CPU and its free
+    # memory, and the fingerprint must name the weights alone (it keys the KV tier across machines).
+    fingerprint = weights_fingerprint(lm, config)
     packed = lm.prepack_cpu_weights()
     log.info("model_loaded", model=source.name, path=str(source.path), device=str(device), dtype=str(dtype),
              converted=source.was_converted, prepacked=packed, seconds=round(time.perf_counter() - started, 2))
-    return LoadedModel(model=lm, tokenizer=tokenizer, config=config, source=source)
+    return LoadedModel(model=lm, tokenizer=tokenizer, config=config, source=source, fingerprint=fingerprint)
 
 
 def load_tokenizer(path: Path) -> Any | None:

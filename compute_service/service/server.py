@@ -42,7 +42,6 @@ from compute_service.structured.logits_mask import num_abandoned_fills
 from compute_service.engine.engine import Engine
 from compute_service.engine.faults import DetokenizeFault
 from compute_service.service.engine_loop import Attached, EngineLoop
-from compute_service.model.fingerprint import weights_fingerprint
 from compute_service.model.model_info import ModelInfo, model_info
 from compute_service.model.model_loader import LoadedModel, load_model
 from compute_service.service.request_traces import RequestSpans
@@ -85,7 +84,7 @@ def make_attach(loaded: LoadedModel, target: str, engine_config: EngineConfig,
         head_dim=loaded.config.head_dim, dtype=dtype_name(loaded.model.dtype),
         block_size=engine_config.block_size,
     )
-    fingerprint = weights_fingerprint(loaded.model, loaded.config)  # keys the memory service's KV tier
+    fingerprint = loaded.fingerprint  # keys the memory service's KV tier
 
     def attach() -> Attached:
         # Probe first (the probe closes its channel): a dead service costs no half-open client.

@@ -11,10 +11,12 @@ import stat
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from compute_service import LLM
 from compute_service.model.fingerprint import weights_fingerprint
+from compute_service.model.model_loader import load_model
 from tests.compute_service.tiny_llama import build_tiny_llama, save_tiny_llama, to_causal_lm
 
 BLOCK = 16
@@ -88,6 +90,19 @@ def test_evicted_prompt_comes_back_from_the_host_tier_with_the_same_tokens(tmp_p
         [host] = llm.memory_stats().tiers
         assert host.kind == "host" and host.num_loads >= 1 and host.num_hits >= 6
         assert host.num_bytes_read >= 6 * host.num_bytes // host.num_blocks
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_fingerprint_does_not_follow_the_cpus_packing(make_tiny_model, monkeypatch, dtype: str) -> None:
+    # Packed copies, the AMX tiles' layout and released plain weights depend on the CPU and its free
+    # memory: the fingerprint (the KV tier's key across machines) is taken before any of them.
+    path = str(make_tiny_model("llama").path)
+    packed = load_model(path, device="cpu", dtype=dtype)
+    monkeypatch.setenv("PAGEDSERVE_CPU_PREPACK", "0")
+    monkeypatch.setenv("PAGEDSERVE_CPU_SMALL_LINEAR", "0")
+    plain = load_model(path, device="cpu", dtype=dtype)
+    assert not plain.model.is_prepacked
+    assert packed.fingerprint == plain.fingerprint == weights_fingerprint(plain.model, plain.config)
 
 
 def test_fingerprint_follows_the_weights() -> None:

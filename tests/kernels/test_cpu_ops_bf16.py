@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedserve_kernels import cpu_ops
+from pagedserve_kernels import cpu_linear, cpu_ops
 from pagedserve_kernels.reference import paged_attention_naive
 from tests.kernels.helpers import make_paged_batch
 
@@ -79,6 +79,8 @@ def test_long_prompts_on_amx_tiles_match_float32(block_size: int, head_dim: int)
     # elsewhere the AVX-512 tiles, the same contract): fresh ones, a chunk over cached context that
     # ends mid-block, one at exactly the threshold, beside a decode and a short prompt in one step;
     # slots no sequence owns hold NaN (the gather must not read them, nor the padding past a prompt).
+    if cpu_linear.amx() and ops.attention_isa() == "avx512-bf16":  # the tiles are what this test runs here
+        assert ops.prompt_tiles_min_tokens() == 64
     seq_lens, q_lens = [150, 1, 200, 64, 40, 97], [150, 1, 121, 64, 40, 97]
     batch = make_paged_batch(seq_lens, q_lens, num_q_heads=8, num_kv_heads=2, head_dim=head_dim,
                              block_size=block_size, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(11))
@@ -96,6 +98,18 @@ def test_long_prompts_on_amx_tiles_match_float32(block_size: int, head_dim: int)
     ops.paged_attention(out, query, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
                         batch.cu_seqlens_q, torch.arange(len(seq_lens)), scale)
     close_to_float32(out, want)
+    # A step's subset of the batch, out of order: only the listed sequences' rows are written.
+    subset = torch.tensor([5, 2, 0, 3])
+    out = torch.full_like(query, float("nan"))
+    ops.paged_attention(out, query, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
+                        batch.cu_seqlens_q, subset, scale)
+    cu = batch.cu_seqlens_q.tolist()
+    for b in range(len(seq_lens)):
+        rows = slice(cu[b], cu[b + 1])
+        if b in subset.tolist():
+            close_to_float32(out[rows], want[rows])
+        else:
+            assert bool(torch.isnan(out[rows].float()).all())
 
 
 def test_ops_refuse_mixed_dtypes() -> None:

@@ -1,6 +1,6 @@
 """KV events of a real memory service, read by a subscriber built on vLLM's own classes.
 
-benchmarks/kv_events_subscriber.py runs under vLLM's python (its venv: benchmarks/vllm_peer.py) and
+benchmarks/kv_events_subscriber.py runs under vLLM's python (its venv: pagedserve_testing/vllm_venv.py) and
 decodes every batch with vLLM's ``KVEventBatch`` decoder, as a router built on vLLM would: the blocks
 it rebuilds, per medium (the pool "GPU", the host tier "CPU", the disk tier "DISK"), with their
 tokens, parents and tenants, must be what was committed and evicted, and as many as the Stats RPC
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.vllm_peer import vllm_python
+from pagedserve_testing.vllm_venv import vllm_python
 from memory_service.api import AllocateOp, FreeOp, MemoryClient, cache_namespace
 from memory_service.manager.prefix_cache import namespace_key
 from pagedserve.process import wait_until
