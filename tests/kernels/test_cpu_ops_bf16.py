@@ -48,6 +48,16 @@ def test_paged_attention_bf16_matches_float32(kernel: str, block_size: int, head
     close_to_float32(out, want)
 
 
+def fill_unowned_slots_with_nan(batch, seq_lens: list[int], block_size: int) -> None:
+    """Every pool slot no sequence owns holds NaN (a pool's free rows hold whatever they last held)."""
+    used = torch.zeros(batch.k_cache.shape[0] * block_size, dtype=torch.bool)
+    for b, seq_len in enumerate(seq_lens):
+        positions = torch.arange(seq_len)
+        used[batch.block_tables[b, positions // block_size].long() * block_size + positions % block_size] = True
+    for cache in (batch.k_cache, batch.v_cache):
+        cache.view(-1, *cache.shape[2:])[~used] = float("nan")
+
+
 @pytest.mark.parametrize("kernel", ["paged_attention", "paged_attention_portable"])
 @pytest.mark.parametrize("block_size", [16, 4])
 @pytest.mark.parametrize("head_dim", [32, 64])
@@ -57,12 +67,7 @@ def test_paged_attention_bf16_never_reads_slots_past_a_sequence(kernel: str, blo
     seq_lens, q_lens = [1, 17, 99, 35, 7], [1, 1, 1, 3, 7]
     batch = make_paged_batch(seq_lens, q_lens, num_q_heads=6, num_kv_heads=2, head_dim=head_dim,
                              block_size=block_size, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(8))
-    used = torch.zeros(batch.k_cache.shape[0] * block_size, dtype=torch.bool)
-    for b, seq_len in enumerate(seq_lens):
-        positions = torch.arange(seq_len)
-        used[batch.block_tables[b, positions // block_size].long() * block_size + positions % block_size] = True
-    for cache in (batch.k_cache, batch.v_cache):
-        cache.view(-1, *cache.shape[2:])[~used] = float("nan")
+    fill_unowned_slots_with_nan(batch, seq_lens, block_size)
     scale = head_dim**-0.5
     want = paged_attention_naive(batch.query.float(), batch.k_cache.float(), batch.v_cache.float(),
                                  *batch.args()[3:], scale=scale)
@@ -84,12 +89,7 @@ def test_long_prompts_on_amx_tiles_match_float32(block_size: int, head_dim: int)
     seq_lens, q_lens = [150, 1, 200, 64, 40, 97], [150, 1, 121, 64, 40, 97]
     batch = make_paged_batch(seq_lens, q_lens, num_q_heads=8, num_kv_heads=2, head_dim=head_dim,
                              block_size=block_size, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(11))
-    used = torch.zeros(batch.k_cache.shape[0] * block_size, dtype=torch.bool)
-    for b, seq_len in enumerate(seq_lens):
-        positions = torch.arange(seq_len)
-        used[batch.block_tables[b, positions // block_size].long() * block_size + positions % block_size] = True
-    for cache in (batch.k_cache, batch.v_cache):
-        cache.view(-1, *cache.shape[2:])[~used] = float("nan")
+    fill_unowned_slots_with_nan(batch, seq_lens, block_size)
     query = batch.query.bfloat16()
     scale = head_dim**-0.5
     want = paged_attention_naive(query.float(), batch.k_cache.float(), batch.v_cache.float(), *batch.args()[3:],
