@@ -33,7 +33,7 @@
 #include <vector>
 
 #include "exp_approx.h"
-#include "brgemm_linear.h"  // before the attention: its prompt tiles (prefill_tiles.h) call brgemm too
+#include "brgemm_linear.h"
 #ifdef __AVX512F__
 #include "paged_attention_avx512.h"
 #endif

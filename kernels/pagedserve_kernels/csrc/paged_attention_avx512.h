@@ -41,6 +41,8 @@
 #include <numeric>
 #include <vector>
 
+#include "brgemm_linear.h"  // the prompt tiles (prefill_tiles.h, included below) call brgemm
+
 namespace {
 namespace avx512_attention {
 

@@ -14,7 +14,8 @@
 
 #pragma once
 
-// (cpu_ops.cpp includes <ATen/native/CPUBlas.h> and brgemm_linear.h before this file's includer.)
+// (Its includer, paged_attention_avx512.h, includes brgemm_linear.h, and with it ATen's CPUBlas.h,
+// outside its namespace: this file is included inside it.)
 namespace prefill_tiles {
 
 constexpr int64_t kTilesMinQ = 64;  // new tokens of a sequence below which the AVX-512 tile kernel is faster
