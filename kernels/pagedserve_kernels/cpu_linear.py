@@ -172,7 +172,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
 
     Args:
         x: (N, in) activations.
-        weight: (out, in), used when `packed` is None or N <= num_small_rows (empty where released).
+        weight: (out, in), used when `packed` is None or N <= num_small_rows (empty where released; on
+            an AMX CPU the 4-D tile layout of `small_weight`, which only the small-batch kernel reads).
         packed: `prepack(weight)`, or None.
         bias: (out,) or None.
         num_small_rows: `small_rows(x.dtype)`, or 0 to never take the small-batch kernel.

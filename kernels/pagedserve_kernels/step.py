@@ -30,7 +30,8 @@ class LayerStack:
 
     Attributes:
         weights: per layer, in order: input norm (H,), qkv ((Q + 2 KV, H)), o, post-attention norm (H,),
-            gate_up, down: the plain weights (empty where released for their packed copy).
+            gate_up, down: the plain weights (empty where released for their packed copy; on an AMX
+            CPU in the tiles' layout, `cpu_linear.small_weight`).
         packed: per layer the qkv, o, gate_up and down `kernels.prepack` copies, None where not packed.
         biases: per layer the qkv, o, gate_up and down biases, None where the model has none.
         small_rows: steps of up to this many rows take the small-batch linear (`cpu_linear.small_rows`).
