@@ -35,7 +35,6 @@ import argparse
 import collections
 import json
 import os
-import platform
 import socket
 import statistics
 import sys
@@ -50,6 +49,7 @@ if __package__ in (None, ""):  # run as a script: the repository root on the pat
 
 import httpx
 
+from benchmarks.cpu_info import cpu_name
 from pagedserve.service_auth import API_KEYS_ENV
 from pagedserve.sockets import free_port
 from pagedserve import stack as launcher
@@ -205,16 +205,6 @@ def summary(latencies: dict[str, list[float]], idle_p50: float) -> dict:
     return {"victim_requests": len(completions), "victim_p50_s": round(p50, 3), "victim_max_s": round(worst, 3),
             "p50_ratio": round(p50 / idle_p50, 2), "max_ratio": round(worst / idle_p50, 2),
             "health_max_s": round(max(health), 3)}
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def main() -> None:

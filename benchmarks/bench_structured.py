@@ -16,23 +16,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 
+from benchmarks.cpu_info import cpu_name
 from compute_service import LLM, Constraint, SamplingParams
 
 SCHEMA = {"type": "object", "required": ["notes"],
           "properties": {"notes": {"type": "array", "items": {"type": "string"}, "minItems": 64}}}
 PROMPT = "Write a JSON object with a list of notes about the sea: "
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or "unknown"
 
 
 def _decode_steps(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[tuple[float, float]]:
@@ -104,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['batch_size']:>5} {r['step_cpu_ms_unconstrained']:>17.2f} {r['step_cpu_ms_constrained']:>17.2f} "
               f"{r['mask_cpu_ms']:>12.3f} {'-' if share is None else f'{share:.2%}':>10} "
               f"{r['step_ms_unconstrained']:>13.2f} {r['mask_ms']:>8.3f}")
-    print(json.dumps({"model": args.model, "vocab_size": vocab_size, "cpu": _cpu_name(), "steps": args.steps,
+    print(json.dumps({"model": args.model, "vocab_size": vocab_size, "cpu": cpu_name(), "steps": args.steps,
                       "results": rows}))
     return 0
 

@@ -18,28 +18,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 from collections.abc import Callable
 
 import torch
 
 import pagedserve_kernels as kernels
+from benchmarks.cpu_info import cpu_name
 from pagedserve_kernels import cpu_linear, cpu_ops
 
 SHAPES = {"qkv": (960, 576, 30), "o": (576, 576, 30), "gate_up": (3072, 576, 30), "down": (576, 1536, 30),
           "lm_head": (49152, 576, 1)}  # (out, in, copies)
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def best_ms(fn: Callable[[], object], repeats: int) -> float:

@@ -169,6 +169,15 @@ def test_write_kv_bf16_copies_rows_exactly() -> None:
     assert torch.equal(v_cache.view(-1, num_kv_heads, head_dim)[slots], value)
 
 
+def linear_case(num_rows: int, in_features: int, out_features: int) -> tuple[torch.Tensor, ...]:
+    """x (num_rows, in), a weight (out, in) scaled to unit outputs and a bias (out,), bf16, seeded by num_rows."""
+    generator = torch.Generator().manual_seed(num_rows)
+    x = torch.randn(num_rows, in_features, generator=generator).bfloat16()
+    weight = (torch.randn(out_features, in_features, generator=generator) / in_features**0.5).bfloat16()
+    bias = torch.randn(out_features, generator=generator).bfloat16()
+    return x, weight, bias
+
+
 @pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 5, 9, 16])  # passes of 4 rows of x and their remainders
 @pytest.mark.parametrize("shape", [(576, 960), (64, 300), (33, 70)])  # (K, N): K % 64, % 32 and odd tails
 def test_small_linear_matches_float32(num_rows: int, shape: tuple[int, int]) -> None:
@@ -178,10 +187,7 @@ def test_small_linear_matches_float32(num_rows: int, shape: tuple[int, int]) -> 
     if ops.small_linear_rows() == 0:
         pytest.skip("this build has no AVX512-BF16 small-batch linear")
     in_features, out_features = shape
-    generator = torch.Generator().manual_seed(num_rows)
-    x = torch.randn(num_rows, in_features, generator=generator).bfloat16()
-    weight = (torch.randn(out_features, in_features, generator=generator) / in_features**0.5).bfloat16()
-    bias = torch.randn(out_features, generator=generator).bfloat16()
+    x, weight, bias = linear_case(num_rows, in_features, out_features)
     for b in (None, bias):
         want = F.linear(x.float(), weight.float(), None if b is None else b.float())
         got = ops.small_linear(x, weight, b)
@@ -217,10 +223,7 @@ def test_small_linear_on_amx_tiles_has_the_plain_kernels_contract(num_rows: int,
     if not ops.brgemm_linear_available():
         pytest.skip("no bf16 brgemm (AMX) on this CPU")
     in_features, out_features = shape
-    generator = torch.Generator().manual_seed(num_rows)
-    x = torch.randn(num_rows, in_features, generator=generator).bfloat16()
-    weight = (torch.randn(out_features, in_features, generator=generator) / in_features**0.5).bfloat16()
-    bias = torch.randn(out_features, generator=generator).bfloat16()
+    x, weight, bias = linear_case(num_rows, in_features, out_features)
     tiles = ops.brgemm_pack(weight)
     assert tiles.shape == (out_features // 64, in_features // 2, 64, 2) and tiles.nbytes == weight.nbytes
     for b in (None, bias):
