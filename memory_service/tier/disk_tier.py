@@ -9,7 +9,8 @@ num_kv_heads, head_dim)`` in the pool's dtype:
     model fingerprint (its BLAKE2b-256), namespace key, chained block key, payload length,
     XXH3-64 of the payload, XXH3-64 of the header before it
 
-then the block's origin (``manager/chain.py``'s ``BlockOrigin``: its parent's key, then its token
+(its struct and the ``TierIdentity`` it is checked against live in ``block_file.py``, which ``tier.py``
+imports too), then the block's origin (``manager/chain.py``'s ``BlockOrigin``: its parent's key, then its token
 ids, ``block_size * TOKEN_WIDTH`` bytes; zeros when the writer did not know it), and zeros up to the
 payload's offset: 4 KiB where the block's bytes are a whole number of 4 KiB pages (every real
 model's: 16 tokens of a 64-dim head in 16 bits are one page), so the file can be written with
@@ -71,7 +72,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import hashlib
 import os
 import re
 import secrets
@@ -81,95 +81,29 @@ import mmap
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import xxhash
 
-from pagedserve.dtypes import ELEMENT_SIZES
 from pagedserve.errors import PreconditionError
 from pagedserve.log import get_logger
 
 from memory_service.manager.chain import HASH_SIZE, BlockOrigin, root_hash
 from memory_service.manager.kv_events import MEDIUM_DISK
-from memory_service.token_encoding import TOKEN_WIDTH
+from memory_service.tier.block_file import (DIRECT_ALIGN, HEADER_CHECKSUM, HEADER_FIELDS, HEADER_SIZE,
+                                            LAYOUT_VERSION, MAGIC, NAMESPACE_KEY_SIZE, TierIdentity)
 from memory_service.tier.tier import TierCounters
 
 log = get_logger("memory_service.tier")
 
-MAGIC = b"PSKVBLK\x01"
-LAYOUT_VERSION = 3  # 1: CRC-32 checksums, the payload right after the header; 2: no origin
-# magic, layout version, payload offset, dtype, block size, layers, KV heads, head dim, fingerprint
-# digest, namespace key, block key, payload length, payload XXH3-64; then the header's own XXH3-64.
-_FIELDS = struct.Struct("<8sHH16sIIII32s16s32sQQ")
-_HEADER_CHECKSUM = struct.Struct("<Q")
-HEADER_SIZE = _FIELDS.size + _HEADER_CHECKSUM.size
-# Where an O_DIRECT write's buffer, offsets and length must fall (the page size: above every logical
-# block size in use).
-DIRECT_ALIGN = 4096
 FILE_SUFFIX = ".kv"
 TMP_PREFIX = ".tmp-"
 _NAME_PATTERN = re.compile(rf"[0-9a-f]{{{2 * HASH_SIZE}}}\.kv")
-NAMESPACE_KEY_SIZE = 16
 # A write error is logged the first time and then every this many (a read-only disk fails them all).
 LOG_EVERY_WRITE_ERRORS = 1000
 # Blocks' worth of files a write that finds the file system full frees before its one retry.
 ENOSPC_FREE_BLOCKS = 4
 _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
-
-
-@dataclass(frozen=True)
-class TierIdentity:
-    """What a tier block's bytes depend on besides its tokens: the model and the pool's layout.
-
-    Args:
-        fingerprint: the model weights' fingerprint, as the client sent it at Attach.
-        dtype, block_size, num_layers, num_kv_heads, head_dim: the pool's layout (KvLayout).
-    """
-
-    fingerprint: str
-    dtype: str
-    block_size: int
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-
-    @property
-    def fingerprint_digest(self) -> bytes:
-        return hashlib.blake2b(self.fingerprint.encode(), digest_size=32).digest()
-
-    @property
-    def digest(self) -> bytes:
-        """Every field and the layout version, hashed: the salt of the chained block keys."""
-        fields = (LAYOUT_VERSION, self.fingerprint, self.dtype, self.block_size, self.num_layers,
-                  self.num_kv_heads, self.head_dim)
-        return hashlib.blake2b(repr(fields).encode(), digest_size=32).digest()
-
-    @property
-    def block_shape(self) -> tuple[int, int, int, int, int]:
-        """(num_layers, 2, block_size, num_kv_heads, head_dim): one block of the pool."""
-        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
-
-    @property
-    def bytes_per_block(self) -> int:
-        elem = ELEMENT_SIZES[self.dtype]
-        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
-
-    @property
-    def origin_size(self) -> int:
-        """A file's ``BlockOrigin``, right after the header: the parent's key and the block's tokens."""
-        return HASH_SIZE + self.block_size * TOKEN_WIDTH
-
-    @property
-    def payload_offset(self) -> int:
-        """Where a file's payload begins: on a page boundary past the header and the origin when its
-        bytes are whole pages (``O_DIRECT``), else right after the origin."""
-        end = HEADER_SIZE + self.origin_size
-        return -(-end // DIRECT_ALIGN) * DIRECT_ALIGN if self.bytes_per_block % DIRECT_ALIGN == 0 else end
-
-    @property
-    def file_size(self) -> int:
-        return self.payload_offset + self.bytes_per_block
 
 
 class DiskTier:
@@ -279,7 +213,7 @@ class DiskTier:
             found.append((st.st_mtime, key, st.st_size))
             origin = BlockOrigin(header[HEADER_SIZE:HEADER_SIZE + HASH_SIZE], header[HEADER_SIZE + HASH_SIZE:])
             if origin.is_of(key):
-                origins[key] = (_FIELDS.unpack_from(header)[9], origin)
+                origins[key] = (HEADER_FIELDS.unpack_from(header)[9], origin)
         found.sort()
         with self._lock:
             self.identity = identity
@@ -366,7 +300,7 @@ class DiskTier:
         if num_read != size:
             problem = f"truncated ({num_read} bytes, expected {size})"
         elif problem is None:
-            (payload_checksum,) = struct.unpack_from("<Q", buffer, _FIELDS.size - 8)
+            (payload_checksum,) = struct.unpack_from("<Q", buffer, HEADER_FIELDS.size - 8)
             if xxhash.xxh3_64_intdigest(view[offset:]) != payload_checksum:
                 problem = "payload checksum mismatch"
         if problem is not None:
@@ -423,11 +357,11 @@ class DiskTier:
             return False
         self._evict_until(size)
         view = memoryview(buffer)
-        fields = _FIELDS.pack(MAGIC, LAYOUT_VERSION, offset, identity.dtype.encode(), identity.block_size,
-                              identity.num_layers, identity.num_kv_heads, identity.head_dim,
-                              identity.fingerprint_digest, ns_key, key, identity.bytes_per_block,
-                              xxhash.xxh3_64_intdigest(view[offset:size]))
-        buffer[:HEADER_SIZE] = fields + _HEADER_CHECKSUM.pack(xxhash.xxh3_64_intdigest(fields))
+        fields = HEADER_FIELDS.pack(MAGIC, LAYOUT_VERSION, offset, identity.dtype.encode(), identity.block_size,
+                                    identity.num_layers, identity.num_kv_heads, identity.head_dim,
+                                    identity.fingerprint_digest, ns_key, key, identity.bytes_per_block,
+                                    xxhash.xxh3_64_intdigest(view[offset:size]))
+        buffer[:HEADER_SIZE] = fields + HEADER_CHECKSUM.pack(xxhash.xxh3_64_intdigest(fields))
         origin_bytes = origin.parent_key + origin.token_bytes if origin is not None else b""
         if len(origin_bytes) != identity.origin_size:  # unknown, or not one block's: not kept
             origin_bytes = bytes(identity.origin_size)
@@ -649,16 +583,16 @@ def _check_header(header: bytes, identity: TierIdentity, key: bytes, ns_key: byt
     when given), else what is wrong."""
     if len(header) < HEADER_SIZE:
         return f"truncated header ({len(header)} bytes)"
-    fields = header[: _FIELDS.size]
+    fields = header[: HEADER_FIELDS.size]
     if header[:8] != MAGIC:
         return "not a tier block (bad magic)"
     (version,) = struct.unpack_from("<H", header, 8)
     if version != LAYOUT_VERSION:
         return f"layout version {version}, this service reads {LAYOUT_VERSION}"
-    if _HEADER_CHECKSUM.unpack_from(header, _FIELDS.size)[0] != xxhash.xxh3_64_intdigest(fields):
+    if HEADER_CHECKSUM.unpack_from(header, HEADER_FIELDS.size)[0] != xxhash.xxh3_64_intdigest(fields):
         return "header checksum mismatch"
     (_, version, payload_offset, dtype, block_size, num_layers, num_kv_heads, head_dim, fingerprint, file_ns_key,
-     file_key, payload_len, _) = _FIELDS.unpack(fields)
+     file_key, payload_len, _) = HEADER_FIELDS.unpack(fields)
     if payload_offset != identity.payload_offset:
         return f"payload at {payload_offset}, expected {identity.payload_offset}"
     if fingerprint != identity.fingerprint_digest:

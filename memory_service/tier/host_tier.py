@@ -36,7 +36,7 @@ from pagedserve.dtypes import DTYPES
 from pagedserve.log import get_logger
 
 from memory_service.manager.kv_events import MEDIUM_HOST
-from memory_service.tier.disk_tier import NAMESPACE_KEY_SIZE, TierIdentity
+from memory_service.tier.block_file import NAMESPACE_KEY_SIZE, TierIdentity
 from memory_service.tier.tier import TierCounters
 
 log = get_logger("memory_service.tier")

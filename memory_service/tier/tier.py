@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     import torch
 
     from memory_service.manager.chain import BlockOrigin
-    from memory_service.tier.disk_tier import TierIdentity
+    from memory_service.tier.block_file import TierIdentity
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from memory_service.config import MemoryServiceConfig
 from memory_service.in_process import InProcessAllocator
 from memory_service.manager.block_types import BlockManagerConfig
 from memory_service.manager.chain import chain_hashes, root_hash
-from memory_service.tier.disk_tier import TierIdentity
+from memory_service.tier.block_file import TierIdentity
 from memory_service.tier import worker
 from memory_service.tier.host_tier import HostTier
 from tests.memory_service.test_kv_tier import LAYOUT, PROMPT, load, other_prompt, wait_for

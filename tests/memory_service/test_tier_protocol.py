@@ -18,7 +18,7 @@ from pagedserve.dtypes import DTYPES
 from memory_service.in_process import InProcessAllocator
 from memory_service.manager.block_types import BlockManagerConfig
 from memory_service.manager.chain import BlockOrigin
-from memory_service.tier.disk_tier import TierIdentity
+from memory_service.tier.block_file import TierIdentity
 from memory_service.tier.tier import IoTier, MemoryTier, TierCounters
 from tests.memory_service.test_host_tier import BLOCK_BYTES, assert_prompt_bytes, write_prompt
 from tests.memory_service.test_kv_tier import LAYOUT, load, wait_for
