@@ -2,8 +2,10 @@
 and answer meet ``pagedserve.compute.v1`` (the dispatcher's calls, the backend's Info).
 
 Unset stays unset on the way out (``None`` -> an absent ``optional`` field or a proto3 zero), so the
-compute service applies the same defaults (``sampling_rules.resolve_sampling``); ``max_tokens`` is
-always sent, resolved by the gateway (a chat's may reach to the model's length).
+compute service resolves it (``sampling_rules.resolve_sampling``, or the model's own defaults where
+it has them). Only ``max_tokens`` is always sent, resolved by the gateway (``GenerationParams``; a
+chat's may reach to the model's length); ``n``, though resolved there too, goes as the client gave
+it (unset: the wire's zero, which means 1).
 """
 
 from __future__ import annotations
@@ -18,15 +20,12 @@ _PLAIN = ("top_k", "min_p", "min_tokens", "presence_penalty", "frequency_penalty
 
 
 def to_compute_request(request: BackendRequest, backend_request_id: str) -> compute_pb2.GenerateRequest:
-    """The compute service's request (its id is the dispatcher's, one per attempt)."""
+    """The compute service's request (its id is the dispatcher's, one per attempt): the one place the
+    validated sampling fields become protobuf."""
     o = request.options
     params = compute_pb2.SamplingParams(max_tokens=request.max_tokens, stop=o.stop, stop_token_ids=o.stop_token_ids,
                                         ignore_eos=o.ignore_eos)
-    for name in _PLAIN:
-        value = getattr(o, name)
-        if value is not None:
-            setattr(params, name, value)
-    for name in _OPTIONAL:
+    for name in (*_OPTIONAL, *_PLAIN):
         value = getattr(o, name)
         if value is not None:
             setattr(params, name, value)

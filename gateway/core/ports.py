@@ -50,7 +50,8 @@ class Backends(Protocol):
         """Streams one backend's answer to ``request`` as deltas.
 
         Args:
-            request: validated and tokenized; its defaults resolved.
+            request: validated and tokenized; max_tokens and n resolved, the client's other unset
+                fields still unset (the compute service resolves them).
             model_name: only backends serving this model may run it.
             route: filled with the backend used; its ``cancel`` ends the call.
             timeout_s: the client's remaining time (None = no deadline).

@@ -52,6 +52,7 @@ class RequestRecord:
     usage: Usage = field(default_factory=Usage)
     route: Route = field(default_factory=Route)
     span: Span | None = None  # its trace span, when traces are on (ended by ``GatewayCore.finish``)
+    num_completions: int = 1  # its validated n (GenerationParams.n), once validated
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.started
@@ -219,9 +220,11 @@ class GatewayCore:
             tool_plan = tools.plan(request, self.tool_parser(model))
             request = tools.constrained(request, tool_plan)
             validated = validate(request, model.info, self.prompt_limits, reply, num_prompts)
+            sampling = validated.sampling
+            record.num_completions = sampling.n
             token_ids = request.prompt_token_ids if request.prompt_token_ids is not None else await self.encode(request)
-            if reply is not None and request.options.prompt_logprobs is not None:
-                reply.check_prompt_scores(len(token_ids), request.options.prompt_logprobs)
+            if reply is not None and sampling.options.prompt_logprobs is not None:
+                reply.check_prompt_scores(len(token_ids), sampling.options.prompt_logprobs)
             # The cache namespace is the tenant's: its hits are on its own prompts only.
             backend_request = validated.to_backend(list(token_ids), tenant.cache_salt(request.cache_salt),
                                                    max_tokens_to_context, tenant.name)
@@ -235,7 +238,7 @@ class GatewayCore:
                 deltas = tools.with_tool_calls(deltas, tool_plan, model.token_text)
             waiting.inc()  # until its first answer: the tenant's queue at the backends
             is_waiting = True
-            is_scoring = request.options.prompt_logprobs is not None
+            is_scoring = sampling.is_scoring
             # aclosing: a client that goes away closes the backend call now, not at garbage collection.
             async with contextlib.aclosing(deltas):
                 async for delta in deltas:
@@ -286,7 +289,7 @@ class GatewayCore:
             ttft = record.first_token_at - record.started
             self.metrics.ttft.observe(ttft)
             # Completions of an n > 1 request advance together: time per token of one of them.
-            num_tokens = record.usage.completion_tokens / max(request.options.n or 1, 1)
+            num_tokens = record.usage.completion_tokens / record.num_completions
             if num_tokens > 1 and record.last_token_at is not None:
                 self.metrics.tpot.observe((record.last_token_at - record.first_token_at) / (num_tokens - 1))
         extra: dict[str, object] = {} if path is None else {"path": path}

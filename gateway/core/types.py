@@ -11,6 +11,7 @@ client wrote, so ``n: 0`` there is a value, and a bad one.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -24,9 +25,14 @@ class Constraint:
     choices: tuple[str, ...] = ()
 
 
-@dataclass
+@dataclass(frozen=True)
 class SamplingOptions:
-    """The public sampling fields as the client gave them (None: unset, the default applies)."""
+    """The public sampling fields as the client gave them (None: unset, the default applies).
+
+    Frozen: an edge builds them once and they travel as they are, through ``validate`` into
+    ``GenerationParams`` and on to the compute service's message (``stop`` and ``stop_token_ids`` may
+    be the gRPC wire's repeated fields themselves, referenced rather than copied).
+    """
 
     max_tokens: int | None = None
     temperature: float | None = None
@@ -34,8 +40,8 @@ class SamplingOptions:
     top_k: int | None = None
     min_p: float | None = None
     seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop: Sequence[str] = ()
+    stop_token_ids: Sequence[int] = ()
     repetition_penalty: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -103,12 +109,46 @@ class GenerateRequest:
     parallel_tool_calls: bool | None = None  # None: True
 
 
-@dataclass
+@dataclass(frozen=True)
+class GenerationParams:
+    """A request's sampling fields once ``validate`` checked them: what the gateway reads from then
+    on, and what travels to the compute service (``BackendRequest``), converted to its message once
+    (``gateway.backend.compute_convert``).
+
+    Two kinds of field, on purpose. ``options`` are the client's fields as given, the unset ones
+    None: the compute service resolves those (a model's generation_config.json may set temperature,
+    top_p or repetition_penalty), so the gateway must not fill in a default it cannot know, and
+    they reach the compute service unset. ``max_tokens`` and ``n`` are resolved here, once: their
+    defaults are the API's own (``sampling_rules.SAMPLING_DEFAULTS``, model-independent), and the
+    gateway budgets with them itself (a unary reply's size, a backend's load, time per token).
+
+    Attributes:
+        options: the client's fields; read ``max_tokens`` and ``n`` below rather than theirs.
+        max_tokens: the client's, else the API's default (a chat's may still grow to the model's
+            length once the prompt is tokenized: ``ValidatedRequest.to_backend``).
+        n: completions of the prompt, the client's else 1.
+    """
+
+    options: SamplingOptions
+    max_tokens: int
+    n: int
+
+    @property
+    def is_max_tokens_given(self) -> bool:
+        return self.options.max_tokens is not None
+
+    @property
+    def is_scoring(self) -> bool:
+        """The prompt's tokens are scored (``prompt_logprobs``): the first delta carries their scores."""
+        return self.options.prompt_logprobs is not None
+
+
+@dataclass(frozen=True)
 class BackendRequest:
     """What the dispatcher sends a compute service: the tokenized, validated request.
 
-    ``options`` keep the client's unset fields unset (the compute service applies the same
-    defaults, ``sampling_rules.resolve_sampling``); ``max_tokens`` is always resolved.
+    ``options``, ``max_tokens`` and ``n`` are its ``GenerationParams``' (the client's unset fields
+    still unset; ``max_tokens`` and ``n`` resolved, a chat's max_tokens perhaps grown to the context).
     """
 
     prompt_token_ids: list[int]
@@ -117,10 +157,7 @@ class BackendRequest:
     priority: int
     cache_salt: str
     tenant: str = ""  # the tenant's name: the compute service admits fairly between tenants
-
-    @property
-    def n(self) -> int:
-        return self.options.n or 1
+    n: int = 1
 
 
 @dataclass

@@ -6,7 +6,10 @@ it (``params.top_p ...``; the HTTP front maps that name to its own parameter). T
 ``pagedserve.sampling_rules``, the very functions the compute service checks its requests with; the
 limits are the ones the backend reports in ``Info`` (the shared defaults where it reports none).
 Unset fields are resolved to their defaults first (``sampling_rules.resolve_sampling``), so the
-checks see what the engine would run.
+checks see what the engine would run; but what validation returns, ``GenerationParams``, keeps them
+unset (None) except ``max_tokens`` and ``n``, whose defaults are the gateway's own: the compute
+service resolves the rest, from the model's own defaults where it has them. The rest of the gateway
+reads those typed fields and never the client's raw ones again.
 
 The one rule that needs the tokens, the prompt's length against the model, is
 ``ValidatedRequest.to_backend``'s, right after tokenizing.
@@ -14,10 +17,12 @@ The one rule that needs the tokens, the prompt's length against the model, is
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import cast
 
 from gateway.core.streaming import ReplyBudget
-from gateway.core.types import BackendRequest, GenerateRequest, ModelInfo
+from gateway.core.types import BackendRequest, GenerateRequest, GenerationParams, ModelInfo
 from pagedserve import sampling_rules as rules
 from pagedserve.errors import InvalidArgument, echo
 
@@ -34,11 +39,20 @@ class PromptLimits:
 
 @dataclass(frozen=True)
 class ValidatedRequest:
-    """A request every field of which was checked; ``params`` are its sampling fields resolved."""
+    """A request every field of which was checked.
+
+    Attributes:
+        request: as the front converted it.
+        sampling: its sampling fields, typed, unset ones still unset: what the gateway reads and sends.
+        info: the model's limits it was checked against.
+        params: every sampling field with its default applied, as the rules checked them (what the
+            engine will run); only a view: nothing is sent from it.
+    """
 
     request: GenerateRequest
-    params: dict[str, object]
+    sampling: GenerationParams
     info: ModelInfo
+    params: Mapping[str, object]
 
     @property
     def prompt_field(self) -> str:
@@ -57,16 +71,17 @@ class ValidatedRequest:
         Raises:
             InvalidArgument: no tokens, or the prompt plus max_tokens exceed the model.
         """
-        max_tokens = int(self.params["max_tokens"])  # type: ignore[call-overload]
+        s = self.sampling
+        max_tokens = s.max_tokens
         max_model_len = self.info.max_model_len
-        if max_tokens_to_context and self.request.options.max_tokens is None and max_model_len:
+        if max_tokens_to_context and not s.is_max_tokens_given and max_model_len:
             max_tokens = max(max_model_len - len(token_ids), 1)
         if not token_ids:
             raise InvalidArgument(f"{self.prompt_field}: tokenizes to no tokens")
         rules.check_prompt_length(len(token_ids), max_tokens, max_model_len or rules.MAX_PROMPT_TOKENS,
                                   field=self.prompt_field)
         r = self.request
-        return BackendRequest(token_ids, r.options, max_tokens, r.priority, cache_salt, tenant)
+        return BackendRequest(token_ids, s.options, max_tokens, r.priority, cache_salt, tenant, s.n)
 
 
 def limits_of(info: ModelInfo) -> rules.RequestLimits:
@@ -102,7 +117,10 @@ def validate(request: GenerateRequest, info: ModelInfo, limits: PromptLimits = P
     o = request.options
     params = rules.resolve_sampling(vars(o))  # no element copied: check_sampling checks counts first
     rules.check_sampling(params, limits=limits_of(info), vocab_size=info.vocab_size or None)
-    _check_int32("params.top_k", params["top_k"])  # type: ignore[arg-type]
+    # Resolved once, here: the two defaults that are the gateway's (GenerationParams says why).
+    sampling = GenerationParams(o, max_tokens=cast(int, params["max_tokens"]), n=cast(int, params["n"]))
+    if o.top_k is not None:
+        _check_int32("params.top_k", o.top_k)
     if o.stop_token_ids and not info.vocab_size:
         _check_int32("params.stop_token_ids", max(o.stop_token_ids))
     if o.logit_bias and not info.vocab_size:
@@ -113,10 +131,9 @@ def validate(request: GenerateRequest, info: ModelInfo, limits: PromptLimits = P
                                          pooling=o.pooling)
         rules.check_constraint(c.kind, c.spec, c.choices)
     if reply is not None:
-        rules.check_reply_fits(params["n"] * num_prompts, params["max_tokens"], params["logprobs"],  # type: ignore
-                               reply.max_bytes, reply.hint)
+        rules.check_reply_fits(sampling.n * num_prompts, sampling.max_tokens, o.logprobs, reply.max_bytes, reply.hint)
     check_prompt(request, info, limits)
-    return ValidatedRequest(request, params, info)
+    return ValidatedRequest(request, sampling, info, params)
 
 
 def check_prompt(request: GenerateRequest, info: ModelInfo, limits: PromptLimits) -> None:

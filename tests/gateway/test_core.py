@@ -14,10 +14,12 @@ from gateway.core.service import GatewayCore, RequestRecord
 from gateway.core.streaming import ReplyBudget, collect
 from gateway.core.types import (BackendRequest, ChatMessage, Completion, Delta, GenerateRequest, ModelInfo, Reply,
                                 SamplingOptions, Usage)
+from gateway.core.validate import validate
 from gateway.metrics import GatewayMetrics
 from gateway.tenants import Tenant, Tenants
 from pagedserve.errors import (DeadlineExceededError, InvalidArgument, PermissionDeniedError, RequestFailedError,
                                ResourceExhaustedError, UnavailableError)
+from pagedserve.rpc import status_for
 from tests.gateway.fake_backend import FAKE_ADDRESS, HOLD, ByteTokenizer, Call, FakeBackends
 
 INFO = ModelInfo("fake", max_model_len=64, vocab_size=256)
@@ -72,6 +74,39 @@ def test_a_bad_field_is_refused_by_name_before_the_backend_sees_it(core: Gateway
     assert str(caught.value) == message
     assert (record.status, backends.calls, core.num_in_flight) == ("INVALID_ARGUMENT", [], 0)
     assert num_answered(core, "INVALID_ARGUMENT") == 1
+
+
+def test_validate_resolves_only_the_gateways_own_defaults() -> None:
+    """max_tokens and n are resolved once, in validate (the gateway budgets with them); every other
+    unset field stays None, for the compute service to resolve from the model's own defaults."""
+    unset = validate(GenerateRequest(prompt="hi"), INFO).sampling
+    assert (unset.max_tokens, unset.n, unset.is_max_tokens_given, unset.is_scoring) == (16, 1, False, False)
+    assert unset.options == SamplingOptions()  # temperature, top_p, seed, ...: still None
+    given = SamplingOptions(max_tokens=5, n=3, temperature=0.0, top_p=0.5, seed=7, prompt_logprobs=0)
+    sampling = validate(GenerateRequest(prompt="hi", options=given), INFO).sampling
+    assert (sampling.max_tokens, sampling.n, sampling.is_max_tokens_given, sampling.is_scoring) == (5, 3, True, True)
+    assert sampling.options is given  # travels as the client gave it: a zero temperature stays a value
+
+
+def test_the_backend_request_carries_the_validated_params_as_they_are() -> None:
+    given = SamplingOptions(n=2, top_k=40)
+    backend = validate(GenerateRequest(prompt="hi", options=given), INFO).to_backend(HI, "salt")
+    assert (backend.options, backend.max_tokens, backend.n) == (given, 16, 2)
+    unset = validate(GenerateRequest(prompt="hi"), INFO).to_backend(HI, "salt")
+    assert (unset.options, unset.max_tokens, unset.n) == (SamplingOptions(), 16, 1)
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    (SamplingOptions(top_k=1 << 31), "params.top_k must be a 32-bit integer, got 2147483648"),
+    (SamplingOptions(max_tokens=4, min_tokens=5), "params.min_tokens must be in [0, 4], got 5"),
+    (SamplingOptions(logprobs=21), "params.logprobs must be in [0, 20], got 21"),
+    (SamplingOptions(repetition_penalty=0.0), "params.repetition_penalty must be > 0.0, got 0.0"),
+])
+def test_an_out_of_range_field_gives_no_params_but_invalid_argument_naming_it(options: SamplingOptions,
+                                                                              message: str) -> None:
+    with pytest.raises(InvalidArgument) as caught:
+        validate(GenerateRequest(prompt="hi", options=options), INFO)
+    assert (str(caught.value), status_for(caught.value).name) == (message, "INVALID_ARGUMENT")
 
 
 @pytest.mark.parametrize(("request_", "message"), [

@@ -134,6 +134,19 @@ def test_conversion_keeps_unset_apart_from_zero() -> None:
     assert list(greedy.prompt_token_ids) == [1] and greedy.request_id == "id"
 
 
+def test_the_compute_request_sets_only_what_the_client_set() -> None:
+    """The wire contract: a field the client left unset reaches the compute service unset (absent, or
+    the plain fields' zero), so it resolves the model's own defaults (generation_config.json); only
+    max_tokens, the gateway's own default, is always sent."""
+    unset = to_compute_request(check_request(_request()).to_backend([1], ""), "id").params
+    assert [f.name for f, _ in unset.ListFields()] == ["max_tokens"] and unset.max_tokens == 16
+    validated = check_request(_request(temperature=0.0, n=2, top_k=5, seed=0))
+    assert (validated.sampling.options.temperature, validated.sampling.n) == (0.0, 2)
+    given = to_compute_request(validated.to_backend([1], ""), "id").params
+    assert {f.name for f, _ in given.ListFields()} == {"max_tokens", "temperature", "top_k", "seed", "n"}
+    assert (given.temperature, given.top_k, given.seed, given.n) == (0.0, 5, 0, 2)
+
+
 def test_api_keys_bearer_only_exact_match() -> None:
     one, two = Tenant("one", keys=("k1-secret",)), Tenant("two", keys=("k2-secret",))
     tenants = Tenants([one, two], 8)
