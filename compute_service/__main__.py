@@ -62,6 +62,9 @@ ENGINE_FLAGS = {
     "device": "cpu or cuda[:N] (default: cuda when available)",
     "dtype": "auto, float32, float16 or bfloat16 (auto: bfloat16 on CUDA and on CPUs with native bf16, "
              "AMX-BF16 or AVX512-BF16; float32 on other CPUs)",
+    "quantization": "auto, none, int8 or int4: the weights kept quantized and computed on, on the CPU (auto: a "
+                    "GGUF file's quantized tensors as they are, a float checkpoint unquantized; int8/int4: "
+                    "quantized at load)",
 }
 _ENGINE_FIELDS = tuple(ENGINE_FLAGS)
 

@@ -95,7 +95,7 @@ class LLM:
             ``$PAGEDSERVE_MEMORY_TOKEN``); a private memory service gets a fresh one.
         **config: fields of EngineConfig (``max_num_seqs``, ``max_num_batched_tokens``,
             ``block_size``, ``memory_socket`` to attach to a running memory service, ``device``,
-            ``dtype``, ...) and the pool's fields of MemoryServiceConfig (``kv_cache_bytes``,
+            ``dtype``, ``quantization``, ...) and the pool's fields of MemoryServiceConfig (``kv_cache_bytes``,
             ``max_num_blocks``, ``enable_prefix_caching``, ... : ``POOL_FIELDS``) for the private
             memory service.
     """
@@ -112,7 +112,7 @@ class LLM:
         self._memory_process: MemoryServiceProcess | None = None
         self._memory: MemoryClient | None = None
         loaded = load_model(model, cache_dir=Path(cache_dir) if cache_dir else None, device=device,
-                            dtype=self.config.dtype)
+                            dtype=self.config.dtype, quantization=self.config.quantization)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         layout = KvLayout(

@@ -25,6 +25,10 @@ AUTO = "auto"
 # /proc/cpuinfo flags of native bfloat16 arithmetic, best first: AMX tiles (Intel Sapphire Rapids on),
 # then AVX512-BF16 (Intel Cooper Lake on, AMD Zen 4 on). oneDNN runs bf16 matmuls on either.
 NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+# How the weights are held (``EngineConfig.quantization``): "auto" keeps a GGUF file's quantized tensors
+# as they are and a float checkpoint in the dtype, "none" widens all to the dtype, "int8" / "int4"
+# quantize at load (kernels/pagedserve_kernels/quant.py).
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
 
 
 def _torch_dtypes() -> dict[str, torch.dtype]:

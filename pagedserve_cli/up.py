@@ -76,6 +76,7 @@ PASS_THROUGH = (
     PassThrough("memory", "kv_disk_bytes"),
     PassThrough("memory", "kv_host_bytes"),
     PassThrough("compute", "dtype"),
+    PassThrough("compute", "quantization"),
     PassThrough("gateway", "tool_call_parser"),
 )
 # What a service's config needs besides the checked field to be built at all (``UpConfig`` checks

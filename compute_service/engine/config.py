@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedserve.dtypes import AUTO, ELEMENT_SIZES
+from pagedserve.dtypes import AUTO, ELEMENT_SIZES, QUANTIZATIONS
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,10 @@ class EngineConfig:
     # "auto": bfloat16 on CUDA and on CPUs with native bf16 (AMX-BF16, AVX512-BF16), else float32
     # (pagedserve.dtypes.resolve_auto); a dtype name always wins.
     dtype: str = AUTO
+    # "auto": a GGUF file's quantized weights stay quantized, a float checkpoint stays in `dtype`;
+    # "none": all widened to `dtype`; "int8" / "int4": quantized at load (CPU only;
+    # kernels/pagedserve_kernels/quant.py).
+    quantization: str = "auto"
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -56,5 +60,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.dtype != AUTO and self.dtype not in ELEMENT_SIZES:
             raise ValueError(f"dtype must be {AUTO!r} or one of {', '.join(ELEMENT_SIZES)}, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.device is not None and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")

@@ -11,10 +11,12 @@ safetensors shards. The model loader caches that directory under
 `<cache root>/models/<file stem>-<sha256 prefix>`, keyed by the file's sha256 (`file_sha256`), so
 each file is converted once and a changed file is converted again.
 
-Why de-quantize into float32 (F16 and BF16 tensors stay as they are, exactly): today every linear
-runs in the served dtype (bf16 or float32), so the weights are widened at load anyway, and a float32
-copy makes "our float32" the exact de-quantized model that accuracy is measured against. Keeping
-the file's blocks quantized in memory and computing on them is the next step.
+Why de-quantize into float32 (F16 and BF16 tensors stay as they are, exactly): a float32 copy makes
+"our float32" the exact de-quantized model that accuracy is measured against, and serves
+`--quantization none`. Beside it the conversion writes the file's own quantization (`QUANTIZED_FILE`:
+each quantized matrix's integers, per-group scales and mins, read from its blocks by
+compute_service/model/gguf_quant.py, and `QUANTIZATION_INDEX` naming each one's type), which
+`--quantization auto` serves as it is: the weights stay quantized in memory and are computed on.
 
 Why a list of tensor types rather than whatever `gguf` can de-quantize: the listed ones are those we
 test (and the legacy Q4_1/Q5_0/Q5_1 blocks of the default model's and the 0.5B Qwen's files); the
@@ -52,7 +54,9 @@ GGUF_MAGIC = b"GGUF"
 SUPPORTED_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 # Bump when the converted layout changes, so that old copies are rebuilt rather than misread.
-GGUF_CACHE_FORMAT = 1
+GGUF_CACHE_FORMAT = 2
+QUANTIZED_FILE = "quantized.safetensors"  # <hf name>.q, .scale, .min of every quantized matrix
+QUANTIZATION_INDEX = "quantization.json"  # <hf name> -> {"type": "Q4_K", "bits": 4}
 # A file this large says where its hashing and conversion stand (a log line every PROGRESS_EVERY_S).
 PROGRESS_MIN_BYTES = 256 << 20
 PROGRESS_EVERY_S = 5.0
@@ -146,6 +150,34 @@ def convert_gguf(path: Path, out_dir: Path) -> None:
     permute = summary.architecture == "llama"
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     _write_shards(out_dir, _hf_tensors(reader.tensors, permute, heads, path))
+    _write_quantized(out_dir, reader.tensors, permute, heads, path)
+
+
+def _write_quantized(out_dir: Path, tensors: list[Any], permute: bool, heads: dict[str, int], path: Path) -> None:
+    """The file's quantized matrices as integers, scales and mins (`QUANTIZED_FILE`, `QUANTIZATION_INDEX`),
+    rows in Hugging Face's order; nothing for a file of float tensors."""
+    from safetensors.torch import save_file
+
+    from compute_service.model.gguf_quant import file_quantization
+
+    progress = _Progress("gguf_reading_quantization", path, sum(int(t.n_bytes) for t in tensors))
+    saved: dict[str, torch.Tensor] = {}
+    index: dict[str, dict[str, Any]] = {}
+    for tensor in tensors:
+        name = _hf_name(tensor.name)
+        quant = file_quantization(tensor) if name is not None else None
+        progress.advance(int(tensor.n_bytes))
+        if quant is None:
+            continue
+        kind = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else ""
+        parts = {"q": quant.q, "scale": quant.scale, "min": quant.minimum}
+        for field, value in parts.items():
+            if value is not None:
+                saved[f"{name}.{field}"] = _unpermute_rotary(value, heads[kind]) if permute and kind in heads else value
+        index[name] = {"type": quant.type_name, "bits": quant.bits}
+    if saved:
+        save_file(saved, out_dir / QUANTIZED_FILE, metadata={"format": "pt"})
+        (out_dir / QUANTIZATION_INDEX).write_text(json.dumps(index, indent=1))
 
 
 def _hf_tensors(tensors: list[Any], permute: bool, heads: dict[str, int], path: Path

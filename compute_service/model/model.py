@@ -11,7 +11,7 @@ which equals the trained model only for contexts shorter than the window (the lo
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +21,8 @@ from compute_service.model.forward_batch import ForwardBatch
 from compute_service.model.layers import DecoderLayer, RMSNorm, RotaryEmbedding, empty_parameter, profile_scope
 from compute_service.model.model_config import ModelConfig
 import pagedserve_kernels as kernels
+from pagedserve_kernels.quant import QuantizedLinear, pack, quantize_linear
+from compute_service.model.gguf_quant import FileQuantization
 
 # Buffers that some checkpoints carry but that we recompute.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -48,6 +50,8 @@ class CausalLM(nn.Module):
         self.lm_head_packed: torch.Tensor | None = None  # see prepack_cpu_weights
         self.lm_head_small: torch.Tensor | None = None  # the head's copy for the small-batch kernel (AMX tiles)
         self._layer_stack: kernels.LayerStack | None = None  # see layer_stack
+        self.embed_quantized: QuantizedLinear | None = None  # the embedding table kept quantized (quantize_weights)
+        self.quantization = "none"  # what quantize_weights did ("int4", "Q4_K+Q6_K"), for the logs and Info
         self.small_rows = 0  # see prepack_cpu_weights
 
     @property
@@ -82,7 +86,10 @@ class CausalLM(nn.Module):
         # activations so too): in bfloat16 its 30 layers of rounded adds flipped near-tied greedy answers,
         # the README's own question among them. Linears still read bf16 (each norm rounds
         # its output to the weights' dtype once) and the KV cache stays in the model's dtype.
-        hidden = F.embedding(batch.input_ids, self.embed_tokens).float()  # (T, hidden) float32
+        if self.embed_quantized is not None:
+            hidden = self.embed_quantized.rows(batch.input_ids)  # (T, hidden) float32
+        else:
+            hidden = F.embedding(batch.input_ids, self.embed_tokens).float()  # (T, hidden) float32
         with profile_scope("rotary"):
             cos, sin = self.rotary(batch.positions)  # (T, D) each
         # (B,) rows of the last tokens (or the (R,) rows asked for): only they need logits; None when
@@ -118,7 +125,8 @@ class CausalLM(nn.Module):
             config = self.config
             self._layer_stack = kernels.LayerStack(weights, packed, biases, self.small_rows, config.num_q_heads,
                                                    config.num_kv_heads, config.head_dim, config.rms_norm_eps,
-                                                   config.head_dim**-0.5)
+                                                   config.head_dim**-0.5,
+                                                   quantized=any(isinstance(p, QuantizedLinear) for p in packed))
         return self._layer_stack
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -162,18 +170,78 @@ class CausalLM(nn.Module):
         keep_plain = kernels.keeps_plain(self.dtype, plain_bytes)  # (a released weight: oneDNN's, any rows)
         for module, name in self._projections():
             weight = getattr(module, f"{name}_weight")
+            if isinstance(getattr(module, f"{name}_packed"), QuantizedLinear):
+                continue  # kept quantized (quantize_weights)
             packed = kernels.prepack(weight)
             if packed is not None:
                 setattr(module, f"{name}_packed", packed)
                 # Kept for the small-batch kernel, in its layout (AMX tiles: the same bytes), or released.
                 weight.data = kernels.small_weight(weight) if keep_plain else torch.empty(0, dtype=weight.dtype,
                                                                                           device=weight.device)
+        if isinstance(self.lm_head_packed, QuantizedLinear):
+            self._layer_stack = None
+            return True
         self.lm_head_packed = kernels.prepack(self.lm_head)
         if self.small_rows and keep_plain:  # the third copy of the head only where the plain ones fit
             small = kernels.small_weight(self.lm_head)
             self.lm_head_small = small if small is not self.lm_head else None
         self._layer_stack = None  # the packed copies join (or replace) the weights
         return self.is_prepacked
+
+    @torch.no_grad()
+    def quantize_weights(self, scheme: str, file_weights: Mapping[str, FileQuantization] | None = None) -> str:
+        """Keep the projections and the head as 8-bit or 4-bit integers (kernels/pagedserve_kernels/quant.py),
+        once, after the weights are loaded and before `prepack_cpu_weights`; their float copies are released.
+
+        Args:
+            scheme: "int8" or "int4": quantize the loaded weights (the head at int8 either way: its
+                rounding decides near-tied greedy answers); "file": take `file_weights` as they are.
+            file_weights: Hugging Face name -> the integers and scales of a GGUF's own blocks
+                (compute_service/model/gguf_quant.py). A projection whose pieces the file does not all
+                hold quantized stays in the model's dtype; so does the head, and the embedding table
+                where the file holds it in floats.
+        Returns:
+            What was done, for the logs and the fingerprint ("int4", "Q4_K+Q6_K", "none").
+        """
+        if self.device.type != "cpu" or self.is_prepacked:
+            raise ValueError("quantized weights need a CPU model, quantized before prepack_cpu_weights")
+        pieces = self._hf_pieces()
+        labels: set[str] = set()
+        for module, name in self._projections():
+            weight, bias = getattr(module, f"{name}_weight"), getattr(module, f"{name}_bias")
+            if scheme == "file":
+                quantized = _from_file(pieces[id(weight)], file_weights or {}, bias)
+            else:
+                quantized = quantize_linear(weight, bias, scheme)
+            if quantized is not None:
+                setattr(module, f"{name}_packed", quantized)
+                weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
+                labels.add(quantized.label)
+        if scheme == "file":
+            embed = _from_file([("model.embed_tokens.weight", 0, self.config.vocab_size)], file_weights or {}, None)
+            head = embed if self.config.tie_word_embeddings else _from_file(
+                [("lm_head.weight", 0, self.config.vocab_size)], file_weights or {}, None)
+        else:
+            embed, head = None, quantize_linear(self.lm_head, None, "int8")
+        if head is not None:
+            self.lm_head_packed = head
+            labels.add(head.label)
+            if not self.config.tie_word_embeddings:
+                self.lm_head.data = torch.empty(0, dtype=self.dtype, device=self.device)
+        if embed is not None:
+            self.embed_quantized = embed
+            self.embed_tokens.data = torch.empty(0, dtype=self.dtype, device=self.device)
+        self._layer_stack = None
+        self.quantization = "+".join(sorted(labels)) or "none"
+        return self.quantization
+
+    def _hf_pieces(self) -> dict[int, list[tuple[str, int, int]]]:
+        """id(fused weight) -> its (Hugging Face name, first row, end row) pieces in row order."""
+        pieces: dict[int, list[tuple[str, int, int]]] = {}
+        for hf_name, (param, start, stop) in self._hf_targets().items():
+            if hf_name.endswith(".weight"):
+                pieces.setdefault(id(param), []).append((hf_name, start, stop))
+        return {key: sorted(value, key=lambda piece: piece[1]) for key, value in pieces.items()}
 
     def _set_small_rows(self, num_rows: int) -> None:
         """Steps of up to ``num_rows`` rows run the small-batch linear (kernels/pagedserve_kernels/cpu_linear.py)."""
@@ -254,3 +322,33 @@ class CausalLM(nn.Module):
             targets[f"{prefix}input_layernorm.weight"] = (layer.input_norm.weight, 0, config.hidden_size)
             targets[f"{prefix}post_attention_layernorm.weight"] = (layer.post_attn_norm.weight, 0, config.hidden_size)
         return targets
+
+
+def _from_file(pieces: list[tuple[str, int, int]], file_weights: Mapping[str, FileQuantization],
+               bias: torch.Tensor | None) -> QuantizedLinear | None:
+    """A fused projection from its pieces' file blocks: consecutive pieces of one width and group share
+    a part. None unless the file holds every piece quantized."""
+    found = [file_weights.get(name) for name, _, _ in pieces]
+    if not pieces or any(f is None for f in found):
+        return None
+    runs: list[list[tuple[FileQuantization, int, int]]] = []
+    for quant, (_, start, stop) in zip(found, pieces):
+        shape = (quant.bits, quant.q.shape[1] // quant.scale.shape[1], quant.minimum is None)
+        if runs and runs[-1][-1][0].bits == shape[0] and _group(runs[-1][-1][0]) == shape[1] and \
+                (runs[-1][-1][0].minimum is None) == shape[2]:
+            runs[-1].append((quant, start, stop))
+        else:
+            runs.append([(quant, start, stop)])
+    parts = []
+    for run in runs:
+        q = torch.cat([quant.q for quant, _, _ in run])
+        scale = torch.cat([quant.scale for quant, _, _ in run])
+        minimum = None if run[0][0].minimum is None else torch.cat([quant.minimum for quant, _, _ in run])
+        part = pack(q, scale, minimum, run[0][0].bits)
+        parts.append(part.with_bias(None if bias is None else bias[run[0][1]:run[-1][2]]))
+    label = "+".join(dict.fromkeys(quant.type_name for quant in found))
+    return QuantizedLinear(tuple(parts), label)
+
+
+def _group(quant: FileQuantization) -> int:
+    return quant.q.shape[1] // quant.scale.shape[1]

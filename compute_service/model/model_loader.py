@@ -34,11 +34,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from pagedserve.dtypes import AUTO, dtype_name, parse_dtype, resolve_auto
+from pagedserve.dtypes import AUTO, QUANTIZATIONS, dtype_name, parse_dtype, resolve_auto
 from pagedserve.paths import cache_dir as pagedserve_cache_dir
 
 from compute_service.model.fingerprint import weights_fingerprint
-from compute_service.model.gguf_file import GGUF_CACHE_FORMAT, convert_gguf, file_sha256, is_gguf_file
+from compute_service.model.gguf_file import (GGUF_CACHE_FORMAT, QUANTIZATION_INDEX, QUANTIZED_FILE, convert_gguf,
+                                             file_sha256, is_gguf_file)
+from compute_service.model.gguf_quant import FileQuantization
 from compute_service.model.model import CausalLM
 from compute_service.model.model_config import SUPPORTED_MODEL_TYPES, ModelConfig
 
@@ -114,6 +116,7 @@ def load_model(
     cache_dir: Path | None = None,
     device: torch.device | str | None = None,
     dtype: torch.dtype | str | None = AUTO,
+    quantization: str = "auto",
 ) -> LoadedModel:
     """Resolve `model`, then load its weights into a `CausalLM` and its tokenizer.
 
@@ -124,9 +127,17 @@ def load_model(
         device: default CUDA if available, else CPU.
         dtype: a torch dtype or a name ("bf16"); None or "auto" (the default): bfloat16 on CUDA and
             on a CPU with native bf16, float32 on other CPUs (`pagedserve.dtypes.resolve_auto`, logged).
+        quantization: one of QUANTIZATIONS. "auto" keeps a GGUF file's quantized matrices as they are
+            (integers and scales, computed on without widening) and a float checkpoint in `dtype`;
+            "none" widens everything to `dtype`; "int8" / "int4" quantize the projections at load (the
+            head at int8). Quantized weights run on the CPU; `dtype` stays the activations' and the KV
+            cache's.
     Raises:
-        ValueError: bad path, unsupported architecture, unknown dtype, or weights that do not fit.
+        ValueError: bad path, unsupported architecture, unknown dtype or quantization, or weights that
+            do not fit.
     """
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
     started = time.perf_counter()
     source = resolve_model(model, cache_dir=cache_dir)
     device = torch.device(device) if device is not None else _default_device()
@@ -143,10 +154,45 @@ def load_model(
     # Before packing: packed copies (and which plain weights stay) depend on the CPU and its free
     # memory, and the fingerprint must name the weights alone (it keys the KV tier across machines).
     fingerprint = weights_fingerprint(lm, config)
+    scheme = _quantize(lm, source.path, quantization)
+    if scheme != "none":  # other weights than the float ones sampled: other K/V, another identity
+        fingerprint = hashlib.blake2b(f"{fingerprint}|{scheme}".encode(), digest_size=32).hexdigest()
     packed = lm.prepack_cpu_weights()
     log.info("model_loaded", model=source.name, path=str(source.path), device=str(device), dtype=str(dtype),
-             converted=source.was_converted, prepacked=packed, seconds=round(time.perf_counter() - started, 2))
+             quantization=scheme, converted=source.was_converted, prepacked=packed,
+             seconds=round(time.perf_counter() - started, 2))
     return LoadedModel(model=lm, tokenizer=tokenizer, config=config, source=source, fingerprint=fingerprint)
+
+
+def _quantize(lm: CausalLM, path: Path, quantization: str) -> str:
+    """Apply `quantization` to a loaded model (see load_model); returns what was done."""
+    file_holds = (path / QUANTIZATION_INDEX).is_file()
+    if quantization == "none" or (quantization == "auto" and not file_holds):
+        return "none"
+    if lm.device.type != "cpu":
+        if quantization == "auto":
+            log.warning("quantization_cpu_only", device=str(lm.device), detail="the file's weights are widened")
+            return "none"
+        raise ValueError(f"--quantization {quantization} runs on the CPU only; this model is on {lm.device}")
+    if lm.dtype != torch.bfloat16:
+        log.warning("quantization_widened", dtype=str(lm.dtype),
+                    detail="quantized kernels take bfloat16 activations; others widen the weights per call")
+    if quantization == "auto":
+        return lm.quantize_weights("file", read_file_quantization(path))
+    return lm.quantize_weights(quantization)
+
+
+def read_file_quantization(path: Path) -> dict[str, FileQuantization]:
+    """The quantized matrices a converted GGUF directory holds (gguf_file.QUANTIZED_FILE), by name."""
+    index = json.loads((path / QUANTIZATION_INDEX).read_text())
+    found: dict[str, FileQuantization] = {}
+    with safe_open(path / QUANTIZED_FILE, framework="pt", device="cpu") as f:
+        names = set(f.keys())
+        for name, entry in index.items():
+            minimum = f.get_tensor(f"{name}.min") if f"{name}.min" in names else None
+            found[name] = FileQuantization(f.get_tensor(f"{name}.q"), f.get_tensor(f"{name}.scale"), minimum,
+                                           int(entry["bits"]), str(entry["type"]))
+    return found
 
 
 def load_tokenizer(path: Path) -> Any | None:

@@ -107,7 +107,8 @@ def _load(config: ComputeServiceConfig, engine_config: EngineConfig) -> tuple[Lo
     """The model and its description, which loads (or builds) the kernels it runs: both at start, in a
     worker thread. A CPU model on the slower PyTorch path is said loudly here (and in Info, metrics)."""
     loaded = load_model(config.model, cache_dir=Path(config.cache_dir) if config.cache_dir else None,
-                        device=engine_config.device, dtype=engine_config.dtype)
+                        device=engine_config.device, dtype=engine_config.dtype,
+                        quantization=engine_config.quantization)
     info = model_info(loaded, config.served_model_name)
     if info.kernels == "torch-fallback":
         log.error("compute_kernels", kernels=info.kernels, device=info.device, dtype=info.dtype,

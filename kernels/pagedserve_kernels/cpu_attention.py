@@ -107,7 +107,7 @@ class CpuAttentionPlan:
                    stack: LayerStack) -> torch.Tensor | None:
         """All layers in one C++ call (`decoder_layers`: the ops below, layer after layer, without the
         interpreter between them), unless fresh prompts go through SDPA (`write_and_attend`)."""
-        if self.fresh and not self.ops.avx512_attention(kv_pool.shape[3]):
+        if stack.quantized or (self.fresh and not self.ops.avx512_attention(kv_pool.shape[3])):
             return None
         return self.ops.decoder_layers(residual, None, stack.weights, stack.packed, stack.biases, stack.small_rows,
                                        cos, sin, kv_pool, self.slots,

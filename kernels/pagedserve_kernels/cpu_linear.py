@@ -43,6 +43,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from pagedserve_kernels.quant import QuantizedLinear
+
 _ENABLE_ENV = "PAGEDSERVE_CPU_PREPACK"
 # The most of the machine's available memory a second (plain) copy of the weights may take.
 PLAIN_COPY_SHARE = 0.25
@@ -148,8 +150,8 @@ def keeps_plain(dtype: torch.dtype, plain_bytes: int = 0) -> bool:
     return False
 
 
-def logits(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, num_small_rows: int = 0,
-           small: torch.Tensor | None = None) -> torch.Tensor:
+def logits(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | QuantizedLinear | None,
+           num_small_rows: int = 0, small: torch.Tensor | None = None) -> torch.Tensor:
     """The LM head: (N, hidden) x (vocab, hidden) weight -> (N, vocab) float32 logits.
 
     Where the small-batch kernel runs (up to `num_small_rows` rows: one request, or a few decoding
@@ -157,14 +159,17 @@ def logits(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, n
     the head's copy for it) where given, else from the plain weight. Rounded to bf16, a logit near 10
     moves by up to 0.03, and the top two tokens are that close often enough to flip greedy answers
     (the README's own question did). Past those rows oneDNN's GEMM computes them, rounded to bf16:
-    the dot-product kernel there took 4-5x as long on an AMX Xeon (docs/benchmarks.md).
+    the dot-product kernel there took 4-5x as long on an AMX Xeon (docs/benchmarks.md). A head kept
+    quantized (`quant.QuantizedLinear`) gives float32 logits at any number of rows.
     """
+    if isinstance(packed, QuantizedLinear):
+        return packed(x, float_out=True)
     if small is not None and x.shape[0] <= num_small_rows:
         return torch.ops.pagedserve_cpu.small_linear_float(x, small, None)
     return linear(x, weight, packed, None, num_small_rows, float_out=True).float()
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
+def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | QuantizedLinear | None,
            bias: torch.Tensor | None = None, num_small_rows: int = 0, float_out: bool = False) -> torch.Tensor:
     """x @ weight.T + bias: the small-batch kernel for up to `num_small_rows` rows, else through the
     packed weight when there is one. With `float_out` the small-batch kernel's outputs are float32
@@ -174,10 +179,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
         x: (N, in) activations.
         weight: (out, in), used when `packed` is None or N <= num_small_rows (empty where released; on
             an AMX CPU the 4-D tile layout of `small_weight`, which only the small-batch kernel reads).
-        packed: `prepack(weight)`, or None.
+        packed: `prepack(weight)`, a `quant.QuantizedLinear` (the weight kept quantized, its bias
+            inside: `bias` is not added again), or None.
         bias: (out,) or None.
         num_small_rows: `small_rows(x.dtype)`, or 0 to never take the small-batch kernel.
     """
+    if isinstance(packed, QuantizedLinear):
+        return packed(x, float_out)
     if x.shape[0] <= num_small_rows and weight.numel():
         if float_out:
             return torch.ops.pagedserve_cpu.small_linear_float(x, weight, bias)

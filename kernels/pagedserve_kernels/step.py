@@ -37,6 +37,8 @@ class LayerStack:
         small_rows: steps of up to this many rows take the small-batch linear (`cpu_linear.small_rows`).
         num_q_heads, num_kv_heads, head_dim: the attention's shape.
         eps: both norms' epsilon; scale: the attention's softmax scale.
+        quantized: some projections are kept quantized (`quant.QuantizedLinear` in `packed`): the layers
+            run one by one, through `cpu_linear.linear`.
     """
 
     weights: list[torch.Tensor]
@@ -48,6 +50,7 @@ class LayerStack:
     head_dim: int
     eps: float
     scale: float
+    quantized: bool = False
 
 
 class StepKernels(Protocol):

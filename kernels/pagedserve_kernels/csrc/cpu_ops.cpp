@@ -34,6 +34,7 @@
 
 #include "exp_approx.h"
 #include "brgemm_linear.h"
+#include "quant_linear.h"
 #ifdef __AVX512F__
 #include "paged_attention_avx512.h"
 #endif
@@ -540,6 +541,100 @@ at::Tensor brgemm_pack(const at::Tensor& weight) {
 
 int64_t brgemm_block_n() { return brgemm_linear::kBlockN; }
 
+// The weight-only quantized linear (csrc/quant_linear.h): the weight as kernels/pagedserve_kernels/quant.py
+// packs it (`bits` 8 or 4, `group` inputs per scale), its first `n` columns; bias float32 (n,). bf16
+// activations take the vector kernels (on AMX tiles with `tiles`, where brgemm_linear_available());
+// float32 ones, or a build without AVX512-BF16, the widened weight through at::linear.
+quant_linear::Weight quant_weight(const at::Tensor& q, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
+                                  int64_t bits, int64_t group) {
+  TORCH_CHECK(bits == 8 || bits == 4, "quant_linear: bits must be 8 or 4, got ", bits);
+  TORCH_CHECK(scales.dim() == 3 && scales.size(2) == quant_linear::kBlockN && scales.is_contiguous(),
+              "quant_linear: scales must be (blocks, K / group, ", quant_linear::kBlockN, ") contiguous");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.device().is_cpu(), "quant_linear: scales must be float16 on the CPU");
+  const int64_t blocks = scales.size(0), K = scales.size(1) * group;
+  TORCH_CHECK(group > 0 && group % 2 == 0 && K > 0, "quant_linear: group must be even and positive, got ", group);
+  TORCH_CHECK(q.is_contiguous() && (q.scalar_type() == at::kByte || q.scalar_type() == at::kChar) &&
+                  q.numel() == blocks * K * quant_linear::kBlockN * bits / 8,
+              "quant_linear: q must be contiguous 8-bit integers, ", blocks * K * quant_linear::kBlockN * bits / 8,
+              " of them for ", blocks, " blocks of ", K, " inputs at ", bits, " bits");
+  if (mins.has_value()) {
+    TORCH_CHECK(mins->scalar_type() == at::kHalf && mins->sizes() == scales.sizes() && mins->is_contiguous(),
+                "quant_linear: mins must be float16 and match scales");
+  }
+  return {static_cast<const uint8_t*>(q.data_ptr()), scales.data_ptr<c10::Half>(),
+          mins.has_value() ? mins->data_ptr<c10::Half>() : nullptr, bits, group, K, blocks};
+}
+
+// (n, K) float32: the weight widened (the fallback's operand and the tests' reference).
+at::Tensor quant_dequantize(const at::Tensor& q, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
+                            int64_t bits, int64_t group, int64_t n) {
+  const quant_linear::Weight w = quant_weight(q, scales, mins, bits, group);
+  TORCH_CHECK(n > 0 && n <= w.blocks * quant_linear::kBlockN, "quant_dequantize: n out of range: ", n);
+  return quant_linear::dequantize_scalar(w).narrow(0, 0, n).contiguous();
+}
+
+at::Tensor quant_linear_op(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
+                           const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias, int64_t bits,
+                           int64_t group, int64_t n, bool tiles, bool float_out) {
+  const quant_linear::Weight w = quant_weight(q, scales, mins, bits, group);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == w.K && x.is_contiguous(), "quant_linear: x must be (M, ", w.K,
+              ") contiguous, got ", x.sizes());
+  TORCH_CHECK(n > 0 && n <= w.blocks * quant_linear::kBlockN, "quant_linear: n out of range: ", n);
+  const float* bias_ptr = nullptr;
+  if (bias.has_value()) {
+    check_dtype(*bias, "bias", at::kFloat);
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous(), "quant_linear: bias (n,)");
+    bias_ptr = bias->data_ptr<float>();
+  }
+  TORCH_CHECK(!tiles || brgemm_linear::available(), "quant_linear: no AMX tiles here (brgemm_linear_available)");
+  const at::ScalarType out_type = float_out ? at::kFloat : x.scalar_type();
+#ifdef __AVX512BF16__
+  if (x.scalar_type() == at::kBFloat16) {
+    const int64_t M = x.size(0);
+    at::Tensor y = at::empty({M, n}, x.options().dtype(out_type));
+    if (M == 0) return y;
+    if (float_out) {
+      quant_linear::linear(w, x.data_ptr<c10::BFloat16>(), bias_ptr, y.data_ptr<float>(), M, n, tiles);
+    } else {
+      quant_linear::linear(w, x.data_ptr<c10::BFloat16>(), bias_ptr, y.data_ptr<c10::BFloat16>(), M, n, tiles);
+    }
+    return y;
+  }
+#endif
+  at::Tensor widened = quant_linear::dequantize_scalar(w).narrow(0, 0, n);
+  at::Tensor y = at::linear(x.to(at::kFloat), widened, bias.has_value() ? std::optional<at::Tensor>(*bias) : std::nullopt);
+  return y.to(out_type);
+}
+
+// Rows `ids` of a quantized (N, K) weight, widened to float32 (T, K): an embedding table kept quantized.
+at::Tensor quant_rows(const at::Tensor& q, const at::Tensor& scales, const std::optional<at::Tensor>& mins, int64_t bits,
+                      int64_t group, int64_t n, const at::Tensor& ids) {
+  const quant_linear::Weight w = quant_weight(q, scales, mins, bits, group);
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "quant_rows: ids must be (T,) int64");
+  const at::Tensor index = ids.contiguous();
+  const int64_t* id = index.data_ptr<int64_t>();
+  const int64_t T = index.size(0);
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(id[t] >= 0 && id[t] < n, "quant_rows: id ", id[t], " out of range [0, ", n, ")");
+  at::Tensor out = at::empty({T, w.K}, at::kFloat);
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t b = id[t] / quant_linear::kBlockN, col = id[t] % quant_linear::kBlockN;
+      for (int64_t k = 0; k < w.K; ++k) dst[t * w.K + k] = quant_linear::value(w, b, k, col);
+    }
+  });
+  return out;
+}
+
+// Which kernel quant_linear runs for bf16 activations in this build: "avx512-bf16" or "widened".
+std::string quant_linear_isa() {
+#ifdef __AVX512BF16__
+  return "avx512-bf16";
+#else
+  return "widened";
+#endif
+}
+
 // x (M, in) @ weight.T + bias as kernels/pagedserve_kernels/cpu_linear.py's `linear` computes it: `small_linear` for a few
 // bf16 rows on a plain weight (`small_rows`: its limit, 0 = never), else oneDNN on the packed copy
 // (`prepack`: an opaque mkldnn tensor) where there is one, else at::linear on the plain weight.
@@ -694,6 +789,11 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("attention_isa() -> str");
   m.def("prompt_tiles_min_tokens() -> int");
   m.def("brgemm_pack(Tensor weight) -> Tensor");
+  m.def("quant_linear(Tensor x, Tensor q, Tensor scales, Tensor? mins, Tensor? bias, int bits, int group, int n, "
+        "bool tiles, bool float_out) -> Tensor");
+  m.def("quant_dequantize(Tensor q, Tensor scales, Tensor? mins, int bits, int group, int n) -> Tensor");
+  m.def("quant_linear_isa() -> str");
+  m.def("quant_rows(Tensor q, Tensor scales, Tensor? mins, int bits, int group, int n, Tensor ids) -> Tensor");
   m.def("nucleus_draws(Tensor rows, Tensor inv_t, Tensor top_p, Tensor uniform, int k) -> Tensor");
   m.def("has_nucleus_draws() -> bool");
   m.def("parallel_threads() -> int");
@@ -711,6 +811,9 @@ TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
   m.impl("small_linear", &small_linear);
   m.impl("small_linear_float", &small_linear_float);
   m.impl("brgemm_pack", &brgemm_pack);
+  m.impl("quant_linear", &quant_linear_op);
+  m.impl("quant_dequantize", &quant_dequantize);
+  m.impl("quant_rows", &quant_rows);
 #ifdef __AVX512F__
   m.impl("nucleus_draws", &sampler::nucleus_draws);
 #endif
@@ -724,6 +827,7 @@ TORCH_LIBRARY_IMPL(pagedserve_cpu, CatchAll, m) {
   m.impl("brgemm_linear_available", &brgemm_linear_available);
   m.impl("brgemm_block_n", &brgemm_block_n);
   m.impl("attention_isa", &attention_isa);
+  m.impl("quant_linear_isa", &quant_linear_isa);
   m.impl("prompt_tiles_min_tokens", &prompt_tiles_min_tokens);
   m.impl("has_nucleus_draws", &sampler::has_nucleus_draws);
   m.impl("avx512_attention", &uses_avx512_attention);

@@ -1,0 +1,107 @@
+"""A GGUF tensor's own quantization, as integers and per-group scales and mins, taken from its blocks.
+
+Every block type we load is affine in its integers within a group of inputs: W = q * scale + min (Q8_0:
+min 0; Q4_0: q - 8 scaled, so min = -8 d; Q4_K: scale d * sc, min -dmin * m; Q6_K: groups of 16...).
+Rather than re-implement each type's bit packing, `file_quantization` reads a tensor's integers and
+scales with the `gguf` package's own de-quantizer, three times: as stored (W), with every integer field
+set to 0 (the min of each group) and with every integer set to 1 (min + scale); then q = round((W -
+min) / scale). Only where each type keeps its integers is ours to know (`_LAYOUTS`, from ggml's block
+structs); the result is checked against the de-quantized weight and a mismatch is an error, never a
+silently different model.
+
+The integers fit our kernels' 4-bit (Q4_*) or 8-bit (Q5_*, Q6_K, Q8_0) weights
+(kernels/pagedserve_kernels/quant.py) with the file's groups: what `--quantization auto` serves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where a block type keeps its integers: (start, stop, byte for q = 1) byte ranges of a block
+    (0 in every range is q = 0); `group`, inputs per scale; `bits`, the kernels' width that holds q."""
+
+    fields: tuple[tuple[int, int, int], ...]
+    group: int
+    bits: int
+
+
+# From ggml-common.h's block_* structs. Nibble fields hold q = 1 as 0x11; high-bit fields (qh) as 0.
+_LAYOUTS = {
+    "Q8_0": _Layout(((2, 34, 0x01),), 32, 8),
+    "Q4_0": _Layout(((2, 18, 0x11),), 32, 4),
+    "Q4_1": _Layout(((4, 20, 0x11),), 32, 4),
+    "Q5_0": _Layout(((2, 6, 0x00), (6, 22, 0x11)), 32, 8),
+    "Q5_1": _Layout(((4, 8, 0x00), (8, 24, 0x11)), 32, 8),
+    "Q4_K": _Layout(((16, 144, 0x11),), 32, 4),
+    "Q5_K": _Layout(((16, 48, 0x00), (48, 176, 0x11)), 32, 8),
+    "Q6_K": _Layout(((0, 128, 0x11), (128, 192, 0x00)), 16, 8),
+}
+QUANTIZED_TYPES = tuple(_LAYOUTS)
+
+
+@dataclass(frozen=True)
+class FileQuantization:
+    """A weight's integers (out, in) int8 (4-bit values 0..15 at bits 4), scale and min (out, in / group)
+    float32 (min None where every group's is 0), and the file's type."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    minimum: torch.Tensor | None
+    bits: int
+    type_name: str
+
+
+def file_quantization(tensor: Any) -> FileQuantization | None:
+    """The integers and scales of a quantized 2-D GGUF tensor (`gguf.ReaderTensor`), rows in the file's
+    order; None for a float tensor (F32, F16, BF16).
+
+    Raises:
+        ValueError: the integers and scales do not give back the file's de-quantized weight.
+    """
+    from gguf.quants import dequantize
+
+    type_name = tensor.tensor_type.name
+    layout = _LAYOUTS.get(type_name)
+    if layout is None or len(tensor.shape) != 2:
+        return None
+    raw = np.array(tensor.data)  # (out, bytes per row)
+    out = raw.shape[0]
+    inputs = int(tensor.shape[0])  # ggml's order: (in, out)
+    blocks = raw.reshape(out, -1, _block_bytes(raw, inputs, type_name))
+    zero, one = blocks.copy(), blocks.copy()
+    for start, stop, one_byte in layout.fields:
+        zero[..., start:stop] = 0
+        one[..., start:stop] = one_byte
+    values = dequantize(raw, tensor.tensor_type).reshape(out, inputs)
+    groups = inputs // layout.group
+    minimum = dequantize(zero.reshape(raw.shape), tensor.tensor_type).reshape(out, groups, layout.group)[..., 0]
+    scale = dequantize(one.reshape(raw.shape), tensor.tensor_type).reshape(out, groups, layout.group)[..., 0] - minimum
+    safe = np.where(scale == 0, 1.0, scale)
+    q = np.rint((values.reshape(out, groups, layout.group) - minimum[..., None]) / safe[..., None])
+    q = np.where(scale[..., None] == 0, 0.0, q)
+    low, high = (0, 15) if layout.bits == 4 else (-128, 127)
+    rebuilt = q * scale[..., None] + minimum[..., None]
+    error = np.abs(rebuilt - values.reshape(out, groups, layout.group)).max(initial=0.0)
+    if q.min(initial=0) < low or q.max(initial=0) > high or error > 1e-5 * max(1.0, np.abs(values).max(initial=0.0)):
+        raise ValueError(f"GGUF tensor {tensor.name!r} ({type_name}): its blocks do not read as integers with "
+                         f"per-group scales (error {error:.3g}); serve it with --quantization none")
+    return FileQuantization(torch.from_numpy(q.reshape(out, inputs).astype(np.int8)),
+                            torch.from_numpy(scale.astype(np.float32)),
+                            None if not minimum.any() else torch.from_numpy(minimum.astype(np.float32)),
+                            layout.bits, type_name)
+
+
+def _block_bytes(raw: np.ndarray, inputs: int, type_name: str) -> int:
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+    if raw.shape[1] != inputs // block_size * type_size:
+        raise ValueError(f"GGUF tensor of {type_name}: {raw.shape[1]} bytes a row for {inputs} inputs")
+    return type_size

@@ -1,0 +1,213 @@
+// Weight-only quantized linears, included by cpu_ops.cpp: y (M, N) = x (M, K) @ W^T + bias with W kept
+// in memory as 8-bit or 4-bit integers and computed on as they are, never widened for the whole model.
+//
+// The weight: per output column n and group of `group` consecutive inputs g, W[n, k] = q[n, k] *
+// scale[g, n] + min[g, n], q a signed 8-bit integer (bits 8) or an unsigned 4-bit one (bits 4; GGUF's
+// Q4_0/Q4_1/Q4_K blocks are this form), scale and min float16 (no min: zero). Packed in column blocks
+// of kBlockN like the bf16 tiles (brgemm_linear.h), pairs of K interleaved, so that a block
+// de-quantizes straight into the layout the tiles and the dot products read:
+//   bits 8: q (N / kBlockN, K / 2, kBlockN, 2) int8;
+//   bits 4: (N / kBlockN, K / 2, kBlockN / 16, 16) uint8: for each 16 columns of a pair row, the 32
+//           values (column-major pairs) v[0..31] as byte i = v[i] | v[i + 16] << 4;
+//   scales, mins: (N / kBlockN, K / group, kBlockN) float16.
+//
+// Each thread takes a contiguous run of column blocks (one stream through its share of the weight, as
+// in brgemm_linear.h) and, per block, de-quantizes a slice of K into bf16 in L1 (`dequantize`: 16
+// values a multiply-add, rounded to bf16 once) and multiplies every row of x by it: on AMX tiles
+// (ATen's bf16 brgemm) where `brgemm_linear::available()`, else with AVX512-BF16 dot products
+// (`dot_rows`). The products accumulate in float32 over the whole of K; outputs float32 or rounded to
+// the activations' bf16 once. A build without AVX512-BF16, or float32 activations, takes
+// `dequantize_scalar` (the same values) and at::linear on the widened weight: correct, not fast.
+
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+#endif
+
+namespace {
+namespace quant_linear {
+
+constexpr int64_t kBlockN = 64;    // output columns a block holds (four 16-column groups)
+constexpr int64_t kSliceK = 256;   // inputs de-quantized at a time when all rows fit one pass (32 KiB: L1)
+constexpr int64_t kBlockM = 32;    // rows of x one brgemm call takes
+
+struct Weight {
+  const uint8_t* q;
+  const c10::Half* scales;
+  const c10::Half* mins;  // nullptr: no min (symmetric)
+  int64_t bits, group, K, blocks;
+
+  int64_t block_bytes() const { return K * kBlockN * bits / 8; }
+  int64_t groups() const { return K / group; }
+};
+
+// The float value of W[n, k] for column n of block b (the reference every path agrees with).
+inline float value(const Weight& w, int64_t b, int64_t k, int64_t n) {
+  const uint8_t* q = w.q + b * w.block_bytes();
+  const int64_t pair = k / 2, lane = 2 * (n % 16) + k % 2;  // lane: which of the 32 values of its 16 columns
+  float v;
+  if (w.bits == 8) {
+    v = static_cast<float>(reinterpret_cast<const int8_t*>(q)[pair * 2 * kBlockN + 2 * n + k % 2]);
+  } else {
+    const uint8_t byte = q[pair * kBlockN + (n / 16) * 16 + lane % 16];
+    v = static_cast<float>(lane < 16 ? byte & 15 : byte >> 4);
+  }
+  const int64_t at = (b * w.groups() + k / w.group) * kBlockN + n;
+  return v * static_cast<float>(w.scales[at]) + (w.mins ? static_cast<float>(w.mins[at]) : 0.0f);
+}
+
+// The whole weight widened to (N, K) float32 (the fallback's operand; tests' reference).
+inline at::Tensor dequantize_scalar(const Weight& w) {
+  at::Tensor out = at::empty({w.blocks * kBlockN, w.K}, at::kFloat);
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, w.blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b)
+      for (int64_t n = 0; n < kBlockN; ++n)
+        for (int64_t k = 0; k < w.K; ++k) dst[(b * kBlockN + n) * w.K + k] = value(w, b, k, n);
+  });
+  return out;
+}
+
+#ifdef __AVX512BF16__
+
+inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh&>(x); }
+
+// Inputs [k0, k0 + kc) of block b into buf (kc / 2, kBlockN, 2) bf16, the VNNI layout; k0 and kc even.
+// Within 16 columns the 32 values of a pair row are v[0..15] (columns 0-7) and v[16..31] (columns
+// 8-15), so each half takes its columns' scales spread over lane pairs.
+inline void dequantize(const Weight& w, int64_t b, int64_t k0, int64_t kc, c10::BFloat16* buf) {
+  const __m512i spread_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i spread_hi = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
+  const uint8_t* q = w.q + b * w.block_bytes();
+  const c10::Half* scales = w.scales + b * w.groups() * kBlockN;
+  const c10::Half* mins = w.mins ? w.mins + b * w.groups() * kBlockN : nullptr;
+  int64_t k = k0;
+  while (k < k0 + kc) {
+    const int64_t g = k / w.group, stop = std::min(k0 + kc, (g + 1) * w.group);
+    __m512 s_lo[4], s_hi[4], m_lo[4], m_hi[4];
+    for (int c = 0; c < 4; ++c) {
+      const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + g * kBlockN + 16 * c)));
+      const __m512 m = mins ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mins + g * kBlockN + 16 * c)))
+                            : _mm512_setzero_ps();
+      s_lo[c] = _mm512_permutexvar_ps(spread_lo, s), s_hi[c] = _mm512_permutexvar_ps(spread_hi, s);
+      m_lo[c] = _mm512_permutexvar_ps(spread_lo, m), m_hi[c] = _mm512_permutexvar_ps(spread_hi, m);
+    }
+    for (; k < stop; k += 2) {
+      const int64_t pair = k / 2;
+      c10::BFloat16* out = buf + (k - k0) * kBlockN;  // (pair - k0 / 2) * 2 * kBlockN
+      for (int c = 0; c < 4; ++c) {
+        __m512 lo, hi;
+        if (w.bits == 8) {
+          const int8_t* src = reinterpret_cast<const int8_t*>(q) + pair * 2 * kBlockN + 32 * c;
+          lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
+          hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16))));
+        } else {
+          const __m512i bytes = _mm512_cvtepu8_epi32(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + pair * kBlockN + 16 * c)));
+          lo = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15)));
+          hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
+        }
+        lo = _mm512_fmadd_ps(lo, s_lo[c], m_lo[c]);
+        hi = _mm512_fmadd_ps(hi, s_hi[c], m_hi[c]);
+        _mm512_storeu_si512(out + 32 * c, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+      }
+    }
+  }
+}
+
+// c (MR, kBlockN) float32 (+)= rows [0, MR) of x (row stride ldx, from input k0) times buf's kc inputs,
+// with one vdpbf16ps per pair of inputs and 16 columns.
+template <int MR>
+inline void dot_rows(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* buf, int64_t kc, float* c, bool add) {
+  __m512 acc[MR][4];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < 4; ++j) acc[i][j] = add ? _mm512_loadu_ps(c + i * kBlockN + 16 * j) : _mm512_setzero_ps();
+  for (int64_t p = 0; p < kc / 2; ++p) {
+    const c10::BFloat16* row = buf + p * 2 * kBlockN;
+    __m512i wv[4];
+    for (int j = 0; j < 4; ++j) wv[j] = _mm512_loadu_si512(row + 32 * j);
+    for (int i = 0; i < MR; ++i) {
+      int32_t pair_bits;
+      std::memcpy(&pair_bits, x + i * ldx + 2 * p, sizeof(pair_bits));
+      const __m512i xv = _mm512_set1_epi32(pair_bits);
+      for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], as_bh(xv), as_bh(wv[j]));
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(c + i * kBlockN + 16 * j, acc[i][j]);
+}
+
+// c (rows, kBlockN) (+)= x rows (stride ldx) times buf (kc inputs): AMX tiles or dot products.
+inline void multiply(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* buf, int64_t kc, int64_t rows,
+                     float* c, bool add, bool tiles) {
+  if (tiles) {
+    at::native::cpublas::brgemm(rows, kBlockN, kc, ldx, kBlockN, kBlockN, add, x, buf, c, true);
+    return;
+  }
+  int64_t i = 0;
+  for (; i + 4 <= rows; i += 4) dot_rows<4>(x + i * ldx, ldx, buf, kc, c + i * kBlockN, add);
+  switch (rows - i) {
+    case 3: dot_rows<3>(x + i * ldx, ldx, buf, kc, c + i * kBlockN, add); break;
+    case 2: dot_rows<2>(x + i * ldx, ldx, buf, kc, c + i * kBlockN, add); break;
+    case 1: dot_rows<1>(x + i * ldx, ldx, buf, kc, c + i * kBlockN, add); break;
+    default: break;
+  }
+}
+
+// y (M, N) = x (M, K) bf16 @ W^T (+ bias (N,) float32); W's first N of blocks * kBlockN columns.
+// `tiles`: the AMX path (only where brgemm_linear::available()).
+template <typename TOut>
+inline void linear(const Weight& w, const c10::BFloat16* x, const float* bias, TOut* y, int64_t M, int64_t N,
+                   bool tiles) {
+  const int64_t K = w.K;
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), w.blocks));
+  // All rows in one pass: K in L1-sized slices, each de-quantized once and used at once. More rows: the
+  // block's whole K de-quantized once (L2), then passes of kBlockM rows over it.
+  const bool one_pass = M <= kBlockM;
+  const int64_t slice = one_pass ? std::min(K, kSliceK) : K;
+  at::parallel_for(0, w.blocks, (w.blocks + threads - 1) / threads, [&](int64_t begin, int64_t end) {
+    std::vector<c10::BFloat16> buf(slice * kBlockN);
+    std::vector<float> c(kBlockM * kBlockN);
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n0 = b * kBlockN, cols = std::min(kBlockN, N - n0);
+      if (cols <= 0) break;
+      auto emit = [&](int64_t m0, int64_t rows) {
+        for (int64_t i = 0; i < rows; ++i)
+          for (int64_t j = 0; j < cols; ++j)
+            y[(m0 + i) * N + n0 + j] = static_cast<TOut>(c[i * kBlockN + j] + (bias ? bias[n0 + j] : 0.0f));
+      };
+      if (one_pass) {
+        for (int64_t k0 = 0; k0 < K; k0 += slice) {
+          const int64_t kc = std::min(slice, K - k0);
+          dequantize(w, b, k0, kc, buf.data());
+          multiply(x + k0, K, buf.data(), kc, M, c.data(), k0 > 0, tiles);
+        }
+        emit(0, M);
+      } else {
+        dequantize(w, b, 0, K, buf.data());
+        for (int64_t m0 = 0; m0 < M; m0 += kBlockM) {
+          const int64_t rows = std::min(kBlockM, M - m0);
+          multiply(x + m0 * K, K, buf.data(), K, rows, c.data(), false, tiles);
+          emit(m0, rows);
+        }
+      }
+    }
+    if (tiles) at::native::cpublas::brgemm_release(true);
+  });
+}
+
+#endif  // __AVX512BF16__
+
+}  // namespace quant_linear
+}  // namespace

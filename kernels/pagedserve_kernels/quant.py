@@ -1,0 +1,200 @@
+"""Weights kept as 8-bit or 4-bit integers on the CPU, and the linear that computes on them.
+
+A `QuantizedWeight` holds an (out, in) weight as integers q with a float16 scale (and, at 4 bits, a
+min) per output and group of inputs: W[n, k] = q[n, k] * scale[n, k // group] + min[n, k // group].
+Two sources make one:
+  - `quantize(weight, scheme)`, from a float weight at load: int8 symmetric per output channel
+    (group = the whole input), int4 asymmetric in groups of 32 or 128 inputs (q in 0..15);
+  - `pack(q, scale, min, bits)`, from integers and scales a file already holds (a GGUF's Q8_0, Q4_0,
+    Q4_K... blocks: compute_service/model/gguf_quant.py), as they are.
+
+`linear` multiplies by it without widening the weight: the C++ kernel (csrc/quant_linear.h)
+de-quantizes a slice of a column block into bf16 in L1 and multiplies every row by it, on AMX tiles
+where the CPU has them, else with AVX512-BF16 dot products; float32 activations, or a build without
+AVX512-BF16, widen the weight per call (correct, slow: `path` says which runs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+BLOCK_N = 64  # output columns a packed block holds (csrc/quant_linear.h's kBlockN)
+SCHEMES = ("int8", "int4")
+INT4_GROUP = 32  # inputs per scale for int4 quantized at load (GGUF's Q4 blocks hold 32 too)
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """An (out_features, in_features) weight in the kernel's packed layout (csrc/quant_linear.h).
+
+    Attributes:
+        q: the integers, int8 (bits 8) or two to a byte (bits 4), in column blocks of BLOCK_N.
+        scales, mins: (blocks, in / group, BLOCK_N) float16; mins None where symmetric.
+        bias: (out,) float32 or None.
+        bits, group: 8 or 4; inputs per scale.
+        out_features, in_features: the weight's shape (out padded to whole blocks in q).
+    """
+
+    q: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None
+    bias: torch.Tensor | None
+    bits: int
+    group: int
+    out_features: int
+    in_features: int
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held (integers, scales, mins, bias)."""
+        return sum(t.nbytes for t in (self.q, self.scales, self.mins, self.bias) if t is not None)
+
+    @property
+    def scheme(self) -> str:
+        return f"int{self.bits}"
+
+    def with_bias(self, bias: torch.Tensor | None) -> QuantizedWeight:
+        """This weight with `bias` (any float dtype, (out,)) added to its products."""
+        if bias is None:
+            return self
+        return QuantizedWeight(self.q, self.scales, self.mins, bias.detach().float().contiguous(), self.bits,
+                               self.group, self.out_features, self.in_features)
+
+    def dequantize(self) -> torch.Tensor:
+        """(out, in) float32: the values the kernel multiplies by."""
+        return _ops().quant_dequantize(self.q, self.scales, self.mins, self.bits, self.group, self.out_features)
+
+
+def _ops():
+    from pagedserve_kernels import cpu_ops  # builds or loads the extension: not at import
+
+    ops = cpu_ops.load()
+    if ops is None:
+        raise RuntimeError("quantized weights need the fused CPU kernels (pagedserve_kernels.cpu_ops), which did "
+                           "not load here; serve with --quantization none")
+    return ops
+
+
+def supports(weight_shape: torch.Size | tuple[int, ...], bits: int, group: int) -> bool:
+    """Whether a (out, in) weight can be packed at `bits` with `group` inputs per scale."""
+    out, inputs = weight_shape
+    return out > 0 and inputs > 0 and inputs % 2 == 0 and group % 2 == 0 and inputs % group == 0
+
+
+def pack(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None, bits: int) -> QuantizedWeight:
+    """The packed weight of integers q (out, in) (int8 in -128..127 at 8 bits, 0..15 at 4 bits) with
+    per-group scale and min (out, in / group), float values rounded to float16."""
+    out, inputs = q.shape
+    groups = scale.shape[1]
+    group = inputs // groups
+    if bits not in (8, 4) or not supports(q.shape, bits, group) or scale.shape != (out, groups):
+        raise ValueError(f"cannot pack a {tuple(q.shape)} weight at {bits} bits with scales {tuple(scale.shape)}")
+    blocks = -(-out // BLOCK_N)
+    pad = blocks * BLOCK_N - out
+    q = torch.nn.functional.pad(q.to(torch.int16), (0, 0, 0, pad))
+    # (blocks, BLOCK_N, in / 2, 2) -> (blocks, in / 2, BLOCK_N, 2): pairs of inputs interleaved per column
+    q = q.view(blocks, BLOCK_N, inputs // 2, 2).permute(0, 2, 1, 3).contiguous()
+    if bits == 8:
+        packed = q.to(torch.int8)
+    else:
+        # each 16 columns' 32 values v[0..31] of a pair row as bytes v[i] | v[i + 16] << 4
+        v = q.view(blocks, inputs // 2, BLOCK_N // 16, 32).to(torch.uint8)
+        packed = (v[..., :16] | (v[..., 16:] << 4)).contiguous()
+
+    def per_block(t: torch.Tensor) -> torch.Tensor:  # (out, groups) -> (blocks, groups, BLOCK_N) float16
+        t = torch.nn.functional.pad(t.float(), (0, 0, 0, pad))
+        return t.view(blocks, BLOCK_N, groups).permute(0, 2, 1).contiguous().half()
+
+    return QuantizedWeight(packed.reshape(-1), per_block(scale), None if minimum is None else per_block(minimum),
+                           None, bits, group, out, inputs)
+
+
+def quantize(weight: torch.Tensor, scheme: str) -> QuantizedWeight:
+    """A float (out, in) weight at `scheme`: "int8" (symmetric, one scale per output) or "int4"
+    (asymmetric, groups of INT4_GROUP inputs, round to nearest)."""
+    w = weight.detach().float()
+    if scheme == "int8":
+        scale = (w.abs().amax(dim=1, keepdim=True) / 127).clamp_min(1e-12).half().float()  # (out, 1)
+        q = torch.round(w / scale).clamp_(-127, 127)
+        return pack(q, scale, None, 8)
+    if scheme == "int4":
+        out, inputs = w.shape
+        groups = w.view(out, inputs // INT4_GROUP, INT4_GROUP)
+        low, high = groups.amin(dim=-1), groups.amax(dim=-1)  # (out, groups)
+        scale = ((high - low) / 15).clamp_min(1e-12).half().float()
+        minimum = low.half().float()
+        q = torch.round((groups - minimum[..., None]) / scale[..., None]).clamp_(0, 15).view(out, inputs)
+        return pack(q, scale, minimum, 4)
+    raise ValueError(f"unknown quantization scheme {scheme!r}; expected one of {SCHEMES}")
+
+
+def tiles() -> bool:
+    """Whether `linear` runs on AMX tiles here (bf16 activations)."""
+    from pagedserve_kernels.cpu_linear import amx
+
+    return amx() and bool(_ops().brgemm_linear_available())
+
+
+def path() -> str:
+    """Which kernel a quantized model's bf16 linears run here, for Info and the metrics."""
+    if _ops().quant_linear_isa() != "avx512-bf16":
+        return "quant widened"
+    return "quant amx-tiles" if tiles() else "quant avx512-bf16"
+
+
+_TILES: list[bool] = []
+
+
+def linear(x: torch.Tensor, weight: QuantizedWeight, float_out: bool = False) -> torch.Tensor:
+    """x (N, in) @ weight.T + its bias: (N, out) float32 with `float_out`, else x's dtype."""
+    if not _TILES:
+        _TILES.append(tiles())
+    return torch.ops.pagedserve_cpu.quant_linear(x.contiguous(), weight.q, weight.scales, weight.mins, weight.bias,
+                                                 weight.bits, weight.group, weight.out_features,
+                                                 _TILES[0] and x.dtype == torch.bfloat16, float_out)
+
+
+@dataclass(frozen=True)
+class QuantizedLinear:
+    """A projection kept quantized: its output rows in consecutive parts, each one `QuantizedWeight`
+    (a fused q/k/v whose file stores v at another type than q and k has two parts).
+
+    Attributes:
+        parts: the weights of output rows [0, a), [a, b), ... in order, biases included.
+        label: how it was quantized, for the logs and the fingerprint ("int4", "Q4_K+Q6_K").
+    """
+
+    parts: tuple[QuantizedWeight, ...]
+    label: str
+
+    @property
+    def out_features(self) -> int:
+        return sum(part.out_features for part in self.parts)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(part.nbytes for part in self.parts)
+
+    def __call__(self, x: torch.Tensor, float_out: bool = False) -> torch.Tensor:
+        """x (N, in) -> (N, out): float32 with `float_out`, else x's dtype."""
+        if len(self.parts) == 1:
+            return linear(x, self.parts[0], float_out)
+        return torch.cat([linear(x, part, float_out) for part in self.parts], dim=1)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` (T,) of the (out, in) weight as float32 (T, in): an embedding table's lookup."""
+        if len(self.parts) != 1:
+            raise ValueError("an embedding table is one quantized part")
+        part = self.parts[0]
+        return _ops().quant_rows(part.q, part.scales, part.mins, part.bits, part.group, part.out_features, ids)
+
+    def dequantize(self) -> torch.Tensor:
+        """(out, in) float32: the values the kernel multiplies by."""
+        return torch.cat([part.dequantize() for part in self.parts])
+
+
+def quantize_linear(weight: torch.Tensor, bias: torch.Tensor | None, scheme: str) -> QuantizedLinear:
+    """A float (out, in) weight and its bias quantized at load (`quantize`)."""
+    return QuantizedLinear((quantize(weight, scheme).with_bias(bias),), scheme)
