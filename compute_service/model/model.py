@@ -201,7 +201,8 @@ class CausalLM(nn.Module):
                 hold quantized stays in the model's dtype; so does the head, and the embedding table
                 where the file holds it in floats.
         Returns:
-            What was done, for the logs and the fingerprint ("int4", "Q4_K+Q6_K", "none").
+            What was done, for the logs and the fingerprint: the formats held, sorted ("int4+int8",
+            "Q4_K+Q6_K"), or "none".
         """
         if self.device.type != "cpu" or self.is_prepacked:
             raise ValueError("quantized weights need a CPU model, quantized before prepack_cpu_weights")
@@ -216,7 +217,7 @@ class CausalLM(nn.Module):
             if quantized is not None:
                 setattr(module, f"{name}_packed", quantized)
                 weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
-                labels.add(quantized.label)
+                labels.update(quantized.label.split("+"))
         if scheme == "file":
             embed = _from_file([("model.embed_tokens.weight", 0, self.config.vocab_size)], file_weights or {}, None)
             head = embed if self.config.tie_word_embeddings else _from_file(
@@ -225,7 +226,7 @@ class CausalLM(nn.Module):
             embed, head = None, quantize_linear(self.lm_head, None, "int8")
         if head is not None:
             self.lm_head_packed = head
-            labels.add(head.label)
+            labels.update(head.label.split("+"))
             if not self.config.tie_word_embeddings:
                 self.lm_head.data = torch.empty(0, dtype=self.dtype, device=self.device)
         if embed is not None:

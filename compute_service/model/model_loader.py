@@ -128,7 +128,8 @@ def load_model(
         dtype: a torch dtype or a name ("bf16"); None or "auto" (the default): bfloat16 on CUDA and
             on a CPU with native bf16, float32 on other CPUs (`pagedserve.dtypes.resolve_auto`, logged).
         quantization: one of QUANTIZATIONS. "auto" keeps a GGUF file's quantized matrices as they are
-            (integers and scales, computed on without widening) and a float checkpoint in `dtype`;
+            (integers and scales, computed on without widening) where the model runs bfloat16 on the
+            CPU, and widens them to `dtype` elsewhere; a float checkpoint stays in `dtype`;
             "none" widens everything to `dtype`; "int8" / "int4" quantize the projections at load (the
             head at int8). Quantized weights run on the CPU; `dtype` stays the activations' and the KV
             cache's.
@@ -169,13 +170,15 @@ def _quantize(lm: CausalLM, path: Path, quantization: str) -> str:
     file_holds = (path / QUANTIZATION_INDEX).is_file()
     if quantization == "none" or (quantization == "auto" and not file_holds):
         return "none"
+    if quantization == "auto" and (lm.device.type != "cpu" or lm.dtype != torch.bfloat16):
+        # The quantized kernels take bf16 activations on the CPU: elsewhere the file's weights are widened.
+        log.info("quantization_widened", device=str(lm.device), dtype=str(lm.dtype),
+                 detail="quantized kernels run bfloat16 on the CPU; the file's weights are served in the dtype")
+        return "none"
     if lm.device.type != "cpu":
-        if quantization == "auto":
-            log.warning("quantization_cpu_only", device=str(lm.device), detail="the file's weights are widened")
-            return "none"
         raise ValueError(f"--quantization {quantization} runs on the CPU only; this model is on {lm.device}")
     if lm.dtype != torch.bfloat16:
-        log.warning("quantization_widened", dtype=str(lm.dtype),
+        log.warning("quantization_slow", dtype=str(lm.dtype),
                     detail="quantized kernels take bfloat16 activations; others widen the weights per call")
     if quantization == "auto":
         return lm.quantize_weights("file", read_file_quantization(path))
@@ -254,7 +257,9 @@ def _check_model_dir(path: Path, model: str) -> None:
 
 
 def _weight_files(path: Path) -> list[Path]:
-    return sorted(path.glob("*.safetensors")) or sorted(path.glob("pytorch_model*.bin"))
+    """The checkpoint's weight files (not a converted GGUF's quantized copy, read by read_file_quantization)."""
+    found = sorted(p for p in path.glob("*.safetensors") if p.name != QUANTIZED_FILE)
+    return found or sorted(path.glob("pytorch_model*.bin"))
 
 
 def _iter_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:

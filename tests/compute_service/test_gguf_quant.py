@@ -1,0 +1,137 @@
+"""A GGUF's quantized tensors served as they are (`--quantization auto`): each block type read back as
+integers with per-group scales and mins that give gguf's own de-quantized values; a model whose
+fused projections mix types (v at Q6_K beside q and k at Q4_K, as Q4_K_M files have) kept quantized
+in the right rows; and the default model's own Q4_1 file answering the README's question."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from compute_service.model import model_loader
+from compute_service.model.gguf_quant import QUANTIZED_TYPES, file_quantization
+from compute_service.model.model_loader import load_model
+from pagedserve_kernels import cpu_ops
+from pagedserve_kernels.quant import QuantizedLinear
+from tests.compute_service.test_gguf import PROMPT, _our_greedy, _random_blocks, write_gguf
+
+needs_kernels = pytest.mark.skipif(cpu_ops.load() is None or cpu_ops.load().quant_linear_isa() != "avx512-bf16",
+                                   reason="the quantized kernels need a build with AVX512-BF16")
+
+
+def _one_tensor_file(path, qtype: str):
+    import gguf
+
+    kind = gguf.GGMLQuantizationType[qtype]
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_tensor("blk.0.ffn_up.weight", _random_blocks((96, 512), kind), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return gguf.GGUFReader(path).tensors[0]
+
+
+@pytest.mark.parametrize("qtype", QUANTIZED_TYPES)
+def test_every_block_type_reads_back_as_integers_and_scales(qtype, tmp_path):
+    from gguf.quants import dequantize
+
+    tensor = _one_tensor_file(tmp_path / f"{qtype}.gguf", qtype)
+    found = file_quantization(tensor)
+    values = torch.from_numpy(dequantize(np.array(tensor.data), tensor.tensor_type)).reshape(96, 512)
+    group = 16 if qtype == "Q6_K" else 32
+    assert found.type_name == qtype and found.bits == (4 if qtype.startswith("Q4") else 8)
+    assert found.q.shape == (96, 512) and found.scale.shape == (96, 512 // group)
+    low, high = (0, 15) if found.bits == 4 else (-128, 127)
+    assert low <= int(found.q.min()) and int(found.q.max()) <= high
+    rebuilt = found.q.double() * found.scale.double().repeat_interleave(group, dim=1)
+    if found.minimum is not None:
+        rebuilt += found.minimum.double().repeat_interleave(group, dim=1)
+    torch.testing.assert_close(rebuilt, values.double(), rtol=1e-6, atol=1e-9)
+
+
+def test_q8_0_and_q4_0_integers_are_the_blocks_bytes(tmp_path):
+    """ggml's layouts, read directly: Q8_0 is (d f16, 32 int8); Q4_0 (d f16, 16 bytes: low nibbles are
+    values 0-15, high nibbles 16-31), value (nibble - 8) * d."""
+    q8 = _one_tensor_file(tmp_path / "q8.gguf", "Q8_0")
+    blocks = np.array(q8.data).reshape(96, 16, 34)
+    found = file_quantization(q8)
+    assert torch.equal(found.q, torch.from_numpy(blocks[..., 2:].view(np.int8).reshape(96, 512)))
+    assert torch.equal(found.scale, torch.from_numpy(blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)))
+    assert found.minimum is None
+    q4 = _one_tensor_file(tmp_path / "q4.gguf", "Q4_0")
+    blocks = np.array(q4.data).reshape(96, 16, 18)
+    nibbles = np.concatenate([blocks[..., 2:] & 15, blocks[..., 2:] >> 4], axis=-1).reshape(96, 512)
+    found = file_quantization(q4)
+    d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+    assert torch.equal(found.q, torch.from_numpy(nibbles.astype(np.int8)))
+    torch.testing.assert_close(found.minimum, torch.from_numpy(-8 * d), rtol=0, atol=0)
+
+
+@needs_kernels
+def test_a_mixed_k_quant_file_is_served_quantized_in_the_right_rows(tmp_path):
+    """q/k Q4_K, v Q6_K (one fused projection, two parts), gate/up Q5_K, the head Q6_K, the embedding
+    table Q4_K: what the model multiplies by is the file's de-quantized weight (scales rounded to
+    float16), q/k rows un-permuted as for the float copy, and its tokens follow the float model's."""
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(0)
+    hf_model = transformers.LlamaForCausalLM(config).eval()
+    types = {"blk.0.attn_q.weight": "Q4_K", "blk.0.attn_k.weight": "Q4_K", "blk.0.attn_v.weight": "Q6_K",
+             "blk.0.attn_output.weight": "Q4_K", "blk.0.ffn_gate.weight": "Q5_K", "blk.0.ffn_up.weight": "Q5_K",
+             "blk.0.ffn_down.weight": "Q4_K", "output.weight": "Q6_K", "token_embd.weight": "Q4_K"}
+    path = write_gguf(hf_model, tmp_path / "tiny-k.gguf", "F16", arch="llama", tensor_types=types)
+    quantized = load_model(str(path), cache_dir=tmp_path / "cache", device="cpu", dtype="bfloat16")
+    model = quantized.model
+    assert model.quantization == "Q4_K+Q5_K+Q6_K"
+    qkv = model.layers[0].attn.qkv_packed
+    assert isinstance(qkv, QuantizedLinear) and [p.bits for p in qkv.parts] == [4, 8]
+    assert [p.out_features for p in qkv.parts] == [256 + 128, 128]
+    assert model.embed_quantized is not None and model.embed_tokens.numel() == 0  # not widened in memory
+    floats = dict(model_loader._iter_weights(quantized.source.path))
+    expected_qkv = torch.cat([floats[f"model.layers.0.self_attn.{n}_proj.weight"] for n in "qkv"])
+    # scale (d * sc) and min (dmin * m) rounded to float16: within 2^-11 of each, times q < 64
+    for ours, file_weights in ((qkv.dequantize(), expected_qkv),
+                               (model.embed_quantized.dequantize(), floats["model.embed_tokens.weight"])):
+        torch.testing.assert_close(ours, file_weights, rtol=0, atol=float(file_weights.abs().max()) * 2e-3)
+    reference = load_model(str(path), cache_dir=tmp_path / "cache", device="cpu", dtype="float32").model
+    assert reference.quantization == "none"  # float32 activations: auto widens
+    assert quantized.fingerprint != load_model(str(path), cache_dir=tmp_path / "cache", device="cpu",
+                                               dtype="bfloat16", quantization="none").fingerprint
+    ours, theirs = _our_greedy(model, PROMPT, 8), _our_greedy(reference, PROMPT, 8)
+    assert sum(a == b for a, b in zip(ours, theirs)) >= 6, (ours, theirs)
+
+
+@needs_kernels
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_a_float_model_quantized_at_load_follows_its_float_tokens(scheme, make_tiny_model, tmp_path):
+    tiny = make_tiny_model("qwen2")  # q/k/v biases: they ride in the quantized projection
+    loaded = load_model(str(tiny.path), device="cpu", dtype="bfloat16", quantization=scheme)
+    model = loaded.model
+    assert model.quantization == ("int8" if scheme == "int8" else "int4+int8")  # the head at int8
+    assert all(isinstance(layer.attn.qkv_packed, QuantizedLinear) and layer.attn.qkv_weight.numel() == 0
+               for layer in model.layers)
+    assert isinstance(model.lm_head_packed, QuantizedLinear) and model.lm_head_packed.parts[0].bits == 8
+    reference = load_model(str(tiny.path), device="cpu", dtype="float32").model
+    ours, theirs = _our_greedy(model, PROMPT, 8), _our_greedy(reference, PROMPT, 8)
+    assert sum(a == b for a, b in zip(ours, theirs)) >= (7 if scheme == "int8" else 5), (ours, theirs)
+
+
+def test_unknown_quantization_is_refused_by_name(make_tiny_model):
+    with pytest.raises(ValueError, match="quantization must be one of auto, none, int8, int4"):
+        load_model(str(make_tiny_model("llama").path), device="cpu", dtype="bfloat16", quantization="int3")
+
+
+@needs_kernels
+def test_the_default_models_q4_1_file_served_quantized_answers_paris(tmp_path):
+    from compute_service import LLM
+    from compute_service.model.model_loader import default_gguf_path
+
+    with LLM(model=str(default_gguf_path()), cache_dir=tmp_path, dtype="bfloat16", kv_cache_bytes=16 << 20) as llm:
+        assert llm.engine.runner.model.quantization == "Q4_1+Q8_0"  # the file's own blocks, not widened
+        answer = llm.chat([{"role": "user", "content": "What is the capital of France?"}], max_tokens=16,
+                          temperature=0.0)
+    assert "Paris" in answer.text

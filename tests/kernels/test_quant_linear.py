@@ -1,0 +1,101 @@
+"""The quantized linear (csrc/quant_linear.h) against a float reference: every path (AMX tiles where
+the CPU has them, AVX512-BF16 dot products, the widened fallback for float32 activations), both
+widths, per-channel and grouped scales, with and without mins and bias, one pass of rows and several.
+
+The reference multiplies the same bf16 activations by the weight `dequantize` gives (the scalar
+reading of the packed layout), rounded to bf16 as the kernel de-quantizes it, in float64: the kernel
+may differ only by float32 summation order."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve_kernels import cpu_ops, quant
+
+pytestmark = pytest.mark.skipif(cpu_ops.load() is None or cpu_ops.load().quant_linear_isa() != "avx512-bf16",
+                                reason="the quantized kernels need a build with AVX512-BF16")
+
+
+def _paths() -> list[bool]:
+    return [False, True] if quant.tiles() else [False]
+
+
+def _reference(x: torch.Tensor, weight: quant.QuantizedWeight) -> torch.Tensor:
+    w = weight.dequantize().bfloat16().double()
+    y = x.double() @ w.T
+    return y + weight.bias.double() if weight.bias is not None else y
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize(("out_features", "in_features"), [(64, 32), (200, 96), (128, 640)])
+@pytest.mark.parametrize("rows", [1, 3, 16, 33, 70])
+def test_quant_linear_equals_the_dequantized_product(scheme, out_features, in_features, rows):
+    generator = torch.Generator().manual_seed(out_features * 1000 + in_features + rows)
+    weight = quant.quantize(torch.randn(out_features, in_features, generator=generator) * 0.1, scheme)
+    weight = weight.with_bias(torch.randn(out_features, generator=generator))
+    x = torch.randn(rows, in_features, generator=generator).bfloat16()
+    reference = _reference(x, weight)
+    for tiles in _paths():
+        y = torch.ops.pagedserve_cpu.quant_linear(x, weight.q, weight.scales, weight.mins, weight.bias, weight.bits,
+                                                  weight.group, weight.out_features, tiles, True)
+        assert y.shape == (rows, out_features) and y.dtype == torch.float32
+        torch.testing.assert_close(y.double(), reference, rtol=1e-5, atol=1e-4, msg=f"tiles={tiles}")
+    rounded = quant.linear(x, weight)  # bf16 out: the float32 product rounded once
+    assert rounded.dtype == torch.bfloat16
+    torch.testing.assert_close(rounded.float(), reference.float().bfloat16().float(), rtol=1e-2, atol=1e-2)
+    widened = quant.linear(x.float(), weight)  # float32 activations: the widened weight, exactly
+    torch.testing.assert_close(widened.double(), x.double() @ weight.dequantize().double().T + weight.bias.double(),
+                               rtol=1e-5, atol=1e-4)
+
+
+def test_quantize_rounds_to_the_nearest_level_per_channel_and_group():
+    generator = torch.Generator().manual_seed(1)
+    w = torch.randn(64, 128, generator=generator)
+    int8 = quant.quantize(w, "int8")
+    step = w.abs().amax(dim=1, keepdim=True) / 127  # one scale per output
+    assert int8.group == 128 and int8.mins is None
+    assert ((int8.dequantize() - w).abs() <= step * 0.5 + 1e-3 * step).all()
+    int4 = quant.quantize(w, "int4")
+    groups = w.view(64, 4, 32)
+    step = ((groups.amax(-1) - groups.amin(-1)) / 15)[..., None]  # (64, 4, 1)
+    assert int4.group == 32 and int4.mins is not None
+    assert ((int4.dequantize().view(64, 4, 32) - groups).abs() <= step * 0.5 + 2e-3 * step + 1e-3).all()
+    assert int4.nbytes < int8.nbytes < w.bfloat16().nbytes  # kept as integers: 0.5 / 1 byte a weight
+
+
+def test_pack_keeps_the_files_integers_and_scales_exactly():
+    """Integers and scales as a file holds them (4-bit with mins, 8-bit signed without), N not a
+    multiple of the block: the weight read back is q * scale + min, exactly, element by element."""
+    generator = torch.Generator().manual_seed(2)
+    for bits, low, high, with_min in ((4, 0, 16, True), (8, -128, 128, False), (8, 0, 64, True)):
+        q = torch.randint(low, high, (72, 64), generator=generator)
+        scale = (torch.rand(72, 4, generator=generator) + 0.5).half().float()
+        minimum = -(torch.rand(72, 4, generator=generator)).half().float() if with_min else None
+        weight = quant.pack(q, scale, minimum, bits)
+        expected = q.float() * scale.repeat_interleave(16, dim=1)
+        if minimum is not None:
+            expected = expected + minimum.repeat_interleave(16, dim=1)
+        torch.testing.assert_close(weight.dequantize(), expected, rtol=0, atol=0)
+        ids = torch.tensor([0, 71, 5, 64])
+        rows = quant.QuantizedLinear((weight,), "test").rows(ids)
+        torch.testing.assert_close(rows, expected[ids], rtol=0, atol=0)
+
+
+def test_bad_operands_are_refused_by_name():
+    weight = quant.quantize(torch.randn(64, 32), "int8")
+    x = torch.randn(2, 32).bfloat16()
+    ops = torch.ops.pagedserve_cpu
+    with pytest.raises(RuntimeError, match="bits must be 8 or 4"):
+        ops.quant_linear(x, weight.q, weight.scales, None, None, 2, weight.group, 64, False, False)
+    with pytest.raises(RuntimeError, match="x must be"):
+        ops.quant_linear(torch.randn(2, 30).bfloat16(), weight.q, weight.scales, None, None, 8, weight.group, 64,
+                         False, False)
+    with pytest.raises(RuntimeError, match="q must be"):
+        ops.quant_linear(x, weight.q[:-1], weight.scales, None, None, 8, weight.group, 64, False, False)
+    with pytest.raises(RuntimeError, match="n out of range"):
+        ops.quant_linear(x, weight.q, weight.scales, None, None, 8, weight.group, 65, False, False)
+    with pytest.raises(RuntimeError, match="out of range"):
+        quant.QuantizedLinear((weight,), "test").rows(torch.tensor([64]))
+    with pytest.raises(ValueError, match="unknown quantization scheme"):
+        quant.quantize(torch.randn(64, 32), "int3")
