@@ -81,5 +81,6 @@ def model_info(loaded: LoadedModel, served_model_name: str | None = None) -> Mod
         tokenizer_files=files,
         kernels=kernels.step_path(loaded.model.device, loaded.model.dtype, config.head_dim),
         hidden_size=config.hidden_size,
-        kernel_paths=tuple(kernels.kernel_paths(loaded.model.device, loaded.model.dtype, config.head_dim).items()),
+        kernel_paths=tuple(kernels.kernel_paths(loaded.model.device, loaded.model.dtype, config.head_dim,
+                                                loaded.model.quantization).items()),
     )

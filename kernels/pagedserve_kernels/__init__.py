@@ -66,14 +66,16 @@ def step_path(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
     return f"fused-cpp {cpu_ops.level()}"
 
 
-def kernel_paths(device: torch.device, dtype: torch.dtype, head_dim: int) -> dict[str, str]:
+def kernel_paths(device: torch.device, dtype: torch.dtype, head_dim: int, quantization: str = "none") -> dict[str, str]:
     """Which code each kernel of a step runs on this CPU, for Info's kernel_paths and the metrics (a
     benchmark's line can say what ran). Empty where the fused CPU kernels do not run (`step_path`).
 
     Keys: "attention" ("avx512-bf16", "avx512" or "portable": the instructions of paged_attention's
     build, for block sizes of 4 to 16 in steps of 4; others run the portable kernel; bf16 on an AMX
     CPU adds ", prompts>=64 amx-tiles": the prompts that take csrc/prefill_tiles.h), "linear"
-    (`cpu_linear.linear_path`: the small-batch rows and their kernel, then oneDNN, on AMX tiles or not).
+    (`cpu_linear.linear_path`: the small-batch rows and their kernel, then oneDNN, on AMX tiles or not;
+    for a model whose weights are kept quantized, `quant.path()` and the formats held, e.g.
+    "quant amx-tiles Q4_K+Q6_K").
     """
     if not step_path(device, dtype, head_dim).startswith("fused-cpp"):
         return {}
@@ -83,6 +85,10 @@ def kernel_paths(device: torch.device, dtype: torch.dtype, head_dim: int) -> dic
     attention = ops.attention_isa()
     if dtype == torch.bfloat16 and ops.prompt_tiles_min_tokens():
         attention += f", prompts>={ops.prompt_tiles_min_tokens()} amx-tiles"
+    if quantization != "none":
+        from pagedserve_kernels import quant
+
+        return {"attention": attention, "linear": f"{quant.path()} {quantization}"}
     return {"attention": attention, "linear": linear_path(dtype)}
 
 
