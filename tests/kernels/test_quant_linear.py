@@ -3,8 +3,8 @@ the CPU has them, AVX512-BF16 dot products, the widened fallback for float32 act
 widths, per-channel and grouped scales, with and without mins and bias, one pass of rows and several.
 
 The reference multiplies the same bf16 activations by the weight `dequantize` gives (the scalar
-reading of the packed layout), rounded to bf16 as the kernel de-quantizes it, in float64: the kernel
-may differ only by float32 summation order."""
+reading of the packed layout), rounded to bf16 where the kernel de-quantizes into bf16, in float64:
+the kernel may differ only by float32 summation order."""
 
 from __future__ import annotations
 
@@ -22,7 +22,11 @@ def _paths() -> list[bool]:
 
 
 def _reference(x: torch.Tensor, weight: quant.QuantizedWeight) -> torch.Tensor:
-    w = weight.dequantize().bfloat16().double()
+    w = weight.dequantize()
+    # A few rows on one symmetric scale per column multiply the integers as they are and scale the sum
+    # (csrc/quant_linear.h `fused`); elsewhere each value is rounded to bf16 as it is de-quantized.
+    exact = weight.mins is None and weight.group == weight.in_features and x.shape[0] <= 4
+    w = w.double() if exact else w.bfloat16().double()
     y = x.double() @ w.T
     return y + weight.bias.double() if weight.bias is not None else y
 

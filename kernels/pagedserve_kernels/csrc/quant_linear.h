@@ -41,6 +41,9 @@ namespace quant_linear {
 constexpr int64_t kBlockN = 64;    // output columns a block holds (four 16-column groups)
 constexpr int64_t kSliceK = 256;   // inputs de-quantized at a time when all rows fit one pass (32 KiB: L1)
 constexpr int64_t kBlockM = 32;    // rows of x one brgemm call takes
+// Up to these rows the weight is de-quantized in registers and used at once (`fused`): per-group scales
+// and mins hold registers, so fewer rows share one pass there.
+constexpr int64_t kFusedRows = 4, kFusedRowsGrouped = 2;
 
 struct Weight {
   const uint8_t* q;
@@ -126,6 +129,82 @@ inline void dequantize(const Weight& w, int64_t b, int64_t k0, int64_t kc, c10::
   }
 }
 
+// c (MR, kBlockN) float32 = rows [0, MR) of x (row stride ldx) times block b of the weight, de-quantized
+// in registers and multiplied at once (no buffer: the few-row path, where the weight is read once and
+// each value used MR times). GROUPED: scale (and min) per group applied as each value is de-quantized;
+// else (one symmetric scale per column, `group` == K) the integers are multiplied as they are and the
+// column's scale applied to the sum.
+template <int BITS, bool GROUPED, int MR>
+inline void fused_rows(const Weight& w, int64_t b, const c10::BFloat16* x, int64_t ldx, float* c) {
+  const __m512i spread_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i spread_hi = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
+  const uint8_t* q = w.q + b * w.block_bytes();
+  const c10::Half* scales = w.scales + b * w.groups() * kBlockN;
+  const c10::Half* mins = w.mins ? w.mins + b * w.groups() * kBlockN : nullptr;
+  __m512 acc[MR][4];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
+  const int64_t K = w.K, group = GROUPED ? w.group : K;
+  for (int64_t g = 0; g < K / group; ++g) {
+    __m512 s_lo[4], s_hi[4], m_lo[4], m_hi[4];
+    if constexpr (GROUPED) {
+      for (int j = 0; j < 4; ++j) {
+        const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + g * kBlockN + 16 * j)));
+        const __m512 m = mins ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mins + g * kBlockN + 16 * j)))
+                              : _mm512_setzero_ps();
+        s_lo[j] = _mm512_permutexvar_ps(spread_lo, s), s_hi[j] = _mm512_permutexvar_ps(spread_hi, s);
+        m_lo[j] = _mm512_permutexvar_ps(spread_lo, m), m_hi[j] = _mm512_permutexvar_ps(spread_hi, m);
+      }
+    }
+    for (int64_t pair = g * group / 2; pair < (g + 1) * group / 2; ++pair) {
+      __m512i xv[MR];
+      for (int i = 0; i < MR; ++i) {
+        int32_t pair_bits;
+        std::memcpy(&pair_bits, x + i * ldx + 2 * pair, sizeof(pair_bits));
+        xv[i] = _mm512_set1_epi32(pair_bits);
+      }
+      for (int j = 0; j < 4; ++j) {
+        __m512 lo, hi;
+        if constexpr (BITS == 8) {
+          const int8_t* src = reinterpret_cast<const int8_t*>(q) + pair * 2 * kBlockN + 32 * j;
+          lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
+          hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16))));
+        } else {
+          const __m512i bytes = _mm512_cvtepu8_epi32(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + pair * kBlockN + 16 * j)));
+          lo = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15)));
+          hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
+        }
+        if constexpr (GROUPED) {
+          lo = _mm512_fmadd_ps(lo, s_lo[j], m_lo[j]);
+          hi = _mm512_fmadd_ps(hi, s_hi[j], m_hi[j]);
+        }
+        const __m512bh wv = _mm512_cvtne2ps_pbh(hi, lo);
+        for (int i = 0; i < MR; ++i) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], as_bh(xv[i]), wv);
+      }
+    }
+  }
+  for (int j = 0; j < 4; ++j) {
+    const __m512 scale = GROUPED ? _mm512_set1_ps(1.0f)
+                                 : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + 16 * j)));
+    for (int i = 0; i < MR; ++i) _mm512_storeu_ps(c + i * kBlockN + 16 * j, _mm512_mul_ps(acc[i][j], scale));
+  }
+}
+
+// The few-row path for rows [0, rows) of x: passes of the most rows its registers hold.
+template <int BITS, bool GROUPED>
+inline void fused(const Weight& w, int64_t b, const c10::BFloat16* x, int64_t ldx, int64_t rows, float* c) {
+  constexpr int kRows = GROUPED ? 2 : 4;
+  int64_t i = 0;
+  for (; i + kRows <= rows; i += kRows) fused_rows<BITS, GROUPED, kRows>(w, b, x + i * ldx, ldx, c + i * kBlockN);
+  switch (rows - i) {
+    case 3: fused_rows<BITS, GROUPED, 3>(w, b, x + i * ldx, ldx, c + i * kBlockN); break;
+    case 2: fused_rows<BITS, GROUPED, 2>(w, b, x + i * ldx, ldx, c + i * kBlockN); break;
+    case 1: fused_rows<BITS, GROUPED, 1>(w, b, x + i * ldx, ldx, c + i * kBlockN); break;
+    default: break;
+  }
+}
+
 // c (MR, kBlockN) float32 (+)= rows [0, MR) of x (row stride ldx, from input k0) times buf's kc inputs,
 // with one vdpbf16ps per pair of inputs and 16 columns.
 template <int MR>
@@ -176,6 +255,10 @@ inline void linear(const Weight& w, const c10::BFloat16* x, const float* bias, T
   // block's whole K de-quantized once (L2), then passes of kBlockM rows over it.
   const bool one_pass = M <= kBlockM;
   const int64_t slice = one_pass ? std::min(K, kSliceK) : K;
+  // Few rows: de-quantized in registers and used at once (`fused`), without a buffer; one symmetric
+  // scale per column leaves the integers unscaled until the sum.
+  const bool grouped = w.group != K || w.mins != nullptr;
+  const bool few = M <= (grouped ? kFusedRowsGrouped : kFusedRows);
   at::parallel_for(0, w.blocks, (w.blocks + threads - 1) / threads, [&](int64_t begin, int64_t end) {
     std::vector<c10::BFloat16> buf(slice * kBlockN);
     std::vector<float> c(kBlockM * kBlockN);
@@ -187,7 +270,14 @@ inline void linear(const Weight& w, const c10::BFloat16* x, const float* bias, T
           for (int64_t j = 0; j < cols; ++j)
             y[(m0 + i) * N + n0 + j] = static_cast<TOut>(c[i * kBlockN + j] + (bias ? bias[n0 + j] : 0.0f));
       };
-      if (one_pass) {
+      if (few) {
+        if (w.bits == 8) {
+          grouped ? fused<8, true>(w, b, x, K, M, c.data()) : fused<8, false>(w, b, x, K, M, c.data());
+        } else {
+          grouped ? fused<4, true>(w, b, x, K, M, c.data()) : fused<4, false>(w, b, x, K, M, c.data());
+        }
+        emit(0, M);
+      } else if (one_pass) {
         for (int64_t k0 = 0; k0 < K; k0 += slice) {
           const int64_t kc = std::min(slice, K - k0);
           dequantize(w, b, k0, kc, buf.data());

@@ -1,0 +1,103 @@
+"""The quantized linear (csrc/quant_linear.h) against the bf16 paths, on a 1.5B model's shapes.
+
+Qwen2.5-1.5B's projections (qkv 2048 x 1536, o 1536 x 1536, gate_up 17920 x 1536, down 1536 x 8960),
+`--layers` layers' worth of copies so the weights come from memory as in a decode step, at each
+`--rows`: bf16 through the model's own path (`cpu_linear.linear`: the small-batch kernel up to 16 rows,
+on AMX tiles where the CPU has them, oneDNN past them), int8 (per output channel) and int4 (groups of
+32 with mins), each on AMX tiles where the CPU has them and with AVX512-BF16 dot products. Figures:
+the best of `--repeats` passes over all copies, wall ms per layer (all threads), and the weights'
+GB/s at that time.
+
+    python -m benchmarks.throughput.quant_linear [--rows 1 4 16 64 512] [--layers 4]
+
+The last line is one JSON object: {"cpu": ..., "threads": ..., "m<rows>": {"bf16_ms": ..., "int8_ms":
+..., "int4_ms": ..., "int8_dots_ms": ..., "int4_dots_ms": ..., "*_gbps": ...}, ...}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+
+import torch
+
+import pagedserve_kernels as kernels
+from benchmarks.cpu_info import cpu_name
+from pagedserve_kernels import cpu_linear, quant
+
+SHAPES = {"qkv": (2048, 1536), "o": (1536, 1536), "gate_up": (17920, 1536), "down": (1536, 8960)}
+
+
+def best_ms(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times) * 1e3
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 512])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+    generator = torch.Generator().manual_seed(0)
+    small_rows = kernels.small_rows(torch.bfloat16)
+    layers = []
+    for _ in range(args.layers):
+        layer = {}
+        for name, (out, inputs) in SHAPES.items():
+            weight = torch.randn(out, inputs, generator=generator) / inputs**0.5
+            bf16 = weight.bfloat16()
+            layer[name] = {"bf16": (kernels.small_weight(bf16), kernels.prepack(bf16)),
+                           "int8": quant.quantize(weight, "int8"), "int4": quant.quantize(weight, "int4")}
+        layers.append(layer)
+    bytes_per_layer = {"bf16": sum(2 * o * i for o, i in SHAPES.values()),
+                       "int8": sum(w["int8"].nbytes for w in layers[0].values()),
+                       "int4": sum(w["int4"].nbytes for w in layers[0].values())}
+    tiles = quant.tiles()
+    summary: dict = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "amx_tiles": tiles,
+                     "layers": args.layers, "bytes_per_layer": bytes_per_layer}
+    ops = torch.ops.pagedserve_cpu
+    print(f"{'rows':>5} {'bf16':>14} {'int8':>14} {'int4':>14} {'int8 dots':>14} {'int4 dots':>14}   ms/layer (GB/s)")
+    for rows in args.rows:
+        xs = {name: torch.randn(rows, inputs, generator=generator).bfloat16() for name, (_, inputs) in SHAPES.items()}
+
+        def bf16_pass() -> None:
+            for layer in layers:
+                for name, entry in layer.items():
+                    small, packed = entry["bf16"]
+                    cpu_linear.linear(xs[name], small, packed, None, small_rows)
+
+        def quant_pass(scheme: str, on_tiles: bool) -> Callable[[], None]:
+            def run() -> None:
+                for layer in layers:
+                    for name, entry in layer.items():
+                        w = entry[scheme]
+                        ops.quant_linear(xs[name], w.q, w.scales, w.mins, None, w.bits, w.group, w.out_features,
+                                         on_tiles, False)
+            return run
+
+        row: dict = {"bf16_ms": best_ms(bf16_pass, args.repeats) / args.layers}
+        for scheme in ("int8", "int4"):
+            if tiles:
+                row[f"{scheme}_ms"] = best_ms(quant_pass(scheme, True), args.repeats) / args.layers
+            row[f"{scheme}_dots_ms"] = best_ms(quant_pass(scheme, False), args.repeats) / args.layers
+        for key in list(row):
+            scheme = key.split("_")[0]
+            row[key] = round(row[key], 3)
+            row[key.replace("_ms", "_gbps")] = round(bytes_per_layer[scheme] / row[key] / 1e6, 2)
+        summary[f"m{rows}"] = row
+        cells = [f"{row.get(k + '_ms', float('nan')):7.2f} ({row.get(k + '_gbps', float('nan')):5.1f})"
+                 for k in ("bf16", "int8", "int4", "int8_dots", "int4_dots")]
+        print(f"{rows:>5} " + " ".join(f"{c:>14}" for c in cells))
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
