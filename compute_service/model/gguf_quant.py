@@ -92,10 +92,26 @@ def file_quantization(tensor: Any) -> FileQuantization | None:
     if q.min(initial=0) < low or q.max(initial=0) > high or error > 1e-5 * max(1.0, np.abs(values).max(initial=0.0)):
         raise ValueError(f"GGUF tensor {tensor.name!r} ({type_name}): its blocks do not read as integers with "
                          f"per-group scales (error {error:.3g}); serve it with --quantization none")
+    q, minimum = _centre(q, scale, minimum, layout.bits)
     return FileQuantization(torch.from_numpy(q.reshape(out, inputs).astype(np.int8)),
                             torch.from_numpy(scale.astype(np.float32)),
-                            None if not minimum.any() else torch.from_numpy(minimum.astype(np.float32)),
+                            None if minimum is None or not minimum.any() else torch.from_numpy(minimum.astype(np.float32)),
                             layout.bits, type_name)
+
+
+def _centre(q: np.ndarray, scale: np.ndarray, minimum: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """At 8 bits, a min that is the same whole number of scales in every group (Q6_K's -32, Q5_0's -16)
+    moves into the integers (q - 32 in -32..31), leaving no min to store or add; else as they are."""
+    live = scale != 0
+    if bits != 8 or not live.any() or (minimum[~live] != 0).any():
+        return q, minimum
+    centre = float(np.rint(np.mean(minimum[live] / scale[live])))
+    centred = q + centre * live[..., None]
+    fits = -128 <= centred.min() and centred.max() <= 127
+    before = q * scale[..., None] + minimum[..., None]
+    if not fits or np.abs(centred * scale[..., None] - before).max(initial=0.0) > 1e-6 * max(1.0, np.abs(before).max()):
+        return q, minimum
+    return centred, None
 
 
 def _block_bytes(raw: np.ndarray, inputs: int, type_name: str) -> int:

@@ -1,0 +1,108 @@
+"""Accuracy of the quantized weights: teacher-forced top-1 agreement and KL against the float32 model,
+and perplexity in llama.cpp's own convention beside llama.cpp's figure for the same file.
+
+The reference is our float32 model with every weight de-quantized (`--quantization none`: for a GGUF
+file, exactly gguf's de-quantized values). Each variant (`--variants`: "bf16" = no quantization,
+bf16 activations; "auto" = the file's own blocks kept quantized; "int8" / "int4" = quantized at load
+from the de-quantized weights) runs bf16 activations. The text (English, benchmarks/throughput/
+realistic.py's) is cut into `--chunks` windows of `--ctx` tokens; each window is one prefill; every
+position of its second half is scored, as `llama-perplexity` scores (the first half is context):
+top-1 agreement with float32, mean KL(float32 || variant), and perplexity of the text's own next
+tokens. With `--llama-perplexity PATH` llama.cpp's tool runs on the same text file and `--gguf`
+(`-c ctx --chunks N`, two threads) and its final estimate is reported beside ours.
+
+    python -m benchmarks.throughput.quant_agreement --model FILE.gguf [--variants bf16 auto int8 int4]
+        [--ctx 512 --chunks 8] [--llama-perplexity path/to/llama-perplexity]
+
+The last line is one JSON object: {"model", "positions", "<variant>": {"top1_vs_fp32", "kl_vs_fp32",
+"ppl"}, "fp32": {"ppl"}, "llama_cpp": {"ppl", "command"}}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from benchmarks.cpu_info import cpu_name
+from benchmarks.throughput.realistic import english_text
+from compute_service.model.forward_batch import ForwardBatch
+from compute_service.model.model_loader import load_model
+
+BLOCK_SIZE = 16
+
+
+def window_logits(model, ids: list[int]) -> torch.Tensor:
+    """Logits after every position of one window, from one prefill: (T, vocab) float32."""
+    num_blocks = -(-len(ids) // BLOCK_SIZE)
+    pool = torch.zeros(model.config.kv_pool_shape(num_blocks, BLOCK_SIZE), dtype=model.dtype)
+    batch = ForwardBatch.build([ids], [0], [list(range(num_blocks))], BLOCK_SIZE)
+    with torch.inference_mode():
+        return model(batch, pool, logits_rows=torch.arange(len(ids))).float()
+
+
+def scored(logits: torch.Tensor, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The second half's log-probabilities (positions first..T-2, llama-perplexity's) and next tokens."""
+    first = len(ids) // 2
+    return logits[first:-1].log_softmax(-1), torch.tensor(ids[first + 1:])
+
+
+def llama_cpp_ppl(binary: Path, gguf: Path, text: str, ctx: int, chunks: int) -> dict:
+    """llama.cpp's perplexity of `text` (its own tokenizer and convention) over `chunks` windows."""
+    with tempfile.NamedTemporaryFile("w", suffix=".txt") as handle:
+        handle.write(text)
+        handle.flush()
+        command = [str(binary), "-m", str(gguf), "-f", handle.name, "-c", str(ctx), "--chunks", str(chunks),
+                   "-t", "2", "-b", str(ctx)]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=3600)
+    match = re.search(r"Final estimate: PPL = ([0-9.]+)", done.stdout + done.stderr)
+    if match is None:
+        raise RuntimeError(f"llama-perplexity printed no estimate ({done.returncode}):\n{(done.stdout + done.stderr)[-2000:]}")
+    return {"ppl": float(match.group(1)), "command": " ".join(command)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="a GGUF file (or a Hugging Face directory)")
+    parser.add_argument("--variants", nargs="+", default=["bf16", "auto", "int8", "int4"])
+    parser.add_argument("--ctx", type=int, default=512)
+    parser.add_argument("--chunks", type=int, default=8)
+    parser.add_argument("--llama-perplexity", type=Path, default=None)
+    args = parser.parse_args(argv)
+    text = english_text()
+    reference = load_model(args.model, device="cpu", dtype="float32", quantization="none")
+    ids = reference.tokenizer(text, add_special_tokens=False).input_ids
+    windows = [ids[i * args.ctx:(i + 1) * args.ctx] for i in range(min(args.chunks, len(ids) // args.ctx))]
+    ref = [scored(window_logits(reference.model, w), w) for w in windows]
+    positions = sum(len(targets) for _, targets in ref)
+    summary: dict = {"cpu": cpu_name(), "model": reference.config.name, "ctx": args.ctx, "windows": len(windows),
+                     "positions": positions}
+    nll = sum(-float(lp.gather(1, t[:, None]).sum()) for lp, t in ref)
+    summary["fp32"] = {"ppl": round(math.exp(nll / positions), 4)}
+    del reference
+    for variant in args.variants:
+        quantization = "none" if variant == "bf16" else variant
+        model = load_model(args.model, device="cpu", dtype="bfloat16", quantization=quantization).model
+        agree = kl = nll = 0.0
+        for (ref_lp, targets), window in zip(ref, windows):
+            lp, _ = scored(window_logits(model, window), window)
+            agree += float((lp.argmax(-1) == ref_lp.argmax(-1)).sum())
+            kl += float((ref_lp.exp() * (ref_lp - lp)).sum())
+            nll -= float(lp.gather(1, targets[:, None]).sum())
+        summary[variant] = {"held": model.quantization, "top1_vs_fp32": round(agree / positions, 4),
+                            "kl_vs_fp32": round(kl / positions, 5), "ppl": round(math.exp(nll / positions), 4)}
+        print(f"{variant}: {summary[variant]}", flush=True)
+        del model
+    if args.llama_perplexity is not None:
+        summary["llama_cpp"] = llama_cpp_ppl(args.llama_perplexity, Path(args.model), text, args.ctx, args.chunks)
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
