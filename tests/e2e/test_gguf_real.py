@@ -1,6 +1,7 @@
 """The real Qwen2.5-Coder-1.5B-Instruct Q4_K_M GGUF (1.1 GB, ../shared/models/README.md), served from
-the file: an answer through `LLM` in bf16, and the teacher-forced agreement of our bf16 with our
-float32 (both de-quantized from the same file) on English text. And the default model's Q4_1 file
+the file: an answer through `LLM` in bf16 (the file's blocks kept quantized), and the teacher-forced
+agreement with our float32 (de-quantized from the same file) on English text of our bf16 (weights
+widened) and of each quantization (the file's own blocks, int8 and int4 at load). And the default model's Q4_1 file
 through our converter against the copy transformers made of it.
 
 Opt-in (`pytest -m gguf_real`): it needs the file (fetch_qwen2.5-coder-1.5b.sh; its path in
@@ -48,9 +49,9 @@ def gguf_path() -> Path:
     return path
 
 
-def _teacher_forced_logits(path: Path, dtype: str, token_ids: list[int]) -> torch.Tensor:
+def _teacher_forced_logits(path: Path, dtype: str, token_ids: list[int], quantization: str = "none") -> torch.Tensor:
     """Our logits after every prefix of `token_ids`, from one prefill: (T, vocab), float32."""
-    model = load_model(str(path), device="cpu", dtype=dtype).model
+    model = load_model(str(path), device="cpu", dtype=dtype, quantization=quantization).model
     block_size = 16
     num_blocks = -(-len(token_ids) // block_size)
     kv_pool = torch.zeros(model.config.kv_pool_shape(num_blocks, block_size), dtype=model.dtype)
@@ -84,6 +85,23 @@ def test_qwen_gguf_answers_and_bf16_agrees_with_float32(gguf_path):
           f"mean KL(float32 || bf16) {kl:.5f}; next-token accuracy float32 {hits[0]:.4f}, bf16 {hits[1]:.4f}")
     # Measured 0.9592 and 0.00044 (245 positions, Intel Xeon with AMX-BF16): the flips are near-ties.
     assert agreement >= 0.93 and kl < 0.005
+
+
+@pytest.mark.parametrize(("quantization", "floor"), [("auto", 0.85), ("int8", 0.97), ("int4", 0.80)])
+def test_qwen_gguf_quantized_agrees_with_float32(gguf_path, quantization, floor):
+    """The file's Q4_K/Q6_K blocks computed on as they are, and int8 / int4 quantized at load from the
+    de-quantized weights, against the float32 model: top-1 agreement and KL, teacher-forced."""
+    from compute_service.model.model_loader import load_tokenizer, resolve_model
+
+    token_ids = load_tokenizer(resolve_model(str(gguf_path)).path).encode(ENGLISH, add_special_tokens=False)
+    reference = _teacher_forced_logits(gguf_path, "float32", token_ids)
+    ours = _teacher_forced_logits(gguf_path, "bfloat16", token_ids, quantization)
+    agreement = (reference.argmax(-1) == ours.argmax(-1)).float().mean().item()
+    kl = torch.nn.functional.kl_div(ours.log_softmax(-1), reference.log_softmax(-1), log_target=True,
+                                    reduction="batchmean").item()
+    print(f"\n{quantization}: top-1 agreement with float32 {agreement:.4f}, mean KL {kl:.5f} "
+          f"({len(token_ids)} positions)")
+    assert agreement >= floor and kl < 0.1
 
 
 def test_default_models_gguf_converts_as_transformers_does(tmp_path):
