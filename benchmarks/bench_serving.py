@@ -12,6 +12,14 @@ then each rate (default 0.5 and inf, 64 requests), against our gateway's HTTP fr
 
     python -m benchmarks.bench_serving --client vllm-bench --peer vllm [--vllm-dtype bfloat16]
 
+``--peer llamacpp`` (with ``--client vllm-bench`` only) puts llama.cpp's ``llama-server`` in vLLM's
+place (serving/llama_server.py): ``--llama-server`` (default ``$PAGEDSERVE_LLAMA_SERVER``) on
+``--llama-gguf`` (default: ``--model`` when it is a .gguf file), ``--llama-slots`` slots of
+``--llama-ctx`` tokens each, ``--llama-args="..."`` appended (``--no-repack``, ``-fa on``); ours serves the
+same file at ``--quantization`` (default: the compute service's, auto: the file's own quantization):
+
+    python -m benchmarks.bench_serving --client vllm-bench --peer llamacpp --model model.gguf [--llama-args=--no-repack]
+
 Otherwise it starts memory, compute and gateway as real processes (benchmarks/serving/stack.py), or
 targets a running gateway (``--gateway ADDR``; ``--memory ADDR`` adds the KV usage samples). In order:
 
@@ -55,6 +63,7 @@ import asyncio
 import json
 import os
 import random
+import shlex
 import sys
 import tempfile
 import time
@@ -65,10 +74,12 @@ from benchmarks.serving import report as report
 from benchmarks.serving.client import (
     KvSampler, RequestResult, Target, describe_target, run_arrivals, run_one_at_a_time,
 )
+from benchmarks.serving.llama_server import BINARY_ENV as LLAMA_SERVER_ENV
 from benchmarks.serving.stack import StackConfig, start_stacks
 from benchmarks.serving.workload import (
     RequestSpec, make_realistic_requests, make_requests, make_shared_prefix, make_text, poisson_arrivals,
 )
+from pagedserve.dtypes import QUANTIZATIONS
 
 WARMUP = RequestSpec("Hello, how are you today?", 4)
 
@@ -154,7 +165,7 @@ def stack_config(args: argparse.Namespace, enable_prefix_caching: bool) -> Stack
                        enable_prefix_caching=enable_prefix_caching, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens,
                        num_speculative_tokens=args.num_speculative_tokens, dtype=args.dtype,
-                       kv_events_endpoint=args.kv_events_endpoint)
+                       quantization=args.quantization, kv_events_endpoint=args.kv_events_endpoint)
 
 
 def start_http_stack(args: argparse.Namespace):
@@ -214,6 +225,7 @@ def run(args: argparse.Namespace) -> dict:
         if args.workload == "realistic" else list(args.prompt_len),  # realistic: characters, the texts sent
         "output_len": [min(s.max_tokens for s in results.specs), max(s.max_tokens for s in results.specs)],
         "tokens_per_word": round(results.tokens_per_word, 3), "dtype": args.dtype,
+        "quantization": args.quantization,
         "block_size": results.block_size, "seed": args.seed,
         # What this benchmark started; unknown for a gateway it did not start.
         "kv_cache_bytes": None if args.gateway else args.kv_cache_bytes,
@@ -282,6 +294,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="ours: this benchmark's streaming clients (default); vllm-bench: vLLM's `vllm bench serve` "
                         "on the realistic workload (from vLLM's venv)")
     p.add_argument("--dtype", default=None, help="the compute service's --dtype (default: its own, auto)")
+    p.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
+                   help="the compute service's --quantization (default: its own, auto)")
     p.add_argument("--vllm-dtype", default=None,
                    help="with --peer vllm: vLLM's --dtype (default: ours, resolved: bfloat16 on a CPU with "
                         "native bf16)")
@@ -306,7 +320,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="turn the memory service's KV events on, published here (e.g. tcp://127.0.0.1:5557): "
                         "their cost, against a run without")
     p.add_argument("--kv-cache-bytes", type=int, default=None,
-                   help="KV pool of a started stack, bytes (512 MiB; with --peer vllm 1 GiB, whole GiB only)")
+                   help="KV pool of a started stack, bytes (512 MiB; with --peer 1 GiB; with --peer vllm whole GiB "
+                        "only)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=None, help="engine max_num_seqs (default: the engine's)")
     p.add_argument("--num-speculative-tokens", type=int, default=None,
@@ -318,7 +333,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plot-dir", help="write serving_latency.png and serving_kv_usage.png here")
     p.add_argument("--report-stack", action="store_true",
                    help="add the started services' pids, exit statuses and directories to the JSON (for tests)")
-    p.add_argument("--peer", choices=["vllm"], help="then run the same requests against vLLM's OpenAI server")
+    p.add_argument("--peer", choices=["vllm", "llamacpp"],
+                   help="then run the same requests against vLLM's OpenAI server or (with --client vllm-bench) "
+                        "llama.cpp's llama-server")
+    p.add_argument("--llama-server", default=os.environ.get(LLAMA_SERVER_ENV), metavar="PATH",
+                   help=f"with --peer llamacpp: the llama-server binary (default: ${LLAMA_SERVER_ENV})")
+    p.add_argument("--llama-gguf", default=None, metavar="FILE",
+                   help="with --peer llamacpp: the GGUF file it serves (default: --model, when a .gguf file)")
+    p.add_argument("--llama-slots", type=int, default=None, metavar="N",
+                   help="with --peer llamacpp: its parallel slots, -np (default: --max-num-seqs, else 16)")
+    p.add_argument("--llama-ctx", type=int, default=2048, metavar="N",
+                   help="with --peer llamacpp: context tokens per slot (default 2048; -c is slots x this)")
+    p.add_argument("--llama-args", type=shlex.split, default=[], metavar='"ARGS"',
+                   help='with --peer llamacpp: more llama-server flags, one string after "=" (argparse takes a '
+                        'lone "--flag" for an option of ours): --llama-args="--no-repack -fa on"')
     p.add_argument("--vllm-ngram", type=int, default=0, metavar="K",
                    help="vLLM's n-gram speculative drafts (our engine drafts too; default 0: on a quiet machine "
                         "here K=2 made vLLM slower, 178 against 261 out tok/s at saturation)")
@@ -337,7 +365,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
         if args.dtype not in (AUTO, *DTYPES):
             p.error(f"--dtype: choose among {[AUTO, *sorted(DTYPES)]}, got {args.dtype!r}")
-    if args.peer:
+    if args.peer == "llamacpp":
+        check_llama_args(p, args)
+    if args.peer == "vllm":
         from pagedserve.dtypes import AUTO, DTYPES, resolve_auto
 
         ours = resolve_auto("cpu")[0] if args.dtype in (None, AUTO) else args.dtype
@@ -345,7 +375,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if args.vllm_dtype not in DTYPES:
             p.error(f"--vllm-dtype: choose among {sorted(DTYPES)}, got {args.vllm_dtype!r}")
     args.kv_cache_bytes = args.kv_cache_bytes or (1 << 30 if args.peer else 512 << 20)
-    if args.peer:
+    if args.peer == "vllm":
         from benchmarks import vllm_peer
 
         try:
@@ -360,6 +390,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not 1 <= args.baseline_requests <= args.num_requests:
         p.error("--baseline-requests must be in [1, --num-requests]")
     return args
+
+
+def check_llama_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--peer llamacpp``'s arguments, defaults filled in; ``p.error`` names what is wrong."""
+    if args.client != "vllm-bench":
+        p.error("--peer llamacpp runs with --client vllm-bench only")
+    if not args.llama_server:
+        p.error(f"--peer llamacpp needs llama-server: --llama-server PATH or ${LLAMA_SERVER_ENV}")
+    if not (Path(args.llama_server).is_file() and os.access(args.llama_server, os.X_OK)):
+        p.error(f"--llama-server: no executable file at {args.llama_server!r}")
+    if args.llama_gguf is None and args.model.endswith(".gguf"):
+        args.llama_gguf = args.model
+    if args.llama_gguf is None:
+        p.error("--peer llamacpp needs a GGUF file: --llama-gguf FILE, or a .gguf --model")
+    if not Path(args.llama_gguf).is_file():
+        p.error(f"--llama-gguf: no file at {args.llama_gguf!r}")
+    if args.llama_slots is None:
+        args.llama_slots = args.max_num_seqs or 16
+    for flag, value in (("--llama-slots", args.llama_slots), ("--llama-ctx", args.llama_ctx)):
+        if value < 1:
+            p.error(f"{flag} must be >= 1, got {value}")
 
 
 def say(message: str) -> None:

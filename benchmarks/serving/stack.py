@@ -30,6 +30,7 @@ class StackConfig:
             default): how long one step's prefill may stall the running sequences' next tokens.
         num_speculative_tokens: the engine's n-gram drafts per greedy sequence (None = its default).
         dtype: the compute service's ``--dtype`` (None = its default, auto).
+        quantization: the compute service's ``--quantization`` (None = its default, auto).
         ready_timeout_s: how long each service may take to become SERVING (model loading included).
     """
 
@@ -41,6 +42,7 @@ class StackConfig:
     max_num_batched_tokens: int | None = None
     num_speculative_tokens: int | None = None
     dtype: str | None = None
+    quantization: str | None = None
     kv_events_endpoint: str | None = None  # the memory service's KV events (a ZMQ PUB address), off by default
     ready_timeout_s: float = 600.0
 
@@ -60,7 +62,7 @@ class StackConfig:
         for flag, value in (("--max-num-seqs", self.max_num_seqs),
                             ("--max-num-batched-tokens", self.max_num_batched_tokens),
                             ("--num-speculative-tokens", self.num_speculative_tokens),
-                            ("--dtype", self.dtype)):
+                            ("--dtype", self.dtype), ("--quantization", self.quantization)):
             if value is not None:
                 compute += [flag, str(value)]
         return stack.StackConfig(model=self.model, memory_args=memory, compute_args=tuple(compute),

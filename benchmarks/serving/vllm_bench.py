@@ -1,6 +1,9 @@
 """``bench_serving --client vllm-bench``: the realistic workload through ``vllm bench serve``, vLLM's
-own serving client, against our gateway's OpenAI-compatible HTTP front and, with ``--peer vllm``,
-against vLLM's OpenAI server (after ours has stopped): one client, both servers, the same requests.
+own serving client, against our gateway's OpenAI-compatible HTTP front and then, after ours has
+stopped, against a peer: vLLM's OpenAI server (``--peer vllm``) or llama.cpp's ``llama-server`` on a
+GGUF file (``--peer llamacpp``, serving/llama_server.py): one client, both servers, the same requests.
+The client's tokenizer (chat template, prompt lengths) is ours for both: ``--model``'s directory, for
+a GGUF file the directory it was converted to.
 
 The client runs in vLLM's venv (serving/vllm_bench_serve.py) with ``--backend openai --endpoint
 /v1/completions --dataset-name custom``: a JSONL file of ``{"prompt", "output_tokens"}``, the user
@@ -15,7 +18,9 @@ prompts of its own (a seed per phase), so that no phase finds another's prompts 
   (``inf``: all at once, the saturation figure), arrival times seeded alike for both servers.
 
 Figures are vLLM's client's own (TTFT, TPOT, ITL, E2E latency at p50/p90/p99, output tokens/s); its
-result block is printed as it printed it, for both servers, then the ratios ours / vLLM's.
+result block is printed as it printed it, for both servers, then the ratios ours / the peer's (JSON key
+``vs_vllm`` or ``vs_llamacpp``; the goals against vLLM under ``goals``, against llama.cpp under
+``goals_vs_llamacpp``).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ ONE_AT_A_TIME = "one_at_a_time"
 SATURATION_GOAL = 1.2  # the goal: realistic saturation output tokens/s >= 1.2x vLLM's
 METRICS = ("ttft", "tpot", "itl", "e2el")
 QUANTILES = ("50", "90", "99")
+PEER_NAMES = {"vllm": "vLLM", "llamacpp": "llama.cpp"}  # --peer: how the report names it
 
 
 @dataclass(frozen=True)
@@ -156,19 +162,23 @@ def sweep(python: Path, base_url: str, model_dir: Path, datasets: dict[str, Path
     return {"phases": summaries, "blocks": blocks}
 
 
-def compare(ours: dict, theirs: dict) -> dict:
-    """Ours over vLLM's per phase (TTFT p50/p99, TPOT p50: below 1 is better for us; output
-    tokens/s: above 1), and the serving goals where the phases measure them."""
+def compare(ours: dict, theirs: dict, peer: str = "vllm") -> dict:
+    """Ours over the peer's per phase (TTFT p50/p99, TPOT p50: below 1 is better for us; output
+    tokens/s: above 1), and the serving goals where the phases measure them.
+
+    Returns:
+        ``{"vs_<peer>": {label: ratios}, goals_key(peer): goals}``.
+    """
     ratios = {}
     for label, mine in ours["phases"].items():
-        peer = theirs["phases"].get(label)
-        if peer is None:
+        other = theirs["phases"].get(label)
+        if other is None:
             continue
         ratios[label] = {
-            "out_tok_s_ratio": vllm_peer.ratio(mine["out_tok_s"], peer["out_tok_s"]),
-            "ttft_p50_ratio": vllm_peer.ratio(mine["ttft_s"]["p50"], peer["ttft_s"]["p50"]),
-            "ttft_p99_ratio": vllm_peer.ratio(mine["ttft_s"]["p99"], peer["ttft_s"]["p99"]),
-            "tpot_p50_ratio": vllm_peer.ratio(mine["tpot_s"]["p50"], peer["tpot_s"]["p50"]),
+            "out_tok_s_ratio": vllm_peer.ratio(mine["out_tok_s"], other["out_tok_s"]),
+            "ttft_p50_ratio": vllm_peer.ratio(mine["ttft_s"]["p50"], other["ttft_s"]["p50"]),
+            "ttft_p99_ratio": vllm_peer.ratio(mine["ttft_s"]["p99"], other["ttft_s"]["p99"]),
+            "tpot_p50_ratio": vllm_peer.ratio(mine["tpot_s"]["p50"], other["tpot_s"]["p50"]),
         }
     goals: dict = {}
     if "rate-inf" in ratios:
@@ -181,7 +191,13 @@ def compare(ours: dict, theirs: dict) -> dict:
     if ONE_AT_A_TIME in ratios:
         tpot = ratios[ONE_AT_A_TIME]["tpot_p50_ratio"]
         goals["one_at_a_time_tpot_no_worse"] = tpot is not None and tpot <= 1.0
-    return {"vs_vllm": ratios, "goals": goals}
+    return {f"vs_{peer}": ratios, goals_key(peer): goals}
+
+
+def goals_key(peer: str) -> str:
+    """Where ``compare`` puts the goals: ``goals`` for vLLM (as it always was: earlier runs and the
+    docs read it), ``goals_vs_<peer>`` for another peer."""
+    return "goals" if peer == "vllm" else f"goals_vs_{peer}"
 
 
 def print_blocks(side: str, blocks: dict[str, str]) -> None:
@@ -189,20 +205,22 @@ def print_blocks(side: str, blocks: dict[str, str]) -> None:
         print(f"\n[{side}, {label}]\n{block}")
 
 
-def print_comparison(comparison: dict) -> None:
-    print(f"\n{'phase':<16}{'tok/s x':>10}{'TTFT p50 x':>12}{'TTFT p99 x':>12}{'TPOT p50 x':>12}  (ours / vLLM)")
-    for label, r in comparison["vs_vllm"].items():
+def print_comparison(comparison: dict, peer: str = "vllm") -> None:
+    print(f"\n{'phase':<16}{'tok/s x':>10}{'TTFT p50 x':>12}{'TTFT p99 x':>12}{'TPOT p50 x':>12}  "
+          f"(ours / {PEER_NAMES[peer]})")
+    for label, r in comparison[f"vs_{peer}"].items():
         cells = (r["out_tok_s_ratio"], r["ttft_p50_ratio"], r["ttft_p99_ratio"], r["tpot_p50_ratio"])
         print(f"{label:<16}" + "".join(f"{'-' if c is None else f'{c:.2f}':>{w}}"
                                        for c, w in zip(cells, (10, 12, 12, 12))))
-    print(f"goals: {comparison['goals']}")
+    print(f"goals: {comparison[goals_key(peer)]}")
 
 
 def run(args: argparse.Namespace, start_ours, say) -> dict:
-    """Ours (``start_ours()``: a started stack and its HTTP base URL, or ``args.gateway``), then vLLM
-    with ``--peer vllm``; returns the summary bench_serving prints as its JSON line."""
+    """Ours (``start_ours()``: a started stack and its HTTP base URL, or ``args.gateway``), then the
+    ``--peer`` (vllm or llamacpp); returns the summary bench_serving prints as its JSON line."""
     from compute_service.model.model_loader import load_tokenizer, resolve_model
     from benchmarks.serving.vllm_server import VllmServer
+    from benchmarks.serving.llama_server import LlamaServer
 
     model_dir = resolve_model(args.model).path
     tokenizer = load_tokenizer(model_dir)
@@ -224,6 +242,7 @@ def run(args: argparse.Namespace, start_ours, say) -> dict:
         print_blocks("ours", ours["blocks"])
         summary["ours"] = ours["phases"]
         summary["ours_dtype"] = args.dtype or "auto"
+        summary["ours_quantization"] = args.quantization or "auto"
         if args.peer == "vllm":
             server = VllmServer(model_dir, args.kv_cache_bytes, args.max_num_seqs, args.max_num_batched_tokens,
                                 ngram_k=args.vllm_ngram, log_file=work / "vllm.log", dtype=args.vllm_dtype)
@@ -233,8 +252,22 @@ def run(args: argparse.Namespace, start_ours, say) -> dict:
             summary["vllm"] = theirs["phases"] | {"dtype": args.vllm_dtype, "env": server.settings,
                                                   "exit_status": server.stop()}
             print_blocks(f"vLLM {args.vllm_dtype}", theirs["blocks"])
-            comparison = compare(ours, theirs)
-            print_comparison(comparison)
+        elif args.peer == "llamacpp":
+            server = LlamaServer(Path(args.llama_server), Path(args.llama_gguf), num_slots=args.llama_slots,
+                                 ctx_per_slot=args.llama_ctx, extra_args=tuple(args.llama_args),
+                                 log_file=work / "llama-server.log")
+            say(f"llama.cpp: starting llama-server on {args.llama_gguf} ({args.llama_slots} slots, not timed)")
+            with server:
+                command = server.command(server.port)
+                theirs = sweep(python, server.base_url, model_dir, datasets, runs, work, args.timeout_s, say)
+            summary["llamacpp"] = theirs["phases"] | {
+                "binary": str(server.binary), "gguf": str(server.gguf), "slots": server.num_slots,
+                "ctx_per_slot": server.ctx_per_slot, "threads": server.threads, "args": list(server.extra_args),
+                "command": command, "exit_status": server.stop()}
+            print_blocks("llama.cpp", theirs["blocks"])
+        if args.peer:
+            comparison = compare(ours, theirs, args.peer)
+            print_comparison(comparison, args.peer)
             summary |= comparison
     summary["load_avg_end"] = round(os.getloadavg()[0], 2)
     return summary
