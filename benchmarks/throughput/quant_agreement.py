@@ -63,7 +63,8 @@ def llama_cpp_ppl(binary: Path, gguf: Path, text: str, ctx: int, chunks: int) ->
         done = subprocess.run(command, capture_output=True, text=True, timeout=3600)
     match = re.search(r"Final estimate: PPL = ([0-9.]+)", done.stdout + done.stderr)
     if match is None:
-        raise RuntimeError(f"llama-perplexity printed no estimate ({done.returncode}):\n{(done.stdout + done.stderr)[-2000:]}")
+        tail = (done.stdout + done.stderr)[-2000:]
+        raise RuntimeError(f"llama-perplexity printed no estimate ({done.returncode}):\n{tail}")
     return {"ppl": float(match.group(1)), "command": " ".join(command)}
 
 

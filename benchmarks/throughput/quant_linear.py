@@ -68,13 +68,13 @@ def main(argv: list[str] | None = None) -> None:
     for rows in args.rows:
         xs = {name: torch.randn(rows, inputs, generator=generator).bfloat16() for name, (_, inputs) in SHAPES.items()}
 
-        def bf16_pass() -> None:
+        def bf16_pass(xs: dict = xs) -> None:
             for layer in layers:
                 for name, entry in layer.items():
                     small, packed = entry["bf16"]
                     cpu_linear.linear(xs[name], small, packed, None, small_rows)
 
-        def quant_pass(scheme: str, on_tiles: bool) -> Callable[[], None]:
+        def quant_pass(scheme: str, on_tiles: bool, xs: dict = xs) -> Callable[[], None]:
             def run() -> None:
                 for layer in layers:
                     for name, entry in layer.items():

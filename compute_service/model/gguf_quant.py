@@ -93,10 +93,9 @@ def file_quantization(tensor: Any) -> FileQuantization | None:
         raise ValueError(f"GGUF tensor {tensor.name!r} ({type_name}): its blocks do not read as integers with "
                          f"per-group scales (error {error:.3g}); serve it with --quantization none")
     q, minimum = _centre(q, scale, minimum, layout.bits)
+    kept_min = None if minimum is None or not minimum.any() else torch.from_numpy(minimum.astype(np.float32))
     return FileQuantization(torch.from_numpy(q.reshape(out, inputs).astype(np.int8)),
-                            torch.from_numpy(scale.astype(np.float32)),
-                            None if minimum is None or not minimum.any() else torch.from_numpy(minimum.astype(np.float32)),
-                            layout.bits, type_name)
+                            torch.from_numpy(scale.astype(np.float32)), kept_min, layout.bits, type_name)
 
 
 def _centre(q: np.ndarray, scale: np.ndarray, minimum: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray | None]:

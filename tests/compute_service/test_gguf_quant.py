@@ -58,7 +58,8 @@ def test_q8_0_and_q4_0_integers_are_the_blocks_bytes(tmp_path):
     blocks = np.array(q8.data).reshape(96, 16, 34)
     found = file_quantization(q8)
     assert torch.equal(found.q, torch.from_numpy(blocks[..., 2:].view(np.int8).reshape(96, 512)))
-    assert torch.equal(found.scale, torch.from_numpy(blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)))
+    d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+    assert torch.equal(found.scale, torch.from_numpy(d))
     assert found.minimum is None
     q4 = _one_tensor_file(tmp_path / "q4.gguf", "Q4_0")
     blocks = np.array(q4.data).reshape(96, 16, 18)
