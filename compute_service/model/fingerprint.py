@@ -15,6 +15,7 @@ tensor, which no real checkpoint change is.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 
 import torch
 
@@ -24,12 +25,15 @@ SAMPLE_ELEMENTS = 4096  # sampled elements per tensor
 FINGERPRINT_VERSION = 1
 
 
-def weights_fingerprint(model: torch.nn.Module, config: ModelConfig) -> str:
+def weights_fingerprint(model: torch.nn.Module, config: ModelConfig,
+                        extra: Iterable[tuple[str, torch.Tensor]] = ()) -> str:
     """A hex digest (64 characters) of the model's config and a sample of every parameter.
 
     Args:
         model: the loaded model (any device).
         config: its ModelConfig.
+        extra: (name, tensor) pairs sampled after the parameters: weights the model holds outside
+            them (a GGUF's quantized integers and scales, whose parameters are released).
 
     Returns:
         The fingerprint; equal for the same weights loaded again, in any process.
@@ -37,7 +41,8 @@ def weights_fingerprint(model: torch.nn.Module, config: ModelConfig) -> str:
     digest = hashlib.blake2b(digest_size=32)
     digest.update(f"v{FINGERPRINT_VERSION}|{config!r}".encode())
     with torch.no_grad():
-        for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
+        named = sorted(model.named_parameters(), key=lambda item: item[0])
+        for name, param in [*named, *extra]:
             flat = param.detach().reshape(-1)
             stride = max(1, flat.numel() // SAMPLE_ELEMENTS)
             sample = flat[::stride][:SAMPLE_ELEMENTS].contiguous().cpu()

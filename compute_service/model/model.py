@@ -236,6 +236,14 @@ class CausalLM(nn.Module):
         self.quantization = "+".join(sorted(labels)) or "none"
         return self.quantization
 
+    def file_quantized_names(self, file_weights: Mapping[str, FileQuantization]) -> frozenset[str]:
+        """The Hugging Face names `quantize_weights("file", file_weights)` replaces: every piece of each
+        projection the file holds wholly quantized, the embedding table and the head where it holds
+        them so (their float copies need not be loaded at all)."""
+        names = {name for pieces in self._hf_pieces().values() if all(p[0] in file_weights for p in pieces)
+                 for name, _, _ in pieces}
+        return frozenset(names | ({"model.embed_tokens.weight", "lm_head.weight"} & set(file_weights)))
+
     def _hf_pieces(self) -> dict[int, list[tuple[str, int, int]]]:
         """id(fused weight) -> its (Hugging Face name, first row, end row) pieces in row order."""
         pieces: dict[int, list[tuple[str, int, int]]] = {}
@@ -264,11 +272,13 @@ class CausalLM(nn.Module):
             yield from ((layer.attn, "qkv"), (layer.attn, "o"), (layer.mlp, "gate_up"), (layer.mlp, "down"))
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], skip: frozenset[str] = frozenset()) -> None:
         """Copy a Hugging Face state dict into the fused parameters, casting to the model dtype.
 
         Args:
             weights: (name, tensor) pairs in Hugging Face naming ("model.layers.3.mlp.up_proj.weight").
+            skip: names left unloaded (not even read), counted as loaded: the caller replaces them next
+                (`quantize_weights("file", ...)` with `file_quantized_names`'s names).
         Raises:
             ValueError: an unknown name, a wrong shape, or a parameter that was never loaded (an
                 uninitialised parameter would silently produce garbage).
@@ -276,8 +286,10 @@ class CausalLM(nn.Module):
         if self.is_prepacked:
             raise ValueError("this model's weights are prepacked for the CPU; load a new model instead")
         targets = self._hf_targets()
-        loaded: set[str] = set()
+        loaded: set[str] = set(skip)
         for name, tensor in weights:
+            if name in skip:
+                continue
             if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and self.config.tie_word_embeddings):
                 continue  # a tied head is the embedding matrix; some checkpoints store it twice
             if name not in targets:

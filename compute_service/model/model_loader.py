@@ -150,12 +150,21 @@ def load_model(
     if config.sliding_window is not None and config.sliding_window < config.max_position:
         log.warning("sliding_window_ignored", model=source.name, sliding_window=config.sliding_window)
     lm = CausalLM(config, device=device, dtype=dtype)
-    lm.load_weights(_iter_weights(source.path))
+    file_weights = _file_quantization(lm, source.path, quantization)
+    # What the file holds quantized is never read in floats (nor held: its parameters are released).
+    skip = lm.file_quantized_names(file_weights) if file_weights else frozenset()
+    lm.load_weights(_iter_weights(source.path, skip), skip=skip)
     lm.eval()
-    # Before packing: packed copies (and which plain weights stay) depend on the CPU and its free
-    # memory, and the fingerprint must name the weights alone (it keys the KV tier across machines).
-    fingerprint = weights_fingerprint(lm, config)
-    scheme = _quantize(lm, source.path, quantization)
+    if file_weights:
+        scheme = lm.quantize_weights("file", file_weights)
+        fingerprint = weights_fingerprint(lm, config, extra=sorted(
+            (f"{name}.{part}", tensor) for name, quant in file_weights.items()
+            for part, tensor in (("q", quant.q), ("scale", quant.scale))))
+    else:
+        # Before packing: packed copies (and which plain weights stay) depend on the CPU and its free
+        # memory, and the fingerprint must name the weights alone (it keys the KV tier across machines).
+        fingerprint = weights_fingerprint(lm, config)
+        scheme = _quantize(lm, quantization)
     if scheme != "none":  # other weights than the float ones sampled: other K/V, another identity
         fingerprint = hashlib.blake2b(f"{fingerprint}|{scheme}".encode(), digest_size=32).hexdigest()
     packed = lm.prepack_cpu_weights()
@@ -165,23 +174,27 @@ def load_model(
     return LoadedModel(model=lm, tokenizer=tokenizer, config=config, source=source, fingerprint=fingerprint)
 
 
-def _quantize(lm: CausalLM, path: Path, quantization: str) -> str:
-    """Apply `quantization` to a loaded model (see load_model); returns what was done."""
-    file_holds = (path / QUANTIZATION_INDEX).is_file()
-    if quantization == "none" or (quantization == "auto" and not file_holds):
-        return "none"
-    if quantization == "auto" and (lm.device.type != "cpu" or lm.dtype != torch.bfloat16):
+def _file_quantization(lm: CausalLM, path: Path, quantization: str) -> dict[str, FileQuantization] | None:
+    """The file's quantized matrices to keep as they are (`--quantization auto`), or None."""
+    if quantization != "auto" or not (path / QUANTIZATION_INDEX).is_file():
+        return None
+    if lm.device.type != "cpu" or lm.dtype != torch.bfloat16:
         # The quantized kernels take bf16 activations on the CPU: elsewhere the file's weights are widened.
         log.info("quantization_widened", device=str(lm.device), dtype=str(lm.dtype),
                  detail="quantized kernels run bfloat16 on the CPU; the file's weights are served in the dtype")
+        return None
+    return read_file_quantization(path)
+
+
+def _quantize(lm: CausalLM, quantization: str) -> str:
+    """Quantize a loaded model at load (`--quantization int8/int4`); returns what was done."""
+    if quantization in ("none", "auto"):
         return "none"
     if lm.device.type != "cpu":
         raise ValueError(f"--quantization {quantization} runs on the CPU only; this model is on {lm.device}")
     if lm.dtype != torch.bfloat16:
         log.warning("quantization_slow", dtype=str(lm.dtype),
                     detail="quantized kernels take bfloat16 activations; others widen the weights per call")
-    if quantization == "auto":
-        return lm.quantize_weights("file", read_file_quantization(path))
     return lm.quantize_weights(quantization)
 
 
@@ -262,13 +275,14 @@ def _weight_files(path: Path) -> list[Path]:
     return found or sorted(path.glob("pytorch_model*.bin"))
 
 
-def _iter_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of every checkpoint tensor, one file at a time, memory-mapped on the CPU."""
+def _iter_weights(path: Path, skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every checkpoint tensor but `skip` (not read), one file at a time, memory-mapped."""
     for file in _weight_files(path):
         if file.suffix == ".safetensors":
             with safe_open(file, framework="pt", device="cpu") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    if name not in skip:
+                        yield name, f.get_tensor(name)
         else:
             yield from torch.load(file, map_location="cpu", weights_only=True, mmap=True).items()
 
