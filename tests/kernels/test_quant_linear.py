@@ -23,9 +23,11 @@ def _paths() -> list[bool]:
 
 def _reference(x: torch.Tensor, weight: quant.QuantizedWeight) -> torch.Tensor:
     w = weight.dequantize()
-    # A few rows on one symmetric scale per column multiply the integers as they are and scale the sum
-    # (csrc/quant_linear.h `fused`); elsewhere each value is rounded to bf16 as it is de-quantized.
-    exact = weight.mins is None and weight.group == weight.in_features and x.shape[0] <= 4
+    # A few rows multiply the integers as they are and scale the sums (csrc/quant_linear.h `fused`: one
+    # symmetric scale per column, up to 4 rows; `fused_nibbles`: 4 bits, up to 2 rows); elsewhere each
+    # value is rounded to bf16 as it is de-quantized.
+    rows = x.shape[0]
+    exact = (weight.mins is None and weight.group == weight.in_features and rows <= 4) or (weight.bits == 4 and rows <= 2)
     w = w.double() if exact else w.bfloat16().double()
     y = x.double() @ w.T
     return y + weight.bias.double() if weight.bias is not None else y
@@ -33,7 +35,7 @@ def _reference(x: torch.Tensor, weight: quant.QuantizedWeight) -> torch.Tensor:
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 @pytest.mark.parametrize(("out_features", "in_features"), [(64, 32), (200, 96), (128, 640)])
-@pytest.mark.parametrize("rows", [1, 3, 16, 33, 70])
+@pytest.mark.parametrize("rows", [1, 2, 3, 16, 33, 70])
 def test_quant_linear_equals_the_dequantized_product(scheme, out_features, in_features, rows):
     generator = torch.Generator().manual_seed(out_features * 1000 + in_features + rows)
     weight = quant.quantize(torch.randn(out_features, in_features, generator=generator) * 0.1, scheme)

@@ -44,6 +44,7 @@ constexpr int64_t kBlockM = 32;    // rows of x one brgemm call takes
 // Up to these rows the weight is de-quantized in registers and used at once (`fused`): per-group scales
 // and mins hold registers, so fewer rows share one pass there.
 constexpr int64_t kFusedRows = 4, kFusedRowsGrouped = 2;
+constexpr int64_t kPrefetch = 2048;  // bytes ahead of the few-row path's read position (16 lines)
 
 struct Weight {
   const uint8_t* q;
@@ -109,6 +110,9 @@ inline void dequantize(const Weight& w, int64_t b, int64_t k0, int64_t kc, c10::
     for (; k < stop; k += 2) {
       const int64_t pair = k / 2;
       c10::BFloat16* out = buf + (k - k0) * kBlockN;  // (pair - k0 / 2) * 2 * kBlockN
+      const uint8_t* row = q + pair * kBlockN * w.bits / 4;
+      for (int64_t line = 0; line < kBlockN * w.bits / 4; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(row + line) + kPrefetch, _MM_HINT_T0);
       for (int c = 0; c < 4; ++c) {
         __m512 lo, hi;
         if (w.bits == 8) {
@@ -167,6 +171,7 @@ inline void fused_rows(const Weight& w, int64_t b, const c10::BFloat16* x, int64
         __m512 lo, hi;
         if constexpr (BITS == 8) {
           const int8_t* src = reinterpret_cast<const int8_t*>(q) + pair * 2 * kBlockN + 32 * j;
+          if (j % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(src) + kPrefetch, _MM_HINT_T0);
           lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
           hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16))));
         } else {
@@ -191,9 +196,99 @@ inline void fused_rows(const Weight& w, int64_t b, const c10::BFloat16* x, int64
   }
 }
 
+// The few-row path at 4 bits (rows [0, MR) of x; `xsum` (MR, K / group): each row's sum over each group,
+// for the mins). Nibbles become bf16 by table lookup, exactly (0..15 are bf16 values): per pair row the
+// block's 64 bytes split into low and high nibbles, two `vpshufb` per half give each value's bf16 low
+// and high byte, and byte interleaves make the words: 4 registers of 16 columns x 2 inputs, columns in
+// the order the interleave leaves them (register X, 32-bit lane 4c + j: column 16c + 4X + j). The
+// products accumulate per group as integers times x; each group's sum is then scaled and its min
+// added (scale * sum(x q) + min * sum(x)): one multiply-add per group instead of one per value.
+template <int MR>
+inline void fused_nibbles(const Weight& w, int64_t b, const c10::BFloat16* x, int64_t ldx, const float* xsum,
+                          float* c) {
+  alignas(64) static const uint8_t kLow[64] = {
+#define PAGEDSERVE_BF16_LOW 0x00, 0x80, 0x00, 0x40, 0x80, 0xA0, 0xC0, 0xE0, 0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70
+      PAGEDSERVE_BF16_LOW, PAGEDSERVE_BF16_LOW, PAGEDSERVE_BF16_LOW, PAGEDSERVE_BF16_LOW};
+  alignas(64) static const uint8_t kHigh[64] = {
+#define PAGEDSERVE_BF16_HIGH 0x00, 0x3F, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41
+      PAGEDSERVE_BF16_HIGH, PAGEDSERVE_BF16_HIGH, PAGEDSERVE_BF16_HIGH, PAGEDSERVE_BF16_HIGH};
+#undef PAGEDSERVE_BF16_LOW
+#undef PAGEDSERVE_BF16_HIGH
+  const __m512i lut_low = _mm512_load_si512(kLow), lut_high = _mm512_load_si512(kHigh);
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const uint8_t* q = w.q + b * w.block_bytes();
+  const c10::Half* scales = w.scales + b * w.groups() * kBlockN;
+  const c10::Half* mins = w.mins ? w.mins + b * w.groups() * kBlockN : nullptr;
+  const int64_t groups = w.groups(), pairs_per_group = w.group / 2;
+  __m512 acc[MR][4];
+  for (int i = 0; i < MR; ++i)
+    for (int X = 0; X < 4; ++X) acc[i][X] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    // Scales (and mins) of the 64 columns in the registers' column order: lanes 4c..4c+3 of register X
+    // take columns 16c + 4X .. +3, from the four natural 16-column vectors.
+    __m512 sX[4], mX[4];
+    {
+      __m512 S[4], Mn[4];
+      for (int k = 0; k < 4; ++k) {
+        S[k] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + g * kBlockN + 16 * k)));
+        Mn[k] = mins ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mins + g * kBlockN + 16 * k)))
+                     : _mm512_setzero_ps();
+      }
+      for (int X = 0; X < 4; ++X) {
+        const int o = 4 * X;
+        const __m512i lo_idx = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 19 + o, 18 + o, 17 + o, 16 + o, 3 + o, 2 + o, 1 + o, o);
+        const __m512i hi_idx = _mm512_set_epi32(19 + o, 18 + o, 17 + o, 16 + o, 3 + o, 2 + o, 1 + o, o, 0, 0, 0, 0, 0, 0, 0, 0);
+        sX[X] = _mm512_mask_blend_ps(0xFF00, _mm512_permutex2var_ps(S[0], lo_idx, S[1]),
+                                     _mm512_permutex2var_ps(S[2], hi_idx, S[3]));
+        mX[X] = _mm512_mask_blend_ps(0xFF00, _mm512_permutex2var_ps(Mn[0], lo_idx, Mn[1]),
+                                     _mm512_permutex2var_ps(Mn[2], hi_idx, Mn[3]));
+      }
+    }
+    __m512 part[MR][4];
+    for (int i = 0; i < MR; ++i)
+      for (int X = 0; X < 4; ++X) part[i][X] = _mm512_setzero_ps();
+    for (int64_t pair = g * pairs_per_group; pair < (g + 1) * pairs_per_group; ++pair) {
+      _mm_prefetch(reinterpret_cast<const char*>(q + pair * kBlockN) + kPrefetch, _MM_HINT_T0);
+      const __m512i bytes = _mm512_loadu_si512(q + pair * kBlockN);
+      const __m512i lo = _mm512_and_si512(bytes, nibble);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
+      const __m512i lo_l = _mm512_shuffle_epi8(lut_low, lo), lo_h = _mm512_shuffle_epi8(lut_high, lo);
+      const __m512i hi_l = _mm512_shuffle_epi8(lut_low, hi), hi_h = _mm512_shuffle_epi8(lut_high, hi);
+      const __m512i W[4] = {_mm512_unpacklo_epi8(lo_l, lo_h), _mm512_unpackhi_epi8(lo_l, lo_h),
+                            _mm512_unpacklo_epi8(hi_l, hi_h), _mm512_unpackhi_epi8(hi_l, hi_h)};
+      for (int i = 0; i < MR; ++i) {
+        int32_t pair_bits;
+        std::memcpy(&pair_bits, x + i * ldx + 2 * pair, sizeof(pair_bits));
+        const __m512i xv = _mm512_set1_epi32(pair_bits);
+        for (int X = 0; X < 4; ++X) part[i][X] = _mm512_dpbf16_ps(part[i][X], as_bh(xv), as_bh(W[X]));
+      }
+    }
+    for (int i = 0; i < MR; ++i) {
+      const __m512 sum_x = _mm512_set1_ps(xsum[i * groups + g]);
+      for (int X = 0; X < 4; ++X) {
+        acc[i][X] = _mm512_fmadd_ps(part[i][X], sX[X], acc[i][X]);
+        acc[i][X] = _mm512_fmadd_ps(mX[X], sum_x, acc[i][X]);
+      }
+    }
+  }
+  alignas(64) float lanes[16];
+  for (int i = 0; i < MR; ++i)
+    for (int X = 0; X < 4; ++X) {
+      _mm512_store_ps(lanes, acc[i][X]);
+      for (int l = 0; l < 16; ++l) c[i * kBlockN + 16 * (l / 4) + 4 * X + l % 4] = lanes[l];
+    }
+}
+
 // The few-row path for rows [0, rows) of x: passes of the most rows its registers hold.
 template <int BITS, bool GROUPED>
-inline void fused(const Weight& w, int64_t b, const c10::BFloat16* x, int64_t ldx, int64_t rows, float* c) {
+inline void fused(const Weight& w, int64_t b, const c10::BFloat16* x, int64_t ldx, int64_t rows, const float* xsum,
+                  float* c) {
+  if constexpr (BITS == 4) {
+    int64_t i = 0;
+    for (; i + 2 <= rows; i += 2) fused_nibbles<2>(w, b, x + i * ldx, ldx, xsum + i * w.groups(), c + i * kBlockN);
+    if (i < rows) fused_nibbles<1>(w, b, x + i * ldx, ldx, xsum + i * w.groups(), c + i * kBlockN);
+    return;
+  }
   constexpr int kRows = GROUPED ? 2 : 4;
   int64_t i = 0;
   for (; i + kRows <= rows; i += kRows) fused_rows<BITS, GROUPED, kRows>(w, b, x + i * ldx, ldx, c + i * kBlockN);
@@ -259,6 +354,13 @@ inline void linear(const Weight& w, const c10::BFloat16* x, const float* bias, T
   // scale per column leaves the integers unscaled until the sum.
   const bool grouped = w.group != K || w.mins != nullptr;
   const bool few = M <= (grouped ? kFusedRowsGrouped : kFusedRows);
+  // The 4-bit few-row path adds each group's min times the group's sum of x: those sums, once.
+  std::vector<float> xsum;
+  if (few && w.bits == 4) {
+    xsum.assign(M * w.groups(), 0.0f);
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t k = 0; k < K; ++k) xsum[i * w.groups() + k / w.group] += static_cast<float>(x[i * K + k]);
+  }
   at::parallel_for(0, w.blocks, (w.blocks + threads - 1) / threads, [&](int64_t begin, int64_t end) {
     std::vector<c10::BFloat16> buf(slice * kBlockN);
     std::vector<float> c(kBlockM * kBlockN);
@@ -272,9 +374,9 @@ inline void linear(const Weight& w, const c10::BFloat16* x, const float* bias, T
       };
       if (few) {
         if (w.bits == 8) {
-          grouped ? fused<8, true>(w, b, x, K, M, c.data()) : fused<8, false>(w, b, x, K, M, c.data());
+          grouped ? fused<8, true>(w, b, x, K, M, nullptr, c.data()) : fused<8, false>(w, b, x, K, M, nullptr, c.data());
         } else {
-          grouped ? fused<4, true>(w, b, x, K, M, c.data()) : fused<4, false>(w, b, x, K, M, c.data());
+          fused<4, true>(w, b, x, K, M, xsum.data(), c.data());
         }
         emit(0, M);
       } else if (one_pass) {
