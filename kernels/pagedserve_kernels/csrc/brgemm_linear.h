@@ -23,12 +23,14 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 namespace {
 namespace brgemm_linear {
 
 constexpr int64_t kBlockN = 64;  // output columns a packed block holds (four 16-column tiles)
 constexpr int64_t kBlockM = 32;  // rows of x one brgemm call takes (two 16-row tiles)
+constexpr int64_t kMinRows = 3;  // the fewest rows a brgemm call is given (see `linear`)
 
 inline bool available() {
 #ifdef CPUBLAS_BRGEMM_BF16BF16F32
@@ -63,14 +65,22 @@ inline void linear(const c10::BFloat16* x, const c10::BFloat16* packed, const c1
   const int64_t blocks = N / kBlockN;
   // Each thread a contiguous run of blocks: one stream through its share of the weight.
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), blocks));
+  // oneDNN's ukernel for one or two rows reads the weight at a third of the speed it does for three
+  // (docs/benchmarks.md): fewer rows are multiplied as kMinRows, the extra ones zeros, and dropped.
+  std::vector<c10::BFloat16> padded;
+  if (M < kMinRows) {
+    padded.assign(kMinRows * K, c10::BFloat16(0.0f));
+    std::copy(x, x + M * K, padded.begin());
+    x = padded.data();
+  }
   at::parallel_for(0, blocks, (blocks + threads - 1) / threads, [&](int64_t begin, int64_t end) {
     alignas(64) float c[kBlockM * kBlockN];
     for (int64_t b = begin; b < end; ++b) {
       const int64_t n0 = b * kBlockN;
       for (int64_t m0 = 0; m0 < M; m0 += kBlockM) {
         const int64_t rows = std::min(kBlockM, M - m0);
-        at::native::cpublas::brgemm(rows, kBlockN, K, K, kBlockN, kBlockN, false, x + m0 * K, packed + b * K * kBlockN,
-                                    c, true);
+        at::native::cpublas::brgemm(std::max(rows, kMinRows), kBlockN, K, K, kBlockN, kBlockN, false, x + m0 * K,
+                                    packed + b * K * kBlockN, c, true);
         for (int64_t i = 0; i < rows; ++i) {
           TOut* out = y + (m0 + i) * N + n0;
           for (int64_t j = 0; j < kBlockN; ++j)
