@@ -270,9 +270,7 @@ def _check_model_dir(path: Path, model: str) -> None:
 
 
 def _weight_files(path: Path) -> list[Path]:
-    """The checkpoint's weight files (not a converted GGUF's quantized copy, read by read_file_quantization)."""
-    found = sorted(p for p in path.glob("*.safetensors") if p.name != QUANTIZED_FILE)
-    return found or sorted(path.glob("pytorch_model*.bin"))
+    return sorted(path.glob("*.safetensors")) or sorted(path.glob("pytorch_model*.bin"))
 
 
 def _iter_weights(path: Path, skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
