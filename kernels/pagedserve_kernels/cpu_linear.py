@@ -43,6 +43,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from pagedserve_kernels.cpu_ops import amx
 from pagedserve_kernels.quant import QuantizedLinear
 
 _ENABLE_ENV = "PAGEDSERVE_CPU_PREPACK"
@@ -67,13 +68,6 @@ def prepack(weight: torch.Tensor) -> torch.Tensor | None:
     except (RuntimeError, AttributeError) as error:  # an op missing from this torch build
         _log.warning("could not prepack a CPU weight (%s); using F.linear", error)
         return None
-
-
-def amx() -> bool:
-    """Whether this CPU multiplies bf16 on AMX tiles (torch's check: AMX-TILE and AMX-BF16 in cpuid and
-    the kernel's leave to use them)."""
-    check = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return bool(check is not None and check())
 
 
 def _ops() -> Any | None:

@@ -95,6 +95,13 @@ _lock = threading.Lock()
 _state: dict[str, Any] = {}
 
 
+def amx() -> bool:
+    """Whether this CPU multiplies bf16 on AMX tiles (torch's check: AMX-TILE and AMX-BF16 in cpuid and
+    the kernel's leave to use them)."""
+    check = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(check is not None and check())
+
+
 def _cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

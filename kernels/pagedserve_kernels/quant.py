@@ -132,7 +132,7 @@ def quantize(weight: torch.Tensor, scheme: str) -> QuantizedWeight:
 
 def tiles() -> bool:
     """Whether `linear` runs on AMX tiles here (bf16 activations)."""
-    from pagedserve_kernels.cpu_linear import amx
+    from pagedserve_kernels.cpu_ops import amx
 
     return amx() and bool(_ops().brgemm_linear_available())
 

@@ -55,6 +55,28 @@ def test_quant_linear_equals_the_dequantized_product(scheme, out_features, in_fe
                                rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize(("bits", "low", "high", "group", "with_min"),
+                         [(8, -32, 32, 16, False), (8, 0, 32, 32, True), (4, 0, 16, 32, True)])
+@pytest.mark.parametrize("rows", [1, 2, 5, 40])
+def test_quant_linear_with_a_files_groups_equals_the_dequantized_product(bits, low, high, group, with_min, rows):
+    """Integers and scales as GGUF files hold them (Q6_K: 8-bit in groups of 16, no min; Q5_K: groups of
+    32 with mins; Q4_K: 4-bit with mins), every path: the product of the weight they stand for."""
+    generator = torch.Generator().manual_seed(rows * 100 + group + bits)
+    out_features, in_features = 128, 256
+    q = torch.randint(low, high, (out_features, in_features), generator=generator)
+    scale = (torch.rand(out_features, in_features // group, generator=generator) * 0.01).half().float()
+    minimum = -(torch.rand(out_features, in_features // group, generator=generator) * 0.1) if with_min else None
+    weight = quant.pack(q, scale, minimum, bits)
+    x = torch.randn(rows, in_features, generator=generator).bfloat16()
+    exact = rows <= 2  # a few rows scale each group's integer sums (csrc/quant_linear.h `fused`)
+    w = weight.dequantize().double() if exact else weight.dequantize().bfloat16().double()
+    reference = x.double() @ w.T
+    for tiles in _paths():
+        y = torch.ops.pagedserve_cpu.quant_linear(x, weight.q, weight.scales, weight.mins, None, bits, group,
+                                                  out_features, tiles, True)
+        torch.testing.assert_close(y.double(), reference, rtol=1e-5, atol=1e-4, msg=f"tiles={tiles}")
+
+
 def test_quantize_rounds_to_the_nearest_level_per_channel_and_group():
     generator = torch.Generator().manual_seed(1)
     w = torch.randn(64, 128, generator=generator)

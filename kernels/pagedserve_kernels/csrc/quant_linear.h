@@ -133,34 +133,31 @@ inline void dequantize(const Weight& w, int64_t b, int64_t k0, int64_t kc, c10::
   }
 }
 
-// c (MR, kBlockN) float32 = rows [0, MR) of x (row stride ldx) times block b of the weight, de-quantized
-// in registers and multiplied at once (no buffer: the few-row path, where the weight is read once and
-// each value used MR times). GROUPED: scale (and min) per group applied as each value is de-quantized;
-// else (one symmetric scale per column, `group` == K) the integers are multiplied as they are and the
-// column's scale applied to the sum.
-template <int BITS, bool GROUPED, int MR>
-inline void fused_rows(const Weight& w, int64_t b, const c10::BFloat16* x, int64_t ldx, float* c) {
-  const __m512i spread_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-  const __m512i spread_hi = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
-  const uint8_t* q = w.q + b * w.block_bytes();
+// c (MR, kBlockN) float32 = rows [0, MR) of x (row stride ldx) times block b of an 8-bit weight, its
+// integers widened to bf16 in registers (exactly: every int8 is a bf16 value) and multiplied at once
+// (no buffer: the few-row path, where the weight is read once and each value used MR times). The
+// products accumulate per group as integers times x (`xsum` (MR, K / group): each row's sum over each
+// group, for the mins); each group's sum is then scaled and its min added, one multiply-add per group.
+// GROUPED false: one symmetric scale per column (`group` == K, no mins), applied to the whole sum.
+template <bool GROUPED, int MR>
+inline void fused_rows(const Weight& w, int64_t b, const c10::BFloat16* x, int64_t ldx, const float* xsum, float* c) {
+  const int8_t* q = reinterpret_cast<const int8_t*>(w.q + b * w.block_bytes());
   const c10::Half* scales = w.scales + b * w.groups() * kBlockN;
   const c10::Half* mins = w.mins ? w.mins + b * w.groups() * kBlockN : nullptr;
+  auto halves = [](const c10::Half* at) {  // 16 float16 -> float32
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
+  };
   __m512 acc[MR][4];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
-  const int64_t K = w.K, group = GROUPED ? w.group : K;
-  for (int64_t g = 0; g < K / group; ++g) {
-    __m512 s_lo[4], s_hi[4], m_lo[4], m_hi[4];
+  const int64_t groups = GROUPED ? w.groups() : 1, pairs_per_group = w.K / groups / 2;
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 part[GROUPED ? MR : 1][4];
     if constexpr (GROUPED) {
-      for (int j = 0; j < 4; ++j) {
-        const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + g * kBlockN + 16 * j)));
-        const __m512 m = mins ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mins + g * kBlockN + 16 * j)))
-                              : _mm512_setzero_ps();
-        s_lo[j] = _mm512_permutexvar_ps(spread_lo, s), s_hi[j] = _mm512_permutexvar_ps(spread_hi, s);
-        m_lo[j] = _mm512_permutexvar_ps(spread_lo, m), m_hi[j] = _mm512_permutexvar_ps(spread_hi, m);
-      }
+      for (int i = 0; i < MR; ++i)
+        for (int j = 0; j < 4; ++j) part[i][j] = _mm512_setzero_ps();
     }
-    for (int64_t pair = g * group / 2; pair < (g + 1) * group / 2; ++pair) {
+    for (int64_t pair = g * pairs_per_group; pair < (g + 1) * pairs_per_group; ++pair) {
       __m512i xv[MR];
       for (int i = 0; i < MR; ++i) {
         int32_t pair_bits;
@@ -168,30 +165,33 @@ inline void fused_rows(const Weight& w, int64_t b, const c10::BFloat16* x, int64
         xv[i] = _mm512_set1_epi32(pair_bits);
       }
       for (int j = 0; j < 4; ++j) {
-        __m512 lo, hi;
-        if constexpr (BITS == 8) {
-          const int8_t* src = reinterpret_cast<const int8_t*>(q) + pair * 2 * kBlockN + 32 * j;
-          if (j % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(src) + kPrefetch, _MM_HINT_T0);
-          lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
-          hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16))));
-        } else {
-          const __m512i bytes = _mm512_cvtepu8_epi32(
-              _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + pair * kBlockN + 16 * j)));
-          lo = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15)));
-          hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
-        }
-        if constexpr (GROUPED) {
-          lo = _mm512_fmadd_ps(lo, s_lo[j], m_lo[j]);
-          hi = _mm512_fmadd_ps(hi, s_hi[j], m_hi[j]);
-        }
+        const int8_t* src = q + pair * 2 * kBlockN + 32 * j;
+        if (j % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(src) + kPrefetch, _MM_HINT_T0);
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16))));
         const __m512bh wv = _mm512_cvtne2ps_pbh(hi, lo);
-        for (int i = 0; i < MR; ++i) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], as_bh(xv[i]), wv);
+        for (int i = 0; i < MR; ++i) {
+          if constexpr (GROUPED) {
+            part[i][j] = _mm512_dpbf16_ps(part[i][j], as_bh(xv[i]), wv);
+          } else {
+            acc[i][j] = _mm512_dpbf16_ps(acc[i][j], as_bh(xv[i]), wv);
+          }
+        }
+      }
+    }
+    if constexpr (GROUPED) {
+      for (int j = 0; j < 4; ++j) {
+        const __m512 scale = halves(scales + g * kBlockN + 16 * j);
+        const __m512 minimum = mins ? halves(mins + g * kBlockN + 16 * j) : _mm512_setzero_ps();
+        for (int i = 0; i < MR; ++i) {
+          acc[i][j] = _mm512_fmadd_ps(part[i][j], scale, acc[i][j]);
+          if (mins) acc[i][j] = _mm512_fmadd_ps(minimum, _mm512_set1_ps(xsum[i * groups + g]), acc[i][j]);
+        }
       }
     }
   }
   for (int j = 0; j < 4; ++j) {
-    const __m512 scale = GROUPED ? _mm512_set1_ps(1.0f)
-                                 : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + 16 * j)));
+    const __m512 scale = GROUPED ? _mm512_set1_ps(1.0f) : halves(scales + 16 * j);
     for (int i = 0; i < MR; ++i) _mm512_storeu_ps(c + i * kBlockN + 16 * j, _mm512_mul_ps(acc[i][j], scale));
   }
 }
@@ -283,19 +283,21 @@ inline void fused_nibbles(const Weight& w, int64_t b, const c10::BFloat16* x, in
 template <int BITS, bool GROUPED>
 inline void fused(const Weight& w, int64_t b, const c10::BFloat16* x, int64_t ldx, int64_t rows, const float* xsum,
                   float* c) {
+  const int64_t groups = w.groups();
   if constexpr (BITS == 4) {
     int64_t i = 0;
-    for (; i + 2 <= rows; i += 2) fused_nibbles<2>(w, b, x + i * ldx, ldx, xsum + i * w.groups(), c + i * kBlockN);
-    if (i < rows) fused_nibbles<1>(w, b, x + i * ldx, ldx, xsum + i * w.groups(), c + i * kBlockN);
+    for (; i + 2 <= rows; i += 2) fused_nibbles<2>(w, b, x + i * ldx, ldx, xsum + i * groups, c + i * kBlockN);
+    if (i < rows) fused_nibbles<1>(w, b, x + i * ldx, ldx, xsum + i * groups, c + i * kBlockN);
     return;
   }
   constexpr int kRows = GROUPED ? 2 : 4;
+  auto sums = [&](int64_t i) { return GROUPED ? xsum + i * groups : nullptr; };
   int64_t i = 0;
-  for (; i + kRows <= rows; i += kRows) fused_rows<BITS, GROUPED, kRows>(w, b, x + i * ldx, ldx, c + i * kBlockN);
+  for (; i + kRows <= rows; i += kRows) fused_rows<GROUPED, kRows>(w, b, x + i * ldx, ldx, sums(i), c + i * kBlockN);
   switch (rows - i) {
-    case 3: fused_rows<BITS, GROUPED, 3>(w, b, x + i * ldx, ldx, c + i * kBlockN); break;
-    case 2: fused_rows<BITS, GROUPED, 2>(w, b, x + i * ldx, ldx, c + i * kBlockN); break;
-    case 1: fused_rows<BITS, GROUPED, 1>(w, b, x + i * ldx, ldx, c + i * kBlockN); break;
+    case 3: fused_rows<GROUPED, 3>(w, b, x + i * ldx, ldx, sums(i), c + i * kBlockN); break;
+    case 2: fused_rows<GROUPED, 2>(w, b, x + i * ldx, ldx, sums(i), c + i * kBlockN); break;
+    case 1: fused_rows<GROUPED, 1>(w, b, x + i * ldx, ldx, sums(i), c + i * kBlockN); break;
     default: break;
   }
 }
@@ -354,9 +356,9 @@ inline void linear(const Weight& w, const c10::BFloat16* x, const float* bias, T
   // scale per column leaves the integers unscaled until the sum.
   const bool grouped = w.group != K || w.mins != nullptr;
   const bool few = M <= (grouped ? kFusedRowsGrouped : kFusedRows);
-  // The 4-bit few-row path adds each group's min times the group's sum of x: those sums, once.
+  // The grouped few-row paths add each group's min times the group's sum of x: those sums, once.
   std::vector<float> xsum;
-  if (few && w.bits == 4) {
+  if (few && grouped) {
     xsum.assign(M * w.groups(), 0.0f);
     for (int64_t i = 0; i < M; ++i)
       for (int64_t k = 0; k < K; ++k) xsum[i * w.groups() + k / w.group] += static_cast<float>(x[i * K + k]);
@@ -374,7 +376,8 @@ inline void linear(const Weight& w, const c10::BFloat16* x, const float* bias, T
       };
       if (few) {
         if (w.bits == 8) {
-          grouped ? fused<8, true>(w, b, x, K, M, nullptr, c.data()) : fused<8, false>(w, b, x, K, M, nullptr, c.data());
+          grouped ? fused<8, true>(w, b, x, K, M, xsum.data(), c.data())
+                  : fused<8, false>(w, b, x, K, M, nullptr, c.data());
         } else {
           fused<4, true>(w, b, x, K, M, xsum.data(), c.data());
         }
