@@ -21,7 +21,8 @@ from compute_service.model.forward_batch import ForwardBatch
 from compute_service.model.layers import DecoderLayer, RMSNorm, RotaryEmbedding, empty_parameter, profile_scope
 from compute_service.model.model_config import ModelConfig
 import pagedserve_kernels as kernels
-from pagedserve_kernels.quant import QuantizedLinear, pack, quantize_linear
+from pagedserve_kernels.quant import QuantizedLinear, pack, quantize_linear, stack_operands
+from pagedserve_kernels.quant import tiles as quant_tiles
 from compute_service.model.gguf_quant import FileQuantization
 
 # Buffers that some checkpoints carry but that we recompute.
@@ -123,10 +124,12 @@ class CausalLM(nn.Module):
                 packed += [attn.qkv_packed, attn.o_packed, mlp.gate_up_packed, mlp.down_packed]
                 biases += [attn.qkv_bias, attn.o_bias, mlp.gate_up_bias, mlp.down_bias]
             config = self.config
+            quantized = any(isinstance(p, QuantizedLinear) for p in packed)
+            quant, quant_meta = stack_operands(packed) if quantized else ([], [])
             self._layer_stack = kernels.LayerStack(weights, packed, biases, self.small_rows, config.num_q_heads,
                                                    config.num_kv_heads, config.head_dim, config.rms_norm_eps,
-                                                   config.head_dim**-0.5,
-                                                   quantized=any(isinstance(p, QuantizedLinear) for p in packed))
+                                                   config.head_dim**-0.5, quantized, quant, quant_meta,
+                                                   quantized and quant_tiles())
         return self._layer_stack
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

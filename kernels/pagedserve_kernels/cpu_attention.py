@@ -106,13 +106,18 @@ class CpuAttentionPlan:
     def run_layers(self, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_pool: torch.Tensor,
                    stack: LayerStack) -> torch.Tensor | None:
         """All layers in one C++ call (`decoder_layers`: the ops below, layer after layer, without the
-        interpreter between them), unless fresh prompts go through SDPA (`write_and_attend`)."""
-        if stack.quantized or (self.fresh and not self.ops.avx512_attention(kv_pool.shape[3])):
+        interpreter between them; projections kept quantized through the quantized kernel), unless fresh
+        prompts go through SDPA (`write_and_attend`)."""
+        if stack.quantized and not stack.quant_meta:
+            return None  # a projection of more parts than the C++ stack takes
+        if self.fresh and not self.ops.avx512_attention(kv_pool.shape[3]):
             return None
-        return self.ops.decoder_layers(residual, None, stack.weights, stack.packed, stack.biases, stack.small_rows,
+        packed = [None if stack.quantized and not isinstance(p, torch.Tensor) else p for p in stack.packed]
+        return self.ops.decoder_layers(residual, None, stack.weights, packed, stack.biases, stack.small_rows,
                                        cos, sin, kv_pool, self.slots,
                                        self.block_tables, self.seq_lens, self.cu_seqlens_q, self.seq_ids,
-                                       stack.num_q_heads, stack.num_kv_heads, stack.head_dim, stack.eps, stack.scale)
+                                       stack.num_q_heads, stack.num_kv_heads, stack.head_dim, stack.eps, stack.scale,
+                                       stack.quant, stack.quant_meta, stack.quant_tiles)
 
     def write_and_attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                          v_cache: torch.Tensor, scale: float) -> torch.Tensor:

@@ -198,3 +198,29 @@ class QuantizedLinear:
 def quantize_linear(weight: torch.Tensor, bias: torch.Tensor | None, scheme: str) -> QuantizedLinear:
     """A float (out, in) weight and its bias quantized at load (`quantize`)."""
     return QuantizedLinear((quantize(weight, scheme).with_bias(bias),), scheme)
+
+
+MAX_STACK_PARTS = 2  # csrc/cpu_ops.cpp kQuantParts: the parts a projection may have for the C++ layer stack
+
+
+def stack_operands(projections: list[object]) -> tuple[list[torch.Tensor | None], list[int]]:
+    """The layer stack's quantized projections as `decoder_layers` takes them: per projection (in the
+    stack's order; anything but a `QuantizedLinear` is not quantized) 4 tensors a part (q, scales,
+    mins, bias) and 1 + 3 ints a part (parts, then bits, group, outputs), padded to MAX_STACK_PARTS.
+    Both empty where a projection has more parts than that (then the layers run one by one)."""
+    tensors: list[torch.Tensor | None] = []
+    meta: list[int] = []
+    for projection in projections:
+        parts = projection.parts if isinstance(projection, QuantizedLinear) else ()
+        if len(parts) > MAX_STACK_PARTS:
+            return [], []
+        meta.append(len(parts))
+        for index in range(MAX_STACK_PARTS):
+            if index < len(parts):
+                part = parts[index]
+                tensors += [part.q, part.scales, part.mins, part.bias]
+                meta += [part.bits, part.group, part.out_features]
+            else:
+                tensors += [None] * 4
+                meta += [0, 0, 0]
+    return tensors, meta

@@ -17,7 +17,7 @@ call its layers one by one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -37,8 +37,10 @@ class LayerStack:
         small_rows: steps of up to this many rows take the small-batch linear (`cpu_linear.small_rows`).
         num_q_heads, num_kv_heads, head_dim: the attention's shape.
         eps: both norms' epsilon; scale: the attention's softmax scale.
-        quantized: some projections are kept quantized (`quant.QuantizedLinear` in `packed`): the layers
-            run one by one, through `cpu_linear.linear`.
+        quantized: some projections are kept quantized (`quant.QuantizedLinear` in `packed`).
+        quant, quant_meta, quant_tiles: those projections as the C++ stack takes them
+            (`quant.stack_operands`); quant_meta empty where it cannot (then the layers run one by
+            one, through `cpu_linear.linear`).
     """
 
     weights: list[torch.Tensor]
@@ -51,6 +53,9 @@ class LayerStack:
     eps: float
     scale: float
     quantized: bool = False
+    quant: list[torch.Tensor | None] = field(default_factory=list)
+    quant_meta: list[int] = field(default_factory=list)
+    quant_tiles: bool = False
 
 
 class StepKernels(Protocol):

@@ -105,10 +105,28 @@ def test_the_one_call_layer_stack_gives_the_layer_loops_bits(make_tiny_model, mo
         pytest.skip("this torch has no oneDNN to prepack weights with")
     if not packed:
         monkeypatch.setenv("PAGEDSERVE_CPU_PREPACK", "0")
-    from pagedserve_kernels.cpu_attention import CpuAttentionPlan
-
     model = load_model(str(make_tiny_model(variant).path), device="cpu", dtype=dtype).model
     assert model.is_prepacked is packed
+    _assert_one_call_gives_the_loops_bits(model, monkeypatch)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("variant", ["llama", "qwen2"])
+def test_the_one_call_layer_stack_runs_quantized_projections_as_the_loop_does(make_tiny_model, monkeypatch,
+                                                                             variant: str, quantization: str) -> None:
+    # Projections kept quantized go into the same C++ call (their parts and scales as decoder_layers' quant
+    # operands), with the kernels and order of the layer loop.
+    if not FUSED_AVAILABLE or cpu_ops.load().quant_linear_isa() != "avx512-bf16":
+        pytest.skip("the quantized kernels need the fused CPU kernels built with AVX512-BF16")
+    model = load_model(str(make_tiny_model(variant).path), device="cpu", dtype="bfloat16",
+                       quantization=quantization).model
+    assert model.layer_stack().quantized and model.layer_stack().quant_meta
+    _assert_one_call_gives_the_loops_bits(model, monkeypatch)
+
+
+def _assert_one_call_gives_the_loops_bits(model, monkeypatch) -> None:
+    from pagedserve_kernels.cpu_attention import CpuAttentionPlan
+
     one_call = CpuAttentionPlan.run_layers
     num_one_calls = []
 

@@ -664,6 +664,9 @@ at::Tensor any_linear(const at::Tensor& x, const at::Tensor& weight, const std::
 // Tensors of one layer in `decoder_layers`' lists (see kernels/pagedserve_kernels/step.py's LayerStack).
 constexpr int64_t kLayerWeights = 6;  // input norm, qkv, o, post-attention norm, gate_up, down
 constexpr int64_t kLayerProjections = 4;  // packed copies and biases: qkv, o, gate_up, down (each may be None)
+constexpr int64_t kQuantParts = 2;  // a quantized projection's parts at most (q/k and v of another type)
+constexpr int64_t kQuantMeta = 1 + 3 * kQuantParts;
+constexpr int64_t kQuantTensors = 4 * kQuantParts;
 
 // Every decoder layer of one step in one call: per layer, exactly the ops the Python loop runs
 // (compute_service/model/layers.py's DecoderLayer.forward with the fused plan of kernels/pagedserve_kernels/cpu_attention.py),
@@ -680,8 +683,16 @@ at::Tensor decoder_layers(at::Tensor residual, const std::optional<at::Tensor>& 
                           const at::Tensor& sin, const at::Tensor& kv_pool, const at::Tensor& slots,
                           const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& cu_seqlens_q,
                           const at::Tensor& seq_ids, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
-                          double eps, double scale) {
+                          double eps, double scale, const c10::List<std::optional<at::Tensor>>& quant,
+                          at::IntArrayRef quant_meta, bool quant_tiles) {
   const int64_t num_layers = static_cast<int64_t>(weights.size()) / kLayerWeights;
+  // Projections kept quantized (kernels/pagedserve_kernels/quant.py): per projection kQuantMeta ints (parts,
+  // then bits, group, outputs of each part) and kQuantTensors tensors (q, scales, mins, bias of each part);
+  // both empty for a model without any.
+  const bool quantized = !quant_meta.empty();
+  TORCH_CHECK(!quantized || (static_cast<int64_t>(quant_meta.size()) == num_layers * kLayerProjections * kQuantMeta &&
+                             static_cast<int64_t>(quant.size()) == num_layers * kLayerProjections * kQuantTensors),
+              "decoder_layers: ", kQuantMeta, " quant_meta ints and ", kQuantTensors, " quant tensors a projection");
   TORCH_CHECK(num_layers > 0 && static_cast<int64_t>(weights.size()) == num_layers * kLayerWeights &&
                   static_cast<int64_t>(packed.size()) == num_layers * kLayerProjections &&
                   static_cast<int64_t>(biases.size()) == num_layers * kLayerProjections,
@@ -699,7 +710,19 @@ at::Tensor decoder_layers(at::Tensor residual, const std::optional<at::Tensor>& 
     // where the small-batch kernel runs for qkv, o and down (see DecoderLayer.forward).
     const auto project = [&](const at::Tensor& x, int64_t i, int64_t plain) {
       const int64_t index = layer * kLayerProjections + i;
-      return any_linear(x, w[plain], packed.get(index), biases.get(index), small_rows, i != 2);
+      const int64_t* meta = quantized ? quant_meta.data() + index * kQuantMeta : nullptr;
+      if (meta == nullptr || meta[0] == 0) {
+        return any_linear(x, w[plain], packed.get(index), biases.get(index), small_rows, i != 2);
+      }
+      std::vector<at::Tensor> parts;
+      for (int64_t part = 0; part < meta[0]; ++part) {
+        const int64_t t = index * kQuantTensors + part * 4;
+        const std::optional<at::Tensor> q = quant.get(t), scales = quant.get(t + 1);
+        TORCH_CHECK(q.has_value() && scales.has_value(), "decoder_layers: a quantized part without q or scales");
+        parts.push_back(quant_linear_op(x, *q, *scales, quant.get(t + 2), quant.get(t + 3), meta[1 + 3 * part],
+                                        meta[2 + 3 * part], meta[3 + 3 * part], quant_tiles, i != 2));
+      }
+      return parts.size() == 1 ? parts[0] : at::cat(parts, 1);
     };
     at::Tensor normed;
     {
@@ -780,7 +803,8 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("write_kv_(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor key, Tensor value, Tensor slots) -> ()");
   m.def("decoder_layers(Tensor(a!) residual, Tensor? pending, Tensor[] weights, Tensor?[] packed, Tensor?[] biases, "
         "int small_rows, Tensor cos, Tensor sin, Tensor(b!) kv_pool, Tensor slots, Tensor block_tables, Tensor seq_lens, Tensor cu_seqlens_q, "
-        "Tensor seq_ids, int num_q_heads, int num_kv_heads, int head_dim, float eps, float scale) -> Tensor");
+        "Tensor seq_ids, int num_q_heads, int num_kv_heads, int head_dim, float eps, float scale, Tensor?[] quant, "
+        "int[] quant_meta, bool quant_tiles) -> Tensor");
   m.def("small_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("small_linear_float(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("small_linear_rows() -> int");
