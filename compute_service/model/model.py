@@ -21,7 +21,7 @@ from compute_service.model.forward_batch import ForwardBatch
 from compute_service.model.layers import DecoderLayer, RMSNorm, RotaryEmbedding, empty_parameter, profile_scope
 from compute_service.model.model_config import ModelConfig
 import pagedserve_kernels as kernels
-from pagedserve_kernels.quant import QuantizedLinear, pack, quantize_linear, stack_operands
+from pagedserve_kernels.quant import INT4_GROUP, QuantizedLinear, pack, quantize_linear, stack_operands, supports
 from pagedserve_kernels.quant import tiles as quant_tiles
 from compute_service.model.gguf_quant import FileQuantization
 
@@ -215,8 +215,10 @@ class CausalLM(nn.Module):
             weight, bias = getattr(module, f"{name}_weight"), getattr(module, f"{name}_bias")
             if scheme == "file":
                 quantized = _from_file(pieces[id(weight)], file_weights or {}, bias)
-            else:
+            elif supports(weight.shape, *((8, weight.shape[1]) if scheme == "int8" else (4, INT4_GROUP))):
                 quantized = quantize_linear(weight, bias, scheme)
+            else:  # e.g. inputs not in whole groups: this projection stays in the dtype
+                quantized = None
             if quantized is not None:
                 setattr(module, f"{name}_packed", quantized)
                 weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
@@ -360,7 +362,10 @@ def _from_file(pieces: list[tuple[str, int, int]], file_weights: Mapping[str, Fi
         q = torch.cat([quant.q for quant, _, _ in run])
         scale = torch.cat([quant.scale for quant, _, _ in run])
         minimum = None if run[0][0].minimum is None else torch.cat([quant.minimum for quant, _, _ in run])
-        part = pack(q, scale, minimum, run[0][0].bits)
+        try:
+            part = pack(q, scale, minimum, run[0][0].bits)
+        except ValueError as error:
+            raise ValueError(f"GGUF tensor(s) {[name for name, _, _ in pieces]}: {error}") from None
         parts.append(part.with_bias(None if bias is None else bias[run[0][1]:run[-1][2]]))
     label = "+".join(dict.fromkeys(quant.type_name for quant in found))
     return QuantizedLinear(tuple(parts), label)

@@ -159,14 +159,18 @@ def load_model(
         scheme = lm.quantize_weights("file", file_weights)
         fingerprint = weights_fingerprint(lm, config, extra=sorted(
             (f"{name}.{part}", tensor) for name, quant in file_weights.items()
-            for part, tensor in (("q", quant.q), ("scale", quant.scale))))
+            for part, tensor in (("q", quant.q), ("scale", quant.scale), ("min", quant.minimum))
+            if tensor is not None))
     else:
         # Before packing: packed copies (and which plain weights stay) depend on the CPU and its free
         # memory, and the fingerprint must name the weights alone (it keys the KV tier across machines).
         fingerprint = weights_fingerprint(lm, config)
         scheme = _quantize(lm, quantization)
     if scheme != "none":  # other weights than the float ones sampled: other K/V, another identity
-        fingerprint = hashlib.blake2b(f"{fingerprint}|{scheme}".encode(), digest_size=32).hexdigest()
+        from pagedserve_kernels.quant import QUANTIZER_VERSION
+
+        identity = f"{fingerprint}|{scheme}|{QUANTIZER_VERSION}"
+        fingerprint = hashlib.blake2b(identity.encode(), digest_size=32).hexdigest()
     packed = lm.prepack_cpu_weights()
     log.info("model_loaded", model=source.name, path=str(source.path), device=str(device), dtype=str(dtype),
              quantization=scheme, converted=source.was_converted, prepacked=packed,
@@ -178,10 +182,14 @@ def _file_quantization(lm: CausalLM, path: Path, quantization: str) -> dict[str,
     """The file's quantized matrices to keep as they are (`--quantization auto`), or None."""
     if quantization != "auto" or not (path / QUANTIZATION_INDEX).is_file():
         return None
-    if lm.device.type != "cpu" or lm.dtype != torch.bfloat16:
-        # The quantized kernels take bf16 activations on the CPU: elsewhere the file's weights are widened.
-        log.info("quantization_widened", device=str(lm.device), dtype=str(lm.dtype),
-                 detail="quantized kernels run bfloat16 on the CPU; the file's weights are served in the dtype")
+    from pagedserve_kernels import quant
+
+    if lm.device.type != "cpu" or lm.dtype != torch.bfloat16 or not quant.available():
+        # The quantized kernels take bf16 activations on the CPU, from the fused kernels built with
+        # AVX512-BF16: elsewhere the file's weights are widened (slower, never a failing model).
+        log.info("quantization_widened", device=str(lm.device), dtype=str(lm.dtype), kernels=quant.available(),
+                 detail="the quantized kernels run bfloat16 on a CPU with AVX512-BF16; the file's weights are "
+                        "served in the dtype")
         return None
     return read_file_quantization(path)
 
@@ -192,6 +200,11 @@ def _quantize(lm: CausalLM, quantization: str) -> str:
         return "none"
     if lm.device.type != "cpu":
         raise ValueError(f"--quantization {quantization} runs on the CPU only; this model is on {lm.device}")
+    from pagedserve_kernels import cpu_ops
+
+    if cpu_ops.load() is None:
+        raise ValueError(f"--quantization {quantization} needs the fused CPU kernels, which did not load here "
+                         "(see the kernels' error above); use --quantization none")
     if lm.dtype != torch.bfloat16:
         log.warning("quantization_slow", dtype=str(lm.dtype),
                     detail="quantized kernels take bfloat16 activations; others widen the weights per call")

@@ -88,7 +88,7 @@ def kernel_paths(device: torch.device, dtype: torch.dtype, head_dim: int, quanti
     if quantization != "none":
         from pagedserve_kernels import quant
 
-        return {"attention": attention, "linear": f"{quant.path()} {quantization}"}
+        return {"attention": attention, "linear": f"{quant.path(dtype)} {quantization}"}
     return {"attention": attention, "linear": linear_path(dtype)}
 
 

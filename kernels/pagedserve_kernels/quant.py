@@ -4,7 +4,7 @@ A `QuantizedWeight` holds an (out, in) weight as integers q with a float16 scale
 min) per output and group of inputs: W[n, k] = q[n, k] * scale[n, k // group] + min[n, k // group].
 Two sources make one:
   - `quantize(weight, scheme)`, from a float weight at load: int8 symmetric per output channel
-    (group = the whole input), int4 asymmetric in groups of 32 or 128 inputs (q in 0..15);
+    (group = the whole input), int4 asymmetric in groups of 32 inputs (q in 0..15);
   - `pack(q, scale, min, bits)`, from integers and scales a file already holds (a GGUF's Q8_0, Q4_0,
     Q4_K... blocks: compute_service/model/gguf_quant.py), as they are.
 
@@ -16,6 +16,7 @@ AVX512-BF16, widen the weight per call (correct, slow: `path` says which runs).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,9 @@ import torch
 BLOCK_N = 64  # output columns a packed block holds (csrc/quant_linear.h's kBlockN)
 SCHEMES = ("int8", "int4")
 INT4_GROUP = 32  # inputs per scale for int4 quantized at load (GGUF's Q4 blocks hold 32 too)
+# What `quantize` computes, for the fingerprint (bump when its rounding or groups change).
+QUANTIZER_VERSION = f"v1-int4g{INT4_GROUP}"
+_MIN_SCALE = 2.0**-14  # float16's smallest normal
 
 
 @dataclass(frozen=True)
@@ -91,6 +95,9 @@ def pack(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None, bit
     group = inputs // groups
     if bits not in (8, 4) or not supports(q.shape, bits, group) or scale.shape != (out, groups):
         raise ValueError(f"cannot pack a {tuple(q.shape)} weight at {bits} bits with scales {tuple(scale.shape)}")
+    low, high = (-128, 127) if bits == 8 else (0, 15)
+    if q.numel() and not (low <= int(q.min()) and int(q.max()) <= high):
+        raise ValueError(f"{bits}-bit integers must be in [{low}, {high}], got [{int(q.min())}, {int(q.max())}]")
     blocks = -(-out // BLOCK_N)
     pad = blocks * BLOCK_N - out
     q = torch.nn.functional.pad(q.to(torch.int16), (0, 0, 0, pad))
@@ -116,20 +123,24 @@ def quantize(weight: torch.Tensor, scheme: str) -> QuantizedWeight:
     (asymmetric, groups of INT4_GROUP inputs, round to nearest)."""
     w = weight.detach().float()
     if scheme == "int8":
-        scale = (w.abs().amax(dim=1, keepdim=True) / 127).clamp_min(1e-12).half().float()  # (out, 1)
+        # float16 scales, never below its smallest normal (an all-zero row keeps q = 0, not 0 / 0)
+        scale = (w.abs().amax(dim=1, keepdim=True) / 127).half().float().clamp_min(_MIN_SCALE)  # (out, 1)
         q = torch.round(w / scale).clamp_(-127, 127)
         return pack(q, scale, None, 8)
     if scheme == "int4":
         out, inputs = w.shape
+        if inputs % INT4_GROUP:
+            raise ValueError(f"int4 needs inputs in whole groups of {INT4_GROUP}; this weight has {inputs}")
         groups = w.view(out, inputs // INT4_GROUP, INT4_GROUP)
         low, high = groups.amin(dim=-1), groups.amax(dim=-1)  # (out, groups)
-        scale = ((high - low) / 15).clamp_min(1e-12).half().float()
+        scale = ((high - low) / 15).half().float().clamp_min(_MIN_SCALE)
         minimum = low.half().float()
         q = torch.round((groups - minimum[..., None]) / scale[..., None]).clamp_(0, 15).view(out, inputs)
         return pack(q, scale, minimum, 4)
     raise ValueError(f"unknown quantization scheme {scheme!r}; expected one of {SCHEMES}")
 
 
+@functools.cache
 def tiles() -> bool:
     """Whether `linear` runs on AMX tiles here (bf16 activations)."""
     from pagedserve_kernels.cpu_ops import amx
@@ -137,23 +148,26 @@ def tiles() -> bool:
     return amx() and bool(_ops().brgemm_linear_available())
 
 
-def path() -> str:
-    """Which kernel a quantized model's bf16 linears run here, for Info and the metrics."""
-    if _ops().quant_linear_isa() != "avx512-bf16":
+def available() -> bool:
+    """Whether the quantized kernels run here at speed (the fused CPU kernels, built with AVX512-BF16)."""
+    from pagedserve_kernels import cpu_ops
+
+    ops = cpu_ops.load()
+    return ops is not None and ops.quant_linear_isa() == "avx512-bf16"
+
+
+def path(dtype: torch.dtype = torch.bfloat16) -> str:
+    """Which kernel a quantized model's linears with `dtype` activations run here, for Info and the metrics."""
+    if dtype != torch.bfloat16 or not available():
         return "quant widened"
     return "quant amx-tiles" if tiles() else "quant avx512-bf16"
 
 
-_TILES: list[bool] = []
-
-
 def linear(x: torch.Tensor, weight: QuantizedWeight, float_out: bool = False) -> torch.Tensor:
     """x (N, in) @ weight.T + its bias: (N, out) float32 with `float_out`, else x's dtype."""
-    if not _TILES:
-        _TILES.append(tiles())
     return torch.ops.pagedserve_cpu.quant_linear(x.contiguous(), weight.q, weight.scales, weight.mins, weight.bias,
                                                  weight.bits, weight.group, weight.out_features,
-                                                 _TILES[0] and x.dtype == torch.bfloat16, float_out)
+                                                 tiles() and x.dtype == torch.bfloat16, float_out)
 
 
 @dataclass(frozen=True)

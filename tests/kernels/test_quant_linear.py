@@ -56,11 +56,12 @@ def test_quant_linear_equals_the_dequantized_product(scheme, out_features, in_fe
 
 
 @pytest.mark.parametrize(("bits", "low", "high", "group", "with_min"),
-                         [(8, -32, 32, 16, False), (8, 0, 32, 32, True), (4, 0, 16, 32, True)])
+                         [(8, -32, 32, 16, False), (8, 0, 32, 32, True), (4, 0, 16, 32, True), (4, 0, 16, 256, False)])
 @pytest.mark.parametrize("rows", [1, 2, 5, 40])
 def test_quant_linear_with_a_files_groups_equals_the_dequantized_product(bits, low, high, group, with_min, rows):
     """Integers and scales as GGUF files hold them (Q6_K: 8-bit in groups of 16, no min; Q5_K: groups of
-    32 with mins; Q4_K: 4-bit with mins), every path: the product of the weight they stand for."""
+    32 with mins; Q4_K: 4-bit with mins; and 4-bit with one scale per column, no min), every path: the
+    product of the weight they stand for."""
     generator = torch.Generator().manual_seed(rows * 100 + group + bits)
     out_features, in_features = 128, 256
     q = torch.randint(low, high, (out_features, in_features), generator=generator)
@@ -127,3 +128,9 @@ def test_bad_operands_are_refused_by_name():
         quant.QuantizedLinear((weight,), "test").rows(torch.tensor([64]))
     with pytest.raises(ValueError, match="unknown quantization scheme"):
         quant.quantize(torch.randn(64, 32), "int3")
+    with pytest.raises(ValueError, match=r"4-bit integers must be in \[0, 15\], got \[16, 16\]"):
+        quant.pack(torch.full((64, 32), 16), torch.ones(64, 1), None, 4)
+    with pytest.raises(ValueError, match="whole groups of 32"):
+        quant.quantize(torch.randn(64, 48), "int4")
+    zero = quant.quantize(torch.zeros(64, 32), "int8")  # an all-zero row: q 0, a finite scale, not 0 / 0
+    assert torch.equal(zero.dequantize(), torch.zeros(64, 32))

@@ -66,12 +66,13 @@ inline void linear(const c10::BFloat16* x, const c10::BFloat16* packed, const c1
   // Each thread a contiguous run of blocks: one stream through its share of the weight.
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), blocks));
   // oneDNN's ukernel for one or two rows reads the weight at a third of the speed it does for three
-  // (docs/benchmarks.md): fewer rows are multiplied as kMinRows, the extra ones zeros, and dropped.
-  std::vector<c10::BFloat16> padded;
-  if (M < kMinRows) {
-    padded.assign(kMinRows * K, c10::BFloat16(0.0f));
-    std::copy(x, x + M * K, padded.begin());
-    x = padded.data();
+  // (docs/benchmarks.md): a pass of fewer rows (all of a small M, or the last pass's tail) is multiplied
+  // as kMinRows from a zero-padded copy, the extra rows dropped.
+  const int64_t tail_m0 = M - M % kBlockM, tail_rows = M % kBlockM;
+  std::vector<c10::BFloat16> tail;
+  if (tail_rows > 0 && tail_rows < kMinRows) {
+    tail.assign(kMinRows * K, c10::BFloat16(0.0f));
+    std::copy(x + tail_m0 * K, x + M * K, tail.begin());
   }
   at::parallel_for(0, blocks, (blocks + threads - 1) / threads, [&](int64_t begin, int64_t end) {
     alignas(64) float c[kBlockM * kBlockN];
@@ -79,8 +80,9 @@ inline void linear(const c10::BFloat16* x, const c10::BFloat16* packed, const c1
       const int64_t n0 = b * kBlockN;
       for (int64_t m0 = 0; m0 < M; m0 += kBlockM) {
         const int64_t rows = std::min(kBlockM, M - m0);
-        at::native::cpublas::brgemm(std::max(rows, kMinRows), kBlockN, K, K, kBlockN, kBlockN, false, x + m0 * K,
-                                    packed + b * K * kBlockN, c, true);
+        const bool padded = rows < kMinRows;
+        at::native::cpublas::brgemm(padded ? kMinRows : rows, kBlockN, K, K, kBlockN, kBlockN, false,
+                                    padded ? tail.data() : x + m0 * K, packed + b * K * kBlockN, c, true);
         for (int64_t i = 0; i < rows; ++i) {
           TOut* out = y + (m0 + i) * N + n0;
           for (int64_t j = 0; j < kBlockN; ++j)

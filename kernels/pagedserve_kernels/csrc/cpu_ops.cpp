@@ -553,9 +553,10 @@ quant_linear::Weight quant_weight(const at::Tensor& q, const at::Tensor& scales,
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.device().is_cpu(), "quant_linear: scales must be float16 on the CPU");
   const int64_t blocks = scales.size(0), K = scales.size(1) * group;
   TORCH_CHECK(group > 0 && group % 2 == 0 && K > 0, "quant_linear: group must be even and positive, got ", group);
-  TORCH_CHECK(q.is_contiguous() && (q.scalar_type() == at::kByte || q.scalar_type() == at::kChar) &&
+  TORCH_CHECK(q.is_contiguous() && q.scalar_type() == (bits == 8 ? at::kChar : at::kByte) &&
                   q.numel() == blocks * K * quant_linear::kBlockN * bits / 8,
-              "quant_linear: q must be contiguous 8-bit integers, ", blocks * K * quant_linear::kBlockN * bits / 8,
+              "quant_linear: q must be contiguous int8 (8 bits) or uint8 (4 bits), ",
+              blocks * K * quant_linear::kBlockN * bits / 8,
               " of them for ", blocks, " blocks of ", K, " inputs at ", bits, " bits");
   if (mins.has_value()) {
     TORCH_CHECK(mins->scalar_type() == at::kHalf && mins->sizes() == scales.sizes() && mins->is_contiguous(),
@@ -583,7 +584,8 @@ at::Tensor quant_linear_op(const at::Tensor& x, const at::Tensor& q, const at::T
   const float* bias_ptr = nullptr;
   if (bias.has_value()) {
     check_dtype(*bias, "bias", at::kFloat);
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous(), "quant_linear: bias (n,)");
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous(), "quant_linear: bias must be (", n,
+                ",) contiguous, got ", bias->sizes());
     bias_ptr = bias->data_ptr<float>();
   }
   TORCH_CHECK(!tiles || brgemm_linear::available(), "quant_linear: no AMX tiles here (brgemm_linear_available)");

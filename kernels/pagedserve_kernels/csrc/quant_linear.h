@@ -354,7 +354,7 @@ inline void linear(const Weight& w, const c10::BFloat16* x, const float* bias, T
   const int64_t slice = one_pass ? std::min(K, kSliceK) : K;
   // Few rows: de-quantized in registers and used at once (`fused`), without a buffer; one symmetric
   // scale per column leaves the integers unscaled until the sum.
-  const bool grouped = w.group != K || w.mins != nullptr;
+  const bool grouped = w.bits == 4 || w.group != K || w.mins != nullptr;  // 4 bits: always by group
   const bool few = M <= (grouped ? kFusedRowsGrouped : kFusedRows);
   // The grouped few-row paths add each group's min times the group's sum of x: those sums, once.
   std::vector<float> xsum;
