@@ -43,7 +43,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from pagedserve_kernels.cpu_ops import amx
 from pagedserve_kernels.quant import QuantizedLinear
 
 _ENABLE_ENV = "PAGEDSERVE_CPU_PREPACK"
@@ -68,6 +67,13 @@ def prepack(weight: torch.Tensor) -> torch.Tensor | None:
     except (RuntimeError, AttributeError) as error:  # an op missing from this torch build
         _log.warning("could not prepack a CPU weight (%s); using F.linear", error)
         return None
+
+
+def amx() -> bool:
+    """Whether this CPU multiplies bf16 on AMX tiles (`cpu_ops.amx`)."""
+    from pagedserve_kernels import cpu_ops  # not at import: `python -m pagedserve_kernels.cpu_ops` runs it
+
+    return cpu_ops.amx()
 
 
 def _ops() -> Any | None:

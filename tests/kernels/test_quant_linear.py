@@ -27,7 +27,8 @@ def _reference(x: torch.Tensor, weight: quant.QuantizedWeight) -> torch.Tensor:
     # symmetric scale per column, up to 4 rows; `fused_nibbles`: 4 bits, up to 2 rows); elsewhere each
     # value is rounded to bf16 as it is de-quantized.
     rows = x.shape[0]
-    exact = (weight.mins is None and weight.group == weight.in_features and rows <= 4) or (weight.bits == 4 and rows <= 2)
+    per_column = weight.mins is None and weight.group == weight.in_features
+    exact = (per_column and rows <= 4) or (weight.bits == 4 and rows <= 2)
     w = w.double() if exact else w.bfloat16().double()
     y = x.double() @ w.T
     return y + weight.bias.double() if weight.bias is not None else y
