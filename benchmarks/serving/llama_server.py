@@ -21,13 +21,13 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
 from pagedserve import cpu_preload
+from benchmarks.serving.server_process import stop_group, wait_healthy
 from pagedserve.sockets import free_port
 
 BINARY_ENV = "PAGEDSERVE_LLAMA_SERVER"
@@ -104,20 +104,13 @@ class LlamaServer:
         return self
 
     def _wait_ready(self) -> None:
-        deadline = time.monotonic() + self.ready_timeout_s
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                hint = " (SIGILL: on an AMX CPU try --no-repack)" if self._proc.returncode == -signal.SIGILL else ""
-                raise RuntimeError(f"llama-server exited with {self._proc.returncode} while starting{hint}"
-                                   + self._tail())
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass  # not listening yet
-            time.sleep(0.5)
-        self.stop()
-        raise TimeoutError(f"llama-server not ready after {self.ready_timeout_s:.0f} s" + self._tail())
+        def exited(code: int) -> str:
+            hint = " (SIGILL: on an AMX CPU try --no-repack)" if code == -signal.SIGILL else ""
+            return f"llama-server exited with {code} while starting{hint}" + self._tail()
+
+        if not wait_healthy(self._proc, self.base_url, self.ready_timeout_s, exited):
+            self.stop()
+            raise TimeoutError(f"llama-server not ready after {self.ready_timeout_s:.0f} s" + self._tail())
 
     def _tail(self) -> str:
         if self.log_file and Path(self.log_file).exists():
@@ -126,21 +119,7 @@ class LlamaServer:
 
     def stop(self, timeout_s: float = 30.0) -> int | None:
         """SIGTERM its process group, SIGKILL what is left after ``timeout_s``; returns its exit status."""
-        if self._proc is None:
-            return None
-        if self._proc.poll() is None:
-            group = os.getpgid(self._proc.pid)  # its own session: the group id is the server's pid
-            os.killpg(group, signal.SIGTERM)
-            try:
-                self._proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                pass
-            try:
-                os.killpg(group, signal.SIGKILL)  # a no-op unless it (or a child) ignored SIGTERM
-            except ProcessLookupError:
-                pass
-            self._proc.wait()
-        return self._proc.returncode
+        return None if self._proc is None else stop_group(self._proc, timeout_s)
 
     def __enter__(self) -> LlamaServer:
         return self.start()

@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
 
 from benchmarks import vllm_peer
 from benchmarks.throughput import peer as throughput_peer
+from benchmarks.serving.server_process import stop_group, wait_healthy
 from pagedserve.sockets import free_port
 
 
@@ -74,19 +72,12 @@ class VllmServer:
         return self
 
     def _wait_ready(self) -> None:
-        deadline = time.monotonic() + self.ready_timeout_s
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                raise RuntimeError(f"vLLM's server exited with {self._proc.returncode} while starting"
-                                   + self._tail())
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1.0)
-        self.stop()
-        raise TimeoutError(f"vLLM's server not ready after {self.ready_timeout_s:.0f} s" + self._tail())
+        def exited(code: int) -> str:
+            return f"vLLM's server exited with {code} while starting" + self._tail()
+
+        if not wait_healthy(self._proc, self.base_url, self.ready_timeout_s, exited):
+            self.stop()
+            raise TimeoutError(f"vLLM's server not ready after {self.ready_timeout_s:.0f} s" + self._tail())
 
     def _tail(self) -> str:
         if self.log_file and Path(self.log_file).exists():
@@ -97,29 +88,11 @@ class VllmServer:
         """SIGTERM its process group (the server and its engine core), SIGKILL after ``timeout_s``."""
         if self._proc is None:
             return None
-        if self._proc.poll() is None:
-            group = os.getpgid(self._proc.pid)  # its own session: the group id is the server's pid
-            os.killpg(group, signal.SIGTERM)
-            try:
-                self._proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                pass
-            self._reap_group(group, deadline=time.monotonic() + 10)
-            self._proc.wait()
+        running = self._proc.poll() is None
+        code = stop_group(self._proc, timeout_s)
+        if running:
             vllm_peer.remove_stale_kmp_files(self._kmp_before)
-        return self._proc.returncode
-
-    @staticmethod
-    def _reap_group(group: int, deadline: float) -> None:
-        """Its engine core may outlive the server by a moment: wait for the group to empty, then SIGKILL
-        what is left, so that nothing of vLLM is left behind."""
-        try:
-            while time.monotonic() < deadline:
-                os.killpg(group, 0)
-                time.sleep(0.2)
-            os.killpg(group, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        return code
 
     def __enter__(self) -> VllmServer:
         return self.start()
