@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 
 from pagedserve import cpu_preload
-from benchmarks.serving.server_process import stop_group, wait_healthy
+from benchmarks.serving.server_process import log_tail, spawn, stop_group, wait_healthy
 from pagedserve.sockets import free_port
 
 BINARY_ENV = "PAGEDSERVE_LLAMA_SERVER"
@@ -94,12 +94,7 @@ class LlamaServer:
         self._port = free_port()
         # None of our engine's preloads (Intel OpenMP, tcmalloc): llama.cpp links its own runtime.
         env = cpu_preload.strip_env(dict(os.environ))
-        log = open(self.log_file or os.devnull, "w")
-        try:
-            self._proc = subprocess.Popen(self.command(self._port), env=env, stdout=log, stderr=subprocess.STDOUT,
-                                          stdin=subprocess.DEVNULL, start_new_session=True)
-        finally:
-            log.close()
+        self._proc = spawn(self.command(self._port), env, self.log_file)
         self._wait_ready()
         return self
 
@@ -113,9 +108,7 @@ class LlamaServer:
             raise TimeoutError(f"llama-server not ready after {self.ready_timeout_s:.0f} s" + self._tail())
 
     def _tail(self) -> str:
-        if self.log_file and Path(self.log_file).exists():
-            return "; its log ends:\n" + Path(self.log_file).read_text(errors="replace")[-3000:]
-        return ""
+        return log_tail(self.log_file)
 
     def stop(self, timeout_s: float = 30.0) -> int | None:
         """SIGTERM its process group, SIGKILL what is left after ``timeout_s``; returns its exit status."""

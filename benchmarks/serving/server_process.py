@@ -8,8 +8,23 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import httpx
+
+
+def spawn(cmd: list[str], env: dict[str, str], log_file: Path | None) -> subprocess.Popen:
+    """``cmd`` in a session of its own (stopped by its group: `stop_group`), output to ``log_file``."""
+    with open(log_file or os.devnull, "w") as log:
+        return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+
+
+def log_tail(log_file: Path | None) -> str:
+    """The end of a server's log, for an error message ("" without one)."""
+    if log_file and Path(log_file).exists():
+        return "; its log ends:\n" + Path(log_file).read_text(errors="replace")[-3000:]
+    return ""
 
 
 def wait_healthy(proc: subprocess.Popen, base_url: str, timeout_s: float, on_exit: Callable[[int], str]) -> bool:

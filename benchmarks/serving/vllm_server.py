@@ -10,7 +10,6 @@ group (its engine core is a child process), SIGKILL after a timeout.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +17,7 @@ from pathlib import Path
 
 from benchmarks import vllm_peer
 from benchmarks.throughput import peer as throughput_peer
-from benchmarks.serving.server_process import stop_group, wait_healthy
+from benchmarks.serving.server_process import log_tail, spawn, stop_group, wait_healthy
 from pagedserve.sockets import free_port
 
 
@@ -62,12 +61,7 @@ class VllmServer:
                             ("--max-num-batched-tokens", self.max_num_batched_tokens)):
             if value is not None:
                 cmd += [flag, str(value)]
-        log = open(self.log_file or os.devnull, "w")
-        try:
-            self._proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                          stdin=subprocess.DEVNULL, start_new_session=True)
-        finally:
-            log.close()
+        self._proc = spawn(cmd, env, self.log_file)
         self._wait_ready()
         return self
 
@@ -80,9 +74,7 @@ class VllmServer:
             raise TimeoutError(f"vLLM's server not ready after {self.ready_timeout_s:.0f} s" + self._tail())
 
     def _tail(self) -> str:
-        if self.log_file and Path(self.log_file).exists():
-            return "; its log ends:\n" + Path(self.log_file).read_text(errors="replace")[-3000:]
-        return ""
+        return log_tail(self.log_file)
 
     def stop(self, timeout_s: float = 30.0) -> int | None:
         """SIGTERM its process group (the server and its engine core), SIGKILL after ``timeout_s``."""

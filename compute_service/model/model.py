@@ -11,6 +11,7 @@ which equals the trained model only for contexts shorter than the window (the lo
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Mapping
 
 import torch
@@ -344,32 +345,26 @@ class CausalLM(nn.Module):
 
 def _from_file(pieces: list[tuple[str, int, int]], file_weights: Mapping[str, FileQuantization],
                bias: torch.Tensor | None) -> QuantizedLinear | None:
-    """A fused projection from its pieces' file blocks: consecutive pieces of one width and group share
-    a part. None unless the file holds every piece quantized."""
+    """A fused projection from its pieces' file blocks: consecutive pieces of one format (width, group,
+    with or without mins) share a part. None unless the file holds every piece quantized."""
     found = [file_weights.get(name) for name, _, _ in pieces]
     if not pieces or any(f is None for f in found):
         return None
-    runs: list[list[tuple[FileQuantization, int, int]]] = []
-    for quant, (_, start, stop) in zip(found, pieces):
-        shape = (quant.bits, quant.q.shape[1] // quant.scale.shape[1], quant.minimum is None)
-        if runs and runs[-1][-1][0].bits == shape[0] and _group(runs[-1][-1][0]) == shape[1] and \
-                (runs[-1][-1][0].minimum is None) == shape[2]:
-            runs[-1].append((quant, start, stop))
-        else:
-            runs.append([(quant, start, stop)])
     parts = []
-    for run in runs:
-        q = torch.cat([quant.q for quant, _, _ in run])
-        scale = torch.cat([quant.scale for quant, _, _ in run])
-        minimum = None if run[0][0].minimum is None else torch.cat([quant.minimum for quant, _, _ in run])
+    for _, run in itertools.groupby(zip(found, pieces), key=lambda item: _format(item[0])):
+        run = list(run)
+        quants = [quant for quant, _ in run]
+        minimum = None if quants[0].minimum is None else torch.cat([quant.minimum for quant in quants])
         try:
-            part = pack(q, scale, minimum, run[0][0].bits)
+            part = pack(torch.cat([q.q for q in quants]), torch.cat([q.scale for q in quants]), minimum, quants[0].bits)
         except ValueError as error:
             raise ValueError(f"GGUF tensor(s) {[name for name, _, _ in pieces]}: {error}") from None
-        parts.append(part.with_bias(None if bias is None else bias[run[0][1]:run[-1][2]]))
+        first, last = run[0][1], run[-1][1]
+        parts.append(part.with_bias(None if bias is None else bias[first[1]:last[2]]))
     label = "+".join(dict.fromkeys(quant.type_name for quant in found))
     return QuantizedLinear(tuple(parts), label)
 
 
-def _group(quant: FileQuantization) -> int:
-    return quant.q.shape[1] // quant.scale.shape[1]
+def _format(quant: FileQuantization) -> tuple[int, int, bool]:
+    """What decides whether two pieces can share a packed part: bits, inputs per group, mins or not."""
+    return quant.bits, quant.q.shape[1] // quant.scale.shape[1], quant.minimum is None
