@@ -61,11 +61,31 @@ def start_engines(model_dir: Path, run_dir: Path, names: list[str]) -> list[Engi
     return [Engine(name, stack) for name, stack in zip(names, stacks)]
 
 
+_RUN_DIRS: list[Path] = []  # this worker's run directories, whose logs a failing test's report shows
+
+
 @pytest.fixture(scope="session")
 def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = tmp_path_factory.mktemp("e2e-run")
     os.chmod(directory, 0o700)
+    _RUN_DIRS.append(directory)
     return directory
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    """A failing test's report carries the services' warnings and errors (a 500's traceback is in
+    a service's log, not in the client's exception), the last of each log."""
+    outcome = yield
+    report = outcome.get_result()
+    if not report.failed:
+        return
+    for directory in _RUN_DIRS:
+        for log_file in sorted(directory.glob("*.log")):
+            lines = [line for line in log_file.read_text(errors="replace").splitlines()
+                     if '"level": "error"' in line or '"level": "warning"' in line or "Traceback" in line]
+            if lines:
+                report.sections.append((f"service log {log_file.name}", "\n".join(lines[-20:])[-8000:]))
 
 
 @pytest.fixture(scope="session")
