@@ -25,6 +25,7 @@ import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from pagedserve import json_text
 from pagedserve.errors import InvalidArgument
 
 MAX_NESTED_REPETITION = 1000
@@ -245,7 +246,7 @@ def normalized_json_schema(spec: str) -> str:
             out[key] = value
         return out
 
-    return json.dumps(strip(schema), ensure_ascii=False, separators=(",", ":"))
+    return json_text.dumps(strip(schema), separators=(",", ":"))
 
 
 def check_spec(kind: str, spec: str, field: str) -> None:

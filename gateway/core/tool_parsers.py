@@ -26,6 +26,7 @@ import uuid
 from typing import Protocol
 
 from gateway.core.types import ToolCall
+from pagedserve import json_text
 
 PARSER_NAMES = ("auto", "hermes", "llama3_json")
 
@@ -35,7 +36,7 @@ def new_call_id() -> str:
 
 
 def new_call(name: str, arguments: dict) -> ToolCall:
-    return ToolCall(new_call_id(), name, json.dumps(arguments, ensure_ascii=False))
+    return ToolCall(new_call_id(), name, json_text.dumps(arguments))
 
 
 def call_of(value: object, tools: dict[str, dict]) -> ToolCall | None:
@@ -53,7 +54,7 @@ def call_of(value: object, tools: dict[str, dict]) -> ToolCall | None:
 
 
 def _arguments(call: ToolCall) -> dict:
-    return json.loads(call.arguments or "{}")
+    return json_text.loads(call.arguments or "{}")
 
 
 class ToolCallParser(Protocol):
@@ -119,7 +120,7 @@ class HermesParser:
         return text[:start], calls
 
     def call_text(self, calls: tuple[ToolCall, ...]) -> str:
-        return "\n".join(f"{self.OPEN}\n{json.dumps({'name': c.name, 'arguments': _arguments(c)}, ensure_ascii=False)}"
+        return "\n".join(f"{self.OPEN}\n{json_text.dumps({'name': c.name, 'arguments': _arguments(c)})}"
                          f"\n{self.CLOSE}" for c in calls)
 
 
@@ -165,7 +166,7 @@ class Llama3JsonParser:
             position = len(text) - len(rest)
 
     def call_text(self, calls: tuple[ToolCall, ...]) -> str:
-        return "; ".join(json.dumps({"name": c.name, "parameters": _arguments(c)}, ensure_ascii=False) for c in calls)
+        return "; ".join(json_text.dumps({"name": c.name, "parameters": _arguments(c)}) for c in calls)
 
 
 PARSERS: dict[str, ToolCallParser] = {"hermes": HermesParser(), "llama3_json": Llama3JsonParser()}

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 from gateway.core.tool_parsers import PARSERS, ToolCallParser, call_of, new_call, new_call_id
 from gateway.core.types import ChatMessage, Constraint, Delta, GenerateRequest, Tool, ToolCall
+from pagedserve import json_text
 from pagedserve.errors import InvalidArgument, echo
 
 MAX_TOOLS = 128  # OpenAI's bound
@@ -238,7 +239,7 @@ def _openai_tool(tool: Tool) -> dict:
     function: dict = {"name": tool.name}
     if tool.description:
         function["description"] = tool.description
-    function["parameters"] = json.loads(tool.parameters) if tool.parameters else dict(NO_PARAMETERS)
+    function["parameters"] = json_text.loads(tool.parameters) if tool.parameters else dict(NO_PARAMETERS)
     return {"type": "function", "function": function}
 
 
@@ -258,7 +259,7 @@ def template_messages(request: GenerateRequest, native: bool,
             message: dict = {"role": m.role, "content": m.content}
             if m.tool_calls:
                 message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
-                    "name": c.name, "arguments": json.loads(c.arguments or "{}")}} for c in m.tool_calls]
+                    "name": c.name, "arguments": json_text.loads(c.arguments or "{}")}} for c in m.tool_calls]
             if m.tool_call_id:
                 message["tool_call_id"] = m.tool_call_id
             out.append(message)
@@ -273,7 +274,7 @@ def template_messages(request: GenerateRequest, native: bool,
         else:
             out.append({"role": m.role, "content": m.content})
     if tools:
-        block = GENERIC_TOOLS_PROMPT.format(signatures="\n".join(json.dumps(_openai_tool(t), ensure_ascii=False)
+        block = GENERIC_TOOLS_PROMPT.format(signatures="\n".join(json_text.dumps(_openai_tool(t))
                                                                  for t in tools)) + parser.instructions
         if out and out[0]["role"] == "system":
             out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{block}" if out[0]["content"] else block}

@@ -18,6 +18,7 @@ from gateway.core.streaming import collect, pieces
 from gateway.core.types import ChatMessage, Delta, GenerateRequest, Tool, ToolCall
 from gateway.core.validate import validate
 from pagedserve.compute.v1 import compute_pb2
+from pagedserve import json_text
 from pagedserve.errors import InvalidArgument
 from pagedserve_testing.tiny_model import build_byte_tokenizer
 
@@ -165,6 +166,30 @@ def test_required_and_named_outputs_become_calls_without_the_eos_text() -> None:
     [call] = choice.tool_calls
     assert (choice.text, choice.finish_reason, call.name, call.arguments) == ("", "length", "get_weather",
                                                                               '{"city":"Os')
+
+
+def test_a_sampled_lone_surrogate_escape_becomes_arguments_that_are_text() -> None:
+    """A sampled call may spell a lone surrogate ("\\ud83d" is valid JSON): its arguments are written
+    with \\u escapes, the same JSON value, text a protobuf string and an HTTP body carry (a sampled
+    call written back as it was decoded answered 500). A pair stays one character, written as it is."""
+    named = tools.plan(_request(tool_choice="function", tool_function="get_weather"))
+    choice, _ = _run(named, ['{"city":"\\ud83dO\\u00e9","days":1}'], "eos")
+    [call] = choice.tool_calls
+    assert call.arguments == '{"city": "\\ud83dO\\u00e9", "days": 1}'
+    assert json.loads(call.arguments) == {"city": "\ud83dO\u00e9", "days": 1}
+    compute_pb2.InfoResponse(model_name=call.arguments).SerializeToString()  # a protobuf string takes it
+    choice, _ = _run(named, ['{"city":"\\ud83d\\ude00\\u00e9","days":1}'], "eos")
+    assert choice.tool_calls[0].arguments == '{"city": "\U0001f600\u00e9", "days": 1}'
+    # Sent back in the next turn, the call (and a tool's schema spelling one) reach the prompt with the
+    # surrogate replaced by U+FFFD, both ways a prompt renders tools.
+    weird = Tool("odd", "Odd", '{"type": "object", "description": "\\udc00"}')
+    turn = _request(tools=[*TOOLS, weird], messages=[*CHAT, ChatMessage("assistant", "", (call,)),
+                                                     ChatMessage("tool", "sunny", tool_call_id=call.id)])
+    messages, rendered_tools = tools.template_messages(turn, native=True)
+    assert messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "\ufffdO\u00e9", "days": 1}
+    assert rendered_tools[-1]["function"]["parameters"]["description"] == "\ufffd"
+    messages, _ = tools.template_messages(turn, native=False)
+    assert all(json_text.is_text(m["content"]) for m in messages) and "\ufffdO\u00e9" in messages[2]["content"]
 
 
 @pytest.mark.parametrize("text,want", [
