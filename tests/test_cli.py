@@ -253,6 +253,7 @@ def test_ctrl_c_drains_up_in_order_and_leaves_nothing(service_model) -> None:
     import threading
 
     import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from pagedserve.compute.v1.compute_pb2 import LoadRequest
     from pagedserve.compute.v1.compute_pb2_grpc import ComputeStub
@@ -294,6 +295,17 @@ def test_ctrl_c_drains_up_in_order_and_leaves_nothing(service_model) -> None:
         signal_at = time.monotonic()
         os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
         read += list(stream)  # the stream in flight completes through all three services
+
+        # up passes Ctrl-C to the gateway first; on a loaded machine the stream's last token can come
+        # before the gateway has it. Once it drains (NOT_SERVING, or gone), a late request is refused.
+        def draining() -> bool:
+            try:
+                return health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(), timeout=5).status != health_pb2.HealthCheckResponse.SERVING
+            except grpc.RpcError:
+                return True
+
+        wait_until(draining, 30, "the gateway draining", interval_s=0.05)
         with grpc.insecure_channel(address) as late, pytest.raises(grpc.RpcError) as refused:
             gateway_pb2_grpc.GatewayStub(late).Generate(gateway_pb2.GenerateRequest(
                 prompt="a tiny", params=gateway_pb2.SamplingParams(max_tokens=2)), timeout=10)
