@@ -21,11 +21,13 @@ namespace prefill_tiles {
 constexpr int64_t kTilesMinQ = 64;  // new tokens of a sequence below which the AVX-512 tile kernel is faster
 constexpr int64_t kTilesRows = 32;  // query positions an item computes (two 16-row tiles)
 constexpr int64_t kKvBlock = 64;    // tokens of K/V a step of the online softmax takes (four 16-column tiles)
+constexpr int64_t kStep = 256;      // tokens of K/V one step of the online softmax takes (kKvBlock at a time for S)
 
 inline bool available() { return brgemm_linear::available(); }
 
 // One sequence's visible K and V for one KV head in the tiles' layouts: per kKvBlock tokens, K^T as
-// (D / 2, kKvBlock, 2) and V as (kKvBlock / 2, kVCols, 2) per kVCols of D; tokens past kv_len are zeros.
+// (D / 2, kKvBlock, 2) and V, per kVCols of D, as one run over all tokens (padded / 2, kVCols, 2), so that
+// a step's P V is one call; tokens past kv_len are zeros.
 struct PackedKv {
   std::vector<c10::BFloat16> kt, v;
   int64_t kv_len = 0, padded = 0;
@@ -54,7 +56,7 @@ void pack_kv(PackedKv& out, const c10::BFloat16* k_ptr, const c10::BFloat16* v_p
                               out.kt.data() + c0 * D);
     for (int64_t n0 = 0; n0 < D; n0 += kVCols) {  // the packer writes rows of at most 64 columns
       at::native::cpublas::pack(kKvBlock, kVCols, D, kVCols, at::kBFloat16, at::kBFloat16, v_plain.data() + c0 * D + n0,
-                                out.v.data() + c0 * D + n0 * kKvBlock);
+                                out.v.data() + n0 * padded + c0 * kVCols);
     }
   }
   out.kv_len = kv_len;
@@ -81,15 +83,18 @@ void run_item(const TileItem& it, const PackedKv& kv, const c10::BFloat16* q, c1
   std::fill(l, l + rows, 0.0f);
   const int64_t last_visible = context + it.first + rows;  // tokens the last row sees
   const __m512 vscale = _mm512_set1_ps(scale);
-  for (int64_t c0 = 0; c0 < last_visible; c0 += kKvBlock) {
-    at::native::cpublas::brgemm(rows, kKvBlock, D, q_stride, kKvBlock, kKvBlock, false, q, kv.kt.data() + c0 * D, s,
-                                true);
+  for (int64_t c0 = 0; c0 < last_visible; c0 += kStep) {
+    // S for the step's blocks the last row sees (kKvBlock columns a brgemm call), `kStep` apart a row.
+    const int64_t width = std::min(kStep, (last_visible - c0 + kKvBlock - 1) / kKvBlock * kKvBlock);
+    for (int64_t b0 = 0; b0 < width; b0 += kKvBlock)
+      at::native::cpublas::brgemm(rows, kKvBlock, D, q_stride, kKvBlock, kStep, false, q, kv.kt.data() + (c0 + b0) * D,
+                                  s + b0, true);
     for (int64_t r = 0; r < rows; ++r) {
-      const int64_t seen = std::min<int64_t>(kKvBlock, context + it.first + r + 1 - c0);  // columns this row sees
-      float* sr = s + r * kKvBlock;
+      const int64_t seen = std::min<int64_t>(width, context + it.first + r + 1 - c0);  // columns this row sees
+      float* sr = s + r * kStep;
       __m512 block_max = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-      for (int64_t j = 0; j < kKvBlock; j += 16) {
-        const __mmask16 valid = seen >= j + 16 ? 0xFFFF : seen > j ? static_cast<__mmask16>((1u << (seen - j)) - 1) : 0;
+      for (int64_t j = 0; j < seen; j += 16) {  // columns past `seen` get no weight (below)
+        const __mmask16 valid = seen >= j + 16 ? 0xFFFF : static_cast<__mmask16>((1u << (seen - j)) - 1);
         const __m512 x = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-std::numeric_limits<float>::infinity()),
                                               _mm512_mul_ps(_mm512_loadu_ps(sr + j), vscale));
         _mm512_storeu_ps(sr + j, x);
@@ -98,17 +103,21 @@ void run_item(const TileItem& it, const PackedKv& kv, const c10::BFloat16* q, c1
       const float new_max = std::max(m[r], _mm512_reduce_max_ps(block_max));
       const __m512 vmax = _mm512_set1_ps(new_max);
       __m512 sum = _mm512_setzero_ps();
-      for (int64_t j = 0; j < kKvBlock; j += 16) {
-        const __m512 x = _mm512_loadu_ps(sr + j);
-        const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), _CMP_NEQ_OQ);
-        const __m512 e = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(x, vmax)));
-        sum = _mm512_add_ps(sum, e);
-        const __m256bh hi = _mm512_cvtneps_pbh(e);  // e = hi + lo, each a bf16
-        const __m512 hi_wide = _mm512_castsi512_ps(
-            _mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<const __m256i&>(hi)), 16));
-        const __m256bh lo = _mm512_cvtneps_pbh(_mm512_sub_ps(e, hi_wide));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p_hi + r * kKvBlock + j), reinterpret_cast<const __m256i&>(hi));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p_lo + r * kKvBlock + j), reinterpret_cast<const __m256i&>(lo));
+      for (int64_t j = 0; j < width; j += 16) {
+        __m256i hi_bits = _mm256_setzero_si256(), lo_bits = _mm256_setzero_si256();
+        if (j < seen) {
+          const __m512 x = _mm512_loadu_ps(sr + j);
+          const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), _CMP_NEQ_OQ);
+          const __m512 e = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(x, vmax)));
+          sum = _mm512_add_ps(sum, e);
+          const __m256bh hi = _mm512_cvtneps_pbh(e);  // e = hi + lo, each a bf16
+          const __m512 hi_wide = _mm512_castsi512_ps(
+              _mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<const __m256i&>(hi)), 16));
+          const __m256bh lo = _mm512_cvtneps_pbh(_mm512_sub_ps(e, hi_wide));
+          hi_bits = reinterpret_cast<const __m256i&>(hi), lo_bits = reinterpret_cast<const __m256i&>(lo);
+        }
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p_hi + r * kStep + j), hi_bits);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p_lo + r * kStep + j), lo_bits);
       }
       if (new_max != m[r]) {  // rescale what is summed so far (exp(0) = 1 otherwise)
         const float corr = _mm512_cvtss_f32(exp512(_mm512_set1_ps(m[r] - new_max)));
@@ -119,10 +128,12 @@ void run_item(const TileItem& it, const PackedKv& kv, const c10::BFloat16* q, c1
       }
       l[r] += _mm512_reduce_add_ps(sum);
     }
+    // O += P V over the step's tokens, one call per half of P (V's chunks of kVColsOf<D> columns hold
+    // their tokens in one run).
     for (int64_t n0 = 0; n0 < D; n0 += kVColsOf<D>) {
-      const c10::BFloat16* vb = kv.v.data() + c0 * D + n0 * kKvBlock;
-      at::native::cpublas::brgemm(rows, kVColsOf<D>, kKvBlock, kKvBlock, kVColsOf<D>, D, true, p_hi, vb, acc + n0, true);
-      at::native::cpublas::brgemm(rows, kVColsOf<D>, kKvBlock, kKvBlock, kVColsOf<D>, D, true, p_lo, vb, acc + n0, true);
+      const c10::BFloat16* vb = kv.v.data() + n0 * kv.padded + c0 * kVColsOf<D>;
+      at::native::cpublas::brgemm(rows, kVColsOf<D>, width, kStep, kVColsOf<D>, D, true, p_hi, vb, acc + n0, true);
+      at::native::cpublas::brgemm(rows, kVColsOf<D>, width, kStep, kVColsOf<D>, D, true, p_lo, vb, acc + n0, true);
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
@@ -159,8 +170,8 @@ void run(const std::vector<int64_t>& seqs, c10::BFloat16* o_ptr, const c10::BFlo
   std::atomic<int64_t> next{0};
   const int64_t num_items = static_cast<int64_t>(items.size());
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_items), 1, [&](int64_t, int64_t) {
-    std::vector<float> s(kTilesRows * kKvBlock), acc(kTilesRows * D), m(kTilesRows), l(kTilesRows);
-    std::vector<c10::BFloat16> p_hi(kTilesRows * kKvBlock), p_lo(kTilesRows * kKvBlock);
+    std::vector<float> s(kTilesRows * kStep), acc(kTilesRows * D), m(kTilesRows), l(kTilesRows);
+    std::vector<c10::BFloat16> p_hi(kTilesRows * kStep), p_lo(kTilesRows * kStep);
     for (int64_t idx = next.fetch_add(1); idx < num_items; idx = next.fetch_add(1)) {
       const TileItem& it = items[idx];
       const int64_t b = ids[seqs[it.seq]], q_len = cu[b + 1] - cu[b];
