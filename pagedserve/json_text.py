@@ -5,21 +5,25 @@ a Python str holding that surrogate, which no UTF-8 text can carry. Protobuf str
 and tokenizers all refuse it, so such a str written back with ``ensure_ascii=False`` fails far from
 where it came in (an answer of 500). Model output can spell one (a sampled tool call's arguments),
 and so can JSON text a client passes inside a string field (a tool's parameters, an earlier call's
-arguments: our own answer, sent back in the next turn). Written: ``dumps`` escapes such a value.
+arguments: our own answer, sent back in the next turn). Written: ``dumps`` escapes the surrogate.
 Read for a prompt: ``loads`` replaces the surrogate, as a UTF-8 decoder replaces a bad byte.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def dumps(value: Any, **kwargs: Any) -> str:
-    """``json.dumps(value, ensure_ascii=False, **kwargs)``: other scripts as they are, unless ``value``
-    holds a lone surrogate; then every non-ASCII character as its ``\\u`` escape (the same JSON value)."""
+    """``json.dumps(value, ensure_ascii=False, **kwargs)``, each lone surrogate written as its ``\\u``
+    escape (the same JSON value); other scripts as they are. (``json.loads`` joins a pair into one
+    character, so a surrogate left in a str is a lone one.)"""
     text = json.dumps(value, ensure_ascii=False, **kwargs)
-    return text if is_text(text) else json.dumps(value, **kwargs)
+    return text if is_text(text) else _SURROGATE.sub(lambda m: f"\\u{ord(m[0]):04x}", text)
 
 
 def is_text(text: str) -> bool:

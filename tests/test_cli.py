@@ -297,7 +297,8 @@ def test_ctrl_c_drains_up_in_order_and_leaves_nothing(service_model) -> None:
         read += list(stream)  # the stream in flight completes through all three services
 
         # up passes Ctrl-C to the gateway first; on a loaded machine the stream's last token can come
-        # before the gateway has it. Once it drains (NOT_SERVING, or gone), a late request is refused.
+        # before the gateway has it. Once it drains (NOT_SERVING, or gone), a late request is refused
+        # (up's gateway has no drain delay, during which NOT_SERVING would still take requests).
         def draining() -> bool:
             try:
                 return health_pb2_grpc.HealthStub(channel).Check(

@@ -62,6 +62,7 @@ def start_engines(model_dir: Path, run_dir: Path, names: list[str]) -> list[Engi
 
 
 _RUN_DIRS: list[Path] = []  # this worker's run directories, whose logs a failing test's report shows
+_LOG_OFFSETS: dict[Path, int] = {}  # each log's size when the running test began
 
 
 @pytest.fixture(scope="session")
@@ -72,20 +73,31 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory
 
 
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    _LOG_OFFSETS.clear()
+    for directory in _RUN_DIRS:
+        for log_file in directory.glob("*.log"):
+            _LOG_OFFSETS[log_file] = log_file.stat().st_size
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
-    """A failing test's report carries the services' warnings and errors (a 500's traceback is in
-    a service's log, not in the client's exception), the last of each log."""
+    """A failing test's report carries what the services logged meanwhile above info (a 500's
+    traceback is in a service's log, not in the client's exception): JSON lines of level warning or
+    error, and every line that is not JSON (tracebacks, the standard library's format)."""
     outcome = yield
     report = outcome.get_result()
     if not report.failed:
         return
     for directory in _RUN_DIRS:
         for log_file in sorted(directory.glob("*.log")):
-            lines = [line for line in log_file.read_text(errors="replace").splitlines()
-                     if '"level": "error"' in line or '"level": "warning"' in line or "Traceback" in line]
+            with log_file.open("rb") as f:
+                f.seek(_LOG_OFFSETS.get(log_file, 0))
+                text = f.read().decode(errors="replace")
+            lines = [line for line in text.splitlines() if line.strip() and (
+                not line.startswith("{") or '"level": "error"' in line or '"level": "warning"' in line)]
             if lines:
-                report.sections.append((f"service log {log_file.name}", "\n".join(lines[-20:])[-8000:]))
+                report.sections.append((f"service log {log_file.name}", "\n".join(lines)[-8000:]))
 
 
 @pytest.fixture(scope="session")

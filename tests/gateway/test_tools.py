@@ -17,8 +17,8 @@ from gateway.core import tools
 from gateway.core.streaming import collect, pieces
 from gateway.core.types import ChatMessage, Delta, GenerateRequest, Tool, ToolCall
 from gateway.core.validate import validate
-from pagedserve.compute.v1 import compute_pb2
 from pagedserve import json_text
+from pagedserve.compute.v1 import compute_pb2
 from pagedserve.errors import InvalidArgument
 from pagedserve_testing.tiny_model import build_byte_tokenizer
 
@@ -169,13 +169,13 @@ def test_required_and_named_outputs_become_calls_without_the_eos_text() -> None:
 
 
 def test_a_sampled_lone_surrogate_escape_becomes_arguments_that_are_text() -> None:
-    """A sampled call may spell a lone surrogate ("\\ud83d" is valid JSON): its arguments are written
-    with \\u escapes, the same JSON value, text a protobuf string and an HTTP body carry (a sampled
+    """A sampled call may spell a lone surrogate ("\\ud83d" is valid JSON): its arguments write it as
+    its \\u escape, the same JSON value, text a protobuf string and an HTTP body carry (a sampled
     call written back as it was decoded answered 500). A pair stays one character, written as it is."""
     named = tools.plan(_request(tool_choice="function", tool_function="get_weather"))
     choice, _ = _run(named, ['{"city":"\\ud83dO\\u00e9","days":1}'], "eos")
     [call] = choice.tool_calls
-    assert call.arguments == '{"city": "\\ud83dO\\u00e9", "days": 1}'
+    assert call.arguments == '{"city": "\\ud83dO\u00e9", "days": 1}'
     assert json.loads(call.arguments) == {"city": "\ud83dO\u00e9", "days": 1}
     compute_pb2.InfoResponse(model_name=call.arguments).SerializeToString()  # a protobuf string takes it
     choice, _ = _run(named, ['{"city":"\\ud83d\\ude00\\u00e9","days":1}'], "eos")

@@ -84,11 +84,12 @@ def test_long_prompts_on_amx_tiles_match_float32(block_size: int, head_dim: int)
     # elsewhere the AVX-512 tiles, the same contract): fresh ones, a chunk over cached context that
     # ends mid-block, one at exactly the threshold, beside a decode and a short prompt in one step;
     # slots no sequence owns hold NaN (the gather must not read them, nor the padding past a prompt).
-    # The last two span several of the online softmax's 256-token steps (fresh, and a chunk over 570
-    # cached tokens that ends mid-step).
+    # The last three span several of the online softmax's 256-token steps: fresh, a chunk over 570
+    # cached tokens that ends mid-step, and one over 470 whose items reach into a step some of their
+    # rows cannot see at all.
     if cpu_linear.amx() and ops.attention_isa() == "avx512-bf16":  # the tiles are what this test runs here
         assert ops.prompt_tiles_min_tokens() == 64
-    seq_lens, q_lens = [150, 1, 200, 64, 40, 97, 600, 700], [150, 1, 121, 64, 40, 97, 600, 130]
+    seq_lens, q_lens = [150, 1, 200, 64, 40, 97, 600, 700, 700], [150, 1, 121, 64, 40, 97, 600, 130, 230]
     batch = make_paged_batch(seq_lens, q_lens, num_q_heads=8, num_kv_heads=2, head_dim=head_dim,
                              block_size=block_size, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(11))
     fill_unowned_slots_with_nan(batch, seq_lens, block_size)

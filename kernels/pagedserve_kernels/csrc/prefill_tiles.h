@@ -20,7 +20,7 @@ namespace prefill_tiles {
 
 constexpr int64_t kTilesMinQ = 64;  // new tokens of a sequence below which the AVX-512 tile kernel is faster
 constexpr int64_t kTilesRows = 64;  // query positions an item computes (four 16-row tiles)
-constexpr int64_t kKvBlock = 64;    // tokens of K/V a step of the online softmax takes (four 16-column tiles)
+constexpr int64_t kKvBlock = 64;    // tokens of K^T a packed block holds: the columns of one S call (four tiles)
 constexpr int64_t kStep = 256;      // tokens of K/V one step of the online softmax takes (kKvBlock at a time for S)
 
 inline bool available() { return brgemm_linear::available(); }
