@@ -277,6 +277,10 @@ def run_faults(model: str, dtype: str | None, root: Path, sizes: FaultSizes, voc
         engines.restart_memory()
         scenario = send_and_compare(engines, first, cold)
         again = send_and_compare(engines, second, cold)
+        # Wave 2's write-behind first: a temporary file counted while it still writes is not the
+        # killed service's.
+        num_files += len(second) * sizes.prompt_blocks
+        wait_for_files(tier_dir, num_files)
         disk = engines.disk()
         result["sigkill_mid_write"] = {
             "same_tokens": scenario["same_tokens"] and again["same_tokens"], **killed,
@@ -286,8 +290,6 @@ def run_faults(model: str, dtype: str | None, root: Path, sizes: FaultSizes, voc
             "partial_files_left": len(partial_files(tier_dir)), "files_removed": disk.num_bad_files,
             "write_errors": disk.num_write_errors, "integrity_ok": engines.integrity_ok(),
             "log_lines": engines.tier_log_lines()}
-        num_files += len(second) * sizes.prompt_blocks
-        wait_for_files(tier_dir, num_files)
 
         # 2. A flipped and a truncated file, found by a new memory service.
         assert engines.stack.memory is not None
