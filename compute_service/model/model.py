@@ -127,6 +127,7 @@ class CausalLM(nn.Module):
             config = self.config
             quantized = any(isinstance(p, QuantizedLinear) for p in packed)
             quant, quant_meta = stack_operands(packed) if quantized else ([], [])
+            packed = [p if isinstance(p, torch.Tensor) else None for p in packed]  # quantized ones travel in `quant`
             self._layer_stack = kernels.LayerStack(weights, packed, biases, self.small_rows, config.num_q_heads,
                                                    config.num_kv_heads, config.head_dim, config.rms_norm_eps,
                                                    config.head_dim**-0.5, quantized, quant, quant_meta,

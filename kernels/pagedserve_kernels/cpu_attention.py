@@ -112,8 +112,7 @@ class CpuAttentionPlan:
             return None  # a projection of more parts than the C++ stack takes
         if self.fresh and not self.ops.avx512_attention(kv_pool.shape[3]):
             return None
-        packed = [None if stack.quantized and not isinstance(p, torch.Tensor) else p for p in stack.packed]
-        return self.ops.decoder_layers(residual, None, stack.weights, packed, stack.biases, stack.small_rows,
+        return self.ops.decoder_layers(residual, None, stack.weights, stack.packed, stack.biases, stack.small_rows,
                                        cos, sin, kv_pool, self.slots,
                                        self.block_tables, self.seq_lens, self.cu_seqlens_q, self.seq_ids,
                                        stack.num_q_heads, stack.num_kv_heads, stack.head_dim, stack.eps, stack.scale,

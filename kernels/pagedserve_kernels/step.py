@@ -32,12 +32,13 @@ class LayerStack:
         weights: per layer, in order: input norm (H,), qkv ((Q + 2 KV, H)), o, post-attention norm (H,),
             gate_up, down: the plain weights (empty where released for their packed copy; on an AMX
             CPU in the tiles' layout, `cpu_linear.small_weight`).
-        packed: per layer the qkv, o, gate_up and down `kernels.prepack` copies, None where not packed.
+        packed: per layer the qkv, o, gate_up and down `kernels.prepack` copies, None where not packed
+            (or kept quantized).
         biases: per layer the qkv, o, gate_up and down biases, None where the model has none.
         small_rows: steps of up to this many rows take the small-batch linear (`cpu_linear.small_rows`).
         num_q_heads, num_kv_heads, head_dim: the attention's shape.
         eps: both norms' epsilon; scale: the attention's softmax scale.
-        quantized: some projections are kept quantized (`quant.QuantizedLinear` in `packed`).
+        quantized: some projections are kept quantized (`quant.QuantizedLinear`).
         quant, quant_meta, quant_tiles: those projections as the C++ stack takes them
             (`quant.stack_operands`); quant_meta empty where it cannot (then the layers run one by
             one, through `cpu_linear.linear`).
