@@ -75,7 +75,7 @@ def kernel_paths(device: torch.device, dtype: torch.dtype, head_dim: int, quanti
     CPU adds ", prompts>=64 amx-tiles": the prompts that take csrc/prefill_tiles.h), "linear"
     (`cpu_linear.linear_path`: the small-batch rows and their kernel, then oneDNN, on AMX tiles or not;
     for a model whose weights are kept quantized, `quant.path()` and the formats held, e.g.
-    "quant amx-tiles Q4_K+Q6_K").
+    "quant amx-tiles Q4_K+Q6_K, rows>=192 onednn": prompt chunks multiply on oneDNN).
     """
     if not step_path(device, dtype, head_dim).startswith("fused-cpp"):
         return {}
@@ -88,7 +88,10 @@ def kernel_paths(device: torch.device, dtype: torch.dtype, head_dim: int, quanti
     if quantization != "none":
         from pagedserve_kernels import quant
 
-        return {"attention": attention, "linear": f"{quant.path(dtype)} {quantization}"}
+        linear = f"{quant.path(dtype)} {quantization}"
+        if dtype == torch.bfloat16 and quant.onednn_rows():
+            linear += f", rows>={quant.onednn_rows()} onednn"
+        return {"attention": attention, "linear": linear}
     return {"attention": attention, "linear": linear_path(dtype)}
 
 

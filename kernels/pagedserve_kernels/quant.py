@@ -163,6 +163,12 @@ def path(dtype: torch.dtype = torch.bfloat16) -> str:
     return "quant amx-tiles" if tiles() else "quant avx512-bf16"
 
 
+def onednn_rows() -> int:
+    """From how many rows `linear` (bf16 out) runs on oneDNN's matmul over widened blocks (csrc/quant_linear.h
+    `linear_onednn`); 0: never here."""
+    return int(_ops().quant_onednn_rows()) if available() else 0
+
+
 def linear(x: torch.Tensor, weight: QuantizedWeight, float_out: bool = False) -> torch.Tensor:
     """x (N, in) @ weight.T + its bias: (N, out) float32 with `float_out`, else x's dtype."""
     return torch.ops.pagedserve_cpu.quant_linear(x.contiguous(), weight.q, weight.scales, weight.mins, weight.bias,

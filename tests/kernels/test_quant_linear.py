@@ -35,8 +35,8 @@ def _reference(x: torch.Tensor, weight: quant.QuantizedWeight) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
-@pytest.mark.parametrize(("out_features", "in_features"), [(64, 32), (200, 96), (128, 640)])
-@pytest.mark.parametrize("rows", [1, 2, 3, 16, 33, 70])
+@pytest.mark.parametrize(("out_features", "in_features"), [(64, 32), (200, 96), (128, 640), (600, 96)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 16, 33, 70, 200])
 def test_quant_linear_equals_the_dequantized_product(scheme, out_features, in_features, rows):
     generator = torch.Generator().manual_seed(out_features * 1000 + in_features + rows)
     weight = quant.quantize(torch.randn(out_features, in_features, generator=generator) * 0.1, scheme)
@@ -58,7 +58,7 @@ def test_quant_linear_equals_the_dequantized_product(scheme, out_features, in_fe
 
 @pytest.mark.parametrize(("bits", "low", "high", "group", "with_min"),
                          [(8, -32, 32, 16, False), (8, 0, 32, 32, True), (4, 0, 16, 32, True), (4, 0, 16, 256, False)])
-@pytest.mark.parametrize("rows", [1, 2, 5, 40])
+@pytest.mark.parametrize("rows", [1, 2, 5, 40, 200])
 def test_quant_linear_with_a_files_groups_equals_the_dequantized_product(bits, low, high, group, with_min, rows):
     """Integers and scales as GGUF files hold them (Q6_K: 8-bit in groups of 16, no min; Q5_K: groups of
     32 with mins; Q4_K: 4-bit with mins; and 4-bit with one scale per column, no min), every path: the
@@ -77,6 +77,10 @@ def test_quant_linear_with_a_files_groups_equals_the_dequantized_product(bits, l
         y = torch.ops.pagedserve_cpu.quant_linear(x, weight.q, weight.scales, weight.mins, None, bits, group,
                                                   out_features, tiles, True)
         torch.testing.assert_close(y.double(), reference, rtol=1e-5, atol=1e-4, msg=f"tiles={tiles}")
+    # bf16 out (200 rows: oneDNN's matmul on the widened blocks, csrc/quant_linear.h `linear_onednn`)
+    rounded = torch.ops.pagedserve_cpu.quant_linear(x, weight.q, weight.scales, weight.mins, None, bits, group,
+                                                    out_features, quant.tiles(), False)
+    torch.testing.assert_close(rounded.float(), reference.float().bfloat16().float(), rtol=1e-2, atol=1e-2)
 
 
 def test_quantize_rounds_to_the_nearest_level_per_channel_and_group():

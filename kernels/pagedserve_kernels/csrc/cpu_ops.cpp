@@ -637,6 +637,16 @@ std::string quant_linear_isa() {
 #endif
 }
 
+// From this many rows on, a quantized linear with bf16 outputs runs on oneDNN's matmul over widened
+// blocks (csrc/quant_linear.h `linear_onednn`); 0: never in this build.
+int64_t quant_onednn_rows() {
+#ifdef __AVX512BF16__
+  return quant_linear::kOnednnRows;
+#else
+  return 0;
+#endif
+}
+
 // x (M, in) @ weight.T + bias as kernels/pagedserve_kernels/cpu_linear.py's `linear` computes it: `small_linear` for a few
 // bf16 rows on a plain weight (`small_rows`: its limit, 0 = never), else oneDNN on the packed copy
 // (`prepack`: an opaque mkldnn tensor) where there is one, else at::linear on the plain weight.
@@ -819,6 +829,7 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
         "bool tiles, bool float_out) -> Tensor");
   m.def("quant_dequantize(Tensor q, Tensor scales, Tensor? mins, int bits, int group, int n) -> Tensor");
   m.def("quant_linear_isa() -> str");
+  m.def("quant_onednn_rows() -> int");
   m.def("quant_rows(Tensor q, Tensor scales, Tensor? mins, int bits, int group, int n, Tensor ids) -> Tensor");
   m.def("nucleus_draws(Tensor rows, Tensor inv_t, Tensor top_p, Tensor uniform, int k) -> Tensor");
   m.def("has_nucleus_draws() -> bool");
@@ -854,6 +865,7 @@ TORCH_LIBRARY_IMPL(pagedserve_cpu, CatchAll, m) {
   m.impl("brgemm_block_n", &brgemm_block_n);
   m.impl("attention_isa", &attention_isa);
   m.impl("quant_linear_isa", &quant_linear_isa);
+  m.impl("quant_onednn_rows", &quant_onednn_rows);
   m.impl("prompt_tiles_min_tokens", &prompt_tiles_min_tokens);
   m.impl("has_nucleus_draws", &sampler::has_nucleus_draws);
   m.impl("avx512_attention", &uses_avx512_attention);

@@ -30,11 +30,19 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+#include <vector>
 
 #ifdef __AVX512BF16__
 #include <immintrin.h>
 #endif
 
+#ifndef ONEDNN_ROWS
+#define ONEDNN_ROWS 32
+#endif
+#ifndef CHUNK_BLOCKS
+#define CHUNK_BLOCKS 4
+#endif
 namespace {
 namespace quant_linear {
 
@@ -45,6 +53,12 @@ constexpr int64_t kBlockM = 32;    // rows of x one brgemm call takes
 // and mins hold registers, so fewer rows share one pass there.
 constexpr int64_t kFusedRows = 4, kFusedRowsGrouped = 2;
 constexpr int64_t kPrefetch = 2048;  // bytes ahead of the few-row path's read position (16 lines)
+// From these rows on (a prompt chunk) the weight goes to oneDNN's matmul a few blocks at a time, widened
+// to plain bf16 rows in L2 (`linear_onednn`): its blocking for prompt-sized M does about twice the FLOPS
+// of our brgemm passes over a block, which pays for the widening from ~200 rows on (docs/benchmarks.md,
+// "Quantized prompts on oneDNN").
+constexpr int64_t kOnednnRows = 192;
+constexpr int64_t kChunkBlocks = 4;  // column blocks a oneDNN call takes (256 columns)
 
 struct Weight {
   const uint8_t* q;
@@ -129,6 +143,43 @@ inline void dequantize(const Weight& w, int64_t b, int64_t k0, int64_t kc, c10::
         hi = _mm512_fmadd_ps(hi, s_hi[c], m_hi[c]);
         _mm512_storeu_si512(out + 32 * c, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
       }
+    }
+  }
+}
+
+// r[i] holds 16 dwords of row i; afterwards r[j] holds dword j of every row (a 16 x 16 transpose).
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // r[4i + e], 128-bit lane L: element 4L + e of rows 4i..4i+3
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int e = 0; e < 4; ++e) {
+    const __m512i a = _mm512_shuffle_i32x4(r[e], r[4 + e], 0x88), b = _mm512_shuffle_i32x4(r[e], r[4 + e], 0xdd);
+    const __m512i c = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0x88), d = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0xdd);
+    t[e] = _mm512_shuffle_i32x4(a, c, 0x88), t[8 + e] = _mm512_shuffle_i32x4(a, c, 0xdd);
+    t[4 + e] = _mm512_shuffle_i32x4(b, d, 0x88), t[12 + e] = _mm512_shuffle_i32x4(b, d, 0xdd);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+// Block b's kBlockN columns as plain bf16 rows: dst (kBlockN, K), row stride K; K a multiple of 32. Each
+// 32 inputs are de-quantized into tmp (32 * kBlockN) in the VNNI layout (`dequantize`), where a pair row's
+// 16 dwords are 16 columns' pairs, and transposed 16 x 16 into the columns' rows.
+inline void dequantize_plain(const Weight& w, int64_t b, c10::BFloat16* dst, c10::BFloat16* tmp) {
+  for (int64_t k0 = 0; k0 < w.K; k0 += 32) {
+    dequantize(w, b, k0, 32, tmp);
+    for (int c = 0; c < kBlockN / 16; ++c) {
+      __m512i r[16];
+      for (int p = 0; p < 16; ++p) r[p] = _mm512_loadu_si512(tmp + p * 2 * kBlockN + 32 * c);
+      transpose16(r);
+      for (int j = 0; j < 16; ++j) _mm512_storeu_si512(dst + (16 * c + j) * w.K + k0, r[j]);
     }
   }
 }
@@ -341,12 +392,47 @@ inline void multiply(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* b
   }
 }
 
+// `linear` for many rows (M >= kOnednnRows, K a multiple of 32), bf16 outputs: each thread takes runs of
+// kChunkBlocks column blocks, widens them into plain rows in L2 and multiplies on oneDNN's matmul
+// (at::mm, one thread inside the parallel region); products in float32, rounded to bf16 by oneDNN, then
+// the float32 bias added and rounded again (a bias rounded to bf16 first would lose more).
+inline void linear_onednn(const Weight& w, const c10::BFloat16* x, const float* bias, c10::BFloat16* y, int64_t M,
+                          int64_t N) {
+  const int64_t K = w.K, chunks = (w.blocks + kChunkBlocks - 1) / kChunkBlocks;
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), chunks));
+  const at::Tensor xt = at::from_blob(const_cast<c10::BFloat16*>(x), {M, K}, at::kBFloat16);
+  at::parallel_for(0, chunks, (chunks + threads - 1) / threads, [&](int64_t begin, int64_t end) {
+    const at::Tensor plain = at::empty({kChunkBlocks * kBlockN, K}, at::kBFloat16);
+    std::vector<c10::BFloat16> tmp(32 * kBlockN);
+    for (int64_t chunk = begin; chunk < end; ++chunk) {
+      const int64_t b0 = chunk * kChunkBlocks, n0 = b0 * kBlockN;
+      const int64_t cols = std::min(std::min(kChunkBlocks, w.blocks - b0) * kBlockN, N - n0);
+      if (cols <= 0) break;
+      for (int64_t b = b0; b * kBlockN < n0 + cols; ++b)
+        dequantize_plain(w, b, plain.data_ptr<c10::BFloat16>() + (b - b0) * kBlockN * K, tmp.data());
+      const at::Tensor out = at::mm(xt, plain.narrow(0, 0, cols).t());  // (M, cols) bf16
+      const c10::BFloat16* src = out.data_ptr<c10::BFloat16>();
+      for (int64_t i = 0; i < M; ++i) {
+        c10::BFloat16* row = y + i * N + n0;
+        if (!bias) {
+          std::memcpy(row, src + i * cols, cols * sizeof(c10::BFloat16));
+          continue;
+        }
+        for (int64_t j = 0; j < cols; ++j) row[j] = static_cast<float>(src[i * cols + j]) + bias[n0 + j];
+      }
+    }
+  });
+}
+
 // y (M, N) = x (M, K) bf16 @ W^T (+ bias (N,) float32); W's first N of blocks * kBlockN columns.
 // `tiles`: the AMX path (only where brgemm_linear::available()).
 template <typename TOut>
 inline void linear(const Weight& w, const c10::BFloat16* x, const float* bias, TOut* y, int64_t M, int64_t N,
                    bool tiles) {
   const int64_t K = w.K;
+  if constexpr (std::is_same_v<TOut, c10::BFloat16>) {
+    if (M >= kOnednnRows && K % 32 == 0) return linear_onednn(w, x, bias, y, M, N);
+  }
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), w.blocks));
   // All rows in one pass: K in L1-sized slices, each de-quantized once and used at once. More rows: the
   // block's whole K de-quantized once (L2), then passes of kBlockM rows over it.
