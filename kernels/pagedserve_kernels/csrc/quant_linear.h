@@ -402,23 +402,29 @@ inline void linear_onednn(const Weight& w, const c10::BFloat16* x, const float* 
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), chunks));
   const at::Tensor xt = at::from_blob(const_cast<c10::BFloat16*>(x), {M, K}, at::kBFloat16);
   at::parallel_for(0, chunks, (chunks + threads - 1) / threads, [&](int64_t begin, int64_t end) {
-    const at::Tensor plain = at::empty({kChunkBlocks * kBlockN, K}, at::kBFloat16);
-    std::vector<c10::BFloat16> tmp(32 * kBlockN);
+    // Scratch kept by each thread from call to call: a fresh multi-MB buffer a call costs page faults.
+    thread_local std::vector<c10::BFloat16> plain, product;
+    thread_local std::vector<c10::BFloat16> tmp(32 * kBlockN);
+    plain.resize(std::max<size_t>(plain.size(), kChunkBlocks * kBlockN * K));
+    product.resize(std::max<size_t>(product.size(), M * kChunkBlocks * kBlockN));
     for (int64_t chunk = begin; chunk < end; ++chunk) {
       const int64_t b0 = chunk * kChunkBlocks, n0 = b0 * kBlockN;
       const int64_t cols = std::min(std::min(kChunkBlocks, w.blocks - b0) * kBlockN, N - n0);
       if (cols <= 0) break;
-      for (int64_t b = b0; b * kBlockN < n0 + cols; ++b)
-        dequantize_plain(w, b, plain.data_ptr<c10::BFloat16>() + (b - b0) * kBlockN * K, tmp.data());
-      const at::Tensor out = at::mm(xt, plain.narrow(0, 0, cols).t());  // (M, cols) bf16
-      const c10::BFloat16* src = out.data_ptr<c10::BFloat16>();
+      for (int64_t b = b0; b * kBlockN < n0 + cols; ++b) dequantize_plain(w, b, plain.data() + (b - b0) * kBlockN * K, tmp.data());
+      at::Tensor out = bias ? at::from_blob(product.data(), {M, cols}, at::kBFloat16)
+                            : at::from_blob(y + n0, {M, cols}, {N, 1}, at::kBFloat16);
+      at::mm_out(out, xt, at::from_blob(plain.data(), {cols, K}, at::kBFloat16).t());
+      if (!bias) continue;
+      const c10::BFloat16* src = product.data();
       for (int64_t i = 0; i < M; ++i) {
-        c10::BFloat16* row = y + i * N + n0;
-        if (!bias) {
-          std::memcpy(row, src + i * cols, cols * sizeof(c10::BFloat16));
-          continue;
+        for (int64_t j = 0; j < cols; j += 16) {
+          const __mmask16 mask = cols - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (cols - j)) - 1);
+          const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(
+              _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, src + i * cols + j)), 16));
+          const __m512 sum = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias + n0 + j));
+          _mm256_mask_storeu_epi16(y + i * N + n0 + j, mask, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(sum)));
         }
-        for (int64_t j = 0; j < cols; ++j) row[j] = static_cast<float>(src[i * cols + j]) + bias[n0 + j];
       }
     }
   });
