@@ -265,3 +265,26 @@ def test_a_float32_residual_stream_under_bf16_weights() -> None:
         close_to_float32(ops.rms_norm(residual, weight, eps), want)
     with pytest.raises(RuntimeError, match="residual"):  # a bf16 residual under float32 weights: a bug
         ops.add_rms_norm(torch.randn(2, 96).bfloat16(), torch.randn(2, 96), weight.float(), eps)
+
+
+@pytest.mark.skipif(not cpu_linear.available(), reason="this torch has no oneDNN to prepack weights with")
+@pytest.mark.parametrize(("rows", "out_features"), [(5, 576), (300, 576), (601, 576), (300, 2048)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_packed_linear_splits_narrow_outputs_rows_and_keeps_the_product(rows, out_features, dtype) -> None:
+    """`packed_linear` (oneDNN on the prepacked weight; from 256 rows, outputs up to 1,024 wide have their
+    rows split between the threads, csrc/cpu_ops.cpp): every row, the last partial share included, is the
+    float32 product of the same inputs, and where nothing is split it is oneDNN's own result, bit for bit."""
+    generator = torch.Generator().manual_seed(rows + out_features)
+    weight = (torch.randn(out_features, 320, generator=generator) / 18).to(dtype)
+    bias = torch.randn(out_features, generator=generator).to(dtype)
+    x = torch.randn(rows, 320, generator=generator).to(dtype)
+    packed = cpu_linear.prepack(weight)
+    got = ops.packed_linear(x, packed, bias)
+    want = F.linear(x.float(), weight.float(), bias.float())
+    assert got.shape == (rows, out_features) and got.dtype == dtype
+    if dtype == torch.bfloat16:
+        close_to_float32(got, want)
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    if rows < 256 or out_features > 1024:
+        assert torch.equal(got, torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], ""))

@@ -647,6 +647,49 @@ int64_t quant_onednn_rows() {
 #endif
 }
 
+// x (M, in) @ packed.T + bias on oneDNN's matmul (`packed`: the opaque mkldnn tensor of `prepack`).
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
+  // Boxed: the kernel's C++ signature is torch's internal business; the schema is the contract.
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack;
+  stack.reserve(6);
+  stack.emplace_back(x);
+  stack.emplace_back(packed);
+  stack.emplace_back(bias.has_value() ? c10::IValue(*bias) : c10::IValue());
+  stack.emplace_back(std::string("none"));
+  stack.emplace_back(c10::List<std::optional<at::Scalar>>());
+  stack.emplace_back(std::string(""));
+  op.callBoxed(&stack);
+  return std::move(stack[0]).toTensor();
+}
+
+// oneDNN's matmul leaves the second thread idle on narrow outputs: the default model's o and down
+// projections (576 outputs) took as long on two threads as on one at 300-1,000 rows, where its 960-
+// and 3,072-wide ones ran twice as fast (docs/benchmarks.md, "Prompt linears split by rows"). Up to
+// kSplitMaxN outputs and from kSplitMinRows rows, `any_linear` splits the rows between the threads.
+constexpr int64_t kSplitMaxN = 1024, kSplitMinRows = 256;
+
+// x (M, in) @ packed.T + bias on oneDNN, narrow outputs' rows split between the threads (above): the
+// op cpu_linear.py's `linear` and `any_linear` both run for a packed weight.
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
+  const int64_t M = x.size(0), N = packed.size(0);
+  const int64_t threads = at::get_num_threads();
+  if (N > kSplitMaxN || M < kSplitMinRows || threads < 2 || at::in_parallel_region() || !x.is_contiguous()) {
+    return onednn_linear(x, packed, bias);
+  }
+  // Rows split between the threads (multiples of 32, oneDNN's row block), each running oneDNN alone.
+  const int64_t share = (M + threads - 1) / threads;
+  const int64_t chunk = (share + 31) / 32 * 32, parts = (M + chunk - 1) / chunk;
+  std::vector<at::Tensor> outputs(parts);
+  at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      outputs[i] = onednn_linear(x.narrow(0, i * chunk, std::min(chunk, M - i * chunk)), packed, bias);
+    }
+  });
+  return at::cat(outputs);
+}
+
 // x (M, in) @ weight.T + bias as kernels/pagedserve_kernels/cpu_linear.py's `linear` computes it: `small_linear` for a few
 // bf16 rows on a plain weight (`small_rows`: its limit, 0 = never), else oneDNN on the packed copy
 // (`prepack`: an opaque mkldnn tensor) where there is one, else at::linear on the plain weight.
@@ -657,20 +700,7 @@ at::Tensor any_linear(const at::Tensor& x, const at::Tensor& weight, const std::
     return small_linear_impl(x, weight, bias, float_out);
   }
   if (!packed.has_value()) return at::linear(x, weight, bias);
-  const at::Tensor& packed_weight = *packed;
-  // Boxed: the kernel's C++ signature is torch's internal business; the schema is the contract.
-  static const c10::OperatorHandle op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-  torch::jit::Stack stack;
-  stack.reserve(6);
-  stack.emplace_back(x);
-  stack.emplace_back(packed_weight);
-  stack.emplace_back(bias.has_value() ? c10::IValue(*bias) : c10::IValue());
-  stack.emplace_back(std::string("none"));
-  stack.emplace_back(c10::List<std::optional<at::Scalar>>());
-  stack.emplace_back(std::string(""));
-  op.callBoxed(&stack);
-  return std::move(stack[0]).toTensor();
+  return packed_linear(x, *packed, bias);
 }
 
 // Tensors of one layer in `decoder_layers`' lists (see kernels/pagedserve_kernels/step.py's LayerStack).
@@ -820,6 +850,7 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("small_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("small_linear_float(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("small_linear_rows() -> int");
+  m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
   m.def("brgemm_linear_available() -> bool");
   m.def("brgemm_block_n() -> int");
   m.def("attention_isa() -> str");
@@ -858,6 +889,7 @@ TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CatchAll, m) {
   // CatchAll: its weights include oneDNN-packed (MkldnnCPU) tensors, which select no CPU kernel.
+  m.impl("packed_linear", &packed_linear);
   m.impl("decoder_layers", &decoder_layers);
   m.impl("parallel_threads", &parallel_threads);
   m.impl("small_linear_rows", &small_linear_rows);
