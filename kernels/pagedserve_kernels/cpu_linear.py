@@ -63,10 +63,14 @@ def prepack(weight: torch.Tensor) -> torch.Tensor | None:
     if weight.device.type != "cpu" or weight.dtype not in PACKED_DTYPES or weight.dim() != 2 or not available():
         return None
     try:
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
     except (RuntimeError, AttributeError) as error:  # an op missing from this torch build
         _log.warning("could not prepack a CPU weight (%s); using F.linear", error)
         return None
+    ops = _ops()
+    if ops is not None:  # whether a prompt's rows go to oneDNN split between the threads (csrc/cpu_ops.cpp)
+        ops.packed_linear_calibrate(packed)
+    return packed
 
 
 def amx() -> bool:

@@ -24,7 +24,10 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
+#include <map>
+#include <mutex>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -664,21 +667,29 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed, const st
   return std::move(stack[0]).toTensor();
 }
 
-// oneDNN's matmul leaves the second thread idle on narrow outputs: the default model's o and down
-// projections (576 outputs) took as long on two threads as on one at 300-1,000 rows, where its 960-
-// and 3,072-wide ones ran twice as fast (docs/benchmarks.md, "Prompt linears split by rows"). Up to
-// kSplitMaxN outputs and from kSplitMinRows rows, `any_linear` splits the rows between the threads.
-constexpr int64_t kSplitMaxN = 1024, kSplitMinRows = 256;
+// oneDNN's matmul sometimes leaves the second thread idle on a prompt's rows: the default model's o and
+// down projections (576 outputs) took as long on two threads as on one at 300-1,000 rows, while its
+// 960- and 3,072-wide ones ran twice as fast, and there splitting the rows between the threads (each
+// running oneDNN alone) lost (docs/benchmarks.md, "Prompt linears split by rows"). Which shapes gain is
+// oneDNN's business and this CPU's, so it is measured: `packed_linear_calibrate` times both ways at
+// kCalibrationRows rows when a weight is packed, and from kSplitMinRows rows `packed_linear` splits the
+// shapes (outputs, inputs) where splitting won by kSplitMargin. Fixed once measured: a shape's products
+// do not change mid-run.
+constexpr int64_t kSplitMinRows = 256, kCalibrationRows = 512, kCalibrationTrials = 3;
+constexpr double kSplitMargin = 0.9;
 
-// x (M, in) @ packed.T + bias on oneDNN, narrow outputs' rows split between the threads (above): the
-// op cpu_linear.py's `linear` and `any_linear` both run for a packed weight.
-at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
-  const int64_t M = x.size(0), N = packed.size(0);
-  const int64_t threads = at::get_num_threads();
-  if (N > kSplitMaxN || M < kSplitMinRows || threads < 2 || at::in_parallel_region() || !x.is_contiguous()) {
-    return onednn_linear(x, packed, bias);
-  }
-  // Rows split between the threads (multiples of 32, oneDNN's row block), each running oneDNN alone.
+std::mutex split_mutex;
+std::map<std::pair<int64_t, int64_t>, bool> split_shapes;  // (N, K) -> split the rows
+
+bool splits_rows(int64_t N, int64_t K) {
+  std::lock_guard<std::mutex> lock(split_mutex);
+  const auto it = split_shapes.find({N, K});
+  return it != split_shapes.end() && it->second;
+}
+
+// x's rows in one oneDNN call per thread (multiples of 32, oneDNN's row block), outputs concatenated.
+at::Tensor split_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
+  const int64_t M = x.size(0), threads = at::get_num_threads();
   const int64_t share = (M + threads - 1) / threads;
   const int64_t chunk = (share + 31) / 32 * 32, parts = (M + chunk - 1) / chunk;
   std::vector<at::Tensor> outputs(parts);
@@ -688,6 +699,51 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const st
     }
   });
   return at::cat(outputs);
+}
+
+// x (M, in) @ packed.T + bias on oneDNN: the op cpu_linear.py's `linear` and `any_linear` both run for a
+// packed weight; a prompt's rows split between the threads where `packed_linear_calibrate` found it faster.
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
+  const int64_t M = x.size(0), N = packed.size(0), K = packed.size(1);
+  if (M >= kSplitMinRows && at::get_num_threads() > 1 && !at::in_parallel_region() && x.is_contiguous() &&
+      splits_rows(N, K)) {
+    return split_linear(x, packed, bias);
+  }
+  return onednn_linear(x, packed, bias);
+}
+
+// Measures, once per shape (N, K), whether splitting a prompt's rows beats oneDNN's own threading here
+// (best of kCalibrationTrials each way at kCalibrationRows rows, oneDNN's own way timed before and after)
+// and returns the choice `packed_linear` keeps. `force` 0 or 1 sets it instead (tests). One thread: never.
+bool packed_linear_calibrate(const at::Tensor& packed, int64_t force) {
+  const int64_t N = packed.size(0), K = packed.size(1);
+  if (force == 0 || force == 1) {
+    std::lock_guard<std::mutex> lock(split_mutex);
+    return split_shapes[{N, K}] = force == 1;
+  }
+  {
+    std::lock_guard<std::mutex> lock(split_mutex);
+    const auto it = split_shapes.find({N, K});
+    if (it != split_shapes.end()) return it->second;
+  }
+  bool split = false;
+  if (at::get_num_threads() > 1) {
+    const at::Tensor x = at::randn({kCalibrationRows, K}, at::TensorOptions().dtype(packed.scalar_type()));
+    auto fastest = [&](bool rows) {
+      double best = std::numeric_limits<double>::infinity();
+      for (int64_t t = 0; t <= kCalibrationTrials; ++t) {  // the first a warm-up
+        const auto start = std::chrono::steady_clock::now();
+        rows ? split_linear(x, packed, std::nullopt) : onednn_linear(x, packed, std::nullopt);
+        const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        if (t > 0) best = std::min(best, took);
+      }
+      return best;
+    };
+    const double whole = fastest(false), rows = fastest(true);
+    split = rows < kSplitMargin * std::min(whole, fastest(false));
+  }
+  std::lock_guard<std::mutex> lock(split_mutex);
+  return split_shapes.emplace(std::make_pair(N, K), split).first->second;
 }
 
 // x (M, in) @ weight.T + bias as kernels/pagedserve_kernels/cpu_linear.py's `linear` computes it: `small_linear` for a few
@@ -851,6 +907,7 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("small_linear_float(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("small_linear_rows() -> int");
   m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
+  m.def("packed_linear_calibrate(Tensor packed, int force=-1) -> bool");
   m.def("brgemm_linear_available() -> bool");
   m.def("brgemm_block_n() -> int");
   m.def("attention_isa() -> str");
@@ -890,6 +947,7 @@ TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CatchAll, m) {
   // CatchAll: its weights include oneDNN-packed (MkldnnCPU) tensors, which select no CPU kernel.
   m.impl("packed_linear", &packed_linear);
+  m.impl("packed_linear_calibrate", &packed_linear_calibrate);
   m.impl("decoder_layers", &decoder_layers);
   m.impl("parallel_threads", &parallel_threads);
   m.impl("small_linear_rows", &small_linear_rows);
