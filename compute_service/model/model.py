@@ -186,7 +186,7 @@ class CausalLM(nn.Module):
         if isinstance(self.lm_head_packed, QuantizedLinear):
             self._layer_stack = None
             return True
-        self.lm_head_packed = kernels.prepack(self.lm_head)
+        self.lm_head_packed = kernels.prepack(self.lm_head, calibrate=False)
         if self.small_rows and keep_plain:  # the third copy of the head only where the plain ones fit
             small = kernels.small_weight(self.lm_head)
             self.lm_head_small = small if small is not self.lm_head else None

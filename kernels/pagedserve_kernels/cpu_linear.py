@@ -58,8 +58,15 @@ def available() -> bool:
     return os.environ.get(_ENABLE_ENV, "1") != "0" and torch.backends.mkldnn.is_available()
 
 
-def prepack(weight: torch.Tensor) -> torch.Tensor | None:
-    """The (out, in) weight in oneDNN's layout, or None where `linear` should use it as it is."""
+_SPLIT_ENV = "PAGEDSERVE_CPU_SPLIT_ROWS"  # "0" / "1": never / always split a prompt's rows (else measured)
+
+
+def prepack(weight: torch.Tensor, calibrate: bool = True) -> torch.Tensor | None:
+    """The (out, in) weight in oneDNN's layout, or None where `linear` should use it as it is.
+
+    With `calibrate`, whether a prompt's rows of this shape go to oneDNN split between the threads is
+    measured now (`pagedserve_cpu::packed_linear_calibrate`, csrc/cpu_ops.cpp), once per shape; the
+    head, which sees a prompt's rows only when scoring one, is not worth the time."""
     if weight.device.type != "cpu" or weight.dtype not in PACKED_DTYPES or weight.dim() != 2 or not available():
         return None
     try:
@@ -67,9 +74,13 @@ def prepack(weight: torch.Tensor) -> torch.Tensor | None:
     except (RuntimeError, AttributeError) as error:  # an op missing from this torch build
         _log.warning("could not prepack a CPU weight (%s); using F.linear", error)
         return None
-    ops = _ops()
-    if ops is not None:  # whether a prompt's rows go to oneDNN split between the threads (csrc/cpu_ops.cpp)
-        ops.packed_linear_calibrate(packed)
+    ops = _ops() if calibrate else None
+    if ops is not None:
+        forced = os.environ.get(_SPLIT_ENV, "")
+        try:
+            ops.packed_linear_calibrate(packed, int(forced) if forced in ("0", "1") else -1)
+        except RuntimeError as error:  # e.g. out of memory for the trial rows: oneDNN's own threading
+            _log.warning("could not time the row split for a %s weight (%s); not splitting", tuple(weight.shape), error)
     return packed
 
 
@@ -199,4 +210,4 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | Quantiz
     ops = _ops()
     if ops is None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    return ops.packed_linear(x, packed, bias)  # the same, narrow outputs' rows split between the threads
+    return ops.packed_linear(x, packed, bias)  # the same, a prompt's rows split where `prepack` measured it faster

@@ -28,6 +28,7 @@
 #include <cmath>
 #include <map>
 #include <mutex>
+#include <tuple>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -678,12 +679,18 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed, const st
 constexpr int64_t kSplitMinRows = 256, kCalibrationRows = 512, kCalibrationTrials = 3;
 constexpr double kSplitMargin = 0.9;
 
+// (outputs, inputs, dtype, threads) -> split the rows; `packed_linear_calibrate` fills it.
+using SplitKey = std::tuple<int64_t, int64_t, int64_t, int64_t>;
 std::mutex split_mutex;
-std::map<std::pair<int64_t, int64_t>, bool> split_shapes;  // (N, K) -> split the rows
+std::map<SplitKey, bool> split_shapes;
 
-bool splits_rows(int64_t N, int64_t K) {
+SplitKey split_key(const at::Tensor& packed) {
+  return {packed.size(0), packed.size(1), static_cast<int64_t>(packed.scalar_type()), at::get_num_threads()};
+}
+
+bool splits_rows(const at::Tensor& packed) {
   std::lock_guard<std::mutex> lock(split_mutex);
-  const auto it = split_shapes.find({N, K});
+  const auto it = split_shapes.find(split_key(packed));
   return it != split_shapes.end() && it->second;
 }
 
@@ -704,31 +711,31 @@ at::Tensor split_linear(const at::Tensor& x, const at::Tensor& packed, const std
 // x (M, in) @ packed.T + bias on oneDNN: the op cpu_linear.py's `linear` and `any_linear` both run for a
 // packed weight; a prompt's rows split between the threads where `packed_linear_calibrate` found it faster.
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
-  const int64_t M = x.size(0), N = packed.size(0), K = packed.size(1);
-  if (M >= kSplitMinRows && at::get_num_threads() > 1 && !at::in_parallel_region() && x.is_contiguous() &&
-      splits_rows(N, K)) {
+  if (x.size(0) >= kSplitMinRows && at::get_num_threads() > 1 && !at::in_parallel_region() && x.is_contiguous() &&
+      splits_rows(packed)) {
     return split_linear(x, packed, bias);
   }
   return onednn_linear(x, packed, bias);
 }
 
-// Measures, once per shape (N, K), whether splitting a prompt's rows beats oneDNN's own threading here
-// (best of kCalibrationTrials each way at kCalibrationRows rows, oneDNN's own way timed before and after)
-// and returns the choice `packed_linear` keeps. `force` 0 or 1 sets it instead (tests). One thread: never.
+// Measures, once per shape and dtype at this thread count, whether splitting a prompt's rows beats
+// oneDNN's own threading here (best of kCalibrationTrials each way at kCalibrationRows rows of constant
+// input, oneDNN's own way timed before and after) and returns the choice `packed_linear` keeps. `force` 0
+// or 1 sets it instead (tests, PAGEDSERVE_CPU_SPLIT_ROWS). One thread: never split.
 bool packed_linear_calibrate(const at::Tensor& packed, int64_t force) {
-  const int64_t N = packed.size(0), K = packed.size(1);
+  const SplitKey key = split_key(packed);
   if (force == 0 || force == 1) {
     std::lock_guard<std::mutex> lock(split_mutex);
-    return split_shapes[{N, K}] = force == 1;
+    return split_shapes[key] = force == 1;
   }
   {
     std::lock_guard<std::mutex> lock(split_mutex);
-    const auto it = split_shapes.find({N, K});
+    const auto it = split_shapes.find(key);
     if (it != split_shapes.end()) return it->second;
   }
   bool split = false;
   if (at::get_num_threads() > 1) {
-    const at::Tensor x = at::randn({kCalibrationRows, K}, at::TensorOptions().dtype(packed.scalar_type()));
+    const at::Tensor x = at::full({kCalibrationRows, packed.size(1)}, 0.5, at::TensorOptions().dtype(packed.scalar_type()));
     auto fastest = [&](bool rows) {
       double best = std::numeric_limits<double>::infinity();
       for (int64_t t = 0; t <= kCalibrationTrials; ++t) {  // the first a warm-up
@@ -743,7 +750,7 @@ bool packed_linear_calibrate(const at::Tensor& packed, int64_t force) {
     split = rows < kSplitMargin * std::min(whole, fastest(false));
   }
   std::lock_guard<std::mutex> lock(split_mutex);
-  return split_shapes.emplace(std::make_pair(N, K), split).first->second;
+  return split_shapes.emplace(key, split).first->second;
 }
 
 // x (M, in) @ weight.T + bias as kernels/pagedserve_kernels/cpu_linear.py's `linear` computes it: `small_linear` for a few

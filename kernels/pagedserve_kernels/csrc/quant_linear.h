@@ -15,7 +15,8 @@
 // in brgemm_linear.h) and, per block, de-quantizes a slice of K into bf16 in L1 (`dequantize`: 16
 // values a multiply-add, rounded to bf16 once) and multiplies every row of x by it: on AMX tiles
 // (ATen's bf16 brgemm) where `brgemm_linear::available()`, else with AVX512-BF16 dot products
-// (`dot_rows`). The products accumulate in float32 over the whole of K; outputs float32 or rounded to
+// (`dot_rows`). A prompt's rows (kOnednnRows and more, bf16 out) go to oneDNN's matmul instead, a
+// few blocks at a time widened into plain bf16 rows (`linear_onednn`). The products accumulate in float32 over the whole of K; outputs float32 or rounded to
 // the activations' bf16 once. A build without AVX512-BF16, or float32 activations, takes
 // `dequantize_scalar` (the same values) and at::linear on the widened weight: correct, not fast.
 
@@ -37,12 +38,6 @@
 #include <immintrin.h>
 #endif
 
-#ifndef ONEDNN_ROWS
-#define ONEDNN_ROWS 32
-#endif
-#ifndef CHUNK_BLOCKS
-#define CHUNK_BLOCKS 4
-#endif
 namespace {
 namespace quant_linear {
 
@@ -54,7 +49,7 @@ constexpr int64_t kBlockM = 32;    // rows of x one brgemm call takes
 constexpr int64_t kFusedRows = 4, kFusedRowsGrouped = 2;
 constexpr int64_t kPrefetch = 2048;  // bytes ahead of the few-row path's read position (16 lines)
 // From these rows on (a prompt chunk) the weight goes to oneDNN's matmul a few blocks at a time, widened
-// to plain bf16 rows in L2 (`linear_onednn`): its blocking for prompt-sized M does about twice the FLOPS
+// to plain bf16 rows (`linear_onednn`): its blocking for prompt-sized M does about twice the FLOPS
 // of our brgemm passes over a block, which pays for the widening from ~200 rows on (docs/benchmarks.md,
 // "Quantized prompts on oneDNN").
 constexpr int64_t kOnednnRows = 192;
@@ -392,25 +387,24 @@ inline void multiply(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* b
   }
 }
 
-// `linear` for many rows (M >= kOnednnRows, K a multiple of 32), bf16 outputs: each thread takes runs of
-// kChunkBlocks column blocks, widens them into plain rows in L2 and multiplies on oneDNN's matmul
-// (at::mm, one thread inside the parallel region); products in float32, rounded to bf16 by oneDNN, then
-// the float32 bias added and rounded again (a bias rounded to bf16 first would lose more).
+// `linear` for many rows (M >= kOnednnRows, K a multiple of 32), bf16 outputs: each thread takes a
+// contiguous, even share of the column blocks and, kChunkBlocks at a time, widens them into plain bf16
+// rows and multiplies on oneDNN's matmul (at::mm_out; inside the parallel region oneDNN runs on that
+// thread alone), writing into y's columns; products in float32 rounded to bf16 by oneDNN, then a float32
+// bias added and rounded again (a bias rounded to bf16 first would lose more).
 inline void linear_onednn(const Weight& w, const c10::BFloat16* x, const float* bias, c10::BFloat16* y, int64_t M,
                           int64_t N) {
-  const int64_t K = w.K, chunks = (w.blocks + kChunkBlocks - 1) / kChunkBlocks;
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), chunks));
+  const int64_t K = w.K, blocks = std::min(w.blocks, (N + kBlockN - 1) / kBlockN);
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), blocks));
   const at::Tensor xt = at::from_blob(const_cast<c10::BFloat16*>(x), {M, K}, at::kBFloat16);
-  at::parallel_for(0, chunks, (chunks + threads - 1) / threads, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, blocks, (blocks + threads - 1) / threads, [&](int64_t begin, int64_t end) {
     // Scratch kept by each thread from call to call: a fresh multi-MB buffer a call costs page faults.
-    thread_local std::vector<c10::BFloat16> plain, product;
-    thread_local std::vector<c10::BFloat16> tmp(32 * kBlockN);
+    thread_local std::vector<c10::BFloat16> plain, product, tmp;
     plain.resize(std::max<size_t>(plain.size(), kChunkBlocks * kBlockN * K));
-    product.resize(std::max<size_t>(product.size(), M * kChunkBlocks * kBlockN));
-    for (int64_t chunk = begin; chunk < end; ++chunk) {
-      const int64_t b0 = chunk * kChunkBlocks, n0 = b0 * kBlockN;
-      const int64_t cols = std::min(std::min(kChunkBlocks, w.blocks - b0) * kBlockN, N - n0);
-      if (cols <= 0) break;
+    tmp.resize(32 * kBlockN);
+    if (bias) product.resize(std::max<size_t>(product.size(), M * kChunkBlocks * kBlockN));
+    for (int64_t b0 = begin; b0 < end; b0 += kChunkBlocks) {
+      const int64_t n0 = b0 * kBlockN, cols = std::min(std::min(kChunkBlocks, end - b0) * kBlockN, N - n0);
       for (int64_t b = b0; b * kBlockN < n0 + cols; ++b) dequantize_plain(w, b, plain.data() + (b - b0) * kBlockN * K, tmp.data());
       at::Tensor out = bias ? at::from_blob(product.data(), {M, cols}, at::kBFloat16)
                             : at::from_blob(y + n0, {M, cols}, {N, 1}, at::kBFloat16);
