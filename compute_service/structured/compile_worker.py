@@ -31,7 +31,7 @@ import numpy as np
 import xgrammar as xgr
 
 # Part of every cache key: change it when the options below change what a constraint compiles to.
-COMPILE_OPTIONS = "xgrammar-v1:any_whitespace=False,strict_mode=True"
+COMPILE_OPTIONS = "xgrammar-v2:any_whitespace=False,strict_mode=True,no-surrogates"
 # xgrammar prefixes its messages with "[time] /path/file.cc:line: " and sometimes a failed check's text.
 _ENGINE_PREFIX = re.compile(r"^\s*\[[^\]]*\]\s*\S+:\d+:\s*(Check failed: \(.*?\) is false:\s*)?")
 _MAX_MESSAGE_CHARS = 500
@@ -42,11 +42,15 @@ _MAX_MESSAGE_CHARS = 500
 # (CFS weights 335 against 1024), and all of an idle one; the timeout counts CPU time
 # (``GrammarCompilerConfig``), so a busy machine makes a compile slower, not refused as too complex.
 WORKER_NICE = 5
-# xgrammar 0.2's rule for the characters of a length-bounded JSON string (maxLength/minLength)
-# lets raw control characters through, which no strict JSON parser accepts (its unbounded string
-# rule excludes them). We compile the schema's EBNF with that one character class corrected.
+# xgrammar 0.2's rules for a JSON string's characters let through what is not text: its rule for a
+# length-bounded string (maxLength/minLength) raw control characters, which no strict JSON parser
+# accepts (its unbounded rule excludes them), and both rules UTF-8-encoded surrogates (bytes ED A0-BF
+# xx), which are not UTF-8: decoded, each byte became a U+FFFD, so a sampled value of 6 characters
+# read as 8 and broke its schema's maxLength. We compile the schema's EBNF with both character
+# classes replaced by one that excludes both.
 _BOUNDED_STRING_CHAR = r'[^\"\\\r\n]'
 _JSON_STRING_CHAR = r'[^\0-\x1f\"\\\r\n]'
+_STRING_CHAR = r'[^\0-\x1f\"\\\r\n\uD800-\uDFFF]'
 
 
 @dataclass(frozen=True)
@@ -105,9 +109,14 @@ def compile_constraint(compiler: xgr.GrammarCompiler, kind: str, spec: str,
     return compiler.compile_grammar(spec)
 
 
-def _compile_json_schema(compiler: xgr.GrammarCompiler, schema: str, *, strict_mode: bool) -> xgr.CompiledGrammar:
+def json_schema_ebnf(schema: str, *, strict_mode: bool) -> str:
+    """The EBNF a JSON schema compiles to: xgrammar's, its strings' characters corrected (above)."""
     ebnf = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict_mode))
-    return compiler.compile_grammar(ebnf.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR))
+    return ebnf.replace(_BOUNDED_STRING_CHAR, _STRING_CHAR).replace(_JSON_STRING_CHAR, _STRING_CHAR)
+
+
+def _compile_json_schema(compiler: xgr.GrammarCompiler, schema: str, *, strict_mode: bool) -> xgr.CompiledGrammar:
+    return compiler.compile_grammar(json_schema_ebnf(schema, strict_mode=strict_mode))
 
 
 def probe_masks(grammar: xgr.CompiledGrammar, config: ProbeConfig) -> str | None:
