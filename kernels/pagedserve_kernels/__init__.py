@@ -89,8 +89,9 @@ def kernel_paths(device: torch.device, dtype: torch.dtype, head_dim: int, quanti
         from pagedserve_kernels import quant
 
         linear = f"{quant.path(dtype)} {quantization}"
-        if dtype == torch.bfloat16 and quant.onednn_rows():
-            linear += f", rows>={quant.onednn_rows()} onednn"
+        rows = quant.onednn_rows() if dtype == torch.bfloat16 else 0
+        if rows:
+            linear += f", rows>={rows} onednn"
         return {"attention": attention, "linear": linear}
     return {"attention": attention, "linear": linear_path(dtype)}
 

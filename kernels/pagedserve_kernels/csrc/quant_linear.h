@@ -16,9 +16,10 @@
 // values a multiply-add, rounded to bf16 once) and multiplies every row of x by it: on AMX tiles
 // (ATen's bf16 brgemm) where `brgemm_linear::available()`, else with AVX512-BF16 dot products
 // (`dot_rows`). A prompt's rows (kOnednnRows and more, bf16 out) go to oneDNN's matmul instead, a
-// few blocks at a time widened into plain bf16 rows (`linear_onednn`). The products accumulate in float32 over the whole of K; outputs float32 or rounded to
-// the activations' bf16 once. A build without AVX512-BF16, or float32 activations, takes
-// `dequantize_scalar` (the same values) and at::linear on the widened weight: correct, not fast.
+// few blocks at a time widened into plain bf16 rows (`linear_onednn`). The products accumulate in
+// float32 over the whole of K; outputs float32 or rounded to the activations' bf16 once. A build
+// without AVX512-BF16, or float32 activations, takes `dequantize_scalar` (the same values) and
+// at::linear on the widened weight: correct, not fast.
 
 #pragma once
 
