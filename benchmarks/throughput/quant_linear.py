@@ -3,8 +3,8 @@
 Qwen2.5-1.5B's projections (qkv 2048 x 1536, o 1536 x 1536, gate_up 17920 x 1536, down 1536 x 8960),
 `--layers` layers' worth of copies so the weights come from memory as in a decode step, at each
 `--rows`: bf16 through the model's own path (`cpu_linear.linear`: the small-batch kernel up to 16 rows,
-on AMX tiles where the CPU has them, oneDNN past them), int8 (per output channel) and int4 (groups of
-32 with mins), each on AMX tiles where the CPU has them and with AVX512-BF16 dot products. Figures:
+on AMX tiles where the CPU has them, oneDNN past them), int8 (groups of 128, as quantized at load) and int4
+(groups of 32 with mins), each on AMX tiles where the CPU has them and with AVX512-BF16 dot products. Figures:
 the best of `--repeats` passes over all copies, wall ms per layer (all threads), and the weights'
 GB/s at that time.
 

@@ -3,8 +3,8 @@
 A `QuantizedWeight` holds an (out, in) weight as integers q with a float16 scale (and, at 4 bits, a
 min) per output and group of inputs: W[n, k] = q[n, k] * scale[n, k // group] + min[n, k // group].
 Two sources make one:
-  - `quantize(weight, scheme)`, from a float weight at load: int8 symmetric per output channel
-    (group = the whole input), int4 asymmetric in groups of 32 inputs (q in 0..15);
+  - `quantize(weight, scheme)`, from a float weight at load: int8 symmetric in groups of up to 128
+    inputs (`int8_group`), int4 asymmetric in groups of 32 inputs (q in 0..15);
   - `pack(q, scale, min, bits)`, from integers and scales a file already holds (a GGUF's Q8_0, Q4_0,
     Q4_K... blocks: compute_service/model/gguf_quant.py), as they are.
 
@@ -24,8 +24,12 @@ import torch
 BLOCK_N = 64  # output columns a packed block holds (csrc/quant_linear.h's kBlockN)
 SCHEMES = ("int8", "int4")
 INT4_GROUP = 32  # inputs per scale for int4 quantized at load (GGUF's Q4 blocks hold 32 too)
+# Inputs per scale for int8 quantized at load, the first that divides the inputs (else one scale per
+# output). One scale per output agreed with float32 on 98.1% of next tokens of the 1.5B model, groups
+# of 128 on 99.0% at the same decode speed (docs/benchmarks.md, "int8 in groups").
+INT8_GROUPS = (128, 64, 32)
 # What `quantize` computes, for the fingerprint (bump when its rounding or groups change).
-QUANTIZER_VERSION = f"v1-int4g{INT4_GROUP}"
+QUANTIZER_VERSION = f"v2-int8g{INT8_GROUPS[0]}-int4g{INT4_GROUP}"
 _MIN_SCALE = 2.0**-14  # float16's smallest normal
 
 
@@ -118,14 +122,21 @@ def pack(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None, bit
                            None, bits, group, out, inputs)
 
 
+def int8_group(inputs: int) -> int:
+    """Inputs per scale of an int8 weight quantized at load with `inputs` inputs (INT8_GROUPS)."""
+    return next((group for group in INT8_GROUPS if inputs % group == 0), inputs)
+
+
 def quantize(weight: torch.Tensor, scheme: str) -> QuantizedWeight:
-    """A float (out, in) weight at `scheme`: "int8" (symmetric, one scale per output) or "int4"
-    (asymmetric, groups of INT4_GROUP inputs, round to nearest)."""
+    """A float (out, in) weight at `scheme`: "int8" (symmetric, groups of `int8_group` inputs) or
+    "int4" (asymmetric, groups of INT4_GROUP inputs), round to nearest."""
     w = weight.detach().float()
     if scheme == "int8":
-        # float16 scales, never below its smallest normal (an all-zero row keeps q = 0, not 0 / 0)
-        scale = (w.abs().amax(dim=1, keepdim=True) / 127).half().float().clamp_min(_MIN_SCALE)  # (out, 1)
-        q = torch.round(w / scale).clamp_(-127, 127)
+        out, inputs = w.shape
+        groups = w.view(out, -1, int8_group(inputs))
+        # float16 scales, never below its smallest normal (an all-zero group keeps q = 0, not 0 / 0)
+        scale = (groups.abs().amax(dim=-1) / 127).half().float().clamp_min(_MIN_SCALE)  # (out, groups)
+        q = torch.round(groups / scale[..., None]).clamp_(-127, 127).view(out, inputs)
         return pack(q, scale, None, 8)
     if scheme == "int4":
         out, inputs = w.shape

@@ -24,11 +24,11 @@ def _paths() -> list[bool]:
 def _reference(x: torch.Tensor, weight: quant.QuantizedWeight) -> torch.Tensor:
     w = weight.dequantize()
     # A few rows multiply the integers as they are and scale the sums (csrc/quant_linear.h `fused`: one
-    # symmetric scale per column, up to 4 rows; `fused_nibbles`: 4 bits, up to 2 rows); elsewhere each
-    # value is rounded to bf16 as it is de-quantized.
+    # symmetric scale per column, up to 4 rows; scales per group, 8 or 4 bits, up to 2 rows); elsewhere
+    # each value is rounded to bf16 as it is de-quantized.
     rows = x.shape[0]
     per_column = weight.mins is None and weight.group == weight.in_features
-    exact = (per_column and rows <= 4) or (weight.bits == 4 and rows <= 2)
+    exact = rows <= (4 if per_column else 2)
     w = w.double() if exact else w.bfloat16().double()
     y = x.double() @ w.T
     return y + weight.bias.double() if weight.bias is not None else y
@@ -83,18 +83,24 @@ def test_quant_linear_with_a_files_groups_equals_the_dequantized_product(bits, l
     torch.testing.assert_close(rounded.float(), reference.float().bfloat16().float(), rtol=1e-2, atol=1e-2)
 
 
-def test_quantize_rounds_to_the_nearest_level_per_channel_and_group():
+def test_quantize_rounds_to_the_nearest_level_per_group():
     generator = torch.Generator().manual_seed(1)
-    w = torch.randn(64, 128, generator=generator)
+    w = torch.randn(64, 256, generator=generator)
+    w[3, 130:140] *= 50  # one large group: its row's other group keeps its own, finer scale
+    for inputs, group in ((256, 128), (576, 64), (96, 32), (50, 50)):  # SmolLM2's 576: 64; else one per output
+        x = torch.randn(64, inputs, generator=generator) if inputs != 256 else w
+        int8 = quant.quantize(x, "int8")
+        groups = x.view(64, inputs // group, group)
+        step = (groups.abs().amax(-1) / 127)[..., None]  # (64, groups, 1)
+        assert int8.group == group == quant.int8_group(inputs) and int8.mins is None
+        assert ((int8.dequantize().view(groups.shape) - groups).abs() <= step * 0.5 + 1e-3 * step).all()
     int8 = quant.quantize(w, "int8")
-    step = w.abs().amax(dim=1, keepdim=True) / 127  # one scale per output
-    assert int8.group == 128 and int8.mins is None
-    assert ((int8.dequantize() - w).abs() <= step * 0.5 + 1e-3 * step).all()
+    assert (int8.dequantize()[3, :128] - w[3, :128]).abs().max() < 0.02  # not the large group's step
     int4 = quant.quantize(w, "int4")
-    groups = w.view(64, 4, 32)
-    step = ((groups.amax(-1) - groups.amin(-1)) / 15)[..., None]  # (64, 4, 1)
+    groups = w.view(64, 8, 32)
+    step = ((groups.amax(-1) - groups.amin(-1)) / 15)[..., None]  # (64, 8, 1)
     assert int4.group == 32 and int4.mins is not None
-    assert ((int4.dequantize().view(64, 4, 32) - groups).abs() <= step * 0.5 + 2e-3 * step + 1e-3).all()
+    assert ((int4.dequantize().view(64, 8, 32) - groups).abs() <= step * 0.5 + 2e-3 * step + 1e-3).all()
     assert int4.nbytes < int8.nbytes < w.bfloat16().nbytes  # kept as integers: 0.5 / 1 byte a weight
 
 
