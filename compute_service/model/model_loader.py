@@ -34,6 +34,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from pagedserve.cpu_preload import release_free_memory
 from pagedserve.dtypes import AUTO, QUANTIZATIONS, dtype_name, parse_dtype, resolve_auto
 from pagedserve.paths import cache_dir as pagedserve_cache_dir
 
@@ -172,8 +173,9 @@ def load_model(
         identity = f"{fingerprint}|{scheme}|{QUANTIZER_VERSION}"
         fingerprint = hashlib.blake2b(identity.encode(), digest_size=32).hexdigest()
     packed = lm.prepack_cpu_weights()
+    allocator = release_free_memory()  # what loading freed (read, widened, packed copies), not held at its peak
     log.info("model_loaded", model=source.name, path=str(source.path), device=str(device), dtype=str(dtype),
-             quantization=scheme, converted=source.was_converted, prepacked=packed,
+             quantization=scheme, converted=source.was_converted, prepacked=packed, released_by=allocator,
              seconds=round(time.perf_counter() - started, 2))
     return LoadedModel(model=lm, tokenizer=tokenizer, config=config, source=source, fingerprint=fingerprint)
 
