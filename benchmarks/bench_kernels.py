@@ -16,7 +16,7 @@ bandwidth, chunked prefill, fresh prompts) and prints its JSON line.
 
 Usage, from the repository root (``python benchmarks/bench_kernels.py`` where the package is
 installed):
-  python -m benchmarks.bench_kernels [--quick] [--cpu [--threads N] [--dtype bfloat16]]
+  python -m benchmarks.bench_kernels [--quick] [--cpu [--threads N] [--dtype bfloat16] [--shape qwen2.5-1.5b]]
 """
 
 import argparse
@@ -158,6 +158,8 @@ def main() -> int:
     parser.add_argument("--threads", type=int, help="with --cpu: torch threads (default: torch's)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="with --cpu: the K/V, query and output dtype")
+    parser.add_argument("--shape", choices=("smollm2", "qwen2.5-1.5b"), default="smollm2",
+                        help="with --cpu: the model's heads (default: the default model's)")
     options = parser.parse_args()
     if options.cpu:
         from benchmarks.kernels import cpu_attention
@@ -165,7 +167,7 @@ def main() -> int:
         if options.threads:
             torch.set_num_threads(options.threads)
 
-        print(json.dumps(cpu_attention.run(options.quick, getattr(torch, options.dtype))))
+        print(json.dumps(cpu_attention.run(options.quick, getattr(torch, options.dtype), options.shape)))
         return 0
     if not torch.cuda.is_available():
         print("bench_kernels: needs a CUDA device (the Triton kernels do not run on CPU); refusing.",

@@ -1,6 +1,7 @@
 """CPU attention of the fused path on the default model's shapes (`bench_kernels --cpu`).
 
-SmolLM2-135M, float32 or bfloat16 (`--dtype`): 9 query heads, 3 KV heads, head dim 64, block size 16.
+SmolLM2-135M, float32 or bfloat16 (`--dtype`): 9 query heads, 3 KV heads, head dim 64, block size 16;
+`--shape qwen2.5-1.5b`: the 1.5B GGUF's 12 query heads, 2 KV heads (groups of 6), head dim 128.
 Each case cycles through enough per-layer pools (3x this CPU's L3, read from sysfs) that K/V come
 from memory, not the cache, as in a real step (30 layers, each read once). Per case, in the same
 run: the fused path's `write_and_attend` (K/V write + `paged_attention`), the portable kernel on the
@@ -17,6 +18,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,8 +26,21 @@ import torch.nn.functional as F
 
 from pagedserve_kernels.cpu_attention import CpuAttentionPlan
 
-NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
-SCALE = HEAD_DIM**-0.5
+BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True)
+class Shape:
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+
+    @property
+    def scale(self) -> float:
+        return self.head_dim**-0.5
+
+
+SHAPES = {"smollm2": Shape(9, 3, 64), "qwen2.5-1.5b": Shape(12, 2, 128)}
 
 
 def l3_bytes() -> int:
@@ -62,11 +77,12 @@ class Case:
     """Pools (as many copies as 3x the L3 needs), shuffled block tables, the step's QKV."""
 
     def __init__(self, ctx_lens: list[int], q_lens: list[int], gen: torch.Generator,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, shape: Shape = SHAPES["smollm2"]) -> None:
+        self.shape = shape
         blocks = [-(-s // BLOCK_SIZE) for s in ctx_lens]
         num_blocks = sum(blocks)
         self.itemsize = dtype.itemsize
-        block_bytes = 2 * BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM * self.itemsize
+        block_bytes = 2 * BLOCK_SIZE * shape.kv_heads * shape.head_dim * self.itemsize
         self.copies = max(1, -(-3 * l3_bytes() // (num_blocks * block_bytes)))
         order = torch.randperm(num_blocks, generator=gen).to(torch.int32)
         tables = torch.zeros(len(ctx_lens), max(blocks), dtype=torch.int32)
@@ -74,37 +90,38 @@ class Case:
         for b, n in enumerate(blocks):
             tables[b, :n] = order[start:start + n]
             start += n
-        shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-        self.pools = [(torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype))
+        dims = (num_blocks, BLOCK_SIZE, shape.kv_heads, shape.head_dim)
+        self.pools = [(torch.randn(dims, generator=gen).to(dtype), torch.randn(dims, generator=gen).to(dtype))
                       for _ in range(self.copies)]
         slots = [int(tables[b, p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE
                  for b, (s, q) in enumerate(zip(ctx_lens, q_lens)) for p in range(s - q, s)]
         cu = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
         self.plan = CpuAttentionPlan.build(torch.tensor(slots), tables, torch.tensor(ctx_lens, dtype=torch.int32),
-                                           cu, dtype=dtype, head_dim=HEAD_DIM)
+                                           cu, dtype=dtype, head_dim=shape.head_dim)
         if self.plan is None:
             raise RuntimeError("the fused CPU kernels are unavailable here")
         num_tokens = sum(q_lens)
-        qkv = torch.randn(num_tokens, (NUM_Q_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM, generator=gen).to(dtype)
-        q, k, v = qkv.split([NUM_Q_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM], dim=-1)
-        self.q = q.view(num_tokens, NUM_Q_HEADS, HEAD_DIM)
-        self.k = k.view(num_tokens, NUM_KV_HEADS, HEAD_DIM)
-        self.v = v.view(num_tokens, NUM_KV_HEADS, HEAD_DIM)
+        hq, hkv, d = shape.q_heads, shape.kv_heads, shape.head_dim
+        qkv = torch.randn(num_tokens, (hq + 2 * hkv) * d, generator=gen).to(dtype)
+        q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+        self.q = q.view(num_tokens, hq, d)
+        self.k = k.view(num_tokens, hkv, d)
+        self.v = v.view(num_tokens, hkv, d)
         self.ctx_lens, self.q_lens = ctx_lens, q_lens
 
     def fused(self, i: int) -> torch.Tensor:
-        return self.plan.write_and_attend(self.q, self.k, self.v, *self.pools[i], SCALE)
+        return self.plan.write_and_attend(self.q, self.k, self.v, *self.pools[i], self.shape.scale)
 
     def portable(self, i: int) -> torch.Tensor:
         out = torch.empty(self.q.shape, dtype=self.q.dtype)
         plan = self.plan
         plan.ops.paged_attention_portable(out, self.q.contiguous(), *self.pools[i], plan.block_tables, plan.seq_lens,
-                                          plan.cu_seqlens_q, plan.seq_ids, SCALE)
+                                          plan.cu_seqlens_q, plan.seq_ids, self.shape.scale)
         return out
 
     def sdpa(self, i: int) -> torch.Tensor:
         """Fresh prompts as the fused path attended to them before: SDPA per prompt on expanded K/V."""
-        group = NUM_Q_HEADS // NUM_KV_HEADS
+        group = self.shape.q_heads // self.shape.kv_heads
         out = torch.empty(self.q.shape, dtype=self.q.dtype)
         start = 0
         for n in self.q_lens:
@@ -112,48 +129,51 @@ class Case:
             q = self.q[rows].transpose(0, 1).contiguous()[None]
             k = self.k[rows].repeat_interleave(group, dim=1).transpose(0, 1).contiguous()[None]
             v = self.v[rows].repeat_interleave(group, dim=1).transpose(0, 1).contiguous()[None]
-            out[rows] = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=SCALE)[0].transpose(0, 1)
+            out[rows] = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.shape.scale)[0].transpose(0, 1)
             start += n
         return out
 
     def measure(self, iters: int, fresh: bool = False) -> dict:
         best, median = _time_ms(self.fused, self.copies, iters)
         portable, _ = _time_ms(self.portable, self.copies, iters)
-        kv_bytes = 2 * sum(self.ctx_lens) * NUM_KV_HEADS * HEAD_DIM * self.itemsize
+        kv_bytes = 2 * sum(self.ctx_lens) * self.shape.kv_heads * self.shape.head_dim * self.itemsize
         result = {"ms": round(best, 4), "median_ms": round(median, 4), "gbps": round(kv_bytes / best / 1e6, 1),
                   "vs_portable": round(portable / best, 2)}
         if fresh:
             sdpa, _ = _time_ms(self.sdpa, self.copies, iters)
-            flops = sum(4 * NUM_Q_HEADS * HEAD_DIM * n * (n + 1) / 2 for n in self.q_lens)
+            flops = sum(4 * self.shape.q_heads * self.shape.head_dim * n * (n + 1) / 2 for n in self.q_lens)
             result.update(ms_30_layers=round(30 * best, 1), gflops=round(flops / best / 1e6, 1),
                           vs_sdpa=round(sdpa / best, 2))
             del result["gbps"]
         return result
 
 
-def run(quick: bool, dtype: torch.dtype = torch.float32) -> dict:
+def run(quick: bool, dtype: torch.dtype = torch.float32, shape_name: str = "smollm2") -> dict:
     """All CPU cases; returns the summary (printed as the JSON line by bench_kernels).
 
     `decode_b32_ctx600` is the decode-attention goal's case: its `read_share` is its effective
     GB/s over the machine's read bandwidth measured in the same run.
     """
+    shape = SHAPES[shape_name]
     gen = torch.Generator().manual_seed(0)
     iters = 10 if quick else 30
     bandwidth = read_gbps()
     summary: dict = {"threads": torch.get_num_threads(), "dtype": str(dtype).removeprefix("torch."),
-                     "l3_mib": l3_bytes() >> 20, "read_gbps": round(bandwidth, 1)}
-    decode = [(8, 256), (32, 600), (48, 217), (64, 1024)] if quick else \
-        [(1, 1024), (8, 128), (8, 256), (8, 1024), (32, 600), (48, 217), (64, 128), (64, 512), (64, 1024)]
+                     "shape": shape_name, "l3_mib": l3_bytes() >> 20, "read_gbps": round(bandwidth, 1)}
+    decode = [(8, 256), (16, 600), (32, 600), (48, 217), (64, 1024)] if quick else \
+        [(1, 1024), (8, 128), (8, 256), (8, 1024), (16, 600), (32, 600), (48, 217), (64, 128), (64, 512), (64, 1024)]
     for batch, ctx in decode:
         lens = torch.randint(ctx // 2, 3 * ctx // 2 + 1, (batch,), generator=gen).tolist()  # mean ~ctx
-        summary[f"decode_b{batch}_ctx{ctx}"] = Case(lens, [1] * batch, gen, dtype).measure(iters)
+        summary[f"decode_b{batch}_ctx{ctx}"] = Case(lens, [1] * batch, gen, dtype, shape).measure(iters)
     summary["decode_b32_ctx600"]["read_share"] = round(summary["decode_b32_ctx600"]["gbps"] / bandwidth, 3)
     lens = torch.randint(108, 326, (48,), generator=gen).tolist()  # speculative verification: 4 positions each
-    summary["verify_q4_b48_ctx217"] = Case(lens, [4] * 48, gen, dtype).measure(iters)
-    chunk = Case([768, 768] + [300] * 16, [256, 256] + [1] * 16, gen, dtype)  # 2 chunks over 512 cached + 16 decodes
+    summary["verify_q4_b48_ctx217"] = Case(lens, [4] * 48, gen, dtype, shape).measure(iters)
+    # 2 chunks over 512 cached tokens, and 16 decodes
+    chunk = Case([768, 768] + [300] * 16, [256, 256] + [1] * 16, gen, dtype, shape)
     summary["chunks_2x256_on_512_and_16_decodes"] = chunk.measure(iters)
     mixed = [16, 512, 300, 64, 200, 480, 128, 348]  # 2048 tokens, as bench_throughput's prompts (16-512)
-    summary["fresh_8_prompts_2048_tokens"] = Case(mixed, mixed, gen, dtype).measure(max(3, iters // 3), fresh=True)
-    summary["fresh_1x2048"] = Case([2048], [2048], gen, dtype).measure(max(3, iters // 5), fresh=True)
-    summary["fresh_16x16"] = Case([16] * 16, [16] * 16, gen, dtype).measure(iters, fresh=True)
+    summary["fresh_8_prompts_2048_tokens"] = Case(mixed, mixed, gen, dtype, shape).measure(max(3, iters // 3),
+                                                                                          fresh=True)
+    summary["fresh_1x2048"] = Case([2048], [2048], gen, dtype, shape).measure(max(3, iters // 5), fresh=True)
+    summary["fresh_16x16"] = Case([16] * 16, [16] * 16, gen, dtype, shape).measure(iters, fresh=True)
     return summary
