@@ -115,6 +115,40 @@ def test_long_prompts_on_amx_tiles_match_float32(block_size: int, head_dim: int)
             assert bool(torch.isnan(out[rows].float()).all())
 
 
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(8, 2), (12, 2), (16, 2), (16, 1), (9, 3)])
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+def test_grouped_decodes_on_amx_tiles_match_float32(num_q_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    # Single-position decodes of KV heads with 5 or more query heads take the AMX tiles where the
+    # build has them (csrc/decode_tiles.h; groups of 3 and 4 keep the AVX-512 kernel).
+    # Lengths inside, at and just past a block, a decode long enough to be split across threads (its
+    # partials merged), beside a 3-position chunk and a prompt in the same step; slots no sequence
+    # owns hold NaN (the last block's rows past a sequence must not reach the products).
+    group = num_q_heads // num_kv_heads
+    if cpu_linear.amx() and ops.attention_isa() == "avx512-bf16" and ops.decode_tiles_min_group():
+        assert ops.decode_tiles_min_group() == 5
+    seq_lens, q_lens = [1, 15, 16, 17, 1000, 333, 40, 90], [1, 1, 1, 1, 1, 1, 3, 90]
+    batch = make_paged_batch(seq_lens, q_lens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                             head_dim=head_dim, block_size=16, dtype=torch.bfloat16,
+                             generator=torch.Generator().manual_seed(group * head_dim))
+    fill_unowned_slots_with_nan(batch, seq_lens, 16)
+    query = batch.query.bfloat16()
+    scale = head_dim**-0.5
+    want = paged_attention_naive(query.float(), batch.k_cache.float(), batch.v_cache.float(), *batch.args()[3:],
+                                 scale=scale)
+    out = torch.full_like(query, float("nan"))
+    ops.paged_attention(out, query, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
+                        batch.cu_seqlens_q, torch.arange(len(seq_lens)), scale)
+    close_to_float32(out, want)
+    # Large scores: the running max moves block by block (each earlier block's output rescaled).
+    rising = batch.k_cache.float() * torch.linspace(1, 8, batch.k_cache.shape[0])[:, None, None, None]
+    k_cache = rising.bfloat16()
+    want = paged_attention_naive(query.float(), k_cache.float(), batch.v_cache.float(), *batch.args()[3:], scale=scale)
+    out = torch.full_like(query, float("nan"))
+    ops.paged_attention(out, query, k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, batch.cu_seqlens_q,
+                        torch.arange(len(seq_lens)), scale)
+    close_to_float32(out, want)
+
+
 def test_ops_refuse_mixed_dtypes() -> None:
     batch = make_paged_batch([5], [1], num_q_heads=2, num_kv_heads=1, head_dim=16, block_size=4,
                              dtype=torch.bfloat16)

@@ -530,6 +530,16 @@ int64_t prompt_tiles_min_tokens() {
 #endif
 }
 
+// Single-position decodes whose KV heads have at least this many query heads take the AMX tiles in bf16
+// (csrc/decode_tiles.h; head dims that are multiples of 32, blocks of 16 tokens); 0: none here.
+int64_t decode_tiles_min_group() {
+#ifdef PAGEDSERVE_DECODE_TILES
+  return avx512_attention::decode_tiles::available() ? avx512_attention::decode_tiles::kMinGroup : 0;
+#else
+  return 0;
+#endif
+}
+
 // Whether the small-batch linear runs on AMX tiles here (csrc/brgemm_linear.h): `brgemm_pack` works.
 bool brgemm_linear_available() { return brgemm_linear::available(); }
 
@@ -919,6 +929,7 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("brgemm_block_n() -> int");
   m.def("attention_isa() -> str");
   m.def("prompt_tiles_min_tokens() -> int");
+  m.def("decode_tiles_min_group() -> int");
   m.def("brgemm_pack(Tensor weight) -> Tensor");
   m.def("quant_linear(Tensor x, Tensor q, Tensor scales, Tensor? mins, Tensor? bias, int bits, int group, int n, "
         "bool tiles, bool float_out) -> Tensor");
@@ -964,6 +975,7 @@ TORCH_LIBRARY_IMPL(pagedserve_cpu, CatchAll, m) {
   m.impl("quant_linear_isa", &quant_linear_isa);
   m.impl("quant_onednn_rows", &quant_onednn_rows);
   m.impl("prompt_tiles_min_tokens", &prompt_tiles_min_tokens);
+  m.impl("decode_tiles_min_group", &decode_tiles_min_group);
   m.impl("has_nucleus_draws", &sampler::has_nucleus_draws);
   m.impl("avx512_attention", &uses_avx512_attention);
 }

@@ -1,0 +1,171 @@
+// Decode attention on AMX tiles for grouped-query models (bf16 K/V, CPUs with AMX-BF16, builds whose
+// flags enable AMX: -march=native on such a CPU), included by paged_attention_avx512.h inside
+// namespace avx512_attention. `run_decode_item` sends it the blocks of single-position decodes whose
+// KV heads have kMinGroup or more query heads.
+//
+// Why: the AVX-512 decode kernel (decode_block_pairs) does its multiply-adds per query head, so its
+// work per byte of K/V grows with the group. At the 1.5B GGUF's groups of 6 (head dim 128) it read
+// 9.5 GB/s where the default model's groups of 3 read 15 (docs/benchmarks.md, "Decode attention on
+// AMX tiles"). On tiles, one instruction multiplies a block's 16 tokens by all the group's heads.
+//
+// Per block and KV head (R = the group's query heads, rows of the products):
+//   S^T (16 tokens x R) = K (16 x 32 of D, read in place from the pool) . Q^T pairs, D / 32 steps;
+//   the online softmax runs vertically (a zmm per token, the R heads in lanes), in float32;
+//   each weight p enters P V as two bf16, p = hi + lo (as decode_block_pairs does), rows of P put
+//   together by one 16 x 16 transpose; V's token pairs interleaved as the tiles read them, in the
+//   pair order of decode_block_pairs (unpermute_pairs puts the output back);
+//   O (R x 16 of D) += P_hi . V pairs + P_lo . V pairs, O kept in the item's accumulator.
+// The same contract as decode_block_pairs: scores are float32 sums of exact bf16 x bf16 products,
+// weights within 2^-17 of float32, accumulation in float32.
+//
+// The tiles are configured per item; ATen's brgemm (which caches its own configuration per thread)
+// is released first, so that its next call configures again.
+
+#pragma once
+
+#include <sys/syscall.h>
+#include <unistd.h>
+
+namespace decode_tiles {
+
+// Query heads per KV head from which the tiles pay: at 3 and 4 they were 5-30% slower than
+// decode_block_pairs, at 6 and 8 1.6-1.9x faster (docs/benchmarks.md, "Decode attention on AMX tiles").
+constexpr int64_t kMinGroup = 5;
+
+inline bool permitted() {  // Linux's leave to use the tile registers (idempotent; oneDNN asks too)
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+inline bool enabled() {  // PAGEDSERVE_CPU_DECODE_TILES=0 keeps the AVX-512 kernel (A/B runs, tests)
+  static const bool on = [] {
+    const char* env = std::getenv("PAGEDSERVE_CPU_DECODE_TILES");
+    return !(env != nullptr && std::strcmp(env, "0") == 0);
+  }();
+  return on;
+}
+
+inline bool available() { return enabled() && brgemm_linear::available() && permitted(); }
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles: 0 S^T (16 tokens x R), 1 K (16 tokens x 32 of D), 2 Q^T pairs (16 pairs x R), 3 O (R x 16 of
+// D), 4 P hi (R x 16 tokens), 5 P lo, 6 V pairs (8 token pairs x 16 of D).
+inline void configure(int64_t rows) {
+  at::native::cpublas::brgemm_release(true);  // ATen's brgemm configures again at its next call
+  TileConfig cfg;
+  const auto r = static_cast<uint8_t>(rows);
+  const auto r4 = static_cast<uint16_t>(rows * 4);
+  cfg.rows[0] = 16, cfg.colsb[0] = r4;
+  cfg.rows[1] = 16, cfg.colsb[1] = 64;
+  cfg.rows[2] = 16, cfg.colsb[2] = r4;
+  cfg.rows[3] = r, cfg.colsb[3] = 64;
+  cfg.rows[4] = r, cfg.colsb[4] = 32;
+  cfg.rows[5] = r, cfg.colsb[5] = 32;
+  cfg.rows[6] = 8, cfg.colsb[6] = 64;
+  asm volatile("" : : "r"(&cfg) : "memory");  // GCC does not count ldtilecfg as reading cfg: keep the stores
+  _tile_loadconfig(&cfg);
+}
+
+// Q^T pairs of one KV head's R query rows q (R, D) bf16: out (D / 32, 16, 16) words, word [j][i][r] =
+// the pair (q[r][32 j + 2 i], q[r][32 j + 2 i + 1]); lanes r >= R zero.
+template <int64_t D>
+inline void pack_queries(const c10::BFloat16* q, int64_t rows, uint32_t* out) {
+  std::fill(out, out + D / 32 * 256, 0u);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < D / 2; ++i) std::memcpy(out + ((i / 16) * 16 + i % 16) * 16 + r, q + r * D + 2 * i, 4);
+}
+
+// One block (n <= 16 tokens, all visible) of one KV head: k, v its rows (`stride` elements apart);
+// qt its pack_queries; m, l (16,) the rows' running max and sum (lanes >= R unused); acc (R, D) in
+// the pair order; vp scratch (D / 16, 8, 16) words.
+template <int64_t D>
+inline void block(const c10::BFloat16* k, const c10::BFloat16* v, int64_t stride, int64_t n, int64_t rows,
+                  float scale, const uint32_t* qt, float* m, float* l, float* acc, uint32_t* vp) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const __mmask16 row_mask = static_cast<__mmask16>((1u << rows) - 1);
+  _tile_zero(0);
+  for (int64_t j = 0; j < D / 32; ++j) {
+    _tile_loadd(1, k + 32 * j, stride * 2);
+    _tile_loadd(2, qt + j * 256, 64);
+    _tile_dpbf16ps(0, 1, 2);
+  }
+  // V's token pairs while the scores finish: pair p's 32 bf16 of D chunk j, two tokens interleaved
+  // within 128-bit lanes (unpacklo: elements 8L..8L+3 of lane L, unpackhi: 8L+4..8L+7); tokens past n
+  // are zeros (their rows may hold anything, NaN included).
+  for (int64_t p = 0; p < 8; ++p) {
+    for (int64_t j = 0; j < D / 32; ++j) {
+      const __m512i a = 2 * p < n ? _mm512_loadu_si512(v + 2 * p * stride + 32 * j) : _mm512_setzero_si512();
+      const __m512i b = 2 * p + 1 < n ? _mm512_loadu_si512(v + (2 * p + 1) * stride + 32 * j) : _mm512_setzero_si512();
+      _mm512_storeu_si512(vp + (2 * j) * 128 + p * 16, _mm512_unpacklo_epi16(a, b));
+      _mm512_storeu_si512(vp + (2 * j + 1) * 128 + p * 16, _mm512_unpackhi_epi16(a, b));
+    }
+  }
+  alignas(64) float st[16 * 16];
+  _tile_stored(0, st, 64);
+  // Online softmax, the rows in lanes: a zmm per token.
+  const __m512 vscale = _mm512_set1_ps(scale);
+  __m512 s[16];
+  __m512 block_max = _mm512_set1_ps(neg_inf);
+  for (int64_t t = 0; t < n; ++t) {
+    s[t] = _mm512_mul_ps(_mm512_maskz_loadu_ps(row_mask, st + 16 * t), vscale);
+    block_max = _mm512_max_ps(block_max, s[t]);
+  }
+  const __m512 old_max = _mm512_loadu_ps(m);
+  const __m512 new_max = _mm512_max_ps(old_max, block_max);
+  const __m512 corr = exp512(_mm512_sub_ps(old_max, new_max));
+  __m512 sum = _mm512_setzero_ps();
+  __m512i w[16];
+  for (int64_t t = 0; t < 16; ++t) {
+    if (t >= n) {
+      w[t] = _mm512_setzero_si512();
+      continue;
+    }
+    const __m512 e = exp512(_mm512_sub_ps(s[t], new_max));
+    sum = _mm512_add_ps(sum, e);
+    const __m256bh hi = _mm512_cvtneps_pbh(e);  // e = hi + lo, each a bf16
+    const __m512i hi32 = _mm512_cvtepu16_epi32(reinterpret_cast<const __m256i&>(hi));
+    const __m256bh lo = _mm512_cvtneps_pbh(_mm512_sub_ps(e, _mm512_castsi512_ps(_mm512_slli_epi32(hi32, 16))));
+    w[t] = _mm512_or_si512(hi32, _mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<const __m256i&>(lo)), 16));
+  }
+  _mm512_storeu_ps(m, new_max);
+  _mm512_storeu_ps(l, _mm512_fmadd_ps(_mm512_loadu_ps(l), corr, sum));
+  // The rows' outputs so far, rescaled where their max moved (rarely, once a few blocks are in).
+  const __mmask16 moved = _mm512_mask_cmp_ps_mask(row_mask, corr, _mm512_set1_ps(1.0f), _CMP_NEQ_OQ);
+  if (moved) {
+    alignas(64) float c[16];
+    _mm512_store_ps(c, corr);
+    for (int64_t r = 0; r < rows; ++r) {
+      if (!((moved >> r) & 1)) continue;
+      const __m512 cr = _mm512_set1_ps(c[r]);
+      for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(acc + r * D + d, _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + d), cr));
+    }
+  }
+  // P's rows: word (hi | lo << 16) per token, transposed to a row per head, then split into the 16 hi
+  // and the 16 lo bf16 of that row.
+  quant_linear::transpose16(w);
+  const __m512i split = _mm512_set_epi16(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1,
+                                         30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  alignas(64) uint16_t pw[16 * 32];
+  for (int64_t r = 0; r < rows; ++r) _mm512_store_si512(pw + r * 32, _mm512_permutexvar_epi16(split, w[r]));
+  _tile_loadd(4, pw, 64);
+  _tile_loadd(5, pw + 16, 64);
+  for (int64_t c = 0; c < D / 16; ++c) {
+    _tile_loadd(3, acc + 16 * c, D * 4);
+    _tile_loadd(6, vp + c * 128, 64);
+    _tile_dpbf16ps(3, 4, 6);
+    _tile_dpbf16ps(3, 5, 6);
+    _tile_stored(3, acc + 16 * c, D * 4);
+  }
+}
+
+}  // namespace decode_tiles
