@@ -21,7 +21,7 @@ a test keeps the two equal: an image once missed all its prebuilt kernels becaus
 header, so the installed source hashed unlike the one built), and a level's flags follow from its
 name. A native build also hashes this CPU's flags, since -march=native makes them part of its code.
 
-The levels, best first: variants of a psABI level that enable one more extension, each built only
+The levels, best first: variants of a psABI level that enable more extensions, each built only
 where the source tests that extension's macro (one no line tests would compile to its base's code),
 then the psABI levels themselves, always built (v4: AVX-512 F/BW/CD/DQ/VL; v3: AVX2 + FMA; x86-64:
 the baseline every x86-64 CPU runs).
@@ -81,6 +81,9 @@ class Level:
 _V3_FLAGS = frozenset({"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"})
 _V4_FLAGS = _V3_FLAGS | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
 LEVELS: dict[str, Level] = {  # best first
+    # decode attention of grouped heads on AMX tiles (csrc/decode_tiles.h: Sapphire Rapids on)
+    "x86-64-v4-avx512bf16-amx": Level(("-march=x86-64-v4", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"),
+                                      _V4_FLAGS | {"avx512_bf16", "amx_tile", "amx_bf16"}, "__AMX_TILE__"),
     # bf16 conversions of the AVX-512 attention kernel in one instruction (Zen 4 on, Cooper Lake on)
     "x86-64-v4-avx512bf16": Level(("-march=x86-64-v4", "-mavx512bf16"), _V4_FLAGS | {"avx512_bf16"},
                                   "__AVX512BF16__"),
