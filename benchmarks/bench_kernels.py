@@ -158,7 +158,8 @@ def main() -> int:
     parser.add_argument("--threads", type=int, help="with --cpu: torch threads (default: torch's)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="with --cpu: the K/V, query and output dtype")
-    parser.add_argument("--shape", choices=("smollm2", "qwen2.5-1.5b"), default="smollm2",
+    parser.add_argument("--shape", choices=("smollm2", "qwen2.5-1.5b", "gqa4-d64", "gqa4-d128", "gqa8-d128"),
+                        default="smollm2",
                         help="with --cpu: the model's heads (default: the default model's)")
     options = parser.parse_args()
     if options.cpu:

@@ -1,7 +1,8 @@
 """CPU attention of the fused path on the default model's shapes (`bench_kernels --cpu`).
 
 SmolLM2-135M, float32 or bfloat16 (`--dtype`): 9 query heads, 3 KV heads, head dim 64, block size 16;
-`--shape qwen2.5-1.5b`: the 1.5B GGUF's 12 query heads, 2 KV heads (groups of 6), head dim 128.
+`--shape qwen2.5-1.5b`: the 1.5B GGUF's 12 query heads, 2 KV heads (groups of 6), head dim 128; the
+`gqa*` shapes: 32 query heads in groups of 4 or 8.
 Each case cycles through enough per-layer pools (3x this CPU's L3, read from sysfs) that K/V come
 from memory, not the cache, as in a real step (30 layers, each read once). Per case, in the same
 run: the fused path's `write_and_attend` (K/V write + `paged_attention`), the portable kernel on the
@@ -31,8 +32,10 @@ BLOCK_SIZE = 16
 
 @dataclass(frozen=True)
 class Shape:
-    q_heads: int
-    kv_heads: int
+    """A model's attention heads: query heads, KV heads (num_q_heads / num_kv_heads to a group), head dim."""
+
+    num_q_heads: int
+    num_kv_heads: int
     head_dim: int
 
     @property
@@ -40,7 +43,9 @@ class Shape:
         return self.head_dim**-0.5
 
 
-SHAPES = {"smollm2": Shape(9, 3, 64), "qwen2.5-1.5b": Shape(12, 2, 128)}
+# The two models we serve, and groups of 4 and 8 (Llama-3-8B-like, 70B-like) for where the decode tiles pay.
+SHAPES = {"smollm2": Shape(9, 3, 64), "qwen2.5-1.5b": Shape(12, 2, 128), "gqa4-d64": Shape(32, 8, 64),
+          "gqa4-d128": Shape(32, 8, 128), "gqa8-d128": Shape(32, 4, 128)}
 
 
 def l3_bytes() -> int:
@@ -82,7 +87,7 @@ class Case:
         blocks = [-(-s // BLOCK_SIZE) for s in ctx_lens]
         num_blocks = sum(blocks)
         self.itemsize = dtype.itemsize
-        block_bytes = 2 * BLOCK_SIZE * shape.kv_heads * shape.head_dim * self.itemsize
+        block_bytes = 2 * BLOCK_SIZE * shape.num_kv_heads * shape.head_dim * self.itemsize
         self.copies = max(1, -(-3 * l3_bytes() // (num_blocks * block_bytes)))
         order = torch.randperm(num_blocks, generator=gen).to(torch.int32)
         tables = torch.zeros(len(ctx_lens), max(blocks), dtype=torch.int32)
@@ -90,7 +95,7 @@ class Case:
         for b, n in enumerate(blocks):
             tables[b, :n] = order[start:start + n]
             start += n
-        dims = (num_blocks, BLOCK_SIZE, shape.kv_heads, shape.head_dim)
+        dims = (num_blocks, BLOCK_SIZE, shape.num_kv_heads, shape.head_dim)
         self.pools = [(torch.randn(dims, generator=gen).to(dtype), torch.randn(dims, generator=gen).to(dtype))
                       for _ in range(self.copies)]
         slots = [int(tables[b, p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE
@@ -101,7 +106,7 @@ class Case:
         if self.plan is None:
             raise RuntimeError("the fused CPU kernels are unavailable here")
         num_tokens = sum(q_lens)
-        hq, hkv, d = shape.q_heads, shape.kv_heads, shape.head_dim
+        hq, hkv, d = shape.num_q_heads, shape.num_kv_heads, shape.head_dim
         qkv = torch.randn(num_tokens, (hq + 2 * hkv) * d, generator=gen).to(dtype)
         q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
         self.q = q.view(num_tokens, hq, d)
@@ -121,7 +126,7 @@ class Case:
 
     def sdpa(self, i: int) -> torch.Tensor:
         """Fresh prompts as the fused path attended to them before: SDPA per prompt on expanded K/V."""
-        group = self.shape.q_heads // self.shape.kv_heads
+        group = self.shape.num_q_heads // self.shape.num_kv_heads
         out = torch.empty(self.q.shape, dtype=self.q.dtype)
         start = 0
         for n in self.q_lens:
@@ -129,19 +134,20 @@ class Case:
             q = self.q[rows].transpose(0, 1).contiguous()[None]
             k = self.k[rows].repeat_interleave(group, dim=1).transpose(0, 1).contiguous()[None]
             v = self.v[rows].repeat_interleave(group, dim=1).transpose(0, 1).contiguous()[None]
-            out[rows] = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.shape.scale)[0].transpose(0, 1)
+            attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.shape.scale)
+            out[rows] = attended[0].transpose(0, 1)
             start += n
         return out
 
     def measure(self, iters: int, fresh: bool = False) -> dict:
         best, median = _time_ms(self.fused, self.copies, iters)
         portable, _ = _time_ms(self.portable, self.copies, iters)
-        kv_bytes = 2 * sum(self.ctx_lens) * self.shape.kv_heads * self.shape.head_dim * self.itemsize
+        kv_bytes = 2 * sum(self.ctx_lens) * self.shape.num_kv_heads * self.shape.head_dim * self.itemsize
         result = {"ms": round(best, 4), "median_ms": round(median, 4), "gbps": round(kv_bytes / best / 1e6, 1),
                   "vs_portable": round(portable / best, 2)}
         if fresh:
             sdpa, _ = _time_ms(self.sdpa, self.copies, iters)
-            flops = sum(4 * self.shape.q_heads * self.shape.head_dim * n * (n + 1) / 2 for n in self.q_lens)
+            flops = sum(4 * self.shape.num_q_heads * self.shape.head_dim * n * (n + 1) / 2 for n in self.q_lens)
             result.update(ms_30_layers=round(30 * best, 1), gflops=round(flops / best / 1e6, 1),
                           vs_sdpa=round(sdpa / best, 2))
             del result["gbps"]

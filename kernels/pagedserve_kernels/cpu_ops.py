@@ -69,8 +69,8 @@ class Level:
     Attributes:
         march: its compiler flags (they decide its code, with the source).
         needs: the /proc/cpuinfo flags a CPU must show to run it.
-        macro: for a variant (a psABI level plus one extension), the preprocessor macro the extension
-            defines: the variant is built only where the source tests it. None for a psABI level.
+        macro: for a variant (a psABI level plus extensions), the preprocessor macro of the extension it
+            adds to the variant below it: built only where the source tests it. None for a psABI level.
     """
 
     march: tuple[str, ...]

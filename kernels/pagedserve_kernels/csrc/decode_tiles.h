@@ -1,12 +1,12 @@
 // Decode attention on AMX tiles for grouped-query models (bf16 K/V, CPUs with AMX-BF16, builds whose
 // flags enable AMX: -march=native on such a CPU), included by paged_attention_avx512.h inside
 // namespace avx512_attention. `run_decode_item` sends it the blocks of single-position decodes whose
-// KV heads have kMinGroup or more query heads.
+// KV heads have kMinGroup or more query heads (`takes`, `run_blocks`).
 //
 // Why: the AVX-512 decode kernel (decode_block_pairs) does its multiply-adds per query head, so its
 // work per byte of K/V grows with the group. At the 1.5B GGUF's groups of 6 (head dim 128) it read
-// 9.5 GB/s where the default model's groups of 3 read 15 (docs/benchmarks.md, "Decode attention on
-// AMX tiles"). On tiles, one instruction multiplies a block's 16 tokens by all the group's heads.
+// 9-12 GB/s where the default model's groups of 3 read 15-18 (docs/benchmarks.md, "Decode attention
+// on AMX tiles"). On tiles, one instruction multiplies a block's 16 tokens by all the group's heads.
 //
 // Per block and KV head (R = the group's query heads, rows of the products):
 //   S^T (16 tokens x R) = K (16 x 32 of D, read in place from the pool) . Q^T pairs, D / 32 steps;
@@ -23,13 +23,12 @@
 
 #pragma once
 
-#include <sys/syscall.h>
-#include <unistd.h>
-
+// (Its includer, paged_attention_avx512.h, includes <sys/syscall.h> and <unistd.h> for the syscall
+// below, outside its namespace: this file is included inside it.)
 namespace decode_tiles {
 
 // Query heads per KV head from which the tiles pay: at 3 and 4 they were 5-30% slower than
-// decode_block_pairs, at 6 and 8 1.6-1.9x faster (docs/benchmarks.md, "Decode attention on AMX tiles").
+// decode_block_pairs, at 6 and 8 1.4-1.8x faster (docs/benchmarks.md, "Decode attention on AMX tiles").
 constexpr int64_t kMinGroup = 5;
 
 inline bool permitted() {  // Linux's leave to use the tile registers (idempotent; oneDNN asks too)
@@ -40,7 +39,7 @@ inline bool permitted() {  // Linux's leave to use the tile registers (idempoten
   return ok;
 }
 
-inline bool enabled() {  // PAGEDSERVE_CPU_DECODE_TILES=0 keeps the AVX-512 kernel (A/B runs, tests)
+inline bool enabled() {  // PAGEDSERVE_CPU_DECODE_TILES=0 keeps the AVX-512 kernel (A/B runs: docs/design.md)
   static const bool on = [] {
     const char* env = std::getenv("PAGEDSERVE_CPU_DECODE_TILES");
     return !(env != nullptr && std::strcmp(env, "0") == 0);
@@ -49,6 +48,12 @@ inline bool enabled() {  // PAGEDSERVE_CPU_DECODE_TILES=0 keeps the AVX-512 kern
 }
 
 inline bool available() { return enabled() && brgemm_linear::available() && permitted(); }
+
+// Whether a single-position decode of KV heads with `group` query heads and blocks of `block_size`
+// tokens runs here (a head's queries are at most one tile's 16 rows).
+inline bool takes(int64_t group, int64_t block_size) {
+  return group >= kMinGroup && group <= 16 && block_size == kMaxBlockSize && available();
+}
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1;
@@ -82,7 +87,7 @@ template <int64_t D>
 inline void pack_queries(const c10::BFloat16* q, int64_t rows, uint32_t* out) {
   std::fill(out, out + D / 32 * 256, 0u);
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t i = 0; i < D / 2; ++i) std::memcpy(out + ((i / 16) * 16 + i % 16) * 16 + r, q + r * D + 2 * i, 4);
+    for (int64_t i = 0; i < D / 2; ++i) std::memcpy(out + i * 16 + r, q + r * D + 2 * i, 4);
 }
 
 // One block (n <= 16 tokens, all visible) of one KV head: k, v its rows (`stride` elements apart);
@@ -157,6 +162,9 @@ inline void block(const c10::BFloat16* k, const c10::BFloat16* v, int64_t stride
                                          30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
   alignas(64) uint16_t pw[16 * 32];
   for (int64_t r = 0; r < rows; ++r) _mm512_store_si512(pw + r * 32, _mm512_permutexvar_epi16(split, w[r]));
+  // GCC's tile loads are asm with no memory operand: the stores above (pw, vp, the rescaled acc) must
+  // not move past them.
+  asm volatile("" : : : "memory");
   _tile_loadd(4, pw, 64);
   _tile_loadd(5, pw + 16, 64);
   for (int64_t c = 0; c < D / 16; ++c) {
@@ -165,6 +173,57 @@ inline void block(const c10::BFloat16* k, const c10::BFloat16* v, int64_t stride
     _tile_dpbf16ps(3, 4, 6);
     _tile_dpbf16ps(3, 5, 6);
     _tile_stored(3, acc + 16 * c, D * 4);
+  }
+}
+
+// The tiles of this thread released when a run ends, a thrown check included.
+struct Release {
+  ~Release() { _tile_release(); }
+};
+
+// Blocks [blk_begin, blk_end) of a single-position decode (its `seq_len` tokens, block table `table`)
+// for all KV heads: q (Hq, D) bf16 the queries, ordered by KV head; m (Hq,), l (Hq, 16) and acc
+// (Hq, D), as run_decode_item keeps them, are left as decode_block_pairs leaves them (acc in the pair
+// order; each row's sum in lane 0 of its l).
+template <int64_t D>
+void run_blocks(const c10::BFloat16* q, const c10::BFloat16* k_ptr, const c10::BFloat16* v_ptr,
+                const int32_t* table, int64_t blk_begin, int64_t blk_end, int64_t seq_len, const Shapes& sh,
+                float* m, float* l, float* acc) {
+  const int64_t hkv = sh.num_kv_heads, g = sh.group, block_elems = sh.block_size * sh.token_stride;
+  thread_local std::vector<uint32_t> qt, vp;
+  thread_local std::vector<float> state;  // per KV head: running max (16 lanes), then sum (16)
+  qt.resize(hkv * D / 32 * 256);
+  vp.resize(D / 16 * 128);
+  state.assign(hkv * 32, 0.0f);
+  for (int64_t h = 0; h < hkv; ++h) {
+    pack_queries<D>(q + h * g * D, g, qt.data() + h * D / 32 * 256);
+    std::fill(state.begin() + h * 32, state.begin() + h * 32 + 16, -std::numeric_limits<float>::infinity());
+  }
+  configure(g);
+  const Release release;
+  for (int64_t blk = blk_begin; blk < blk_end; ++blk) {
+    const int64_t physical = table[blk];
+    TORCH_CHECK(physical >= 0 && physical < sh.num_blocks, "block id out of range");
+    const int64_t n = std::min(sh.block_size, seq_len - blk * sh.block_size);
+    if (blk + 1 < blk_end && table[blk + 1] >= 0 && table[blk + 1] < sh.num_blocks) {  // the next block's K/V
+      const char* next_k = reinterpret_cast<const char*>(k_ptr + table[blk + 1] * block_elems);
+      const char* next_v = reinterpret_cast<const char*>(v_ptr + table[blk + 1] * block_elems);
+      for (int64_t b = 0; b < block_elems * 2; b += 64) {
+        _mm_prefetch(next_k + b, _MM_HINT_T0);
+        _mm_prefetch(next_v + b, _MM_HINT_T0);
+      }
+    }
+    for (int64_t h = 0; h < hkv; ++h) {
+      const int64_t at = physical * block_elems + h * D;
+      block<D>(k_ptr + at, v_ptr + at, sh.token_stride, n, g, sh.scale, qt.data() + h * D / 32 * 256,
+               state.data() + h * 32, state.data() + h * 32 + 16, acc + h * g * D, vp.data());
+    }
+  }
+  for (int64_t h = 0; h < hkv; ++h) {
+    for (int64_t r = 0; r < g; ++r) {
+      m[h * g + r] = state[h * 32 + r];
+      l[(h * g + r) * 16] = state[h * 32 + 16 + r];  // the row's other 15 lanes stay 0
+    }
   }
 }
 

@@ -33,9 +33,13 @@
 
 #include <c10/util/BFloat16.h>
 
+#include <sys/syscall.h>  // decode_tiles.h: leave to use the AMX tiles
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <numeric>
@@ -508,7 +512,7 @@ struct Shapes {
 #include "prefill_tiles.h"
 #endif
 #if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include "decode_tiles.h"
+#include "decode_tiles.h"  // (uses quant_linear.h's transpose16: cpu_ops.cpp includes that first)
 #define PAGEDSERVE_DECODE_TILES 1
 #endif
 
@@ -631,50 +635,12 @@ void run_decode_item(const Item& it, const Shapes& sh, const T* q_ptr, T* o_ptr,
   std::fill(l, l + rows * 16, 0.0f);
   const int64_t context = seq_len - nq;
   const int64_t block_floats = sh.block_size * sh.token_stride;
-  bool on_tiles = false;  // the blocks done on AMX tiles instead of the loop below
+  bool on_tiles = false;  // the item's blocks done on AMX tiles (decode_tiles.h) instead of the loop below
 #ifdef PAGEDSERVE_DECODE_TILES
-  // Single-position decodes of grouped heads on AMX tiles (decode_tiles.h): per KV head its queries'
-  // pairs, running max and sum (lanes: the group's heads), for all the item's blocks.
   if constexpr (pairs) {
-    if (nq == 1 && g >= decode_tiles::kMinGroup && g <= 16 && sh.block_size == kMaxBlockSize &&
-        decode_tiles::available()) {
-      thread_local std::vector<uint32_t> qt, vp;
-      thread_local std::vector<float> state;
-      const int64_t hkv = sh.num_kv_heads;
-      qt.resize(hkv * D / 32 * 256);
-      vp.resize(D / 16 * 128);
-      state.assign(hkv * 32, 0.0f);  // per head: max (16), sum (16)
-      for (int64_t h = 0; h < hkv; ++h) {
-        decode_tiles::pack_queries<D>(reinterpret_cast<const T*>(q) + h * g * D, g, qt.data() + h * D / 32 * 256);
-        std::fill(state.begin() + h * 32, state.begin() + h * 32 + 16, -std::numeric_limits<float>::infinity());
-      }
-      decode_tiles::configure(g);
-      for (int64_t blk = it.blk_begin; blk < it.blk_end; ++blk) {
-        const int64_t physical = table[blk];
-        TORCH_CHECK(physical >= 0 && physical < sh.num_blocks, "block id out of range");
-        const int64_t n = std::min(sh.block_size, seq_len - blk * sh.block_size);
-        const T* kb = k_ptr + physical * block_floats;
-        const T* vb = v_ptr + physical * block_floats;
-        if (blk + 1 < it.blk_end && table[blk + 1] >= 0 && table[blk + 1] < sh.num_blocks) {
-          const char* next_k = reinterpret_cast<const char*>(k_ptr + table[blk + 1] * block_floats);
-          const char* next_v = reinterpret_cast<const char*>(v_ptr + table[blk + 1] * block_floats);
-          for (int64_t b = 0; b < block_floats * static_cast<int64_t>(sizeof(T)); b += 64) {
-            _mm_prefetch(next_k + b, _MM_HINT_T0);
-            _mm_prefetch(next_v + b, _MM_HINT_T0);
-          }
-        }
-        for (int64_t h = 0; h < hkv; ++h) {
-          decode_tiles::block<D>(kb + h * D, vb + h * D, sh.token_stride, n, g, sh.scale, qt.data() + h * D / 32 * 256,
-                                 state.data() + h * 32, state.data() + h * 32 + 16, acc + h * g * D, vp.data());
-        }
-      }
-      _tile_release();
-      for (int64_t h = 0; h < hkv; ++h) {
-        for (int64_t r = 0; r < g; ++r) {
-          m[h * g + r] = state[h * 32 + r];
-          l[(h * g + r) * 16] = state[h * 32 + 16 + r];  // the lane-wise sums below add up to it
-        }
-      }
+    if (nq == 1 && decode_tiles::takes(g, sh.block_size)) {
+      decode_tiles::run_blocks<D>(reinterpret_cast<const T*>(q), k_ptr, v_ptr, table, it.blk_begin, it.blk_end,
+                                  seq_len, sh, m, l, acc);
       on_tiles = true;
     }
   }
