@@ -87,8 +87,13 @@ def test_qwen_gguf_answers_and_bf16_agrees_with_float32(gguf_path):
     assert agreement >= 0.93 and kl < 0.005
 
 
-@pytest.mark.parametrize(("quantization", "floor"), [("auto", 0.85), ("int8", 0.97), ("int4", 0.80)])
-def test_qwen_gguf_quantized_agrees_with_float32(gguf_path, quantization, floor):
+# Measured over these 245 positions (Intel Xeon with AMX-BF16): auto 0.9837 / KL 0.00016, int8 0.9592 /
+# 0.00060, int4 0.8980 / 0.0167; bf16 without quantization 0.9592 / 0.00044. Top-1 on 245 positions moves by
+# a near-tie or two (0.4% each), so the KL bounds are the sharper check: int8 with one scale per output
+# (before its groups of 128) gave 0.9673 but KL 0.00216, over its bound.
+@pytest.mark.parametrize(("quantization", "floor", "max_kl"),
+                         [("auto", 0.95, 0.001), ("int8", 0.94, 0.0015), ("int4", 0.85, 0.05)])
+def test_qwen_gguf_quantized_agrees_with_float32(gguf_path, quantization, floor, max_kl):
     """The file's Q4_K/Q6_K blocks computed on as they are, and int8 / int4 quantized at load from the
     de-quantized weights, against the float32 model: top-1 agreement and KL, teacher-forced."""
     from compute_service.model.model_loader import load_tokenizer, resolve_model
@@ -101,7 +106,7 @@ def test_qwen_gguf_quantized_agrees_with_float32(gguf_path, quantization, floor)
                                     reduction="batchmean").item()
     print(f"\n{quantization}: top-1 agreement with float32 {agreement:.4f}, mean KL {kl:.5f} "
           f"({len(token_ids)} positions)")
-    assert agreement >= floor and kl < 0.1
+    assert agreement >= floor and kl < max_kl
 
 
 def test_default_models_gguf_converts_as_transformers_does(tmp_path):
