@@ -444,7 +444,8 @@ def report(args: argparse.Namespace, workload: list[Request], results: list[RunR
         "peak_rss_mib": round(peak_rss / 1024),  # largest single process (ru_maxrss is in KiB on Linux)
         "cpu_preload": os.environ.get("LD_PRELOAD", "") if cpu_preload_active() else None,
         # What ran: the code each kernel takes on this CPU (the compute service's Info.kernel_paths).
-        "kernel_paths": kernels.kernel_paths(torch.device(args.device), DTYPES[args.dtype], config.head_dim),
+        "kernel_paths": kernels.kernel_paths(torch.device(args.device), DTYPES[args.dtype], config.head_dim,
+                                             group=config.num_q_heads // config.num_kv_heads),
     }
 
     prompt_lens, output_lens = [len(r.prompt_token_ids) for r in workload], [r.max_tokens for r in workload]

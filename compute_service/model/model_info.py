@@ -82,5 +82,6 @@ def model_info(loaded: LoadedModel, served_model_name: str | None = None) -> Mod
         kernels=kernels.step_path(loaded.model.device, loaded.model.dtype, config.head_dim),
         hidden_size=config.hidden_size,
         kernel_paths=tuple(kernels.kernel_paths(loaded.model.device, loaded.model.dtype, config.head_dim,
-                                                loaded.model.quantization).items()),
+                                                loaded.model.quantization,
+                                                config.num_q_heads // config.num_kv_heads).items()),
     )

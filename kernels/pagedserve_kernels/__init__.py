@@ -66,15 +66,16 @@ def step_path(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
     return f"fused-cpp {cpu_ops.level()}"
 
 
-def kernel_paths(device: torch.device, dtype: torch.dtype, head_dim: int, quantization: str = "none") -> dict[str, str]:
+def kernel_paths(device: torch.device, dtype: torch.dtype, head_dim: int, quantization: str = "none",
+                 group: int | None = None) -> dict[str, str]:
     """Which code each kernel of a step runs on this CPU, for Info's kernel_paths and the metrics (a
     benchmark's line can say what ran). Empty where the fused CPU kernels do not run (`step_path`).
 
     Keys: "attention" ("avx512-bf16", "avx512" or "portable": the instructions of paged_attention's
     build, for block sizes of 4 to 16 in steps of 4; others run the portable kernel; bf16 on an AMX
     CPU adds ", prompts>=64 amx-tiles": the prompts that take csrc/prefill_tiles.h, and where the build
-    has AMX and the head dim is a multiple of 32, ", decode groups>=5 amx-tiles": single-position decodes
-    of KV heads with 5 to 16 query heads, csrc/decode_tiles.h), "linear"
+    has AMX, the head dim is a multiple of 32 and `group` (query heads per KV head; None: any) is 5 to
+    16, ", decode amx-tiles": the single-position decodes of csrc/decode_tiles.h), "linear"
     (`cpu_linear.linear_path`: the small-batch rows and their kernel, then oneDNN, on AMX tiles or not;
     for a model whose weights are kept quantized, `quant.path()` and the formats held, e.g.
     "quant amx-tiles Q4_K+Q6_K, rows>=192 onednn": prompt chunks multiply on oneDNN).
@@ -87,8 +88,9 @@ def kernel_paths(device: torch.device, dtype: torch.dtype, head_dim: int, quanti
     attention = ops.attention_isa()
     if dtype == torch.bfloat16 and ops.prompt_tiles_min_tokens():
         attention += f", prompts>={ops.prompt_tiles_min_tokens()} amx-tiles"
-    if dtype == torch.bfloat16 and head_dim % 32 == 0 and ops.decode_tiles_min_group():
-        attention += f", decode groups>={ops.decode_tiles_min_group()} amx-tiles"
+    min_group = ops.decode_tiles_min_group() if dtype == torch.bfloat16 and head_dim % 32 == 0 else 0
+    if min_group and (group is None or min_group <= group <= 16):
+        attention += ", decode amx-tiles"
     if quantization != "none":
         from pagedserve_kernels import quant
 

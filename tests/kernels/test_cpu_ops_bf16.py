@@ -127,8 +127,9 @@ def test_grouped_decodes_on_amx_tiles_match_float32(num_q_heads: int, num_kv_hea
     group = num_q_heads // num_kv_heads
     if cpu_linear.amx() and cpu_ops.level() in ("native", "x86-64-v4-avx512bf16-amx"):  # built with AMX here
         assert ops.decode_tiles_min_group() == 5  # the tiles are what this test runs here (groups of 5+)
-        assert ", decode groups>=5 amx-tiles" in kernels.kernel_paths(torch.device("cpu"), torch.bfloat16,
-                                                                         head_dim)["attention"]
+        paths = [kernels.kernel_paths(torch.device("cpu"), torch.bfloat16, head_dim, group=g)["attention"]
+                 for g in (4, 5, 16, 17)]
+        assert [", decode amx-tiles" in path for path in paths] == [False, True, True, False]
     seq_lens, q_lens = [1, 15, 16, 17, 1000, 333, 40, 90], [1, 1, 1, 1, 1, 1, 3, 90]
     batch = make_paged_batch(seq_lens, q_lens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                              head_dim=head_dim, block_size=16, dtype=torch.bfloat16,
