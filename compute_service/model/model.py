@@ -22,7 +22,8 @@ from compute_service.model.forward_batch import ForwardBatch
 from compute_service.model.layers import DecoderLayer, RMSNorm, RotaryEmbedding, empty_parameter, profile_scope
 from compute_service.model.model_config import ModelConfig
 import pagedserve_kernels as kernels
-from pagedserve_kernels.quant import INT4_GROUP, QuantizedLinear, pack, quantize_linear, stack_operands, supports
+from pagedserve_kernels.quant import (INT4_GROUP, QuantizedLinear, int8_group, pack, quantize_linear, stack_operands,
+                                      supports)
 from pagedserve_kernels.quant import tiles as quant_tiles
 from compute_service.model.gguf_quant import FileQuantization
 
@@ -217,7 +218,7 @@ class CausalLM(nn.Module):
             weight, bias = getattr(module, f"{name}_weight"), getattr(module, f"{name}_bias")
             if scheme == "file":
                 quantized = _from_file(pieces[id(weight)], file_weights or {}, bias)
-            elif supports(weight.shape, *((8, weight.shape[1]) if scheme == "int8" else (4, INT4_GROUP))):
+            elif supports(weight.shape, *((8, int8_group(weight.shape[1])) if scheme == "int8" else (4, INT4_GROUP))):
                 quantized = quantize_linear(weight, bias, scheme)
             else:  # e.g. inputs not in whole groups: this projection stays in the dtype
                 quantized = None

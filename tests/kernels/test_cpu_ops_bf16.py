@@ -30,6 +30,19 @@ def close_to_float32(got: torch.Tensor, want: torch.Tensor) -> None:
     torch.testing.assert_close(got.float(), want, rtol=BF16_RTOL, atol=BF16_ATOL)
 
 
+def attend(batch, k_cache: torch.Tensor, scale: float, kernel: str = "paged_attention",
+           seq_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the op's output, the float32 oracle's) for the batch's bf16 queries over k_cache and its V; rows of
+    sequences not in seq_ids (default: all) stay NaN."""
+    query = batch.query.bfloat16()
+    want = paged_attention_naive(query.float(), k_cache.float(), batch.v_cache.float(), *batch.args()[3:], scale=scale)
+    out = torch.full_like(query, float("nan"))
+    seq_ids = torch.arange(len(batch.seq_lens)) if seq_ids is None else seq_ids
+    getattr(ops, kernel)(out, query, k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
+                         batch.cu_seqlens_q, seq_ids, scale)
+    return out, want
+
+
 @pytest.mark.parametrize("kernel", ["paged_attention", "paged_attention_portable"])
 @pytest.mark.parametrize("block_size", [16, 4, 6])  # AVX-512 kernels (16, 4); the portable one (6)
 @pytest.mark.parametrize("head_dim", [16, 32, 64, 128])  # 32, 64, 128: bf16 pairs (vdpbf16ps) where the build has them
@@ -39,14 +52,7 @@ def test_paged_attention_bf16_matches_float32(kernel: str, block_size: int, head
     seq_lens, q_lens = [1, 17, 700, 60, 40, 33], [1, 1, 1, 21, 40, 3]
     batch = make_paged_batch(seq_lens, q_lens, num_q_heads=9, num_kv_heads=3, head_dim=head_dim,
                              block_size=block_size, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(5))
-    query = batch.query.bfloat16()
-    scale = head_dim**-0.5
-    want = paged_attention_naive(query.float(), batch.k_cache.float(), batch.v_cache.float(), *batch.args()[3:],
-                                 scale=scale)
-    out = torch.full_like(query, float("nan"))
-    getattr(ops, kernel)(out, query, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
-                         batch.cu_seqlens_q, torch.arange(len(seq_lens)), scale)
-    close_to_float32(out, want)
+    close_to_float32(*attend(batch, batch.k_cache, head_dim**-0.5, kernel))
 
 
 def fill_unowned_slots_with_nan(batch, seq_lens: list[int], block_size: int) -> None:
@@ -69,13 +75,7 @@ def test_paged_attention_bf16_never_reads_slots_past_a_sequence(kernel: str, blo
     batch = make_paged_batch(seq_lens, q_lens, num_q_heads=6, num_kv_heads=2, head_dim=head_dim,
                              block_size=block_size, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(8))
     fill_unowned_slots_with_nan(batch, seq_lens, block_size)
-    scale = head_dim**-0.5
-    want = paged_attention_naive(batch.query.float(), batch.k_cache.float(), batch.v_cache.float(),
-                                 *batch.args()[3:], scale=scale)
-    out = torch.full_like(batch.query, float("nan"))
-    getattr(ops, kernel)(out, batch.query, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
-                         batch.cu_seqlens_q, torch.arange(len(seq_lens)), scale)
-    close_to_float32(out, want)
+    close_to_float32(*attend(batch, batch.k_cache, head_dim**-0.5, kernel))
 
 
 @pytest.mark.parametrize("block_size", [16, 4])
@@ -94,19 +94,10 @@ def test_long_prompts_on_amx_tiles_match_float32(block_size: int, head_dim: int)
     batch = make_paged_batch(seq_lens, q_lens, num_q_heads=8, num_kv_heads=2, head_dim=head_dim,
                              block_size=block_size, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(11))
     fill_unowned_slots_with_nan(batch, seq_lens, block_size)
-    query = batch.query.bfloat16()
-    scale = head_dim**-0.5
-    want = paged_attention_naive(query.float(), batch.k_cache.float(), batch.v_cache.float(), *batch.args()[3:],
-                                 scale=scale)
-    out = torch.full_like(query, float("nan"))
-    ops.paged_attention(out, query, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
-                        batch.cu_seqlens_q, torch.arange(len(seq_lens)), scale)
-    close_to_float32(out, want)
+    close_to_float32(*attend(batch, batch.k_cache, head_dim**-0.5))
     # A step's subset of the batch, out of order: only the listed sequences' rows are written.
     subset = torch.tensor([5, 2, 0, 3])
-    out = torch.full_like(query, float("nan"))
-    ops.paged_attention(out, query, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
-                        batch.cu_seqlens_q, subset, scale)
+    out, want = attend(batch, batch.k_cache, head_dim**-0.5, seq_ids=subset)
     cu = batch.cu_seqlens_q.tolist()
     for b in range(len(seq_lens)):
         rows = slice(cu[b], cu[b + 1])
@@ -135,23 +126,11 @@ def test_grouped_decodes_on_amx_tiles_match_float32(num_q_heads: int, num_kv_hea
                              head_dim=head_dim, block_size=16, dtype=torch.bfloat16,
                              generator=torch.Generator().manual_seed(group * head_dim))
     fill_unowned_slots_with_nan(batch, seq_lens, 16)
-    query = batch.query.bfloat16()
-    scale = head_dim**-0.5
-    want = paged_attention_naive(query.float(), batch.k_cache.float(), batch.v_cache.float(), *batch.args()[3:],
-                                 scale=scale)
-    out = torch.full_like(query, float("nan"))
-    ops.paged_attention(out, query, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
-                        batch.cu_seqlens_q, torch.arange(len(seq_lens)), scale)
-    close_to_float32(out, want)
+    close_to_float32(*attend(batch, batch.k_cache, head_dim**-0.5))
     # Large scores: keys grow with the physical block id, and the tables are shuffled, so the running
     # max moves up and down the blocks a sequence reads (its output so far rescaled each time it rises).
     rising = batch.k_cache.float() * torch.linspace(1, 8, batch.k_cache.shape[0])[:, None, None, None]
-    k_cache = rising.bfloat16()
-    want = paged_attention_naive(query.float(), k_cache.float(), batch.v_cache.float(), *batch.args()[3:], scale=scale)
-    out = torch.full_like(query, float("nan"))
-    ops.paged_attention(out, query, k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, batch.cu_seqlens_q,
-                        torch.arange(len(seq_lens)), scale)
-    close_to_float32(out, want)
+    close_to_float32(*attend(batch, rising.bfloat16(), head_dim**-0.5))
 
 
 def test_ops_refuse_mixed_dtypes() -> None:
