@@ -23,21 +23,13 @@
 
 #pragma once
 
-// (Its includer, paged_attention_avx512.h, includes <sys/syscall.h> and <unistd.h> for the syscall
-// below, outside its namespace: this file is included inside it.)
+// (Its includer, paged_attention_avx512.h, includes amx_tiles.h outside its namespace: this file is
+// included inside it.)
 namespace decode_tiles {
 
 // Query heads per KV head from which the tiles pay: at 3 and 4 they were 5-30% slower than
 // decode_block_pairs, at 6 and 8 1.4-1.8x faster (docs/benchmarks.md, "Decode attention on AMX tiles").
 constexpr int64_t kMinGroup = 5;
-
-inline bool permitted() {  // Linux's leave to use the tile registers (idempotent; oneDNN asks too)
-  static const bool ok = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
 
 inline bool enabled() {  // PAGEDSERVE_CPU_DECODE_TILES=0 keeps the AVX-512 kernel (A/B runs: docs/design.md)
   static const bool on = [] {
@@ -47,7 +39,7 @@ inline bool enabled() {  // PAGEDSERVE_CPU_DECODE_TILES=0 keeps the AVX-512 kern
   return on;
 }
 
-inline bool available() { return enabled() && brgemm_linear::available() && permitted(); }
+inline bool available() { return enabled() && brgemm_linear::available() && amx_tiles::permitted(); }
 
 // Whether a single-position decode of KV heads with `group` query heads and blocks of `block_size`
 // tokens runs here (a head's queries are at most one tile's 16 rows).
@@ -55,30 +47,13 @@ inline bool takes(int64_t group, int64_t block_size) {
   return group >= kMinGroup && group <= 16 && block_size == kMaxBlockSize && available();
 }
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // Tiles: 0 S^T (16 tokens x R), 1 K (16 tokens x 32 of D), 2 Q^T pairs (16 pairs x R), 3 O (R x 16 of
 // D), 4 P hi (R x 16 tokens), 5 P lo, 6 V pairs (8 token pairs x 16 of D).
 inline void configure(int64_t rows) {
-  at::native::cpublas::brgemm_release(true);  // ATen's brgemm configures again at its next call
-  TileConfig cfg;
-  const auto r = static_cast<uint8_t>(rows);
-  const auto r4 = static_cast<uint16_t>(rows * 4);
-  cfg.rows[0] = 16, cfg.colsb[0] = r4;
-  cfg.rows[1] = 16, cfg.colsb[1] = 64;
-  cfg.rows[2] = 16, cfg.colsb[2] = r4;
-  cfg.rows[3] = r, cfg.colsb[3] = 64;
-  cfg.rows[4] = r, cfg.colsb[4] = 32;
-  cfg.rows[5] = r, cfg.colsb[5] = 32;
-  cfg.rows[6] = 8, cfg.colsb[6] = 64;
-  asm volatile("" : : "r"(&cfg) : "memory");  // GCC does not count ldtilecfg as reading cfg: keep the stores
-  _tile_loadconfig(&cfg);
+  amx_tiles::Config cfg;
+  cfg.tile(0, 16, rows * 4).tile(1, 16, 64).tile(2, 16, rows * 4).tile(3, rows, 64);
+  cfg.tile(4, rows, 32).tile(5, rows, 32).tile(6, 8, 64);
+  amx_tiles::configure(cfg);
 }
 
 // Q^T pairs of one KV head's R query rows q (R, D) bf16: out (D / 32, 16, 16) words, word [j][i][r] =
@@ -176,10 +151,6 @@ inline void block(const c10::BFloat16* k, const c10::BFloat16* v, int64_t stride
   }
 }
 
-// The tiles of this thread released when a run ends, a thrown check included.
-struct Release {
-  ~Release() { _tile_release(); }
-};
 
 // Blocks [blk_begin, blk_end) of a single-position decode (its `seq_len` tokens, block table `table`)
 // for all KV heads: q (Hq, D) bf16 the queries, ordered by KV head; m (Hq,), l (Hq, 16) and acc
@@ -200,7 +171,7 @@ void run_blocks(const c10::BFloat16* q, const c10::BFloat16* k_ptr, const c10::B
     std::fill(state.begin() + h * 32, state.begin() + h * 32 + 16, -std::numeric_limits<float>::infinity());
   }
   configure(g);
-  const Release release;
+  const amx_tiles::Release release;
   for (int64_t blk = blk_begin; blk < blk_end; ++blk) {
     const int64_t physical = table[blk];
     TORCH_CHECK(physical >= 0 && physical < sh.num_blocks, "block id out of range");

@@ -33,8 +33,6 @@
 
 #include <c10/util/BFloat16.h>
 
-#include <sys/syscall.h>  // decode_tiles.h: leave to use the AMX tiles
-#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -46,6 +44,7 @@
 #include <vector>
 
 #include "brgemm_linear.h"  // the prompt tiles (prefill_tiles.h, included below) call brgemm
+#include "amx_tiles.h"      // the decode tiles (decode_tiles.h) program the tile registers
 
 namespace {
 namespace avx512_attention {

@@ -14,8 +14,8 @@
 // Each thread takes a contiguous run of column blocks (one stream through its share of the weight, as
 // in brgemm_linear.h) and, per block, de-quantizes a slice of K into bf16 in L1 (`dequantize`: 16
 // values a multiply-add, rounded to bf16 once) and multiplies every row of x by it: on AMX tiles
-// (ATen's bf16 brgemm) where `brgemm_linear::available()`, else with AVX512-BF16 dot products
-// (`dot_rows`). A prompt's rows (kOnednnRows and more, bf16 out) go to oneDNN's matmul instead, a
+// where `brgemm_linear::available()` (up to kTileRows rows our own tile loop, `tile_blocks`; more, ATen's
+// bf16 brgemm), else with AVX512-BF16 dot products (`dot_rows`). A prompt's rows (kOnednnRows and more, bf16 out) go to oneDNN's matmul instead, a
 // few blocks at a time widened into plain bf16 rows (`linear_onednn`). The products accumulate in
 // float32 over the whole of K; outputs float32 or rounded to the activations' bf16 once. A build
 // without AVX512-BF16, or float32 activations, takes `dequantize_scalar` (the same values) and
@@ -38,6 +38,8 @@
 #ifdef __AVX512BF16__
 #include <immintrin.h>
 #endif
+
+#include "amx_tiles.h"
 
 namespace {
 namespace quant_linear {
@@ -103,6 +105,7 @@ inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh&>(x); }
 inline void dequantize(const Weight& w, int64_t b, int64_t k0, int64_t kc, c10::BFloat16* buf) {
   const __m512i spread_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
   const __m512i spread_hi = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
+  const __m512 nibble_values = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   const uint8_t* q = w.q + b * w.block_bytes();
   const c10::Half* scales = w.scales + b * w.groups() * kBlockN;
   const c10::Half* mins = w.mins ? w.mins + b * w.groups() * kBlockN : nullptr;
@@ -130,10 +133,11 @@ inline void dequantize(const Weight& w, int64_t b, int64_t k0, int64_t kc, c10::
           lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
           hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16))));
         } else {
+          // Each nibble's float by a 16-entry lookup (vpermps reads an index's low 4 bits only).
           const __m512i bytes = _mm512_cvtepu8_epi32(
               _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + pair * kBlockN + 16 * c)));
-          lo = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15)));
-          hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
+          lo = _mm512_permutexvar_ps(bytes, nibble_values);
+          hi = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), nibble_values);
         }
         lo = _mm512_fmadd_ps(lo, s_lo[c], m_lo[c]);
         hi = _mm512_fmadd_ps(hi, s_hi[c], m_hi[c]);
@@ -388,6 +392,100 @@ inline void multiply(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* b
   }
 }
 
+// y's rows [0, rows) (row stride ldy), columns [0, cols <= kBlockN) = c (rows, kBlockN) float32 + bias
+// (float32, or none), rounded once where y is bf16.
+template <typename TOut>
+inline void store_rows(const float* c, int64_t rows, const float* bias, TOut* y, int64_t ldy, int64_t cols) {
+  for (int64_t j = 0; j < cols; j += 16) {
+    const __mmask16 mask = cols - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (cols - j)) - 1);
+    const __m512 add = bias ? _mm512_maskz_loadu_ps(mask, bias + j) : _mm512_setzero_ps();
+    for (int64_t i = 0; i < rows; ++i) {
+      const __m512 v = _mm512_add_ps(_mm512_loadu_ps(c + i * kBlockN + j), add);
+      if constexpr (std::is_same_v<TOut, float>) {
+        _mm512_mask_storeu_ps(y + i * ldy + j, mask, v);
+      } else {
+        _mm256_mask_storeu_epi16(y + i * ldy + j, mask, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+      }
+    }
+  }
+}
+
+#ifdef PAGEDSERVE_AMX_TILES
+// Up to kTileRows rows (a decode step's batch) on the tile registers directly, instead of a brgemm call
+// per slice of K: the float32 sums stay in tiles 0-3 (rows x 16 columns each) over the whole of K; x's
+// rows are tile 4, read in place; the weight is de-quantized 32 inputs of a block at a time (`dequantize`)
+// into one of two 4 KiB buffers and read from there as tiles 5 and 6 (16 pairs x 16 columns). The steps
+// are pipelined: step s + 1 is de-quantized before step s's tile products are issued, so that the vector
+// units work while the tile unit multiplies and step s's stores have left the core before the tiles read
+// them. Against a brgemm call per 256 inputs (ATen's, which stores and reloads the sums at every call):
+// 1.37x (int4) and 1.47x (int8) at 16 rows (docs/benchmarks.md, "Quantized decode batches on our own
+// tiles"). Needs K a multiple of 32.
+constexpr int64_t kTileRows = 16, kTileStepK = 32;
+
+inline bool tiles_enabled() {  // PAGEDSERVE_CPU_QUANT_TILES=0 keeps ATen's brgemm there (A/B runs: docs/design.md)
+  static const bool on = [] {
+    const char* env = std::getenv("PAGEDSERVE_CPU_QUANT_TILES");
+    return !(env != nullptr && std::strcmp(env, "0") == 0);
+  }();
+  return on;
+}
+
+inline bool tile_rows(int64_t M, int64_t K) {
+  return M <= kTileRows && K % kTileStepK == 0 && tiles_enabled() && amx_tiles::permitted();
+}
+
+inline void configure_tiles(int64_t rows) {
+  amx_tiles::Config cfg;
+  for (int t = 0; t < 5; ++t) cfg.tile(t, rows, 64);
+  cfg.tile(5, 16, 64).tile(6, 16, 64);
+  amx_tiles::configure(cfg);
+}
+
+// Blocks [begin, end) for x's rows (row stride ldx; configure_tiles(rows) done): `emit(b, c)` gets each
+// block's sums c (rows, kBlockN) float32. bufs: 2 * kTileStepK * kBlockN bf16.
+template <typename Emit>
+inline void tile_blocks(const Weight& w, int64_t begin, int64_t end, const c10::BFloat16* x, int64_t ldx,
+                        c10::BFloat16* bufs, float* c, const Emit& emit) {
+  const int64_t steps_per_block = w.K / kTileStepK, steps = (end - begin) * steps_per_block;
+  auto stage = [&](int64_t s) {  // de-quantize step s into its buffer
+    dequantize(w, begin + s / steps_per_block, (s % steps_per_block) * kTileStepK, kTileStepK,
+               bufs + (s % 2) * kTileStepK * kBlockN);
+  };
+  if (steps > 0) stage(0);
+  for (int64_t s = 0; s < steps; ++s) {
+    const int64_t k0 = (s % steps_per_block) * kTileStepK;
+    if (k0 == 0) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+    }
+    if (s + 1 < steps) stage(s + 1);
+    // GCC's tile loads are asm with no memory operand: the stores into the buffers must stay above them.
+    asm volatile("" : : : "memory");
+    const c10::BFloat16* pairs = bufs + (s % 2) * kTileStepK * kBlockN;  // 16 pair rows, 2 * kBlockN apart
+    _tile_loadd(4, x + k0, ldx * 2);
+    _tile_loadd(5, pairs, kBlockN * 4);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_loadd(6, pairs + 32, kBlockN * 4);
+    _tile_dpbf16ps(1, 4, 6);
+    _tile_loadd(5, pairs + 64, kBlockN * 4);
+    _tile_dpbf16ps(2, 4, 5);
+    _tile_loadd(6, pairs + 96, kBlockN * 4);
+    _tile_dpbf16ps(3, 4, 6);
+    asm volatile("" : : : "memory");  // and the stores of step s + 2 below them
+    if (k0 + kTileStepK == w.K) {
+      _tile_stored(0, c, kBlockN * 4);
+      _tile_stored(1, c + 16, kBlockN * 4);
+      _tile_stored(2, c + 32, kBlockN * 4);
+      _tile_stored(3, c + 48, kBlockN * 4);
+      asm volatile("" : : : "memory");  // the reads of c after the stores
+      emit(begin + s / steps_per_block, c);
+    }
+  }
+}
+#endif
+
 // `linear` for many rows (M >= kOnednnRows, K a multiple of 32), bf16 outputs: each thread takes a
 // contiguous, even share of the column blocks and, kChunkBlocks at a time, widens them into plain bf16
 // rows and multiplies on oneDNN's matmul (at::mm_out; inside the parallel region oneDNN runs on that
@@ -450,9 +548,27 @@ inline void linear(const Weight& w, const c10::BFloat16* x, const float* bias, T
     for (int64_t i = 0; i < M; ++i)
       for (int64_t k = 0; k < K; ++k) xsum[i * w.groups() + k / w.group] += static_cast<float>(x[i * K + k]);
   }
+#ifdef PAGEDSERVE_AMX_TILES
+  const bool own_tiles = tiles && !few && tile_rows(M, K);
+#else
+  constexpr bool own_tiles = false;
+#endif
   at::parallel_for(0, w.blocks, (w.blocks + threads - 1) / threads, [&](int64_t begin, int64_t end) {
     std::vector<c10::BFloat16> buf(slice * kBlockN);
     std::vector<float> c(kBlockM * kBlockN);
+#ifdef PAGEDSERVE_AMX_TILES
+    if (own_tiles) {
+      configure_tiles(M);
+      const amx_tiles::Release release;
+      std::vector<c10::BFloat16> bufs(2 * kTileStepK * kBlockN);
+      const int64_t last = std::max(begin, std::min(end, (N + kBlockN - 1) / kBlockN));  // blocks holding outputs
+      tile_blocks(w, begin, last, x, K, bufs.data(), c.data(), [&](int64_t b, const float* sums) {
+        const int64_t n0 = b * kBlockN;
+        store_rows(sums, M, bias ? bias + n0 : nullptr, y + n0, N, std::min(kBlockN, N - n0));
+      });
+      return;
+    }
+#endif
     for (int64_t b = begin; b < end; ++b) {
       const int64_t n0 = b * kBlockN, cols = std::min(kBlockN, N - n0);
       if (cols <= 0) break;
