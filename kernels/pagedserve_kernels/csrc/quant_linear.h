@@ -102,7 +102,8 @@ inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh&>(x); }
 // Inputs [k0, k0 + kc) of block b into buf (kc / 2, kBlockN, 2) bf16, the VNNI layout; k0 and kc even.
 // Within 16 columns the 32 values of a pair row are v[0..15] (columns 0-7) and v[16..31] (columns
 // 8-15), so each half takes its columns' scales spread over lane pairs.
-inline void dequantize(const Weight& w, int64_t b, int64_t k0, int64_t kc, c10::BFloat16* buf) {
+template <int BITS>
+inline void dequantize_bits(const Weight& w, int64_t b, int64_t k0, int64_t kc, c10::BFloat16* buf) {
   const __m512i spread_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
   const __m512i spread_hi = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
   const __m512 nibble_values = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
@@ -123,12 +124,12 @@ inline void dequantize(const Weight& w, int64_t b, int64_t k0, int64_t kc, c10::
     for (; k < stop; k += 2) {
       const int64_t pair = k / 2;
       c10::BFloat16* out = buf + (k - k0) * kBlockN;  // (pair - k0 / 2) * 2 * kBlockN
-      const uint8_t* row = q + pair * kBlockN * w.bits / 4;
-      for (int64_t line = 0; line < kBlockN * w.bits / 4; line += 64)
+      const uint8_t* row = q + pair * kBlockN * BITS / 4;
+      for (int64_t line = 0; line < kBlockN * BITS / 4; line += 64)
         _mm_prefetch(reinterpret_cast<const char*>(row + line) + kPrefetch, _MM_HINT_T0);
       for (int c = 0; c < 4; ++c) {
         __m512 lo, hi;
-        if (w.bits == 8) {
+        if constexpr (BITS == 8) {
           const int8_t* src = reinterpret_cast<const int8_t*>(q) + pair * 2 * kBlockN + 32 * c;
           lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
           hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16))));
@@ -145,6 +146,10 @@ inline void dequantize(const Weight& w, int64_t b, int64_t k0, int64_t kc, c10::
       }
     }
   }
+}
+
+inline void dequantize(const Weight& w, int64_t b, int64_t k0, int64_t kc, c10::BFloat16* buf) {
+  w.bits == 8 ? dequantize_bits<8>(w, b, k0, kc, buf) : dequantize_bits<4>(w, b, k0, kc, buf);
 }
 
 // r[i] holds 16 dwords of row i; afterwards r[j] holds dword j of every row (a 16 x 16 transpose).
