@@ -36,7 +36,7 @@ def _reference(x: torch.Tensor, weight: quant.QuantizedWeight) -> torch.Tensor:
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 @pytest.mark.parametrize(("out_features", "in_features"), [(64, 32), (200, 96), (128, 640), (600, 96)])
-@pytest.mark.parametrize("rows", [1, 2, 3, 16, 33, 70, 200])
+@pytest.mark.parametrize("rows", [1, 2, 3, 16, 24, 33, 70, 200])
 def test_quant_linear_equals_the_dequantized_product(scheme, out_features, in_features, rows):
     generator = torch.Generator().manual_seed(out_features * 1000 + in_features + rows)
     weight = quant.quantize(torch.randn(out_features, in_features, generator=generator) * 0.1, scheme)
@@ -54,6 +54,20 @@ def test_quant_linear_equals_the_dequantized_product(scheme, out_features, in_fe
     widened = quant.linear(x.float(), weight)  # float32 activations: the widened weight, exactly
     torch.testing.assert_close(widened.double(), x.double() @ weight.dequantize().double().T + weight.bias.double(),
                                rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [5, 16, 24])
+def test_quant_linear_with_inputs_off_the_tiles_step_equals_the_dequantized_product(rows):
+    # 48 inputs (int8, one scale per output): not a whole number of the tile loop's 32-input steps, so
+    # ATen's brgemm takes the rows the tile loop would (csrc/quant_linear.h `tile_rows`).
+    generator = torch.Generator().manual_seed(48 + rows)
+    weight = quant.quantize(torch.randn(130, 48, generator=generator) * 0.1, "int8")
+    x = torch.randn(rows, 48, generator=generator).bfloat16()
+    reference = _reference(x, weight)
+    for tiles in _paths():
+        y = torch.ops.pagedserve_cpu.quant_linear(x, weight.q, weight.scales, weight.mins, None, weight.bits,
+                                                  weight.group, weight.out_features, tiles, True)
+        torch.testing.assert_close(y.double(), reference, rtol=1e-5, atol=1e-4, msg=f"tiles={tiles}")
 
 
 @pytest.mark.parametrize(("bits", "low", "high", "group", "with_min"),

@@ -1,7 +1,7 @@
 // What every kernel that programs the AMX tile registers itself shares (builds whose flags enable
-// AMX-BF16 and AVX512-BF16; included by cpu_ops.cpp after brgemm_linear.h): Linux's leave to use the
-// tiles, the configuration block, and loading it. Users: decode_tiles.h (decode attention) and
-// quant_linear.h (the quantized linear at 3-16 rows).
+// AMX-BF16 and AVX512-BF16; included by quant_linear.h and paged_attention_avx512.h): Linux's leave to
+// use the tiles, the configuration block and loading it, the A/B switches. Users: decode_tiles.h
+// (decode attention) and quant_linear.h (the quantized linear from past its fused rows up to 16).
 //
 // ATen's brgemm keeps its own tile configuration per thread and reloads it only when it thinks the
 // registers hold another; `configure` releases it first, so that its next call configures again.
@@ -16,6 +16,8 @@
 #include <unistd.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 #define PAGEDSERVE_AMX_TILES 1
 
@@ -28,6 +30,12 @@ inline bool permitted() {  // Linux's leave to use the tile registers (idempoten
     return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
   }();
   return ok;
+}
+
+// Whether the environment variable `name` leaves a tile path on (anything but "0"; A/B runs: docs/design.md).
+inline bool env_on(const char* name) {
+  const char* env = std::getenv(name);
+  return !(env != nullptr && std::strcmp(env, "0") == 0);
 }
 
 struct alignas(64) Config {

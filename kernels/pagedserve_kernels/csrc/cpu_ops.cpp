@@ -533,7 +533,7 @@ int64_t prompt_tiles_min_tokens() {
 // Single-position decodes whose KV heads have at least this many query heads take the AMX tiles in bf16
 // (csrc/decode_tiles.h; head dims that are multiples of 32, blocks of 16 tokens); 0: none here.
 int64_t decode_tiles_min_group() {
-#ifdef PAGEDSERVE_DECODE_TILES
+#ifdef PAGEDSERVE_AMX_TILES
   return avx512_attention::decode_tiles::available() ? avx512_attention::decode_tiles::kMinGroup : 0;
 #else
   return 0;

@@ -31,11 +31,8 @@ namespace decode_tiles {
 // decode_block_pairs, at 6 and 8 1.4-1.8x faster (docs/benchmarks.md, "Decode attention on AMX tiles").
 constexpr int64_t kMinGroup = 5;
 
-inline bool enabled() {  // PAGEDSERVE_CPU_DECODE_TILES=0 keeps the AVX-512 kernel (A/B runs: docs/design.md)
-  static const bool on = [] {
-    const char* env = std::getenv("PAGEDSERVE_CPU_DECODE_TILES");
-    return !(env != nullptr && std::strcmp(env, "0") == 0);
-  }();
+inline bool enabled() {  // PAGEDSERVE_CPU_DECODE_TILES=0 keeps the AVX-512 kernel
+  static const bool on = amx_tiles::env_on("PAGEDSERVE_CPU_DECODE_TILES");
   return on;
 }
 
@@ -150,7 +147,6 @@ inline void block(const c10::BFloat16* k, const c10::BFloat16* v, int64_t stride
     _tile_stored(3, acc + 16 * c, D * 4);
   }
 }
-
 
 // Blocks [blk_begin, blk_end) of a single-position decode (its `seq_len` tokens, block table `table`)
 // for all KV heads: q (Hq, D) bf16 the queries, ordered by KV head; m (Hq,), l (Hq, 16) and acc

@@ -33,7 +33,6 @@
 
 #include <c10/util/BFloat16.h>
 
-
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -510,9 +509,8 @@ struct Shapes {
 #ifdef __AVX512BF16__
 #include "prefill_tiles.h"
 #endif
-#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#ifdef PAGEDSERVE_AMX_TILES
 #include "decode_tiles.h"  // (uses quant_linear.h's transpose16: cpu_ops.cpp includes that first)
-#define PAGEDSERVE_DECODE_TILES 1
 #endif
 
 template <int64_t D, int64_t RV, typename T>
@@ -635,7 +633,7 @@ void run_decode_item(const Item& it, const Shapes& sh, const T* q_ptr, T* o_ptr,
   const int64_t context = seq_len - nq;
   const int64_t block_floats = sh.block_size * sh.token_stride;
   bool on_tiles = false;  // the item's blocks done on AMX tiles (decode_tiles.h) instead of the loop below
-#ifdef PAGEDSERVE_DECODE_TILES
+#ifdef PAGEDSERVE_AMX_TILES
   if constexpr (pairs) {
     if (nq == 1 && decode_tiles::takes(g, sh.block_size)) {
       decode_tiles::run_blocks<D>(reinterpret_cast<const T*>(q), k_ptr, v_ptr, table, it.blk_begin, it.blk_end,

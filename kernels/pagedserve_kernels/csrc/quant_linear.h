@@ -14,9 +14,10 @@
 // Each thread takes a contiguous run of column blocks (one stream through its share of the weight, as
 // in brgemm_linear.h) and, per block, de-quantizes a slice of K into bf16 in L1 (`dequantize`: 16
 // values a multiply-add, rounded to bf16 once) and multiplies every row of x by it: on AMX tiles
-// where `brgemm_linear::available()` (up to kTileRows rows our own tile loop, `tile_blocks`; more, ATen's
-// bf16 brgemm), else with AVX512-BF16 dot products (`dot_rows`). A prompt's rows (kOnednnRows and more, bf16 out) go to oneDNN's matmul instead, a
-// few blocks at a time widened into plain bf16 rows (`linear_onednn`). The products accumulate in
+// where `brgemm_linear::available()` (up to kTileRows rows our own tile loop, `tile_blocks`; more,
+// ATen's bf16 brgemm), else with AVX512-BF16 dot products (`dot_rows`). A prompt's rows (kOnednnRows
+// and more, bf16 out) go to oneDNN's matmul instead, a few blocks at a time widened into plain bf16
+// rows (`linear_onednn`). The products accumulate in
 // float32 over the whole of K; outputs float32 or rounded to the activations' bf16 once. A build
 // without AVX512-BF16, or float32 activations, takes `dequantize_scalar` (the same values) and
 // at::linear on the widened weight: correct, not fast.
@@ -31,6 +32,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -149,7 +151,11 @@ inline void dequantize_bits(const Weight& w, int64_t b, int64_t k0, int64_t kc, 
 }
 
 inline void dequantize(const Weight& w, int64_t b, int64_t k0, int64_t kc, c10::BFloat16* buf) {
-  w.bits == 8 ? dequantize_bits<8>(w, b, k0, kc, buf) : dequantize_bits<4>(w, b, k0, kc, buf);
+  if (w.bits == 8) {
+    dequantize_bits<8>(w, b, k0, kc, buf);
+  } else {
+    dequantize_bits<4>(w, b, k0, kc, buf);
+  }
 }
 
 // r[i] holds 16 dwords of row i; afterwards r[j] holds dword j of every row (a 16 x 16 transpose).
@@ -397,12 +403,16 @@ inline void multiply(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* b
   }
 }
 
+inline __mmask16 first_lanes(int64_t n) {  // the first min(n, 16) of 16 lanes
+  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
+}
+
 // y's rows [0, rows) (row stride ldy), columns [0, cols <= kBlockN) = c (rows, kBlockN) float32 + bias
 // (float32, or none), rounded once where y is bf16.
 template <typename TOut>
 inline void store_rows(const float* c, int64_t rows, const float* bias, TOut* y, int64_t ldy, int64_t cols) {
   for (int64_t j = 0; j < cols; j += 16) {
-    const __mmask16 mask = cols - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (cols - j)) - 1);
+    const __mmask16 mask = first_lanes(cols - j);
     const __m512 add = bias ? _mm512_maskz_loadu_ps(mask, bias + j) : _mm512_setzero_ps();
     for (int64_t i = 0; i < rows; ++i) {
       const __m512 v = _mm512_add_ps(_mm512_loadu_ps(c + i * kBlockN + j), add);
@@ -421,17 +431,14 @@ inline void store_rows(const float* c, int64_t rows, const float* bias, TOut* y,
 // rows are tile 4, read in place; the weight is de-quantized 32 inputs of a block at a time (`dequantize`)
 // into one of two 4 KiB buffers and read from there as tiles 5 and 6 (16 pairs x 16 columns). The steps
 // are pipelined: step s + 1 is de-quantized before step s's tile products are issued, so that the vector
-// units work while the tile unit multiplies and step s's stores have left the core before the tiles read
-// them. Against a brgemm call per 256 inputs (ATen's, which stores and reloads the sums at every call):
-// 1.37x (int4) and 1.47x (int8) at 16 rows (docs/benchmarks.md, "Quantized decode batches on our own
-// tiles"). Needs K a multiple of 32.
+// units can work while the tile unit multiplies, and step s's stores have had a step's time to drain
+// before the tiles read them (for speed only: the core orders its own stores and tile loads). Against a brgemm call per 256 inputs (ATen's, which stores and reloads the sums at every call):
+// 1.37-1.45x (int4) and 1.38-1.52x (int8) at 16 rows (docs/benchmarks.md, "Quantized decode batches on
+// our own tiles"). Needs K a multiple of 32.
 constexpr int64_t kTileRows = 16, kTileStepK = 32;
 
-inline bool tiles_enabled() {  // PAGEDSERVE_CPU_QUANT_TILES=0 keeps ATen's brgemm there (A/B runs: docs/design.md)
-  static const bool on = [] {
-    const char* env = std::getenv("PAGEDSERVE_CPU_QUANT_TILES");
-    return !(env != nullptr && std::strcmp(env, "0") == 0);
-  }();
+inline bool tiles_enabled() {  // PAGEDSERVE_CPU_QUANT_TILES=0 keeps ATen's brgemm there
+  static const bool on = amx_tiles::env_on("PAGEDSERVE_CPU_QUANT_TILES");
   return on;
 }
 
@@ -517,7 +524,7 @@ inline void linear_onednn(const Weight& w, const c10::BFloat16* x, const float* 
       const c10::BFloat16* src = product.data();
       for (int64_t i = 0; i < M; ++i) {
         for (int64_t j = 0; j < cols; j += 16) {
-          const __mmask16 mask = cols - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (cols - j)) - 1);
+          const __mmask16 mask = first_lanes(cols - j);
           const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(
               _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, src + i * cols + j)), 16));
           const __m512 sum = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias + n0 + j));
@@ -555,32 +562,29 @@ inline void linear(const Weight& w, const c10::BFloat16* x, const float* bias, T
   }
 #ifdef PAGEDSERVE_AMX_TILES
   const bool own_tiles = tiles && !few && tile_rows(M, K);
-#else
-  constexpr bool own_tiles = false;
 #endif
   at::parallel_for(0, w.blocks, (w.blocks + threads - 1) / threads, [&](int64_t begin, int64_t end) {
-    std::vector<c10::BFloat16> buf(slice * kBlockN);
-    std::vector<float> c(kBlockM * kBlockN);
 #ifdef PAGEDSERVE_AMX_TILES
     if (own_tiles) {
       configure_tiles(M);
       const amx_tiles::Release release;
-      std::vector<c10::BFloat16> bufs(2 * kTileStepK * kBlockN);
+      alignas(64) float sums[kTileRows * kBlockN];
+      thread_local std::vector<c10::BFloat16> bufs(2 * kTileStepK * kBlockN);
       const int64_t last = std::max(begin, std::min(end, (N + kBlockN - 1) / kBlockN));  // blocks holding outputs
-      tile_blocks(w, begin, last, x, K, bufs.data(), c.data(), [&](int64_t b, const float* sums) {
+      tile_blocks(w, begin, last, x, K, bufs.data(), sums, [&](int64_t b, const float* c) {
         const int64_t n0 = b * kBlockN;
-        store_rows(sums, M, bias ? bias + n0 : nullptr, y + n0, N, std::min(kBlockN, N - n0));
+        store_rows(c, M, bias ? bias + n0 : nullptr, y + n0, N, std::min(kBlockN, N - n0));
       });
       return;
     }
 #endif
+    std::vector<c10::BFloat16> buf(slice * kBlockN);
+    std::vector<float> c(kBlockM * kBlockN);
     for (int64_t b = begin; b < end; ++b) {
       const int64_t n0 = b * kBlockN, cols = std::min(kBlockN, N - n0);
       if (cols <= 0) break;
       auto emit = [&](int64_t m0, int64_t rows) {
-        for (int64_t i = 0; i < rows; ++i)
-          for (int64_t j = 0; j < cols; ++j)
-            y[(m0 + i) * N + n0 + j] = static_cast<TOut>(c[i * kBlockN + j] + (bias ? bias[n0 + j] : 0.0f));
+        store_rows(c.data(), rows, bias ? bias + n0 : nullptr, y + m0 * N + n0, N, cols);
       };
       if (few) {
         if (w.bits == 8) {
