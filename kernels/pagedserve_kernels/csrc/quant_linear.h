@@ -17,10 +17,9 @@
 // where `brgemm_linear::available()` (up to kTileRows rows our own tile loop, `tile_blocks`; more,
 // ATen's bf16 brgemm), else with AVX512-BF16 dot products (`dot_rows`). A prompt's rows (kOnednnRows
 // and more, bf16 out) go to oneDNN's matmul instead, a few blocks at a time widened into plain bf16
-// rows (`linear_onednn`). The products accumulate in
-// float32 over the whole of K; outputs float32 or rounded to the activations' bf16 once. A build
-// without AVX512-BF16, or float32 activations, takes `dequantize_scalar` (the same values) and
-// at::linear on the widened weight: correct, not fast.
+// rows (`linear_onednn`). The products accumulate in float32 over the whole of K; outputs float32 or
+// rounded to the activations' bf16 once. A build without AVX512-BF16, or float32 activations, takes
+// `dequantize_scalar` (the same values) and at::linear on the widened weight: correct, not fast.
 
 #pragma once
 
@@ -432,9 +431,10 @@ inline void store_rows(const float* c, int64_t rows, const float* bias, TOut* y,
 // into one of two 4 KiB buffers and read from there as tiles 5 and 6 (16 pairs x 16 columns). The steps
 // are pipelined: step s + 1 is de-quantized before step s's tile products are issued, so that the vector
 // units can work while the tile unit multiplies, and step s's stores have had a step's time to drain
-// before the tiles read them (for speed only: the core orders its own stores and tile loads). Against a brgemm call per 256 inputs (ATen's, which stores and reloads the sums at every call):
-// 1.37-1.45x (int4) and 1.38-1.52x (int8) at 16 rows (docs/benchmarks.md, "Quantized decode batches on
-// our own tiles"). Needs K a multiple of 32.
+// before the tiles read them (for speed only: the core orders its own stores and tile loads). Against
+// a brgemm call per 256 inputs (ATen's, which stores and reloads the sums at every call): 1.37-1.45x
+// (int4) and 1.38-1.52x (int8) at 16 rows (docs/benchmarks.md, "Quantized decode batches on our own
+// tiles"). Needs K a multiple of 32.
 constexpr int64_t kTileRows = 16, kTileStepK = 32;
 
 inline bool tiles_enabled() {  // PAGEDSERVE_CPU_QUANT_TILES=0 keeps ATen's brgemm there
