@@ -74,7 +74,7 @@ def kernel_paths(device: torch.device, dtype: torch.dtype, head_dim: int, quanti
     Keys: "attention" ("avx512-bf16", "avx512" or "portable": the instructions of paged_attention's
     build, for block sizes of 4 to 16 in steps of 4; others run the portable kernel; bf16 on an AMX
     CPU adds ", prompts>=64 amx-tiles": the prompts that take csrc/prefill_tiles.h, and where the build
-    has AMX, the head dim is a multiple of 32 and `group` (query heads per KV head; None: any) is 5 to
+    has AMX, the head dim is a multiple of 32 and `group` (query heads per KV head; None: any) is 3 to
     16, ", decode amx-tiles": the single-position decodes of csrc/decode_tiles.h), "linear"
     (`cpu_linear.linear_path`: the small-batch rows and their kernel, then oneDNN, on AMX tiles or not;
     for a model whose weights are kept quantized, `quant.path()` and the formats held, e.g.

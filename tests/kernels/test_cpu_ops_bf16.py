@@ -107,19 +107,20 @@ def test_long_prompts_on_amx_tiles_match_float32(block_size: int, head_dim: int)
             assert bool(torch.isnan(out[rows].float()).all())
 
 
-@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(8, 2), (12, 2), (16, 2), (16, 1), (9, 3)])
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(8, 2), (12, 2), (16, 2), (16, 1), (9, 3), (7, 1)])
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
 def test_grouped_decodes_on_amx_tiles_match_float32(num_q_heads: int, num_kv_heads: int, head_dim: int) -> None:
-    # Single-position decodes of KV heads with 5 or more query heads take the AMX tiles where the
-    # build has them (csrc/decode_tiles.h; groups of 3 and 4 keep the AVX-512 kernel).
+    # Single-position decodes of KV heads with 3 or more query heads take the AMX tiles where the
+    # build has them (csrc/decode_tiles.h: up to 8 the per-head kernel, 9-16 the vertical one; groups
+    # of 1 and 2 keep the AVX-512 kernel).
     # Lengths inside, at and just past a block, a decode long enough to be split across threads (its
     # partials merged), beside a 3-position chunk and a prompt in the same step; slots no sequence
     # owns hold NaN (the last block's rows past a sequence must not reach the products).
     group = num_q_heads // num_kv_heads
     if cpu_linear.amx() and cpu_ops.level() in ("native", "x86-64-v4-avx512bf16-amx"):  # built with AMX here
-        assert ops.decode_tiles_min_group() == 5  # the tiles are what this test runs here (groups of 5+)
+        assert ops.decode_tiles_min_group() == 3  # the tiles are what this test runs here (groups of 3+)
         paths = [kernels.kernel_paths(torch.device("cpu"), torch.bfloat16, head_dim, group=g)["attention"]
-                 for g in (4, 5, 16, 17)]
+                 for g in (2, 3, 16, 17)]
         assert [", decode amx-tiles" in path for path in paths] == [False, True, True, False]
     seq_lens, q_lens = [1, 15, 16, 17, 1000, 333, 40, 90], [1, 1, 1, 1, 1, 1, 3, 90]
     batch = make_paged_batch(seq_lens, q_lens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,

@@ -8,13 +8,18 @@
 // 9-12 GB/s where the default model's groups of 3 read 15-18 (docs/benchmarks.md, "Decode attention
 // on AMX tiles"). On tiles, one instruction multiplies a block's 16 tokens by all the group's heads.
 //
-// Per block and KV head (R = the group's query heads, rows of the products):
-//   S^T (16 tokens x R) = K (16 x 32 of D, read in place from the pool) . Q^T pairs, D / 32 steps;
-//   the online softmax runs vertically (a zmm per token, the R heads in lanes), in float32;
-//   each weight p enters P V as two bf16, p = hi + lo (as decode_block_pairs does), rows of P put
-//   together by one 16 x 16 transpose; V's token pairs interleaved as the tiles read them, in the
-//   pair order of decode_block_pairs (unpermute_pairs puts the output back);
-//   O (R x 16 of D) += P_hi . V pairs + P_lo . V pairs, O kept in the item's accumulator.
+// Two kernels, per block and KV head (R = the group's query heads, rows of the products); both compute
+//   S^T (16 tokens x R) = K (16 x 32 of D, read in place from the pool) . Q^T pairs, D / 32 steps,
+// and enter each weight p into P V as two bf16, p = hi + lo (as decode_block_pairs does):
+//  - block_per_head (groups of kMinGroup to kMaxPerHeadGroup): the softmax per head with the tokens
+//    in lanes, V read in place as the B tile (pairs of elements of one token, not pairs of tokens);
+//    see its section below.
+//  - block (larger groups): the softmax vertical (a zmm per token, the R heads in lanes), rows of P
+//    put together by one 16 x 16 transpose; V's token pairs interleaved as the tiles read them, in
+//    the pair order of decode_block_pairs (unpermute_pairs puts the output back);
+//    O (R x 16 of D) += P_hi . V pairs + P_lo . V pairs, O kept in the item's accumulator.
+// Per KV head and block, the per-head kernel's vector work is a few dozen operations a head; the
+// vertical one's is a fixed ~600 (16 exps, the transpose, V's re-layout), which pays from ~9 heads.
 // The same contract as decode_block_pairs: scores are float32 sums of exact bf16 x bf16 products,
 // weights within 2^-17 of float32, accumulation in float32.
 //
@@ -27,9 +32,10 @@
 // included inside it.)
 namespace decode_tiles {
 
-// Query heads per KV head from which the tiles pay: at 3 and 4 they were 5-30% slower than
-// decode_block_pairs, at 6 and 8 1.4-1.8x faster (docs/benchmarks.md, "Decode attention on AMX tiles").
-constexpr int64_t kMinGroup = 5;
+// Query heads per KV head from which the tiles pay: at 1 and 2 decode_block_pairs was 1.1-1.6x faster,
+// from 3 on the per-head tile kernel was as fast or faster (docs/benchmarks.md, "Decode attention per
+// head on AMX tiles").
+constexpr int64_t kMinGroup = 3;
 
 inline bool enabled() {  // PAGEDSERVE_CPU_DECODE_TILES=0 keeps the AVX-512 kernel
   static const bool on = amx_tiles::env_on("PAGEDSERVE_CPU_DECODE_TILES");
@@ -148,6 +154,192 @@ inline void block(const c10::BFloat16* k, const c10::BFloat16* v, int64_t stride
   }
 }
 
+// ---- Groups of up to kMaxPerHeadGroup: the softmax per head, tokens in lanes (block_per_head) ----
+//
+// Where a group has few heads, the vertical softmax of `block` pays for 16 lanes per token with R of
+// them used, and V's pairs are re-laid out every block. Here, per block and KV head:
+//   S^T (16 tokens x R) = K . Q^T pairs on the tiles as in `block`, stored packed (token t, head r at t R + r);
+//   each head's 16 scores gathered into one zmm by two-register permutes (`HeadLanes`), its online
+//   softmax horizontal, as decode_block_pairs does;
+//   P V with V read in place as the B tile: a B row is a token's 32 elements of D, so the dot product
+//   pairs two elements of one token, not two tokens. An A row of words (p_t, 0) then yields the even
+//   elements, (0, p_t) the odd ones. Each weight enters as p = hi + lo (the same contract): the hi rows
+//   and the lo rows are the two halves of one A tile (2R rows), summed when the item ends.
+// Tiles: 0 S^T (16 x R words), 1 and 7 K or V (16 tokens x 32 of D), 2 Q^T pairs (16 pairs x R words),
+// 3 P even and 4 P odd (2R x 16 words), 5 and 6 O (2R x 16 floats: the even or odd elements of 32).
+constexpr int64_t kMaxPerHeadGroup = 8;
+
+inline void configure_per_head(int64_t rows) {
+  amx_tiles::Config cfg;
+  cfg.tile(0, 16, rows * 4).tile(1, 16, 64).tile(2, 16, rows * 4).tile(3, 2 * rows, 64).tile(4, 2 * rows, 64);
+  cfg.tile(5, 2 * rows, 64).tile(6, 2 * rows, 64).tile(7, 16, 64);
+  amx_tiles::configure(cfg);
+}
+
+// Head r's 16 scores from S^T stored packed (st[t R + r], 16 R floats in R zmm, R <= 8): from each
+// pair of zmm (32 floats) the lanes whose t R + r falls in it.
+struct HeadLanes {
+  __m512i index[kMaxPerHeadGroup][kMaxPerHeadGroup / 2];
+  __mmask16 take[kMaxPerHeadGroup][kMaxPerHeadGroup / 2];
+  int64_t pairs = 0;
+
+  explicit HeadLanes(int64_t rows) : pairs((rows + 1) / 2) {
+    const __m512i t_rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                              _mm512_set1_epi32(static_cast<int>(rows)));
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t p = 0; p < pairs; ++p) {
+        index[r][p] = _mm512_add_epi32(t_rows, _mm512_set1_epi32(static_cast<int>(r - 32 * p)));
+        take[r][p] = _mm512_cmplt_epu32_mask(index[r][p], _mm512_set1_epi32(32));
+      }
+    }
+  }
+
+  __m512 head(const __m512* z, int64_t r) const {
+    __m512 s = _mm512_permutex2var_ps(z[0], index[r][0], z[1]);
+    for (int64_t p = 1; p < pairs; ++p)
+      s = _mm512_mask_mov_ps(s, take[r][p], _mm512_permutex2var_ps(z[2 * p], index[r][p], z[2 * p + 1]));
+    return s;
+  }
+};
+
+// One block (n <= 16 tokens, all visible) of one KV head: k, v its rows (`stride` elements apart);
+// qt its pack_queries; m (R,) and l (R, 16) the rows' running max and sum; o (2R, D) the head's hi
+// and lo accumulators, each 32 of D as 16 even then 16 odd elements; pw (2, 2R, 16) words and vs
+// (16, D) scratch.
+template <int64_t D>
+inline void block_per_head(const c10::BFloat16* k, const c10::BFloat16* v, int64_t stride, int64_t n, int64_t rows,
+                           float scale, const uint32_t* qt, const HeadLanes& lanes, float* m, float* l, float* o,
+                           uint32_t* pw, c10::BFloat16* vs) {
+  _tile_zero(0);
+  for (int64_t j = 0; j < D / 32; ++j) {
+    _tile_loadd(1, k + 32 * j, stride * 2);
+    _tile_loadd(2, qt + j * 256, 64);
+    _tile_dpbf16ps(0, 1, 2);
+  }
+  alignas(64) float st[16 * kMaxPerHeadGroup];
+  _tile_stored(0, st, rows * 4);
+  // A last block's rows past n may hold anything (NaN included): V's go through zeroed scratch.
+  if (n < 16) {
+    std::fill(vs, vs + 16 * D, c10::BFloat16(0.0f));
+    for (int64_t t = 0; t < n; ++t) std::copy(v + t * stride, v + t * stride + D, vs + t * D);
+    v = vs;
+    stride = D;
+  }
+  asm volatile("" : : : "memory");  // GCC's tile stores are asm with no memory operand: st is read below
+  __m512 z[kMaxPerHeadGroup];
+  for (int64_t j = 0; j < 2 * lanes.pairs; ++j) z[j] = _mm512_load_ps(st + 16 * j);
+  const __mmask16 valid = n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t r = 0; r < rows; ++r) {
+    __m512 s = _mm512_mul_ps(lanes.head(z, r), vscale);
+    s = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), s);
+    const __m512 old_max = _mm512_set1_ps(m[r]);
+    const __m512 new_max = _mm512_max_ps(old_max, _mm512_set1_ps(_mm512_reduce_max_ps(s)));
+    const __m512 e = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(s, new_max)));
+    const __m256bh hi = _mm512_cvtneps_pbh(e);  // e = hi + lo, each a bf16
+    const __m512i hi32 = _mm512_cvtepu16_epi32(reinterpret_cast<const __m256i&>(hi));
+    const __m256bh lo = _mm512_cvtneps_pbh(_mm512_sub_ps(e, _mm512_castsi512_ps(_mm512_slli_epi32(hi32, 16))));
+    const __m512i lo32 = _mm512_cvtepu16_epi32(reinterpret_cast<const __m256i&>(lo));
+    _mm512_store_si512(pw + r * 16, hi32);  // (p, 0): the even elements
+    _mm512_store_si512(pw + (rows + r) * 16, lo32);
+    _mm512_store_si512(pw + (2 * rows + r) * 16, _mm512_slli_epi32(hi32, 16));  // (0, p): the odd ones
+    _mm512_store_si512(pw + (3 * rows + r) * 16, _mm512_slli_epi32(lo32, 16));
+    const float max_now = _mm512_cvtss_f32(new_max);
+    if (max_now == m[r]) {  // the running max rarely moves once a few blocks are in
+      _mm512_storeu_ps(l + r * 16, _mm512_add_ps(_mm512_loadu_ps(l + r * 16), e));
+    } else {
+      const __m512 c = exp512(_mm512_sub_ps(old_max, new_max));
+      _mm512_storeu_ps(l + r * 16, _mm512_fmadd_ps(_mm512_loadu_ps(l + r * 16), c, e));
+      for (int64_t d = 0; d < D; d += 16) {
+        _mm512_storeu_ps(o + r * D + d, _mm512_mul_ps(_mm512_loadu_ps(o + r * D + d), c));
+        _mm512_storeu_ps(o + (rows + r) * D + d, _mm512_mul_ps(_mm512_loadu_ps(o + (rows + r) * D + d), c));
+      }
+    }
+    m[r] = max_now;
+  }
+  asm volatile("" : : : "memory");  // ... nor tile loads: pw and o are stored above
+  _tile_loadd(3, pw, 64);
+  _tile_loadd(4, pw + 2 * rows * 16, 64);
+  for (int64_t c = 0; c < D / 32; ++c) {
+    if (c % 2 == 0) {
+      _tile_loadd(1, v + 32 * c, stride * 2);
+      _tile_loadd(5, o + 32 * c, D * 4);
+      _tile_loadd(6, o + 32 * c + 16, D * 4);
+      _tile_dpbf16ps(5, 3, 1);
+      _tile_dpbf16ps(6, 4, 1);
+      _tile_stored(5, o + 32 * c, D * 4);
+      _tile_stored(6, o + 32 * c + 16, D * 4);
+    } else {
+      _tile_loadd(7, v + 32 * c, stride * 2);
+      _tile_loadd(5, o + 32 * c, D * 4);
+      _tile_loadd(6, o + 32 * c + 16, D * 4);
+      _tile_dpbf16ps(5, 3, 7);
+      _tile_dpbf16ps(6, 4, 7);
+      _tile_stored(5, o + 32 * c, D * 4);
+      _tile_stored(6, o + 32 * c + 16, D * 4);
+    }
+  }
+  asm volatile("" : : : "memory");
+}
+
+// run_blocks (below) for groups of up to kMaxPerHeadGroup.
+template <int64_t D>
+void run_blocks_per_head(const c10::BFloat16* q, const c10::BFloat16* k_ptr, const c10::BFloat16* v_ptr,
+                         const int32_t* table, int64_t blk_begin, int64_t blk_end, int64_t seq_len, const Shapes& sh,
+                         float* m, float* l, float* acc) {
+  const int64_t hkv = sh.num_kv_heads, g = sh.group, block_elems = sh.block_size * sh.token_stride;
+  thread_local std::vector<uint32_t> qt;
+  thread_local std::vector<float> o;  // per KV head: (2g, D) hi and lo accumulators
+  qt.resize(hkv * D / 32 * 256);
+  o.assign(hkv * 2 * g * D, 0.0f);
+  for (int64_t h = 0; h < hkv; ++h) pack_queries<D>(q + h * g * D, g, qt.data() + h * D / 32 * 256);
+  const HeadLanes lanes(g);
+  alignas(64) uint32_t pw[4 * kMaxPerHeadGroup * 16];
+  alignas(64) c10::BFloat16 vs[16 * D];
+  configure_per_head(g);
+  const amx_tiles::Release release;
+  for (int64_t blk = blk_begin; blk < blk_end; ++blk) {
+    const int64_t physical = table[blk];
+    TORCH_CHECK(physical >= 0 && physical < sh.num_blocks, "block id out of range");
+    const int64_t n = std::min(sh.block_size, seq_len - blk * sh.block_size);
+    if (blk + 1 < blk_end && table[blk + 1] >= 0 && table[blk + 1] < sh.num_blocks) {  // the next block's K/V
+      const char* next_k = reinterpret_cast<const char*>(k_ptr + table[blk + 1] * block_elems);
+      const char* next_v = reinterpret_cast<const char*>(v_ptr + table[blk + 1] * block_elems);
+      for (int64_t b = 0; b < block_elems * 2; b += 64) {
+        _mm_prefetch(next_k + b, _MM_HINT_T0);
+        _mm_prefetch(next_v + b, _MM_HINT_T0);
+      }
+    }
+    for (int64_t h = 0; h < hkv; ++h) {
+      const int64_t at = physical * block_elems + h * D;
+      block_per_head<D>(k_ptr + at, v_ptr + at, sh.token_stride, n, g, sh.scale, qt.data() + h * D / 32 * 256, lanes,
+                        m + h * g, l + h * g * 16, o.data() + h * 2 * g * D, pw, vs);
+    }
+  }
+  // hi + lo, from 16 even then 16 odd elements of each 32 into the pair order of decode_block_pairs
+  // (first half: elements 8L + i of 128-bit lane L, i < 4; second half: 8L + 4 + i).
+  alignas(64) int32_t first[16], second[16];
+  for (int64_t j = 0; j < 16; ++j) {
+    const int64_t e1 = 8 * (j / 4) + j % 4, e2 = e1 + 4;
+    first[j] = static_cast<int32_t>(e1 % 2 == 0 ? e1 / 2 : 16 + e1 / 2);
+    second[j] = static_cast<int32_t>(e2 % 2 == 0 ? e2 / 2 : 16 + e2 / 2);
+  }
+  const __m512i to_first = _mm512_load_si512(first), to_second = _mm512_load_si512(second);
+  for (int64_t h = 0; h < hkv; ++h) {
+    const float* oh = o.data() + h * 2 * g * D;
+    for (int64_t r = 0; r < g; ++r) {
+      for (int64_t c = 0; c < D; c += 32) {
+        const __m512 even = _mm512_add_ps(_mm512_loadu_ps(oh + r * D + c), _mm512_loadu_ps(oh + (g + r) * D + c));
+        const __m512 odd =
+            _mm512_add_ps(_mm512_loadu_ps(oh + r * D + c + 16), _mm512_loadu_ps(oh + (g + r) * D + c + 16));
+        float* dst = acc + (h * g + r) * D + c;
+        _mm512_storeu_ps(dst, _mm512_permutex2var_ps(even, to_first, odd));
+        _mm512_storeu_ps(dst + 16, _mm512_permutex2var_ps(even, to_second, odd));
+      }
+    }
+  }
+}
+
 // Blocks [blk_begin, blk_end) of a single-position decode (its `seq_len` tokens, block table `table`)
 // for all KV heads: q (Hq, D) bf16 the queries, ordered by KV head; m (Hq,), l (Hq, 16) and acc
 // (Hq, D), as run_decode_item keeps them, are left as decode_block_pairs leaves them (acc in the pair
@@ -156,6 +348,10 @@ template <int64_t D>
 void run_blocks(const c10::BFloat16* q, const c10::BFloat16* k_ptr, const c10::BFloat16* v_ptr,
                 const int32_t* table, int64_t blk_begin, int64_t blk_end, int64_t seq_len, const Shapes& sh,
                 float* m, float* l, float* acc) {
+  if (sh.group <= kMaxPerHeadGroup) {
+    run_blocks_per_head<D>(q, k_ptr, v_ptr, table, blk_begin, blk_end, seq_len, sh, m, l, acc);
+    return;
+  }
   const int64_t hkv = sh.num_kv_heads, g = sh.group, block_elems = sh.block_size * sh.token_stride;
   thread_local std::vector<uint32_t> qt, vp;
   thread_local std::vector<float> state;  // per KV head: running max (16 lanes), then sum (16)
