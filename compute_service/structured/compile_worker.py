@@ -31,7 +31,7 @@ import numpy as np
 import xgrammar as xgr
 
 # Part of every cache key: change it when the options below change what a constraint compiles to.
-COMPILE_OPTIONS = "xgrammar-v2:any_whitespace=False,strict_mode=True,no-surrogates"
+COMPILE_OPTIONS = "xgrammar-v2:any_whitespace=False,strict_mode=True,no-surrogates,text-only-regex"
 # xgrammar prefixes its messages with "[time] /path/file.cc:line: " and sometimes a failed check's text.
 _ENGINE_PREFIX = re.compile(r"^\s*\[[^\]]*\]\s*\S+:\d+:\s*(Check failed: \(.*?\) is false:\s*)?")
 _MAX_MESSAGE_CHARS = 500
@@ -51,6 +51,11 @@ WORKER_NICE = 5
 _BOUNDED_STRING_CHAR = r'[^\"\\\r\n]'
 _JSON_STRING_CHAR = r'[^\0-\x1f\"\\\r\n]'
 _STRING_CHAR = r'[^\0-\x1f\"\\\r\n\uD800-\uDFFF]'
+# The same holds for a regular expression's `.`, its negated classes and \S \D \W, and ranges across
+# U+D800-DFFF: xgrammar admits the surrogates' encodings there too, in a `regex` constraint and in a
+# schema's `pattern`. `text_only_regex` rewrites the expression so that none of them admits one.
+_NO_SURROGATES = r"\uD800-\uDFFF"
+_SURROGATES = (0xD800, 0xDFFF)
 
 
 @dataclass(frozen=True)
@@ -103,16 +108,141 @@ def compile_constraint(compiler: xgr.GrammarCompiler, kind: str, spec: str,
         # strict_mode=False: any keys and values (strict mode would forbid undeclared properties).
         return _compile_json_schema(compiler, '{"type": "object"}', strict_mode=False)
     if kind == "regex":
-        return compiler.compile_regex(spec)
+        return compiler.compile_regex(text_only_regex(spec))
     if kind == "choice":
         return compiler.compile_grammar(choice_grammar(choices))
     return compiler.compile_grammar(spec)
 
 
 def json_schema_ebnf(schema: str, *, strict_mode: bool) -> str:
-    """The EBNF a JSON schema compiles to: xgrammar's, its strings' characters corrected (above)."""
+    """The EBNF a JSON schema compiles to: xgrammar's, its strings' characters corrected (above), and
+    its `pattern`s and `patternProperties` made text-only (`text_only_regex`)."""
+    schema = json.dumps(_text_only_patterns(json.loads(schema)))
     ebnf = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict_mode))
     return ebnf.replace(_BOUNDED_STRING_CHAR, _STRING_CHAR).replace(_JSON_STRING_CHAR, _STRING_CHAR)
+
+
+_NAMED_SCHEMAS = ("properties", "$defs", "definitions", "dependentSchemas")
+_VALUES = ("const", "enum", "default", "examples")  # instances, not schemas
+
+
+def _text_only_patterns(node: object) -> object:
+    """A parsed schema with every regular expression in it made text-only: the values of "pattern"
+    and the keys of "patternProperties", at any depth (a property named "pattern" is left alone)."""
+    if isinstance(node, list):
+        return [_text_only_patterns(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    for key, value in node.items():
+        if key == "pattern" and isinstance(value, str):
+            out[key] = text_only_regex(value)
+        elif key == "patternProperties" and isinstance(value, dict):
+            out[key] = {text_only_regex(k): _text_only_patterns(v) for k, v in value.items()}
+        elif key in _NAMED_SCHEMAS and isinstance(value, dict):  # names, not keywords, as keys
+            out[key] = {k: _text_only_patterns(v) for k, v in value.items()}
+        elif key in _VALUES:
+            out[key] = value
+        else:
+            out[key] = _text_only_patterns(value)
+    return out
+
+
+def text_only_regex(regex: str) -> str:
+    r"""`regex` with nothing in it that admits U+D800-DFFF (whose UTF-8 encodings are not text): `.`
+    becomes [^\uD800-\uDFFF]; a negated class and \S \D \W outside a class get the surrogates added to
+    what they exclude; in a class that is not negated, a range across them is cut around them and a
+    \S \D \W is taken out into an alternative (`[a\S]` -> `([a]|[^\s\uD800-\uDFFF])`). Escapes are
+    kept as written; an unterminated class is left for xgrammar to refuse."""
+    out: list[str] = []
+    i, n = 0, len(regex)
+    while i < n:
+        c = regex[i]
+        if c == "\\" and i + 1 < n:
+            nxt = regex[i + 1]
+            out.append(f"[^\\{nxt.lower()}{_NO_SURROGATES}]" if nxt in "SDW" else c + nxt)
+            i += 2
+        elif c == ".":
+            out.append(f"[^{_NO_SURROGATES}]")
+            i += 1
+        elif c == "[":
+            end = _class_end(regex, i)
+            if end < 0:
+                out.append(regex[i:])
+                break
+            out.append(_text_only_class(regex[i + 1:end]))
+            i = end + 1
+        else:
+            out.append(c)
+            i += 1
+    return "".join(out)
+
+
+def _class_end(regex: str, start: int) -> int:
+    """The index of the `]` that closes the class opened at `start`, or -1."""
+    i = start + 1
+    while i < len(regex):
+        if regex[i] == "\\":
+            i += 2
+        elif regex[i] == "]":
+            return i
+        else:
+            i += 1
+    return -1
+
+
+def _class_atom(body: str, i: int) -> tuple[str, int | None, int]:
+    r"""The class member at body[i]: (its text, its code point or None for a shorthand such as \d,
+    the index after it)."""
+    if body[i] != "\\" or i + 1 >= len(body):
+        return body[i], ord(body[i]), i + 1
+    kind = body[i + 1]
+    for prefix, digits in (("u", 4), ("x", 2)):
+        hex_digits = body[i + 2:i + 2 + digits]
+        if kind == prefix and len(hex_digits) == digits and all(h in "0123456789abcdefABCDEF" for h in hex_digits):
+            return body[i:i + 2 + digits], int(hex_digits, 16), i + 2 + digits
+    if kind in "sSdDwWbB":
+        return body[i:i + 2], None, i + 2
+    controls = {"n": 10, "r": 13, "t": 9, "f": 12, "v": 11, "0": 0}
+    return body[i:i + 2], controls.get(kind, ord(kind)), i + 2
+
+
+def _text_only_class(body: str) -> str:
+    """One class, `body` between its brackets, made text-only (see `text_only_regex`)."""
+    if body.startswith("^"):
+        return f"[{body}{_NO_SURROGATES}]"
+    kept: list[str] = []
+    taken_out: list[str] = []
+    i = 0
+    while i < len(body):
+        text, code, i = _class_atom(body, i)
+        if code is None and text[1] in "SDW":
+            taken_out.append(f"[^\\{text[1].lower()}{_NO_SURROGATES}]")
+            continue
+        if code is not None and i + 1 < len(body) and body[i] == "-":
+            hi_text, hi_code, after = _class_atom(body, i + 1)
+            if hi_code is not None:
+                kept.append(_cut_range(text, code, hi_text, hi_code))
+                i = after
+                continue
+        kept.append(text)
+    if not taken_out:
+        return f"[{''.join(kept)}]"
+    members = ([f"[{''.join(kept)}]"] if kept else []) + taken_out
+    return "(" + "|".join(members) + ")"
+
+
+def _cut_range(lo_text: str, lo: int, hi_text: str, hi: int) -> str:
+    """lo-hi as written, or the parts of it outside U+D800-DFFF."""
+    first, last = _SURROGATES
+    if hi < first or lo > last:
+        return f"{lo_text}-{hi_text}"
+    parts = []
+    if lo < first:
+        parts.append(f"{lo_text}-\\u{first - 1:04X}")
+    if hi > last:
+        parts.append(f"\\u{last + 1:04X}-{hi_text}")
+    return "".join(parts)
 
 
 def _compile_json_schema(compiler: xgr.GrammarCompiler, schema: str, *, strict_mode: bool) -> xgr.CompiledGrammar:
