@@ -26,6 +26,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from typing import NamedTuple
 
 import numpy as np
 import xgrammar as xgr
@@ -115,13 +116,21 @@ def compile_constraint(compiler: xgr.GrammarCompiler, kind: str, spec: str,
 
 
 def json_schema_ebnf(schema: str, *, strict_mode: bool) -> str:
-    """The EBNF a JSON schema compiles to: xgrammar's, its strings' characters corrected (above), and
-    its `pattern`s and `patternProperties` made text-only (`text_only_regex`)."""
-    schema = json.dumps(_text_only_patterns(json.loads(schema)))
+    """The EBNF a JSON schema compiles to: xgrammar's, its strings' characters corrected (above), its
+    `pattern`s and `patternProperties` made text-only (`text_only_regex`), and the class its
+    json-pointer formats spell out cut around the surrogates."""
+    parsed = json.loads(schema)
+    rewritten = _text_only_patterns(parsed)
+    if rewritten != parsed:  # else the text as sent, untouched by a round trip through Python
+        schema = json.dumps(rewritten)
     ebnf = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict_mode))
-    return ebnf.replace(_BOUNDED_STRING_CHAR, _STRING_CHAR).replace(_JSON_STRING_CHAR, _STRING_CHAR)
+    ebnf = ebnf.replace(_BOUNDED_STRING_CHAR, _STRING_CHAR).replace(_JSON_STRING_CHAR, _STRING_CHAR)
+    return ebnf.replace(_POINTER_CHARS, _POINTER_TEXT_CHARS)
 
 
+# xgrammar's "json-pointer" and "relative-json-pointer" formats: an unescaped character past DEL.
+_POINTER_CHARS = r"[\x7f-\U0010ffff]"
+_POINTER_TEXT_CHARS = r"[\x7f-\ud7ff\ue000-\U0010ffff]"
 _NAMED_SCHEMAS = ("properties", "$defs", "definitions", "dependentSchemas")
 _VALUES = ("const", "enum", "default", "examples")  # instances, not schemas
 
@@ -149,19 +158,26 @@ def _text_only_patterns(node: object) -> object:
 
 
 def text_only_regex(regex: str) -> str:
-    r"""`regex` with nothing in it that admits U+D800-DFFF (whose UTF-8 encodings are not text): `.`
-    becomes [^\uD800-\uDFFF]; a negated class and \S \D \W outside a class get the surrogates added to
-    what they exclude; in a class that is not negated, a range across them is cut around them and a
-    \S \D \W is taken out into an alternative (`[a\S]` -> `([a]|[^\s\uD800-\uDFFF])`). Escapes are
-    kept as written; an unterminated class is left for xgrammar to refuse."""
+    r"""`regex` with nothing in it that admits U+D800-DFFF (whose UTF-8 encodings are not text).
+
+    `.` becomes [^\uD800-\uDFFF]; a negated class, and \S \D \W outside a class, get the surrogates
+    added to what they exclude; in a class that is not negated, a range across them is cut around
+    them and a \S \D \W is taken out into an alternative (`[a\S]` -> `([a]|[^\s\uD800-\uDFFF])`); a
+    surrogate pair written as two \u escapes (as JavaScript spells U+10000 and up) becomes the one
+    character it encodes. Other escapes are kept as written; an unterminated class is left for
+    xgrammar to refuse. Raises ValueError for a lone surrogate, or a class of surrogates only.
+    """
     out: list[str] = []
     i, n = 0, len(regex)
     while i < n:
         c = regex[i]
         if c == "\\" and i + 1 < n:
+            atom = _char(regex, i)
+            if atom.code is not None and _is_surrogate(atom.code):
+                raise ValueError(f"{atom.text} is a lone surrogate (U+D800-DFFF), not text")
             nxt = regex[i + 1]
-            out.append(f"[^\\{nxt.lower()}{_NO_SURROGATES}]" if nxt in "SDW" else c + nxt)
-            i += 2
+            out.append(f"[^\\{nxt.lower()}{_NO_SURROGATES}]" if nxt in "SDW" else atom.text)
+            i = atom.end
         elif c == ".":
             out.append(f"[^{_NO_SURROGATES}]")
             i += 1
@@ -178,6 +194,10 @@ def text_only_regex(regex: str) -> str:
     return "".join(out)
 
 
+def _is_surrogate(code: int) -> bool:
+    return _SURROGATES[0] <= code <= _SURROGATES[1]
+
+
 def _class_end(regex: str, start: int) -> int:
     """The index of the `]` that closes the class opened at `start`, or -1."""
     i = start + 1
@@ -191,57 +211,92 @@ def _class_end(regex: str, start: int) -> int:
     return -1
 
 
-def _class_atom(body: str, i: int) -> tuple[str, int | None, int]:
-    r"""The class member at body[i]: (its text, its code point or None for a shorthand such as \d,
-    the index after it)."""
-    if body[i] != "\\" or i + 1 >= len(body):
-        return body[i], ord(body[i]), i + 1
-    kind = body[i + 1]
-    for prefix, digits in (("u", 4), ("x", 2)):
-        hex_digits = body[i + 2:i + 2 + digits]
-        if kind == prefix and len(hex_digits) == digits and all(h in "0123456789abcdefABCDEF" for h in hex_digits):
-            return body[i:i + 2 + digits], int(hex_digits, 16), i + 2 + digits
-    if kind in "sSdDwWbB":
-        return body[i:i + 2], None, i + 2
-    controls = {"n": 10, "r": 13, "t": 9, "f": 12, "v": 11, "0": 0}
-    return body[i:i + 2], controls.get(kind, ord(kind)), i + 2
+class _Atom(NamedTuple):
+    """One character of a regex or a class, or an escape: its text as written, its code point (None
+    for a shorthand such as \\d), the index after it."""
+
+    text: str
+    code: int | None
+    end: int
+
+
+_HEX = frozenset("0123456789abcdefABCDEF")
+_CONTROLS = {"n": 10, "r": 13, "t": 9, "f": 12, "v": 11, "0": 0, "b": 8}  # \b: backspace (in a class)
+
+
+def _atom(text: str, i: int) -> _Atom:
+    r"""The character or escape at text[i], read as xgrammar reads it: \uHHHH, \u{H...}, \xH...
+    (any number of digits), a control escape, a shorthand, or an escaped character."""
+    if text[i] != "\\" or i + 1 >= len(text):
+        return _Atom(text[i], ord(text[i]), i + 1)
+    kind = text[i + 1]
+    if kind == "u" and text[i + 2:i + 3] == "{":
+        close = text.find("}", i + 3)
+        digits = text[i + 3:close] if close > 0 else ""
+        if digits and set(digits) <= _HEX:
+            return _Atom(text[i:close + 1], int(digits, 16), close + 1)
+    if kind == "u" and len(text[i + 2:i + 6]) == 4 and set(text[i + 2:i + 6]) <= _HEX:
+        return _Atom(text[i:i + 6], int(text[i + 2:i + 6], 16), i + 6)
+    if kind == "x":
+        end = i + 2
+        while end < len(text) and text[end] in _HEX:
+            end += 1
+        if end > i + 2:
+            return _Atom(text[i:end], int(text[i + 2:end], 16), end)
+    if kind in "sSdDwW":
+        return _Atom(text[i:i + 2], None, i + 2)
+    return _Atom(text[i:i + 2], _CONTROLS.get(kind, ord(kind)), i + 2)
+
+
+def _char(text: str, i: int) -> _Atom:
+    """`_atom`, with a surrogate pair of \\u escapes read as the one character it encodes."""
+    atom = _atom(text, i)
+    if atom.code is not None and 0xD800 <= atom.code <= 0xDBFF and text[atom.end:atom.end + 2] == "\\u":
+        low = _atom(text, atom.end)
+        if low.code is not None and 0xDC00 <= low.code <= 0xDFFF:
+            code = 0x10000 + ((atom.code - 0xD800) << 10) + low.code - 0xDC00
+            return _Atom(f"\\u{{{code:X}}}", code, low.end)
+    return atom
 
 
 def _text_only_class(body: str) -> str:
     """One class, `body` between its brackets, made text-only (see `text_only_regex`)."""
-    if body.startswith("^"):
-        return f"[{body}{_NO_SURROGATES}]"
+    if body.startswith("^"):  # the range first: a trailing "-" stays a literal
+        rest = "\\-" + body[2:] if body.startswith("^-") else body[1:]
+        return f"[^{_NO_SURROGATES}{rest}]"
     kept: list[str] = []
     taken_out: list[str] = []
     i = 0
     while i < len(body):
-        text, code, i = _class_atom(body, i)
-        if code is None and text[1] in "SDW":
-            taken_out.append(f"[^\\{text[1].lower()}{_NO_SURROGATES}]")
+        atom = _char(body, i)
+        i = atom.end
+        if atom.code is None and atom.text[1] in "SDW":
+            taken_out.append(f"[^\\{atom.text[1].lower()}{_NO_SURROGATES}]")
             continue
-        if code is not None and i + 1 < len(body) and body[i] == "-":
-            hi_text, hi_code, after = _class_atom(body, i + 1)
-            if hi_code is not None:
-                kept.append(_cut_range(text, code, hi_text, hi_code))
-                i = after
+        if atom.code is not None and i + 1 < len(body) and body[i] == "-":
+            hi = _char(body, i + 1)
+            if hi.code is not None:
+                kept.append(_cut_range(atom, hi))
+                i = hi.end
                 continue
-        kept.append(text)
-    if not taken_out:
-        return f"[{''.join(kept)}]"
-    members = ([f"[{''.join(kept)}]"] if kept else []) + taken_out
-    return "(" + "|".join(members) + ")"
+        if atom.code is None or not _is_surrogate(atom.code):
+            kept.append(atom.text)
+    members = ([f"[{''.join(kept)}]"] if "".join(kept) else []) + taken_out
+    if not members:
+        raise ValueError(f"the class [{body}] admits only surrogates (U+D800-DFFF), which are not text")
+    return members[0] if len(members) == 1 else "(" + "|".join(members) + ")"
 
 
-def _cut_range(lo_text: str, lo: int, hi_text: str, hi: int) -> str:
-    """lo-hi as written, or the parts of it outside U+D800-DFFF."""
+def _cut_range(lo: _Atom, hi: _Atom) -> str:
+    """lo-hi as written, or the parts of it outside U+D800-DFFF ("" if none)."""
     first, last = _SURROGATES
-    if hi < first or lo > last:
-        return f"{lo_text}-{hi_text}"
+    if hi.code < first or lo.code > last:
+        return f"{lo.text}-{hi.text}"
     parts = []
-    if lo < first:
-        parts.append(f"{lo_text}-\\u{first - 1:04X}")
-    if hi > last:
-        parts.append(f"\\u{last + 1:04X}-{hi_text}")
+    if lo.code < first:
+        parts.append(f"{lo.text}-\\u{first - 1:04X}")
+    if hi.code > last:
+        parts.append(f"\\u{last + 1:04X}-{hi.text}")
     return "".join(parts)
 
 

@@ -107,12 +107,13 @@ def test_long_prompts_on_amx_tiles_match_float32(block_size: int, head_dim: int)
             assert bool(torch.isnan(out[rows].float()).all())
 
 
-@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(8, 2), (12, 2), (16, 2), (16, 1), (9, 3), (7, 1)])
+@pytest.mark.parametrize("num_q_heads,num_kv_heads",
+                         [(8, 2), (10, 2), (12, 2), (16, 2), (12, 1), (16, 1), (9, 3), (7, 1)])
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
 def test_grouped_decodes_on_amx_tiles_match_float32(num_q_heads: int, num_kv_heads: int, head_dim: int) -> None:
     # Single-position decodes of KV heads with 3 or more query heads take the AMX tiles where the
-    # build has them (csrc/decode_tiles.h: up to 8 the per-head kernel, 9-16 the vertical one; groups
-    # of 1 and 2 keep the AVX-512 kernel).
+    # build has them (csrc/decode_tiles.h): groups of up to 8 the per-head kernel, of 9-16 the
+    # vertical one (12 and 16 here); groups of 1 and 2 keep the AVX-512 kernel.
     # Lengths inside, at and just past a block, a decode long enough to be split across threads (its
     # partials merged), beside a 3-position chunk and a prompt in the same step; slots no sequence
     # owns hold NaN (the last block's rows past a sequence must not reach the products).

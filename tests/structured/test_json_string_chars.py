@@ -40,17 +40,28 @@ def test_surrogates_control_characters_and_overlong_values_are_not(free: bytes, 
 
 @pytest.mark.parametrize(("regex", "rewritten"), [
     (r"^a.$", r"^a[^\uD800-\uDFFF]$"),
-    (r"[^a]\.[.]", r"[^a\uD800-\uDFFF]\.[.]"),
+    (r"[^a]\.[.]", r"[^\uD800-\uDFFFa]\.[.]"),
     (r"\S\s\D\d\W\w", r"[^\s\uD800-\uDFFF]\s[^\d\uD800-\uDFFF]\d[^\w\uD800-\uDFFF]\w"),
     (r"[\u0000-\uffff]+", r"[\u0000-\uD7FF\uE000-\uffff]+"),
-    (r"[\uDC00-\uFFFF][\x00-\uD900][\uD800-\uDFFF]", r"[\uE000-\uFFFF][\x00-\uD7FF][]"),
+    (r"[\uDC00-\uFFFF][\x00-\uD900][a\uD800-\uDFFF]", r"[\uE000-\uFFFF][\x00-\uD7FF][a]"),
     (r"[a-z\S]{2}", r"([a-z]|[^\s\uD800-\uDFFF]){2}"),
+    (r"[\uD800-\uDFFF\S]", r"[^\s\uD800-\uDFFF]"),
     (r"[^]", r"[^\uD800-\uDFFF]"),
+    (r"[^a-][^\w-][^-a]", r"[^\uD800-\uDFFFa-][^\uD800-\uDFFF\w-][^\uD800-\uDFFF\-a]"),  # a last "-" stays literal
     (r"[\-.\]a-z]", r"[\-.\]a-z]"),
+    (r"[\u{0}-\u{10FFFF}][\x0-\xFFFF][\b-\uFFFF]",
+     r"[\u{0}-\uD7FF\uE000-\u{10FFFF}][\x0-\uD7FF\uE000-\xFFFF][\b-\uD7FF\uE000-\uFFFF]"),
+    (r"\uD83D\uDE00[\uD83D\uDE00-\uD83D\uDE4F]", r"\u{1F600}[\u{1F600}-\u{1F64F}]"),  # JavaScript's pairs
     ("[a", "[a"),  # unterminated: left for xgrammar to refuse
 ])
 def test_text_only_regex_rewrites_what_admits_surrogates(regex: str, rewritten: str) -> None:
     assert text_only_regex(regex) == rewritten
+
+
+@pytest.mark.parametrize("regex", [r"a\uD800", r"\uDE00\uD83D", r"[\uD800-\uDBFF]"])
+def test_text_only_regex_refuses_what_can_only_be_a_surrogate(regex: str) -> None:
+    with pytest.raises(ValueError, match="surrogate"):
+        text_only_regex(regex)
 
 
 REGEX = r"^a.[^x]\S[\u0000-\uffff][b\D]$"
@@ -96,3 +107,25 @@ PATTERN_SCHEMA = json.dumps({
 def test_schema_patterns_admit_text_and_no_surrogate(document: bytes, accepted: bool) -> None:
     grammar = xgr.Grammar.from_ebnf(json_schema_ebnf(PATTERN_SCHEMA, strict_mode=True))
     assert testing._is_grammar_accept_string(grammar, document) is accepted
+
+
+@pytest.mark.parametrize("format_name", ["json-pointer", "relative-json-pointer"])
+def test_json_pointer_formats_admit_text_and_no_surrogate(format_name: str) -> None:
+    # xgrammar spells these formats' characters past DEL as one class up to U+10FFFF.
+    grammar = xgr.Grammar.from_ebnf(json_schema_ebnf(json.dumps({"type": "string", "format": format_name}),
+                                                     strict_mode=True))
+    prefix = b'"/' if format_name == "json-pointer" else b'"0/'
+    assert testing._is_grammar_accept_string(grammar, prefix + "\u00e9\U0001F600".encode() + b'"')
+    assert not testing._is_grammar_accept_string(grammar, prefix + SURROGATE + b'"')
+
+
+
+@pytest.mark.parametrize(("regex", "output", "accepted"), [
+    (r"^[^\w-]$", b"!", True), (r"^[^\w-]$", b"-", False), (r"^[^\w-]$", b"x", False),
+    (r"^[^a-]$", "\u00e9".encode(), True), (r"^[^a-]$", b"-", False), (r"^[^a-]$", SURROGATE, False),
+    (r"^\uD83D\uDE00$", "\U0001F600".encode(), True), (r"^\uD83D\uDE00$", b"\xed\xa0\xbd\xed\xb8\x80", False),
+])
+def test_rewritten_classes_keep_their_meaning(regex: str, output: bytes, accepted: bool) -> None:
+    # The surrogates go first in a negated class, so a last "-" stays a literal (after them it would
+    # have made a range); a pair of \u escapes is the character it encodes, not two surrogates.
+    assert testing._is_grammar_accept_string(_regex_grammar(regex), output) is accepted

@@ -18,8 +18,10 @@
 //    put together by one 16 x 16 transpose; V's token pairs interleaved as the tiles read them, in
 //    the pair order of decode_block_pairs (unpermute_pairs puts the output back);
 //    O (R x 16 of D) += P_hi . V pairs + P_lo . V pairs, O kept in the item's accumulator.
-// Per KV head and block, the per-head kernel's vector work is a few dozen operations a head; the
-// vertical one's is a fixed ~600 (16 exps, the transpose, V's re-layout), which pays from ~9 heads.
+// Per KV head and block, the per-head kernel's vector work is a few dozen operations a head, the
+// vertical one's a fixed ~600 (16 exps, the transpose, V's re-layout). The per-head kernel stops at 8
+// heads: its P tile holds the hi and the lo rows of every head, 2R <= 16 (groups of 9 and more were
+// not timed on a per-head kernel).
 // The same contract as decode_block_pairs: scores are float32 sums of exact bf16 x bf16 products,
 // weights within 2^-17 of float32, accumulation in float32.
 //
@@ -32,9 +34,9 @@
 // included inside it.)
 namespace decode_tiles {
 
-// Query heads per KV head from which the tiles pay: at 1 and 2 decode_block_pairs was 1.1-1.6x faster,
-// from 3 on the per-head tile kernel was as fast or faster (docs/benchmarks.md, "Decode attention per
-// head on AMX tiles").
+// Query heads per KV head from which the tiles pay: at 1 and 2 decode_block_pairs was 1.1-1.6x faster;
+// at 4-8 the per-head tile kernel was 1.1-1.9x faster, at the default model's 3 faster from cache and
+// even from memory (docs/benchmarks.md, "Decode attention per head on AMX tiles").
 constexpr int64_t kMinGroup = 3;
 
 inline bool enabled() {  // PAGEDSERVE_CPU_DECODE_TILES=0 keeps the AVX-512 kernel
@@ -227,7 +229,7 @@ inline void block_per_head(const c10::BFloat16* k, const c10::BFloat16* v, int64
   }
   asm volatile("" : : : "memory");  // GCC's tile stores are asm with no memory operand: st is read below
   __m512 z[kMaxPerHeadGroup];
-  for (int64_t j = 0; j < 2 * lanes.pairs; ++j) z[j] = _mm512_load_ps(st + 16 * j);
+  for (int64_t j = 0; j < 2 * lanes.pairs; ++j) z[j] = j < rows ? _mm512_load_ps(st + 16 * j) : _mm512_setzero_ps();
   const __mmask16 valid = n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
   const __m512 vscale = _mm512_set1_ps(scale);
   for (int64_t r = 0; r < rows; ++r) {
@@ -260,26 +262,38 @@ inline void block_per_head(const c10::BFloat16* k, const c10::BFloat16* v, int64
   asm volatile("" : : : "memory");  // ... nor tile loads: pw and o are stored above
   _tile_loadd(3, pw, 64);
   _tile_loadd(4, pw + 2 * rows * 16, 64);
-  for (int64_t c = 0; c < D / 32; ++c) {
-    if (c % 2 == 0) {
-      _tile_loadd(1, v + 32 * c, stride * 2);
-      _tile_loadd(5, o + 32 * c, D * 4);
-      _tile_loadd(6, o + 32 * c + 16, D * 4);
-      _tile_dpbf16ps(5, 3, 1);
-      _tile_dpbf16ps(6, 4, 1);
-      _tile_stored(5, o + 32 * c, D * 4);
-      _tile_stored(6, o + 32 * c + 16, D * 4);
-    } else {
-      _tile_loadd(7, v + 32 * c, stride * 2);
-      _tile_loadd(5, o + 32 * c, D * 4);
-      _tile_loadd(6, o + 32 * c + 16, D * 4);
-      _tile_dpbf16ps(5, 3, 7);
-      _tile_dpbf16ps(6, 4, 7);
-      _tile_stored(5, o + 32 * c, D * 4);
-      _tile_stored(6, o + 32 * c + 16, D * 4);
+  // O's even and odd halves of 32 elements of D (tiles 5, 6) += P even and odd (tiles 3, 4) . V's 16
+  // rows of those elements, in place, loaded into tile VT: 1 and 7 by turns. (A macro: GCC's tile
+  // intrinsics spell the tile number into the instruction's text.)
+#define PAGEDSERVE_VALUES_SLICE(VT, C)      \
+  _tile_loadd(VT, v + 32 * (C), stride * 2); \
+  _tile_loadd(5, o + 32 * (C), D * 4);       \
+  _tile_loadd(6, o + 32 * (C) + 16, D * 4);  \
+  _tile_dpbf16ps(5, 3, VT);                  \
+  _tile_dpbf16ps(6, 4, VT);                  \
+  _tile_stored(5, o + 32 * (C), D * 4);      \
+  _tile_stored(6, o + 32 * (C) + 16, D * 4);
+  for (int64_t c = 0; c < D / 32; c += 2) {
+    PAGEDSERVE_VALUES_SLICE(1, c)
+    if (c + 1 < D / 32) {
+      PAGEDSERVE_VALUES_SLICE(7, c + 1)
     }
   }
+#undef PAGEDSERVE_VALUES_SLICE
   asm volatile("" : : : "memory");
+}
+
+// The K/V lines of physical block `physical` (all KV heads), into L1 while a block computes.
+inline void prefetch_block(const c10::BFloat16* k_ptr, const c10::BFloat16* v_ptr, int64_t physical,
+                           const Shapes& sh) {
+  if (physical < 0 || physical >= sh.num_blocks) return;  // the block's own check reports it
+  const int64_t block_elems = sh.block_size * sh.token_stride;
+  const char* next_k = reinterpret_cast<const char*>(k_ptr + physical * block_elems);
+  const char* next_v = reinterpret_cast<const char*>(v_ptr + physical * block_elems);
+  for (int64_t b = 0; b < block_elems * 2; b += 64) {
+    _mm_prefetch(next_k + b, _MM_HINT_T0);
+    _mm_prefetch(next_v + b, _MM_HINT_T0);
+  }
 }
 
 // run_blocks (below) for groups of up to kMaxPerHeadGroup.
@@ -302,14 +316,7 @@ void run_blocks_per_head(const c10::BFloat16* q, const c10::BFloat16* k_ptr, con
     const int64_t physical = table[blk];
     TORCH_CHECK(physical >= 0 && physical < sh.num_blocks, "block id out of range");
     const int64_t n = std::min(sh.block_size, seq_len - blk * sh.block_size);
-    if (blk + 1 < blk_end && table[blk + 1] >= 0 && table[blk + 1] < sh.num_blocks) {  // the next block's K/V
-      const char* next_k = reinterpret_cast<const char*>(k_ptr + table[blk + 1] * block_elems);
-      const char* next_v = reinterpret_cast<const char*>(v_ptr + table[blk + 1] * block_elems);
-      for (int64_t b = 0; b < block_elems * 2; b += 64) {
-        _mm_prefetch(next_k + b, _MM_HINT_T0);
-        _mm_prefetch(next_v + b, _MM_HINT_T0);
-      }
-    }
+    if (blk + 1 < blk_end) prefetch_block(k_ptr, v_ptr, table[blk + 1], sh);
     for (int64_t h = 0; h < hkv; ++h) {
       const int64_t at = physical * block_elems + h * D;
       block_per_head<D>(k_ptr + at, v_ptr + at, sh.token_stride, n, g, sh.scale, qt.data() + h * D / 32 * 256, lanes,
@@ -368,14 +375,7 @@ void run_blocks(const c10::BFloat16* q, const c10::BFloat16* k_ptr, const c10::B
     const int64_t physical = table[blk];
     TORCH_CHECK(physical >= 0 && physical < sh.num_blocks, "block id out of range");
     const int64_t n = std::min(sh.block_size, seq_len - blk * sh.block_size);
-    if (blk + 1 < blk_end && table[blk + 1] >= 0 && table[blk + 1] < sh.num_blocks) {  // the next block's K/V
-      const char* next_k = reinterpret_cast<const char*>(k_ptr + table[blk + 1] * block_elems);
-      const char* next_v = reinterpret_cast<const char*>(v_ptr + table[blk + 1] * block_elems);
-      for (int64_t b = 0; b < block_elems * 2; b += 64) {
-        _mm_prefetch(next_k + b, _MM_HINT_T0);
-        _mm_prefetch(next_v + b, _MM_HINT_T0);
-      }
-    }
+    if (blk + 1 < blk_end) prefetch_block(k_ptr, v_ptr, table[blk + 1], sh);
     for (int64_t h = 0; h < hkv; ++h) {
       const int64_t at = physical * block_elems + h * D;
       block<D>(k_ptr + at, v_ptr + at, sh.token_stride, n, g, sh.scale, qt.data() + h * D / 32 * 256,
