@@ -50,6 +50,9 @@ def _error(services, **params) -> grpc.RpcError:
     ({"grammar": "root ::= foo"}, 'params.grammar: EBNF parser error at line 1, column 10: Rule "foo" is not defined'),
     ({"json_object": False}, "params.json_object must be true when set"),
     ({"regex": "a" * 4097}, "params.regex: at most 4096 characters, got 4097"),
+    ({"regex": r"a\uD800"}, r"params.regex: \uD800 is a lone surrogate (U+D800-DFFF), not text"),
+    ({"json_schema": json.dumps({"type": "string", "pattern": "[\\uD800-\\uDBFF]"})},
+     "params.json_schema: the class [\\uD800-\\uDBFF] admits only surrogates"),
     ({"choice": cpb.ChoiceList()}, "params.choice.choices must hold 1 to 256 strings, got 0"),
     ({"regex": "a", "ignore_eos": True}, "params.ignore_eos cannot be combined with regex"),
     # Static limits (pagedserve/grammar_limits.py), before any compile: a review's 16 characters
