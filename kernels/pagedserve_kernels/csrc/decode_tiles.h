@@ -36,7 +36,7 @@ namespace decode_tiles {
 
 // Query heads per KV head from which the tiles pay: at 1 and 2 decode_block_pairs was 1.1-1.6x faster;
 // at 4-8 the per-head tile kernel was 1.1-1.9x faster, at the default model's 3 faster from cache and
-// even from memory (docs/benchmarks.md, "Decode attention per head on AMX tiles").
+// level with it from memory (docs/benchmarks.md, "Decode attention per head on AMX tiles").
 constexpr int64_t kMinGroup = 3;
 
 inline bool enabled() {  // PAGEDSERVE_CPU_DECODE_TILES=0 keeps the AVX-512 kernel
