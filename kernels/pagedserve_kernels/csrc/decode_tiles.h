@@ -296,12 +296,30 @@ inline void prefetch_block(const c10::BFloat16* k_ptr, const c10::BFloat16* v_pt
   }
 }
 
+// Blocks [blk_begin, blk_end) of a single-position decode of `seq_len` tokens (block table `table`):
+// per block, the next one's lines prefetched, then per_head(h, K rows, V rows, tokens n) for each KV head.
+template <int64_t D, typename PerHead>
+inline void walk_blocks(const c10::BFloat16* k_ptr, const c10::BFloat16* v_ptr, const int32_t* table,
+                        int64_t blk_begin, int64_t blk_end, int64_t seq_len, const Shapes& sh, PerHead&& per_head) {
+  const int64_t block_elems = sh.block_size * sh.token_stride;
+  for (int64_t blk = blk_begin; blk < blk_end; ++blk) {
+    const int64_t physical = table[blk];
+    TORCH_CHECK(physical >= 0 && physical < sh.num_blocks, "block id out of range");
+    const int64_t n = std::min(sh.block_size, seq_len - blk * sh.block_size);
+    if (blk + 1 < blk_end) prefetch_block(k_ptr, v_ptr, table[blk + 1], sh);
+    for (int64_t h = 0; h < sh.num_kv_heads; ++h) {
+      const int64_t at = physical * block_elems + h * D;
+      per_head(h, k_ptr + at, v_ptr + at, n);
+    }
+  }
+}
+
 // run_blocks (below) for groups of up to kMaxPerHeadGroup.
 template <int64_t D>
 void run_blocks_per_head(const c10::BFloat16* q, const c10::BFloat16* k_ptr, const c10::BFloat16* v_ptr,
                          const int32_t* table, int64_t blk_begin, int64_t blk_end, int64_t seq_len, const Shapes& sh,
                          float* m, float* l, float* acc) {
-  const int64_t hkv = sh.num_kv_heads, g = sh.group, block_elems = sh.block_size * sh.token_stride;
+  const int64_t hkv = sh.num_kv_heads, g = sh.group;
   thread_local std::vector<uint32_t> qt;
   thread_local std::vector<float> o;  // per KV head: (2g, D) hi and lo accumulators
   qt.resize(hkv * D / 32 * 256);
@@ -312,17 +330,11 @@ void run_blocks_per_head(const c10::BFloat16* q, const c10::BFloat16* k_ptr, con
   alignas(64) c10::BFloat16 vs[16 * D];
   configure_per_head(g);
   const amx_tiles::Release release;
-  for (int64_t blk = blk_begin; blk < blk_end; ++blk) {
-    const int64_t physical = table[blk];
-    TORCH_CHECK(physical >= 0 && physical < sh.num_blocks, "block id out of range");
-    const int64_t n = std::min(sh.block_size, seq_len - blk * sh.block_size);
-    if (blk + 1 < blk_end) prefetch_block(k_ptr, v_ptr, table[blk + 1], sh);
-    for (int64_t h = 0; h < hkv; ++h) {
-      const int64_t at = physical * block_elems + h * D;
-      block_per_head<D>(k_ptr + at, v_ptr + at, sh.token_stride, n, g, sh.scale, qt.data() + h * D / 32 * 256, lanes,
-                        m + h * g, l + h * g * 16, o.data() + h * 2 * g * D, pw, vs);
-    }
-  }
+  walk_blocks<D>(k_ptr, v_ptr, table, blk_begin, blk_end, seq_len, sh,
+                 [&](int64_t h, const c10::BFloat16* k, const c10::BFloat16* v, int64_t n) {
+                   block_per_head<D>(k, v, sh.token_stride, n, g, sh.scale, qt.data() + h * D / 32 * 256, lanes,
+                                     m + h * g, l + h * g * 16, o.data() + h * 2 * g * D, pw, vs);
+                 });
   // hi + lo, from 16 even then 16 odd elements of each 32 into the pair order of decode_block_pairs
   // (first half: elements 8L + i of 128-bit lane L, i < 4; second half: 8L + 4 + i).
   alignas(64) int32_t first[16], second[16];
@@ -359,7 +371,7 @@ void run_blocks(const c10::BFloat16* q, const c10::BFloat16* k_ptr, const c10::B
     run_blocks_per_head<D>(q, k_ptr, v_ptr, table, blk_begin, blk_end, seq_len, sh, m, l, acc);
     return;
   }
-  const int64_t hkv = sh.num_kv_heads, g = sh.group, block_elems = sh.block_size * sh.token_stride;
+  const int64_t hkv = sh.num_kv_heads, g = sh.group;
   thread_local std::vector<uint32_t> qt, vp;
   thread_local std::vector<float> state;  // per KV head: running max (16 lanes), then sum (16)
   qt.resize(hkv * D / 32 * 256);
@@ -371,17 +383,11 @@ void run_blocks(const c10::BFloat16* q, const c10::BFloat16* k_ptr, const c10::B
   }
   configure(g);
   const amx_tiles::Release release;
-  for (int64_t blk = blk_begin; blk < blk_end; ++blk) {
-    const int64_t physical = table[blk];
-    TORCH_CHECK(physical >= 0 && physical < sh.num_blocks, "block id out of range");
-    const int64_t n = std::min(sh.block_size, seq_len - blk * sh.block_size);
-    if (blk + 1 < blk_end) prefetch_block(k_ptr, v_ptr, table[blk + 1], sh);
-    for (int64_t h = 0; h < hkv; ++h) {
-      const int64_t at = physical * block_elems + h * D;
-      block<D>(k_ptr + at, v_ptr + at, sh.token_stride, n, g, sh.scale, qt.data() + h * D / 32 * 256,
-               state.data() + h * 32, state.data() + h * 32 + 16, acc + h * g * D, vp.data());
-    }
-  }
+  walk_blocks<D>(k_ptr, v_ptr, table, blk_begin, blk_end, seq_len, sh,
+                 [&](int64_t h, const c10::BFloat16* k, const c10::BFloat16* v, int64_t n) {
+                   block<D>(k, v, sh.token_stride, n, g, sh.scale, qt.data() + h * D / 32 * 256,
+                            state.data() + h * 32, state.data() + h * 32 + 16, acc + h * g * D, vp.data());
+                 });
   for (int64_t h = 0; h < hkv; ++h) {
     for (int64_t r = 0; r < g; ++r) {
       m[h * g + r] = state[h * 32 + r];
