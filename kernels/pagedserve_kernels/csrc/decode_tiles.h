@@ -230,7 +230,7 @@ inline void block_per_head(const c10::BFloat16* k, const c10::BFloat16* v, int64
   asm volatile("" : : : "memory");  // GCC's tile stores are asm with no memory operand: st is read below
   __m512 z[kMaxPerHeadGroup];
   for (int64_t j = 0; j < 2 * lanes.pairs; ++j) z[j] = j < rows ? _mm512_load_ps(st + 16 * j) : _mm512_setzero_ps();
-  const __mmask16 valid = n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
+  const __mmask16 valid = quant_linear::first_lanes(n);
   const __m512 vscale = _mm512_set1_ps(scale);
   for (int64_t r = 0; r < rows; ++r) {
     __m512 s = _mm512_mul_ps(lanes.head(z, r), vscale);

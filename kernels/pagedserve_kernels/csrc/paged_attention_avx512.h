@@ -510,7 +510,7 @@ struct Shapes {
 #include "prefill_tiles.h"
 #endif
 #ifdef PAGEDSERVE_AMX_TILES
-#include "decode_tiles.h"  // (uses quant_linear.h's transpose16: cpu_ops.cpp includes that first)
+#include "decode_tiles.h"  // (uses quant_linear.h's transpose16, first_lanes: cpu_ops.cpp includes it first)
 #endif
 
 template <int64_t D, int64_t RV, typename T>
