@@ -228,25 +228,39 @@ def normalized_json_schema(spec: str) -> str:
     """The schema without annotations (title, description, $comment, examples: none changes what
     validates) in compact JSON, key order kept (it orders the output's properties). Two requests
     that differ only there compile to the same grammar, and share its cache entry and verdict."""
-    schema = json.loads(spec)
+    stripped = map_subschemas(json.loads(spec), lambda node: {k: v for k, v in node.items() if k not in _ANNOTATIONS})
+    return json_text.dumps(stripped, separators=(",", ":"))
 
-    def strip(node: Any) -> Any:
-        if not isinstance(node, dict):
-            return node
-        out = {}
-        for key, value in node.items():
-            if key in _ANNOTATIONS:
-                continue
-            if key in _SCHEMA_MAP and isinstance(value, dict):
-                value = {name: strip(sub) for name, sub in value.items()}
-            elif key in _SCHEMA_LIST and isinstance(value, list):
-                value = [strip(sub) for sub in value]
-            elif key in _ONE_SCHEMA:
-                value = strip(value)
-            out[key] = value
+
+def map_subschemas(schema: Any, each: Callable[[dict], dict]) -> Any:
+    """`schema` rebuilt with `each` applied to every subschema (a dict in a schema position, the ones
+    `_subschemas` walks), its own subschemas done first; anything else is kept as it is."""
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in _SCHEMA_MAP and isinstance(value, dict):
+            value = {name: map_subschemas(sub, each) for name, sub in value.items()}
+        elif key in _SCHEMA_LIST and isinstance(value, list):
+            value = [map_subschemas(sub, each) for sub in value]
+        elif key in _ONE_SCHEMA:
+            value = map_subschemas(value, each)
+        out[key] = value
+    return each(out)
+
+
+def map_patterns(schema: Any, rewrite: Callable[[str], str]) -> Any:
+    """`schema` with `rewrite` applied to every regular expression in it: each subschema's "pattern"
+    and the names of its "patternProperties" (those `check_json_schema` checks)."""
+    def each(node: dict) -> dict:
+        out = dict(node)
+        if isinstance(node.get("pattern"), str):
+            out["pattern"] = rewrite(node["pattern"])
+        if isinstance(node.get("patternProperties"), dict):
+            out["patternProperties"] = {rewrite(name): sub for name, sub in node["patternProperties"].items()}
         return out
 
-    return json_text.dumps(strip(schema), separators=(",", ":"))
+    return map_subschemas(schema, each)
 
 
 def check_spec(kind: str, spec: str, field: str) -> None:

@@ -3,12 +3,12 @@
     python compute_service/structured/compile_worker.py --parent-pid PID --read-fd R --write-fd W
 
 Started by ``GrammarCompiler`` (grammar_compiler.py), one per worker slot, as a script: it imports
-xgrammar and numpy only, not the compute_service package (the model, transformers: seconds more
-at every start, and a worker is restarted after each kill). It receives the tokenizer once, then
-one job at a time: (kind, spec, choices) in, ("ok", the compiled grammar serialized as JSON) or
-("invalid", the reason) out. Before a grammar is answered "ok" its mask cost is probed
-(``probe_masks``): a constraint whose masks are slow is refused here, at admission, rather than
-slowing the engine's steps.
+xgrammar, numpy and pagedserve.grammar_limits (text rules, no model), not the compute_service package
+(the model, transformers: seconds more at every start, and a worker is restarted after each kill).
+It receives the tokenizer once, then one job at a time: (kind, spec, choices) in, ("ok", the
+compiled grammar serialized as JSON) or ("invalid", the reason) out. Before a grammar is answered
+"ok" its mask cost is probed (``probe_masks``): a constraint whose masks are slow is refused here,
+at admission, rather than slowing the engine's steps.
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ from typing import NamedTuple
 
 import numpy as np
 import xgrammar as xgr
+
+from pagedserve import grammar_limits
 
 # Part of every cache key: change it when the options below change what a constraint compiles to.
 COMPILE_OPTIONS = "xgrammar-v2:any_whitespace=False,strict_mode=True,no-surrogates,text-only-regex"
@@ -120,7 +122,7 @@ def json_schema_ebnf(schema: str, *, strict_mode: bool) -> str:
     `pattern`s and `patternProperties` made text-only (`text_only_regex`), and the class its
     json-pointer formats spell out cut around the surrogates."""
     parsed = json.loads(schema)
-    rewritten = _text_only_patterns(parsed)
+    rewritten = grammar_limits.map_patterns(parsed, text_only_regex)
     if rewritten != parsed:  # else the text as sent, untouched by a round trip through Python
         schema = json.dumps(rewritten)
     ebnf = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict_mode))
@@ -131,30 +133,6 @@ def json_schema_ebnf(schema: str, *, strict_mode: bool) -> str:
 # xgrammar's "json-pointer" and "relative-json-pointer" formats: an unescaped character past DEL.
 _POINTER_CHARS = r"[\x7f-\U0010ffff]"
 _POINTER_TEXT_CHARS = r"[\x7f-\ud7ff\ue000-\U0010ffff]"
-_NAMED_SCHEMAS = ("properties", "$defs", "definitions", "dependentSchemas")
-_VALUES = ("const", "enum", "default", "examples")  # instances, not schemas
-
-
-def _text_only_patterns(node: object) -> object:
-    """A parsed schema with every regular expression in it made text-only: the values of "pattern"
-    and the keys of "patternProperties", at any depth (a property named "pattern" is left alone)."""
-    if isinstance(node, list):
-        return [_text_only_patterns(item) for item in node]
-    if not isinstance(node, dict):
-        return node
-    out = {}
-    for key, value in node.items():
-        if key == "pattern" and isinstance(value, str):
-            out[key] = text_only_regex(value)
-        elif key == "patternProperties" and isinstance(value, dict):
-            out[key] = {text_only_regex(k): _text_only_patterns(v) for k, v in value.items()}
-        elif key in _NAMED_SCHEMAS and isinstance(value, dict):  # names, not keywords, as keys
-            out[key] = {k: _text_only_patterns(v) for k, v in value.items()}
-        elif key in _VALUES:
-            out[key] = value
-        else:
-            out[key] = _text_only_patterns(value)
-    return out
 
 
 def text_only_regex(regex: str) -> str:
