@@ -25,7 +25,7 @@ import pagedserve_kernels as kernels
 from pagedserve_kernels.quant import (INT4_GROUP, QuantizedLinear, int8_group, pack, quantize_linear, stack_operands,
                                       supports)
 from pagedserve_kernels.quant import tiles as quant_tiles
-from compute_service.model.gguf_quant import FileQuantization
+from compute_service.model.gguf_quant import FileQuantization, MappedRows
 
 # Buffers that some checkpoints carry but that we recompute.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -53,7 +53,8 @@ class CausalLM(nn.Module):
         self.lm_head_packed: torch.Tensor | None = None  # see prepack_cpu_weights
         self.lm_head_small: torch.Tensor | None = None  # the head's copy for the small-batch kernel (AMX tiles)
         self._layer_stack: kernels.LayerStack | None = None  # see layer_stack
-        self.embed_quantized: QuantizedLinear | None = None  # the embedding table kept quantized (quantize_weights)
+        # The embedding table kept quantized (quantize_weights): packed, or read in place from the file.
+        self.embed_quantized: QuantizedLinear | MappedRows | None = None
         self.quantization = "none"  # what quantize_weights did ("int4", "Q4_K+Q6_K"), for the logs and Info
         self.small_rows = 0  # see prepack_cpu_weights
 
@@ -195,7 +196,8 @@ class CausalLM(nn.Module):
         return self.is_prepacked
 
     @torch.no_grad()
-    def quantize_weights(self, scheme: str, file_weights: Mapping[str, FileQuantization] | None = None) -> str:
+    def quantize_weights(self, scheme: str,
+                         file_weights: Mapping[str, FileQuantization | MappedRows] | None = None) -> str:
         """Keep the projections and the head as 8-bit or 4-bit integers (kernels/pagedserve_kernels/quant.py),
         once, after the weights are loaded and before `prepack_cpu_weights`; their float copies are released.
 
@@ -205,7 +207,8 @@ class CausalLM(nn.Module):
             file_weights: Hugging Face name -> the integers and scales of a GGUF's own blocks
                 (compute_service/model/gguf_quant.py). A projection whose pieces the file does not all
                 hold quantized stays in the model's dtype; so does the head, and the embedding table
-                where the file holds it in floats.
+                where the file holds it in floats. An embedding table given as `MappedRows` (read in
+                place from the file) is looked up as it is.
         Returns:
             What was done, for the logs and the fingerprint: the formats held, sorted ("int4+int8",
             "Q4_K+Q6_K"), or "none".
@@ -227,7 +230,10 @@ class CausalLM(nn.Module):
                 weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
                 labels.update(quantized.label.split("+"))
         if scheme == "file":
-            embed = _from_file([("model.embed_tokens.weight", 0, self.config.vocab_size)], file_weights or {}, None)
+            embed = (file_weights or {}).get("model.embed_tokens.weight")
+            if not isinstance(embed, MappedRows):  # read in place where it is (model_loader: untied)
+                embed = _from_file([("model.embed_tokens.weight", 0, self.config.vocab_size)], file_weights or {},
+                                   None)
             head = embed if self.config.tie_word_embeddings else _from_file(
                 [("lm_head.weight", 0, self.config.vocab_size)], file_weights or {}, None)
         else:

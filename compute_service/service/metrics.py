@@ -87,6 +87,9 @@ class ComputeCollector(Collector):
         yield CounterMetricFamily("pagedserve_compute_accepted_draft_tokens",
                                   "Speculative drafts accepted (each saved one step of its sequence)",
                                   value=totals.num_accepted_draft_tokens)
+        yield CounterMetricFamily("pagedserve_compute_memory_releases",
+                                  "Idle spells after steps whose free activation memory was handed back to the system",
+                                  value=totals.num_memory_releases)
         num_buffered, num_paused = self._servicer.buffer_stats()
         yield GaugeMetricFamily("pagedserve_compute_stream_buffered_outputs",
                                 "Step outputs waiting in stream buffers for their clients", value=num_buffered)

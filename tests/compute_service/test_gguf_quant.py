@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from compute_service.model import model_loader
-from compute_service.model.gguf_quant import QUANTIZED_TYPES, file_quantization
+from compute_service.model.gguf_quant import QUANTIZED_TYPES, MappedRows, file_quantization
 from compute_service.model.model_loader import load_model
 from pagedserve_kernels import cpu_ops
-from pagedserve_kernels.quant import QuantizedLinear
+from pagedserve_kernels.quant import QuantizedLinear, pack
 from tests.compute_service.test_gguf import PROMPT, _our_greedy, _random_blocks, write_gguf
 
 needs_kernels = pytest.mark.skipif(cpu_ops.load() is None or cpu_ops.load().quant_linear_isa() != "avx512-bf16",
@@ -92,6 +92,14 @@ def test_a_mixed_k_quant_file_is_served_quantized_in_the_right_rows(tmp_path):
     assert isinstance(qkv, QuantizedLinear) and [p.bits for p in qkv.parts] == [4, 8]
     assert [p.out_features for p in qkv.parts] == [256 + 128, 128]
     assert model.embed_quantized is not None and model.embed_tokens.numel() == 0  # not widened in memory
+    # Untied: read in place from the converted file, rows widened bit for bit as the packed table's are.
+    assert isinstance(model.embed_quantized, MappedRows)
+    table = model_loader.read_file_quantization(quantized.source.path)["model.embed_tokens.weight"]
+    packed = QuantizedLinear((pack(table.q, table.scale, table.minimum, table.bits),), "Q4_K")
+    ids = torch.tensor([0, 5, 127, 5, 64])
+    assert torch.equal(model.embed_quantized.rows(ids).view(torch.int32), packed.rows(ids).view(torch.int32))
+    with pytest.raises(ValueError, match=r"ids must be in \[0, 128\), got \[5, 128\]"):
+        model.embed_quantized.rows(torch.tensor([5, 128]))
     floats = dict(model_loader._iter_weights(quantized.source.path))
     expected_qkv = torch.cat([floats[f"model.layers.0.self_attn.{n}_proj.weight"] for n in "qkv"])
     # scale (d * sc) and min (dmin * m) rounded to float16: within 2^-11 of each, times q < 64
@@ -132,7 +140,9 @@ def test_the_default_models_q4_1_file_served_quantized_answers_paris(tmp_path):
     from compute_service.model.model_loader import default_gguf_path
 
     with LLM(model=str(default_gguf_path()), cache_dir=tmp_path, dtype="bfloat16", kv_cache_bytes=16 << 20) as llm:
-        assert llm.engine.runner.model.quantization == "Q4_1+Q8_0"  # the file's own blocks, not widened
+        model = llm.engine.runner.model
+        assert model.quantization == "Q4_1+Q8_0"  # the file's own blocks, not widened
+        assert model.embed_quantized is model.lm_head_packed  # tied: the head's packed table, not read in place
         answer = llm.chat([{"role": "user", "content": "What is the capital of France?"}], max_tokens=16,
                           temperature=0.0)
     assert "Paris" in answer.text

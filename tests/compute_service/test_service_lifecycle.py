@@ -117,6 +117,17 @@ def scrape(metrics_port: int) -> dict[str, float]:
             for line in text.splitlines() if line and not line.startswith("#")}
 
 
+def test_an_idle_engine_hands_its_step_memory_back_once(services: Services, metrics_port: int) -> None:
+    """The first idle ping (0.2 s here) after steps releases the allocator's free memory, once per idle
+    spell: a server that stays idle is not called again."""
+    services.generate(PROMPT, max_tokens=3, temperature=0.0, ignore_eos=True)
+    released = scrape(metrics_port)["pagedserve_compute_memory_releases_total"]
+    wait_until(lambda: scrape(metrics_port)["pagedserve_compute_memory_releases_total"] == released + 1,
+               timeout_s=10, what="a release after the steps")
+    time.sleep(1.0)  # five more idle pings
+    assert scrape(metrics_port)["pagedserve_compute_memory_releases_total"] == released + 1
+
+
 def test_metrics_endpoint(services: Services, metrics_port: int) -> None:
     services.generate(PROMPT, max_tokens=3, temperature=0.0, ignore_eos=True)
     # A repeated motif: the greedy continuation is drafted from the prompt (speculative decoding).
