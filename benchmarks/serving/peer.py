@@ -4,7 +4,7 @@ after our stack has stopped, and the side-by-side figures.
 The requests are the very same texts (made from our tokenizer's tokens per word, same seed), sent
 with the same Poisson arrival times. The comparison, per rate, puts ours over vLLM's: TPOT p50 and
 TTFT p99 (below 1 is better for us), output tokens/s (above 1 is better), and checks the serving
-goal: at every rate TPOT p50 and TTFT p99 no worse than vLLM's, saturation throughput >= 1.2x.
+goal: at every rate TPOT p50 and TTFT p99 no worse than vLLM's, saturation throughput >= 1.5x (issue 39).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
@@ -62,10 +62,14 @@ class FileQuantization:
     type_name: str
 
 
+_MAPPED_DTYPES = {"I8": torch.int8, "F32": torch.float32}  # the converted file's integers and scales
+
+
 class MappedRows:
     """An embedding table served from the converted file's integers in place, memory-mapped: a lookup
     maps its rows' pages from the page cache, copies the rows out and lets the pages go, so the
-    process holds none of the table (139 MiB held packed for a 152k-token vocabulary at 1,536 inputs).
+    process holds none of the table (139 MiB held packed for a 152k-token vocabulary at 1,536 inputs;
+    the system's page cache keeps what it reads, reclaimably, and a lookup after reclaim reads the disk).
     Rows widen to exactly what the packed table's ``quant_rows`` gives: each scale and min rounded to
     float16 as `pack` rounds them, q * scale exact in float32, plus min rounded once.
 
@@ -85,12 +89,20 @@ class MappedRows:
             header = json.loads(handle.read(header_bytes))
             parts = {part: self._map(handle, header[key], 8 + header_bytes)
                      for part in ("q", "scale", "min") if (key := f"{name}.{part}") in header}
+        # Mapped copy-on-write and never written: a write would be dropped by the next lookup's DONTNEED.
         self.q, self.scale, self.minimum = parts["q"], parts["scale"], parts.get("min")
         self.group = self.q.shape[1] // self.scale.shape[1]
+        if any(t is not None and t.shape != self.scale.shape for t in (self.minimum,)) or \
+                self.scale.shape[0] != self.q.shape[0] or self.group * self.scale.shape[1] != self.q.shape[1]:
+            raise ValueError(f"{path}: {name}'s integers {tuple(self.q.shape)}, scales {tuple(self.scale.shape)} and "
+                             f"mins do not fit one table")
 
-    def _map(self, handle: Any, meta: dict[str, Any], data_start: int) -> torch.Tensor:
+    def _map(self, handle: BinaryIO, meta: dict[str, Any], data_start: int) -> torch.Tensor:
         """One tensor mapped on its own (copy-on-write, never written): nothing is read until used."""
-        dtype = {"I8": torch.int8, "F32": torch.float32}[meta["dtype"]]
+        dtype = _MAPPED_DTYPES.get(meta["dtype"])
+        if dtype is None:
+            raise ValueError(f"{handle.name}: a tensor of dtype {meta['dtype']}; an embedding table read in place "
+                             f"holds {', '.join(_MAPPED_DTYPES)}")
         start, stop = (data_start + offset for offset in meta["data_offsets"])
         aligned = start - start % mmap.ALLOCATIONGRANULARITY
         mapped = mmap.mmap(handle.fileno(), stop - aligned, access=mmap.ACCESS_COPY, offset=aligned)
@@ -113,8 +125,8 @@ class MappedRows:
             return groups.index_select(0, ids).half().float().repeat_interleave(self.group, dim=1)
 
         out = self.q.index_select(0, ids).float().mul_(per_input(self.scale))
-        if self.minimum is not None:
-            out.add_(per_input(self.minimum))
+        # + 0 where there is no min, as the kernel adds it: a negative scale times q = 0 is +0.0 there too.
+        out.add_(per_input(self.minimum) if self.minimum is not None else 0.0)
         # A read maps its neighbours too (the kernel's fault-around: 64 KiB a page fault), so pages kept
         # mapped would add up to the whole table under traffic: none stays mapped past its lookup.
         self.drop_resident()

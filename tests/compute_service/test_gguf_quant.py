@@ -71,6 +71,30 @@ def test_q8_0_and_q4_0_integers_are_the_blocks_bytes(tmp_path):
 
 
 @needs_kernels
+@pytest.mark.parametrize(("bits", "group", "with_min"), [(8, 16, False), (4, 32, True), (4, 32, False)])
+def test_a_table_read_in_place_widens_as_the_packed_one(tmp_path, bits, group, with_min):
+    """`MappedRows` against `quant_rows` of the same integers packed, bit for bit: 8-bit groups of 16
+    without mins and negative scales (a Q6_K table: q = 0 gives +0.0 in both), 4-bit with and without mins."""
+    from safetensors.torch import save_file
+
+    generator = torch.Generator().manual_seed(bits + group + with_min)
+    low, high = (-128, 128) if bits == 8 else (0, 16)
+    q = torch.randint(low, high, (96, 128), generator=generator, dtype=torch.int8)
+    q[3, :group] = 0
+    scale = torch.randn(96, 128 // group, generator=generator) * 0.01  # negative ones included
+    tensors = {"emb.q": q, "emb.scale": scale}
+    minimum = -torch.rand(96, 128 // group, generator=generator) if with_min else None
+    if with_min:
+        tensors["emb.min"] = minimum
+    save_file(tensors, tmp_path / "table.safetensors")
+    mapped = MappedRows(tmp_path / "table.safetensors", "emb", {"type": "Q6_K", "bits": bits})
+    packed = QuantizedLinear((pack(q, scale, minimum, bits),), "Q6_K")
+    ids = torch.tensor([3, 0, 95, 3, 50])
+    assert torch.equal(mapped.rows(ids).view(torch.int32), packed.rows(ids).view(torch.int32))
+    assert torch.equal(mapped.dequantize().view(torch.int32), packed.rows(torch.arange(96)).view(torch.int32))
+
+
+@needs_kernels
 def test_a_mixed_k_quant_file_is_served_quantized_in_the_right_rows(tmp_path):
     """q/k Q4_K, v Q6_K (one fused projection, two parts), gate/up Q5_K, the head Q6_K, the embedding
     table Q4_K: what the model multiplies by is the file's de-quantized weight (scales rounded to

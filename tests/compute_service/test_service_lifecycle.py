@@ -120,8 +120,9 @@ def scrape(metrics_port: int) -> dict[str, float]:
 def test_an_idle_engine_hands_its_step_memory_back_once(services: Services, metrics_port: int) -> None:
     """The first idle ping (0.2 s here) after steps releases the allocator's free memory, once per idle
     spell: a server that stays idle is not called again."""
-    services.generate(PROMPT, max_tokens=3, temperature=0.0, ignore_eos=True)
+    time.sleep(1.0)  # the release of an earlier test's steps, if any, is counted before this one reads
     released = scrape(metrics_port)["pagedserve_compute_memory_releases_total"]
+    services.generate(PROMPT, max_tokens=3, temperature=0.0, ignore_eos=True)
     wait_until(lambda: scrape(metrics_port)["pagedserve_compute_memory_releases_total"] == released + 1,
                timeout_s=10, what="a release after the steps")
     time.sleep(1.0)  # five more idle pings
