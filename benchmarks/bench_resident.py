@@ -31,7 +31,7 @@ from pagedserve.stack import shm_segments
 
 MIB = 1 << 20
 # smaps_rollup fields read, in kB.
-_FIELDS = {"Pss": "pss", "Pss_Anon": "anon", "Pss_File": "file", "Pss_Shmem": "shmem", "Rss": "rss"}
+_FIELDS = {"Pss": "pss", "Pss_Anon": "anon", "Pss_File": "file", "Pss_Shmem": "shmem"}
 GOAL_RATIO = 1.15
 
 
@@ -67,10 +67,12 @@ def prompts(num: int, num_tokens: int, max_tokens: int) -> list[RequestSpec]:
 
 
 def snapshot(services: dict[str, int]) -> dict[str, dict[str, float]]:
+    """Each service's `pss`, by role."""
     return {role: pss(pid) for role, pid in services.items()}
 
 
 def table(moments: dict[str, dict[str, dict[str, float]]]) -> str:
+    """The readings as a table: a row per moment and service, and each moment's total."""
     lines = [f"{'moment':<14} {'service':<9} {'PSS':>8} {'anon':>8} {'file':>8} {'shmem':>8}"]
     for moment, by_service in moments.items():
         for role, parts in by_service.items():

@@ -92,7 +92,7 @@ class MappedRows:
         # Mapped copy-on-write and never written: a write would be dropped by the next lookup's DONTNEED.
         self.q, self.scale, self.minimum = parts["q"], parts["scale"], parts.get("min")
         self.group = self.q.shape[1] // self.scale.shape[1]
-        if any(t is not None and t.shape != self.scale.shape for t in (self.minimum,)) or \
+        if (self.minimum is not None and self.minimum.shape != self.scale.shape) or \
                 self.scale.shape[0] != self.q.shape[0] or self.group * self.scale.shape[1] != self.q.shape[1]:
             raise ValueError(f"{path}: {name}'s integers {tuple(self.q.shape)}, scales {tuple(self.scale.shape)} and "
                              f"mins do not fit one table")
