@@ -54,6 +54,21 @@ constexpr int64_t kTileRows = 48;      // rows of a tile item (3 zmm of lanes)
 // Query positions that still take the decode kernel (speculative verification: a few positions
 // over a long context read K/V once for all heads, as a decode does; longer chunks take tiles).
 constexpr int64_t kDecodeMaxQ = 4;
+// A decode item reads its blocks in a random order of the pool (4 KiB pages apart: the hardware
+// prefetchers stop at each page), so it asks for them ahead itself: block blk + kFarBlocks into L2
+// while block blk computes, spread over its KV heads, and the next block's rows of a head into L1 as
+// that head's P @ V runs (`next_k`, `next_v`). On a 2-core Zen 4, L2 three blocks ahead took decode
+// attention at 32 x 600 from 14.4 to 23 GB/s (median; 31 GB/s plain read), L1 alone, or L2 only,
+// less (docs/benchmarks.md, "Decode attention asks for its blocks ahead").
+constexpr int64_t kFarBlocks = 3;
+
+// Prefetches lines [from, to) of a block's K and V runs into L2.
+inline void prefetch_l2(const void* k, const void* v, int64_t from, int64_t to) {
+  for (int64_t line = from; line < to; ++line) {
+    _mm_prefetch(static_cast<const char*>(k) + 64 * line, _MM_HINT_T1);
+    _mm_prefetch(static_cast<const char*>(v) + 64 * line, _MM_HINT_T1);
+  }
+}
 
 // 16 elements as float32 lanes: a plain load, or 16 bfloat16 widened (shifted into the high half).
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -642,6 +657,13 @@ void run_decode_item(const Item& it, const Shapes& sh, const T* q_ptr, T* o_ptr,
     }
   }
 #endif
+  const int64_t block_lines = (block_floats * static_cast<int64_t>(sizeof(T)) + 63) / 64;
+  const auto far_block = [&](int64_t blk) {  // the pool offset of the item's block blk, or -1
+    return blk < it.blk_end && table[blk] >= 0 && table[blk] < sh.num_blocks ? table[blk] * block_floats : -1;
+  };
+  for (int64_t blk = it.blk_begin; !on_tiles && blk < std::min(it.blk_end, it.blk_begin + kFarBlocks); ++blk) {
+    if (far_block(blk) >= 0) prefetch_l2(k_ptr + far_block(blk), v_ptr + far_block(blk), 0, block_lines);
+  }
   for (int64_t blk = on_tiles ? it.blk_end : it.blk_begin; blk < it.blk_end; ++blk) {
     const int64_t physical = table[blk];
     TORCH_CHECK(physical >= 0 && physical < sh.num_blocks, "block id out of range");
@@ -654,11 +676,16 @@ void run_decode_item(const Item& it, const Shapes& sh, const T* q_ptr, T* o_ptr,
       next_n = std::min(sh.block_size, seq_len - (blk + 1) * sh.block_size);
     }
     const int64_t first_row_visible = context + 1 - blk * sh.block_size;  // tokens position 0 sees
+    const int64_t far_base = far_block(blk + kFarBlocks);
 #ifdef __AVX512BF16__
     if constexpr (pairs) {
       const T* kb = k_ptr + base;
       const T* vb = v_ptr + base;
       for (int64_t h = 0; h < sh.num_kv_heads; ++h) {
+        if (far_base >= 0) {
+          prefetch_l2(k_ptr + far_base, v_ptr + far_base, h * block_lines / sh.num_kv_heads,
+                      (h + 1) * block_lines / sh.num_kv_heads);
+        }
         const T* next_k = next_base < 0 ? nullptr : k_ptr + next_base + h * D;
         const T* next_v = next_base < 0 ? nullptr : v_ptr + next_base + h * D;
         const int64_t r0 = h * head_rows;
@@ -677,6 +704,7 @@ void run_decode_item(const Item& it, const Shapes& sh, const T* q_ptr, T* o_ptr,
       continue;
     }
 #endif
+    if (far_base >= 0) prefetch_l2(k_ptr + far_base, v_ptr + far_base, 0, block_lines);
     const float* k = nullptr;
     const float* v = nullptr;
     if constexpr (std::is_same_v<T, float>) {
