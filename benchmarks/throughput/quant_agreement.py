@@ -12,7 +12,7 @@ tokens. With `--llama-perplexity PATH` llama.cpp's tool runs on the same text fi
 (`-c ctx --chunks N`, two threads) and its final estimate is reported beside ours.
 
     python -m benchmarks.throughput.quant_agreement --model FILE.gguf [--variants bf16 auto int8 int4]
-        [--ctx 512 --chunks 8] [--llama-perplexity path/to/llama-perplexity]
+        [--ctx 512 --chunks 8] [--llama-perplexity path/to/llama-perplexity] [--step-tokens 16]
 
 The last line is one JSON object: {"model", "positions", "<variant>": {"top1_vs_fp32", "kl_vs_fp32",
 "ppl"}, "fp32": {"ppl"}, "llama_cpp": {"ppl", "command"}}.
@@ -38,13 +38,20 @@ from compute_service.model.model_loader import load_model
 BLOCK_SIZE = 16
 
 
-def window_logits(model, ids: list[int]) -> torch.Tensor:
-    """Logits after every position of one window, from one prefill: (T, vocab) float32."""
+def window_logits(model, ids: list[int], step: int = 0) -> torch.Tensor:
+    """Logits after every position of one window: (T, vocab) float32, from one prefill, or with `step`
+    from consecutive steps of `step` tokens over the same pool (each linear then multiplies `step`
+    rows, as a decode batch of that many sequences does)."""
     num_blocks = -(-len(ids) // BLOCK_SIZE)
     pool = torch.zeros(model.config.kv_pool_shape(num_blocks, BLOCK_SIZE), dtype=model.dtype)
-    batch = ForwardBatch.build([ids], [0], [list(range(num_blocks))], BLOCK_SIZE)
+    step = step or len(ids)
+    logits = []
     with torch.inference_mode():
-        return model(batch, pool, logits_rows=torch.arange(len(ids))).float()
+        for start in range(0, len(ids), step):
+            chunk = ids[start:start + step]
+            batch = ForwardBatch.build([chunk], [start], [list(range(num_blocks))], BLOCK_SIZE)
+            logits.append(model(batch, pool, logits_rows=torch.arange(len(chunk))).float())
+    return torch.cat(logits)
 
 
 def scored(logits: torch.Tensor, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,6 +82,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ctx", type=int, default=512)
     parser.add_argument("--chunks", type=int, default=8)
     parser.add_argument("--llama-perplexity", type=Path, default=None)
+    parser.add_argument("--step-tokens", type=int, default=0,
+                        help="run the variants' windows in steps of this many tokens (16: the rows of a "
+                             "16-sequence decode batch, which multiply int8 activations on CPUs with "
+                             "AVX512-VNNI and no AMX); 0: one prefill a window")
     args = parser.parse_args(argv)
     text = english_text()
     reference = load_model(args.model, device="cpu", dtype="float32", quantization="none")
@@ -83,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     ref = [scored(window_logits(reference.model, w), w) for w in windows]
     positions = sum(len(targets) for _, targets in ref)
     summary: dict = {"cpu": cpu_name(), "model": reference.config.name, "ctx": args.ctx, "windows": len(windows),
-                     "positions": positions}
+                     "positions": positions, "step_tokens": args.step_tokens}
     nll = sum(-float(lp.gather(1, t[:, None]).sum()) for lp, t in ref)
     summary["fp32"] = {"ppl": round(math.exp(nll / positions), 4)}
     del reference
@@ -92,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
         model = load_model(args.model, device="cpu", dtype="bfloat16", quantization=quantization).model
         agree = kl = nll = 0.0
         for (ref_lp, targets), window in zip(ref, windows):
-            lp, _ = scored(window_logits(model, window), window)
+            lp, _ = scored(window_logits(model, window, args.step_tokens), window)
             agree += float((lp.argmax(-1) == ref_lp.argmax(-1)).sum())
             kl += float((ref_lp.exp() * (ref_lp - lp)).sum())
             nll -= float(lp.gather(1, targets[:, None]).sum())

@@ -78,7 +78,8 @@ def kernel_paths(device: torch.device, dtype: torch.dtype, head_dim: int, quanti
     16, ", decode amx-tiles": the single-position decodes of csrc/decode_tiles.h), "linear"
     (`cpu_linear.linear_path`: the small-batch rows and their kernel, then oneDNN, on AMX tiles or not;
     for a model whose weights are kept quantized, `quant.path()` and the formats held, e.g.
-    "quant amx-tiles Q4_K+Q6_K, rows>=192 onednn": prompt chunks multiply on oneDNN).
+    "quant amx-tiles Q4_K+Q6_K, rows>=192 onednn": prompt chunks multiply on oneDNN; without AMX,
+    ", rows<=32 avx512-vnni int8": decode batches past two rows multiply int8 activations).
     """
     if not step_path(device, dtype, head_dim).startswith("fused-cpp"):
         return {}
@@ -95,6 +96,9 @@ def kernel_paths(device: torch.device, dtype: torch.dtype, head_dim: int, quanti
         from pagedserve_kernels import quant
 
         linear = f"{quant.path(dtype)} {quantization}"
+        vnni = quant.vnni_rows() if dtype == torch.bfloat16 else 0
+        if vnni:
+            linear += f", rows<={vnni} avx512-vnni int8"
         rows = quant.onednn_rows() if dtype == torch.bfloat16 else 0
         if rows:
             linear += f", rows>={rows} onednn"

@@ -10,8 +10,9 @@ Two sources make one:
 
 `linear` multiplies by it without widening the weight: the C++ kernel (csrc/quant_linear.h)
 de-quantizes a slice of a column block into bf16 in L1 and multiplies every row by it, on AMX tiles
-where the CPU has them, else with AVX512-BF16 dot products; float32 activations, or a build without
-AVX512-BF16, widen the weight per call (correct, slow: `path` says which runs).
+where the CPU has them, else with AVX512-BF16 dot products, or for 3-32 rows without AMX, on int8
+activations with AVX512-VNNI (`vnni_rows`); float32 activations, or a build without AVX512-BF16, widen
+the weight per call (correct, slow: `path` says which runs).
 """
 
 from __future__ import annotations
@@ -178,6 +179,12 @@ def onednn_rows() -> int:
     """From how many rows `linear` (bf16 out) runs on oneDNN's matmul over widened blocks (csrc/quant_linear.h
     `linear_onednn`); 0: never here."""
     return int(_ops().quant_onednn_rows()) if available() else 0
+
+
+def vnni_rows() -> int:
+    """Up to how many rows (past the few-row path's 1-2) `linear` multiplies int8 activations with
+    AVX512-VNNI (csrc/quant_linear.h `vnni_block`; CPUs without AMX tiles); 0: never here."""
+    return int(_ops().quant_vnni_rows()) if available() and not tiles() else 0
 
 
 def linear(x: torch.Tensor, weight: QuantizedWeight, float_out: bool = False) -> torch.Tensor:

@@ -4,7 +4,9 @@ widths, per-channel and grouped scales, with and without mins and bias, one pass
 
 The reference multiplies the same bf16 activations by the weight `dequantize` gives (the scalar
 reading of the packed layout), rounded to bf16 where the kernel de-quantizes into bf16, in float64:
-the kernel may differ only by float32 summation order."""
+the kernel may differ only by float32 summation order. Where a decode batch multiplies int8
+activations (AVX512-VNNI, CPUs without AMX: `_int8_activations`), the reference takes those
+activations as the kernel quantizes them."""
 
 from __future__ import annotations
 
@@ -21,16 +23,41 @@ def _paths() -> list[bool]:
     return [False, True] if quant.tiles() else [False]
 
 
-def _reference(x: torch.Tensor, weight: quant.QuantizedWeight) -> torch.Tensor:
+def _few_rows(rows: int, weight: quant.QuantizedWeight) -> bool:
+    """Whether `rows` take the few-row path (csrc/quant_linear.h `fused`: one symmetric scale per column,
+    up to 4 rows; scales per group, 8 or 4 bits, up to 2 rows), which multiplies the integers as they are."""
+    per_column = weight.bits == 8 and weight.mins is None and weight.group == weight.in_features
+    return rows <= (4 if per_column else 2)
+
+
+def _int8_rows(rows: int, weight: quant.QuantizedWeight, tiles: bool) -> bool:
+    """Whether `rows` multiply int8 activations (csrc/quant_linear.h `vnni_rows`)."""
+    return (not tiles and not _few_rows(rows, weight) and rows <= quant.vnni_rows()
+            and weight.group % 16 == 0)
+
+
+def _int8_activations(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x as the VNNI path quantizes it for a weight with `group` inputs per scale, de-quantized in
+    float64: per row and block of inputs (the group, or 32 where the group is a larger multiple of 32),
+    q = round(x * (127 / amax)) to nearest even in float32, times amax / 127."""
+    group = 32 if group > 32 and group % 32 == 0 else group
+    rows, inputs = x.shape
+    xf = x.float().view(rows, inputs // group, group)
+    amax = xf.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
+    q = torch.round(xf * inv)
+    assert q.abs().max() <= 127
+    return (q.double() * (amax / 127).double()).view(rows, inputs)
+
+
+def _reference(x: torch.Tensor, weight: quant.QuantizedWeight, tiles: bool = False) -> torch.Tensor:
     w = weight.dequantize()
-    # A few rows multiply the integers as they are and scale the sums (csrc/quant_linear.h `fused`: one
-    # symmetric scale per column, up to 4 rows; scales per group, 8 or 4 bits, up to 2 rows); elsewhere
-    # each value is rounded to bf16 as it is de-quantized.
+    # The few-row path and the int8 one multiply the integers as they are; elsewhere each value is
+    # rounded to bf16 as it is de-quantized.
     rows = x.shape[0]
-    per_column = weight.mins is None and weight.group == weight.in_features
-    exact = rows <= (4 if per_column else 2)
-    w = w.double() if exact else w.bfloat16().double()
-    y = x.double() @ w.T
+    int8 = _int8_rows(rows, weight, tiles)
+    w = w.double() if _few_rows(rows, weight) or int8 else w.bfloat16().double()
+    y = (_int8_activations(x, weight.group) if int8 else x.double()) @ w.T
     return y + weight.bias.double() if weight.bias is not None else y
 
 
@@ -42,14 +69,14 @@ def test_quant_linear_equals_the_dequantized_product(scheme, out_features, in_fe
     weight = quant.quantize(torch.randn(out_features, in_features, generator=generator) * 0.1, scheme)
     weight = weight.with_bias(torch.randn(out_features, generator=generator))
     x = torch.randn(rows, in_features, generator=generator).bfloat16()
-    reference = _reference(x, weight)
     for tiles in _paths():
         y = torch.ops.pagedserve_cpu.quant_linear(x, weight.q, weight.scales, weight.mins, weight.bias, weight.bits,
                                                   weight.group, weight.out_features, tiles, True)
         assert y.shape == (rows, out_features) and y.dtype == torch.float32
-        torch.testing.assert_close(y.double(), reference, rtol=1e-5, atol=1e-4, msg=f"tiles={tiles}")
+        torch.testing.assert_close(y.double(), _reference(x, weight, tiles), rtol=1e-5, atol=1e-4, msg=f"tiles={tiles}")
     rounded = quant.linear(x, weight)  # bf16 out: the float32 product rounded once
     assert rounded.dtype == torch.bfloat16
+    reference = _reference(x, weight, quant.tiles())
     torch.testing.assert_close(rounded.float(), reference.float().bfloat16().float(), rtol=1e-2, atol=1e-2)
     widened = quant.linear(x.float(), weight)  # float32 activations: the widened weight, exactly
     torch.testing.assert_close(widened.double(), x.double() @ weight.dequantize().double().T + weight.bias.double(),
@@ -63,11 +90,10 @@ def test_quant_linear_with_inputs_off_the_tiles_step_equals_the_dequantized_prod
     generator = torch.Generator().manual_seed(48 + rows)
     weight = quant.quantize(torch.randn(130, 48, generator=generator) * 0.1, "int8")
     x = torch.randn(rows, 48, generator=generator).bfloat16()
-    reference = _reference(x, weight)
     for tiles in _paths():
         y = torch.ops.pagedserve_cpu.quant_linear(x, weight.q, weight.scales, weight.mins, None, weight.bits,
                                                   weight.group, weight.out_features, tiles, True)
-        torch.testing.assert_close(y.double(), reference, rtol=1e-5, atol=1e-4, msg=f"tiles={tiles}")
+        torch.testing.assert_close(y.double(), _reference(x, weight, tiles), rtol=1e-5, atol=1e-4, msg=f"tiles={tiles}")
 
 
 @pytest.mark.parametrize(("bits", "low", "high", "group", "with_min"),
@@ -84,16 +110,14 @@ def test_quant_linear_with_a_files_groups_equals_the_dequantized_product(bits, l
     minimum = -(torch.rand(out_features, in_features // group, generator=generator) * 0.1) if with_min else None
     weight = quant.pack(q, scale, minimum, bits)
     x = torch.randn(rows, in_features, generator=generator).bfloat16()
-    exact = rows <= 2  # a few rows scale each group's integer sums (csrc/quant_linear.h `fused`)
-    w = weight.dequantize().double() if exact else weight.dequantize().bfloat16().double()
-    reference = x.double() @ w.T
     for tiles in _paths():
         y = torch.ops.pagedserve_cpu.quant_linear(x, weight.q, weight.scales, weight.mins, None, bits, group,
                                                   out_features, tiles, True)
-        torch.testing.assert_close(y.double(), reference, rtol=1e-5, atol=1e-4, msg=f"tiles={tiles}")
+        torch.testing.assert_close(y.double(), _reference(x, weight, tiles), rtol=1e-5, atol=1e-4, msg=f"tiles={tiles}")
     # bf16 out (200 rows: oneDNN's matmul on the widened blocks, csrc/quant_linear.h `linear_onednn`)
     rounded = torch.ops.pagedserve_cpu.quant_linear(x, weight.q, weight.scales, weight.mins, None, bits, group,
                                                     out_features, quant.tiles(), False)
+    reference = _reference(x, weight, quant.tiles())
     torch.testing.assert_close(rounded.float(), reference.float().bfloat16().float(), rtol=1e-2, atol=1e-2)
 
 
@@ -159,3 +183,32 @@ def test_bad_operands_are_refused_by_name():
         quant.quantize(torch.randn(64, 48), "int4")
     zero = quant.quantize(torch.zeros(64, 32), "int8")  # an all-zero row: q 0, a finite scale, not 0 / 0
     assert torch.equal(zero.dequantize(), torch.zeros(64, 32))
+
+
+@pytest.mark.skipif(not quant.vnni_rows(), reason="int8 activations run on CPUs with AVX512-VNNI and no AMX tiles")
+@pytest.mark.parametrize(("bits", "group", "with_min"), [(8, 16, False), (8, 128, False), (4, 32, True), (4, 32, False)])
+@pytest.mark.parametrize("rows", [3, 4, 7, 32])
+def test_int8_activations_keep_outliers_zeros_and_every_row_count(bits, group, with_min, rows):
+    """The VNNI path (csrc/quant_linear.h `vnni_block`) at every remainder of its 4-row passes, with an
+    outlier 1000x its neighbours in one group (its scale is that group's alone), a row of zeros and a
+    group of zeros (scale 0: no NaN): equal to its reference, and within 1% of the bf16 activations'
+    product (what int8 activations cost)."""
+    generator = torch.Generator().manual_seed(rows * 10 + bits + group)
+    out_features, in_features = 192, 512
+    low, high = (-128, 128) if bits == 8 else (0, 16)
+    q = torch.randint(low, high, (out_features, in_features), generator=generator)
+    scale = (torch.rand(out_features, in_features // group, generator=generator) * 0.01).half().float()
+    minimum = -(torch.rand(out_features, in_features // group, generator=generator) * 0.1) if with_min else None
+    weight = quant.pack(q, scale, minimum, bits).with_bias(torch.randn(out_features, generator=generator))
+    x = torch.randn(rows, in_features, generator=generator)
+    x[0, 5] = 1000.0
+    x[1] = 0.0
+    x[2, group:2 * group] = 0.0
+    x = x.bfloat16()
+    y = torch.ops.pagedserve_cpu.quant_linear(x, weight.q, weight.scales, weight.mins, weight.bias, bits, group,
+                                              out_features, False, True)
+    assert torch.isfinite(y).all()
+    torch.testing.assert_close(y.double(), _reference(x, weight), rtol=1e-5, atol=1e-4)
+    exact = x.double() @ weight.dequantize().double().T + weight.bias.double()
+    assert (y.double() - exact).norm() / exact.norm() < 1e-2
+    torch.testing.assert_close(y[1].double(), weight.bias.double(), rtol=0, atol=1e-6)  # zeros: the bias alone

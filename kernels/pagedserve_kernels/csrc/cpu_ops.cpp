@@ -651,6 +651,16 @@ std::string quant_linear_isa() {
 #endif
 }
 
+// Up to this many rows (from past the few-row path's), a quantized linear with bf16 activations and no AMX
+// tiles multiplies int8 activations with AVX512-VNNI (csrc/quant_linear.h `vnni_block`); 0: never here.
+int64_t quant_vnni_rows() {
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+  return quant_linear::vnni_enabled() ? quant_linear::kVnniRows : 0;
+#else
+  return 0;
+#endif
+}
+
 // From this many rows on, a quantized linear with bf16 outputs runs on oneDNN's matmul over widened
 // blocks (csrc/quant_linear.h `linear_onednn`); 0: never in this build.
 int64_t quant_onednn_rows() {
@@ -936,6 +946,7 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("quant_dequantize(Tensor q, Tensor scales, Tensor? mins, int bits, int group, int n) -> Tensor");
   m.def("quant_linear_isa() -> str");
   m.def("quant_onednn_rows() -> int");
+  m.def("quant_vnni_rows() -> int");
   m.def("quant_rows(Tensor q, Tensor scales, Tensor? mins, int bits, int group, int n, Tensor ids) -> Tensor");
   m.def("nucleus_draws(Tensor rows, Tensor inv_t, Tensor top_p, Tensor uniform, int k) -> Tensor");
   m.def("has_nucleus_draws() -> bool");
@@ -974,6 +985,7 @@ TORCH_LIBRARY_IMPL(pagedserve_cpu, CatchAll, m) {
   m.impl("attention_isa", &attention_isa);
   m.impl("quant_linear_isa", &quant_linear_isa);
   m.impl("quant_onednn_rows", &quant_onednn_rows);
+  m.impl("quant_vnni_rows", &quant_vnni_rows);
   m.impl("prompt_tiles_min_tokens", &prompt_tiles_min_tokens);
   m.impl("decode_tiles_min_group", &decode_tiles_min_group);
   m.impl("has_nucleus_draws", &sampler::has_nucleus_draws);

@@ -17,7 +17,8 @@
 // where `brgemm_linear::available()` (up to kTileRows rows our own tile loop, `tile_blocks`; more,
 // ATen's bf16 brgemm), else with AVX512-BF16 dot products (`dot_rows`). A prompt's rows (kOnednnRows
 // and more, bf16 out) go to oneDNN's matmul instead, a few blocks at a time widened into plain bf16
-// rows (`linear_onednn`). The products accumulate in float32 over the whole of K; outputs float32 or
+// rows (`linear_onednn`). Without AMX tiles, 3 to kVnniRows rows (a decode batch) quantize the
+// activations to int8 and multiply the integers with AVX512-VNNI where the CPU has it (`vnni_block`). The products accumulate in float32 over the whole of K; outputs float32 or
 // rounded to the activations' bf16 once. A build without AVX512-BF16, or float32 activations, takes
 // `dequantize_scalar` (the same values) and at::linear on the widened weight: correct, not fast.
 
@@ -498,6 +499,214 @@ inline void tile_blocks(const Weight& w, int64_t begin, int64_t end, const c10::
 }
 #endif
 
+#ifdef __AVX512VNNI__
+// 3 to kVnniRows rows (a decode batch) on CPUs without AMX, with AVX512-VNNI: the activations are
+// quantized to int8 per row and block of inputs (`int8_block`: the weight's group, at most 32 where it
+// divides; symmetric, scale = the block's largest |x| / 127, rounded to nearest), and each 4 inputs of a column multiply as integers, `vpdpbusd`: 64 multiply-adds
+// an instruction against `vdpbf16ps`'s 32, and the weight is never de-quantized, only unpacked to bytes.
+// The weight is the unsigned operand: 4-bit values as they are (0..15); 8-bit ones offset by 128
+// (q ^ 0x80), which each block's sum takes back as 128 times the sum of its activations. Per row and
+// block the integer sums are scaled once, s_x * scale * sum, and a min adds min * sum(s_x * a): the
+// product of the de-quantized activations (a * s_x) and the weight, in float32. llama.cpp multiplies
+// its 4-bit K-quants by int8 activations the same way (Q8_K). `PAGEDSERVE_CPU_QUANT_VNNI=0` keeps the
+// AVX512-BF16 path there (A/B runs).
+constexpr int64_t kVnniRows = 32;
+
+inline bool vnni_enabled() {
+  static const bool on = [] {
+    const char* env = std::getenv("PAGEDSERVE_CPU_QUANT_VNNI");
+    return !(env != nullptr && std::strcmp(env, "0") == 0);
+  }();
+  return on;
+}
+
+// Whether `linear` takes the VNNI path for M rows of this weight (bf16 activations; groups of whole
+// 16-input vectors, so the activations quantize a vector at a time).
+inline bool vnni_rows(const Weight& w, int64_t M) {
+  return M <= kVnniRows && w.group % 16 == 0 && vnni_enabled();
+}
+
+// Inputs an activation scale covers: the weight's group, or 32 where the group is a larger multiple of
+// 32 (an outlier then coarsens its own 32 inputs only, as llama.cpp's Q8_0 activations do).
+inline int64_t int8_block(int64_t group) { return group > 32 && group % 32 == 0 ? 32 : group; }
+
+// x (M, K) bf16 as int8 per row and block of int8_block(group) inputs: a (M, K), scale (M, K / block) =
+// amax / 127, sum (M, K / block) of a, and per row and weight group the sum of the de-quantized
+// activations, scale * sum over its blocks (group_sum (M, K / group): what a min multiplies).
+struct Int8Rows {
+  int64_t block = 0;
+  std::vector<int8_t> a;
+  std::vector<float> scale, group_sum;
+  std::vector<int32_t> sum;
+};
+
+inline void quantize_rows(const c10::BFloat16* x, int64_t M, int64_t K, int64_t group, Int8Rows& out) {
+  const int64_t block = int8_block(group), blocks = K / block, per_group = group / block;
+  out.block = block;
+  out.a.resize(M * K);
+  out.scale.resize(M * blocks);
+  out.sum.resize(M * blocks);
+  out.group_sum.assign(M * (K / group), 0.0f);
+  const __m512 sign_off = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+  auto widen = [](const c10::BFloat16* p) {
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+  };
+  for (int64_t i = 0; i < M; ++i) {
+    for (int64_t j = 0; j < blocks; ++j) {
+      const c10::BFloat16* src = x + i * K + j * block;
+      __m512 amax = _mm512_setzero_ps();
+      for (int64_t k = 0; k < block; k += 16) amax = _mm512_max_ps(amax, _mm512_and_ps(widen(src + k), sign_off));
+      const float top = _mm512_reduce_max_ps(amax);
+      const float inv = top > 0.0f ? 127.0f / top : 0.0f;
+      __m512i total = _mm512_setzero_si512();
+      int8_t* dst = out.a.data() + i * K + j * block;
+      for (int64_t k = 0; k < block; k += 16) {
+        const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(widen(src + k), _mm512_set1_ps(inv)));  // nearest, ties even
+        total = _mm512_add_epi32(total, q);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + k), _mm512_cvtepi32_epi8(q));
+      }
+      const float scale = top / 127.0f;
+      const int32_t sum = _mm512_reduce_add_epi32(total);
+      out.scale[i * blocks + j] = scale;
+      out.sum[i * blocks + j] = sum;
+      out.group_sum[i * (K / group) + j / per_group] += scale * static_cast<float>(sum);
+    }
+  }
+}
+
+// Column order of the unpacked byte registers (below): lane l of register X holds column order[X][l].
+// 4 bits (as `fused_nibbles`): 16 (l / 4) + 4 X + l % 4; 8 bits: 8 (l / 4) + 32 (X / 2) + 4 (X % 2) + l % 4.
+template <int BITS>
+inline __m512i vnni_columns(int X) {
+  alignas(64) int32_t idx[16];
+  for (int l = 0; l < 16; ++l)
+    idx[l] = BITS == 4 ? 16 * (l / 4) + 4 * X + l % 4 : 8 * (l / 4) + 32 * (X / 2) + 4 * (X % 2) + l % 4;
+  return _mm512_load_si512(idx);
+}
+
+// 64 float16 of a block's group (scales or mins) as four registers in the column order of `cols`.
+inline void in_column_order(const c10::Half* at, const __m512i cols[4], __m512 out[4]) {
+  __m512 v[4];
+  for (int k = 0; k < 4; ++k) v[k] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + 16 * k)));
+  for (int X = 0; X < 4; ++X) {
+    const __mmask16 high = _mm512_cmpge_epi32_mask(cols[X], _mm512_set1_epi32(32));
+    out[X] = _mm512_mask_blend_ps(high, _mm512_permutex2var_ps(v[0], cols[X], v[1]),
+                                  _mm512_permutex2var_ps(v[2], cols[X], v[3]));
+  }
+}
+
+// Quad q (inputs 4q..4q+3) of block b as unsigned bytes in 4 registers of 16 columns x 4 inputs (one
+// dword a column, `vpdpbusd`'s layout), columns in `vnni_columns` order: the two pair rows 2q and 2q + 1
+// interleaved by 16-bit words.
+template <int BITS>
+inline void unpack_quad(const uint8_t* q, int64_t quad, __m512i W[4]) {
+  if constexpr (BITS == 4) {
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    const uint8_t* row = q + 2 * quad * kBlockN;  // pair rows of kBlockN bytes
+    _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetch, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetch + 64, _MM_HINT_T0);
+    const __m512i p0 = _mm512_loadu_si512(row), p1 = _mm512_loadu_si512(row + kBlockN);
+    const __m512i lo0 = _mm512_and_si512(p0, nibble), hi0 = _mm512_and_si512(_mm512_srli_epi16(p0, 4), nibble);
+    const __m512i lo1 = _mm512_and_si512(p1, nibble), hi1 = _mm512_and_si512(_mm512_srli_epi16(p1, 4), nibble);
+    W[0] = _mm512_unpacklo_epi16(lo0, lo1);
+    W[1] = _mm512_unpackhi_epi16(lo0, lo1);
+    W[2] = _mm512_unpacklo_epi16(hi0, hi1);
+    W[3] = _mm512_unpackhi_epi16(hi0, hi1);
+  } else {
+    const __m512i offset = _mm512_set1_epi8(static_cast<char>(0x80));
+    const uint8_t* row = q + 2 * quad * 2 * kBlockN;  // pair rows of 2 kBlockN bytes
+    for (int h = 0; h < 4; ++h) _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetch + 64 * h, _MM_HINT_T0);
+    for (int half = 0; half < 2; ++half) {  // columns 32 half .. + 31
+      const __m512i p0 = _mm512_xor_si512(_mm512_loadu_si512(row + 64 * half), offset);
+      const __m512i p1 = _mm512_xor_si512(_mm512_loadu_si512(row + 2 * kBlockN + 64 * half), offset);
+      W[2 * half] = _mm512_unpacklo_epi16(p0, p1);
+      W[2 * half + 1] = _mm512_unpackhi_epi16(p0, p1);
+    }
+  }
+}
+
+// c (MR, kBlockN) float32 in `vnni_columns` order (+)= rows [0, MR) of the int8 activations (row stride
+// lda, from the group's first input) times one group of the weight, unpacked in wq (4 registers a quad),
+// `quads` of them in blocks of `block_quads` (an activation scale each: sx, sumx, row stride `blocks`);
+// xmin: each row's group_sum (row stride `groups`), for the mins.
+template <int BITS, int MR>
+inline void vnni_group(const __m512i* wq, int64_t quads, int64_t block_quads, const int8_t* a, int64_t lda,
+                       const float* sx, const int32_t* sumx, int64_t blocks, const float* xmin, int64_t groups,
+                       const __m512 scale[4], const __m512* minimum, float* c) {
+  __m512 acc[MR][4];
+  for (int i = 0; i < MR; ++i)
+    for (int X = 0; X < 4; ++X) acc[i][X] = _mm512_loadu_ps(c + i * kBlockN + 16 * X);
+  for (int64_t u0 = 0, j = 0; u0 < quads; u0 += block_quads, ++j) {
+    __m512i part[MR][4];
+    for (int i = 0; i < MR; ++i)
+      for (int X = 0; X < 4; ++X) part[i][X] = _mm512_setzero_si512();
+    for (int64_t u = u0; u < u0 + block_quads; ++u) {
+      for (int i = 0; i < MR; ++i) {
+        int32_t quad_bits;
+        std::memcpy(&quad_bits, a + i * lda + 4 * u, sizeof(quad_bits));
+        const __m512i xv = _mm512_set1_epi32(quad_bits);
+        for (int X = 0; X < 4; ++X) part[i][X] = _mm512_dpbusd_epi32(part[i][X], wq[4 * u + X], xv);
+      }
+    }
+    for (int i = 0; i < MR; ++i) {
+      const __m512 s = _mm512_set1_ps(sx[i * blocks + j]);
+      const __m512i offset = _mm512_set1_epi32(128 * sumx[i * blocks + j]);
+      for (int X = 0; X < 4; ++X) {
+        const __m512i sum = BITS == 8 ? _mm512_sub_epi32(part[i][X], offset) : part[i][X];
+        acc[i][X] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum), s), scale[X], acc[i][X]);
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    const __m512 min_x = _mm512_set1_ps(minimum ? xmin[i * groups] : 0.0f);
+    for (int X = 0; X < 4; ++X) {
+      if (minimum) acc[i][X] = _mm512_fmadd_ps(minimum[X], min_x, acc[i][X]);
+      _mm512_storeu_ps(c + i * kBlockN + 16 * X, acc[i][X]);
+    }
+  }
+}
+
+// c (M, kBlockN) float32, natural column order = the int8 rows times block b (M <= kVnniRows). Per group,
+// the weight is unpacked once into wq (L1) and every row multiplies by it, four rows a pass.
+template <int BITS>
+inline void vnni_block(const Weight& w, int64_t b, const Int8Rows& x, int64_t M, __m512i* wq, float* acc, float* c) {
+  const uint8_t* q = w.q + b * w.block_bytes();
+  const int64_t groups = w.groups(), quads = w.group / 4, K = w.K, blocks = K / x.block, per_group = w.group / x.block;
+  __m512i cols[4];
+  for (int X = 0; X < 4; ++X) cols[X] = vnni_columns<BITS>(X);
+  std::fill(acc, acc + M * kBlockN, 0.0f);
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t u = 0; u < quads; ++u) unpack_quad<BITS>(q, g * quads + u, wq + 4 * u);
+    __m512 scale[4], minimum[4];
+    in_column_order(w.scales + (b * groups + g) * kBlockN, cols, scale);
+    if (w.mins) in_column_order(w.mins + (b * groups + g) * kBlockN, cols, minimum);
+    const __m512* mins = w.mins ? minimum : nullptr;
+    const int8_t* a = x.a.data() + g * w.group;
+    const float* sx = x.scale.data() + g * per_group;
+    const int32_t* sumx = x.sum.data() + g * per_group;
+    const float* xmin = x.group_sum.data() + g;
+    const auto pass = [&](auto rows, int64_t i) {
+      vnni_group<BITS, decltype(rows)::value>(wq, quads, x.block / 4, a + i * K, K, sx + i * blocks, sumx + i * blocks,
+                                              blocks, xmin + i * groups, groups, scale, mins, acc + i * kBlockN);
+    };
+    int64_t i = 0;
+    for (; i + 4 <= M; i += 4) pass(std::integral_constant<int, 4>{}, i);
+    switch (M - i) {
+      case 3: pass(std::integral_constant<int, 3>{}, i); break;
+      case 2: pass(std::integral_constant<int, 2>{}, i); break;
+      case 1: pass(std::integral_constant<int, 1>{}, i); break;
+      default: break;
+    }
+  }
+  alignas(64) int32_t order[4][16];
+  for (int X = 0; X < 4; ++X) _mm512_store_si512(order[X], cols[X]);
+  for (int64_t i = 0; i < M; ++i)
+    for (int X = 0; X < 4; ++X)
+      for (int l = 0; l < 16; ++l) c[i * kBlockN + order[X][l]] = acc[i * kBlockN + 16 * X + l];
+}
+#endif  // __AVX512VNNI__
+
 // `linear` for many rows (M >= kOnednnRows, K a multiple of 32), bf16 outputs: each thread takes a
 // contiguous, even share of the column blocks and, kChunkBlocks at a time, widens them into plain bf16
 // rows and multiplies on oneDNN's matmul (at::mm_out; inside the parallel region oneDNN runs on that
@@ -563,6 +772,11 @@ inline void linear(const Weight& w, const c10::BFloat16* x, const float* bias, T
 #ifdef PAGEDSERVE_AMX_TILES
   const bool own_tiles = tiles && !few && tile_rows(M, K);
 #endif
+#ifdef __AVX512VNNI__
+  const bool vnni = !few && !tiles && vnni_rows(w, M);
+  Int8Rows xq;
+  if (vnni) quantize_rows(x, M, K, w.group, xq);
+#endif
   at::parallel_for(0, w.blocks, (w.blocks + threads - 1) / threads, [&](int64_t begin, int64_t end) {
 #ifdef PAGEDSERVE_AMX_TILES
     if (own_tiles) {
@@ -578,8 +792,21 @@ inline void linear(const Weight& w, const c10::BFloat16* x, const float* bias, T
       return;
     }
 #endif
-    std::vector<c10::BFloat16> buf(slice * kBlockN);
     std::vector<float> c(kBlockM * kBlockN);
+#ifdef __AVX512VNNI__
+    if (vnni) {
+      std::vector<__m512i> wq(w.group);  // a group's quads, unpacked: group / 4 x 4 registers
+      std::vector<float> acc(M * kBlockN);
+      for (int64_t b = begin; b < end && b * kBlockN < N; ++b) {
+        const int64_t n0 = b * kBlockN;
+        w.bits == 8 ? vnni_block<8>(w, b, xq, M, wq.data(), acc.data(), c.data())
+                    : vnni_block<4>(w, b, xq, M, wq.data(), acc.data(), c.data());
+        store_rows(c.data(), M, bias ? bias + n0 : nullptr, y + n0, N, std::min(kBlockN, N - n0));
+      }
+      return;
+    }
+#endif
+    std::vector<c10::BFloat16> buf(slice * kBlockN);
     for (int64_t b = begin; b < end; ++b) {
       const int64_t n0 = b * kBlockN, cols = std::min(kBlockN, N - n0);
       if (cols <= 0) break;
