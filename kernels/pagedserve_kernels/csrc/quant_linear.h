@@ -18,8 +18,9 @@
 // ATen's bf16 brgemm), else with AVX512-BF16 dot products (`dot_rows`). A prompt's rows (kOnednnRows
 // and more, bf16 out) go to oneDNN's matmul instead, a few blocks at a time widened into plain bf16
 // rows (`linear_onednn`). Without AMX tiles, 3 to kVnniRows rows (a decode batch) quantize the
-// activations to int8 and multiply the integers with AVX512-VNNI where the CPU has it (`vnni_block`). The products accumulate in float32 over the whole of K; outputs float32 or
-// rounded to the activations' bf16 once. A build without AVX512-BF16, or float32 activations, takes
+// activations to int8 and multiply the integers with AVX512-VNNI where the CPU has it (`vnni_block`).
+// The products accumulate in float32 over the whole of K; outputs float32 or rounded to the
+// activations' bf16 once. A build without AVX512-BF16, or float32 activations, takes
 // `dequantize_scalar` (the same values) and at::linear on the widened weight: correct, not fast.
 
 #pragma once
