@@ -36,8 +36,13 @@ def fresh_state(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_levels_follow_the_cpu_flags(x86_64, monkeypatch: pytest.MonkeyPatch) -> None:
-    assert cpu_ops.supported_levels(f"flags : {V4} avx512_bf16 amx_tile amx_bf16") == [
-        "x86-64-v4-avx512bf16-amx", "x86-64-v4-avx512bf16", "x86-64-v4", "x86-64-v3", "x86-64"]
+    assert cpu_ops.supported_levels(f"flags : {V4} avx512_bf16 avx512_vnni amx_tile amx_bf16") == [
+        "x86-64-v4-avx512bf16-amx", "x86-64-v4-avx512bf16-vnni", "x86-64-v4-avx512bf16", "x86-64-v4", "x86-64-v3",
+        "x86-64"]
+    assert cpu_ops.supported_levels(f"flags : {V4} avx512_bf16 avx512_vnni") == [  # Zen 4: int8 decode batches
+        "x86-64-v4-avx512bf16-vnni", "x86-64-v4-avx512bf16", "x86-64-v4", "x86-64-v3", "x86-64"]
+    assert cpu_ops.supported_levels(f"flags : {V4} avx512_vnni") == [  # Ice Lake: no bf16, so not the VNNI variant
+        "x86-64-v4", "x86-64-v3", "x86-64"]
     assert cpu_ops.supported_levels(f"flags : {V4} avx512_bf16 amx_tile") == [  # no AMX-BF16: not the tiles
         "x86-64-v4-avx512bf16", "x86-64-v4", "x86-64-v3", "x86-64"]
     assert cpu_ops.supported_levels(f"flags : {V4} avx512_bf16") == [
@@ -60,6 +65,7 @@ def test_a_prebuilt_key_is_the_source_and_the_level_only(monkeypatch: pytest.Mon
     assert keys["x86-64-v3"].name.startswith("x86-64-v3-") and len(set(keys.values())) == len(keys)
     assert "-march=x86-64-v3" in cpu_ops._cflags("x86-64-v3") and "-march=native" in cpu_ops._cflags("native")
     assert "-mavx512bf16" in cpu_ops._cflags("x86-64-v4-avx512bf16")
+    assert {"-mavx512bf16", "-mavx512vnni"} <= set(cpu_ops._cflags("x86-64-v4-avx512bf16-vnni"))
     assert {"-mavx512bf16", "-mamx-tile", "-mamx-bf16"} <= set(cpu_ops._cflags("x86-64-v4-avx512bf16-amx"))
     # Any shipped source file (a header too) is part of the key.
     csrc = tmp_path / "csrc"
@@ -73,13 +79,14 @@ def test_a_prebuilt_key_is_the_source_and_the_level_only(monkeypatch: pytest.Mon
 
 def test_a_variant_ships_only_where_the_source_tests_its_macro(x86_64, tmp_path: Path) -> None:
     source = ROOT / "kernels" / "pagedserve_kernels" / "csrc"
-    assert {"__AVX512BF16__", "__AMX_TILE__"} <= cpu_ops.tested_macros(source)
-    assert cpu_ops.image_levels(source) == ["x86-64-v4-avx512bf16-amx", "x86-64-v4-avx512bf16", "x86-64-v4",
-                                            "x86-64-v3", "x86-64"]
+    assert {"__AVX512BF16__", "__AMX_TILE__", "__AVX512VNNI__"} <= cpu_ops.tested_macros(source)
+    assert cpu_ops.image_levels(source) == ["x86-64-v4-avx512bf16-amx", "x86-64-v4-avx512bf16-vnni",
+                                            "x86-64-v4-avx512bf16", "x86-64-v4", "x86-64-v3", "x86-64"]
     without = tmp_path / "csrc"
     without.mkdir()
     for path in cpu_ops.source_files(source):
         text = path.read_text().replace("__AVX512BF16__", "__PAGEDSERVE_NO_BF16__")
+        text = text.replace("__AVX512VNNI__", "__PAGEDSERVE_NO_VNNI__")
         (without / path.name).write_text(text.replace("__AMX_TILE__", "__PAGEDSERVE_NO_AMX__"))
     assert cpu_ops.image_levels(without) == ["x86-64-v4", "x86-64-v3", "x86-64"]
 
