@@ -87,6 +87,8 @@ def main(argv: list[str] | None = None) -> None:
                              "16-sequence decode batch, which multiply int8 activations on CPUs with "
                              "AVX512-VNNI and no AMX); 0: one prefill a window")
     args = parser.parse_args(argv)
+    if args.step_tokens < 0:
+        parser.error(f"--step-tokens must be 0 or more, got {args.step_tokens}")
     text = english_text()
     reference = load_model(args.model, device="cpu", dtype="float32", quantization="none")
     ids = reference.tokenizer(text, add_special_tokens=False).input_ids

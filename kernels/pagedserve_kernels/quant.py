@@ -182,9 +182,10 @@ def onednn_rows() -> int:
 
 
 def vnni_rows() -> int:
-    """Up to how many rows (past the few-row path's 1-2) `linear` multiplies int8 activations with
-    AVX512-VNNI (csrc/quant_linear.h `vnni_block`; CPUs without AMX tiles); 0: never here."""
-    return int(_ops().quant_vnni_rows()) if available() and not tiles() else 0
+    """Up to how many rows (past the few-row path's 1-2, 1-4 for a per-column int8 weight) `linear`
+    multiplies int8 activations with AVX512-VNNI (csrc/quant_linear.h `vnni_block`; CPUs without AMX
+    tiles, whatever a call's `tiles` says); 0: never here."""
+    return int(_ops().quant_vnni_rows()) if available() else 0
 
 
 def linear(x: torch.Tensor, weight: QuantizedWeight, float_out: bool = False) -> torch.Tensor:

@@ -186,8 +186,9 @@ def test_bad_operands_are_refused_by_name():
 
 
 @pytest.mark.skipif(not quant.vnni_rows(), reason="int8 activations run on CPUs with AVX512-VNNI and no AMX tiles")
-@pytest.mark.parametrize(("bits", "group", "with_min"), [(8, 16, False), (8, 128, False), (4, 32, True), (4, 32, False)])
-@pytest.mark.parametrize("rows", [3, 4, 7, 32])
+@pytest.mark.parametrize(("bits", "group", "with_min"),
+                         [(8, 16, False), (8, 128, False), (4, 32, True), (4, 32, False)])
+@pytest.mark.parametrize("rows", [3, 4, 5, 6, 7, 32])
 def test_int8_activations_keep_outliers_zeros_and_every_row_count(bits, group, with_min, rows):
     """The VNNI path (csrc/quant_linear.h `vnni_block`) at every remainder of its 4-row passes, with an
     outlier 1000x its neighbours in one group (its scale is that group's alone), a row of zeros and a
@@ -210,5 +211,6 @@ def test_int8_activations_keep_outliers_zeros_and_every_row_count(bits, group, w
     assert torch.isfinite(y).all()
     torch.testing.assert_close(y.double(), _reference(x, weight), rtol=1e-5, atol=1e-4)
     exact = x.double() @ weight.dequantize().double().T + weight.bias.double()
-    assert (y.double() - exact).norm() / exact.norm() < 1e-2
+    rest = slice(1, None)  # the outlier's row would dominate a norm over all rows
+    assert (y[rest].double() - exact[rest]).norm() / exact[rest].norm() < 1e-2
     torch.testing.assert_close(y[1].double(), weight.bias.double(), rtol=0, atol=1e-6)  # zeros: the bias alone

@@ -651,11 +651,12 @@ std::string quant_linear_isa() {
 #endif
 }
 
-// Up to this many rows (from past the few-row path's), a quantized linear with bf16 activations and no AMX
-// tiles multiplies int8 activations with AVX512-VNNI (csrc/quant_linear.h `vnni_block`); 0: never here.
+// Up to this many rows (from past the few-row path's), a quantized linear with bf16 activations on a CPU
+// without AMX tiles multiplies int8 activations with AVX512-VNNI (csrc/quant_linear.h `vnni_block`); 0:
+// never here.
 int64_t quant_vnni_rows() {
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
-  return quant_linear::vnni_enabled() ? quant_linear::kVnniRows : 0;
+  return quant_linear::vnni_here() ? quant_linear::kVnniRows : 0;
 #else
   return 0;
 #endif

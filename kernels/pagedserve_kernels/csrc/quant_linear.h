@@ -43,6 +43,7 @@
 #endif
 
 #include "amx_tiles.h"
+#include "brgemm_linear.h"
 
 namespace {
 namespace quant_linear {
@@ -501,10 +502,12 @@ inline void tile_blocks(const Weight& w, int64_t begin, int64_t end, const c10::
 #endif
 
 #ifdef __AVX512VNNI__
-// 3 to kVnniRows rows (a decode batch) on CPUs without AMX, with AVX512-VNNI: the activations are
-// quantized to int8 per row and block of inputs (`int8_block`: the weight's group, at most 32 where it
-// divides; symmetric, scale = the block's largest |x| / 127, rounded to nearest), and each 4 inputs of a column multiply as integers, `vpdpbusd`: 64 multiply-adds
-// an instruction against `vdpbf16ps`'s 32, and the weight is never de-quantized, only unpacked to bytes.
+// From past the few-row path (3 rows; 5 for a per-column int8 weight) to kVnniRows rows (a decode
+// batch) on CPUs without AMX, with AVX512-VNNI: the activations are quantized to int8 per row and
+// block of inputs (`int8_block`: the weight's group, or 32 where the group is a larger multiple of 32;
+// symmetric, scale = the block's largest |x| / 127, rounded to nearest), and each 4 inputs of a column
+// multiply as integers, `vpdpbusd`: 64 multiply-adds an instruction against `vdpbf16ps`'s 32, and the
+// weight is never de-quantized, only unpacked to bytes.
 // The weight is the unsigned operand: 4-bit values as they are (0..15); 8-bit ones offset by 128
 // (q ^ 0x80), which each block's sum takes back as 128 times the sum of its activations. Per row and
 // block the integer sums are scaled once, s_x * scale * sum, and a min adds min * sum(s_x * a): the
@@ -521,10 +524,17 @@ inline bool vnni_enabled() {
   return on;
 }
 
+// Whether this CPU takes the VNNI path: not where it has AMX tiles (the tile paths serve those rows, and
+// a caller's tiles=false there means ATen's or our bf16 loop, as quant.vnni_rows() reports).
+inline bool vnni_here() {
+  static const bool here = vnni_enabled() && !brgemm_linear::available();
+  return here;
+}
+
 // Whether `linear` takes the VNNI path for M rows of this weight (bf16 activations; groups of whole
 // 16-input vectors, so the activations quantize a vector at a time).
 inline bool vnni_rows(const Weight& w, int64_t M) {
-  return M <= kVnniRows && w.group % 16 == 0 && vnni_enabled();
+  return M <= kVnniRows && w.group % 16 == 0 && vnni_here();
 }
 
 // Inputs an activation scale covers: the weight's group, or 32 where the group is a larger multiple of
@@ -669,7 +679,8 @@ inline void vnni_group(const __m512i* wq, int64_t quads, int64_t block_quads, co
 }
 
 // c (M, kBlockN) float32, natural column order = the int8 rows times block b (M <= kVnniRows). Per group,
-// the weight is unpacked once into wq (L1) and every row multiplies by it, four rows a pass.
+// the weight is unpacked once into wq (group x 64 bytes: L1 up to groups of 256; a per-column weight's
+// whole K from L2) and every row multiplies by it, four rows a pass.
 template <int BITS>
 inline void vnni_block(const Weight& w, int64_t b, const Int8Rows& x, int64_t M, __m512i* wq, float* acc, float* c) {
   const uint8_t* q = w.q + b * w.block_bytes();
