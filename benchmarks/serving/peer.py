@@ -14,12 +14,12 @@ import asyncio
 from pathlib import Path
 
 from benchmarks import vllm_peer
-from benchmarks.serving import vllm_client
+from benchmarks.serving import vllm_bench, vllm_client
 from benchmarks.serving import report as report
 from benchmarks.serving.workload import RequestSpec, poisson_arrivals
 from benchmarks.serving.vllm_server import VllmServer
 
-SATURATION_GOAL = 1.5  # our saturation output tokens/s over vLLM's (issue 39)
+SATURATION_GOAL = vllm_bench.SATURATION_GOAL["vllm"]  # our saturation output tokens/s over vLLM's (issue 39)
 
 
 async def sweep(base_url: str, model: str, specs: list[RequestSpec], args: argparse.Namespace, say) -> dict:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from compute_service.model.forward_batch import ForwardBatch
+from benchmarks.throughput.quant_agreement import window_logits
 from compute_service.model.model_loader import load_model
 
 pytestmark = pytest.mark.gguf_real
@@ -52,22 +52,9 @@ def gguf_path() -> Path:
 def _teacher_forced_logits(path: Path, dtype: str, token_ids: list[int], quantization: str = "none",
                            step: int = 0) -> torch.Tensor:
     """Our logits after every prefix of `token_ids`: (T, vocab), float32, from one prefill, or with `step`
-    from consecutive steps of `step` tokens over the same pool (each linear multiplies `step` rows, as a
-    decode batch of that many sequences does)."""
+    from consecutive steps of `step` tokens (`quant_agreement.window_logits`, the benchmark's own)."""
     model = load_model(str(path), device="cpu", dtype=dtype, quantization=quantization).model
-    block_size = 16
-    num_blocks = -(-len(token_ids) // block_size)
-    kv_pool = torch.zeros(model.config.kv_pool_shape(num_blocks, block_size), dtype=model.dtype)
-    step = step or len(token_ids)
-    logits = []
-    with torch.no_grad():
-        for start in range(0, len(token_ids), step):
-            chunk = token_ids[start:start + step]
-            batch = ForwardBatch.build(new_token_ids=[chunk], num_computed_tokens=[start],
-                                       block_tables=[list(range(num_blocks))], block_size=block_size,
-                                       device=model.device)
-            logits.append(model(batch, kv_pool, logits_rows=torch.arange(len(chunk))).float())
-    return torch.cat(logits)
+    return window_logits(model, token_ids, step)
 
 
 def test_qwen_gguf_answers_and_bf16_agrees_with_float32(gguf_path):
