@@ -32,26 +32,8 @@ import torch
 
 from benchmarks.cpu_info import cpu_name
 from benchmarks.throughput.realistic import english_text
-from compute_service.model.forward_batch import ForwardBatch
 from compute_service.model.model_loader import load_model
-
-BLOCK_SIZE = 16
-
-
-def window_logits(model, ids: list[int], step: int = 0) -> torch.Tensor:
-    """Logits after every position of one window: (T, vocab) float32, from one prefill, or with `step`
-    from consecutive steps of `step` tokens over the same pool (each linear then multiplies `step`
-    rows, as a decode batch of that many sequences does)."""
-    num_blocks = -(-len(ids) // BLOCK_SIZE)
-    pool = torch.zeros(model.config.kv_pool_shape(num_blocks, BLOCK_SIZE), dtype=model.dtype)
-    step = step or len(ids)
-    logits = []
-    with torch.inference_mode():
-        for start in range(0, len(ids), step):
-            chunk = ids[start:start + step]
-            batch = ForwardBatch.build([chunk], [start], [list(range(num_blocks))], BLOCK_SIZE)
-            logits.append(model(batch, pool, logits_rows=torch.arange(len(chunk))).float())
-    return torch.cat(logits)
+from pagedserve_testing.teacher_forcing import window_logits
 
 
 def scored(logits: torch.Tensor, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
