@@ -3,15 +3,17 @@
 Qwen2.5-1.5B's projections (qkv 2048 x 1536, o 1536 x 1536, gate_up 17920 x 1536, down 1536 x 8960),
 `--layers` layers' worth of copies so the weights come from memory as in a decode step, at each
 `--rows`: bf16 through the model's own path (`cpu_linear.linear`: the small-batch kernel up to 16 rows,
-on AMX tiles where the CPU has them, oneDNN past them), int8 (groups of 128, as quantized at load) and int4
-(groups of 32 with mins), each on AMX tiles where the CPU has them and with AVX512-BF16 dot products. Figures:
+on AMX tiles where the CPU has them, oneDNN past them), int8 (groups of 128, as quantized at load), int4
+(groups of 32 with mins) and Q6_K's form (6-bit integers, a scale per 16 inputs) held at 6 bits ("q6") and
+as int8 ("q6_as8", how it was held before), each on AMX tiles where the CPU has them and with AVX512-BF16
+dot products (or, 3-32 rows without AMX, int8 activations on VNNI). Figures:
 the best of `--repeats` passes over all copies, wall ms per layer (all threads), and the weights'
 GB/s at that time.
 
     python -m benchmarks.throughput.quant_linear [--rows 1 4 16 64 512] [--layers 4]
 
 The last line is one JSON object: {"cpu": ..., "threads": ..., "m<rows>": {"bf16_ms": ..., "int8_ms":
-..., "int4_ms": ..., "int8_dots_ms": ..., "int4_dots_ms": ..., "*_gbps": ...}, ...}.
+..., "int4_ms": ..., "int8_dots_ms": ..., "int4_dots_ms": ..., "q6_dots_ms": ..., "*_gbps": ...}, ...}.
 """
 
 from __future__ import annotations
@@ -28,6 +30,16 @@ from benchmarks.cpu_info import cpu_name
 from pagedserve_kernels import cpu_linear, quant
 
 SHAPES = {"qkv": (2048, 1536), "o": (1536, 1536), "gate_up": (17920, 1536), "down": (1536, 8960)}
+SCHEMES = ("int8", "int4", "q6", "q6_as8")
+
+
+def q6_form(weight: torch.Tensor, bits: int) -> quant.QuantizedWeight:
+    """`weight` as Q6_K holds one: q in -32..31 times a float16 scale per 16 inputs, no min, packed at `bits`."""
+    out, inputs = weight.shape
+    groups = weight.view(out, inputs // 16, 16)
+    scale = (groups.abs().amax(dim=-1) / 31).half().float().clamp_min(2.0**-14)
+    q = torch.round(groups / scale[..., None]).clamp_(-32, 31).view(out, inputs)
+    return quant.pack(q, scale, None, bits)
 
 
 def best_ms(fn: Callable[[], object], repeats: int) -> float:
@@ -55,16 +67,17 @@ def main(argv: list[str] | None = None) -> None:
             weight = torch.randn(out, inputs, generator=generator) / inputs**0.5
             bf16 = weight.bfloat16()
             layer[name] = {"bf16": (kernels.small_weight(bf16), kernels.prepack(bf16)),
-                           "int8": quant.quantize(weight, "int8"), "int4": quant.quantize(weight, "int4")}
+                           "int8": quant.quantize(weight, "int8"), "int4": quant.quantize(weight, "int4"),
+                           "q6": q6_form(weight, 6), "q6_as8": q6_form(weight, 8)}
         layers.append(layer)
     bytes_per_layer = {"bf16": sum(2 * o * i for o, i in SHAPES.values()),
-                       "int8": sum(w["int8"].nbytes for w in layers[0].values()),
-                       "int4": sum(w["int4"].nbytes for w in layers[0].values())}
+                       **{scheme: sum(w[scheme].nbytes for w in layers[0].values()) for scheme in SCHEMES}}
     tiles = quant.tiles()
     summary: dict = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "amx_tiles": tiles,
                      "layers": args.layers, "bytes_per_layer": bytes_per_layer}
     ops = torch.ops.pagedserve_cpu
-    print(f"{'rows':>5} {'bf16':>14} {'int8':>14} {'int4':>14} {'int8 dots':>14} {'int4 dots':>14}   ms/layer (GB/s)")
+    columns = ["bf16"] + [f"{scheme}{suffix}" for suffix in (("", "_dots") if tiles else ("_dots",)) for scheme in SCHEMES]
+    print(f"{'rows':>5} " + " ".join(f"{c.replace('_dots', ' dots'):>14}" for c in columns) + "   ms/layer (GB/s)")
     for rows in args.rows:
         xs = {name: torch.randn(rows, inputs, generator=generator).bfloat16() for name, (_, inputs) in SHAPES.items()}
 
@@ -84,17 +97,17 @@ def main(argv: list[str] | None = None) -> None:
             return run
 
         row: dict = {"bf16_ms": best_ms(bf16_pass, args.repeats) / args.layers}
-        for scheme in ("int8", "int4"):
+        for scheme in SCHEMES:
             if tiles:
                 row[f"{scheme}_ms"] = best_ms(quant_pass(scheme, True), args.repeats) / args.layers
             row[f"{scheme}_dots_ms"] = best_ms(quant_pass(scheme, False), args.repeats) / args.layers
         for key in list(row):
-            scheme = key.split("_")[0]
+            scheme = key.removesuffix("_ms").removesuffix("_dots")
             row[key] = round(row[key], 3)
             row[key.replace("_ms", "_gbps")] = round(bytes_per_layer[scheme] / row[key] / 1e6, 2)
         summary[f"m{rows}"] = row
         cells = [f"{row.get(k + '_ms', float('nan')):7.2f} ({row.get(k + '_gbps', float('nan')):5.1f})"
-                 for k in ("bf16", "int8", "int4", "int8_dots", "int4_dots")]
+                 for k in columns]
         print(f"{rows:>5} " + " ".join(f"{c:>14}" for c in cells))
     print(json.dumps(summary))
 

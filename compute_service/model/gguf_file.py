@@ -54,7 +54,7 @@ GGUF_MAGIC = b"GGUF"
 SUPPORTED_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 # Bump when the converted layout changes, so that old copies are rebuilt rather than misread.
-GGUF_CACHE_FORMAT = 4
+GGUF_CACHE_FORMAT = 5
 # <hf name>.q, .scale, .min of every quantized matrix, in safetensors format under a name that tools
 # globbing "*.safetensors" for a checkpoint's weights (vLLM, transformers, our loader) pass over.
 QUANTIZED_FILE = "quantized.pagedserve"

@@ -9,7 +9,7 @@ min) / scale). Only where each type keeps its integers is ours to know (`_LAYOUT
 structs); the result is checked against the de-quantized weight and a mismatch is an error, never a
 silently different model.
 
-The integers fit our kernels' 4-bit (Q4_*) or 8-bit (Q5_*, Q6_K, Q8_0) weights
+The integers fit our kernels' 4-bit (Q4_*), 6-bit (Q5_*, Q6_K) or 8-bit (Q8_0) weights
 (kernels/pagedserve_kernels/quant.py) with the file's groups: what `--quantization auto` serves.
 """
 
@@ -41,18 +41,18 @@ _LAYOUTS = {
     "Q8_0": _Layout(((2, 34, 0x01),), 32, 8),
     "Q4_0": _Layout(((2, 18, 0x11),), 32, 4),
     "Q4_1": _Layout(((4, 20, 0x11),), 32, 4),
-    "Q5_0": _Layout(((2, 6, 0x00), (6, 22, 0x11)), 32, 8),
-    "Q5_1": _Layout(((4, 8, 0x00), (8, 24, 0x11)), 32, 8),
+    "Q5_0": _Layout(((2, 6, 0x00), (6, 22, 0x11)), 32, 6),
+    "Q5_1": _Layout(((4, 8, 0x00), (8, 24, 0x11)), 32, 6),
     "Q4_K": _Layout(((16, 144, 0x11),), 32, 4),
-    "Q5_K": _Layout(((16, 48, 0x00), (48, 176, 0x11)), 32, 8),
-    "Q6_K": _Layout(((0, 128, 0x11), (128, 192, 0x00)), 16, 8),
+    "Q5_K": _Layout(((16, 48, 0x00), (48, 176, 0x11)), 32, 6),
+    "Q6_K": _Layout(((0, 128, 0x11), (128, 192, 0x00)), 16, 6),
 }
 QUANTIZED_TYPES = tuple(_LAYOUTS)
 
 
 @dataclass(frozen=True)
 class FileQuantization:
-    """A weight's integers (out, in) int8 (4-bit values 0..15 at bits 4), scale and min (out, in / group)
+    """A weight's integers (out, in) int8 (0..15 at bits 4, -32..31 at bits 6), scale and min (out, in / group)
     float32 (min None where every group's is 0), and the file's type."""
 
     q: torch.Tensor
@@ -171,27 +171,35 @@ def file_quantization(tensor: Any) -> FileQuantization | None:
     safe = np.where(scale == 0, 1.0, scale)
     q = np.rint((values.reshape(out, groups, layout.group) - minimum[..., None]) / safe[..., None])
     q = np.where(scale[..., None] == 0, 0.0, q)
-    low, high = (0, 15) if layout.bits == 4 else (-128, 127)
+    low, high = {4: (0, 15), 6: (0, 63), 8: (-128, 127)}[layout.bits]  # as the blocks hold them
     rebuilt = q * scale[..., None] + minimum[..., None]
     error = np.abs(rebuilt - values.reshape(out, groups, layout.group)).max(initial=0.0)
     if q.min(initial=0) < low or q.max(initial=0) > high or error > 1e-5 * max(1.0, np.abs(values).max(initial=0.0)):
         raise ValueError(f"GGUF tensor {tensor.name!r} ({type_name}): its blocks do not read as integers with "
                          f"per-group scales (error {error:.3g}); serve it with --quantization none")
     q, minimum = _centre(q, scale, minimum, layout.bits)
+    if layout.bits == 6 and q.max(initial=0) > 31:  # uncentred 0..63 (mins that vary): 8 bits hold it
+        return _file_quantization(q, scale, minimum, 8, type_name, out, inputs)
+    return _file_quantization(q, scale, minimum, layout.bits, type_name, out, inputs)
+
+
+def _file_quantization(q: np.ndarray, scale: np.ndarray, minimum: np.ndarray | None, bits: int, type_name: str,
+                       out: int, inputs: int) -> FileQuantization:
     kept_min = None if minimum is None or not minimum.any() else torch.from_numpy(minimum.astype(np.float32))
     return FileQuantization(torch.from_numpy(q.reshape(out, inputs).astype(np.int8)),
-                            torch.from_numpy(scale.astype(np.float32)), kept_min, layout.bits, type_name)
+                            torch.from_numpy(scale.astype(np.float32)), kept_min, bits, type_name)
 
 
 def _centre(q: np.ndarray, scale: np.ndarray, minimum: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray | None]:
-    """At 8 bits, a min that is the same whole number of scales in every group (Q6_K's -32, Q5_0's -16)
-    moves into the integers (q - 32 in -32..31), leaving no min to store or add; else as they are."""
+    """At 6 and 8 bits, a min that is the same whole number of scales in every group (Q6_K's -32, Q5_0's
+    -16) moves into the integers (q - 32 in -32..31), leaving no min to store or add; else as they are."""
     live = scale != 0
-    if bits != 8 or not live.any() or (minimum[~live] != 0).any():
+    if bits == 4 or not live.any() or (minimum[~live] != 0).any():
         return q, minimum
     centre = float(np.rint(np.mean(minimum[live] / scale[live])))
     centred = q + centre * live[..., None]
-    fits = -128 <= centred.min() and centred.max() <= 127
+    low, high = (-32, 31) if bits == 6 else (-128, 127)
+    fits = low <= centred.min() and centred.max() <= high
     before = q * scale[..., None] + minimum[..., None]
     if not fits or np.abs(centred * scale[..., None] - before).max(initial=0.0) > 1e-6 * max(1.0, np.abs(before).max()):
         return q, minimum

@@ -1,12 +1,13 @@
-"""Weights kept as 8-bit or 4-bit integers on the CPU, and the linear that computes on them.
+"""Weights kept as 8-, 6- or 4-bit integers on the CPU, and the linear that computes on them.
 
 A `QuantizedWeight` holds an (out, in) weight as integers q with a float16 scale (and, at 4 bits, a
 min) per output and group of inputs: W[n, k] = q[n, k] * scale[n, k // group] + min[n, k // group].
 Two sources make one:
   - `quantize(weight, scheme)`, from a float weight at load: int8 symmetric in groups of up to 128
     inputs (`int8_group`), int4 asymmetric in groups of 32 inputs (q in 0..15);
-  - `pack(q, scale, min, bits)`, from integers and scales a file already holds (a GGUF's Q8_0, Q4_0,
-    Q4_K... blocks: compute_service/model/gguf_quant.py), as they are.
+  - `pack(q, scale, min, bits)`, from integers and scales a file already holds (a GGUF's Q8_0, Q6_K,
+    Q4_K... blocks: compute_service/model/gguf_quant.py), as they are; 6 bits (q in -32..31) holds
+    Q6_K's and Q5_*'s integers in 6 bits a weight instead of int8's 8.
 
 `linear` multiplies by it without widening the weight: the C++ kernel (csrc/quant_linear.h)
 de-quantizes a slice of a column block into bf16 in L1 and multiplies every row by it, on AMX tiles
@@ -39,10 +40,11 @@ class QuantizedWeight:
     """An (out_features, in_features) weight in the kernel's packed layout (csrc/quant_linear.h).
 
     Attributes:
-        q: the integers, int8 (bits 8) or two to a byte (bits 4), in column blocks of BLOCK_N.
+        q: the integers, int8 (bits 8), 6 bits a weight (bits 6) or two to a byte (bits 4), in column
+            blocks of BLOCK_N (csrc/quant_linear.h has the layouts).
         scales, mins: (blocks, in / group, BLOCK_N) float16; mins None where symmetric.
         bias: (out,) float32 or None.
-        bits, group: 8 or 4; inputs per scale.
+        bits, group: 8, 6 or 4; inputs per scale.
         out_features, in_features: the weight's shape (out padded to whole blocks in q).
     """
 
@@ -92,15 +94,18 @@ def supports(weight_shape: torch.Size | tuple[int, ...], bits: int, group: int) 
     return out > 0 and inputs > 0 and inputs % 2 == 0 and group % 2 == 0 and inputs % group == 0
 
 
+_RANGES = {8: (-128, 127), 6: (-32, 31), 4: (0, 15)}  # the integers each width holds
+
+
 def pack(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None, bits: int) -> QuantizedWeight:
-    """The packed weight of integers q (out, in) (int8 in -128..127 at 8 bits, 0..15 at 4 bits) with
+    """The packed weight of integers q (out, in) (-128..127 at 8 bits, -32..31 at 6, 0..15 at 4) with
     per-group scale and min (out, in / group), float values rounded to float16."""
     out, inputs = q.shape
     groups = scale.shape[1]
     group = inputs // groups
-    if bits not in (8, 4) or not supports(q.shape, bits, group) or scale.shape != (out, groups):
+    if bits not in _RANGES or not supports(q.shape, bits, group) or scale.shape != (out, groups):
         raise ValueError(f"cannot pack a {tuple(q.shape)} weight at {bits} bits with scales {tuple(scale.shape)}")
-    low, high = (-128, 127) if bits == 8 else (0, 15)
+    low, high = _RANGES[bits]
     if q.numel() and not (low <= int(q.min()) and int(q.max()) <= high):
         raise ValueError(f"{bits}-bit integers must be in [{low}, {high}], got [{int(q.min())}, {int(q.max())}]")
     blocks = -(-out // BLOCK_N)
@@ -111,9 +116,16 @@ def pack(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None, bit
     if bits == 8:
         packed = q.to(torch.int8)
     else:
-        # each 16 columns' 32 values v[0..31] of a pair row as bytes v[i] | v[i + 16] << 4
-        v = q.view(blocks, inputs // 2, BLOCK_N // 16, 32).to(torch.uint8)
-        packed = (v[..., :16] | (v[..., 16:] << 4)).contiguous()
+        # each 16 columns' 32 values v[0..31] of a pair row as bytes v[i] | v[i + 16] << 4 (at 6 bits, of
+        # u = q + 32 the low 4 bits, then each nibble byte j's two high 2-bit parts as h[j], 4 bits, and
+        # the pair row's 64 of them as 32 bytes h[m] | h[m + 32] << 4)
+        v = (q + 32 if bits == 6 else q).view(blocks, inputs // 2, BLOCK_N // 16, 32).to(torch.uint8)
+        packed = (v[..., :16] & 15) | ((v[..., 16:] & 15) << 4)
+        if bits == 6:
+            h = ((v[..., :16] >> 4) | ((v[..., 16:] >> 4) << 2)).view(blocks, inputs // 2, BLOCK_N)
+            plane = h[..., :BLOCK_N // 2] | (h[..., BLOCK_N // 2:] << 4)
+            packed = torch.cat([packed.view(blocks, inputs // 2, BLOCK_N), plane], dim=-1)
+        packed = packed.contiguous()
 
     def per_block(t: torch.Tensor) -> torch.Tensor:  # (out, groups) -> (blocks, groups, BLOCK_N) float16
         t = torch.nn.functional.pad(t.float(), (0, 0, 0, pad))

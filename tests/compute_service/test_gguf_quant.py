@@ -41,9 +41,10 @@ def test_every_block_type_reads_back_as_integers_and_scales(qtype, tmp_path):
     found = file_quantization(tensor)
     values = torch.from_numpy(dequantize(np.array(tensor.data), tensor.tensor_type)).reshape(96, 512)
     group = 16 if qtype == "Q6_K" else 32
-    assert found.type_name == qtype and found.bits == (4 if qtype.startswith("Q4") else 8)
+    bits = 4 if qtype.startswith("Q4") else 6 if qtype.startswith(("Q5", "Q6")) else 8
+    assert found.type_name == qtype and found.bits == bits
     assert found.q.shape == (96, 512) and found.scale.shape == (96, 512 // group)
-    low, high = (0, 15) if found.bits == 4 else (-128, 127)
+    low, high = {4: (0, 15), 6: (-32, 31), 8: (-128, 127)}[bits]
     assert low <= int(found.q.min()) and int(found.q.max()) <= high
     rebuilt = found.q.double() * found.scale.double().repeat_interleave(group, dim=1)
     if found.minimum is not None:
@@ -71,14 +72,16 @@ def test_q8_0_and_q4_0_integers_are_the_blocks_bytes(tmp_path):
 
 
 @needs_kernels
-@pytest.mark.parametrize(("bits", "group", "with_min"), [(8, 16, False), (4, 32, True), (4, 32, False)])
+@pytest.mark.parametrize(("bits", "group", "with_min"),
+                         [(8, 16, False), (6, 16, False), (6, 32, True), (4, 32, True), (4, 32, False)])
 def test_a_table_read_in_place_widens_as_the_packed_one(tmp_path, bits, group, with_min):
-    """`MappedRows` against `quant_rows` of the same integers packed, bit for bit: 8-bit groups of 16
-    without mins and negative scales (a Q6_K table: q = 0 gives +0.0 in both), 4-bit with and without mins."""
+    """`MappedRows` against `quant_rows` of the same integers packed, bit for bit: 8- and 6-bit groups of
+    16 without mins and negative scales (a Q6_K table: q = 0 gives +0.0 in both), 6-bit with mins, 4-bit
+    with and without mins."""
     from safetensors.torch import save_file
 
     generator = torch.Generator().manual_seed(bits + group + with_min)
-    low, high = (-128, 128) if bits == 8 else (0, 16)
+    low, high = {8: (-128, 128), 6: (-32, 32), 4: (0, 16)}[bits]
     q = torch.randint(low, high, (96, 128), generator=generator, dtype=torch.int8)
     q[3, :group] = 0
     scale = torch.randn(96, 128 // group, generator=generator) * 0.01  # negative ones included
@@ -113,7 +116,8 @@ def test_a_mixed_k_quant_file_is_served_quantized_in_the_right_rows(tmp_path):
     model = quantized.model
     assert model.quantization == "Q4_K+Q5_K+Q6_K"
     qkv = model.layers[0].attn.qkv_packed
-    assert isinstance(qkv, QuantizedLinear) and [p.bits for p in qkv.parts] == [4, 8]
+    assert isinstance(qkv, QuantizedLinear) and [p.bits for p in qkv.parts] == [4, 6]
+    assert model.lm_head_packed.parts[0].bits == 6  # Q6_K at 6 bits a weight, not int8's 8
     assert [p.out_features for p in qkv.parts] == [256 + 128, 128]
     assert model.embed_quantized is not None and model.embed_tokens.numel() == 0  # not widened in memory
     # Untied: read in place from the converted file, rows widened bit for bit as the packed table's are.

@@ -25,7 +25,7 @@ def _paths() -> list[bool]:
 
 def _few_rows(rows: int, weight: quant.QuantizedWeight) -> bool:
     """Whether `rows` take the few-row path (csrc/quant_linear.h `fused`: one symmetric scale per column,
-    up to 4 rows; scales per group, 8 or 4 bits, up to 2 rows), which multiplies the integers as they are."""
+    up to 4 rows; scales per group, any width, up to 2 rows), which multiplies the integers as they are."""
     per_column = weight.bits == 8 and weight.mins is None and weight.group == weight.in_features
     return rows <= (4 if per_column else 2)
 
@@ -97,12 +97,13 @@ def test_quant_linear_with_inputs_off_the_tiles_step_equals_the_dequantized_prod
 
 
 @pytest.mark.parametrize(("bits", "low", "high", "group", "with_min"),
-                         [(8, -32, 32, 16, False), (8, 0, 32, 32, True), (4, 0, 16, 32, True), (4, 0, 16, 256, False)])
+                         [(8, -32, 32, 16, False), (8, 0, 32, 32, True), (6, -32, 32, 16, False), (6, 0, 32, 32, True),
+                          (6, -32, 32, 256, False), (4, 0, 16, 32, True), (4, 0, 16, 256, False)])
 @pytest.mark.parametrize("rows", [1, 2, 5, 40, 200])
 def test_quant_linear_with_a_files_groups_equals_the_dequantized_product(bits, low, high, group, with_min, rows):
-    """Integers and scales as GGUF files hold them (Q6_K: 8-bit in groups of 16, no min; Q5_K: groups of
-    32 with mins; Q4_K: 4-bit with mins; and 4-bit with one scale per column, no min), every path: the
-    product of the weight they stand for."""
+    """Integers and scales as GGUF files hold them (Q6_K: groups of 16, no min; Q5_K: groups of 32 with
+    mins; each at 8 bits and at the 6 bits they are served at; Q4_K: 4-bit with mins; and 4 and 6 bits
+    with one scale per 256 inputs, no min), every path: the product of the weight they stand for."""
     generator = torch.Generator().manual_seed(rows * 100 + group + bits)
     out_features, in_features = 128, 256
     q = torch.randint(low, high, (out_features, in_features), generator=generator)
@@ -143,10 +144,12 @@ def test_quantize_rounds_to_the_nearest_level_per_group():
 
 
 def test_pack_keeps_the_files_integers_and_scales_exactly():
-    """Integers and scales as a file holds them (4-bit with mins, 8-bit signed without), N not a
-    multiple of the block: the weight read back is q * scale + min, exactly, element by element."""
+    """Integers and scales as a file holds them (4-bit with mins, 6- and 8-bit signed without, 6 and 8
+    with), N not a multiple of the block: the weight read back is q * scale + min, exactly, element by
+    element."""
     generator = torch.Generator().manual_seed(2)
-    for bits, low, high, with_min in ((4, 0, 16, True), (8, -128, 128, False), (8, 0, 64, True)):
+    for bits, low, high, with_min in ((4, 0, 16, True), (8, -128, 128, False), (8, 0, 64, True), (6, -32, 32, False),
+                                      (6, 0, 32, True)):
         q = torch.randint(low, high, (72, 64), generator=generator)
         scale = (torch.rand(72, 4, generator=generator) + 0.5).half().float()
         minimum = -(torch.rand(72, 4, generator=generator)).half().float() if with_min else None
@@ -164,7 +167,7 @@ def test_bad_operands_are_refused_by_name():
     weight = quant.quantize(torch.randn(64, 32), "int8")
     x = torch.randn(2, 32).bfloat16()
     ops = torch.ops.pagedserve_cpu
-    with pytest.raises(RuntimeError, match="bits must be 8 or 4"):
+    with pytest.raises(RuntimeError, match="bits must be 8, 6 or 4"):
         ops.quant_linear(x, weight.q, weight.scales, None, None, 2, weight.group, 64, False, False)
     with pytest.raises(RuntimeError, match="x must be"):
         ops.quant_linear(torch.randn(2, 30).bfloat16(), weight.q, weight.scales, None, None, 8, weight.group, 64,
@@ -179,6 +182,8 @@ def test_bad_operands_are_refused_by_name():
         quant.quantize(torch.randn(64, 32), "int3")
     with pytest.raises(ValueError, match=r"4-bit integers must be in \[0, 15\], got \[16, 16\]"):
         quant.pack(torch.full((64, 32), 16), torch.ones(64, 1), None, 4)
+    with pytest.raises(ValueError, match=r"6-bit integers must be in \[-32, 31\], got \[32, 32\]"):
+        quant.pack(torch.full((64, 32), 32), torch.ones(64, 1), None, 6)
     with pytest.raises(ValueError, match="whole groups of 32"):
         quant.quantize(torch.randn(64, 48), "int4")
     zero = quant.quantize(torch.zeros(64, 32), "int8")  # an all-zero row: q 0, a finite scale, not 0 / 0
@@ -187,7 +192,7 @@ def test_bad_operands_are_refused_by_name():
 
 @pytest.mark.skipif(not quant.vnni_rows(), reason="int8 activations run on CPUs with AVX512-VNNI and no AMX tiles")
 @pytest.mark.parametrize(("bits", "group", "with_min"),
-                         [(8, 16, False), (8, 128, False), (4, 32, True), (4, 32, False)])
+                         [(8, 16, False), (8, 128, False), (6, 16, False), (6, 32, True), (4, 32, True), (4, 32, False)])
 @pytest.mark.parametrize("rows", [3, 4, 5, 6, 7, 32])
 def test_int8_activations_keep_outliers_zeros_and_every_row_count(bits, group, with_min, rows):
     """The VNNI path (csrc/quant_linear.h `vnni_block`) at every remainder of its 4-row passes, with an
@@ -196,7 +201,7 @@ def test_int8_activations_keep_outliers_zeros_and_every_row_count(bits, group, w
     product (what int8 activations cost)."""
     generator = torch.Generator().manual_seed(rows * 10 + bits + group)
     out_features, in_features = 192, 512
-    low, high = (-128, 128) if bits == 8 else (0, 16)
+    low, high = {8: (-128, 128), 6: (-32, 32), 4: (0, 16)}[bits]
     q = torch.randint(low, high, (out_features, in_features), generator=generator)
     scale = (torch.rand(out_features, in_features // group, generator=generator) * 0.01).half().float()
     minimum = -(torch.rand(out_features, in_features // group, generator=generator) * 0.1) if with_min else None

@@ -556,12 +556,12 @@ at::Tensor brgemm_pack(const at::Tensor& weight) {
 int64_t brgemm_block_n() { return brgemm_linear::kBlockN; }
 
 // The weight-only quantized linear (csrc/quant_linear.h): the weight as kernels/pagedserve_kernels/quant.py
-// packs it (`bits` 8 or 4, `group` inputs per scale), its first `n` columns; bias float32 (n,). bf16
+// packs it (`bits` 8, 6 or 4, `group` inputs per scale), its first `n` columns; bias float32 (n,). bf16
 // activations take the vector kernels (on AMX tiles with `tiles`, where brgemm_linear_available());
 // float32 ones, or a build without AVX512-BF16, the widened weight through at::linear.
 quant_linear::Weight quant_weight(const at::Tensor& q, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
                                   int64_t bits, int64_t group) {
-  TORCH_CHECK(bits == 8 || bits == 4, "quant_linear: bits must be 8 or 4, got ", bits);
+  TORCH_CHECK(bits == 8 || bits == 6 || bits == 4, "quant_linear: bits must be 8, 6 or 4, got ", bits);
   TORCH_CHECK(scales.dim() == 3 && scales.size(2) == quant_linear::kBlockN && scales.is_contiguous(),
               "quant_linear: scales must be (blocks, K / group, ", quant_linear::kBlockN, ") contiguous");
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.device().is_cpu(), "quant_linear: scales must be float16 on the CPU");
@@ -569,7 +569,7 @@ quant_linear::Weight quant_weight(const at::Tensor& q, const at::Tensor& scales,
   TORCH_CHECK(group > 0 && group % 2 == 0 && K > 0, "quant_linear: group must be even and positive, got ", group);
   TORCH_CHECK(q.is_contiguous() && q.scalar_type() == (bits == 8 ? at::kChar : at::kByte) &&
                   q.numel() == blocks * K * quant_linear::kBlockN * bits / 8,
-              "quant_linear: q must be contiguous int8 (8 bits) or uint8 (4 bits), ",
+              "quant_linear: q must be contiguous int8 (8 bits) or uint8 (6 and 4 bits), ",
               blocks * K * quant_linear::kBlockN * bits / 8,
               " of them for ", blocks, " blocks of ", K, " inputs at ", bits, " bits");
   if (mins.has_value()) {

@@ -1,14 +1,18 @@
 // Weight-only quantized linears, included by cpu_ops.cpp: y (M, N) = x (M, K) @ W^T + bias with W kept
-// in memory as 8-bit or 4-bit integers and computed on as they are, never widened for the whole model.
+// in memory as 8-, 6- or 4-bit integers and computed on as they are, never widened for the whole model.
 //
 // The weight: per output column n and group of `group` consecutive inputs g, W[n, k] = q[n, k] *
-// scale[g, n] + min[g, n], q a signed 8-bit integer (bits 8) or an unsigned 4-bit one (bits 4; GGUF's
-// Q4_0/Q4_1/Q4_K blocks are this form), scale and min float16 (no min: zero). Packed in column blocks
-// of kBlockN like the bf16 tiles (brgemm_linear.h), pairs of K interleaved, so that a block
-// de-quantizes straight into the layout the tiles and the dot products read:
+// scale[g, n] + min[g, n], q a signed 8-bit integer (bits 8), a signed 6-bit one (bits 6, -32..31;
+// GGUF's Q6_K and Q5_* blocks) or an unsigned 4-bit one (bits 4; GGUF's Q4_0/Q4_1/Q4_K blocks), scale
+// and min float16 (no min: zero). Packed in column blocks of kBlockN like the bf16 tiles
+// (brgemm_linear.h), pairs of K interleaved, so that a block de-quantizes straight into the layout the
+// tiles and the dot products read:
 //   bits 8: q (N / kBlockN, K / 2, kBlockN, 2) int8;
 //   bits 4: (N / kBlockN, K / 2, kBlockN / 16, 16) uint8: for each 16 columns of a pair row, the 32
 //           values (column-major pairs) v[0..31] as byte i = v[i] | v[i + 16] << 4;
+//   bits 6: (N / kBlockN, K / 2, 96) uint8: per pair row, u = q + 32 (0..63): its low 4 bits as bits 4
+//           packs them (64 bytes), then their high 2 bits (32 bytes): byte m holds h[m] | h[m + 32] << 4,
+//           h[j] = (high bits of nibble byte j's low value) | (those of its high value) << 2;
 //   scales, mins: (N / kBlockN, K / group, kBlockN) float16.
 //
 // Each thread takes a contiguous run of column blocks (one stream through its share of the weight, as
@@ -79,9 +83,15 @@ inline float value(const Weight& w, int64_t b, int64_t k, int64_t n) {
   float v;
   if (w.bits == 8) {
     v = static_cast<float>(reinterpret_cast<const int8_t*>(q)[pair * 2 * kBlockN + 2 * n + k % 2]);
-  } else {
+  } else if (w.bits == 4) {
     const uint8_t byte = q[pair * kBlockN + (n / 16) * 16 + lane % 16];
     v = static_cast<float>(lane < 16 ? byte & 15 : byte >> 4);
+  } else {
+    const uint8_t* row = q + pair * kBlockN * 6 / 4;
+    const int64_t j = (n / 16) * 16 + lane % 16;  // its nibble byte
+    const int high = (row[kBlockN + j % 32] >> (j < 32 ? 0 : 4)) >> (lane < 16 ? 0 : 2) & 3;
+    const int low = lane < 16 ? row[j] & 15 : row[j] >> 4;
+    v = static_cast<float>((low | high << 4) - 32);
   }
   const int64_t at = (b * w.groups() + k / w.group) * kBlockN + n;
   return v * static_cast<float>(w.scales[at]) + (w.mins ? static_cast<float>(w.mins[at]) : 0.0f);
@@ -102,6 +112,20 @@ inline at::Tensor dequantize_scalar(const Weight& w) {
 #ifdef __AVX512BF16__
 
 inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh&>(x); }
+
+// A pair row of a 6-bit block (96 bytes at `row`) as two registers of bytes u = q + 32 (0..63): byte j of
+// `lo` the value whose low 4 bits are nibble byte j's low nibble, of `hi` its high nibble's (the order
+// the 4-bit paths read their nibbles in).
+inline void six_bit_pair(const uint8_t* row, __m512i& lo, __m512i& hi) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
+  const __m512i bytes = _mm512_loadu_si512(row);
+  const __m256i plane = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + kBlockN));
+  const __m512i high =  // byte j: h[j], 4 bits
+      _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(plane), _mm256_srli_epi16(plane, 4), 1), nibble);
+  lo = _mm512_or_si512(_mm512_and_si512(bytes, nibble), _mm512_and_si512(_mm512_slli_epi16(high, 4), top));
+  hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble),
+                       _mm512_and_si512(_mm512_slli_epi16(high, 2), top));
+}
 
 // Inputs [k0, k0 + kc) of block b into buf (kc / 2, kBlockN, 2) bf16, the VNNI layout; k0 and kc even.
 // Within 16 columns the 32 values of a pair row are v[0..15] (columns 0-7) and v[16..31] (columns
@@ -131,9 +155,24 @@ inline void dequantize_bits(const Weight& w, int64_t b, int64_t k0, int64_t kc, 
       const uint8_t* row = q + pair * kBlockN * BITS / 4;
       for (int64_t line = 0; line < kBlockN * BITS / 4; line += 64)
         _mm_prefetch(reinterpret_cast<const char*>(row + line) + kPrefetch, _MM_HINT_T0);
+      alignas(64) uint8_t six[2][64];  // bits 6: the pair row's values u, low nibbles' then high ones'
+      if constexpr (BITS == 6) {
+        __m512i lo, hi;
+        six_bit_pair(row, lo, hi);
+        _mm512_store_si512(six[0], lo);
+        _mm512_store_si512(six[1], hi);
+      }
       for (int c = 0; c < 4; ++c) {
         __m512 lo, hi;
-        if constexpr (BITS == 8) {
+        if constexpr (BITS == 6) {  // q = u - 32 in integers, as `value` takes it
+          const __m512i offset = _mm512_set1_epi32(32);
+          auto values = [&](const uint8_t* at) {
+            return _mm512_cvtepi32_ps(_mm512_sub_epi32(
+                _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(at))), offset));
+          };
+          lo = values(six[0] + 16 * c);
+          hi = values(six[1] + 16 * c);
+        } else if constexpr (BITS == 8) {
           const int8_t* src = reinterpret_cast<const int8_t*>(q) + pair * 2 * kBlockN + 32 * c;
           lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
           hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16))));
@@ -155,6 +194,8 @@ inline void dequantize_bits(const Weight& w, int64_t b, int64_t k0, int64_t kc, 
 inline void dequantize(const Weight& w, int64_t b, int64_t k0, int64_t kc, c10::BFloat16* buf) {
   if (w.bits == 8) {
     dequantize_bits<8>(w, b, k0, kc, buf);
+  } else if (w.bits == 6) {
+    dequantize_bits<6>(w, b, k0, kc, buf);
   } else {
     dequantize_bits<4>(w, b, k0, kc, buf);
   }
@@ -267,7 +308,10 @@ inline void fused_rows(const Weight& w, int64_t b, const c10::BFloat16* x, int64
 // the order the interleave leaves them (register X, 32-bit lane 4c + j: column 16c + 4X + j). The
 // products accumulate per group as integers times x; each group's sum is then scaled and its min
 // added (scale * sum(x q) + min * sum(x)): one multiply-add per group instead of one per value.
-template <int MR>
+// At 6 bits each value u = q + 32 becomes the bf16 word 0x43 << 8 | u, exactly 128 + u (an 8-bit
+// exponent for 128, u in the mantissa's 7 bits): no table, and the group's sum takes the 160 back as
+// -160 * scale * sum(x), folded into its min.
+template <int BITS, int MR>
 inline void fused_nibbles(const Weight& w, int64_t b, const c10::BFloat16* x, int64_t ldx, const float* xsum,
                           float* c) {
   alignas(64) static const uint8_t kLow[64] = {
@@ -306,20 +350,33 @@ inline void fused_nibbles(const Weight& w, int64_t b, const c10::BFloat16* x, in
                                      _mm512_permutex2var_ps(S[2], hi_idx, S[3]));
         mX[X] = _mm512_mask_blend_ps(0xFF00, _mm512_permutex2var_ps(Mn[0], lo_idx, Mn[1]),
                                      _mm512_permutex2var_ps(Mn[2], hi_idx, Mn[3]));
+        if constexpr (BITS == 6) mX[X] = _mm512_fnmadd_ps(_mm512_set1_ps(160.0f), sX[X], mX[X]);
       }
     }
     __m512 part[MR][4];
     for (int i = 0; i < MR; ++i)
       for (int X = 0; X < 4; ++X) part[i][X] = _mm512_setzero_ps();
     for (int64_t pair = g * pairs_per_group; pair < (g + 1) * pairs_per_group; ++pair) {
-      _mm_prefetch(reinterpret_cast<const char*>(q + pair * kBlockN) + kPrefetch, _MM_HINT_T0);
-      const __m512i bytes = _mm512_loadu_si512(q + pair * kBlockN);
-      const __m512i lo = _mm512_and_si512(bytes, nibble);
-      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
-      const __m512i lo_l = _mm512_shuffle_epi8(lut_low, lo), lo_h = _mm512_shuffle_epi8(lut_high, lo);
-      const __m512i hi_l = _mm512_shuffle_epi8(lut_low, hi), hi_h = _mm512_shuffle_epi8(lut_high, hi);
-      const __m512i W[4] = {_mm512_unpacklo_epi8(lo_l, lo_h), _mm512_unpackhi_epi8(lo_l, lo_h),
-                            _mm512_unpacklo_epi8(hi_l, hi_h), _mm512_unpackhi_epi8(hi_l, hi_h)};
+      const uint8_t* row = q + pair * kBlockN * BITS / 4;
+      __m512i W[4];
+      if constexpr (BITS == 4) {
+        _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetch, _MM_HINT_T0);
+        const __m512i bytes = _mm512_loadu_si512(row);
+        const __m512i lo = _mm512_and_si512(bytes, nibble);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
+        const __m512i lo_l = _mm512_shuffle_epi8(lut_low, lo), lo_h = _mm512_shuffle_epi8(lut_high, lo);
+        const __m512i hi_l = _mm512_shuffle_epi8(lut_low, hi), hi_h = _mm512_shuffle_epi8(lut_high, hi);
+        W[0] = _mm512_unpacklo_epi8(lo_l, lo_h), W[1] = _mm512_unpackhi_epi8(lo_l, lo_h);
+        W[2] = _mm512_unpacklo_epi8(hi_l, hi_h), W[3] = _mm512_unpackhi_epi8(hi_l, hi_h);
+      } else {
+        _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetch, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetch + 64, _MM_HINT_T0);
+        const __m512i exponent = _mm512_set1_epi8(0x43);
+        __m512i lo, hi;
+        six_bit_pair(row, lo, hi);
+        W[0] = _mm512_unpacklo_epi8(lo, exponent), W[1] = _mm512_unpackhi_epi8(lo, exponent);
+        W[2] = _mm512_unpacklo_epi8(hi, exponent), W[3] = _mm512_unpackhi_epi8(hi, exponent);
+      }
       for (int i = 0; i < MR; ++i) {
         int32_t pair_bits;
         std::memcpy(&pair_bits, x + i * ldx + 2 * pair, sizeof(pair_bits));
@@ -348,10 +405,10 @@ template <int BITS, bool GROUPED>
 inline void fused(const Weight& w, int64_t b, const c10::BFloat16* x, int64_t ldx, int64_t rows, const float* xsum,
                   float* c) {
   const int64_t groups = w.groups();
-  if constexpr (BITS == 4) {
+  if constexpr (BITS != 8) {
     int64_t i = 0;
-    for (; i + 2 <= rows; i += 2) fused_nibbles<2>(w, b, x + i * ldx, ldx, xsum + i * groups, c + i * kBlockN);
-    if (i < rows) fused_nibbles<1>(w, b, x + i * ldx, ldx, xsum + i * groups, c + i * kBlockN);
+    for (; i + 2 <= rows; i += 2) fused_nibbles<BITS, 2>(w, b, x + i * ldx, ldx, xsum + i * groups, c + i * kBlockN);
+    if (i < rows) fused_nibbles<BITS, 1>(w, b, x + i * ldx, ldx, xsum + i * groups, c + i * kBlockN);
     return;
   }
   constexpr int kRows = GROUPED ? 2 : 4;
@@ -508,8 +565,9 @@ inline void tile_blocks(const Weight& w, int64_t begin, int64_t end, const c10::
 // symmetric, scale = the block's largest |x| / 127, rounded to nearest), and each 4 inputs of a column
 // multiply as integers, `vpdpbusd`: 64 multiply-adds an instruction against `vdpbf16ps`'s 32, and the
 // weight is never de-quantized, only unpacked to bytes.
-// The weight is the unsigned operand: 4-bit values as they are (0..15); 8-bit ones offset by 128
-// (q ^ 0x80), which each block's sum takes back as 128 times the sum of its activations. Per row and
+// The weight is the unsigned operand: 4-bit values as they are (0..15); 6-bit ones as stored, q + 32
+// (0..63), and 8-bit ones offset by 128 (q ^ 0x80), which each block's sum takes back as 32 or 128
+// times the sum of its activations. Per row and
 // block the integer sums are scaled once, s_x * scale * sum, and a min adds min * sum(s_x * a): the
 // product of the de-quantized activations (a * s_x) and the weight, in float32. llama.cpp multiplies
 // its 4-bit K-quants by int8 activations the same way (Q8_K). `PAGEDSERVE_CPU_QUANT_VNNI=0` keeps the
@@ -587,12 +645,12 @@ inline void quantize_rows(const c10::BFloat16* x, int64_t M, int64_t K, int64_t 
 }
 
 // Column order of the unpacked byte registers (below): lane l of register X holds column order[X][l].
-// 4 bits (as `fused_nibbles`): 16 (l / 4) + 4 X + l % 4; 8 bits: 8 (l / 4) + 32 (X / 2) + 4 (X % 2) + l % 4.
+// 4 and 6 bits (as `fused_nibbles`): 16 (l / 4) + 4 X + l % 4; 8 bits: 8 (l / 4) + 32 (X / 2) + 4 (X % 2) + l % 4.
 template <int BITS>
 inline __m512i vnni_columns(int X) {
   alignas(64) int32_t idx[16];
   for (int l = 0; l < 16; ++l)
-    idx[l] = BITS == 4 ? 16 * (l / 4) + 4 * X + l % 4 : 8 * (l / 4) + 32 * (X / 2) + 4 * (X % 2) + l % 4;
+    idx[l] = BITS != 8 ? 16 * (l / 4) + 4 * X + l % 4 : 8 * (l / 4) + 32 * (X / 2) + 4 * (X % 2) + l % 4;
   return _mm512_load_si512(idx);
 }
 
@@ -612,7 +670,17 @@ inline void in_column_order(const c10::Half* at, const __m512i cols[4], __m512 o
 // interleaved by 16-bit words.
 template <int BITS>
 inline void unpack_quad(const uint8_t* q, int64_t quad, __m512i W[4]) {
-  if constexpr (BITS == 4) {
+  if constexpr (BITS == 6) {  // u = q + 32 as it is; the sums take 32 times the activations' back
+    const uint8_t* row = q + 2 * quad * 96;  // pair rows of 96 bytes
+    for (int h = 0; h < 3; ++h) _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetch + 64 * h, _MM_HINT_T0);
+    __m512i lo0, hi0, lo1, hi1;
+    six_bit_pair(row, lo0, hi0);
+    six_bit_pair(row + 96, lo1, hi1);
+    W[0] = _mm512_unpacklo_epi16(lo0, lo1);
+    W[1] = _mm512_unpackhi_epi16(lo0, lo1);
+    W[2] = _mm512_unpacklo_epi16(hi0, hi1);
+    W[3] = _mm512_unpackhi_epi16(hi0, hi1);
+  } else if constexpr (BITS == 4) {
     const __m512i nibble = _mm512_set1_epi8(0x0F);
     const uint8_t* row = q + 2 * quad * kBlockN;  // pair rows of kBlockN bytes
     _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetch, _MM_HINT_T0);
@@ -662,9 +730,9 @@ inline void vnni_group(const __m512i* wq, int64_t quads, int64_t block_quads, co
     }
     for (int i = 0; i < MR; ++i) {
       const __m512 s = _mm512_set1_ps(sx[i * blocks + j]);
-      const __m512i offset = _mm512_set1_epi32(128 * sumx[i * blocks + j]);
+      const __m512i offset = _mm512_set1_epi32((BITS == 8 ? 128 : 32) * sumx[i * blocks + j]);
       for (int X = 0; X < 4; ++X) {
-        const __m512i sum = BITS == 8 ? _mm512_sub_epi32(part[i][X], offset) : part[i][X];
+        const __m512i sum = BITS != 4 ? _mm512_sub_epi32(part[i][X], offset) : part[i][X];
         acc[i][X] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum), s), scale[X], acc[i][X]);
       }
     }
@@ -772,7 +840,7 @@ inline void linear(const Weight& w, const c10::BFloat16* x, const float* bias, T
   const int64_t slice = one_pass ? std::min(K, kSliceK) : K;
   // Few rows: de-quantized in registers and used at once (`fused`), without a buffer; one symmetric
   // scale per column leaves the integers unscaled until the sum.
-  const bool grouped = w.bits == 4 || w.group != K || w.mins != nullptr;  // 4 bits: always by group
+  const bool grouped = w.bits != 8 || w.group != K || w.mins != nullptr;  // 4 and 6 bits: always by group
   const bool few = M <= (grouped ? kFusedRowsGrouped : kFusedRows);
   // The grouped few-row paths add each group's min times the group's sum of x: those sums, once.
   std::vector<float> xsum;
@@ -811,8 +879,13 @@ inline void linear(const Weight& w, const c10::BFloat16* x, const float* bias, T
       std::vector<float> acc(M * kBlockN);
       for (int64_t b = begin; b < end && b * kBlockN < N; ++b) {
         const int64_t n0 = b * kBlockN;
-        w.bits == 8 ? vnni_block<8>(w, b, xq, M, wq.data(), acc.data(), c.data())
-                    : vnni_block<4>(w, b, xq, M, wq.data(), acc.data(), c.data());
+        if (w.bits == 8) {
+          vnni_block<8>(w, b, xq, M, wq.data(), acc.data(), c.data());
+        } else if (w.bits == 6) {
+          vnni_block<6>(w, b, xq, M, wq.data(), acc.data(), c.data());
+        } else {
+          vnni_block<4>(w, b, xq, M, wq.data(), acc.data(), c.data());
+        }
         store_rows(c.data(), M, bias ? bias + n0 : nullptr, y + n0, N, std::min(kBlockN, N - n0));
       }
       return;
@@ -829,6 +902,8 @@ inline void linear(const Weight& w, const c10::BFloat16* x, const float* bias, T
         if (w.bits == 8) {
           grouped ? fused<8, true>(w, b, x, K, M, xsum.data(), c.data())
                   : fused<8, false>(w, b, x, K, M, nullptr, c.data());
+        } else if (w.bits == 6) {
+          fused<6, true>(w, b, x, K, M, xsum.data(), c.data());
         } else {
           fused<4, true>(w, b, x, K, M, xsum.data(), c.data());
         }
