@@ -177,17 +177,12 @@ def file_quantization(tensor: Any) -> FileQuantization | None:
     if q.min(initial=0) < low or q.max(initial=0) > high or error > 1e-5 * max(1.0, np.abs(values).max(initial=0.0)):
         raise ValueError(f"GGUF tensor {tensor.name!r} ({type_name}): its blocks do not read as integers with "
                          f"per-group scales (error {error:.3g}); serve it with --quantization none")
+    # Q6_K's and Q5_0's 0..63 / 0..31 centred to -32..31 / -16..15; Q5_1's and Q5_K's 0..31 (their mins
+    # vary) fit the 6-bit range as they are.
     q, minimum = _centre(q, scale, minimum, layout.bits)
-    if layout.bits == 6 and q.max(initial=0) > 31:  # uncentred 0..63 (mins that vary): 8 bits hold it
-        return _file_quantization(q, scale, minimum, 8, type_name, out, inputs)
-    return _file_quantization(q, scale, minimum, layout.bits, type_name, out, inputs)
-
-
-def _file_quantization(q: np.ndarray, scale: np.ndarray, minimum: np.ndarray | None, bits: int, type_name: str,
-                       out: int, inputs: int) -> FileQuantization:
     kept_min = None if minimum is None or not minimum.any() else torch.from_numpy(minimum.astype(np.float32))
     return FileQuantization(torch.from_numpy(q.reshape(out, inputs).astype(np.int8)),
-                            torch.from_numpy(scale.astype(np.float32)), kept_min, bits, type_name)
+                            torch.from_numpy(scale.astype(np.float32)), kept_min, layout.bits, type_name)
 
 
 def _centre(q: np.ndarray, scale: np.ndarray, minimum: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray | None]:
