@@ -4,9 +4,11 @@ Qwen2.5-1.5B's projections (qkv 2048 x 1536, o 1536 x 1536, gate_up 17920 x 1536
 `--layers` layers' worth of copies so the weights come from memory as in a decode step, at each
 `--rows`: bf16 through the model's own path (`cpu_linear.linear`: the small-batch kernel up to 16 rows,
 on AMX tiles where the CPU has them, oneDNN past them), int8 (groups of 128, as quantized at load), int4
-(groups of 32 with mins) and Q6_K's form (6-bit integers, a scale per 16 inputs) held at 6 bits ("q6") and
-as int8 ("q6_as8", how it was held before), each on AMX tiles where the CPU has them and with AVX512-BF16
-dot products (or, 3-32 rows without AMX, int8 activations on VNNI). Figures:
+(groups of 32 with mins), and the K-quants' forms: Q4_K's (4-bit, groups of 32 with mins, each scale and
+min a multiple of a float16 per 256 inputs) with float16 scales ("q4k") and compact ("q4k_compact"),
+Q6_K's (6-bit, a scale per 16) at 6 bits with float16 scales ("q6"), compact ("q6_compact") and as int8
+("q6_as8", how it was held before), each on AMX tiles where the CPU has them and with AVX512-BF16 dot
+products (or, 3-32 rows without AMX, int8 activations on VNNI). Figures:
 the best of `--repeats` passes over all copies, wall ms per layer (all threads), and the weights'
 GB/s at that time.
 
@@ -30,16 +32,31 @@ from benchmarks.cpu_info import cpu_name
 from pagedserve_kernels import cpu_linear, quant
 
 SHAPES = {"qkv": (2048, 1536), "o": (1536, 1536), "gate_up": (17920, 1536), "down": (1536, 8960)}
-SCHEMES = ("int8", "int4", "q6", "q6_as8")
+SCHEMES = ("int8", "int4", "q4k", "q4k_compact", "q6", "q6_compact", "q6_as8")
 
 
-def q6_form(weight: torch.Tensor, bits: int) -> quant.QuantizedWeight:
-    """`weight` as Q6_K holds one: q in -32..31 times a float16 scale per 16 inputs, no min, packed at `bits`."""
+def k_quant_form(weight: torch.Tensor, bits: int, compact: bool, as_bits: int | None = None) -> quant.QuantizedWeight:
+    """`weight` as a K-quant holds one: per 256 inputs a float16 d (and dmin), per group (Q6_K: 16, no
+    min, q in -32..31, sc in -128..127; Q4_K: 32, q in 0..15, sc and m in 0..63) scale d * sc and min
+    -dmin * m; packed at `as_bits` (default `bits`), compact or with float16 scales."""
     out, inputs = weight.shape
-    groups = weight.view(out, inputs // 16, 16)
-    scale = (groups.abs().amax(dim=-1) / 31).half().float().clamp_min(2.0**-14)
-    q = torch.round(groups / scale[..., None]).clamp_(-32, 31).view(out, inputs)
-    return quant.pack(q, scale, None, bits)
+    group, top = (16, 127) if bits == 6 else (32, 63)
+    groups = weight.view(out, inputs // group, group)
+    per = quant.SUPERBLOCK // group
+    if bits == 6:
+        wanted, minimum, dmin = groups.abs().amax(dim=-1) / 31, None, None
+    else:
+        low = groups.amin(dim=-1).clamp(max=0)
+        wanted = (groups.amax(dim=-1) - low) / 15
+        dmin = ((-low).view(out, -1, per).amax(dim=-1) / top).half().float().clamp_min(2.0**-14)
+        minimum = -torch.round(-low / dmin.repeat_interleave(per, 1)) * dmin.repeat_interleave(per, 1)
+    d = (wanted.view(out, -1, per).amax(dim=-1) / top).half().float().clamp_min(2.0**-14)
+    scale = torch.round(wanted / d.repeat_interleave(per, 1)).clamp_(1, top) * d.repeat_interleave(per, 1)
+    offset = 0.0 if minimum is None else minimum[..., None]
+    q = torch.round((groups - offset) / scale[..., None])
+    q = (q.clamp_(-32, 31) if bits == 6 else q.clamp_(0, 15)).view(out, inputs)
+    factors = (d, None if dmin is None else -dmin) if compact else (None, None)
+    return quant.pack(q, scale, minimum, as_bits or bits, *factors)
 
 
 def best_ms(fn: Callable[[], object], repeats: int) -> float:
@@ -68,7 +85,9 @@ def main(argv: list[str] | None = None) -> None:
             bf16 = weight.bfloat16()
             layer[name] = {"bf16": (kernels.small_weight(bf16), kernels.prepack(bf16)),
                            "int8": quant.quantize(weight, "int8"), "int4": quant.quantize(weight, "int4"),
-                           "q6": q6_form(weight, 6), "q6_as8": q6_form(weight, 8)}
+                           "q4k": k_quant_form(weight, 4, False), "q4k_compact": k_quant_form(weight, 4, True),
+                           "q6": k_quant_form(weight, 6, False), "q6_compact": k_quant_form(weight, 6, True),
+                           "q6_as8": k_quant_form(weight, 6, False, 8)}
         layers.append(layer)
     bytes_per_layer = {"bf16": sum(2 * o * i for o, i in SHAPES.values()),
                        **{scheme: sum(w[scheme].nbytes for w in layers[0].values()) for scheme in SCHEMES}}

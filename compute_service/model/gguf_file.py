@@ -54,9 +54,10 @@ GGUF_MAGIC = b"GGUF"
 SUPPORTED_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 # Bump when the converted layout changes, so that old copies are rebuilt rather than misread.
-GGUF_CACHE_FORMAT = 5
-# <hf name>.q, .scale, .min of every quantized matrix, in safetensors format under a name that tools
-# globbing "*.safetensors" for a checkpoint's weights (vLLM, transformers, our loader) pass over.
+GGUF_CACHE_FORMAT = 6
+# <hf name>.q, .scale, .min (and a K-quant's .scale_factor, .min_factor: its d and -dmin) of every
+# quantized matrix, in safetensors format under a name that tools globbing "*.safetensors" for a
+# checkpoint's weights (vLLM, transformers, our loader) pass over.
 QUANTIZED_FILE = "quantized.pagedserve"
 QUANTIZATION_INDEX = "quantization.json"  # <hf name> -> {"type": "Q4_K", "bits": 4}
 # A file this large says where its hashing and conversion stand (a log line every PROGRESS_EVERY_S).
@@ -172,7 +173,8 @@ def _write_quantized(out_dir: Path, tensors: list[Any], permute: bool, heads: di
         if quant is None:
             continue
         kind = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else ""
-        parts = {"q": quant.q, "scale": quant.scale, "min": quant.minimum}
+        parts = {"q": quant.q, "scale": quant.scale, "min": quant.minimum, "scale_factor": quant.scale_factor,
+                 "min_factor": quant.min_factor}
         for field, value in parts.items():
             if value is not None:
                 saved[f"{name}.{field}"] = _unpermute_rotary(value, heads[kind]) if permute and kind in heads else value

@@ -29,11 +29,17 @@ import torch
 @dataclass(frozen=True)
 class _Layout:
     """Where a block type keeps its integers: (start, stop, byte for q = 1) byte ranges of a block
-    (0 in every range is q = 0); `group`, inputs per scale; `bits`, the kernels' width that holds q."""
+    (0 in every range is q = 0); `group`, inputs per scale; `bits`, the kernels' width that holds q;
+    `factors`, a K-quant's byte offsets of its float16 d and dmin (None: no min), the factors its
+    integer sub-scales and sub-mins multiply (each block is one superblock of SUPERBLOCK inputs)."""
 
     fields: tuple[tuple[int, int, int], ...]
     group: int
     bits: int
+    factors: tuple[int, int | None] | None = None
+
+
+SUPERBLOCK = 256  # inputs of a K-quant block: one d (and dmin) over its sub-blocks' integer scales
 
 
 # From ggml-common.h's block_* structs. Nibble fields hold q = 1 as 0x11; high-bit fields (qh) as 0.
@@ -43,9 +49,9 @@ _LAYOUTS = {
     "Q4_1": _Layout(((4, 20, 0x11),), 32, 4),
     "Q5_0": _Layout(((2, 6, 0x00), (6, 22, 0x11)), 32, 6),
     "Q5_1": _Layout(((4, 8, 0x00), (8, 24, 0x11)), 32, 6),
-    "Q4_K": _Layout(((16, 144, 0x11),), 32, 4),
-    "Q5_K": _Layout(((16, 48, 0x00), (48, 176, 0x11)), 32, 6),
-    "Q6_K": _Layout(((0, 128, 0x11), (128, 192, 0x00)), 16, 6),
+    "Q4_K": _Layout(((16, 144, 0x11),), 32, 4, (0, 2)),
+    "Q5_K": _Layout(((16, 48, 0x00), (48, 176, 0x11)), 32, 6, (0, 2)),
+    "Q6_K": _Layout(((0, 128, 0x11), (128, 192, 0x00)), 16, 6, (208, None)),
 }
 QUANTIZED_TYPES = tuple(_LAYOUTS)
 
@@ -53,13 +59,17 @@ QUANTIZED_TYPES = tuple(_LAYOUTS)
 @dataclass(frozen=True)
 class FileQuantization:
     """A weight's integers (out, in) int8 (0..15 at bits 4, -32..31 at bits 6), scale and min (out, in / group)
-    float32 (min None where every group's is 0), and the file's type."""
+    float32 (min None where every group's is 0), and the file's type; for a K-quant, the float16 values
+    its scales and mins are whole multiples of, per SUPERBLOCK inputs (out, in / SUPERBLOCK) float32: d
+    and -dmin (else None), which let the kernels hold each scale as an 8-bit integer (`pack`)."""
 
     q: torch.Tensor
     scale: torch.Tensor
     minimum: torch.Tensor | None
     bits: int
     type_name: str
+    scale_factor: torch.Tensor | None = None
+    min_factor: torch.Tensor | None = None
 
 
 _MAPPED_DTYPES = {"I8": torch.int8, "F32": torch.float32}  # the converted file's integers and scales
@@ -70,8 +80,9 @@ class MappedRows:
     maps its rows' pages from the page cache, copies the rows out and lets the pages go, so the
     process holds none of the table (139 MiB held packed for a 152k-token vocabulary at 1,536 inputs;
     the system's page cache keeps what it reads, reclaimably, and a lookup after reclaim reads the disk).
-    Rows widen to exactly what the packed table's ``quant_rows`` gives: each scale and min rounded to
-    float16 as `pack` rounds them, q * scale exact in float32, plus min rounded once.
+    Rows widen to exactly what the packed table's ``quant_rows`` gives in its float16 form: each scale
+    and min rounded to float16 as `pack` rounds them, q * scale exact in float32, plus min rounded once
+    (a K-quant's scales and mins packed compact are the file's exactly; here within 2^-11 of them).
 
     For an untied table only: a tied one is the head's weight, which the head keeps packed anyway.
 
@@ -181,8 +192,19 @@ def file_quantization(tensor: Any) -> FileQuantization | None:
     # vary) fit the 6-bit range as they are.
     q, minimum = _centre(q, scale, minimum, layout.bits)
     kept_min = None if minimum is None or not minimum.any() else torch.from_numpy(minimum.astype(np.float32))
+    scale_factor = min_factor = None
+    if layout.factors is not None:
+        d_at, dmin_at = layout.factors
+        scale_factor = _half(blocks, d_at)
+        min_factor = -_half(blocks, dmin_at) if dmin_at is not None and kept_min is not None else None
     return FileQuantization(torch.from_numpy(q.reshape(out, inputs).astype(np.int8)),
-                            torch.from_numpy(scale.astype(np.float32)), kept_min, layout.bits, type_name)
+                            torch.from_numpy(scale.astype(np.float32)), kept_min, layout.bits, type_name,
+                            scale_factor, min_factor)
+
+
+def _half(blocks: np.ndarray, at: int) -> torch.Tensor:
+    """The float16 at byte `at` of each block (out, blocks, bytes), as float32 (out, blocks)."""
+    return torch.from_numpy(np.ascontiguousarray(blocks[..., at:at + 2]).view(np.float16)[..., 0].astype(np.float32))
 
 
 def _centre(q: np.ndarray, scale: np.ndarray, minimum: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray | None]:

@@ -362,9 +362,14 @@ def _from_file(pieces: list[tuple[str, int, int]], file_weights: Mapping[str, Fi
     for _, run in itertools.groupby(zip(found, pieces), key=lambda item: _format(item[0])):
         run = list(run)
         quants = [quant for quant, _ in run]
-        minimum = None if quants[0].minimum is None else torch.cat([quant.minimum for quant in quants])
+
+        def joined(field: str) -> torch.Tensor | None:  # the run's rows of an optional field, or None
+            values = [getattr(quant, field) for quant in quants]
+            return None if any(value is None for value in values) else torch.cat(values)
+
         try:
-            part = pack(torch.cat([q.q for q in quants]), torch.cat([q.scale for q in quants]), minimum, quants[0].bits)
+            part = pack(torch.cat([q.q for q in quants]), torch.cat([q.scale for q in quants]), joined("minimum"),
+                        quants[0].bits, joined("scale_factor"), joined("min_factor"))
         except ValueError as error:
             raise ValueError(f"GGUF tensor(s) {[name for name, _, _ in pieces]}: {error}") from None
         first, last = run[0][1], run[-1][1]
@@ -373,6 +378,8 @@ def _from_file(pieces: list[tuple[str, int, int]], file_weights: Mapping[str, Fi
     return QuantizedLinear(tuple(parts), label)
 
 
-def _format(quant: FileQuantization) -> tuple[int, int, bool]:
-    """What decides whether two pieces can share a packed part: bits, inputs per group, mins or not."""
-    return quant.bits, quant.q.shape[1] // quant.scale.shape[1], quant.minimum is None
+def _format(quant: FileQuantization) -> tuple[int, int, bool, bool, bool]:
+    """What decides whether two pieces can share a packed part: bits, inputs per group, mins or not, the
+    factors of integer scales and mins or not."""
+    return (quant.bits, quant.q.shape[1] // quant.scale.shape[1], quant.minimum is None, quant.scale_factor is None,
+            quant.min_factor is None)

@@ -230,9 +230,10 @@ def read_file_quantization(path: Path, mapped: frozenset[str] = frozenset()
         for name, entry in index.items():
             if name in found:
                 continue
-            minimum = f.get_tensor(f"{name}.min") if f"{name}.min" in names else None
+            minimum, scale_factor, min_factor = (f.get_tensor(key) if (key := f"{name}.{part}") in names else None
+                                                 for part in ("min", "scale_factor", "min_factor"))
             found[name] = FileQuantization(f.get_tensor(f"{name}.q"), f.get_tensor(f"{name}.scale"), minimum,
-                                           int(entry["bits"]), str(entry["type"]))
+                                           int(entry["bits"]), str(entry["type"]), scale_factor, min_factor)
     return found
 
 

@@ -7,7 +7,9 @@ Two sources make one:
     inputs (`int8_group`), int4 asymmetric in groups of 32 inputs (q in 0..15);
   - `pack(q, scale, min, bits)`, from integers and scales a file already holds (a GGUF's Q8_0, Q6_K,
     Q4_K... blocks: compute_service/model/gguf_quant.py), as they are; 6 bits (q in -32..31) holds
-    Q6_K's and Q5_*'s integers in 6 bits a weight instead of int8's 8.
+    Q6_K's and Q5_*'s integers in 6 bits a weight instead of int8's 8, and a K-quant's scales and mins,
+    whole multiples of one float16 per SUPERBLOCK inputs (its d and dmin), are held as those 8-bit
+    multiples and the float16s (`compact`): 4.625 bits a Q4_K weight (the file: 4.5), 6.5625 a Q6_K one.
 
 `linear` multiplies by it without widening the weight: the C++ kernel (csrc/quant_linear.h)
 de-quantizes a slice of a column block into bf16 in L1 and multiplies every row by it, on AMX tiles
@@ -42,7 +44,9 @@ class QuantizedWeight:
     Attributes:
         q: the integers, int8 (bits 8), 6 bits a weight (bits 6) or two to a byte (bits 4), in column
             blocks of BLOCK_N (csrc/quant_linear.h has the layouts).
-        scales, mins: (blocks, in / group, BLOCK_N) float16; mins None where symmetric.
+        scales, mins: (blocks, in / group, BLOCK_N) float16; mins None where symmetric. Compact
+            (`compact`): (blocks, in / SUPERBLOCK, 2 * BLOCK_N + SUPERBLOCK / group * BLOCK_N) uint8,
+            per superblock the BLOCK_N columns' float16 factors, then each group's int8 multiples.
         bias: (out,) float32 or None.
         bits, group: 8, 6 or 4; inputs per scale.
         out_features, in_features: the weight's shape (out padded to whole blocks in q).
@@ -65,6 +69,11 @@ class QuantizedWeight:
     @property
     def scheme(self) -> str:
         return f"int{self.bits}"
+
+    @property
+    def compact(self) -> bool:
+        """Whether the scales (and mins) are 8-bit multiples of a float16 per SUPERBLOCK inputs."""
+        return self.scales.dtype == torch.uint8
 
     def with_bias(self, bias: torch.Tensor | None) -> QuantizedWeight:
         """This weight with `bias` (any float dtype, (out,)) added to its products."""
@@ -95,11 +104,20 @@ def supports(weight_shape: torch.Size | tuple[int, ...], bits: int, group: int) 
 
 
 _RANGES = {8: (-128, 127), 6: (-32, 31), 4: (0, 15)}  # the integers each width holds
+SUPERBLOCK = 256  # inputs a compact scale factor covers (a K-quant's block; csrc/quant_linear.h kSuperK)
+# The column at each position of the 4- and 6-bit kernels' registers (csrc/quant_linear.h `x_position`):
+# position 16 X + l, lane l of register X, holds column 16 (l / 4) + 4 X + l % 4.
+_X_ORDER = torch.tensor([16 * (lane // 4) + 4 * x + lane % 4 for x in range(4) for lane in range(16)])
 
 
-def pack(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None, bits: int) -> QuantizedWeight:
+def pack(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None, bits: int,
+         scale_factor: torch.Tensor | None = None, min_factor: torch.Tensor | None = None) -> QuantizedWeight:
     """The packed weight of integers q (out, in) (-128..127 at 8 bits, -32..31 at 6, 0..15 at 4) with
-    per-group scale and min (out, in / group), float values rounded to float16."""
+    per-group scale and min (out, in / group), float values rounded to float16. With `scale_factor`
+    (and `min_factor` where there are mins), (out, in / SUPERBLOCK) float16 values that every scale (min)
+    of their superblock is a whole multiple of, -128..127 times, at 6 or 4 bits: the scales and mins are
+    held compact, as those multiples (each exactly multiple * factor); where they are not such multiples,
+    float16 as without."""
     out, inputs = q.shape
     groups = scale.shape[1]
     group = inputs // groups
@@ -127,12 +145,46 @@ def pack(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None, bit
             packed = torch.cat([packed.view(blocks, inputs // 2, BLOCK_N), plane], dim=-1)
         packed = packed.contiguous()
 
-    def per_block(t: torch.Tensor) -> torch.Tensor:  # (out, groups) -> (blocks, groups, BLOCK_N) float16
+    def per_block(t: torch.Tensor, dtype: torch.dtype = torch.half) -> torch.Tensor:
+        """(out, n) -> (blocks, n, BLOCK_N) in `dtype`."""
         t = torch.nn.functional.pad(t.float(), (0, 0, 0, pad))
-        return t.view(blocks, BLOCK_N, groups).permute(0, 2, 1).contiguous().half()
+        return t.view(blocks, BLOCK_N, t.shape[1]).permute(0, 2, 1).contiguous().to(dtype)
 
-    return QuantizedWeight(packed.reshape(-1), per_block(scale), None if minimum is None else per_block(minimum),
-                           None, bits, group, out, inputs)
+    def compact(multiples: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+        """Each superblock's BLOCK_N float16 factors, then its groups' multiples, as bytes, columns in the
+        kernels' register order (`_X_ORDER`)."""
+        supers = inputs // SUPERBLOCK
+        factors = per_block(factor)[..., _X_ORDER].contiguous().view(torch.uint8).view(blocks, supers, 2 * BLOCK_N)
+        ints = per_block(multiples, torch.int8)[..., _X_ORDER].contiguous().view(torch.uint8).view(blocks, supers, -1)
+        return torch.cat([factors, ints], dim=-1).contiguous()
+
+    scale_multiples = min_multiples = None
+    # (compact where it is smaller: 2 + SUPERBLOCK / group bytes a column and superblock against 2 per group)
+    if (scale_factor is not None and bits in (4, 6) and inputs % SUPERBLOCK == 0 and SUPERBLOCK % group == 0
+            and SUPERBLOCK // group > 2 and scale_factor.shape == (out, inputs // SUPERBLOCK) and (minimum is None) == (min_factor is None)):
+        scale_multiples = _multiples(scale, scale_factor)
+        if minimum is not None and min_factor is not None and min_factor.shape == scale_factor.shape:
+            min_multiples = _multiples(minimum, min_factor)
+    if scale_multiples is not None and (minimum is None or min_multiples is not None):
+        scales = compact(scale_multiples, scale_factor)
+        mins = None if min_multiples is None else compact(min_multiples, min_factor)
+    else:
+        scales, mins = per_block(scale), None if minimum is None else per_block(minimum)
+    return QuantizedWeight(packed.reshape(-1), scales, mins, None, bits, group, out, inputs)
+
+
+def _multiples(values: torch.Tensor, factor: torch.Tensor) -> torch.Tensor | None:
+    """values (out, groups) as whole multiples in -128..127 of their superblock's factor (out, supers),
+    float16 values (a K-quant's d * sc: exact up to the float32 rounding of how they were read back),
+    or None where they are not."""
+    out, groups = values.shape
+    if factor.dim() != 2 or factor.shape[0] != out or groups % factor.shape[1] or \
+            not torch.equal(factor.half().float(), factor.float()):
+        return None
+    f = factor.float().repeat_interleave(groups // factor.shape[1], dim=1)
+    multiples = torch.round(values.float() / torch.where(f == 0, 1.0, f))
+    ok = bool(((-128 <= multiples) & (multiples <= 127)).all()) and torch.allclose(multiples * f, values.float(), rtol=2.0**-16, atol=0.0)
+    return multiples.to(torch.int8) if ok else None
 
 
 def int8_group(inputs: int) -> int:

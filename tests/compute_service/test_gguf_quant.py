@@ -50,6 +50,17 @@ def test_every_block_type_reads_back_as_integers_and_scales(qtype, tmp_path):
     if found.minimum is not None:
         rebuilt += found.minimum.double().repeat_interleave(group, dim=1)
     torch.testing.assert_close(rebuilt, values.double(), rtol=1e-6, atol=1e-9)
+    if qtype.endswith("_K"):  # each scale (and min) a whole multiple of the block's d (-dmin)
+        per = 256 // group
+        for values_, factor in ((found.scale, found.scale_factor), (found.minimum, found.min_factor)):
+            assert (values_ is None) == (factor is None)
+            if factor is not None:
+                assert factor.shape == (96, 512 // 256)
+                multiples = values_ / factor.repeat_interleave(per, dim=1)
+                assert torch.equal(multiples, multiples.round())
+                assert multiples.abs().max() <= (128 if qtype == "Q6_K" else 63)  # Q6_K's sc: int8
+    else:
+        assert found.scale_factor is None and found.min_factor is None
 
 
 def test_q8_0_and_q4_0_integers_are_the_blocks_bytes(tmp_path):
@@ -118,6 +129,8 @@ def test_a_mixed_k_quant_file_is_served_quantized_in_the_right_rows(tmp_path):
     qkv = model.layers[0].attn.qkv_packed
     assert isinstance(qkv, QuantizedLinear) and [p.bits for p in qkv.parts] == [4, 6]
     assert model.lm_head_packed.parts[0].bits == 6  # Q6_K at 6 bits a weight, not int8's 8
+    # every K-quant part holds its scales as multiples of the file's d (and mins of -dmin)
+    assert all(part.compact for part in qkv.parts + model.lm_head_packed.parts)
     assert [p.out_features for p in qkv.parts] == [256 + 128, 128]
     assert model.embed_quantized is not None and model.embed_tokens.numel() == 0  # not widened in memory
     # Untied: read in place from the converted file, rows widened bit for bit as the packed table's are.

@@ -122,6 +122,65 @@ def test_quant_linear_with_a_files_groups_equals_the_dequantized_product(bits, l
     torch.testing.assert_close(rounded.float(), reference.float().bfloat16().float(), rtol=1e-2, atol=1e-2)
 
 
+def _k_quant(bits: int, group: int, with_min: bool, out_features: int, in_features: int, generator: torch.Generator
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    """Integers, scales and mins as a K-quant holds them: each scale (min) a whole multiple (0..63) of its
+    superblock's float16 d (-dmin), with those factors."""
+    low, high = {6: (-32, 32), 4: (0, 16)}[bits]
+    q = torch.randint(low, high, (out_features, in_features), generator=generator)
+    supers, per = in_features // quant.SUPERBLOCK, quant.SUPERBLOCK // group
+    d = (torch.rand(out_features, supers, generator=generator) * 1e-3).half().float()
+    scale = torch.randint(0, 64, (out_features, supers * per), generator=generator) * d.repeat_interleave(per, dim=1)
+    if not with_min:
+        return q, scale, None, d, None
+    dmin = -(torch.rand(out_features, supers, generator=generator) * 1e-2).half().float()
+    minimum = torch.randint(0, 64, (out_features, supers * per), generator=generator) * dmin.repeat_interleave(per, 1)
+    return q, scale, minimum, d, dmin
+
+
+@pytest.mark.parametrize(("bits", "group", "with_min"), [(4, 32, True), (6, 16, False), (6, 32, True), (4, 64, False)])
+@pytest.mark.parametrize("rows", [1, 2, 5, 40, 200])
+def test_compact_k_quant_scales_equal_the_product_of_the_weight_they_stand_for(bits, group, with_min, rows):
+    """Scales and mins held as 8-bit multiples of a float16 per 256 inputs (a K-quant's d and dmin): every
+    path multiplies by exactly q * (multiple * d) + multiple * -dmin, and the weight is smaller."""
+    generator = torch.Generator().manual_seed(rows + bits + group)
+    out_features, in_features = 136, 512  # a partial last block of columns
+    q, scale, minimum, d, dmin = _k_quant(bits, group, with_min, out_features, in_features, generator)
+    weight = quant.pack(q, scale, minimum, bits, d, dmin)
+    plain = quant.pack(q, scale, minimum, bits)
+    assert weight.compact and not plain.compact and weight.nbytes < plain.nbytes
+    expected = q.float() * scale.repeat_interleave(group, dim=1)
+    if minimum is not None:
+        expected += minimum.repeat_interleave(group, dim=1)
+    torch.testing.assert_close(weight.dequantize(), expected, rtol=0, atol=0)  # exact, not float16-rounded
+    ids = torch.tensor([0, 135, 64, 7])
+    torch.testing.assert_close(quant.QuantizedLinear((weight,), "Q4_K").rows(ids), expected[ids], rtol=0, atol=0)
+    x = torch.randn(rows, in_features, generator=generator).bfloat16()
+    for tiles in _paths():
+        y = torch.ops.pagedserve_cpu.quant_linear(x, weight.q, weight.scales, weight.mins, None, bits, group,
+                                                  out_features, tiles, True)
+        torch.testing.assert_close(y.double(), _reference(x, weight, tiles), rtol=1e-5, atol=1e-4, msg=f"tiles={tiles}")
+    rounded = torch.ops.pagedserve_cpu.quant_linear(x, weight.q, weight.scales, weight.mins, None, bits, group,
+                                                    out_features, quant.tiles(), False)
+    torch.testing.assert_close(rounded.float(), _reference(x, weight, quant.tiles()).float().bfloat16().float(),
+                               rtol=1e-2, atol=1e-2)
+
+
+def test_scales_that_are_not_whole_multiples_stay_float16():
+    """A factor that does not divide its scales (or is not a float16 value, or mins without their
+    factor, or 8 bits) leaves the float16 form: never a rounded scale."""
+    generator = torch.Generator().manual_seed(3)
+    q, scale, minimum, d, dmin = _k_quant(4, 32, True, 64, 256, generator)
+    assert quant.pack(q, scale, minimum, 4, d, dmin).compact
+    assert not quant.pack(q, scale * 1.001, minimum, 4, d, dmin).compact
+    assert not quant.pack(q, scale, minimum, 4, d + 1e-9, dmin).compact
+    assert not quant.pack(q, scale, minimum, 4, d, None).compact
+    assert not quant.pack(q, scale * 3, minimum, 4, d, dmin).compact  # multiples past 127
+    assert not quant.pack(q.clamp(max=15), scale, minimum, 8, d, dmin).compact
+    one_scale = scale[:, ::8].contiguous()  # groups of 256: a factor and a multiple would not be smaller
+    assert not quant.pack(q, one_scale, None, 4, d, None).compact
+
+
 def test_quantize_rounds_to_the_nearest_level_per_group():
     generator = torch.Generator().manual_seed(1)
     w = torch.randn(64, 256, generator=generator)

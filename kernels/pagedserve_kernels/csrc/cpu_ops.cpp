@@ -561,23 +561,31 @@ int64_t brgemm_block_n() { return brgemm_linear::kBlockN; }
 // float32 ones, or a build without AVX512-BF16, the widened weight through at::linear.
 quant_linear::Weight quant_weight(const at::Tensor& q, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
                                   int64_t bits, int64_t group) {
+  using quant_linear::kBlockN, quant_linear::kSuperK;
   TORCH_CHECK(bits == 8 || bits == 6 || bits == 4, "quant_linear: bits must be 8, 6 or 4, got ", bits);
-  TORCH_CHECK(scales.dim() == 3 && scales.size(2) == quant_linear::kBlockN && scales.is_contiguous(),
-              "quant_linear: scales must be (blocks, K / group, ", quant_linear::kBlockN, ") contiguous");
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.device().is_cpu(), "quant_linear: scales must be float16 on the CPU");
-  const int64_t blocks = scales.size(0), K = scales.size(1) * group;
-  TORCH_CHECK(group > 0 && group % 2 == 0 && K > 0, "quant_linear: group must be even and positive, got ", group);
+  TORCH_CHECK(group > 0 && group % 2 == 0, "quant_linear: group must be even and positive, got ", group);
+  // float16 (blocks, K / group, kBlockN), or compact: bytes (blocks, K / kSuperK, super_bytes)
+  const bool compact = scales.scalar_type() == at::kByte;
+  TORCH_CHECK(scales.device().is_cpu() && (scales.scalar_type() == at::kHalf || compact),
+              "quant_linear: scales must be float16 (or compact uint8) on the CPU");
+  const int64_t row = compact ? 2 * kBlockN + kSuperK / group * kBlockN : kBlockN;
+  TORCH_CHECK(scales.dim() == 3 && scales.size(2) == row && scales.is_contiguous(),
+              "quant_linear: scales must be (blocks, K / ", compact ? "256" : "group", ", ", row, ") contiguous");
+  TORCH_CHECK(!compact || ((bits == 6 || bits == 4) && kSuperK % group == 0),
+              "quant_linear: compact scales are for 6 and 4 bits, with groups that divide 256");
+  const int64_t blocks = scales.size(0), K = scales.size(1) * (compact ? kSuperK : group);
+  TORCH_CHECK(K > 0, "quant_linear: no inputs");
   TORCH_CHECK(q.is_contiguous() && q.scalar_type() == (bits == 8 ? at::kChar : at::kByte) &&
                   q.numel() == blocks * K * quant_linear::kBlockN * bits / 8,
               "quant_linear: q must be contiguous int8 (8 bits) or uint8 (6 and 4 bits), ",
               blocks * K * quant_linear::kBlockN * bits / 8,
               " of them for ", blocks, " blocks of ", K, " inputs at ", bits, " bits");
   if (mins.has_value()) {
-    TORCH_CHECK(mins->scalar_type() == at::kHalf && mins->sizes() == scales.sizes() && mins->is_contiguous(),
-                "quant_linear: mins must be float16 and match scales");
+    TORCH_CHECK(mins->scalar_type() == scales.scalar_type() && mins->sizes() == scales.sizes() && mins->is_contiguous(),
+                "quant_linear: mins must match scales (dtype and shape)");
   }
-  return {static_cast<const uint8_t*>(q.data_ptr()), scales.data_ptr<c10::Half>(),
-          mins.has_value() ? mins->data_ptr<c10::Half>() : nullptr, bits, group, K, blocks};
+  return quant_linear::Weight::make(static_cast<const uint8_t*>(q.data_ptr()), scales.data_ptr(),
+                                    mins.has_value() ? mins->data_ptr() : nullptr, bits, group, K, blocks, compact);
 }
 
 // (n, K) float32: the weight widened (the fallback's operand and the tests' reference).

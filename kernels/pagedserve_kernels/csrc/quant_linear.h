@@ -13,7 +13,12 @@
 //   bits 6: (N / kBlockN, K / 2, 96) uint8: per pair row, u = q + 32 (0..63): its low 4 bits as bits 4
 //           packs them (64 bytes), then their high 2 bits (32 bytes): byte m holds h[m] | h[m + 32] << 4,
 //           h[j] = (high bits of nibble byte j's low value) | (those of its high value) << 2;
-//   scales, mins: (N / kBlockN, K / group, kBlockN) float16.
+//   scales, mins: (N / kBlockN, K / group, kBlockN) float16; or compact (6 and 4 bits, a K-quant's:
+//           each scale or min a whole multiple of one float16 per kSuperK inputs, its d or -dmin):
+//           (N / kBlockN, K / kSuperK, super_bytes()) bytes, per superblock the kBlockN columns' float16
+//           factors, then each of its groups' kBlockN int8 multiples (4.625 bits a Q4_K weight, against
+//           5 with float16 scales and mins; the file: 4.5), both in the column order the 4- and 6-bit
+//           paths' registers hold (`x_position`), so that those read them without a permute.
 //
 // Each thread takes a contiguous run of column blocks (one stream through its share of the weight, as
 // in brgemm_linear.h) and, per block, de-quantizes a slice of K into bf16 in L1 (`dequantize`: 16
@@ -66,14 +71,49 @@ constexpr int64_t kPrefetch = 2048;  // bytes ahead of the few-row path's read p
 constexpr int64_t kOnednnRows = 192;
 constexpr int64_t kChunkBlocks = 4;  // column blocks a oneDNN call takes (256 columns)
 
+constexpr int64_t kSuperK = 256;  // inputs a compact scale factor covers (a K-quant's block)
+
 struct Weight {
   const uint8_t* q;
-  const c10::Half* scales;
-  const c10::Half* mins;  // nullptr: no min (symmetric)
+  const void* scales;
+  const void* mins;  // nullptr: no min (symmetric)
   int64_t bits, group, K, blocks;
+  bool compact;  // scales and mins as int8 multiples of a float16 per kSuperK inputs (group: a power of 2)
+  // Derived once (`make`): the hot loops ask for a group's scales without dividing.
+  int64_t num_groups = 0, per_super_log = 0;  // K / group; log2(kSuperK / group) where compact
+
+  static Weight make(const uint8_t* q, const void* scales, const void* mins, int64_t bits, int64_t group, int64_t K,
+                     int64_t blocks, bool compact) {
+    Weight w{q, scales, mins, bits, group, K, blocks, compact};
+    w.num_groups = K / group;
+    while (compact && (group << w.per_super_log) < kSuperK) ++w.per_super_log;
+    return w;
+  }
 
   int64_t block_bytes() const { return K * kBlockN * bits / 8; }
-  int64_t groups() const { return K / group; }
+  int64_t groups() const { return num_groups; }
+  int64_t super_bytes() const { return (2 + (int64_t{1} << per_super_log)) * kBlockN; }
+  // Where group g of block b keeps its columns' values of `at` (scales or mins): float16 ones, or for a
+  // compact weight its superblock's factors and the group's multiples.
+  const c10::Half* halves(const void* at, int64_t b, int64_t g) const {
+    return static_cast<const c10::Half*>(at) + (b * num_groups + g) * kBlockN;
+  }
+  const uint8_t* super(const void* at, int64_t b, int64_t g) const {
+    return static_cast<const uint8_t*>(at) + ((b * num_groups + g) >> per_super_log) * super_bytes();
+  }
+  const int8_t* multiples(const void* at, int64_t b, int64_t g) const {
+    return reinterpret_cast<const int8_t*>(super(at, b, g) + (2 + (g & ((int64_t{1} << per_super_log) - 1))) * kBlockN);
+  }
+  // Column n's scale (or min) of group g of block b.
+  float group_value(const void* at, int64_t b, int64_t g, int64_t n) const {
+    if (!compact) return static_cast<float>(halves(at, b, g)[n]);
+    const int64_t x = x_position(n);
+    const float factor = static_cast<float>(reinterpret_cast<const c10::Half*>(super(at, b, g))[x]);
+    return static_cast<float>(multiples(at, b, g)[x]) * factor;  // exact: 8 bits times 11
+  }
+  // Where column n is in the 4- and 6-bit paths' registers (`fused_nibbles`, `vnni_columns<4>`): lane
+  // l of register X holds column 16 (l / 4) + 4 X + l % 4, at 16 X + l.
+  static int64_t x_position(int64_t n) { return 16 * (n % 16 / 4) + 4 * (n / 16) + n % 4; }
 };
 
 // The float value of W[n, k] for column n of block b (the reference every path agrees with).
@@ -93,8 +133,8 @@ inline float value(const Weight& w, int64_t b, int64_t k, int64_t n) {
     const int low = lane < 16 ? row[j] & 15 : row[j] >> 4;
     v = static_cast<float>((low | high << 4) - 32);
   }
-  const int64_t at = (b * w.groups() + k / w.group) * kBlockN + n;
-  return v * static_cast<float>(w.scales[at]) + (w.mins ? static_cast<float>(w.mins[at]) : 0.0f);
+  const int64_t g = k / w.group;
+  return v * w.group_value(w.scales, b, g, n) + (w.mins ? w.group_value(w.mins, b, g, n) : 0.0f);
 }
 
 // The whole weight widened to (N, K) float32 (the fallback's operand; tests' reference).
@@ -112,6 +152,42 @@ inline at::Tensor dequantize_scalar(const Weight& w) {
 #ifdef __AVX512BF16__
 
 inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh&>(x); }
+
+// Columns [16c, 16c + 16) of group g of block b's scales (or mins: `at`) as float32, as `group_value`.
+inline __m512 group16(const Weight& w, const void* at, int64_t b, int64_t g, int c) {
+  if (!w.compact) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.halves(at, b, g) + 16 * c)));
+  alignas(64) float values[16];  // the de-quantizing paths only: not per value
+  for (int j = 0; j < 16; ++j) values[j] = w.group_value(at, b, g, 16 * c + j);
+  return _mm512_load_ps(values);
+}
+
+// Group g of block b's 64 scales (or mins: `at`) as four registers in the 4- and 6-bit paths' column
+// order (`Weight::x_position`). A compact weight's are stored in that order: the group's multiples
+// widened and times its superblock's factors, no permute; float16 ones are permuted from the natural
+// order.
+// Inlined by force: a call per group passes the registers through memory (GCC left it out of line in
+// the 6-bit one-row loop, 25% slower).
+__attribute__((always_inline)) inline void group_x(const Weight& w, const void* at, int64_t b, int64_t g, __m512 out[4]) {
+  if (w.compact) {
+    const uint8_t* factors = w.super(at, b, g);
+    const int8_t* multiples = w.multiples(at, b, g);
+    for (int X = 0; X < 4; ++X) {
+      const __m512 factor = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(factors + 32 * X)));
+      const __m128i m = _mm_loadu_si128(reinterpret_cast<const __m128i*>(multiples + 16 * X));
+      out[X] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(m)), factor);
+    }
+    return;
+  }
+  __m512 v[4];
+  for (int c = 0; c < 4; ++c) v[c] = group16(w, at, b, g, c);
+  for (int X = 0; X < 4; ++X) {  // lanes 4c..4c+3 of register X: columns 16c + 4X .. +3
+    const int o = 4 * X;
+    const __m512i lo_idx = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 19 + o, 18 + o, 17 + o, 16 + o, 3 + o, 2 + o, 1 + o, o);
+    const __m512i hi_idx = _mm512_set_epi32(19 + o, 18 + o, 17 + o, 16 + o, 3 + o, 2 + o, 1 + o, o, 0, 0, 0, 0, 0, 0, 0, 0);
+    out[X] = _mm512_mask_blend_ps(0xFF00, _mm512_permutex2var_ps(v[0], lo_idx, v[1]),
+                                  _mm512_permutex2var_ps(v[2], hi_idx, v[3]));
+  }
+}
 
 // A pair row of a 6-bit block (96 bytes at `row`) as two registers of bytes u = q + 32 (0..63): byte j of
 // `lo` the value whose low 4 bits are nibble byte j's low nibble, of `hi` its high nibble's (the order
@@ -136,16 +212,13 @@ inline void dequantize_bits(const Weight& w, int64_t b, int64_t k0, int64_t kc, 
   const __m512i spread_hi = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
   const __m512 nibble_values = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   const uint8_t* q = w.q + b * w.block_bytes();
-  const c10::Half* scales = w.scales + b * w.groups() * kBlockN;
-  const c10::Half* mins = w.mins ? w.mins + b * w.groups() * kBlockN : nullptr;
   int64_t k = k0;
   while (k < k0 + kc) {
     const int64_t g = k / w.group, stop = std::min(k0 + kc, (g + 1) * w.group);
     __m512 s_lo[4], s_hi[4], m_lo[4], m_hi[4];
     for (int c = 0; c < 4; ++c) {
-      const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + g * kBlockN + 16 * c)));
-      const __m512 m = mins ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mins + g * kBlockN + 16 * c)))
-                            : _mm512_setzero_ps();
+      const __m512 s = group16(w, w.scales, b, g, c);
+      const __m512 m = w.mins ? group16(w, w.mins, b, g, c) : _mm512_setzero_ps();
       s_lo[c] = _mm512_permutexvar_ps(spread_lo, s), s_hi[c] = _mm512_permutexvar_ps(spread_hi, s);
       m_lo[c] = _mm512_permutexvar_ps(spread_lo, m), m_hi[c] = _mm512_permutexvar_ps(spread_hi, m);
     }
@@ -247,8 +320,8 @@ inline void dequantize_plain(const Weight& w, int64_t b, c10::BFloat16* dst, c10
 template <bool GROUPED, int MR>
 inline void fused_rows(const Weight& w, int64_t b, const c10::BFloat16* x, int64_t ldx, const float* xsum, float* c) {
   const int8_t* q = reinterpret_cast<const int8_t*>(w.q + b * w.block_bytes());
-  const c10::Half* scales = w.scales + b * w.groups() * kBlockN;
-  const c10::Half* mins = w.mins ? w.mins + b * w.groups() * kBlockN : nullptr;
+  const c10::Half* scales = w.halves(w.scales, b, 0);  // 8 bits: never compact
+  const c10::Half* mins = w.mins ? w.halves(w.mins, b, 0) : nullptr;
   auto halves = [](const c10::Half* at) {  // 16 float16 -> float32
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
   };
@@ -325,33 +398,21 @@ inline void fused_nibbles(const Weight& w, int64_t b, const c10::BFloat16* x, in
   const __m512i lut_low = _mm512_load_si512(kLow), lut_high = _mm512_load_si512(kHigh);
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   const uint8_t* q = w.q + b * w.block_bytes();
-  const c10::Half* scales = w.scales + b * w.groups() * kBlockN;
-  const c10::Half* mins = w.mins ? w.mins + b * w.groups() * kBlockN : nullptr;
   const int64_t groups = w.groups(), pairs_per_group = w.group / 2;
   __m512 acc[MR][4];
   for (int i = 0; i < MR; ++i)
     for (int X = 0; X < 4; ++X) acc[i][X] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    // Scales (and mins) of the 64 columns in the registers' column order: lanes 4c..4c+3 of register X
-    // take columns 16c + 4X .. +3, from the four natural 16-column vectors.
+    // Scales (and mins) of the 64 columns in the registers' column order (`Weight::x_position`).
     __m512 sX[4], mX[4];
-    {
-      __m512 S[4], Mn[4];
-      for (int k = 0; k < 4; ++k) {
-        S[k] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + g * kBlockN + 16 * k)));
-        Mn[k] = mins ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mins + g * kBlockN + 16 * k)))
-                     : _mm512_setzero_ps();
-      }
-      for (int X = 0; X < 4; ++X) {
-        const int o = 4 * X;
-        const __m512i lo_idx = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 19 + o, 18 + o, 17 + o, 16 + o, 3 + o, 2 + o, 1 + o, o);
-        const __m512i hi_idx = _mm512_set_epi32(19 + o, 18 + o, 17 + o, 16 + o, 3 + o, 2 + o, 1 + o, o, 0, 0, 0, 0, 0, 0, 0, 0);
-        sX[X] = _mm512_mask_blend_ps(0xFF00, _mm512_permutex2var_ps(S[0], lo_idx, S[1]),
-                                     _mm512_permutex2var_ps(S[2], hi_idx, S[3]));
-        mX[X] = _mm512_mask_blend_ps(0xFF00, _mm512_permutex2var_ps(Mn[0], lo_idx, Mn[1]),
-                                     _mm512_permutex2var_ps(Mn[2], hi_idx, Mn[3]));
-        if constexpr (BITS == 6) mX[X] = _mm512_fnmadd_ps(_mm512_set1_ps(160.0f), sX[X], mX[X]);
-      }
+    group_x(w, w.scales, b, g, sX);
+    if (w.mins) {
+      group_x(w, w.mins, b, g, mX);
+    } else {
+      for (int X = 0; X < 4; ++X) mX[X] = _mm512_setzero_ps();
+    }
+    if constexpr (BITS == 6) {
+      for (int X = 0; X < 4; ++X) mX[X] = _mm512_fnmadd_ps(_mm512_set1_ps(160.0f), sX[X], mX[X]);
     }
     __m512 part[MR][4];
     for (int i = 0; i < MR; ++i)
@@ -654,10 +715,14 @@ inline __m512i vnni_columns(int X) {
   return _mm512_load_si512(idx);
 }
 
-// 64 float16 of a block's group (scales or mins) as four registers in the column order of `cols`.
-inline void in_column_order(const c10::Half* at, const __m512i cols[4], __m512 out[4]) {
+// Group g of block b's 64 scales (or mins: `at`) as four registers in the column order of `cols`.
+inline void in_column_order(const Weight& w, const void* at, int64_t b, int64_t g, const __m512i cols[4], __m512 out[4]) {
+  if (w.compact) {  // 4 and 6 bits only: `cols` is their order, the one compact multiples are stored in
+    group_x(w, at, b, g, out);
+    return;
+  }
   __m512 v[4];
-  for (int k = 0; k < 4; ++k) v[k] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + 16 * k)));
+  for (int k = 0; k < 4; ++k) v[k] = group16(w, at, b, g, k);
   for (int X = 0; X < 4; ++X) {
     const __mmask16 high = _mm512_cmpge_epi32_mask(cols[X], _mm512_set1_epi32(32));
     out[X] = _mm512_mask_blend_ps(high, _mm512_permutex2var_ps(v[0], cols[X], v[1]),
@@ -759,8 +824,8 @@ inline void vnni_block(const Weight& w, int64_t b, const Int8Rows& x, int64_t M,
   for (int64_t g = 0; g < groups; ++g) {
     for (int64_t u = 0; u < quads; ++u) unpack_quad<BITS>(q, g * quads + u, wq + 4 * u);
     __m512 scale[4], minimum[4];
-    in_column_order(w.scales + (b * groups + g) * kBlockN, cols, scale);
-    if (w.mins) in_column_order(w.mins + (b * groups + g) * kBlockN, cols, minimum);
+    in_column_order(w, w.scales, b, g, cols, scale);
+    if (w.mins) in_column_order(w, w.mins, b, g, cols, minimum);
     const __m512* mins = w.mins ? minimum : nullptr;
     const int8_t* a = x.a.data() + g * w.group;
     const float* sx = x.scale.data() + g * per_group;
