@@ -198,7 +198,7 @@ class CausalLM(nn.Module):
     @torch.no_grad()
     def quantize_weights(self, scheme: str,
                          file_weights: Mapping[str, FileQuantization | MappedRows] | None = None) -> str:
-        """Keep the projections and the head as 8-bit or 4-bit integers (kernels/pagedserve_kernels/quant.py),
+        """Keep the projections and the head as 8-, 6- or 4-bit integers (kernels/pagedserve_kernels/quant.py),
         once, after the weights are loaded and before `prepack_cpu_weights`; their float copies are released.
 
         Args:
@@ -378,8 +378,7 @@ def _from_file(pieces: list[tuple[str, int, int]], file_weights: Mapping[str, Fi
     return QuantizedLinear(tuple(parts), label)
 
 
-def _format(quant: FileQuantization) -> tuple[int, int, bool, bool, bool]:
-    """What decides whether two pieces can share a packed part: bits, inputs per group, mins or not, the
-    factors of integer scales and mins or not."""
-    return (quant.bits, quant.q.shape[1] // quant.scale.shape[1], quant.minimum is None, quant.scale_factor is None,
-            quant.min_factor is None)
+def _format(quant: FileQuantization) -> tuple[int, int, bool]:
+    """What decides whether two pieces can share a packed part: bits, inputs per group, mins or not (a
+    run that mixes K-quants with other types holds float16 scales: `joined` gives no factors)."""
+    return quant.bits, quant.q.shape[1] // quant.scale.shape[1], quant.minimum is None

@@ -1,7 +1,7 @@
 """Weights kept as 8-, 6- or 4-bit integers on the CPU, and the linear that computes on them.
 
-A `QuantizedWeight` holds an (out, in) weight as integers q with a float16 scale (and, at 4 bits, a
-min) per output and group of inputs: W[n, k] = q[n, k] * scale[n, k // group] + min[n, k // group].
+A `QuantizedWeight` holds an (out, in) weight as integers q with a scale (and optionally a min) per
+output and group of inputs: W[n, k] = q[n, k] * scale[n, k // group] + min[n, k // group].
 Two sources make one:
   - `quantize(weight, scheme)`, from a float weight at load: int8 symmetric in groups of up to 128
     inputs (`int8_group`), int4 asymmetric in groups of 32 inputs (q in 0..15);
@@ -33,7 +33,9 @@ INT4_GROUP = 32  # inputs per scale for int4 quantized at load (GGUF's Q4 blocks
 # of 128 on 99.0% at the same decode speed (docs/benchmarks.md, "int8 in groups").
 INT8_GROUPS = (128, 64, 32)
 # What `quantize` computes, for the fingerprint (bump when its rounding or groups change).
-QUANTIZER_VERSION = f"v2-int8g{INT8_GROUPS[0]}-int4g{INT4_GROUP}"
+# v3: a file's Q6_K and Q5_* at 6 bits, a K-quant's scales and mins its exact multiples of d and dmin
+# (they were rounded to float16), which the identity of a file's weights (the KV tier's key) changes with.
+QUANTIZER_VERSION = f"v3-int8g{INT8_GROUPS[0]}-int4g{INT4_GROUP}-k6-compact"
 _MIN_SCALE = 2.0**-14  # float16's smallest normal
 
 

@@ -14,6 +14,7 @@ from compute_service.model.gguf_quant import QUANTIZED_TYPES, MappedRows, file_q
 from compute_service.model.model_loader import load_model
 from pagedserve_kernels import cpu_ops
 from pagedserve_kernels.quant import QuantizedLinear, pack
+from tests.compute_service.test_cpu_paths import _assert_one_call_gives_the_loops_bits
 from tests.compute_service.test_gguf import PROMPT, _our_greedy, _random_blocks, write_gguf
 
 needs_kernels = pytest.mark.skipif(cpu_ops.load() is None or cpu_ops.load().quant_linear_isa() != "avx512-bf16",
@@ -109,10 +110,11 @@ def test_a_table_read_in_place_widens_as_the_packed_one(tmp_path, bits, group, w
 
 
 @needs_kernels
-def test_a_mixed_k_quant_file_is_served_quantized_in_the_right_rows(tmp_path):
+def test_a_mixed_k_quant_file_is_served_quantized_in_the_right_rows(tmp_path, monkeypatch):
     """q/k Q4_K, v Q6_K (one fused projection, two parts), gate/up Q5_K, the head Q6_K, the embedding
-    table Q4_K: what the model multiplies by is the file's de-quantized weight (scales rounded to
-    float16), q/k rows un-permuted as for the float copy, and its tokens follow the float model's."""
+    table Q4_K: what the model multiplies by is the file's de-quantized weight (K-quant scales exact:
+    compact), q/k rows un-permuted as for the float copy, the one-call C++ layer stack gives the layer
+    loop's bits, and its tokens follow the float model's."""
     import transformers
 
     config = transformers.LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
@@ -143,10 +145,14 @@ def test_a_mixed_k_quant_file_is_served_quantized_in_the_right_rows(tmp_path):
         model.embed_quantized.rows(torch.tensor([5, 128]))
     floats = dict(model_loader._iter_weights(quantized.source.path))
     expected_qkv = torch.cat([floats[f"model.layers.0.self_attn.{n}_proj.weight"] for n in "qkv"])
-    # scale (d * sc) and min (dmin * m) rounded to float16: within 2^-11 of each, times q < 64
-    for ours, file_weights in ((qkv.dequantize(), expected_qkv),
-                               (model.embed_quantized.dequantize(), floats["model.embed_tokens.weight"])):
-        torch.testing.assert_close(ours, file_weights, rtol=0, atol=float(file_weights.abs().max()) * 2e-3)
+    # compact: the file's d * sc and dmin * m exactly (float32 rounding apart)
+    torch.testing.assert_close(qkv.dequantize(), expected_qkv, rtol=0, atol=float(expected_qkv.abs().max()) * 1e-6)
+    # read in place: scale (d * sc) and min (dmin * m) rounded to float16, within 2^-11 of each, times q < 64
+    table_floats = floats["model.embed_tokens.weight"]
+    torch.testing.assert_close(model.embed_quantized.dequantize(), table_floats, rtol=0,
+                               atol=float(table_floats.abs().max()) * 2e-3)
+    assert model.layer_stack().quantized and model.layer_stack().quant_meta
+    _assert_one_call_gives_the_loops_bits(model, monkeypatch)
     reference = load_model(str(path), cache_dir=tmp_path / "cache", device="cpu", dtype="float32").model
     assert reference.quantization == "none"  # float32 activations: auto widens
     assert quantized.fingerprint != load_model(str(path), cache_dir=tmp_path / "cache", device="cpu",

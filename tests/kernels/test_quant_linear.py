@@ -124,13 +124,17 @@ def test_quant_linear_with_a_files_groups_equals_the_dequantized_product(bits, l
 
 def _k_quant(bits: int, group: int, with_min: bool, out_features: int, in_features: int, generator: torch.Generator
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
-    """Integers, scales and mins as a K-quant holds them: each scale (min) a whole multiple (0..63) of its
-    superblock's float16 d (-dmin), with those factors."""
+    """Integers, scales and mins as a K-quant holds them: each scale (min) a whole multiple of its
+    superblock's float16 d (-dmin), with those factors: 0..63 times (Q4_K, Q5_K), -128..127 at 6 bits
+    (Q6_K's signed int8 sc)."""
     low, high = {6: (-32, 32), 4: (0, 16)}[bits]
     q = torch.randint(low, high, (out_features, in_features), generator=generator)
     supers, per = in_features // quant.SUPERBLOCK, quant.SUPERBLOCK // group
     d = (torch.rand(out_features, supers, generator=generator) * 1e-3).half().float()
-    scale = torch.randint(0, 64, (out_features, supers * per), generator=generator) * d.repeat_interleave(per, dim=1)
+    sc_low, sc_high = (-128, 128) if bits == 6 else (0, 64)
+    sc = torch.randint(sc_low, sc_high, (out_features, supers * per), generator=generator)
+    sc[0, :2] = torch.tensor([-128, 127]) if bits == 6 else torch.tensor([0, 63])  # the ends of the range
+    scale = sc * d.repeat_interleave(per, dim=1)
     if not with_min:
         return q, scale, None, d, None
     dmin = -(torch.rand(out_features, supers, generator=generator) * 1e-2).half().float()
@@ -179,6 +183,23 @@ def test_scales_that_are_not_whole_multiples_stay_float16():
     assert not quant.pack(q.clamp(max=15), scale, minimum, 8, d, dmin).compact
     one_scale = scale[:, ::8].contiguous()  # groups of 256: a factor and a multiple would not be smaller
     assert not quant.pack(q, one_scale, None, 4, d, None).compact
+
+
+def test_bad_compact_operands_are_refused_by_name():
+    generator = torch.Generator().manual_seed(4)
+    q, scale, minimum, d, dmin = _k_quant(4, 32, True, 64, 256, generator)
+    weight = quant.pack(q, scale, minimum, 4, d, dmin)
+    x = torch.randn(1, 256).bfloat16()
+    ops = torch.ops.pagedserve_cpu
+    with pytest.raises(RuntimeError, match="compact scales are for 6 and 4 bits, with groups that divide 256"):
+        ops.quant_linear(x, weight.q, weight.scales, weight.mins, None, 8, 32, 64, False, False)
+    with pytest.raises(RuntimeError, match="compact scales are for 6 and 4 bits, with groups that divide 256"):
+        ops.quant_linear(x, weight.q, weight.scales, weight.mins, None, 4, 24, 64, False, False)
+    with pytest.raises(RuntimeError, match="scales must be"):
+        ops.quant_linear(x, weight.q, weight.scales[..., :-1].contiguous(), None, None, 4, 32, 64, False, False)
+    with pytest.raises(RuntimeError, match="mins must match scales"):
+        ops.quant_linear(x, weight.q, weight.scales, torch.zeros(1, 8, 64).half(), None, 4, 32, 64, False, False)
+    assert torch.isfinite(ops.quant_linear(x, weight.q, weight.scales, weight.mins, None, 4, 32, 64, False, False)).all()
 
 
 def test_quantize_rounds_to_the_nearest_level_per_group():

@@ -568,11 +568,14 @@ quant_linear::Weight quant_weight(const at::Tensor& q, const at::Tensor& scales,
   const bool compact = scales.scalar_type() == at::kByte;
   TORCH_CHECK(scales.device().is_cpu() && (scales.scalar_type() == at::kHalf || compact),
               "quant_linear: scales must be float16 (or compact uint8) on the CPU");
+  TORCH_CHECK(q.device().is_cpu() && (!mins.has_value() || mins->device().is_cpu()),
+              "quant_linear: q and mins must be on the CPU");
+  TORCH_CHECK(!compact || ((bits == 6 || bits == 4) && kSuperK % group == 0),
+              "quant_linear: compact scales are for 6 and 4 bits, with groups that divide 256, got bits ", bits,
+              " and group ", group);
   const int64_t row = compact ? 2 * kBlockN + kSuperK / group * kBlockN : kBlockN;
   TORCH_CHECK(scales.dim() == 3 && scales.size(2) == row && scales.is_contiguous(),
               "quant_linear: scales must be (blocks, K / ", compact ? "256" : "group", ", ", row, ") contiguous");
-  TORCH_CHECK(!compact || ((bits == 6 || bits == 4) && kSuperK % group == 0),
-              "quant_linear: compact scales are for 6 and 4 bits, with groups that divide 256");
   const int64_t blocks = scales.size(0), K = scales.size(1) * (compact ? kSuperK : group);
   TORCH_CHECK(K > 0, "quant_linear: no inputs");
   TORCH_CHECK(q.is_contiguous() && q.scalar_type() == (bits == 8 ? at::kChar : at::kByte) &&

@@ -153,12 +153,22 @@ inline at::Tensor dequantize_scalar(const Weight& w) {
 
 inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh&>(x); }
 
-// Columns [16c, 16c + 16) of group g of block b's scales (or mins: `at`) as float32, as `group_value`.
+// Columns [16c, 16c + 16) of group g of block b's float16 scales (or mins: `at`) as float32.
 inline __m512 group16(const Weight& w, const void* at, int64_t b, int64_t g, int c) {
-  if (!w.compact) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.halves(at, b, g) + 16 * c)));
-  alignas(64) float values[16];  // the de-quantizing paths only: not per value
-  for (int j = 0; j < 16; ++j) values[j] = w.group_value(at, b, g, 16 * c + j);
-  return _mm512_load_ps(values);
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.halves(at, b, g) + 16 * c)));
+}
+
+// Four registers of 64 columns from the natural order (register c, lane j: column 16c + j) to the 4-
+// and 6-bit paths' (`Weight::x_position`: register X, lane l: column 16 (l / 4) + 4 X + l % 4), and,
+// the same exchange, back.
+inline void swap_order(const __m512 in[4], __m512 out[4]) {
+  for (int X = 0; X < 4; ++X) {  // lanes 4c..4c+3 of out[X]: lanes 4X..4X+3 of in[c]
+    const int o = 4 * X;
+    const __m512i lo_idx = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 19 + o, 18 + o, 17 + o, 16 + o, 3 + o, 2 + o, 1 + o, o);
+    const __m512i hi_idx = _mm512_set_epi32(19 + o, 18 + o, 17 + o, 16 + o, 3 + o, 2 + o, 1 + o, o, 0, 0, 0, 0, 0, 0, 0, 0);
+    out[X] = _mm512_mask_blend_ps(0xFF00, _mm512_permutex2var_ps(in[0], lo_idx, in[1]),
+                                  _mm512_permutex2var_ps(in[2], hi_idx, in[3]));
+  }
 }
 
 // Group g of block b's 64 scales (or mins: `at`) as four registers in the 4- and 6-bit paths' column
@@ -180,13 +190,19 @@ __attribute__((always_inline)) inline void group_x(const Weight& w, const void* 
   }
   __m512 v[4];
   for (int c = 0; c < 4; ++c) v[c] = group16(w, at, b, g, c);
-  for (int X = 0; X < 4; ++X) {  // lanes 4c..4c+3 of register X: columns 16c + 4X .. +3
-    const int o = 4 * X;
-    const __m512i lo_idx = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 19 + o, 18 + o, 17 + o, 16 + o, 3 + o, 2 + o, 1 + o, o);
-    const __m512i hi_idx = _mm512_set_epi32(19 + o, 18 + o, 17 + o, 16 + o, 3 + o, 2 + o, 1 + o, o, 0, 0, 0, 0, 0, 0, 0, 0);
-    out[X] = _mm512_mask_blend_ps(0xFF00, _mm512_permutex2var_ps(v[0], lo_idx, v[1]),
-                                  _mm512_permutex2var_ps(v[2], hi_idx, v[3]));
+  swap_order(v, out);
+}
+
+// Group g of block b's 64 scales (or mins) in the natural order (register c: columns 16c..16c + 15).
+__attribute__((always_inline)) inline void group_natural(const Weight& w, const void* at, int64_t b, int64_t g,
+                                                         __m512 out[4]) {
+  if (!w.compact) {
+    for (int c = 0; c < 4; ++c) out[c] = group16(w, at, b, g, c);
+    return;
   }
+  __m512 x[4];
+  group_x(w, at, b, g, x);
+  swap_order(x, out);
 }
 
 // A pair row of a 6-bit block (96 bytes at `row`) as two registers of bytes u = q + 32 (0..63): byte j of
@@ -215,10 +231,15 @@ inline void dequantize_bits(const Weight& w, int64_t b, int64_t k0, int64_t kc, 
   int64_t k = k0;
   while (k < k0 + kc) {
     const int64_t g = k / w.group, stop = std::min(k0 + kc, (g + 1) * w.group);
-    __m512 s_lo[4], s_hi[4], m_lo[4], m_hi[4];
+    __m512 s_lo[4], s_hi[4], m_lo[4], m_hi[4], S[4], Mn[4];
+    group_natural(w, w.scales, b, g, S);
+    if (w.mins) {
+      group_natural(w, w.mins, b, g, Mn);
+    } else {
+      for (int c = 0; c < 4; ++c) Mn[c] = _mm512_setzero_ps();
+    }
     for (int c = 0; c < 4; ++c) {
-      const __m512 s = group16(w, w.scales, b, g, c);
-      const __m512 m = w.mins ? group16(w, w.mins, b, g, c) : _mm512_setzero_ps();
+      const __m512 s = S[c], m = Mn[c];
       s_lo[c] = _mm512_permutexvar_ps(spread_lo, s), s_hi[c] = _mm512_permutexvar_ps(spread_hi, s);
       m_lo[c] = _mm512_permutexvar_ps(spread_lo, m), m_hi[c] = _mm512_permutexvar_ps(spread_hi, m);
     }
@@ -374,7 +395,7 @@ inline void fused_rows(const Weight& w, int64_t b, const c10::BFloat16* x, int64
   }
 }
 
-// The few-row path at 4 bits (rows [0, MR) of x; `xsum` (MR, K / group): each row's sum over each group,
+// The few-row path at 4 and 6 bits (rows [0, MR) of x; `xsum` (MR, K / group): each row's sum over each group,
 // for the mins). Nibbles become bf16 by table lookup, exactly (0..15 are bf16 values): per pair row the
 // block's 64 bytes split into low and high nibbles, two `vpshufb` per half give each value's bf16 low
 // and high byte, and byte interleaves make the words: 4 registers of 16 columns x 2 inputs, columns in
@@ -383,7 +404,8 @@ inline void fused_rows(const Weight& w, int64_t b, const c10::BFloat16* x, int64
 // added (scale * sum(x q) + min * sum(x)): one multiply-add per group instead of one per value.
 // At 6 bits each value u = q + 32 becomes the bf16 word 0x43 << 8 | u, exactly 128 + u (an 8-bit
 // exponent for 128, u in the mantissa's 7 bits): no table, and the group's sum takes the 160 back as
-// -160 * scale * sum(x), folded into its min.
+// -160 * scale * sum(x), folded into its min (the float32 sums carry the 160 and lose ~3 of their 24
+// bits to it: within the tests' 1e-5).
 template <int BITS, int MR>
 inline void fused_nibbles(const Weight& w, int64_t b, const c10::BFloat16* x, int64_t ldx, const float* xsum,
                           float* c) {
