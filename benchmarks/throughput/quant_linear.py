@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> None:
     summary: dict = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "amx_tiles": tiles,
                      "layers": args.layers, "bytes_per_layer": bytes_per_layer}
     ops = torch.ops.pagedserve_cpu
-    columns = ["bf16"] + [f"{scheme}{suffix}" for suffix in (("", "_dots") if tiles else ("_dots",)) for scheme in SCHEMES]
+    suffixes = ("", "_dots") if tiles else ("_dots",)
+    columns = ["bf16"] + [f"{scheme}{suffix}" for suffix in suffixes for scheme in SCHEMES]
     print(f"{'rows':>5} " + " ".join(f"{c.replace('_dots', ' dots'):>14}" for c in columns) + "   ms/layer (GB/s)")
     for rows in args.rows:
         xs = {name: torch.randn(rows, inputs, generator=generator).bfloat16() for name, (_, inputs) in SHAPES.items()}

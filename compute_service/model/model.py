@@ -363,13 +363,10 @@ def _from_file(pieces: list[tuple[str, int, int]], file_weights: Mapping[str, Fi
         run = list(run)
         quants = [quant for quant, _ in run]
 
-        def joined(field: str) -> torch.Tensor | None:  # the run's rows of an optional field, or None
-            values = [getattr(quant, field) for quant in quants]
-            return None if any(value is None for value in values) else torch.cat(values)
-
         try:
-            part = pack(torch.cat([q.q for q in quants]), torch.cat([q.scale for q in quants]), joined("minimum"),
-                        quants[0].bits, joined("scale_factor"), joined("min_factor"))
+            part = pack(torch.cat([q.q for q in quants]), torch.cat([q.scale for q in quants]),
+                        _joined(quants, "minimum"), quants[0].bits, _joined(quants, "scale_factor"),
+                        _joined(quants, "min_factor"))
         except ValueError as error:
             raise ValueError(f"GGUF tensor(s) {[name for name, _, _ in pieces]}: {error}") from None
         first, last = run[0][1], run[-1][1]
@@ -378,7 +375,13 @@ def _from_file(pieces: list[tuple[str, int, int]], file_weights: Mapping[str, Fi
     return QuantizedLinear(tuple(parts), label)
 
 
+def _joined(quants: list[FileQuantization], field: str) -> torch.Tensor | None:
+    """The pieces' rows of an optional field, concatenated; None unless every piece has it."""
+    values = [getattr(quant, field) for quant in quants]
+    return None if any(value is None for value in values) else torch.cat(values)
+
+
 def _format(quant: FileQuantization) -> tuple[int, int, bool]:
     """What decides whether two pieces can share a packed part: bits, inputs per group, mins or not (a
-    run that mixes K-quants with other types holds float16 scales: `joined` gives no factors)."""
+    run that mixes K-quants with other types holds float16 scales: `_joined` gives no factors)."""
     return quant.bits, quant.q.shape[1] // quant.scale.shape[1], quant.minimum is None

@@ -163,7 +163,8 @@ def pack(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None, bit
     scale_multiples = min_multiples = None
     # (compact where it is smaller: 2 + SUPERBLOCK / group bytes a column and superblock against 2 per group)
     if (scale_factor is not None and bits in (4, 6) and inputs % SUPERBLOCK == 0 and SUPERBLOCK % group == 0
-            and SUPERBLOCK // group > 2 and scale_factor.shape == (out, inputs // SUPERBLOCK) and (minimum is None) == (min_factor is None)):
+            and SUPERBLOCK // group > 2 and scale_factor.shape == (out, inputs // SUPERBLOCK)
+            and (minimum is None) == (min_factor is None)):
         scale_multiples = _multiples(scale, scale_factor)
         if minimum is not None and min_factor is not None and min_factor.shape == scale_factor.shape:
             min_multiples = _multiples(minimum, min_factor)
@@ -185,7 +186,8 @@ def _multiples(values: torch.Tensor, factor: torch.Tensor) -> torch.Tensor | Non
         return None
     f = factor.float().repeat_interleave(groups // factor.shape[1], dim=1)
     multiples = torch.round(values.float() / torch.where(f == 0, 1.0, f))
-    ok = bool(((-128 <= multiples) & (multiples <= 127)).all()) and torch.allclose(multiples * f, values.float(), rtol=2.0**-16, atol=0.0)
+    in_range = bool(((-128 <= multiples) & (multiples <= 127)).all())
+    ok = in_range and torch.allclose(multiples * f, values.float(), rtol=2.0**-16, atol=0.0)
     return multiples.to(torch.int8) if ok else None
 
 

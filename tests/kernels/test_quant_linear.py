@@ -199,7 +199,8 @@ def test_bad_compact_operands_are_refused_by_name():
         ops.quant_linear(x, weight.q, weight.scales[..., :-1].contiguous(), None, None, 4, 32, 64, False, False)
     with pytest.raises(RuntimeError, match="mins must match scales"):
         ops.quant_linear(x, weight.q, weight.scales, torch.zeros(1, 8, 64).half(), None, 4, 32, 64, False, False)
-    assert torch.isfinite(ops.quant_linear(x, weight.q, weight.scales, weight.mins, None, 4, 32, 64, False, False)).all()
+    y = ops.quant_linear(x, weight.q, weight.scales, weight.mins, None, 4, 32, 64, False, False)
+    assert torch.isfinite(y).all()
 
 
 def test_quantize_rounds_to_the_nearest_level_per_group():
@@ -272,7 +273,8 @@ def test_bad_operands_are_refused_by_name():
 
 @pytest.mark.skipif(not quant.vnni_rows(), reason="int8 activations run on CPUs with AVX512-VNNI and no AMX tiles")
 @pytest.mark.parametrize(("bits", "group", "with_min"),
-                         [(8, 16, False), (8, 128, False), (6, 16, False), (6, 32, True), (4, 32, True), (4, 32, False)])
+                         [(8, 16, False), (8, 128, False), (6, 16, False), (6, 32, True), (4, 32, True),
+                          (4, 32, False)])
 @pytest.mark.parametrize("rows", [3, 4, 5, 6, 7, 32])
 def test_int8_activations_keep_outliers_zeros_and_every_row_count(bits, group, with_min, rows):
     """The VNNI path (csrc/quant_linear.h `vnni_block`) at every remainder of its 4-row passes, with an
