@@ -110,16 +110,22 @@ def test_quant_linear_with_a_files_groups_equals_the_dequantized_product(bits, l
     scale = (torch.rand(out_features, in_features // group, generator=generator) * 0.01).half().float()
     minimum = -(torch.rand(out_features, in_features // group, generator=generator) * 0.1) if with_min else None
     weight = quant.pack(q, scale, minimum, bits)
-    x = torch.randn(rows, in_features, generator=generator).bfloat16()
+    _assert_every_path_gives_the_reference(torch.randn(rows, in_features, generator=generator).bfloat16(), weight)
+
+
+def _assert_every_path_gives_the_reference(x: torch.Tensor, weight: quant.QuantizedWeight) -> None:
+    """float32 out on each path (tiles where the CPU has them) against `_reference`, and bf16 out (200
+    rows: oneDNN's matmul on the widened blocks, csrc/quant_linear.h `linear_onednn`) rounded once."""
+    def run(tiles: bool, float_out: bool) -> torch.Tensor:
+        return torch.ops.pagedserve_cpu.quant_linear(x, weight.q, weight.scales, weight.mins, None, weight.bits,
+                                                     weight.group, weight.out_features, tiles, float_out)
+
     for tiles in _paths():
-        y = torch.ops.pagedserve_cpu.quant_linear(x, weight.q, weight.scales, weight.mins, None, bits, group,
-                                                  out_features, tiles, True)
-        torch.testing.assert_close(y.double(), _reference(x, weight, tiles), rtol=1e-5, atol=1e-4, msg=f"tiles={tiles}")
-    # bf16 out (200 rows: oneDNN's matmul on the widened blocks, csrc/quant_linear.h `linear_onednn`)
-    rounded = torch.ops.pagedserve_cpu.quant_linear(x, weight.q, weight.scales, weight.mins, None, bits, group,
-                                                    out_features, quant.tiles(), False)
+        torch.testing.assert_close(run(tiles, True).double(), _reference(x, weight, tiles), rtol=1e-5, atol=1e-4,
+                                   msg=f"tiles={tiles}")
     reference = _reference(x, weight, quant.tiles())
-    torch.testing.assert_close(rounded.float(), reference.float().bfloat16().float(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(run(quant.tiles(), False).float(), reference.float().bfloat16().float(), rtol=1e-2,
+                               atol=1e-2)
 
 
 def _k_quant(bits: int, group: int, with_min: bool, out_features: int, in_features: int, generator: torch.Generator
@@ -159,15 +165,7 @@ def test_compact_k_quant_scales_equal_the_product_of_the_weight_they_stand_for(b
     torch.testing.assert_close(weight.dequantize(), expected, rtol=0, atol=0)  # exact, not float16-rounded
     ids = torch.tensor([0, 135, 64, 7])
     torch.testing.assert_close(quant.QuantizedLinear((weight,), "Q4_K").rows(ids), expected[ids], rtol=0, atol=0)
-    x = torch.randn(rows, in_features, generator=generator).bfloat16()
-    for tiles in _paths():
-        y = torch.ops.pagedserve_cpu.quant_linear(x, weight.q, weight.scales, weight.mins, None, bits, group,
-                                                  out_features, tiles, True)
-        torch.testing.assert_close(y.double(), _reference(x, weight, tiles), rtol=1e-5, atol=1e-4, msg=f"tiles={tiles}")
-    rounded = torch.ops.pagedserve_cpu.quant_linear(x, weight.q, weight.scales, weight.mins, None, bits, group,
-                                                    out_features, quant.tiles(), False)
-    torch.testing.assert_close(rounded.float(), _reference(x, weight, quant.tiles()).float().bfloat16().float(),
-                               rtol=1e-2, atol=1e-2)
+    _assert_every_path_gives_the_reference(torch.randn(rows, in_features, generator=generator).bfloat16(), weight)
 
 
 def test_scales_that_are_not_whole_multiples_stay_float16():

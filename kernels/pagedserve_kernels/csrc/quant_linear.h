@@ -739,7 +739,7 @@ inline __m512i vnni_columns(int X) {
 
 // Group g of block b's 64 scales (or mins: `at`) as four registers in the column order of `cols`.
 inline void in_column_order(const Weight& w, const void* at, int64_t b, int64_t g, const __m512i cols[4], __m512 out[4]) {
-  if (w.compact) {  // 4 and 6 bits only: `cols` is their order, the one compact multiples are stored in
+  if (w.bits != 8) {  // 4 and 6 bits: `cols` is `group_x`'s order (compact scales are stored in it)
     group_x(w, at, b, g, out);
     return;
   }
