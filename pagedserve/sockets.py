@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import socket
 import stat
 from collections.abc import Iterator
@@ -116,9 +117,32 @@ def bind(server: grpc.Server | grpc.aio.Server, address: str,
     return f"{host}:{port}"
 
 
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (32768 where it cannot be read)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on ``host`` a moment ago (for a child process's --listen)."""
-    with socket.socket() as probe:
+    """A TCP port that was free on ``host`` a moment ago (for a child process's --listen).
+
+    Drawn at random from the 16k ports just below the kernel's ephemeral range, not from it: a port
+    the kernel hands out (bind to 0) is the kind it also gives every outgoing connection, so between
+    this probe and the child's bind another process's client socket could take it ("Address already
+    in use"; seen with parallel test workers). Below the range only another explicit bind can."""
+    high = _ephemeral_low()
+    low = max(1024, high - 16384)
+    for _ in range(64):
+        port = random.randrange(low, high)
+        with socket.socket() as probe:
+            try:
+                probe.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as probe:  # a crowded range: the kernel's choice
         probe.bind((host, 0))
         return probe.getsockname()[1]
 
