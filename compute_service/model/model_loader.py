@@ -35,6 +35,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from pagedserve.cpu_preload import release_free_memory
+from pagedserve.hf_tokenizer import load_hf_tokenizer
 from pagedserve.dtypes import AUTO, QUANTIZATIONS, dtype_name, parse_dtype, resolve_auto
 from pagedserve.paths import cache_dir as pagedserve_cache_dir
 
@@ -241,9 +242,7 @@ def load_tokenizer(path: Path) -> Any | None:
     """The directory's tokenizer (chat template included), or None if it has no tokenizer files."""
     if not any((path / name).is_file() for name in _TOKENIZER_FILES):
         return None
-    from transformers import AutoTokenizer  # tokenization code only, no modeling code
-
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return load_hf_tokenizer(path)
 
 
 def _resolve_gguf(path: Path, model: str, root: Path) -> ModelSource:

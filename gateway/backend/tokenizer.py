@@ -28,6 +28,7 @@ from gateway.core.types import ModelInfo
 from pagedserve.compute.v1 import compute_pb2, compute_pb2_grpc
 from pagedserve.cpu_preload import release_free_memory
 from pagedserve.errors import InvalidArgument, echo
+from pagedserve.hf_tokenizer import load_hf_tokenizer
 
 
 class TokenizerFetchError(RuntimeError):
@@ -239,7 +240,7 @@ async def fetch_tokenizer(stub: compute_pb2_grpc.ComputeStub, info: compute_pb2.
             if path.stat().st_size != meta.size or _sha256_of(path) != meta.sha256:
                 raise TokenizerFetchError(f"tokenizer file {name} failed its size or sha256 check")
         try:
-            hf_tokenizer = await asyncio.to_thread(_load, Path(directory))
+            hf_tokenizer = await asyncio.to_thread(load_hf_tokenizer, Path(directory))
         except Exception as exc:  # whatever transformers raises on files it cannot use
             raise TokenizerFetchError(f"transformers cannot load the tokenizer: {type(exc).__name__}: "
                                       f"{str(exc)[:200]}") from None
@@ -254,15 +255,3 @@ async def fetch_tokenizer(stub: compute_pb2_grpc.ComputeStub, info: compute_pb2.
 def _token_texts(hf_tokenizer: Any) -> list[str]:
     """``decode([i])`` of every id of the vocabulary (added tokens included), in one batch."""
     return list(hf_tokenizer.batch_decode([[i] for i in range(len(hf_tokenizer))]))
-
-
-def _load(directory: Path) -> Any:
-    # The fast tokenizer class needs no torch; AutoTokenizer (which imports it) only when a model
-    # ships a slow-only tokenizer.
-    if (directory / "tokenizer.json").exists():
-        from transformers import PreTrainedTokenizerFast
-
-        return PreTrainedTokenizerFast.from_pretrained(str(directory))
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(directory))
