@@ -792,43 +792,101 @@ inline void unpack_quad(const uint8_t* q, int64_t quad, __m512i W[4]) {
   }
 }
 
+// The integer sums of MR rows over one activation block (`block_quads` quads from quad u0) of the
+// unpacked weight in wq (4 registers a quad): part[i][X] for row i's 16 columns of register X. Kept
+// apart from the float accumulators, so that the 4 MR sums, the quad's 4 weight registers and the
+// broadcast stay in registers (with the float sums live too, 32 and more, GCC spilled and shuffled).
+template <int MR, int QUADS>
+__attribute__((always_inline)) inline void vnni_sums(const __m512i* wq, int64_t u0, int64_t block_quads,
+                                                    const int8_t* a, int64_t lda, __m512i part[MR][4]) {
+  for (int i = 0; i < MR; ++i)
+    for (int X = 0; X < 4; ++X) part[i][X] = _mm512_setzero_si512();
+  const int64_t n = QUADS > 0 ? QUADS : block_quads;
+#pragma GCC unroll 8
+  for (int64_t u = u0; u < u0 + n; ++u) {
+    const __m512i W0 = wq[4 * u], W1 = wq[4 * u + 1], W2 = wq[4 * u + 2], W3 = wq[4 * u + 3];
+    for (int i = 0; i < MR; ++i) {
+      int32_t quad_bits;
+      std::memcpy(&quad_bits, a + i * lda + 4 * u, sizeof(quad_bits));
+      const __m512i xv = _mm512_set1_epi32(quad_bits);
+      part[i][0] = _mm512_dpbusd_epi32(part[i][0], W0, xv);
+      part[i][1] = _mm512_dpbusd_epi32(part[i][1], W1, xv);
+      part[i][2] = _mm512_dpbusd_epi32(part[i][2], W2, xv);
+      part[i][3] = _mm512_dpbusd_epi32(part[i][3], W3, xv);
+    }
+  }
+}
+
+// vnni_sums for 4 rows and 8 quads (the decode batches' case), its 16 sums as named variables: with an
+// array GCC 12 kept them in registers but copied each one to another register every quad.
+__attribute__((always_inline)) inline void vnni_sums_4x8(const __m512i* wq, int64_t u0, const int8_t* a, int64_t lda,
+                                                        __m512i part[4][4]) {
+  __m512i s00 = _mm512_setzero_si512(), s01 = s00, s02 = s00, s03 = s00, s10 = s00, s11 = s00, s12 = s00, s13 = s00;
+  __m512i s20 = s00, s21 = s00, s22 = s00, s23 = s00, s30 = s00, s31 = s00, s32 = s00, s33 = s00;
+  const int8_t* a0 = a + 4 * u0;
+  const __m512i* w = wq + 4 * u0;
+#define PS_VNNI_ROW(I, P)                                                    \
+  {                                                                        \
+    int32_t bits;                                                          \
+    std::memcpy(&bits, a0 + (I) * lda + 4 * u, sizeof(bits));              \
+    const __m512i xv = _mm512_set1_epi32(bits);                            \
+    P##0 = _mm512_dpbusd_epi32(P##0, W0, xv);                              \
+    P##1 = _mm512_dpbusd_epi32(P##1, W1, xv);                              \
+    P##2 = _mm512_dpbusd_epi32(P##2, W2, xv);                              \
+    P##3 = _mm512_dpbusd_epi32(P##3, W3, xv);                              \
+  }
+#pragma GCC unroll 8
+  for (int u = 0; u < 8; ++u) {
+    const __m512i W0 = w[4 * u], W1 = w[4 * u + 1], W2 = w[4 * u + 2], W3 = w[4 * u + 3];
+    PS_VNNI_ROW(0, s0)
+    PS_VNNI_ROW(1, s1)
+    PS_VNNI_ROW(2, s2)
+    PS_VNNI_ROW(3, s3)
+  }
+#undef PS_VNNI_ROW
+  part[0][0] = s00; part[0][1] = s01; part[0][2] = s02; part[0][3] = s03;
+  part[1][0] = s10; part[1][1] = s11; part[1][2] = s12; part[1][3] = s13;
+  part[2][0] = s20; part[2][1] = s21; part[2][2] = s22; part[2][3] = s23;
+  part[3][0] = s30; part[3][1] = s31; part[3][2] = s32; part[3][3] = s33;
+}
+
 // c (MR, kBlockN) float32 in `vnni_columns` order (+)= rows [0, MR) of the int8 activations (row stride
 // lda, from the group's first input) times one group of the weight, unpacked in wq (4 registers a quad),
 // `quads` of them in blocks of `block_quads` (an activation scale each: sx, sumx, row stride `blocks`);
-// xmin: each row's group_sum (row stride `groups`), for the mins.
+// xmin: each row's group_sum (row stride `groups`), for the mins. Each block's integer sums are scaled
+// into c in memory (L1), not into registers held across the block.
 template <int BITS, int MR>
 inline void vnni_group(const __m512i* wq, int64_t quads, int64_t block_quads, const int8_t* a, int64_t lda,
                        const float* sx, const int32_t* sumx, int64_t blocks, const float* xmin, int64_t groups,
                        const __m512 scale[4], const __m512* minimum, float* c) {
-  __m512 acc[MR][4];
-  for (int i = 0; i < MR; ++i)
-    for (int X = 0; X < 4; ++X) acc[i][X] = _mm512_loadu_ps(c + i * kBlockN + 16 * X);
   for (int64_t u0 = 0, j = 0; u0 < quads; u0 += block_quads, ++j) {
     __m512i part[MR][4];
-    for (int i = 0; i < MR; ++i)
-      for (int X = 0; X < 4; ++X) part[i][X] = _mm512_setzero_si512();
-    for (int64_t u = u0; u < u0 + block_quads; ++u) {
-      for (int i = 0; i < MR; ++i) {
-        int32_t quad_bits;
-        std::memcpy(&quad_bits, a + i * lda + 4 * u, sizeof(quad_bits));
-        const __m512i xv = _mm512_set1_epi32(quad_bits);
-        for (int X = 0; X < 4; ++X) part[i][X] = _mm512_dpbusd_epi32(part[i][X], wq[4 * u + X], xv);
-      }
+    if constexpr (MR == 4) {
+      if (block_quads == 8) vnni_sums_4x8(wq, u0, a, lda, part);
+      else vnni_sums<MR, 0>(wq, u0, block_quads, a, lda, part);
+    } else if (block_quads == 8) {  // activation blocks of 32 inputs: the usual case, unrolled
+      vnni_sums<MR, 8>(wq, u0, block_quads, a, lda, part);
+    } else {
+      vnni_sums<MR, 0>(wq, u0, block_quads, a, lda, part);
     }
     for (int i = 0; i < MR; ++i) {
       const __m512 s = _mm512_set1_ps(sx[i * blocks + j]);
       const __m512i offset = _mm512_set1_epi32((BITS == 8 ? 128 : 32) * sumx[i * blocks + j]);
       for (int X = 0; X < 4; ++X) {
         const __m512i sum = BITS != 4 ? _mm512_sub_epi32(part[i][X], offset) : part[i][X];
-        acc[i][X] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum), s), scale[X], acc[i][X]);
+        float* at = c + i * kBlockN + 16 * X;
+        _mm512_storeu_ps(at, _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum), s), scale[X], _mm512_loadu_ps(at)));
       }
+      // A row at a time: else GCC loads all 16 float sums at once, spills them and copies them back.
+      asm volatile("" ::: "memory");
     }
   }
+  if (!minimum) return;
   for (int i = 0; i < MR; ++i) {
-    const __m512 min_x = _mm512_set1_ps(minimum ? xmin[i * groups] : 0.0f);
+    const __m512 min_x = _mm512_set1_ps(xmin[i * groups]);
     for (int X = 0; X < 4; ++X) {
-      if (minimum) acc[i][X] = _mm512_fmadd_ps(minimum[X], min_x, acc[i][X]);
-      _mm512_storeu_ps(c + i * kBlockN + 16 * X, acc[i][X]);
+      float* at = c + i * kBlockN + 16 * X;
+      _mm512_storeu_ps(at, _mm512_fmadd_ps(minimum[X], min_x, _mm512_loadu_ps(at)));
     }
   }
 }
