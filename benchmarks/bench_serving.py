@@ -247,10 +247,12 @@ def run(args: argparse.Namespace) -> dict:
 def run_peer(args: argparse.Namespace, specs: list[RequestSpec], summary: dict) -> None:
     """vLLM on the same requests, after our stack stopped; its figures and the ratios join ``summary``."""
     from benchmarks.serving import peer
-    from compute_service.model.model_loader import resolve_model
+    from compute_service.model.model_loader import ensure_float_weights, resolve_model
 
+    source = resolve_model(args.model)
+    ensure_float_weights(source)  # vLLM reads the directory as a float checkpoint
     with tempfile.TemporaryDirectory(prefix="bench-serving-vllm-") as tmp:
-        theirs = peer.run_vllm(resolve_model(args.model).path, specs, args, Path(tmp) / "vllm.log", say)
+        theirs = peer.run_vllm(source.path, specs, args, Path(tmp) / "vllm.log", say)
     report.print_table(theirs["baseline"], theirs["rates"])
     comparison = peer.compare(summary, theirs)
     peer.print_comparison(comparison)

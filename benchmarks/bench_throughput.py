@@ -72,7 +72,7 @@ from benchmarks.throughput.workload import (
 from compute_service import LLM, SamplingParams
 from compute_service.engine.outputs import RequestOutput, collect
 from compute_service.model.model_config import ModelConfig
-from compute_service.model.model_loader import load_tokenizer, resolve_model
+from compute_service.model.model_loader import ensure_float_weights, load_tokenizer, resolve_model
 from pagedserve.dtypes import AUTO, DTYPES, resolve_auto
 from pagedserve.log import configure_logging
 
@@ -340,7 +340,10 @@ def main() -> None:
             model_dir = build_random_model(args.random_model_config, dtype, tmp)
             model_arg = str(model_dir)
         else:
-            model_arg, model_dir = args.model, resolve_model(args.model).path
+            source = resolve_model(args.model)
+            model_arg, model_dir = args.model, source.path
+            if args.baselines or args.peer == "vllm":  # they read the directory as a float checkpoint
+                ensure_float_weights(source)
         config = ModelConfig.from_dir(model_dir, name=model_dir.name)
         special = {*config.eos_token_ids, *([config.bos_token_id] if config.bos_token_id is not None else [])}
         special |= set(getattr(load_tokenizer(model_dir), "all_special_ids", None) or [])

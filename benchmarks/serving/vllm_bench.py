@@ -224,11 +224,12 @@ def print_comparison(comparison: dict, peer: str = "vllm") -> None:
 def run(args: argparse.Namespace, start_ours, say) -> dict:
     """Ours (``start_ours()``: a started stack and its HTTP base URL, or ``args.gateway``), then the
     ``--peer`` (vllm or llamacpp); returns the summary bench_serving prints as its JSON line."""
-    from compute_service.model.model_loader import load_tokenizer, resolve_model
+    from compute_service.model.model_loader import ensure_float_weights, load_tokenizer, resolve_model
     from benchmarks.serving.vllm_server import VllmServer
     from benchmarks.serving.llama_server import LlamaServer
 
-    model_dir = resolve_model(args.model).path
+    source = resolve_model(args.model)
+    model_dir = source.path
     tokenizer = load_tokenizer(model_dir)
     python = vllm_peer.vllm_python()
     runs = phases(args)
@@ -250,6 +251,7 @@ def run(args: argparse.Namespace, start_ours, say) -> dict:
         summary["ours_dtype"] = args.dtype or "auto"
         summary["ours_quantization"] = args.quantization or "auto"
         if args.peer == "vllm":
+            ensure_float_weights(source)  # vLLM reads the directory as a float checkpoint
             server = VllmServer(model_dir, args.kv_cache_bytes, args.max_num_seqs, args.max_num_batched_tokens,
                                 ngram_k=args.vllm_ngram, log_file=work / "vllm.log", dtype=args.vllm_dtype)
             say(f"vllm {args.vllm_dtype}: starting its OpenAI server (compiles its model, ~1-2 min, not timed)")

@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from compute_service.model.model_loader import resolve_model
+from compute_service.model.model_loader import ensure_float_weights, resolve_model
 from pagedserve.dtypes import DTYPES
 
 BLOCK_BYTES = 128 << 20
@@ -82,10 +82,12 @@ def main(argv: list[str] | None = None) -> None:
     threads = args.threads or sorted({1, cpus})
     load = round(os.getloadavg()[0], 2)
     bandwidth = [read_gbps(int(args.gib * (1 << 30)), t, args.repeats) for t in threads]
-    weights = weight_bytes(resolve_model(args.model).path, DTYPES[args.dtype].itemsize)
+    source = resolve_model(args.model)
+    ensure_float_weights(source)  # every matrix's shape, a GGUF's quantized ones included
+    weights = weight_bytes(source.path, DTYPES[args.dtype].itemsize)
     best = max(b["read_gbps"] for b in bandwidth)
     floor_ms = weights["bytes_read_per_step"] / (best * 1e9) * 1e3
-    summary = {"model": resolve_model(args.model).path.name, "dtype": args.dtype, **weights,
+    summary = {"model": source.path.name, "dtype": args.dtype, **weights,
                "bandwidth": bandwidth, "best_read_gbps": best, "tpot_floor_ms": round(floor_ms, 2),
                "tpot_2x_floor_ms": round(2 * floor_ms, 2), "load_avg_start": load,
                "load_avg_end": round(os.getloadavg()[0], 2)}

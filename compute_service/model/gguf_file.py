@@ -11,12 +11,18 @@ safetensors shards. The model loader caches that directory under
 `<cache root>/models/<file stem>-<sha256 prefix>`, keyed by the file's sha256 (`file_sha256`), so
 each file is converted once and a changed file is converted again.
 
-Why de-quantize into float32 (F16 and BF16 tensors stay as they are, exactly): a float32 copy makes
-"our float32" the exact de-quantized model that accuracy is measured against, and serves
-`--quantization none`. Beside it the conversion writes the file's own quantization (`QUANTIZED_FILE`:
-each quantized matrix's integers, per-group scales and mins, read from its blocks by
+What the conversion writes of the weights: the file's own quantization (`QUANTIZED_FILE`: each
+quantized matrix's integers, per-group scales and mins, read from its blocks by
 compute_service/model/gguf_quant.py, and `QUANTIZATION_INDEX` naming each one's type), which
-`--quantization auto` serves as it is: the weights stay quantized in memory and are computed on.
+`--quantization auto` serves as it is (the weights stay quantized in memory and are computed on),
+and safetensors shards of the tensors the file holds in floats (F32, F16 and BF16, exactly as
+stored: norms, biases, and any matrix the file left unquantized). The float32 copies of the quantized
+matrices (`write_dequantized`, shards named `DEQUANTIZED_PREFIX`-*) are written only when a load
+reads them: `--quantization none`, `int8` or `int4`, a device where the quantized kernels do not
+run, or a plain checkpoint reader (vLLM in the benchmarks). They make "our float32" the exact
+de-quantized model that accuracy is measured against; for a 1.1 GB Q4_K_M file of a 1.5B model they
+are 7.1 GB, which a server at `auto` never reads, so it never writes them either. Both writers check
+the free space first and refuse with what they need and where.
 
 Why a list of tensor types rather than whatever `gguf` can de-quantize: the listed ones are those we
 test (and the legacy Q4_1/Q5_0/Q5_1 blocks of the default model's and the 0.5B Qwen's files); the
@@ -35,6 +41,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -46,6 +53,7 @@ import structlog
 import torch
 
 from compute_service.model.gguf_shapes import Metadata, gguf_shape
+from pagedserve.paths import CACHE_DIR_ENV
 
 log = structlog.get_logger(__name__)
 
@@ -53,12 +61,19 @@ GGUF_MAGIC = b"GGUF"
 # general.architecture -> our model_type. A Mistral file says "llama" (llama.cpp runs it as one).
 SUPPORTED_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+_FLOAT_TYPES = ("F32", "F16", "BF16")  # written as they are; the others are kept quantized
 # Bump when the converted layout changes, so that old copies are rebuilt rather than misread.
-GGUF_CACHE_FORMAT = 6
+GGUF_CACHE_FORMAT = 7
 # <hf name>.q, .scale, .min (and a K-quant's .scale_factor, .min_factor: its d and -dmin) of every
 # quantized matrix, in safetensors format under a name that tools globbing "*.safetensors" for a
 # checkpoint's weights (vLLM, transformers, our loader) pass over.
 QUANTIZED_FILE = "quantized.pagedserve"
+# The float32 copies of the quantized matrices (`write_dequantized`): shards DEQUANTIZED_PREFIX-00001...,
+# then DEQUANTIZED_MARKER once all are written.
+DEQUANTIZED_PREFIX = "model-dequantized"
+DEQUANTIZED_MARKER = "dequantized.json"
+# Free space kept beyond what a write needs (the page cache, logs, a neighbour's next file).
+SPARE_BYTES = 256 << 20
 QUANTIZATION_INDEX = "quantization.json"  # <hf name> -> {"type": "Q4_K", "bits": 4}
 # A file this large says where its hashing and conversion stand (a log line every PROGRESS_EVERY_S).
 PROGRESS_MIN_BYTES = 256 << 20
@@ -152,13 +167,50 @@ def convert_gguf(path: Path, out_dir: Path) -> None:
     (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2))
     permute = summary.architecture == "llama"
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
-    _write_shards(out_dir, _hf_tensors(reader.tensors, permute, heads, path))
-    _write_quantized(out_dir, reader.tensors, permute, heads, path)
+    # About: the integers at a byte each with their scales and mins (1.5 bytes a weight), the floats as stored.
+    check_free_space(out_dir, sum(int(t.n_elements) * 3 // 2 if t.tensor_type.name not in _FLOAT_TYPES
+                                  else int(t.n_bytes) for t in reader.tensors), f"converting {path.name}")
+    kept = _write_quantized(out_dir, reader.tensors, permute, heads, path)
+    _write_shards(out_dir, _hf_tensors([t for t in reader.tensors if t.name not in kept], permute, heads, path))
 
 
-def _write_quantized(out_dir: Path, tensors: list[Any], permute: bool, heads: dict[str, int], path: Path) -> None:
+def write_dequantized(path: Path, out_dir: Path) -> None:
+    """Add to `out_dir` (a conversion of the GGUF file `path`) the float32 copies of the matrices it
+    holds quantized, as safetensors shards (`DEQUANTIZED_PREFIX`), then `DEQUANTIZED_MARKER`. Shards
+    left by an interrupted call are replaced.
+
+    Raises:
+        ValueError: not enough free space (the size needed is named).
+    """
+    index = json.loads((out_dir / QUANTIZATION_INDEX).read_text())
+    config = json.loads((out_dir / "config.json").read_text())
+    reader = _reader(path)
+    tensors = [t for t in reader.tensors if _hf_name(t.name) in index]
+    check_free_space(out_dir, sum(4 * int(t.n_elements) for t in tensors), f"de-quantizing {path.name} to float32")
+    for stale in out_dir.glob(f"{DEQUANTIZED_PREFIX}-*"):
+        stale.unlink()
+    permute = config["model_type"] == "llama"
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    _write_shards(out_dir, _hf_tensors(tensors, permute, heads, path), prefix=DEQUANTIZED_PREFIX)
+    (out_dir / DEQUANTIZED_MARKER).write_text(json.dumps({"format": GGUF_CACHE_FORMAT, "tensors": len(tensors)}))
+
+
+def check_free_space(directory: Path, num_bytes: int, what: str) -> None:
+    """Refuse, naming the sizes, to write `num_bytes` into `directory` without SPARE_BYTES to spare (a
+    full disk midway would end in a library's traceback and a half-written file)."""
+    free = shutil.disk_usage(directory).free
+    if free < num_bytes + SPARE_BYTES:
+        raise ValueError(f"{what} needs {_size(num_bytes + SPARE_BYTES)} free in {directory}, and {_size(free)} "
+                         f"are free: free some space, or set {CACHE_DIR_ENV} to a directory with room")
+
+
+def _size(num_bytes: int) -> str:
+    return f"{num_bytes / 2**30:.1f} GiB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:.0f} MiB"
+
+
+def _write_quantized(out_dir: Path, tensors: list[Any], permute: bool, heads: dict[str, int], path: Path) -> set[str]:
     """The file's quantized matrices as integers, scales and mins (`QUANTIZED_FILE`, `QUANTIZATION_INDEX`),
-    rows in Hugging Face's order; nothing for a file of float tensors."""
+    rows in Hugging Face's order; nothing for a file of float tensors. Returns their GGUF names."""
     from safetensors.torch import save_file
 
     from compute_service.model.gguf_quant import file_quantization
@@ -166,6 +218,7 @@ def _write_quantized(out_dir: Path, tensors: list[Any], permute: bool, heads: di
     progress = _Progress("gguf_reading_quantization", path, sum(int(t.n_bytes) for t in tensors))
     saved: dict[str, torch.Tensor] = {}
     index: dict[str, dict[str, Any]] = {}
+    kept: set[str] = set()
     for tensor in tensors:
         name = _hf_name(tensor.name)
         quant = file_quantization(tensor) if name is not None else None
@@ -179,9 +232,11 @@ def _write_quantized(out_dir: Path, tensors: list[Any], permute: bool, heads: di
             if value is not None:
                 saved[f"{name}.{field}"] = _unpermute_rotary(value, heads[kind]) if permute and kind in heads else value
         index[name] = {"type": quant.type_name, "bits": quant.bits}
+        kept.add(tensor.name)
     if saved:
         save_file(saved, out_dir / QUANTIZED_FILE, metadata={"format": "pt"})
         (out_dir / QUANTIZATION_INDEX).write_text(json.dumps(index, indent=1))
+    return kept
 
 
 def _hf_tensors(tensors: list[Any], permute: bool, heads: dict[str, int], path: Path
@@ -231,7 +286,7 @@ def _hf_name(gguf_name: str) -> str | None:
     return None
 
 
-def _write_shards(out_dir: Path, named: Iterator[tuple[str, torch.Tensor]]) -> None:
+def _write_shards(out_dir: Path, named: Iterator[tuple[str, torch.Tensor]], prefix: str = "model") -> None:
     """safetensors shards of at most ~_SHARD_BYTES, so a multi-GB model never sits whole in memory."""
     from safetensors.torch import save_file
 
@@ -243,7 +298,7 @@ def _write_shards(out_dir: Path, named: Iterator[tuple[str, torch.Tensor]]) -> N
         nonlocal shard, num_bytes, index
         if shard:
             index += 1
-            save_file(shard, out_dir / f"model-{index:05d}.safetensors", metadata={"format": "pt"})
+            save_file(shard, out_dir / f"{prefix}-{index:05d}.safetensors", metadata={"format": "pt"})
             shard, num_bytes = {}, 0
 
     for name, tensor in named:

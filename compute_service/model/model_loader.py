@@ -40,8 +40,8 @@ from pagedserve.dtypes import AUTO, QUANTIZATIONS, dtype_name, parse_dtype, reso
 from pagedserve.paths import cache_dir as pagedserve_cache_dir
 
 from compute_service.model.fingerprint import weights_fingerprint
-from compute_service.model.gguf_file import (GGUF_CACHE_FORMAT, QUANTIZATION_INDEX, QUANTIZED_FILE, convert_gguf,
-                                             file_sha256, is_gguf_file)
+from compute_service.model.gguf_file import (DEQUANTIZED_MARKER, GGUF_CACHE_FORMAT, QUANTIZATION_INDEX, QUANTIZED_FILE,
+                                             convert_gguf, file_sha256, is_gguf_file, write_dequantized)
 from compute_service.model.gguf_quant import FileQuantization, MappedRows
 from compute_service.model.model import CausalLM
 from compute_service.model.model_config import SUPPORTED_MODEL_TYPES, ModelConfig
@@ -69,11 +69,13 @@ class ModelSource:
         name: the model's name ("SmolLM2-135M-Instruct" for "default", else the directory name).
         path: Hugging Face directory with config.json and safetensors (or .bin) weights.
         was_converted: this call converted the GGUF into `path` (first start).
+        gguf: the GGUF file it was converted from (None for a directory or "default").
     """
 
     name: str
     path: Path
     was_converted: bool = False
+    gguf: Path | None = None  # the GGUF file `path` was converted from
 
 
 @dataclass
@@ -156,6 +158,7 @@ def load_model(
     file_weights = _file_quantization(lm, source.path, quantization)
     # What the file holds quantized is never read in floats (nor held: its parameters are released).
     skip = lm.file_quantized_names(file_weights) if file_weights else frozenset()
+    ensure_float_weights(source, skip)  # a GGUF's float32 copies, if this load reads any
     lm.load_weights(_iter_weights(source.path, skip), skip=skip)
     lm.eval()
     if file_weights:
@@ -257,7 +260,30 @@ def _resolve_gguf(path: Path, model: str, root: Path) -> ModelSource:
     target = root / "models" / f"{path.stem}-{digest[:12]}"
     fingerprint = {"format": GGUF_CACHE_FORMAT, "source": path.name, "sha256": digest}
     source = _ensure_converted(target, lambda out_dir: convert_gguf(path, out_dir), fingerprint)
-    return ModelSource(name=path.stem, path=source.path, was_converted=source.was_converted)
+    return ModelSource(name=path.stem, path=source.path, was_converted=source.was_converted, gguf=path)
+
+
+def ensure_float_weights(source: ModelSource, skip: frozenset[str] = frozenset()) -> None:
+    """Write, once, the float32 copies of the matrices a converted GGUF holds quantized
+    (`gguf_file.write_dequantized`), unless they are there or all of them are in `skip` (not read).
+    `load_model` calls it for what it reads; a reader of the directory as a plain checkpoint (vLLM,
+    in the benchmarks) calls it first. A no-op for a Hugging Face directory.
+
+    Raises:
+        ValueError: not enough free space for them (the size is named).
+    """
+    path = source.path
+    if source.gguf is None or not (path / QUANTIZATION_INDEX).is_file() or (path / DEQUANTIZED_MARKER).is_file():
+        return
+    if not set(json.loads((path / QUANTIZATION_INDEX).read_text())) - skip:
+        return
+    with _file_lock(path.parent / f".{path.name}.dequantize.lock"):
+        if (path / DEQUANTIZED_MARKER).is_file():  # another process wrote them while we waited
+            return
+        started = time.perf_counter()
+        write_dequantized(source.gguf, path)
+        log.info("model_dequantized", model=source.name, path=str(path),
+                 seconds=round(time.perf_counter() - started, 2))
 
 
 def _gguf_digest(path: Path, root: Path) -> str:

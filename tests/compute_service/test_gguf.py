@@ -428,3 +428,45 @@ def test_compute_service_names_bad_gguf_metadata_without_a_traceback(tmp_path):
     bad = _write_small_llama(tmp_path / "zero.gguf", {"attention.head_count": 0})
     assert ("error: --model: GGUF file 'zero.gguf': llama.attention.head_count must be an integer"
             in _compute_service_error(bad, tmp_path))
+
+
+def test_float32_copies_of_quantized_matrices_are_written_only_when_a_load_reads_them(make_tiny_model, tmp_path,
+                                                                                       monkeypatch):
+    path = write_gguf(make_tiny_model("llama").hf_model, tmp_path / "m.Q8_0.gguf", "Q8_0", arch="llama")
+    source = resolve_model(str(path), cache_dir=tmp_path / "cache")
+    directory = source.path
+    assert source.gguf == path
+    # The conversion holds the integers and the file's float tensors (norms) only.
+    assert not list(directory.glob(f"{gguf_file.DEQUANTIZED_PREFIX}-*"))
+    names = [name for name, _ in model_loader._iter_weights(directory)]
+    assert names and all(name.endswith("norm.weight") for name in names), names
+    # An interrupted write left a shard and no marker: it is replaced.
+    (directory / f"{gguf_file.DEQUANTIZED_PREFIX}-00009.safetensors").write_bytes(b"half a shard")
+    loaded = load_model(str(path), cache_dir=tmp_path / "cache", device="cpu", dtype="float32")  # reads floats
+    assert (directory / gguf_file.DEQUANTIZED_MARKER).is_file()
+    assert not (directory / f"{gguf_file.DEQUANTIZED_PREFIX}-00009.safetensors").exists()
+    assert loaded.model.quantization == "none"
+    # Written once: the next float load reads them as they are.
+    monkeypatch.setattr(model_loader, "write_dequantized", lambda *a: pytest.fail("written again"))
+    again = load_model(str(path), cache_dir=tmp_path / "cache", device="cpu", dtype="float32")
+    assert again.fingerprint == loaded.fingerprint
+
+
+def test_a_write_without_room_is_refused_with_the_sizes_and_leaves_nothing(make_tiny_model, tmp_path, monkeypatch):
+    import shutil
+
+    path = write_gguf(make_tiny_model("llama").hf_model, tmp_path / "m.Q8_0.gguf", "Q8_0", arch="llama")
+    cache = tmp_path / "cache"
+    full = shutil.disk_usage(tmp_path)._replace(free=100 << 20)  # under the 256 MiB kept spare
+    monkeypatch.setattr(gguf_file.shutil, "disk_usage", lambda directory: full)
+    with pytest.raises(ValueError, match=r"converting m\.Q8_0\.gguf needs 2\d\d MiB free in .*, and 100 MiB are "
+                                         r"free: free some space, or set PAGEDSERVE_CACHE_DIR"):
+        resolve_model(str(path), cache_dir=cache)
+    assert [p.name for p in (cache / "models").iterdir() if not p.name.endswith(".lock")] == []
+    monkeypatch.undo()
+    source = resolve_model(str(path), cache_dir=cache)
+    monkeypatch.setattr(gguf_file.shutil, "disk_usage", lambda directory: full)
+    with pytest.raises(ValueError, match=r"de-quantizing m\.Q8_0\.gguf to float32 needs 2\d\d MiB free"):
+        load_model(str(path), cache_dir=cache, device="cpu", dtype="float32")
+    assert not (source.path / gguf_file.DEQUANTIZED_MARKER).exists()
+    assert not list(source.path.glob(f"{gguf_file.DEQUANTIZED_PREFIX}-*"))

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from compute_service.model import model_loader
+from compute_service.model import gguf_file, model_loader
 from compute_service.model.gguf_quant import QUANTIZED_TYPES, MappedRows, file_quantization
 from compute_service.model.model_loader import load_model
 from pagedserve_kernels import cpu_ops
@@ -143,7 +143,16 @@ def test_a_mixed_k_quant_file_is_served_quantized_in_the_right_rows(tmp_path, mo
     assert torch.equal(model.embed_quantized.rows(ids).view(torch.int32), packed.rows(ids).view(torch.int32))
     with pytest.raises(ValueError, match=r"ids must be in \[0, 128\), got \[5, 128\]"):
         model.embed_quantized.rows(torch.tensor([5, 128]))
-    floats = dict(model_loader._iter_weights(quantized.source.path))
+    # Served at auto, nothing reads the quantized matrices' float32 copies: none were written.
+    directory = quantized.source.path
+    assert not list(directory.glob(f"{gguf_file.DEQUANTIZED_PREFIX}-*"))
+    assert not (directory / gguf_file.DEQUANTIZED_MARKER).exists()
+    assert {n for n, _ in model_loader._iter_weights(directory)} == {
+        "model.norm.weight", "model.layers.0.input_layernorm.weight", "model.layers.0.post_attention_layernorm.weight"}
+    model_loader.ensure_float_weights(quantized.source)  # as a float checkpoint's reader asks for them
+    assert (directory / gguf_file.DEQUANTIZED_MARKER).is_file()
+    floats = dict(model_loader._iter_weights(directory))
+    assert len(floats) == 12  # the 3 norms, 9 matrices
     expected_qkv = torch.cat([floats[f"model.layers.0.self_attn.{n}_proj.weight"] for n in "qkv"])
     # compact: the file's d * sc and dmin * m exactly (float32 rounding apart)
     torch.testing.assert_close(qkv.dequantize(), expected_qkv, rtol=0, atol=float(expected_qkv.abs().max()) * 1e-6)
