@@ -41,6 +41,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -69,6 +70,7 @@ constexpr int64_t kPrefetch = 2048;  // bytes ahead of the few-row path's read p
 // of our brgemm passes over a block, which pays for the widening from ~200 rows on (docs/benchmarks.md,
 // "Quantized prompts on oneDNN").
 constexpr int64_t kOnednnRows = 192;
+constexpr int64_t kClaimsPerThread = 16;  // `linear`: a thread's share of the blocks over its smallest claim
 constexpr int64_t kChunkBlocks = 4;  // column blocks a oneDNN call takes (256 columns)
 
 constexpr int64_t kSuperK = 256;  // inputs a compact scale factor covers (a K-quant's block)
@@ -1002,9 +1004,9 @@ inline void linear(const Weight& w, const c10::BFloat16* x, const float* bias, T
   Int8Rows xq;
   if (vnni) quantize_rows(x, M, K, w.group, xq);
 #endif
-  at::parallel_for(0, w.blocks, (w.blocks + threads - 1) / threads, [&](int64_t begin, int64_t end) {
 #ifdef PAGEDSERVE_AMX_TILES
-    if (own_tiles) {
+  if (own_tiles) {
+    at::parallel_for(0, w.blocks, (w.blocks + threads - 1) / threads, [&](int64_t begin, int64_t end) {
       configure_tiles(M);
       const amx_tiles::Release release;
       alignas(64) float sums[kTileRows * kBlockN];
@@ -1014,15 +1016,36 @@ inline void linear(const Weight& w, const c10::BFloat16* x, const float* bias, T
         const int64_t n0 = b * kBlockN;
         store_rows(c, M, bias ? bias + n0 : nullptr, y + n0, N, std::min(kBlockN, N - n0));
       });
-      return;
-    }
+    });
+    return;
+  }
 #endif
+  // The blocks holding outputs are claimed from a shared counter rather than split in fixed halves:
+  // a thread the system takes away for a moment (on two cores, the gateway's and the client's wake-up
+  // at every streamed token; a neighbour's steal) then delays the call by at most its last claim, the
+  // other thread taking the rest. Claims shrink as the blocks run out (half of what is left over the
+  // threads, down to a 16th of a thread's share), so two threads that ran undisturbed finish within
+  // a small claim of each other. Each block's sums are the same whichever thread makes them.
+  const int64_t used = std::min(w.blocks, (N + kBlockN - 1) / kBlockN);
+  const int64_t least = std::max<int64_t>(1, used / (threads * kClaimsPerThread));
+  std::atomic<int64_t> next{0};
+  // f(b) for every block the calling thread claims.
+  const auto claimed = [&](auto&& f) {
+    int64_t begin = next.load(std::memory_order_relaxed), size = 0;
+    while (begin < used) {
+      size = std::max(least, (used - begin) / (2 * threads));
+      if (!next.compare_exchange_weak(begin, begin + size, std::memory_order_relaxed)) continue;
+      for (int64_t b = begin; b < std::min(begin + size, used); ++b) f(b);
+      begin = next.load(std::memory_order_relaxed);
+    }
+  };
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     std::vector<float> c(kBlockM * kBlockN);
 #ifdef __AVX512VNNI__
     if (vnni) {
       std::vector<__m512i> wq(w.group);  // a group's quads, unpacked: group / 4 x 4 registers
       std::vector<float> acc(M * kBlockN);
-      for (int64_t b = begin; b < end && b * kBlockN < N; ++b) {
+      claimed([&](int64_t b) {
         const int64_t n0 = b * kBlockN;
         if (w.bits == 8) {
           vnni_block<8>(w, b, xq, M, wq.data(), acc.data(), c.data());
@@ -1032,14 +1055,13 @@ inline void linear(const Weight& w, const c10::BFloat16* x, const float* bias, T
           vnni_block<4>(w, b, xq, M, wq.data(), acc.data(), c.data());
         }
         store_rows(c.data(), M, bias ? bias + n0 : nullptr, y + n0, N, std::min(kBlockN, N - n0));
-      }
+      });
       return;
     }
 #endif
     std::vector<c10::BFloat16> buf(slice * kBlockN);
-    for (int64_t b = begin; b < end; ++b) {
+    claimed([&](int64_t b) {
       const int64_t n0 = b * kBlockN, cols = std::min(kBlockN, N - n0);
-      if (cols <= 0) break;
       auto emit = [&](int64_t m0, int64_t rows) {
         store_rows(c.data(), rows, bias ? bias + n0 : nullptr, y + m0 * N + n0, N, cols);
       };
@@ -1068,7 +1090,7 @@ inline void linear(const Weight& w, const c10::BFloat16* x, const float* bias, T
           emit(m0, rows);
         }
       }
-    }
+    });
     if (tiles) at::native::cpublas::brgemm_release(true);
   });
 }
