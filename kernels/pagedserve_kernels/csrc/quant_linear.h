@@ -54,6 +54,7 @@
 
 #include "amx_tiles.h"
 #include "brgemm_linear.h"
+#include "claims.h"
 
 namespace {
 namespace quant_linear {
@@ -70,7 +71,6 @@ constexpr int64_t kPrefetch = 2048;  // bytes ahead of the few-row path's read p
 // of our brgemm passes over a block, which pays for the widening from ~200 rows on (docs/benchmarks.md,
 // "Quantized prompts on oneDNN").
 constexpr int64_t kOnednnRows = 192;
-constexpr int64_t kClaimsPerThread = 16;  // `linear`: a thread's share of the blocks over its smallest claim
 constexpr int64_t kChunkBlocks = 4;  // column blocks a oneDNN call takes (256 columns)
 
 constexpr int64_t kSuperK = 256;  // inputs a compact scale factor covers (a K-quant's block)
@@ -1020,25 +1020,10 @@ inline void linear(const Weight& w, const c10::BFloat16* x, const float* bias, T
     return;
   }
 #endif
-  // The blocks holding outputs are claimed from a shared counter rather than split in fixed halves:
-  // a thread the system takes away for a moment (on two cores, the gateway's and the client's wake-up
-  // at every streamed token; a neighbour's steal) then delays the call by at most its last claim, the
-  // other thread taking the rest. Claims shrink as the blocks run out (half of what is left over the
-  // threads, down to a 16th of a thread's share), so two threads that ran undisturbed finish within
-  // a small claim of each other. Each block's sums are the same whichever thread makes them.
-  const int64_t used = std::min(w.blocks, (N + kBlockN - 1) / kBlockN);
-  const int64_t least = std::max<int64_t>(1, used / (threads * kClaimsPerThread));
-  std::atomic<int64_t> next{0};
-  // f(b) for every block the calling thread claims.
-  const auto claimed = [&](auto&& f) {
-    int64_t begin = next.load(std::memory_order_relaxed), size = 0;
-    while (begin < used) {
-      size = std::max(least, (used - begin) / (2 * threads));
-      if (!next.compare_exchange_weak(begin, begin + size, std::memory_order_relaxed)) continue;
-      for (int64_t b = begin; b < std::min(begin + size, used); ++b) f(b);
-      begin = next.load(std::memory_order_relaxed);
-    }
-  };
+  // The blocks holding outputs, claimed by the threads (claims.h: a preempted thread holds up the call
+  // by its last claim only, not by a fixed half).
+  claims::Claims blocks_left(std::min(w.blocks, (N + kBlockN - 1) / kBlockN), threads);
+  const auto claimed = [&](auto&& f) { blocks_left.each(f); };
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     std::vector<float> c(kBlockM * kBlockN);
 #ifdef __AVX512VNNI__

@@ -21,6 +21,8 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "claims.h"
+
 namespace {
 namespace bf16_rows {
 
@@ -82,10 +84,11 @@ inline void linear(const c10::BFloat16* x, const c10::BFloat16* weight, const c1
   const int64_t num_blocks = (N + kWeightRows - 1) / kWeightRows;
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(),
                                                                   N / kMinRowsPerThread));
-  // One contiguous share of the weight's rows per thread: each streams its own part of memory.
-  const int64_t grain = (num_blocks + threads - 1) / threads;
-  at::parallel_for(0, num_blocks, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
+  // The weight's row blocks, claimed by the threads (claims.h): each streams long runs of its own
+  // part of memory, and a preempted thread holds up the call by its last claim only.
+  claims::Claims blocks_left(num_blocks, threads);
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    blocks_left.each([&](int64_t b) {
       const int64_t n0 = b * kWeightRows, rows = std::min(kWeightRows, N - n0);
       int64_t m0 = 0;  // passes of kMaxRows rows of x: the block's weight rows stay in L1 between them
       for (; m0 + kMaxRows <= M; m0 += kMaxRows) block<kMaxRows, TOut>(x, weight, bias, y, K, N, m0, n0, rows);
@@ -95,7 +98,7 @@ inline void linear(const c10::BFloat16* x, const c10::BFloat16* weight, const c1
         case 1: block<1, TOut>(x, weight, bias, y, K, N, m0, n0, rows); break;
         default: break;
       }
-    }
+    });
   });
 }
 
