@@ -944,19 +944,23 @@ inline void linear_onednn(const Weight& w, const c10::BFloat16* x, const float* 
   const int64_t K = w.K, blocks = std::min(w.blocks, (N + kBlockN - 1) / kBlockN);
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), blocks));
   const at::Tensor xt = at::from_blob(const_cast<c10::BFloat16*>(x), {M, K}, at::kBFloat16);
-  at::parallel_for(0, blocks, (blocks + threads - 1) / threads, [&](int64_t begin, int64_t end) {
+  // Chunks of kChunkBlocks blocks, claimed by the threads (claims.h: a thread preempted for a moment
+  // holds up the call by its last chunk only, not by its fixed half).
+  claims::Claims chunks_left((blocks + kChunkBlocks - 1) / kChunkBlocks, threads);
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     // Scratch kept by each thread from call to call: a fresh multi-MB buffer a call costs page faults.
     thread_local std::vector<c10::BFloat16> plain, product, tmp;
     plain.resize(std::max<size_t>(plain.size(), kChunkBlocks * kBlockN * K));
     tmp.resize(32 * kBlockN);
     if (bias) product.resize(std::max<size_t>(product.size(), M * kChunkBlocks * kBlockN));
-    for (int64_t b0 = begin; b0 < end; b0 += kChunkBlocks) {
-      const int64_t n0 = b0 * kBlockN, cols = std::min(std::min(kChunkBlocks, end - b0) * kBlockN, N - n0);
+    chunks_left.each([&](int64_t chunk) {
+      const int64_t b0 = chunk * kChunkBlocks;
+      const int64_t n0 = b0 * kBlockN, cols = std::min(std::min(kChunkBlocks, blocks - b0) * kBlockN, N - n0);
       for (int64_t b = b0; b * kBlockN < n0 + cols; ++b) dequantize_plain(w, b, plain.data() + (b - b0) * kBlockN * K, tmp.data());
       at::Tensor out = bias ? at::from_blob(product.data(), {M, cols}, at::kBFloat16)
                             : at::from_blob(y + n0, {M, cols}, {N, 1}, at::kBFloat16);
       at::mm_out(out, xt, at::from_blob(plain.data(), {cols, K}, at::kBFloat16).t());
-      if (!bias) continue;
+      if (!bias) return;
       const c10::BFloat16* src = product.data();
       for (int64_t i = 0; i < M; ++i) {
         for (int64_t j = 0; j < cols; j += 16) {
@@ -967,7 +971,7 @@ inline void linear_onednn(const Weight& w, const c10::BFloat16* x, const float* 
           _mm256_mask_storeu_epi16(y + i * N + n0 + j, mask, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(sum)));
         }
       }
-    }
+    });
   });
 }
 
