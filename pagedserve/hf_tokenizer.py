@@ -5,8 +5,11 @@ then tokenize with the very same object, and it is the lighter one. ``AutoTokeni
 model's own class instead (Qwen2's, for one), which in transformers 5 builds its pipeline again from
 the vocabulary and merges and keeps them as Python objects: 104 MiB resident for Qwen2.5's 152k
 vocabulary against 55 MiB, for the same ids, pieces and chat template (checked on Qwen2.5 and
-SmolLM2). A model that ships only a slow tokenizer (``tokenizer.model``) still goes through
-``AutoTokenizer``.
+SmolLM2; tests/test_hf_tokenizer.py keeps the default model's in step). A model that ships only a slow
+tokenizer (``tokenizer.model``) still goes through ``AutoTokenizer``. Where a model's own class
+would tokenize differently (a Llama ``tokenizer_config.json`` whose ``add_bos_token`` contradicts its
+``tokenizer.json``), the gateway already tokenized with this class; now the compute service agrees
+with it.
 """
 
 from __future__ import annotations

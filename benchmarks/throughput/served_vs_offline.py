@@ -57,7 +57,8 @@ def served_gaps(base_url: str, model: str, text: str, tokens: int) -> list[float
 
 
 def offline_steps(llm: LLM, text: str, tokens: int) -> list[float]:
-    """Seconds of each engine step of one generation (the first, its prompt, left out)."""
+    """Seconds of each engine step of one generation (the first, its prompt, and the last, which
+    only hands the finished sequence's blocks back, left out)."""
     engine = llm.engine
     steps: list[float] = []
     original = engine.step
@@ -73,7 +74,7 @@ def offline_steps(llm: LLM, text: str, tokens: int) -> list[float]:
         llm.generate([text], SamplingParams(max_tokens=tokens, temperature=TEMPERATURE, top_p=TOP_P, ignore_eos=True))
     finally:
         del engine.step
-    return steps[1:]
+    return steps[1:-1]
 
 
 def main() -> None:
@@ -83,21 +84,23 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=200)
     parser.add_argument("--kv-cache-bytes", type=int, default=1 << 30)
     args = parser.parse_args()
+    if args.rounds < 1 or args.tokens < 3:
+        parser.error("--rounds must be at least 1 and --tokens at least 3")
     [stack] = start_stacks([StackConfig(model=args.model, kv_cache_bytes=args.kv_cache_bytes)])
     rounds = []
     try:
         base_url = stack.target("openai").address
         served_model = httpx.get(f"{base_url}/v1/models", timeout=30).json()["data"][0]["id"]
-        llm = LLM(model=args.model, kv_cache_bytes=args.kv_cache_bytes)
-        served_gaps(base_url, served_model, prompt(-1), 8)  # both warm
-        offline_steps(llm, prompt(-2), 8)
-        for r in range(args.rounds):
-            served = statistics.median(served_gaps(base_url, served_model, prompt(2 * r), args.tokens)) * 1000
-            offline = statistics.median(offline_steps(llm, prompt(2 * r + 1), args.tokens)) * 1000
-            rounds.append({"served_gap_ms": round(served, 2), "offline_step_ms": round(offline, 2),
-                           "ratio": round(served / offline, 3)})
-            print(f"round {r}: served {served:.2f} ms between tokens, offline step {offline:.2f} ms, "
-                  f"ratio {served / offline:.3f}", flush=True)
+        with LLM(model=args.model, kv_cache_bytes=args.kv_cache_bytes) as llm:
+            served_gaps(base_url, served_model, prompt(-1), 8)  # both warm
+            offline_steps(llm, prompt(-2), 8)
+            for r in range(args.rounds):
+                served = statistics.median(served_gaps(base_url, served_model, prompt(2 * r), args.tokens)) * 1000
+                offline = statistics.median(offline_steps(llm, prompt(2 * r + 1), args.tokens)) * 1000
+                rounds.append({"served_gap_ms": round(served, 2), "offline_step_ms": round(offline, 2),
+                               "ratio": round(served / offline, 3)})
+                print(f"round {r}: served {served:.2f} ms between tokens, offline step {offline:.2f} ms, "
+                      f"ratio {served / offline:.3f}", flush=True)
     finally:
         stack.stop()
     ratios = [r["ratio"] for r in rounds]

@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from compute_service.model.model_loader import ensure_float_weights, resolve_model
+from compute_service.model.model_loader import resolve_model
 from pagedserve.dtypes import DTYPES
 
 BLOCK_BYTES = 128 << 20
@@ -53,14 +53,20 @@ def read_gbps(num_bytes: int, threads: int, repeats: int) -> dict:
 
 
 def weight_bytes(model_dir, itemsize: int) -> dict:
-    """Parameters a decode step reads (and all of them), from the safetensors headers."""
+    """Parameters a decode step reads (and all of them), from the safetensors headers: a converted
+    GGUF's quantized matrices from their integers' shapes (one integer a weight)."""
     from safetensors import safe_open
 
+    from compute_service.model.gguf_file import QUANTIZED_FILE
+
     shapes = {}
-    for path in sorted(model_dir.glob("*.safetensors")):
+    for path in sorted(model_dir.glob("*.safetensors")) + sorted(model_dir.glob(QUANTIZED_FILE)):
         with safe_open(str(path), "pt") as f:
             for name in f.keys():
-                shapes[name] = f.get_slice(name).get_shape()
+                if path.name != QUANTIZED_FILE:
+                    shapes[name] = f.get_slice(name).get_shape()
+                elif name.endswith(".q"):
+                    shapes[name.removesuffix(".q")] = f.get_slice(name).get_shape()
     numel = {name: int(torch.Size(shape).numel()) for name, shape in shapes.items()}
     total = sum(numel.values())
     tied = not any(name.endswith("lm_head.weight") for name in numel)
@@ -83,7 +89,6 @@ def main(argv: list[str] | None = None) -> None:
     load = round(os.getloadavg()[0], 2)
     bandwidth = [read_gbps(int(args.gib * (1 << 30)), t, args.repeats) for t in threads]
     source = resolve_model(args.model)
-    ensure_float_weights(source)  # every matrix's shape, a GGUF's quantized ones included
     weights = weight_bytes(source.path, DTYPES[args.dtype].itemsize)
     best = max(b["read_gbps"] for b in bandwidth)
     floor_ms = weights["bytes_read_per_step"] / (best * 1e9) * 1e3

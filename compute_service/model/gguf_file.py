@@ -177,7 +177,8 @@ def convert_gguf(path: Path, out_dir: Path) -> None:
 def write_dequantized(path: Path, out_dir: Path) -> None:
     """Add to `out_dir` (a conversion of the GGUF file `path`) the float32 copies of the matrices it
     holds quantized, as safetensors shards (`DEQUANTIZED_PREFIX`), then `DEQUANTIZED_MARKER`. Shards
-    left by an interrupted call are replaced.
+    left by an interrupted call are replaced; a failed call removes its own. Loaders read the shards
+    only once the marker is there (`model_loader._weight_files`).
 
     Raises:
         ValueError: not enough free space (the size needed is named).
@@ -186,13 +187,21 @@ def write_dequantized(path: Path, out_dir: Path) -> None:
     config = json.loads((out_dir / "config.json").read_text())
     reader = _reader(path)
     tensors = [t for t in reader.tensors if _hf_name(t.name) in index]
+    _remove_dequantized(out_dir)  # an interrupted write's shards, before their space is counted
     check_free_space(out_dir, sum(4 * int(t.n_elements) for t in tensors), f"de-quantizing {path.name} to float32")
-    for stale in out_dir.glob(f"{DEQUANTIZED_PREFIX}-*"):
-        stale.unlink()
     permute = config["model_type"] == "llama"
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
-    _write_shards(out_dir, _hf_tensors(tensors, permute, heads, path), prefix=DEQUANTIZED_PREFIX)
+    try:
+        _write_shards(out_dir, _hf_tensors(tensors, permute, heads, path), prefix=DEQUANTIZED_PREFIX)
+    except BaseException:
+        _remove_dequantized(out_dir)
+        raise
     (out_dir / DEQUANTIZED_MARKER).write_text(json.dumps({"format": GGUF_CACHE_FORMAT, "tensors": len(tensors)}))
+
+
+def _remove_dequantized(out_dir: Path) -> None:
+    for shard in out_dir.glob(f"{DEQUANTIZED_PREFIX}-*"):
+        shard.unlink()
 
 
 def check_free_space(directory: Path, num_bytes: int, what: str) -> None:

@@ -40,8 +40,9 @@ from pagedserve.dtypes import AUTO, QUANTIZATIONS, dtype_name, parse_dtype, reso
 from pagedserve.paths import cache_dir as pagedserve_cache_dir
 
 from compute_service.model.fingerprint import weights_fingerprint
-from compute_service.model.gguf_file import (DEQUANTIZED_MARKER, GGUF_CACHE_FORMAT, QUANTIZATION_INDEX, QUANTIZED_FILE,
-                                             convert_gguf, file_sha256, is_gguf_file, write_dequantized)
+from compute_service.model.gguf_file import (DEQUANTIZED_MARKER, DEQUANTIZED_PREFIX, GGUF_CACHE_FORMAT,
+                                             QUANTIZATION_INDEX, QUANTIZED_FILE, convert_gguf, file_sha256,
+                                             is_gguf_file, write_dequantized)
 from compute_service.model.gguf_quant import FileQuantization, MappedRows
 from compute_service.model.model import CausalLM
 from compute_service.model.model_config import SUPPORTED_MODEL_TYPES, ModelConfig
@@ -75,7 +76,7 @@ class ModelSource:
     name: str
     path: Path
     was_converted: bool = False
-    gguf: Path | None = None  # the GGUF file `path` was converted from
+    gguf: Path | None = None
 
 
 @dataclass
@@ -266,6 +267,8 @@ def _resolve_gguf(path: Path, model: str, root: Path) -> ModelSource:
 def ensure_float_weights(source: ModelSource, skip: frozenset[str] = frozenset()) -> None:
     """Write, once, the float32 copies of the matrices a converted GGUF holds quantized
     (`gguf_file.write_dequantized`), unless they are there or all of them are in `skip` (not read).
+    All of them, even where a load reads one (a projection only partly quantized in the file): the
+    next load at another setting then finds them too.
     `load_model` calls it for what it reads; a reader of the directory as a plain checkpoint (vLLM,
     in the benchmarks) calls it first. A no-op for a Hugging Face directory.
 
@@ -321,7 +324,10 @@ def _check_model_dir(path: Path, model: str) -> None:
 
 
 def _weight_files(path: Path) -> list[Path]:
-    return sorted(path.glob("*.safetensors")) or sorted(path.glob("pytorch_model*.bin"))
+    """The checkpoint's weight files; a GGUF's float32 copies only once all are written (their marker)."""
+    complete = (path / DEQUANTIZED_MARKER).is_file()
+    files = [f for f in sorted(path.glob("*.safetensors")) if complete or not f.name.startswith(DEQUANTIZED_PREFIX)]
+    return files or sorted(path.glob("pytorch_model*.bin"))
 
 
 def _iter_weights(path: Path, skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:

@@ -248,7 +248,7 @@ async def fetch_tokenizer(stub: compute_pb2_grpc.ComputeStub, info: compute_pb2.
     model = await asyncio.to_thread(ModelTokenizer, hf_tokenizer, model_info_from_pb(info))
     # Parsing tokenizer.json leaves its peak free but resident (glibc keeps it): ~100 MiB of a 152k
     # vocabulary's ~210, handed back here.
-    release_free_memory()
+    await asyncio.to_thread(release_free_memory)  # malloc_trim walks the heap: not on the event loop
     return model
 
 

@@ -440,8 +440,10 @@ def test_float32_copies_of_quantized_matrices_are_written_only_when_a_load_reads
     assert not list(directory.glob(f"{gguf_file.DEQUANTIZED_PREFIX}-*"))
     names = [name for name, _ in model_loader._iter_weights(directory)]
     assert names and all(name.endswith("norm.weight") for name in names), names
-    # An interrupted write left a shard and no marker: it is replaced.
+    # An interrupted write left a shard and no marker: a load does not read it, and the next write
+    # replaces it.
     (directory / f"{gguf_file.DEQUANTIZED_PREFIX}-00009.safetensors").write_bytes(b"half a shard")
+    assert [name for name, _ in model_loader._iter_weights(directory)] == names
     loaded = load_model(str(path), cache_dir=tmp_path / "cache", device="cpu", dtype="float32")  # reads floats
     assert (directory / gguf_file.DEQUANTIZED_MARKER).is_file()
     assert not (directory / f"{gguf_file.DEQUANTIZED_PREFIX}-00009.safetensors").exists()

@@ -129,9 +129,11 @@ def test_qwen_gguf_decode_batches_agree_with_float32(gguf_path):
 def test_default_models_gguf_converts_as_transformers_does(tmp_path):
     """The default model's own Q4_1 file (llama: q/k permuted in the file) through our converter gives
     exactly the weights of the default model's copy, which transformers converted; the same tokenizer."""
-    from compute_service.model.model_loader import _iter_weights, default_gguf_path, load_tokenizer, resolve_model
+    from compute_service.model.model_loader import (_iter_weights, default_gguf_path, ensure_float_weights,
+                                                    load_tokenizer, resolve_model)
 
     ours = resolve_model(str(default_gguf_path()), cache_dir=tmp_path)
+    ensure_float_weights(ours)  # the float32 copies of its quantized matrices, written on demand
     theirs = resolve_model("default")
     our_weights, their_weights = dict(_iter_weights(ours.path)), dict(_iter_weights(theirs.path))
     assert our_weights.keys() == their_weights.keys()

@@ -41,7 +41,6 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -934,9 +933,9 @@ inline void vnni_block(const Weight& w, int64_t b, const Int8Rows& x, int64_t M,
 }
 #endif  // __AVX512VNNI__
 
-// `linear` for many rows (M >= kOnednnRows, K a multiple of 32), bf16 outputs: each thread takes a
-// contiguous, even share of the column blocks and, kChunkBlocks at a time, widens them into plain bf16
-// rows and multiplies on oneDNN's matmul (at::mm_out; inside the parallel region oneDNN runs on that
+// `linear` for many rows (M >= kOnednnRows, K a multiple of 32), bf16 outputs: the threads claim
+// chunks of the column blocks (kChunkBlocks, fewer where the blocks are few for the threads), widen
+// each into plain bf16 rows and multiply on oneDNN's matmul (at::mm_out; inside the parallel region oneDNN runs on that
 // thread alone), writing into y's columns; products in float32 rounded to bf16 by oneDNN, then a float32
 // bias added and rounded again (a bias rounded to bf16 first would lose more).
 inline void linear_onednn(const Weight& w, const c10::BFloat16* x, const float* bias, c10::BFloat16* y, int64_t M,
@@ -944,23 +943,24 @@ inline void linear_onednn(const Weight& w, const c10::BFloat16* x, const float* 
   const int64_t K = w.K, blocks = std::min(w.blocks, (N + kBlockN - 1) / kBlockN);
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), blocks));
   const at::Tensor xt = at::from_blob(const_cast<c10::BFloat16*>(x), {M, K}, at::kBFloat16);
-  // Chunks of kChunkBlocks blocks, claimed by the threads (claims.h: a thread preempted for a moment
-  // holds up the call by its last chunk only, not by its fixed half).
-  claims::Claims chunks_left((blocks + kChunkBlocks - 1) / kChunkBlocks, threads);
+  // Chunks of `chunk` blocks, claimed by the threads (claims.h: a thread preempted for a moment holds
+  // up the call by its last chunk only, not by its fixed share); never fewer chunks than threads.
+  const int64_t chunk = std::min(kChunkBlocks, (blocks + threads - 1) / threads);
+  claims::Claims chunks_left((blocks + chunk - 1) / chunk, threads);
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     // Scratch kept by each thread from call to call: a fresh multi-MB buffer a call costs page faults.
     thread_local std::vector<c10::BFloat16> plain, product, tmp;
     plain.resize(std::max<size_t>(plain.size(), kChunkBlocks * kBlockN * K));
     tmp.resize(32 * kBlockN);
     if (bias) product.resize(std::max<size_t>(product.size(), M * kChunkBlocks * kBlockN));
-    chunks_left.each([&](int64_t chunk) {
-      const int64_t b0 = chunk * kChunkBlocks;
-      const int64_t n0 = b0 * kBlockN, cols = std::min(std::min(kChunkBlocks, blocks - b0) * kBlockN, N - n0);
+    chunks_left.each([&](int64_t index) {
+      const int64_t b0 = index * chunk;
+      const int64_t n0 = b0 * kBlockN, cols = std::min(std::min(chunk, blocks - b0) * kBlockN, N - n0);
       for (int64_t b = b0; b * kBlockN < n0 + cols; ++b) dequantize_plain(w, b, plain.data() + (b - b0) * kBlockN * K, tmp.data());
       at::Tensor out = bias ? at::from_blob(product.data(), {M, cols}, at::kBFloat16)
                             : at::from_blob(y + n0, {M, cols}, {N, 1}, at::kBFloat16);
       at::mm_out(out, xt, at::from_blob(plain.data(), {cols, K}, at::kBFloat16).t());
-      if (!bias) return;
+      if (!bias) return;  // (the next chunk)
       const c10::BFloat16* src = product.data();
       for (int64_t i = 0; i < M; ++i) {
         for (int64_t j = 0; j < cols; j += 16) {
