@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import json
 import mmap
+import os
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -161,8 +163,6 @@ def file_quantization(tensor: Any) -> FileQuantization | None:
     Raises:
         ValueError: the integers and scales do not give back the file's de-quantized weight.
     """
-    from gguf.quants import dequantize
-
     type_name = tensor.tensor_type.name
     layout = _LAYOUTS.get(type_name)
     if layout is None or len(tensor.shape) != 2:
@@ -170,22 +170,18 @@ def file_quantization(tensor: Any) -> FileQuantization | None:
     raw = np.array(tensor.data)  # (out, bytes per row)
     out = raw.shape[0]
     inputs = int(tensor.shape[0])  # ggml's order: (in, out)
-    blocks = raw.reshape(out, -1, _block_bytes(raw, inputs, type_name))
-    zero, one = blocks.copy(), blocks.copy()
-    for start, stop, one_byte in layout.fields:
-        zero[..., start:stop] = 0
-        one[..., start:stop] = one_byte
-    values = dequantize(raw, tensor.tensor_type).reshape(out, inputs)
-    groups = inputs // layout.group
-    minimum = dequantize(zero.reshape(raw.shape), tensor.tensor_type).reshape(out, groups, layout.group)[..., 0]
-    scale = dequantize(one.reshape(raw.shape), tensor.tensor_type).reshape(out, groups, layout.group)[..., 0] - minimum
-    safe = np.where(scale == 0, 1.0, scale)
-    q = np.rint((values.reshape(out, groups, layout.group) - minimum[..., None]) / safe[..., None])
-    q = np.where(scale[..., None] == 0, 0.0, q)
+    block_bytes = _block_bytes(raw, inputs, type_name)
+    blocks = raw.reshape(out, -1, block_bytes)
+    # Rows in chunks of ~4 MB of blocks, on every core: gguf's de-quantizer and the arithmetic below
+    # are numpy's, which lets go of the GIL over large arrays (and chunks keep each pass in cache).
+    step = max(1, _CHUNK_BYTES // raw.shape[1])
+    chunks = [raw[i:i + step] for i in range(0, out, step)]
+    with ThreadPoolExecutor(max_workers=min(len(chunks), os.cpu_count() or 1)) as pool:
+        parts = list(pool.map(lambda rows: _integers(rows, tensor.tensor_type, layout, inputs, block_bytes), chunks))
+    q, scale, minimum = (np.concatenate([part[i] for part in parts]) for i in range(3))
     low, high = {4: (0, 15), 6: (0, 63), 8: (-128, 127)}[layout.bits]  # as the blocks hold them
-    rebuilt = q * scale[..., None] + minimum[..., None]
-    error = np.abs(rebuilt - values.reshape(out, groups, layout.group)).max(initial=0.0)
-    if q.min(initial=0) < low or q.max(initial=0) > high or error > 1e-5 * max(1.0, np.abs(values).max(initial=0.0)):
+    error, largest = max(part[3] for part in parts), max(part[4] for part in parts)
+    if q.min(initial=0) < low or q.max(initial=0) > high or error > 1e-5 * max(1.0, largest):
         raise ValueError(f"GGUF tensor {tensor.name!r} ({type_name}): its blocks do not read as integers with "
                          f"per-group scales (error {error:.3g}); serve it with --quantization none")
     # Q6_K's and Q5_0's 0..63 / 0..31 centred to -32..31 / -16..15; Q5_1's and Q5_K's 0..31 (their mins
@@ -200,6 +196,34 @@ def file_quantization(tensor: Any) -> FileQuantization | None:
     return FileQuantization(torch.from_numpy(q.reshape(out, inputs).astype(np.int8)),
                             torch.from_numpy(scale.astype(np.float32)), kept_min, layout.bits, type_name,
                             scale_factor, min_factor)
+
+
+_CHUNK_BYTES = 4 << 20  # of a tensor's blocks, read as integers at a time
+
+
+def _integers(raw: np.ndarray, tensor_type: Any, layout: _Layout, inputs: int, block_bytes: int
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, float]:
+    """Rows of blocks (rows, bytes) as integers q (rows, groups, group), scale and min (rows, groups),
+    read with gguf's de-quantizer three times: as stored (W), every integer field set to 0 (the min)
+    and to 1 (min + scale); q = round((W - min) / scale). Also the largest |q * scale + min - W| and
+    the largest |W|, for the caller's check."""
+    from gguf.quants import dequantize
+
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, block_bytes)
+    zero, one = blocks.copy(), blocks.copy()
+    for start, stop, one_byte in layout.fields:
+        zero[..., start:stop] = 0
+        one[..., start:stop] = one_byte
+    groups = inputs // layout.group
+    values = dequantize(raw, tensor_type).reshape(rows, groups, layout.group)
+    minimum = dequantize(zero.reshape(raw.shape), tensor_type).reshape(rows, groups, layout.group)[..., 0]
+    scale = dequantize(one.reshape(raw.shape), tensor_type).reshape(rows, groups, layout.group)[..., 0] - minimum
+    safe = np.where(scale == 0, 1.0, scale)
+    q = np.rint((values - minimum[..., None]) / safe[..., None])
+    q = np.where(scale[..., None] == 0, 0.0, q)
+    error = float(np.abs(q * scale[..., None] + minimum[..., None] - values).max(initial=0.0))
+    return q, scale, minimum, error, float(np.abs(values).max(initial=0.0))
 
 
 def _half(blocks: np.ndarray, at: int) -> torch.Tensor:
