@@ -172,11 +172,14 @@ def file_quantization(tensor: Any) -> FileQuantization | None:
     inputs = int(tensor.shape[0])  # ggml's order: (in, out)
     block_bytes = _block_bytes(raw, inputs, type_name)
     blocks = raw.reshape(out, -1, block_bytes)
-    # Rows in chunks of ~4 MB of blocks, on every core: gguf's de-quantizer and the arithmetic below
-    # are numpy's, which lets go of the GIL over large arrays (and chunks keep each pass in cache).
+    # Rows in chunks of ~4 MB of blocks, on the cores: gguf's de-quantizer and the arithmetic below are
+    # numpy's, which lets go of the GIL over large arrays; and a chunk's float copies stay small (the
+    # whole 152k-row table at once held ~4.7 GB of them).
     step = max(1, _CHUNK_BYTES // raw.shape[1])
     chunks = [raw[i:i + step] for i in range(0, out, step)]
-    with ThreadPoolExecutor(max_workers=min(len(chunks), os.cpu_count() or 1)) as pool:
+    # At most _READ_THREADS (each holds ~150 MB of a chunk's float copies); the CPUs this process may use.
+    workers = min(len(chunks), len(os.sched_getaffinity(0)), _READ_THREADS)
+    with ThreadPoolExecutor(max_workers=workers) as pool:
         parts = list(pool.map(lambda rows: _integers(rows, tensor.tensor_type, layout, inputs, block_bytes), chunks))
     q, scale, minimum = (np.concatenate([part[i] for part in parts]) for i in range(3))
     low, high = {4: (0, 15), 6: (0, 63), 8: (-128, 127)}[layout.bits]  # as the blocks hold them
@@ -199,6 +202,7 @@ def file_quantization(tensor: Any) -> FileQuantization | None:
 
 
 _CHUNK_BYTES = 4 << 20  # of a tensor's blocks, read as integers at a time
+_READ_THREADS = 4
 
 
 def _integers(raw: np.ndarray, tensor_type: Any, layout: _Layout, inputs: int, block_bytes: int
