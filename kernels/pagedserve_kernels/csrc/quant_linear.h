@@ -935,9 +935,9 @@ inline void vnni_block(const Weight& w, int64_t b, const Int8Rows& x, int64_t M,
 
 // `linear` for many rows (M >= kOnednnRows, K a multiple of 32), bf16 outputs: the threads claim
 // chunks of the column blocks (kChunkBlocks, fewer where the blocks are few for the threads), widen
-// each into plain bf16 rows and multiply on oneDNN's matmul (at::mm_out; inside the parallel region oneDNN runs on that
-// thread alone), writing into y's columns; products in float32 rounded to bf16 by oneDNN, then a float32
-// bias added and rounded again (a bias rounded to bf16 first would lose more).
+// each into plain bf16 rows and multiply on oneDNN's matmul (at::mm_out; inside the parallel region
+// oneDNN runs on that thread alone), writing into y's columns; products in float32 rounded to bf16 by
+// oneDNN, then a float32 bias added and rounded again (a bias rounded to bf16 first would lose more).
 inline void linear_onednn(const Weight& w, const c10::BFloat16* x, const float* bias, c10::BFloat16* y, int64_t M,
                           int64_t N) {
   const int64_t K = w.K, blocks = std::min(w.blocks, (N + kBlockN - 1) / kBlockN);
@@ -1027,14 +1027,13 @@ inline void linear(const Weight& w, const c10::BFloat16* x, const float* bias, T
   // The blocks holding outputs, claimed by the threads (claims.h: a preempted thread holds up the call
   // by its last claim only, not by a fixed half).
   claims::Claims blocks_left(std::min(w.blocks, (N + kBlockN - 1) / kBlockN), threads);
-  const auto claimed = [&](auto&& f) { blocks_left.each(f); };
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     std::vector<float> c(kBlockM * kBlockN);
 #ifdef __AVX512VNNI__
     if (vnni) {
       std::vector<__m512i> wq(w.group);  // a group's quads, unpacked: group / 4 x 4 registers
       std::vector<float> acc(M * kBlockN);
-      claimed([&](int64_t b) {
+      blocks_left.each([&](int64_t b) {
         const int64_t n0 = b * kBlockN;
         if (w.bits == 8) {
           vnni_block<8>(w, b, xq, M, wq.data(), acc.data(), c.data());
@@ -1049,7 +1048,7 @@ inline void linear(const Weight& w, const c10::BFloat16* x, const float* bias, T
     }
 #endif
     std::vector<c10::BFloat16> buf(slice * kBlockN);
-    claimed([&](int64_t b) {
+    blocks_left.each([&](int64_t b) {
       const int64_t n0 = b * kBlockN, cols = std::min(kBlockN, N - n0);
       auto emit = [&](int64_t m0, int64_t rows) {
         store_rows(c.data(), rows, bias ? bias + n0 : nullptr, y + m0 * N + n0, N, cols);
