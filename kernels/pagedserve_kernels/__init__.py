@@ -99,6 +99,9 @@ def kernel_paths(device: torch.device, dtype: torch.dtype, head_dim: int, quanti
         vnni = quant.vnni_rows() if dtype == torch.bfloat16 else 0
         if vnni:
             linear += f", rows<={vnni} avx512-vnni int8"
+        tile_rows = quant.vnni_tile_rows() if dtype == torch.bfloat16 else 0
+        if tile_rows:
+            linear += f", rows>={tile_rows} avx512-vnni int8 tiles"
         rows = quant.onednn_rows() if dtype == torch.bfloat16 else 0
         if rows:
             linear += f", rows>={rows} onednn"

@@ -13,9 +13,10 @@ Two sources make one:
 
 `linear` multiplies by it without widening the weight: the C++ kernel (csrc/quant_linear.h)
 de-quantizes a slice of a column block into bf16 in L1 and multiplies every row by it, on AMX tiles
-where the CPU has them, else with AVX512-BF16 dot products, or for 3-32 rows without AMX, on int8
-activations with AVX512-VNNI (`vnni_rows`); float32 activations, or a build without AVX512-BF16, widen
-the weight per call (correct, slow: `path` says which runs).
+where the CPU has them, else with AVX512-BF16 dot products; without AMX but with AVX512-VNNI, from 3
+rows on, on int8 activations (`vnni_rows`: a decode batch a group at a time; `vnni_tile_rows` and
+more: a prompt, in tiles of rows over whole column blocks); float32 activations, or a build without
+AVX512-BF16, widen the weight per call (correct, slow: `path` says which runs).
 """
 
 from __future__ import annotations
@@ -251,9 +252,16 @@ def onednn_rows() -> int:
 
 def vnni_rows() -> int:
     """Up to how many rows (past the few-row path's 1-2, 1-4 for a per-column int8 weight) `linear`
-    multiplies int8 activations with AVX512-VNNI (csrc/quant_linear.h `vnni_block`; CPUs without AMX
-    tiles, whatever a call's `tiles` says); 0: never here."""
+    multiplies int8 activations with AVX512-VNNI a group at a time (csrc/quant_linear.h `vnni_block`;
+    CPUs without AMX tiles, whatever a call's `tiles` says); 0: never here."""
     return int(_ops().quant_vnni_rows()) if available() else 0
+
+
+def vnni_tile_rows() -> int:
+    """From how many rows on `linear` multiplies int8 activations with AVX512-VNNI in tiles of rows over
+    whole column blocks (csrc/quant_linear.h `vnni_tiles`: a prompt's rows, instead of oneDNN; the CPUs
+    `vnni_rows` names); 0: never here."""
+    return int(_ops().quant_vnni_tile_rows()) if available() else 0
 
 
 def linear(x: torch.Tensor, weight: QuantizedWeight, float_out: bool = False) -> torch.Tensor:

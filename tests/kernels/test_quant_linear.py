@@ -5,10 +5,14 @@ widths, per-channel and grouped scales, with and without mins and bias, one pass
 The reference multiplies the same bf16 activations by the weight `dequantize` gives (the scalar
 reading of the packed layout), rounded to bf16 where the kernel de-quantizes into bf16, in float64:
 the kernel may differ only by float32 summation order. Where a decode batch multiplies int8
-activations (AVX512-VNNI, CPUs without AMX: `_int8_activations`), the reference takes those
-activations as the kernel quantizes them."""
+activations, or a prompt past it does (AVX512-VNNI, CPUs without AMX: `_int8_activations`), the
+reference takes those activations as the kernel quantizes them."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -31,9 +35,10 @@ def _few_rows(rows: int, weight: quant.QuantizedWeight) -> bool:
 
 
 def _int8_rows(rows: int, weight: quant.QuantizedWeight, tiles: bool) -> bool:
-    """Whether `rows` multiply int8 activations (csrc/quant_linear.h `vnni_rows`)."""
-    return (not tiles and not _few_rows(rows, weight) and rows <= quant.vnni_rows()
-            and weight.group % 16 == 0)
+    """Whether `rows` multiply int8 activations (csrc/quant_linear.h `vnni_rows`, `vnni_tile_rows`)."""
+    tile_rows = quant.vnni_tile_rows()
+    return (not tiles and not _few_rows(rows, weight) and weight.group % 16 == 0
+            and (rows <= quant.vnni_rows() or 0 < tile_rows <= rows))
 
 
 def _int8_activations(x: torch.Tensor, group: int) -> torch.Tensor:
@@ -115,7 +120,8 @@ def test_quant_linear_with_a_files_groups_equals_the_dequantized_product(bits, l
 
 def _assert_every_path_gives_the_reference(x: torch.Tensor, weight: quant.QuantizedWeight) -> None:
     """float32 out on each path (tiles where the CPU has them) against `_reference`, and bf16 out (200
-    rows: oneDNN's matmul on the widened blocks, csrc/quant_linear.h `linear_onednn`) rounded once."""
+    rows: oneDNN's matmul on the widened blocks, csrc/quant_linear.h `linear_onednn`, or where the CPU
+    has VNNI and no AMX, `vnni_tiles`) rounded once."""
     def run(tiles: bool, float_out: bool) -> torch.Tensor:
         return torch.ops.pagedserve_cpu.quant_linear(x, weight.q, weight.scales, weight.mins, None, weight.bits,
                                                      weight.group, weight.out_features, tiles, float_out)
@@ -273,12 +279,12 @@ def test_bad_operands_are_refused_by_name():
 @pytest.mark.parametrize(("bits", "group", "with_min"),
                          [(8, 16, False), (8, 128, False), (6, 16, False), (6, 32, True), (4, 32, True),
                           (4, 32, False)])
-@pytest.mark.parametrize("rows", [3, 4, 5, 6, 7, 32])
+@pytest.mark.parametrize("rows", [3, 4, 5, 6, 7, 32, 33, 34, 35])
 def test_int8_activations_keep_outliers_zeros_and_every_row_count(bits, group, with_min, rows):
-    """The VNNI path (csrc/quant_linear.h `vnni_block`) at every remainder of its 4-row passes, with an
-    outlier 1000x its neighbours in one group (its scale is that group's alone), a row of zeros and a
-    group of zeros (scale 0: no NaN): equal to its reference, and within 1% of the bf16 activations'
-    product (what int8 activations cost)."""
+    """The VNNI paths (csrc/quant_linear.h `vnni_block` at every remainder of its 4-row passes, and past
+    32 rows `vnni_tiles` at every remainder of its 3-row tiles), with an outlier 1000x its neighbours in
+    one group (its scale is that group's alone), a row of zeros and a group of zeros (scale 0: no NaN):
+    equal to its reference, and within 1% of the bf16 activations' product (what int8 activations cost)."""
     generator = torch.Generator().manual_seed(rows * 10 + bits + group)
     out_features, in_features = 192, 512
     low, high = {8: (-128, 128), 6: (-32, 32), 4: (0, 16)}[bits]
@@ -299,3 +305,34 @@ def test_int8_activations_keep_outliers_zeros_and_every_row_count(bits, group, w
     rest = slice(1, None)  # the outlier's row would dominate a norm over all rows
     assert (y[rest].double() - exact[rest]).norm() / exact[rest].norm() < 1e-2
     torch.testing.assert_close(y[1].double(), weight.bias.double(), rtol=0, atol=1e-6)  # zeros: the bias alone
+
+
+_BF16_PATHS = """
+import torch
+from pagedserve_kernels import quant
+assert quant.vnni_rows() == 0 and quant.vnni_tile_rows() == 0 and quant.onednn_rows() > 0
+generator = torch.Generator().manual_seed(7)
+q = torch.randint(0, 16, (192, 512), generator=generator)
+scale = (torch.rand(192, 16, generator=generator) * 0.01).half().float()
+minimum = -(torch.rand(192, 16, generator=generator) * 0.1)
+weight = quant.pack(q, scale, minimum, 4)
+w = weight.dequantize().bfloat16().double()
+for rows in (5, 40, 200):
+    x = torch.randn(rows, 512, generator=generator).bfloat16()
+    reference = x.double() @ w.T
+    y = quant.linear(x, weight, float_out=True)
+    torch.testing.assert_close(y.double(), reference, rtol=1e-5, atol=1e-4, msg=f"{rows} rows")
+    torch.testing.assert_close(quant.linear(x, weight).float(), reference.float().bfloat16().float(), rtol=1e-2,
+                               atol=1e-2, msg=f"{rows} rows, bf16 out")
+print("ok")
+"""
+
+
+@pytest.mark.skipif(not quant.vnni_tile_rows(), reason="the VNNI paths take these rows only on CPUs with VNNI, no AMX")
+def test_the_bf16_paths_the_int8_ones_replace_still_give_the_reference():
+    """With PAGEDSERVE_CPU_QUANT_VNNI=0 (A/B runs; what a CPU with AVX512-BF16 and no VNNI takes), 5 and 40
+    rows de-quantize into bf16 and 200 (bf16 out) go to oneDNN (`linear_onednn`), each equal to the
+    bf16-rounded weight's product: paths this CPU no longer takes by default stay tested here."""
+    done = subprocess.run([sys.executable, "-c", _BF16_PATHS], env={**os.environ, "PAGEDSERVE_CPU_QUANT_VNNI": "0"},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]

@@ -673,11 +673,23 @@ int64_t quant_vnni_rows() {
 #endif
 }
 
+// From this many rows on, a quantized linear with bf16 activations on a CPU without AMX tiles multiplies
+// int8 activations in tiles of rows over whole column blocks (csrc/quant_linear.h `vnni_tiles`); 0: never
+// here.
+int64_t quant_vnni_tile_rows() {
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+  return quant_linear::vnni_here() ? quant_linear::kVnniRows + 1 : 0;
+#else
+  return 0;
+#endif
+}
+
 // From this many rows on, a quantized linear with bf16 outputs runs on oneDNN's matmul over widened
-// blocks (csrc/quant_linear.h `linear_onednn`); 0: never in this build.
+// blocks (csrc/quant_linear.h `linear_onednn`); 0: never here (no AVX512-BF16 in this build, or the
+// VNNI tiles take those rows).
 int64_t quant_onednn_rows() {
 #ifdef __AVX512BF16__
-  return quant_linear::kOnednnRows;
+  return quant_vnni_tile_rows() ? 0 : quant_linear::kOnednnRows;
 #else
   return 0;
 #endif
@@ -959,6 +971,7 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("quant_linear_isa() -> str");
   m.def("quant_onednn_rows() -> int");
   m.def("quant_vnni_rows() -> int");
+  m.def("quant_vnni_tile_rows() -> int");
   m.def("quant_rows(Tensor q, Tensor scales, Tensor? mins, int bits, int group, int n, Tensor ids) -> Tensor");
   m.def("nucleus_draws(Tensor rows, Tensor inv_t, Tensor top_p, Tensor uniform, int k) -> Tensor");
   m.def("has_nucleus_draws() -> bool");
@@ -998,6 +1011,7 @@ TORCH_LIBRARY_IMPL(pagedserve_cpu, CatchAll, m) {
   m.impl("quant_linear_isa", &quant_linear_isa);
   m.impl("quant_onednn_rows", &quant_onednn_rows);
   m.impl("quant_vnni_rows", &quant_vnni_rows);
+  m.impl("quant_vnni_tile_rows", &quant_vnni_tile_rows);
   m.impl("prompt_tiles_min_tokens", &prompt_tiles_min_tokens);
   m.impl("decode_tiles_min_group", &decode_tiles_min_group);
   m.impl("has_nucleus_draws", &sampler::has_nucleus_draws);

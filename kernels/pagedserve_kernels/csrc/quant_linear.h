@@ -26,8 +26,10 @@
 // where `brgemm_linear::available()` (up to kTileRows rows our own tile loop, `tile_blocks`; more,
 // ATen's bf16 brgemm), else with AVX512-BF16 dot products (`dot_rows`). A prompt's rows (kOnednnRows
 // and more, bf16 out) go to oneDNN's matmul instead, a few blocks at a time widened into plain bf16
-// rows (`linear_onednn`). Without AMX tiles, 3 to kVnniRows rows (a decode batch) quantize the
-// activations to int8 and multiply the integers with AVX512-VNNI where the CPU has it (`vnni_block`).
+// rows (`linear_onednn`). Without AMX tiles, where the CPU has AVX512-VNNI, the activations are
+// quantized to int8 and the integers multiplied as they are: 3 to kVnniRows rows (a decode batch) a
+// group at a time (`vnni_block`), more (a prompt) in tiles of 3 rows over a block's whole K
+// (`vnni_tiles`), instead of oneDNN.
 // The products accumulate in float32 over the whole of K; outputs float32 or rounded to the
 // activations' bf16 once. A build without AVX512-BF16, or float32 activations, takes
 // `dequantize_scalar` (the same values) and at::linear on the widened weight: correct, not fast.
@@ -705,7 +707,8 @@ inline void quantize_rows(const c10::BFloat16* x, int64_t M, int64_t K, int64_t 
     return _mm512_castsi512_ps(
         _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
   };
-  for (int64_t i = 0; i < M; ++i) {
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+  for (int64_t i = begin; i < end; ++i) {
     for (int64_t j = 0; j < blocks; ++j) {
       const c10::BFloat16* src = x + i * K + j * block;
       __m512 amax = _mm512_setzero_ps();
@@ -726,6 +729,7 @@ inline void quantize_rows(const c10::BFloat16* x, int64_t M, int64_t K, int64_t 
       out.group_sum[i * (K / group) + j / per_group] += scale * static_cast<float>(sum);
     }
   }
+  });
 }
 
 // Column order of the unpacked byte registers (below): lane l of register X holds column order[X][l].
@@ -931,6 +935,198 @@ inline void vnni_block(const Weight& w, int64_t b, const Int8Rows& x, int64_t M,
     for (int X = 0; X < 4; ++X)
       for (int l = 0; l < 16; ++l) c[i * kBlockN + order[X][l]] = acc[i * kBlockN + 16 * X + l];
 }
+
+// Where each column of the natural order sits in the `vnni_columns<BITS>` registers: natural register c,
+// lane j (column 16c + j) is lane idx[c] & 15 of register (high[c] set: 2, else 0) + (idx[c] >> 4), so
+// two two-source permutes and a blend bring four registers back to the natural order.
+template <int BITS>
+struct NaturalOrder {
+  __m512i idx[4];
+  __mmask16 high[4];
+  NaturalOrder() {
+    alignas(64) int32_t order[4][16], position[kBlockN];
+    for (int X = 0; X < 4; ++X) _mm512_store_si512(order[X], vnni_columns<BITS>(X));
+    for (int X = 0; X < 4; ++X)
+      for (int l = 0; l < 16; ++l) position[order[X][l]] = 16 * X + l;
+    for (int c = 0; c < 4; ++c) {
+      alignas(64) int32_t lanes[16];
+      high[c] = 0;
+      for (int j = 0; j < 16; ++j) {
+        lanes[j] = position[16 * c + j] & 31;
+        if (position[16 * c + j] >= 32) high[c] = static_cast<__mmask16>(high[c] | (1u << j));
+      }
+      idx[c] = _mm512_load_si512(lanes);
+    }
+  }
+  // c (kBlockN floats) in the natural order = the four registers in `vnni_columns` order.
+  __attribute__((always_inline)) void store(__m512 r0, __m512 r1, __m512 r2, __m512 r3, float* c) const {
+    for (int k = 0; k < 4; ++k)
+      _mm512_storeu_ps(c + 16 * k, _mm512_mask_blend_ps(high[k], _mm512_permutex2var_ps(r0, idx[k], r1),
+                                                        _mm512_permutex2var_ps(r2, idx[k], r3)));
+  }
+};
+
+// One column block's operands for `vnni_tile`, prepared once per block and read by every tile of rows:
+// the whole of K unpacked (K / 4 quads x 4 registers: K x 64 bytes, L2), and each group's scales (and
+// mins) as float32 in the registers' column order (groups x 64).
+struct VnniOperands {
+  std::vector<__m512i> wq;
+  std::vector<float> scales, mins;
+
+  template <int BITS>
+  void prepare(const Weight& w, int64_t b) {
+    const uint8_t* q = w.q + b * w.block_bytes();
+    wq.resize(w.K);
+    for (int64_t u = 0; u < w.K / 4; ++u) unpack_quad<BITS>(q, u, wq.data() + 4 * u);
+    __m512i cols[4];
+    for (int X = 0; X < 4; ++X) cols[X] = vnni_columns<BITS>(X);
+    scales.resize(w.groups() * kBlockN);
+    if (w.mins) mins.resize(w.groups() * kBlockN);
+    for (int64_t g = 0; g < w.groups(); ++g) {
+      __m512 v[4];
+      in_column_order(w, w.scales, b, g, cols, v);
+      for (int X = 0; X < 4; ++X) _mm512_storeu_ps(scales.data() + g * kBlockN + 16 * X, v[X]);
+      if (!w.mins) continue;
+      in_column_order(w, w.mins, b, g, cols, v);
+      for (int X = 0; X < 4; ++X) _mm512_storeu_ps(mins.data() + g * kBlockN + 16 * X, v[X]);
+    }
+  }
+};
+
+// c (MR, kBlockN) float32, natural column order = rows [i0, i0 + MR) of the int8 activations times the
+// prepared block (MR <= 3). The 4 MR float sums stay in registers over the whole of K (named: arrays of
+// registers GCC 12 copies at every step); per activation block, 4 MR integer sums of QUADS quads (0: the
+// block's own count), then each scaled into its float sum: t = sum * s_x - offset * s_x * sum(a) (6 and 8
+// bits: the weight's stored offset, 32 or 128, taken back), sum += t * scale; per group with mins,
+// sum += min * the group's de-quantized activations. 12 sums, 4 weight registers and a broadcast: 29 of
+// 32 registers. ~80% of `vpdpbusd`'s peak in a loop of this shape (docs/benchmarks.md).
+template <int BITS, int MR, int QUADS>
+inline void vnni_tile(const VnniOperands& op, const Weight& w, const Int8Rows& x, int64_t i0, float* c) {
+  const int64_t K = w.K, block_quads = x.block / 4, blocks = K / x.block, per_group = w.group / x.block;
+  const int64_t groups = w.groups(), n = QUADS > 0 ? QUADS : block_quads;
+  constexpr float offset = BITS == 8 ? 128.0f : BITS == 6 ? 32.0f : 0.0f;
+  const int8_t* a0 = x.a.data() + i0 * K;
+  const int8_t* a1 = a0 + (MR > 1 ? K : 0);
+  const int8_t* a2 = a0 + (MR > 2 ? 2 * K : 0);
+  __m512 f00 = _mm512_setzero_ps(), f01 = f00, f02 = f00, f03 = f00, f10 = f00, f11 = f00, f12 = f00, f13 = f00;
+  __m512 f20 = f00, f21 = f00, f22 = f00, f23 = f00;
+#define PS_DP(P, A)                                                       \
+  {                                                                       \
+    int32_t bits;                                                         \
+    std::memcpy(&bits, (A) + 4 * u, sizeof(bits));                        \
+    const __m512i xv = _mm512_set1_epi32(bits);                           \
+    P##0 = _mm512_dpbusd_epi32(P##0, W0, xv);                             \
+    P##1 = _mm512_dpbusd_epi32(P##1, W1, xv);                             \
+    P##2 = _mm512_dpbusd_epi32(P##2, W2, xv);                             \
+    P##3 = _mm512_dpbusd_epi32(P##3, W3, xv);                             \
+  }
+#define PS_SCALE(P, F, R)                                                                           \
+  {                                                                                                 \
+    const float s = x.scale[(i0 + (R)) * blocks + j];                                               \
+    const __m512 sx = _mm512_set1_ps(s), back = _mm512_set1_ps(-offset * s * x.sum[(i0 + (R)) * blocks + j]); \
+    F##0 = _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(P##0), sx, back), _mm512_loadu_ps(ws), F##0);      \
+    F##1 = _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(P##1), sx, back), _mm512_loadu_ps(ws + 16), F##1); \
+    F##2 = _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(P##2), sx, back), _mm512_loadu_ps(ws + 32), F##2); \
+    F##3 = _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(P##3), sx, back), _mm512_loadu_ps(ws + 48), F##3); \
+  }
+#define PS_MIN(F, R)                                                                  \
+  {                                                                                   \
+    const __m512 xm = _mm512_set1_ps(x.group_sum[(i0 + (R)) * groups + g]);           \
+    F##0 = _mm512_fmadd_ps(_mm512_loadu_ps(wm), xm, F##0);                            \
+    F##1 = _mm512_fmadd_ps(_mm512_loadu_ps(wm + 16), xm, F##1);                       \
+    F##2 = _mm512_fmadd_ps(_mm512_loadu_ps(wm + 32), xm, F##2);                       \
+    F##3 = _mm512_fmadd_ps(_mm512_loadu_ps(wm + 48), xm, F##3);                       \
+  }
+  for (int64_t j = 0, g = 0, in_group = 0; j < blocks; ++j) {
+    __m512i p00 = _mm512_setzero_si512(), p01 = p00, p02 = p00, p03 = p00, p10 = p00, p11 = p00, p12 = p00;
+    __m512i p13 = p00, p20 = p00, p21 = p00, p22 = p00, p23 = p00;
+    const __m512i* wj = op.wq.data() + 4 * j * block_quads;
+    const int64_t k0 = j * x.block;
+#pragma GCC unroll 8
+    for (int64_t u = 0; u < n; ++u) {
+      __m512i W0 = wj[4 * u], W1 = wj[4 * u + 1], W2 = wj[4 * u + 2], W3 = wj[4 * u + 3];
+      // Held in registers: else GCC loads them again for every row (the load port, not the multiplies,
+      // then bounds the loop).
+      asm("" : "+v"(W0), "+v"(W1), "+v"(W2), "+v"(W3));
+      PS_DP(p0, a0 + k0)
+      if constexpr (MR > 1) PS_DP(p1, a1 + k0)
+      if constexpr (MR > 2) PS_DP(p2, a2 + k0)
+    }
+    const float* ws = op.scales.data() + g * kBlockN;
+    PS_SCALE(p0, f0, 0)
+    if constexpr (MR > 1) PS_SCALE(p1, f1, 1)
+    if constexpr (MR > 2) PS_SCALE(p2, f2, 2)
+    if (++in_group < per_group) continue;
+    if (w.mins) {
+      const float* wm = op.mins.data() + g * kBlockN;
+      PS_MIN(f0, 0)
+      if constexpr (MR > 1) PS_MIN(f1, 1)
+      if constexpr (MR > 2) PS_MIN(f2, 2)
+    }
+    in_group = 0;
+    ++g;
+  }
+#undef PS_DP
+#undef PS_SCALE
+#undef PS_MIN
+  static const NaturalOrder<BITS> natural;
+  natural.store(f00, f01, f02, f03, c);
+  if constexpr (MR > 1) natural.store(f10, f11, f12, f13, c + kBlockN);
+  if constexpr (MR > 2) natural.store(f20, f21, f22, f23, c + 2 * kBlockN);
+}
+
+// c rows of the block for rows [i0, i0 + MR), the activation blocks' quad count as a constant where it
+// is one of the usual (8: blocks of 32 inputs; 4: of 16, Q6_K's groups).
+template <int BITS, int MR>
+inline void vnni_tile_any(const VnniOperands& op, const Weight& w, const Int8Rows& x, int64_t i0, float* c) {
+  if (x.block == 32) vnni_tile<BITS, MR, 8>(op, w, x, i0, c);
+  else if (x.block == 16) vnni_tile<BITS, MR, 4>(op, w, x, i0, c);
+  else vnni_tile<BITS, MR, 0>(op, w, x, i0, c);
+}
+
+// y's block b (columns [n0, n0 + cols)) for all M rows, in tiles of 3 rows, each stored as it is done.
+template <int BITS, typename TOut>
+inline void vnni_tiles(VnniOperands& op, const Weight& w, int64_t b, const Int8Rows& x, int64_t M, const float* bias,
+                       TOut* y, int64_t N) {
+  op.prepare<BITS>(w, b);
+  const int64_t n0 = b * kBlockN, cols = std::min(kBlockN, N - n0);
+  alignas(64) float c[3 * kBlockN];
+  int64_t i = 0;
+  for (; i + 3 <= M; i += 3) {
+    vnni_tile_any<BITS, 3>(op, w, x, i, c);
+    store_rows(c, 3, bias ? bias + n0 : nullptr, y + i * N + n0, N, cols);
+  }
+  if (M - i == 2) vnni_tile_any<BITS, 2>(op, w, x, i, c);
+  if (M - i == 1) vnni_tile_any<BITS, 1>(op, w, x, i, c);
+  if (M > i) store_rows(c, M - i, bias ? bias + n0 : nullptr, y + i * N + n0, N, cols);
+}
+
+// Whether `linear` takes the VNNI tiles for M rows of this weight: more than the decode batches' VNNI
+// path takes (a prompt's rows), on the CPUs that path runs on.
+inline bool vnni_tile_rows(const Weight& w, int64_t M) {
+  return M > kVnniRows && w.group % 16 == 0 && vnni_here();
+}
+
+// `linear` on the VNNI tiles: x quantized to int8 once (kept by the calling thread from call to call: a
+// prompt chunk's is megabytes, page faults every call if fresh), then the threads claim column blocks.
+template <typename TOut>
+inline void linear_vnni_tiles(const Weight& w, const c10::BFloat16* x, const float* bias, TOut* y, int64_t M,
+                              int64_t N) {
+  thread_local Int8Rows kept;
+  Int8Rows& xq = kept;  // (a thread_local named in the lambda below would be each worker's own)
+  quantize_rows(x, M, w.K, w.group, xq);
+  const int64_t blocks = std::min(w.blocks, (N + kBlockN - 1) / kBlockN);
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), blocks));
+  claims::Claims blocks_left(blocks, threads);
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    thread_local VnniOperands op;
+    blocks_left.each([&](int64_t b) {
+      if (w.bits == 8) vnni_tiles<8>(op, w, b, xq, M, bias, y, N);
+      else if (w.bits == 6) vnni_tiles<6>(op, w, b, xq, M, bias, y, N);
+      else vnni_tiles<4>(op, w, b, xq, M, bias, y, N);
+    });
+  });
+}
 #endif  // __AVX512VNNI__
 
 // `linear` for many rows (M >= kOnednnRows, K a multiple of 32), bf16 outputs: the threads claim
@@ -981,6 +1177,9 @@ template <typename TOut>
 inline void linear(const Weight& w, const c10::BFloat16* x, const float* bias, TOut* y, int64_t M, int64_t N,
                    bool tiles) {
   const int64_t K = w.K;
+#ifdef __AVX512VNNI__
+  if (!tiles && vnni_tile_rows(w, M)) return linear_vnni_tiles(w, x, bias, y, M, N);
+#endif
   if constexpr (std::is_same_v<TOut, c10::BFloat16>) {
     if (M >= kOnednnRows && K % 32 == 0) return linear_onednn(w, x, bias, y, M, N);
   }
