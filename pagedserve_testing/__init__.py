@@ -5,7 +5,6 @@
   scenario ends with (blocks accounted for, nothing leaked);
 - ``fuzz``, ``fuzz_requests``: a seeded generator of hostile requests and its runner;
 - ``load``: concurrent streaming clients, an overload burst, request churn;
-- ``teacher_forcing``: a model's logits after every position, in one prefill or in steps.
 
 They live here rather than in ``benchmarks/`` so that the tests depend on no benchmark code, and
 rather than in ``tests/`` so that the benchmarks' quick modes can use them too (benchmarks never

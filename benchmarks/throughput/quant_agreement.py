@@ -33,7 +33,7 @@ import torch
 from benchmarks.cpu_info import cpu_name
 from benchmarks.throughput.realistic import english_text
 from compute_service.model.model_loader import load_model
-from pagedserve_testing.teacher_forcing import window_logits
+from compute_service.model.teacher_forcing import window_logits
 
 
 def scored(logits: torch.Tensor, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -39,6 +39,7 @@ from pagedserve.hf_tokenizer import load_hf_tokenizer
 from pagedserve.dtypes import AUTO, QUANTIZATIONS, dtype_name, parse_dtype, resolve_auto
 from pagedserve.paths import cache_dir as pagedserve_cache_dir
 
+from compute_service.model.activation_check import choose_int8_activations
 from compute_service.model.fingerprint import weights_fingerprint
 from compute_service.model.gguf_file import (DEQUANTIZED_MARKER, DEQUANTIZED_PREFIX, GGUF_CACHE_FORMAT,
                                              QUANTIZATION_INDEX, QUANTIZED_FILE, convert_gguf, file_sha256,
@@ -179,6 +180,8 @@ def load_model(
         identity = f"{fingerprint}|{scheme}|{QUANTIZER_VERSION}"
         fingerprint = hashlib.blake2b(identity.encode(), digest_size=32).hexdigest()
     packed = lm.prepack_cpu_weights()
+    if scheme != "none" and device.type == "cpu":
+        choose_int8_activations(lm, tokenizer)  # int8 activations where they agree with bf16 ones
     if isinstance(lm.embed_quantized, MappedRows):
         lm.embed_quantized.drop_resident()  # the pages the fingerprint sampled
     allocator = release_free_memory()  # what loading freed (read, widened, packed copies), not held at its peak

@@ -264,6 +264,14 @@ def vnni_tile_rows() -> int:
     return int(_ops().quant_vnni_tile_rows()) if available() else 0
 
 
+def set_int8_activations(on: bool) -> bool:
+    """Turn the VNNI paths' int8 activations on or off for this process (`vnni_rows`, `vnni_tile_rows`:
+    off, those rows de-quantize the weight into bf16 or go to oneDNN); returns whether they run now
+    (never where the CPU or build has no such path). A model's choice, made at load
+    (compute_service/model/activation_check.py)."""
+    return bool(_ops().quant_set_int8_activations(on)) if available() else False
+
+
 def linear(x: torch.Tensor, weight: QuantizedWeight, float_out: bool = False) -> torch.Tensor:
     """x (N, in) @ weight.T + its bias: (N, out) float32 with `float_out`, else x's dtype."""
     return torch.ops.pagedserve_cpu.quant_linear(x.contiguous(), weight.q, weight.scales, weight.mins, weight.bias,

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from compute_service.model.model_loader import load_model
-from pagedserve_testing.teacher_forcing import window_logits
+from compute_service.model.teacher_forcing import window_logits
 
 pytestmark = pytest.mark.gguf_real
 
@@ -52,7 +52,7 @@ def gguf_path() -> Path:
 def _teacher_forced_logits(path: Path, dtype: str, token_ids: list[int], quantization: str = "none",
                            step: int = 0) -> torch.Tensor:
     """Our logits after every prefix of `token_ids`: (T, vocab), float32, from one prefill, or with `step`
-    from consecutive steps of `step` tokens (`pagedserve_testing.teacher_forcing`, as the accuracy benchmark)."""
+    from consecutive steps of `step` tokens (`compute_service.model.teacher_forcing`, as the accuracy benchmark)."""
     model = load_model(str(path), device="cpu", dtype=dtype, quantization=quantization).model
     return window_logits(model, token_ids, step)
 

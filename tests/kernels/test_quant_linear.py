@@ -10,10 +10,6 @@ reference takes those activations as the kernel quantizes them."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -307,32 +303,34 @@ def test_int8_activations_keep_outliers_zeros_and_every_row_count(bits, group, w
     torch.testing.assert_close(y[1].double(), weight.bias.double(), rtol=0, atol=1e-6)  # zeros: the bias alone
 
 
-_BF16_PATHS = """
-import torch
-from pagedserve_kernels import quant
-assert quant.vnni_rows() == 0 and quant.vnni_tile_rows() == 0 and quant.onednn_rows() > 0
-generator = torch.Generator().manual_seed(7)
-q = torch.randint(0, 16, (192, 512), generator=generator)
-scale = (torch.rand(192, 16, generator=generator) * 0.01).half().float()
-minimum = -(torch.rand(192, 16, generator=generator) * 0.1)
-weight = quant.pack(q, scale, minimum, 4)
-w = weight.dequantize().bfloat16().double()
-for rows in (5, 40, 200):
-    x = torch.randn(rows, 512, generator=generator).bfloat16()
-    reference = x.double() @ w.T
-    y = quant.linear(x, weight, float_out=True)
-    torch.testing.assert_close(y.double(), reference, rtol=1e-5, atol=1e-4, msg=f"{rows} rows")
-    torch.testing.assert_close(quant.linear(x, weight).float(), reference.float().bfloat16().float(), rtol=1e-2,
-                               atol=1e-2, msg=f"{rows} rows, bf16 out")
-print("ok")
-"""
+
+@pytest.fixture(autouse=True)
+def _int8_activations_on():
+    """The kernels' default (a model loaded earlier in this process may have turned them off)."""
+    quant.set_int8_activations(True)
+    yield
+    quant.set_int8_activations(True)
 
 
 @pytest.mark.skipif(not quant.vnni_tile_rows(), reason="the VNNI paths take these rows only on CPUs with VNNI, no AMX")
-def test_the_bf16_paths_the_int8_ones_replace_still_give_the_reference():
-    """With PAGEDSERVE_CPU_QUANT_VNNI=0 (A/B runs; what a CPU with AVX512-BF16 and no VNNI takes), 5 and 40
-    rows de-quantize into bf16 and 200 (bf16 out) go to oneDNN (`linear_onednn`), each equal to the
-    bf16-rounded weight's product: paths this CPU no longer takes by default stay tested here."""
-    done = subprocess.run([sys.executable, "-c", _BF16_PATHS], env={**os.environ, "PAGEDSERVE_CPU_QUANT_VNNI": "0"},
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+def test_with_int8_activations_off_the_bf16_paths_give_the_reference():
+    """Off (a model whose int8 activations disagree with bf16 ones: compute_service/model/activation_check.py;
+    what a CPU with AVX512-BF16 and no VNNI takes), 5 and 40 rows de-quantize into bf16 and 200 (bf16
+    out) go to oneDNN (`linear_onednn`), each equal to the bf16-rounded weight's product; on again, the
+    int8 paths are back."""
+    generator = torch.Generator().manual_seed(7)
+    q = torch.randint(0, 16, (192, 512), generator=generator)
+    scale = (torch.rand(192, 16, generator=generator) * 0.01).half().float()
+    minimum = -(torch.rand(192, 16, generator=generator) * 0.1)
+    weight = quant.pack(q, scale, minimum, 4)
+    assert not quant.set_int8_activations(False)
+    assert quant.vnni_rows() == 0 and quant.vnni_tile_rows() == 0 and quant.onednn_rows() > 0
+    for rows in (5, 40, 200):
+        x = torch.randn(rows, 512, generator=generator).bfloat16()
+        assert not _int8_rows(rows, weight, False)
+        _assert_every_path_gives_the_reference(x, weight)
+    assert quant.set_int8_activations(True)
+    assert quant.vnni_rows() > 0 and quant.vnni_tile_rows() > 0 and quant.onednn_rows() == 0
+    x = torch.randn(40, 512, generator=generator).bfloat16()
+    assert _int8_rows(40, weight, False)
+    _assert_every_path_gives_the_reference(x, weight)

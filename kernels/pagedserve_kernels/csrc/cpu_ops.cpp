@@ -667,7 +667,7 @@ std::string quant_linear_isa() {
 // never here.
 int64_t quant_vnni_rows() {
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
-  return quant_linear::vnni_here() ? quant_linear::kVnniRows : 0;
+  return quant_linear::int8_here() ? quant_linear::kVnniRows : 0;
 #else
   return 0;
 #endif
@@ -678,9 +678,22 @@ int64_t quant_vnni_rows() {
 // here.
 int64_t quant_vnni_tile_rows() {
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
-  return quant_linear::vnni_here() ? quant_linear::kVnniRows + 1 : 0;
+  return quant_linear::int8_here() ? quant_linear::kVnniRows + 1 : 0;
 #else
   return 0;
+#endif
+}
+
+// Turn the int8 activations of the VNNI paths on or off for this process (a model's choice, made at
+// load); returns whether they run now: false where this CPU or build has no such path (AMX tiles, no
+// AVX512-VNNI, PAGEDSERVE_CPU_QUANT_VNNI=0), whatever `on` asked.
+bool quant_set_int8_activations(bool on) {
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+  quant_linear::int8_activations().store(on);
+  return quant_linear::int8_here();
+#else
+  (void)on;
+  return false;
 #endif
 }
 
@@ -972,6 +985,7 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("quant_onednn_rows() -> int");
   m.def("quant_vnni_rows() -> int");
   m.def("quant_vnni_tile_rows() -> int");
+  m.def("quant_set_int8_activations(bool on) -> bool");
   m.def("quant_rows(Tensor q, Tensor scales, Tensor? mins, int bits, int group, int n, Tensor ids) -> Tensor");
   m.def("nucleus_draws(Tensor rows, Tensor inv_t, Tensor top_p, Tensor uniform, int k) -> Tensor");
   m.def("has_nucleus_draws() -> bool");
@@ -1012,6 +1026,7 @@ TORCH_LIBRARY_IMPL(pagedserve_cpu, CatchAll, m) {
   m.impl("quant_onednn_rows", &quant_onednn_rows);
   m.impl("quant_vnni_rows", &quant_vnni_rows);
   m.impl("quant_vnni_tile_rows", &quant_vnni_tile_rows);
+  m.impl("quant_set_int8_activations", &quant_set_int8_activations);
   m.impl("prompt_tiles_min_tokens", &prompt_tiles_min_tokens);
   m.impl("decode_tiles_min_group", &decode_tiles_min_group);
   m.impl("has_nucleus_draws", &sampler::has_nucleus_draws);

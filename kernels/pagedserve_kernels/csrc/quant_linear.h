@@ -43,6 +43,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -675,10 +676,20 @@ inline bool vnni_here() {
   return here;
 }
 
+// Whether the VNNI paths run at all (where vnni_here()): int8 activations are a model's choice, set
+// once it is loaded (compute_service/model/activation_check.py: on where they measure close to bf16
+// ones; a small model can sit on a near-tie they flip). One model a process: a process-wide setting.
+inline std::atomic<bool>& int8_activations() {
+  static std::atomic<bool> on{true};
+  return on;
+}
+
+inline bool int8_here() { return vnni_here() && int8_activations().load(std::memory_order_relaxed); }
+
 // Whether `linear` takes the VNNI path for M rows of this weight (bf16 activations; groups of whole
 // 16-input vectors, so the activations quantize a vector at a time).
 inline bool vnni_rows(const Weight& w, int64_t M) {
-  return M <= kVnniRows && w.group % 16 == 0 && vnni_here();
+  return M <= kVnniRows && w.group % 16 == 0 && int8_here();
 }
 
 // Inputs an activation scale covers: the weight's group, or 32 where the group is a larger multiple of
@@ -1104,7 +1115,7 @@ inline void vnni_tiles(VnniOperands& op, const Weight& w, int64_t b, const Int8R
 // Whether `linear` takes the VNNI tiles for M rows of this weight: more than the decode batches' VNNI
 // path takes (a prompt's rows), on the CPUs that path runs on.
 inline bool vnni_tile_rows(const Weight& w, int64_t M) {
-  return M > kVnniRows && w.group % 16 == 0 && vnni_here();
+  return M > kVnniRows && w.group % 16 == 0 && int8_here();
 }
 
 // `linear` on the VNNI tiles: x quantized to int8 once (kept by the calling thread from call to call: a

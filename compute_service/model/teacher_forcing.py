@@ -1,5 +1,6 @@
-"""Teacher forcing: a model's logits after every position of a token sequence, for agreement checks
-(tests/e2e/test_gguf_real.py) and the accuracy benchmark (benchmarks/throughput/quant_agreement.py)."""
+"""Teacher forcing: a model's logits after every position of a token sequence, outside the engine (a
+scratch KV pool of its own): for the int8-activation check at load (activation_check.py), agreement
+checks (tests/e2e/test_gguf_real.py) and the accuracy benchmark (benchmarks/throughput/quant_agreement.py)."""
 
 from __future__ import annotations
 
