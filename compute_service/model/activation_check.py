@@ -8,8 +8,8 @@ from 0.00022 to 0.00296 (99.2% -> 97.8%), enough to flip the near-tie of "What i
 France?" from "The capital of France is Paris." to "L'Étoile, ..." (llama.cpp gives the same wrong
 answer from that file). So the load measures it: the model's logits over a fixed English passage with
 int8 activations and with bf16 ones, one prefill each, and keeps int8 where their mean KL (past the
-first SKIP_POSITIONS) is at most MAX_KL. The setting is process-wide (pagedserve_kernels.quant.set_int8_activations): one model a
-compute process.
+first SKIP_POSITIONS) is at most MAX_KL. The setting is process-wide
+(pagedserve_kernels.quant.set_int8_activations): one model a compute process.
 """
 
 from __future__ import annotations
