@@ -8,7 +8,8 @@ on AMX tiles where the CPU has them, oneDNN past them), int8 (groups of 128, as 
 min a multiple of a float16 per 256 inputs) with float16 scales ("q4k") and compact ("q4k_compact"),
 Q6_K's (6-bit, a scale per 16) at 6 bits with float16 scales ("q6"), compact ("q6_compact") and as int8
 ("q6_as8", how it was held before), each on AMX tiles where the CPU has them and with AVX512-BF16 dot
-products (or, 3-32 rows without AMX, int8 activations on VNNI). Figures:
+products (or, from 3 rows on without AMX, int8 activations on VNNI: `PAGEDSERVE_CPU_QUANT_VNNI=0` for
+the bf16 paths and oneDNN, as an A/B). Figures:
 the best of `--repeats` passes over all copies, wall ms per layer (all threads), and the weights'
 GB/s at that time.
 
