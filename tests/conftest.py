@@ -7,6 +7,7 @@ The default model's converted copy lives in the persistent cache root ($PAGEDSER
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
@@ -78,6 +79,17 @@ def _build_tiny(variant: str) -> torch.nn.Module:
             elif "norm" in name:
                 param.copy_(1.0 + 0.1 * torch.randn_like(param))
     return model
+
+
+@pytest.fixture(autouse=True)
+def _int8_activations_restored():
+    """Every test starts with the kernels' int8 activations on (their default): a quantized model's load
+    chooses them for the whole process (compute_service/model/activation_check.py), and a model loaded
+    by one test must not choose for the next. Only where the kernels were loaded at all."""
+    yield
+    quant = sys.modules.get("pagedserve_kernels.quant")
+    if quant is not None and sys.modules.get("pagedserve_kernels.cpu_ops") is not None:
+        quant.set_int8_activations(True)
 
 
 @pytest.fixture(scope="session")

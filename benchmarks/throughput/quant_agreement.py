@@ -4,7 +4,9 @@ and perplexity in llama.cpp's own convention beside llama.cpp's figure for the s
 The reference is our float32 model with every weight de-quantized (`--quantization none`: for a GGUF
 file, exactly gguf's de-quantized values). Each variant (`--variants`: "bf16" = no quantization,
 bf16 activations; "auto" = the file's own blocks kept quantized; "int8" / "int4" = quantized at load
-from the de-quantized weights) runs bf16 activations. The text (English, benchmarks/throughput/
+from the de-quantized weights) runs bf16 activations, or int8 ones where the CPU has the int8 paths
+and the load keeps them for that model (compute_service/model/activation_check.py; the JSON's
+"int8_activations" says which). The text (English, benchmarks/throughput/
 realistic.py's) is cut into `--chunks` windows of `--ctx` tokens; each window is one prefill; every
 position of its second half is scored, as `llama-perplexity` scores (the first half is context):
 top-1 agreement with float32, mean KL(float32 || variant), and perplexity of the text's own next
@@ -34,6 +36,7 @@ from benchmarks.cpu_info import cpu_name
 from benchmarks.throughput.realistic import english_text
 from compute_service.model.model_loader import load_model
 from compute_service.model.teacher_forcing import window_logits
+from pagedserve_kernels import quant
 
 
 def scored(logits: torch.Tensor, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,7 +94,8 @@ def main(argv: list[str] | None = None) -> None:
             agree += float((lp.argmax(-1) == ref_lp.argmax(-1)).sum())
             kl += float((ref_lp.exp() * (ref_lp - lp)).sum())
             nll -= float(lp.gather(1, targets[:, None]).sum())
-        summary[variant] = {"held": model.quantization, "top1_vs_fp32": round(agree / positions, 4),
+        summary[variant] = {"held": model.quantization, "int8_activations": quant.vnni_rows() > 0,
+                            "top1_vs_fp32": round(agree / positions, 4),
                             "kl_vs_fp32": round(kl / positions, 5), "ppl": round(math.exp(nll / positions), 4)}
         print(f"{variant}: {summary[variant]}", flush=True)
         del model

@@ -19,14 +19,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import structlog
+import torch
 
 from compute_service.model.teacher_forcing import window_logits
 
 log = structlog.get_logger(__name__)
 
 # Mean KL(bf16 activations || int8 activations) over the passage's scored positions above which int8
-# stays off: the 1.5B Q4_K_M measures ~0.0005 there, SmolLM2's Q4_1 ~0.0026 (docs/benchmarks.md, "int8
-# activations, model by model").
+# stays off: the 1.5B Q4_K_M measures ~0.0005 there, SmolLM2's Q4_1 ~0.0027 (docs/benchmarks.md,
+# "Quantized prompts on int8 tiles; int8 activations chosen model by model").
 MAX_KL = 1e-3
 MAX_TOKENS = 160  # the passage's tokens taken: more than the decode batches' 32 rows, one prefill
 # The first positions are not scored: with little context their distributions are flat and move with
@@ -47,32 +48,39 @@ PASSAGE = (
 
 @dataclass(frozen=True)
 class ActivationCheck:
-    """What the load measured and chose: int8 activations on or off, the mean KL, the positions."""
+    """What the load measured and chose: int8 activations on or off, the mean KL, the positions scored."""
 
-    int8: bool
+    is_int8: bool
     kl: float
-    positions: int
+    num_positions: int
     seconds: float
 
 
 def choose_int8_activations(model: Any, tokenizer: Any) -> ActivationCheck | None:
-    """Measure int8 against bf16 activations on `model` (a quantized CausalLM on the CPU) and keep the
-    faster where it agrees (mean KL <= MAX_KL); None where this CPU has no int8 path or there is no
-    tokenizer to read the passage with (then int8 activations stay as the kernels default: on)."""
+    """Measure int8 against bf16 activations on `model` (a quantized CausalLM with bf16 activations on
+    the CPU) and keep the faster where it agrees (mean KL <= MAX_KL). None, measuring nothing, where the
+    model's activations are not bf16 (they never take the int8 paths), the CPU has no int8 path, or the
+    passage cannot be read (no tokenizer; too few tokens): int8 activations then stay as the kernels
+    default, on."""
     from pagedserve_kernels import quant
 
-    if not quant.set_int8_activations(True) or tokenizer is None:
+    if getattr(model, "dtype", None) != torch.bfloat16 or tokenizer is None:
+        return None
+    ids = list(tokenizer.encode(PASSAGE))[:MAX_TOKENS]
+    if len(ids) <= SKIP_POSITIONS + 32 or not quant.set_int8_activations(True):  # 32: the decode batches' rows
         return None
     started = time.perf_counter()
-    ids = list(tokenizer.encode(PASSAGE))[:MAX_TOKENS]
-    int8 = window_logits(model, ids).log_softmax(-1)
-    quant.set_int8_activations(False)
-    bf16 = window_logits(model, ids).log_softmax(-1)
-    bf16, int8 = bf16[SKIP_POSITIONS:], int8[SKIP_POSITIONS:]
+    try:
+        int8 = window_logits(model, ids).log_softmax(-1)[SKIP_POSITIONS:]
+        quant.set_int8_activations(False)
+        bf16 = window_logits(model, ids).log_softmax(-1)[SKIP_POSITIONS:]
+    except BaseException:
+        quant.set_int8_activations(True)  # the kernels' default, not a half-made choice
+        raise
     kl = float((bf16.exp() * (bf16 - int8)).sum(-1).mean())
     on = kl <= MAX_KL
     quant.set_int8_activations(on)
-    check = ActivationCheck(int8=on, kl=kl, positions=len(bf16), seconds=time.perf_counter() - started)
+    check = ActivationCheck(is_int8=on, kl=kl, num_positions=len(bf16), seconds=time.perf_counter() - started)
     log.info("int8_activations", on=on, kl=round(kl, 6), max_kl=MAX_KL, positions=len(bf16),
              seconds=round(check.seconds, 2))
     return check

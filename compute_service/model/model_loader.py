@@ -181,7 +181,7 @@ def load_model(
         fingerprint = hashlib.blake2b(identity.encode(), digest_size=32).hexdigest()
     packed = lm.prepack_cpu_weights()
     if scheme != "none" and device.type == "cpu":
-        choose_int8_activations(lm, tokenizer)  # int8 activations where they agree with bf16 ones
+        choose_int8_activations(lm, tokenizer)  # int8 activations where they agree with bf16 ones (bf16 models)
     if isinstance(lm.embed_quantized, MappedRows):
         lm.embed_quantized.drop_resident()  # the pages the fingerprint sampled
     allocator = release_free_memory()  # what loading freed (read, widened, packed copies), not held at its peak

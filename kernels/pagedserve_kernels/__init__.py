@@ -78,8 +78,10 @@ def kernel_paths(device: torch.device, dtype: torch.dtype, head_dim: int, quanti
     16, ", decode amx-tiles": the single-position decodes of csrc/decode_tiles.h), "linear"
     (`cpu_linear.linear_path`: the small-batch rows and their kernel, then oneDNN, on AMX tiles or not;
     for a model whose weights are kept quantized, `quant.path()` and the formats held, e.g.
-    "quant amx-tiles Q4_K+Q6_K, rows>=192 onednn": prompt chunks multiply on oneDNN; without AMX,
-    ", rows<=32 avx512-vnni int8": decode batches past two rows multiply int8 activations).
+    "quant amx-tiles Q4_K+Q6_K, rows>=192 onednn": prompt chunks multiply on oneDNN; without AMX, where
+    the model keeps int8 activations (compute_service/model/activation_check.py), ", rows<=32
+    avx512-vnni int8, rows>=33 avx512-vnni int8 tiles": decode batches past two rows and prompts
+    multiply int8 activations, and oneDNN takes none).
     """
     if not step_path(device, dtype, head_dim).startswith("fused-cpp"):
         return {}

@@ -84,8 +84,9 @@ LEVELS: dict[str, Level] = {  # best first
     # decode attention of grouped heads on AMX tiles (csrc/decode_tiles.h: Sapphire Rapids on)
     "x86-64-v4-avx512bf16-amx": Level(("-march=x86-64-v4", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"),
                                       _V4_FLAGS | {"avx512_bf16", "amx_tile", "amx_bf16"}, "__AMX_TILE__"),
-    # a quantized linear's decode batches on int8 activations (csrc/quant_linear.h `vnni_block`: CPUs
-    # without AMX that have AVX512-VNNI and AVX512-BF16, Zen 4 on, Cooper Lake)
+    # a quantized linear's decode batches and prompts on int8 activations (csrc/quant_linear.h
+    # `vnni_block`, `vnni_tiles`: CPUs without AMX that have AVX512-VNNI and AVX512-BF16, Zen 4 on,
+    # Cooper Lake)
     "x86-64-v4-avx512bf16-vnni": Level(("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni"),
                                        _V4_FLAGS | {"avx512_bf16", "avx512_vnni"}, "__AVX512VNNI__"),
     # bf16 conversions of the AVX-512 attention kernel in one instruction (Zen 4 on, Cooper Lake on)

@@ -246,21 +246,22 @@ def path(dtype: torch.dtype = torch.bfloat16) -> str:
 
 def onednn_rows() -> int:
     """From how many rows `linear` (bf16 out) runs on oneDNN's matmul over widened blocks (csrc/quant_linear.h
-    `linear_onednn`); 0: never here."""
+    `linear_onednn`); 0: not now (not in this build, or int8 activations take those rows: `vnni_tile_rows`)."""
     return int(_ops().quant_onednn_rows()) if available() else 0
 
 
 def vnni_rows() -> int:
     """Up to how many rows (past the few-row path's 1-2, 1-4 for a per-column int8 weight) `linear`
     multiplies int8 activations with AVX512-VNNI a group at a time (csrc/quant_linear.h `vnni_block`;
-    CPUs without AMX tiles, whatever a call's `tiles` says); 0: never here."""
+    CPUs without AMX tiles, whatever a call's `tiles` says); 0: not now (no such path here, or the loaded
+    model keeps bf16 activations: `set_int8_activations`)."""
     return int(_ops().quant_vnni_rows()) if available() else 0
 
 
 def vnni_tile_rows() -> int:
     """From how many rows on `linear` multiplies int8 activations with AVX512-VNNI in tiles of rows over
     whole column blocks (csrc/quant_linear.h `vnni_tiles`: a prompt's rows, instead of oneDNN; the CPUs
-    `vnni_rows` names); 0: never here."""
+    `vnni_rows` names); 0: not now (as `vnni_rows`)."""
     return int(_ops().quant_vnni_tile_rows()) if available() else 0
 
 

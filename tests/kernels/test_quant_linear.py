@@ -84,10 +84,11 @@ def test_quant_linear_equals_the_dequantized_product(scheme, out_features, in_fe
                                rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("rows", [5, 16, 24])
+@pytest.mark.parametrize("rows", [5, 16, 24, 33, 40])
 def test_quant_linear_with_inputs_off_the_tiles_step_equals_the_dequantized_product(rows):
     # 48 inputs (int8, one scale per output): not a whole number of the tile loop's 32-input steps, so
-    # ATen's brgemm takes the rows the tile loop would (csrc/quant_linear.h `tile_rows`).
+    # ATen's brgemm takes the rows the tile loop would (csrc/quant_linear.h `tile_rows`); without AMX,
+    # int8 activations in one 48-input block, past 32 rows the VNNI tiles' loop of any quad count.
     generator = torch.Generator().manual_seed(48 + rows)
     weight = quant.quantize(torch.randn(130, 48, generator=generator) * 0.1, "int8")
     x = torch.randn(rows, 48, generator=generator).bfloat16()
@@ -301,15 +302,6 @@ def test_int8_activations_keep_outliers_zeros_and_every_row_count(bits, group, w
     rest = slice(1, None)  # the outlier's row would dominate a norm over all rows
     assert (y[rest].double() - exact[rest]).norm() / exact[rest].norm() < 1e-2
     torch.testing.assert_close(y[1].double(), weight.bias.double(), rtol=0, atol=1e-6)  # zeros: the bias alone
-
-
-
-@pytest.fixture(autouse=True)
-def _int8_activations_on():
-    """The kernels' default (a model loaded earlier in this process may have turned them off)."""
-    quant.set_int8_activations(True)
-    yield
-    quant.set_int8_activations(True)
 
 
 @pytest.mark.skipif(not quant.vnni_tile_rows(), reason="the VNNI paths take these rows only on CPUs with VNNI, no AMX")

@@ -664,7 +664,7 @@ std::string quant_linear_isa() {
 
 // Up to this many rows (from past the few-row path's), a quantized linear with bf16 activations on a CPU
 // without AMX tiles multiplies int8 activations with AVX512-VNNI (csrc/quant_linear.h `vnni_block`); 0:
-// never here.
+// not now (no such path here, or the loaded model keeps bf16 activations: quant_set_int8_activations).
 int64_t quant_vnni_rows() {
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
   return quant_linear::int8_here() ? quant_linear::kVnniRows : 0;
@@ -674,8 +674,8 @@ int64_t quant_vnni_rows() {
 }
 
 // From this many rows on, a quantized linear with bf16 activations on a CPU without AMX tiles multiplies
-// int8 activations in tiles of rows over whole column blocks (csrc/quant_linear.h `vnni_tiles`); 0: never
-// here.
+// int8 activations in tiles of rows over whole column blocks (csrc/quant_linear.h `vnni_tiles`); 0: not
+// now (as quant_vnni_rows).
 int64_t quant_vnni_tile_rows() {
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
   return quant_linear::int8_here() ? quant_linear::kVnniRows + 1 : 0;
@@ -698,8 +698,8 @@ bool quant_set_int8_activations(bool on) {
 }
 
 // From this many rows on, a quantized linear with bf16 outputs runs on oneDNN's matmul over widened
-// blocks (csrc/quant_linear.h `linear_onednn`); 0: never here (no AVX512-BF16 in this build, or the
-// VNNI tiles take those rows).
+// blocks (csrc/quant_linear.h `linear_onednn`); 0: not now (no AVX512-BF16 in this build, or the VNNI
+// tiles take those rows: all but a weight whose groups are not whole 16-input vectors).
 int64_t quant_onednn_rows() {
 #ifdef __AVX512BF16__
   return quant_vnni_tile_rows() ? 0 : quant_linear::kOnednnRows;

@@ -71,7 +71,7 @@ constexpr int64_t kPrefetch = 2048;  // bytes ahead of the few-row path's read p
 // From these rows on (a prompt chunk) the weight goes to oneDNN's matmul a few blocks at a time, widened
 // to plain bf16 rows (`linear_onednn`): its blocking for prompt-sized M does about twice the FLOPS
 // of our brgemm passes over a block, which pays for the widening from ~200 rows on (docs/benchmarks.md,
-// "Quantized prompts on oneDNN").
+// "Quantized prompts on oneDNN"). Not where int8 activations run (`vnni_tile_rows`: past kVnniRows).
 constexpr int64_t kOnednnRows = 192;
 constexpr int64_t kChunkBlocks = 4;  // column blocks a oneDNN call takes (256 columns)
 
@@ -646,8 +646,10 @@ inline void tile_blocks(const Weight& w, int64_t begin, int64_t end, const c10::
 #endif
 
 #ifdef __AVX512VNNI__
-// From past the few-row path (3 rows; 5 for a per-column int8 weight) to kVnniRows rows (a decode
-// batch) on CPUs without AMX, with AVX512-VNNI: the activations are quantized to int8 per row and
+// From past the few-row path (3 rows; 5 for a per-column int8 weight) on CPUs without AMX, with
+// AVX512-VNNI, for a model that keeps int8 activations (`int8_activations`): up to kVnniRows rows (a
+// decode batch) a group at a time (`vnni_block`), more (a prompt) in tiles of rows over whole column
+// blocks (`vnni_tiles`, below). The activations are quantized to int8 per row and
 // block of inputs (`int8_block`: the weight's group, or 32 where the group is a larger multiple of 32;
 // symmetric, scale = the block's largest |x| / 127, rounded to nearest), and each 4 inputs of a column
 // multiply as integers, `vpdpbusd`: 64 multiply-adds an instruction against `vdpbf16ps`'s 32, and the
@@ -718,28 +720,29 @@ inline void quantize_rows(const c10::BFloat16* x, int64_t M, int64_t K, int64_t 
     return _mm512_castsi512_ps(
         _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
   };
-  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-  for (int64_t i = begin; i < end; ++i) {
-    for (int64_t j = 0; j < blocks; ++j) {
-      const c10::BFloat16* src = x + i * K + j * block;
-      __m512 amax = _mm512_setzero_ps();
-      for (int64_t k = 0; k < block; k += 16) amax = _mm512_max_ps(amax, _mm512_and_ps(widen(src + k), sign_off));
-      const float top = _mm512_reduce_max_ps(amax);
-      const float inv = top > 0.0f ? 127.0f / top : 0.0f;
-      __m512i total = _mm512_setzero_si512();
-      int8_t* dst = out.a.data() + i * K + j * block;
-      for (int64_t k = 0; k < block; k += 16) {
-        const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(widen(src + k), _mm512_set1_ps(inv)));  // nearest, ties even
-        total = _mm512_add_epi32(total, q);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + k), _mm512_cvtepi32_epi8(q));
+  at::parallel_for(0, M, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      for (int64_t j = 0; j < blocks; ++j) {
+        const c10::BFloat16* src = x + i * K + j * block;
+        __m512 amax = _mm512_setzero_ps();
+        for (int64_t k = 0; k < block; k += 16) amax = _mm512_max_ps(amax, _mm512_and_ps(widen(src + k), sign_off));
+        const float top = _mm512_reduce_max_ps(amax);
+        const float inv = top > 0.0f ? 127.0f / top : 0.0f;
+        __m512i total = _mm512_setzero_si512();
+        int8_t* dst = out.a.data() + i * K + j * block;
+        for (int64_t k = 0; k < block; k += 16) {
+          // nearest, ties even
+          const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(widen(src + k), _mm512_set1_ps(inv)));
+          total = _mm512_add_epi32(total, q);
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + k), _mm512_cvtepi32_epi8(q));
+        }
+        const float scale = top / 127.0f;
+        const int32_t sum = _mm512_reduce_add_epi32(total);
+        out.scale[i * blocks + j] = scale;
+        out.sum[i * blocks + j] = sum;
+        out.group_sum[i * (K / group) + j / per_group] += scale * static_cast<float>(sum);
       }
-      const float scale = top / 127.0f;
-      const int32_t sum = _mm512_reduce_add_epi32(total);
-      out.scale[i * blocks + j] = scale;
-      out.sum[i * blocks + j] = sum;
-      out.group_sum[i * (K / group) + j / per_group] += scale * static_cast<float>(sum);
     }
-  }
   });
 }
 
@@ -1010,7 +1013,8 @@ struct VnniOperands {
 // block's own count), then each scaled into its float sum: t = sum * s_x - offset * s_x * sum(a) (6 and 8
 // bits: the weight's stored offset, 32 or 128, taken back), sum += t * scale; per group with mins,
 // sum += min * the group's de-quantized activations. 12 sums, 4 weight registers and a broadcast: 29 of
-// 32 registers. ~80% of `vpdpbusd`'s peak in a loop of this shape (docs/benchmarks.md).
+// 32 registers. The scaling's 3-4 vector operations per 8 `vpdpbusd` bound it: 60-74% of that
+// instruction's peak by weight format (docs/benchmarks.md, "Quantized prompts on int8 tiles").
 template <int BITS, int MR, int QUADS>
 inline void vnni_tile(const VnniOperands& op, const Weight& w, const Int8Rows& x, int64_t i0, float* c) {
   const int64_t K = w.K, block_quads = x.block / 4, blocks = K / x.block, per_group = w.group / x.block;
