@@ -24,6 +24,7 @@ from compute_service.model.model_config import ModelConfig
 import pagedserve_kernels as kernels
 from pagedserve_kernels.quant import (INT4_GROUP, QuantizedLinear, int8_group, pack, quantize_linear, stack_operands,
                                       supports)
+from pagedserve_kernels.quant import release_scratch as release_quant_scratch
 from pagedserve_kernels.quant import tiles as quant_tiles
 from compute_service.model.gguf_quant import FileQuantization, MappedRows
 
@@ -194,6 +195,12 @@ class CausalLM(nn.Module):
             self.lm_head_small = small if small is not self.lm_head else None
         self._layer_stack = None  # the packed copies join (or replace) the weights
         return self.is_prepacked
+
+    def release_scratch(self) -> None:
+        """Hand back what the quantized kernels keep from call to call on this thread (a prompt's int8
+        activations: tens of MB); the engine loop calls it when idle, the next prompt takes it again."""
+        if self.quantization != "none" and self.device.type == "cpu":
+            release_quant_scratch()
 
     @torch.no_grad()
     def quantize_weights(self, scheme: str,

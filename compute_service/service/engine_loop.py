@@ -264,6 +264,7 @@ class EngineLoop:
                     self._check_memory(lease)  # idle: notice a lost memory service without a request
                     if stepped:  # idle a whole interval after steps: their activations' memory back
                         stepped = False
+                        engine.runner.model.release_scratch()  # the kernels' own, to the allocator first
                         if release_free_memory() is not None:
                             self.totals.num_memory_releases += 1
                 continue

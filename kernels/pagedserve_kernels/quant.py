@@ -273,6 +273,14 @@ def set_int8_activations(on: bool) -> bool:
     return bool(_ops().quant_set_int8_activations(on)) if available() else False
 
 
+def release_scratch() -> None:
+    """Hand back the calling thread's scratch of the int8 prompt path (a prompt chunk's int8 activations,
+    tens of MB, kept from call to call so that a call pays no page faults); the next prompt takes it
+    again."""
+    if available():
+        _ops().quant_release_scratch()
+
+
 def linear(x: torch.Tensor, weight: QuantizedWeight, float_out: bool = False) -> torch.Tensor:
     """x (N, in) @ weight.T + its bias: (N, out) float32 with `float_out`, else x's dtype."""
     return torch.ops.pagedserve_cpu.quant_linear(x.contiguous(), weight.q, weight.scales, weight.mins, weight.bias,

@@ -326,3 +326,5 @@ def test_with_int8_activations_off_the_bf16_paths_give_the_reference():
     x = torch.randn(40, 512, generator=generator).bfloat16()
     assert _int8_rows(40, weight, False)
     _assert_every_path_gives_the_reference(x, weight)
+    quant.release_scratch()  # what the engine does when idle: the next prompt takes its scratch again
+    _assert_every_path_gives_the_reference(x, weight)

@@ -684,6 +684,14 @@ int64_t quant_vnni_tile_rows() {
 #endif
 }
 
+// Hand back the calling thread's scratch of the VNNI tiles (a prompt's int8 activations, tens of MB):
+// the engine calls it when idle, before returning free memory to the system.
+void quant_release_scratch() {
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+  quant_linear::release_prompt_rows();
+#endif
+}
+
 // Turn the int8 activations of the VNNI paths on or off for this process (a model's choice, made at
 // load); returns whether they run now: false where this CPU or build has no such path (AMX tiles, no
 // AVX512-VNNI, PAGEDSERVE_CPU_QUANT_VNNI=0), whatever `on` asked.
@@ -986,6 +994,7 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("quant_vnni_rows() -> int");
   m.def("quant_vnni_tile_rows() -> int");
   m.def("quant_set_int8_activations(bool on) -> bool");
+  m.def("quant_release_scratch() -> ()");
   m.def("quant_rows(Tensor q, Tensor scales, Tensor? mins, int bits, int group, int n, Tensor ids) -> Tensor");
   m.def("nucleus_draws(Tensor rows, Tensor inv_t, Tensor top_p, Tensor uniform, int k) -> Tensor");
   m.def("has_nucleus_draws() -> bool");
@@ -1027,6 +1036,7 @@ TORCH_LIBRARY_IMPL(pagedserve_cpu, CatchAll, m) {
   m.impl("quant_vnni_rows", &quant_vnni_rows);
   m.impl("quant_vnni_tile_rows", &quant_vnni_tile_rows);
   m.impl("quant_set_int8_activations", &quant_set_int8_activations);
+  m.impl("quant_release_scratch", &quant_release_scratch);
   m.impl("prompt_tiles_min_tokens", &prompt_tiles_min_tokens);
   m.impl("decode_tiles_min_group", &decode_tiles_min_group);
   m.impl("has_nucleus_draws", &sampler::has_nucleus_draws);

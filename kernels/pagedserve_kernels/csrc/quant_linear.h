@@ -1122,13 +1122,22 @@ inline bool vnni_tile_rows(const Weight& w, int64_t M) {
   return M > kVnniRows && w.group % 16 == 0 && int8_here();
 }
 
-// `linear` on the VNNI tiles: x quantized to int8 once (kept by the calling thread from call to call: a
-// prompt chunk's is megabytes, page faults every call if fresh), then the threads claim column blocks.
+// `linear` on the VNNI tiles: x quantized to int8 once (`prompt_rows`), then the threads claim column
+// blocks.
+// The calling thread's int8 activations of a prompt (a 2,048-token chunk's are ~25 MB at 8,960 inputs),
+// kept from call to call: fresh, a call would pay their page faults. `release_prompt_rows` hands them
+// back (the engine does when idle).
+inline Int8Rows& prompt_rows() {
+  thread_local Int8Rows kept;
+  return kept;
+}
+
+inline void release_prompt_rows() { prompt_rows() = Int8Rows{}; }
+
 template <typename TOut>
 inline void linear_vnni_tiles(const Weight& w, const c10::BFloat16* x, const float* bias, TOut* y, int64_t M,
                               int64_t N) {
-  thread_local Int8Rows kept;
-  Int8Rows& xq = kept;  // (a thread_local named in the lambda below would be each worker's own)
+  Int8Rows& xq = prompt_rows();  // (a thread_local named in the lambda below would be each worker's own)
   quantize_rows(x, M, w.K, w.group, xq);
   const int64_t blocks = std::min(w.blocks, (N + kBlockN - 1) / kBlockN);
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), blocks));
