@@ -6,8 +6,9 @@
 # or on PATH); takes a few minutes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PIP_COMPILE=${PIP_COMPILE:-$( [ -x .venv/bin/pip-compile ] && echo .venv/bin/pip-compile || echo pip-compile )}
-"$PIP_COMPILE" --quiet --upgrade --generate-hashes --allow-unsafe --strip-extras \
+# (Not PIP_COMPILE: pip reads every PIP_* variable as an option, --compile here.)
+PIP_COMPILE_BIN=${PIP_COMPILE_BIN:-$( [ -x .venv/bin/pip-compile ] && echo .venv/bin/pip-compile || echo pip-compile )}
+"$PIP_COMPILE_BIN" --quiet --upgrade --generate-hashes --allow-unsafe --strip-extras \
     --no-emit-find-links --no-emit-index-url --extra test --all-build-deps \
     --constraint requirements/torch-cpu.txt --output-file requirements/lock.txt pyproject.toml
 echo "lock.sh: requirements/lock.txt has $(grep -c '^[a-z]' requirements/lock.txt) packages"
