@@ -85,11 +85,12 @@ def _build_tiny(variant: str) -> torch.nn.Module:
 def _int8_activations_restored():
     """Every test starts with the kernels' int8 activations on (their default): a quantized model's load
     chooses them for the whole process (compute_service/model/activation_check.py), and a model loaded
-    by one test must not choose for the next. Only where the kernels were loaded at all."""
+    by one test must not choose for the next. Only where the kernels were loaded at all (never loads or
+    builds them)."""
     yield
-    quant = sys.modules.get("pagedserve_kernels.quant")
-    if quant is not None and sys.modules.get("pagedserve_kernels.cpu_ops") is not None:
-        quant.set_int8_activations(True)
+    cpu_ops = sys.modules.get("pagedserve_kernels.cpu_ops")
+    if cpu_ops is not None and cpu_ops.loaded() is not None:
+        sys.modules["pagedserve_kernels.quant"].set_int8_activations(True)
 
 
 @pytest.fixture(scope="session")

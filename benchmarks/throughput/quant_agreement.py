@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> None:
             agree += float((lp.argmax(-1) == ref_lp.argmax(-1)).sum())
             kl += float((ref_lp.exp() * (ref_lp - lp)).sum())
             nll -= float(lp.gather(1, targets[:, None]).sum())
-        summary[variant] = {"held": model.quantization, "int8_activations": quant.vnni_rows() > 0,
+        int8 = model.quantization != "none" and quant.vnni_rows() > 0  # a float model never takes them
+        summary[variant] = {"held": model.quantization, "int8_activations": int8,
                             "top1_vs_fp32": round(agree / positions, 4),
                             "kl_vs_fp32": round(kl / positions, 5), "ppl": round(math.exp(nll / positions), 4)}
         print(f"{variant}: {summary[variant]}", flush=True)

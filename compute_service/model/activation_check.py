@@ -77,6 +77,8 @@ def choose_int8_activations(model: Any, tokenizer: Any) -> ActivationCheck | Non
     except BaseException:
         quant.set_int8_activations(True)  # the kernels' default, not a half-made choice
         raise
+    finally:
+        quant.release_scratch()  # this (loading) thread's: the engine's own thread releases its own
     kl = float((bf16.exp() * (bf16 - int8)).sum(-1).mean())
     on = kl <= MAX_KL
     quant.set_int8_activations(on)

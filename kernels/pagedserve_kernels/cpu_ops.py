@@ -196,6 +196,11 @@ def level() -> str | None:
     return _state.get("level")
 
 
+def loaded() -> Any | None:
+    """The extension if `load` already loaded it, else None: never loads or builds it."""
+    return _state.get("ops")
+
+
 def load() -> Any | None:
     """The `torch.ops.pagedserve_cpu` namespace, loaded or built on first use; None where it is turned
     off or neither found nor built (logged once, at error level)."""
