@@ -910,6 +910,36 @@ inline void vnni_group(const __m512i* wq, int64_t quads, int64_t block_quads, co
   }
 }
 
+// Where each column of the natural order sits in the `vnni_columns<BITS>` registers: natural register c,
+// lane j (column 16c + j) is lane idx[c] & 15 of register (high[c] set: 2, else 0) + (idx[c] >> 4), so
+// two two-source permutes and a blend bring four registers back to the natural order.
+template <int BITS>
+struct NaturalOrder {
+  __m512i idx[4];
+  __mmask16 high[4];
+  NaturalOrder() {
+    alignas(64) int32_t order[4][16], position[kBlockN];
+    for (int X = 0; X < 4; ++X) _mm512_store_si512(order[X], vnni_columns<BITS>(X));
+    for (int X = 0; X < 4; ++X)
+      for (int l = 0; l < 16; ++l) position[order[X][l]] = 16 * X + l;
+    for (int c = 0; c < 4; ++c) {
+      alignas(64) int32_t lanes[16];
+      high[c] = 0;
+      for (int j = 0; j < 16; ++j) {
+        lanes[j] = position[16 * c + j] & 31;
+        if (position[16 * c + j] >= 32) high[c] = static_cast<__mmask16>(high[c] | (1u << j));
+      }
+      idx[c] = _mm512_load_si512(lanes);
+    }
+  }
+  // c (kBlockN floats) in the natural order = the four registers in `vnni_columns` order.
+  __attribute__((always_inline)) void store(__m512 r0, __m512 r1, __m512 r2, __m512 r3, float* c) const {
+    for (int k = 0; k < 4; ++k)
+      _mm512_storeu_ps(c + 16 * k, _mm512_mask_blend_ps(high[k], _mm512_permutex2var_ps(r0, idx[k], r1),
+                                                        _mm512_permutex2var_ps(r2, idx[k], r3)));
+  }
+};
+
 // c (M, kBlockN) float32, natural column order = the int8 rows times block b (M <= kVnniRows). Per group,
 // the weight is unpacked once into wq (group x 64 bytes: L1 up to groups of 256; a per-column weight's
 // whole K from L2) and every row multiplies by it, four rows a pass.
@@ -943,42 +973,13 @@ inline void vnni_block(const Weight& w, int64_t b, const Int8Rows& x, int64_t M,
       default: break;
     }
   }
-  alignas(64) int32_t order[4][16];
-  for (int X = 0; X < 4; ++X) _mm512_store_si512(order[X], cols[X]);
-  for (int64_t i = 0; i < M; ++i)
-    for (int X = 0; X < 4; ++X)
-      for (int l = 0; l < 16; ++l) c[i * kBlockN + order[X][l]] = acc[i * kBlockN + 16 * X + l];
+  static const NaturalOrder<BITS> natural;
+  for (int64_t i = 0; i < M; ++i) {
+    const float* v = acc + i * kBlockN;
+    natural.store(_mm512_loadu_ps(v), _mm512_loadu_ps(v + 16), _mm512_loadu_ps(v + 32), _mm512_loadu_ps(v + 48),
+                  c + i * kBlockN);
+  }
 }
-
-// Where each column of the natural order sits in the `vnni_columns<BITS>` registers: natural register c,
-// lane j (column 16c + j) is lane idx[c] & 15 of register (high[c] set: 2, else 0) + (idx[c] >> 4), so
-// two two-source permutes and a blend bring four registers back to the natural order.
-template <int BITS>
-struct NaturalOrder {
-  __m512i idx[4];
-  __mmask16 high[4];
-  NaturalOrder() {
-    alignas(64) int32_t order[4][16], position[kBlockN];
-    for (int X = 0; X < 4; ++X) _mm512_store_si512(order[X], vnni_columns<BITS>(X));
-    for (int X = 0; X < 4; ++X)
-      for (int l = 0; l < 16; ++l) position[order[X][l]] = 16 * X + l;
-    for (int c = 0; c < 4; ++c) {
-      alignas(64) int32_t lanes[16];
-      high[c] = 0;
-      for (int j = 0; j < 16; ++j) {
-        lanes[j] = position[16 * c + j] & 31;
-        if (position[16 * c + j] >= 32) high[c] = static_cast<__mmask16>(high[c] | (1u << j));
-      }
-      idx[c] = _mm512_load_si512(lanes);
-    }
-  }
-  // c (kBlockN floats) in the natural order = the four registers in `vnni_columns` order.
-  __attribute__((always_inline)) void store(__m512 r0, __m512 r1, __m512 r2, __m512 r3, float* c) const {
-    for (int k = 0; k < 4; ++k)
-      _mm512_storeu_ps(c + 16 * k, _mm512_mask_blend_ps(high[k], _mm512_permutex2var_ps(r0, idx[k], r1),
-                                                        _mm512_permutex2var_ps(r2, idx[k], r3)));
-  }
-};
 
 // One column block's operands for `vnni_tile`, prepared once per block and read by every tile of rows:
 // the whole of K unpacked (K / 4 quads x 4 registers: K x 64 bytes, L2), and each group's scales (and
@@ -1122,8 +1123,6 @@ inline bool vnni_tile_rows(const Weight& w, int64_t M) {
   return M > kVnniRows && w.group % 16 == 0 && int8_here();
 }
 
-// `linear` on the VNNI tiles: x quantized to int8 once (`prompt_rows`), then the threads claim column
-// blocks.
 // The calling thread's int8 activations of a prompt (a 2,048-token chunk's are ~25 MB at 8,960 inputs),
 // kept from call to call: fresh, a call would pay their page faults. `release_prompt_rows` hands them
 // back (the engine does when idle).
@@ -1134,6 +1133,8 @@ inline Int8Rows& prompt_rows() {
 
 inline void release_prompt_rows() { prompt_rows() = Int8Rows{}; }
 
+// `linear` on the VNNI tiles: x quantized to int8 once (`prompt_rows`), then the threads claim column
+// blocks.
 template <typename TOut>
 inline void linear_vnni_tiles(const Weight& w, const c10::BFloat16* x, const float* bias, TOut* y, int64_t M,
                               int64_t N) {
