@@ -100,7 +100,8 @@ def test_quant_linear_with_inputs_off_the_tiles_step_equals_the_dequantized_prod
 
 @pytest.mark.parametrize(("bits", "low", "high", "group", "with_min"),
                          [(8, -32, 32, 16, False), (8, 0, 32, 32, True), (6, -32, 32, 16, False), (6, 0, 32, 32, True),
-                          (6, -32, 32, 256, False), (4, 0, 16, 32, True), (4, 0, 16, 256, False)])
+                          (6, -32, 32, 256, False), (4, 0, 16, 32, True), (4, 0, 16, 256, False),
+                          (4, 0, 16, 8, True)])  # groups of 8: the few-row group sums one input at a time
 @pytest.mark.parametrize("rows", [1, 2, 5, 40, 200])
 def test_quant_linear_with_a_files_groups_equals_the_dequantized_product(bits, low, high, group, with_min, rows):
     """Integers and scales as GGUF files hold them (Q6_K: groups of 16, no min; Q5_K: groups of 32 with

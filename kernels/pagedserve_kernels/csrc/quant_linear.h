@@ -47,6 +47,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -485,6 +486,30 @@ inline void fused_nibbles(const Weight& w, int64_t b, const c10::BFloat16* x, in
       _mm512_store_ps(lanes, acc[i][X]);
       for (int l = 0; l < 16; ++l) c[i * kBlockN + 16 * (l / 4) + 4 * X + l % 4] = lanes[l];
     }
+}
+
+// Each row's sum over each group of `group` inputs, sums (M, K / group) float32 from x (M, K) bf16: what
+// the grouped few-row paths multiply each group's min by. 16 inputs a step where a group holds whole
+// steps (every format we hold), else one at a time.
+inline void group_sums(const c10::BFloat16* x, int64_t M, int64_t K, int64_t group, float* sums) {
+  const int64_t groups = K / group;
+  for (int64_t i = 0; i < M; ++i) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const c10::BFloat16* src = x + i * K + g * group;
+      if (group % 16 == 0) {
+        __m512 total = _mm512_setzero_ps();
+        for (int64_t k = 0; k < group; k += 16) {
+          const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + k));
+          total = _mm512_add_ps(total, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(words), 16)));
+        }
+        sums[i * groups + g] = _mm512_reduce_add_ps(total);
+      } else {
+        float total = 0.0f;
+        for (int64_t k = 0; k < group; ++k) total += static_cast<float>(src[k]);
+        sums[i * groups + g] = total;
+      }
+    }
+  }
 }
 
 // The few-row path for rows [0, rows) of x: passes of the most rows its registers hold.
@@ -1220,9 +1245,8 @@ inline void linear(const Weight& w, const c10::BFloat16* x, const float* bias, T
   // The grouped few-row paths add each group's min times the group's sum of x: those sums, once.
   std::vector<float> xsum;
   if (few && grouped) {
-    xsum.assign(M * w.groups(), 0.0f);
-    for (int64_t i = 0; i < M; ++i)
-      for (int64_t k = 0; k < K; ++k) xsum[i * w.groups() + k / w.group] += static_cast<float>(x[i * K + k]);
+    xsum.resize(M * w.groups());
+    group_sums(x, M, K, w.group, xsum.data());
   }
 #ifdef PAGEDSERVE_AMX_TILES
   const bool own_tiles = tiles && !few && tile_rows(M, K);
@@ -1231,6 +1255,8 @@ inline void linear(const Weight& w, const c10::BFloat16* x, const float* bias, T
   const bool vnni = !few && !tiles && vnni_rows(w, M);
   Int8Rows xq;
   if (vnni) quantize_rows(x, M, K, w.group, xq);
+#else
+  constexpr bool vnni = false;
 #endif
 #ifdef PAGEDSERVE_AMX_TILES
   if (own_tiles) {
@@ -1252,7 +1278,7 @@ inline void linear(const Weight& w, const c10::BFloat16* x, const float* bias, T
   // by its last claim only, not by a fixed half).
   claims::Claims blocks_left(std::min(w.blocks, (N + kBlockN - 1) / kBlockN), threads);
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    std::vector<float> c(kBlockM * kBlockN);
+    alignas(64) float c[kBlockM * kBlockN];  // a block's outputs for up to kBlockM rows (written before read)
 #ifdef __AVX512VNNI__
     if (vnni) {
       std::vector<__m512i> wq(w.group);  // a group's quads, unpacked: group / 4 x 4 registers
@@ -1260,45 +1286,46 @@ inline void linear(const Weight& w, const c10::BFloat16* x, const float* bias, T
       blocks_left.each([&](int64_t b) {
         const int64_t n0 = b * kBlockN;
         if (w.bits == 8) {
-          vnni_block<8>(w, b, xq, M, wq.data(), acc.data(), c.data());
+          vnni_block<8>(w, b, xq, M, wq.data(), acc.data(), c);
         } else if (w.bits == 6) {
-          vnni_block<6>(w, b, xq, M, wq.data(), acc.data(), c.data());
+          vnni_block<6>(w, b, xq, M, wq.data(), acc.data(), c);
         } else {
-          vnni_block<4>(w, b, xq, M, wq.data(), acc.data(), c.data());
+          vnni_block<4>(w, b, xq, M, wq.data(), acc.data(), c);
         }
-        store_rows(c.data(), M, bias ? bias + n0 : nullptr, y + n0, N, std::min(kBlockN, N - n0));
+        store_rows(c, M, bias ? bias + n0 : nullptr, y + n0, N, std::min(kBlockN, N - n0));
       });
       return;
     }
 #endif
-    std::vector<c10::BFloat16> buf(slice * kBlockN);
+    // The de-quantized slice (not for few rows, which de-quantize in registers), left unfilled: a
+    // std::vector would fill it element by element at every call.
+    std::unique_ptr<c10::BFloat16[]> buf(few || vnni ? nullptr : new c10::BFloat16[slice * kBlockN]);
     blocks_left.each([&](int64_t b) {
       const int64_t n0 = b * kBlockN, cols = std::min(kBlockN, N - n0);
       auto emit = [&](int64_t m0, int64_t rows) {
-        store_rows(c.data(), rows, bias ? bias + n0 : nullptr, y + m0 * N + n0, N, cols);
+        store_rows(c, rows, bias ? bias + n0 : nullptr, y + m0 * N + n0, N, cols);
       };
       if (few) {
         if (w.bits == 8) {
-          grouped ? fused<8, true>(w, b, x, K, M, xsum.data(), c.data())
-                  : fused<8, false>(w, b, x, K, M, nullptr, c.data());
+          grouped ? fused<8, true>(w, b, x, K, M, xsum.data(), c) : fused<8, false>(w, b, x, K, M, nullptr, c);
         } else if (w.bits == 6) {
-          fused<6, true>(w, b, x, K, M, xsum.data(), c.data());
+          fused<6, true>(w, b, x, K, M, xsum.data(), c);
         } else {
-          fused<4, true>(w, b, x, K, M, xsum.data(), c.data());
+          fused<4, true>(w, b, x, K, M, xsum.data(), c);
         }
         emit(0, M);
       } else if (one_pass) {
         for (int64_t k0 = 0; k0 < K; k0 += slice) {
           const int64_t kc = std::min(slice, K - k0);
-          dequantize(w, b, k0, kc, buf.data());
-          multiply(x + k0, K, buf.data(), kc, M, c.data(), k0 > 0, tiles);
+          dequantize(w, b, k0, kc, buf.get());
+          multiply(x + k0, K, buf.get(), kc, M, c, k0 > 0, tiles);
         }
         emit(0, M);
       } else {
-        dequantize(w, b, 0, K, buf.data());
+        dequantize(w, b, 0, K, buf.get());
         for (int64_t m0 = 0; m0 < M; m0 += kBlockM) {
           const int64_t rows = std::min(kBlockM, M - m0);
-          multiply(x + m0 * K, K, buf.data(), K, rows, c.data(), false, tiles);
+          multiply(x + m0 * K, K, buf.get(), K, rows, c, false, tiles);
           emit(m0, rows);
         }
       }
