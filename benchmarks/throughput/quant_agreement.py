@@ -6,7 +6,9 @@ file, exactly gguf's de-quantized values). Each variant (`--variants`: "bf16" = 
 bf16 activations; "auto" = the file's own blocks kept quantized; "int8" / "int4" = quantized at load
 from the de-quantized weights) runs bf16 activations, or int8 ones where the CPU has the int8 paths
 and the load keeps them for that model (compute_service/model/activation_check.py; the JSON's
-"int8_activations" says which). The text (English, benchmarks/throughput/
+"int8_activations" says which). `--dtype float32` runs the variants at float32 activations instead
+(the quantized weights widened to float32 for each product): the weights' own error, without what
+bf16 or int8 activations add. The text (English, benchmarks/throughput/
 realistic.py's) is cut into `--chunks` windows of `--ctx` tokens; each window is one prefill; every
 position of its second half is scored, as `llama-perplexity` scores (the first half is context):
 top-1 agreement with float32, mean KL(float32 || variant), and perplexity of the text's own next
@@ -15,6 +17,7 @@ tokens. With `--llama-perplexity PATH` llama.cpp's tool runs on the same text fi
 
     python -m benchmarks.throughput.quant_agreement --model FILE.gguf [--variants bf16 auto int8 int4]
         [--ctx 512 --chunks 8] [--llama-perplexity path/to/llama-perplexity] [--step-tokens 16]
+        [--dtype float32]
 
 The last line is one JSON object: {"model", "positions", "<variant>": {"top1_vs_fp32", "kl_vs_fp32",
 "ppl"}, "fp32": {"ppl"}, "llama_cpp": {"ppl", "command"}}.
@@ -71,6 +74,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="run the variants' windows in steps of this many tokens (16: the rows of a "
                              "16-sequence decode batch, which multiply int8 activations on CPUs with "
                              "AVX512-VNNI and no AMX); 0: one prefill a window")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                        help="the variants' activations (float32: the quantized weights' own error)")
     args = parser.parse_args(argv)
     if args.step_tokens < 0:
         parser.error(f"--step-tokens must be 0 or more, got {args.step_tokens}")
@@ -81,20 +86,22 @@ def main(argv: list[str] | None = None) -> None:
     ref = [scored(window_logits(reference.model, w), w) for w in windows]
     positions = sum(len(targets) for _, targets in ref)
     summary: dict = {"cpu": cpu_name(), "model": reference.config.name, "ctx": args.ctx, "windows": len(windows),
-                     "positions": positions, "step_tokens": args.step_tokens}
+                     "positions": positions, "step_tokens": args.step_tokens, "dtype": args.dtype}
     nll = sum(-float(lp.gather(1, t[:, None]).sum()) for lp, t in ref)
     summary["fp32"] = {"ppl": round(math.exp(nll / positions), 4)}
     del reference
     for variant in args.variants:
         quantization = "none" if variant == "bf16" else variant
-        model = load_model(args.model, device="cpu", dtype="bfloat16", quantization=quantization).model
+        model = load_model(args.model, device="cpu", dtype=args.dtype, quantization=quantization).model
         agree = kl = nll = 0.0
         for (ref_lp, targets), window in zip(ref, windows):
             lp, _ = scored(window_logits(model, window, args.step_tokens), window)
             agree += float((lp.argmax(-1) == ref_lp.argmax(-1)).sum())
             kl += float((ref_lp.exp() * (ref_lp - lp)).sum())
             nll -= float(lp.gather(1, targets[:, None]).sum())
-        int8 = model.quantization != "none" and quant.vnni_rows() > 0  # a float model never takes them
+        # int8 activations: a quantized model at bf16 on a CPU with the int8 paths (float32 ones widen the
+        # weight instead; a float model never takes them)
+        int8 = model.quantization != "none" and args.dtype == "bfloat16" and quant.vnni_rows() > 0
         summary[variant] = {"held": model.quantization, "int8_activations": int8,
                             "top1_vs_fp32": round(agree / positions, 4),
                             "kl_vs_fp32": round(kl / positions, 5), "ppl": round(math.exp(nll / positions), 4)}
