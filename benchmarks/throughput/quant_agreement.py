@@ -6,9 +6,10 @@ file, exactly gguf's de-quantized values). Each variant (`--variants`: "bf16" = 
 bf16 activations; "auto" = the file's own blocks kept quantized; "int8" / "int4" = quantized at load
 from the de-quantized weights) runs bf16 activations, or int8 ones where the CPU has the int8 paths
 and the load keeps them for that model (compute_service/model/activation_check.py; the JSON's
-"int8_activations" says which). `--dtype float32` runs the variants at float32 activations instead
-(the quantized weights widened to float32 for each product): the weights' own error, without what
-bf16 or int8 activations add. The text (English, benchmarks/throughput/
+"int8_activations" says which). `--dtype float32` runs the variants as a float32 model instead
+(the quantized weights widened exactly for each product): the weights' own error, without what the
+bf16 model adds (its activations, K/V and attention, and on oneDNN's prompt path the weights rounded
+to bf16); "bf16" is then the reference itself. The text (English, benchmarks/throughput/
 realistic.py's) is cut into `--chunks` windows of `--ctx` tokens; each window is one prefill; every
 position of its second half is scored, as `llama-perplexity` scores (the first half is context):
 top-1 agreement with float32, mean KL(float32 || variant), and perplexity of the text's own next
@@ -19,8 +20,8 @@ tokens. With `--llama-perplexity PATH` llama.cpp's tool runs on the same text fi
         [--ctx 512 --chunks 8] [--llama-perplexity path/to/llama-perplexity] [--step-tokens 16]
         [--dtype float32]
 
-The last line is one JSON object: {"model", "positions", "<variant>": {"top1_vs_fp32", "kl_vs_fp32",
-"ppl"}, "fp32": {"ppl"}, "llama_cpp": {"ppl", "command"}}.
+The last line is one JSON object: {"model", "positions", "dtype", "<variant>": {"top1_vs_fp32",
+"kl_vs_fp32", "ppl"}, "fp32": {"ppl"}, "llama_cpp": {"ppl", "command"}}.
 """
 
 from __future__ import annotations

@@ -222,6 +222,11 @@ def test_the_fused_nucleus_draws_pick_the_torch_versions_tokens() -> None:
     # 16), so the first doubling that holds the candidates holds thousands and finer deltas are counted.
     crowd = torch.randn(4, 5000, generator=g) * 0.5
     crowd[:, :8] += torch.tensor([14.0, 13.0, 12.5, 12.0])[:, None] + torch.rand(4, 8, generator=g) * 3
+    # ... and one where no finer delta holds them (3,300 within 16 of the top, 1 within 15.2): the
+    # coarse delta stays
+    gap = torch.full((1, 5000), -100.0)
+    gap[0, 0], gap[0, 1:301], gap[0, 301:3301] = 0.0, -15.5, -15.95
+    crowd = torch.cat([crowd, gap])
     rows = torch.cat([peaked, realistic, flat, tied, masked, masked_some, odd, crowd])
     temps = [0.8 if i % 3 else 1.3 for i in range(rows.shape[0])]
     top_ps = [0.95 if i % 2 else 0.5 for i in range(rows.shape[0])]
@@ -231,6 +236,7 @@ def test_the_fused_nucleus_draws_pick_the_torch_versions_tokens() -> None:
         picks = ops.nucleus_draws(rows, torch.tensor([1 / t for t in temps], dtype=torch.float32),
                                   torch.tensor(top_ps, dtype=torch.float64), uniform, sampler.TOP_P_CANDIDATES)
         assert [p if p >= 0 else None for p in picks.tolist()] == want
+        assert all(w is not None for w in want[-len(crowd):])  # the crowd rows are decided
     assert sum(w is not None for w in want) >= 30  # most rows decided: the comparison is not vacuous
     small = torch.randn(2, 100, generator=g) * 3.0  # V < candidates: all of them are
     uniform = torch.rand(2, dtype=torch.float64)

@@ -1255,8 +1255,6 @@ inline void linear(const Weight& w, const c10::BFloat16* x, const float* bias, T
   const bool vnni = !few && !tiles && vnni_rows(w, M);
   Int8Rows xq;
   if (vnni) quantize_rows(x, M, K, w.group, xq);
-#else
-  constexpr bool vnni = false;
 #endif
 #ifdef PAGEDSERVE_AMX_TILES
   if (own_tiles) {
@@ -1299,7 +1297,7 @@ inline void linear(const Weight& w, const c10::BFloat16* x, const float* bias, T
 #endif
     // The de-quantized slice (not for few rows, which de-quantize in registers), left unfilled: a
     // std::vector would fill it element by element at every call.
-    std::unique_ptr<c10::BFloat16[]> buf(few || vnni ? nullptr : new c10::BFloat16[slice * kBlockN]);
+    std::unique_ptr<c10::BFloat16[]> buf(few ? nullptr : new c10::BFloat16[slice * kBlockN]);
     blocks_left.each([&](int64_t b) {
       const int64_t n0 = b * kBlockN, cols = std::min(kBlockN, N - n0);
       auto emit = [&](int64_t m0, int64_t rows) {

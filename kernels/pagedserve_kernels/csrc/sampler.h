@@ -28,21 +28,12 @@ namespace {
 namespace sampler {
 
 #ifdef __AVX512F__
-// compute_service/engine/sampler.py's `_nucleus_draws` for rows (F, V) float32 at once, in one call
-// instead of ~25 tensor ops (each a pass or a dispatch, on caches a decode step's weights have just
-// evicted). Per row, as there: the K largest logits in (value descending, token id ascending) order;
-// the softmax's denominator z = sum of float32 exp((x - top) * inv_t) over the row, in float64; the
-// candidates' float64 probabilities, their running sum, the nucleus (exclusive sums <= top_p), and the
-// inverse-CDF draw of u * (the nucleus's mass). A row the candidates cannot decide (the nucleus may
-// reach past them, or its edge ties with the K-th value, or no finite distribution) gets -1.
-// Differences from the torch version: exp is the Cephes polynomial (relative error ~1e-7, like the
-// SLEEF exp torch vectorises; a probability may differ in its 7th digit) and the sums run in another
-// order; which of several tokens tied at the K-th value are candidates may differ, which no decided
-// row can see (its nucleus ends before that value).
-// Deltas below a row's top counted per pass (`count_within`), and the candidate count past which
-// `nucleus_draws` counts finer deltas.
+// Deltas below a row's top counted per pass (`count_within`), the candidate count past which
+// `nucleus_draws` counts finer deltas, and the widest delta.
 constexpr int kDeltas = 8;
 constexpr int64_t kRefineAbove = 1024;
+// The widest delta tried, as a power of two: 2^100 (> 1e30), where the doubling always stopped.
+constexpr int kWidest = 100;
 
 // counts[d] = how many of x's `vocab` values are >= top - deltas[d], the kDeltas of them in one pass.
 inline void count_within(const float* x, int64_t vocab, float top, const float deltas[kDeltas],
@@ -67,6 +58,17 @@ inline void count_within(const float* x, int64_t vocab, float top, const float d
   }
 }
 
+// compute_service/engine/sampler.py's `_nucleus_draws` for rows (F, V) float32 at once, in one call
+// instead of ~25 tensor ops (each a pass or a dispatch, on caches a decode step's weights have just
+// evicted). Per row, as there: the K largest logits in (value descending, token id ascending) order;
+// the softmax's denominator z = sum of float32 exp((x - top) * inv_t) over the row, in float64; the
+// candidates' float64 probabilities, their running sum, the nucleus (exclusive sums <= top_p), and the
+// inverse-CDF draw of u * (the nucleus's mass). A row the candidates cannot decide (the nucleus may
+// reach past them, or its edge ties with the K-th value, or no finite distribution) gets -1.
+// Differences from the torch version: exp is the Cephes polynomial (relative error ~1e-7, like the
+// SLEEF exp torch vectorises; a probability may differ in its 7th digit) and the sums run in another
+// order; which of several tokens tied at the K-th value are candidates may differ, which no decided
+// row can see (its nucleus ends before that value).
 at::Tensor nucleus_draws(const at::Tensor& rows, const at::Tensor& inv_t, const at::Tensor& top_p,
                          const at::Tensor& uniform, int64_t k) {
   TORCH_CHECK(rows.device().is_cpu() && rows.scalar_type() == at::kFloat && rows.dim() == 2 && rows.is_contiguous(),
@@ -106,44 +108,35 @@ at::Tensor nucleus_draws(const at::Tensor& rows, const at::Tensor& inv_t, const 
         top = std::max(top, x[i]);
       }
       if (has_nan || !std::isfinite(top)) continue;
-      // Candidates: every value within delta of the top, for the smallest delta tried that holds at
-      // least k (the k-th largest is among them; counting beats sorting thousands of pairs). One pass
-      // counts eight deltas, 1 to 128 doubling; where the first that holds k holds many more than k
-      // (a model's logits crowd: 10 within 8 of the top, 2,000 within 16), a second pass counts eight
-      // between it and the one before, so the sort below takes a few hundred, not tens of thousands.
-      float delta = 1.0f;
+      // Candidates: every value within delta of the top, for the smallest of the deltas 1, 2, 4, ...,
+      // 2^kWidest that holds at least k (the k-th largest is among them; counting beats sorting
+      // thousands of pairs), eight of them counted a pass; none does: all values. Where the one found
+      // holds many more than k (a model's logits crowd below a few leaders: 10 within 8 of the top,
+      // 2,000 within 16), a second pass counts eight between it and the one before, so the sort below
+      // takes a few hundred, not tens of thousands.
+      float delta = 0.0f, below = 0.0f;
       int64_t count = 0;
-      {
+      for (int first = 0; first <= kWidest && count < k; first += kDeltas) {
         float deltas[kDeltas];
         int64_t counts[kDeltas];
-        for (int d = 0; d < kDeltas; ++d) deltas[d] = static_cast<float>(1 << d);
+        for (int d = 0; d < kDeltas; ++d) deltas[d] = std::ldexp(1.0f, std::min(first + d, kWidest));
         count_within(x, vocab, top, deltas, counts);
-        int d = 0;
-        while (d < kDeltas && counts[d] < k) ++d;
-        if (d < kDeltas) {
+        for (int d = 0; d < kDeltas; ++d) {
+          below = delta;
           delta = deltas[d], count = counts[d];
-          if (count > kRefineAbove) {
-            const float low = d > 0 ? deltas[d - 1] : 0.0f, step = (delta - low) / (kDeltas + 1);
-            float finer[kDeltas];
-            int64_t finer_counts[kDeltas];
-            for (int e = 0; e < kDeltas; ++e) finer[e] = low + step * static_cast<float>(e + 1);
-            count_within(x, vocab, top, finer, finer_counts);
-            for (int e = 0; e < kDeltas; ++e) {
-              if (finer_counts[e] >= k) {
-                delta = finer[e], count = finer_counts[e];
-                break;
-              }
-            }
-          }
-        } else {  // spread past 128: doubling on, as far as float goes
-          delta = deltas[kDeltas - 1];
-          while (count < k && delta <= 1e30f) {
-            delta *= 2.0f;
-            float wider[kDeltas];
-            int64_t wider_counts[kDeltas];
-            for (int e = 0; e < kDeltas; ++e) wider[e] = delta;
-            count_within(x, vocab, top, wider, wider_counts);
-            count = wider_counts[0];
+          if (count >= k) break;
+        }
+      }
+      if (count >= k && count > kRefineAbove) {
+        const float step = (delta - below) / (kDeltas + 1);
+        float finer[kDeltas];
+        int64_t counts[kDeltas];
+        for (int e = 0; e < kDeltas; ++e) finer[e] = below + step * static_cast<float>(e + 1);
+        count_within(x, vocab, top, finer, counts);
+        for (int e = 0; e < kDeltas; ++e) {
+          if (counts[e] >= k) {  // else the coarse delta stays
+            delta = finer[e], count = counts[e];
+            break;
           }
         }
       }
