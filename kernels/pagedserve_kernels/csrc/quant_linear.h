@@ -488,6 +488,12 @@ inline void fused_nibbles(const Weight& w, int64_t b, const c10::BFloat16* x, in
     }
 }
 
+// 16 bf16 at p as float32 (exactly: a bf16 is a float32's high half).
+__attribute__((always_inline)) inline __m512 widen16(const c10::BFloat16* p) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
 // Each row's sum over each group of `group` inputs, sums (M, K / group) float32 from x (M, K) bf16: what
 // the grouped few-row paths multiply each group's min by. 16 inputs a step where a group holds whole
 // steps (every format we hold), else one at a time.
@@ -498,10 +504,7 @@ inline void group_sums(const c10::BFloat16* x, int64_t M, int64_t K, int64_t gro
       const c10::BFloat16* src = x + i * K + g * group;
       if (group % 16 == 0) {
         __m512 total = _mm512_setzero_ps();
-        for (int64_t k = 0; k < group; k += 16) {
-          const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + k));
-          total = _mm512_add_ps(total, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(words), 16)));
-        }
+        for (int64_t k = 0; k < group; k += 16) total = _mm512_add_ps(total, widen16(src + k));
         sums[i * groups + g] = _mm512_reduce_add_ps(total);
       } else {
         float total = 0.0f;
@@ -741,23 +744,19 @@ inline void quantize_rows(const c10::BFloat16* x, int64_t M, int64_t K, int64_t 
   out.sum.resize(M * blocks);
   out.group_sum.assign(M * (K / group), 0.0f);
   const __m512 sign_off = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
-  auto widen = [](const c10::BFloat16* p) {
-    return _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-  };
   at::parallel_for(0, M, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       for (int64_t j = 0; j < blocks; ++j) {
         const c10::BFloat16* src = x + i * K + j * block;
         __m512 amax = _mm512_setzero_ps();
-        for (int64_t k = 0; k < block; k += 16) amax = _mm512_max_ps(amax, _mm512_and_ps(widen(src + k), sign_off));
+        for (int64_t k = 0; k < block; k += 16) amax = _mm512_max_ps(amax, _mm512_and_ps(widen16(src + k), sign_off));
         const float top = _mm512_reduce_max_ps(amax);
         const float inv = top > 0.0f ? 127.0f / top : 0.0f;
         __m512i total = _mm512_setzero_si512();
         int8_t* dst = out.a.data() + i * K + j * block;
         for (int64_t k = 0; k < block; k += 16) {
           // nearest, ties even
-          const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(widen(src + k), _mm512_set1_ps(inv)));
+          const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(widen16(src + k), _mm512_set1_ps(inv)));
           total = _mm512_add_epi32(total, q);
           _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + k), _mm512_cvtepi32_epi8(q));
         }

@@ -43,7 +43,6 @@ inline void count_within(const float* x, int64_t vocab, float top, const float d
   for (int d = 0; d < kDeltas; ++d) {
     floors[d] = _mm512_set1_ps(top - deltas[d]);
     sums[d] = _mm512_setzero_si512();
-    counts[d] = 0;
   }
   const __m512i one = _mm512_set1_epi32(1);
   int64_t j = 0;
