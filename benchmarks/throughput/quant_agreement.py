@@ -7,9 +7,10 @@ bf16 activations; "auto" = the file's own blocks kept quantized; "int8" / "int4"
 from the de-quantized weights) runs bf16 activations, or int8 ones where the CPU has the int8 paths
 and the load keeps them for that model (compute_service/model/activation_check.py; the JSON's
 "int8_activations" says which). `--dtype float32` runs the variants as a float32 model instead
-(the quantized weights widened exactly for each product): the weights' own error, without what the
-bf16 model adds (its activations, K/V and attention, and on oneDNN's prompt path the weights rounded
-to bf16); "bf16" is then the reference itself. The text (English, benchmarks/throughput/
+(the quantized weights multiplied exactly, by each activation as two int8 parts where the CPU has
+AVX512-VNNI, "int8x2_activations", or widened): the weights' own error, without what the bf16 model
+adds (its activations, K/V and attention, and on oneDNN's prompt path the weights rounded to bf16);
+"bf16" is then the reference itself. The text (English, benchmarks/throughput/
 realistic.py's) is cut into `--chunks` windows of `--ctx` tokens; each window is one prefill; every
 position of its second half is scored, as `llama-perplexity` scores (the first half is context):
 top-1 agreement with float32, mean KL(float32 || variant), and perplexity of the text's own next
@@ -100,10 +101,11 @@ def main(argv: list[str] | None = None) -> None:
             agree += float((lp.argmax(-1) == ref_lp.argmax(-1)).sum())
             kl += float((ref_lp.exp() * (ref_lp - lp)).sum())
             nll -= float(lp.gather(1, targets[:, None]).sum())
-        # int8 activations: a quantized model at bf16 on a CPU with the int8 paths (float32 ones widen the
-        # weight instead; a float model never takes them)
+        # int8 activations: a quantized model at bf16 on a CPU with the int8 paths; at float32, each
+        # activation as two int8 parts where the CPU has VNNI (else the weight widened); a float model never
         int8 = model.quantization != "none" and args.dtype == "bfloat16" and quant.vnni_rows() > 0
-        summary[variant] = {"held": model.quantization, "int8_activations": int8,
+        split = model.quantization != "none" and args.dtype == "float32" and quant.float_vnni()
+        summary[variant] = {"held": model.quantization, "int8_activations": int8, "int8x2_activations": split,
                             "top1_vs_fp32": round(agree / positions, 4),
                             "kl_vs_fp32": round(kl / positions, 5), "ppl": round(math.exp(nll / positions), 4)}
         print(f"{variant}: {summary[variant]}", flush=True)

@@ -237,8 +237,17 @@ def available() -> bool:
     return ops is not None and ops.quant_linear_isa() == "avx512-bf16"
 
 
+def float_vnni() -> bool:
+    """Whether float32 activations multiply the quantized weights as they are here (csrc/quant_linear.h
+    `linear_float`: each row as two int8 rows, itself and what that leaves, on AVX512-VNNI: within about
+    2^-15 of each 32 inputs' largest); else a float32 model's quantized weights are widened at each call."""
+    return available() and bool(_ops().quant_float_vnni())
+
+
 def path(dtype: torch.dtype = torch.bfloat16) -> str:
     """Which kernel a quantized model's linears with `dtype` activations run here, for Info and the metrics."""
+    if dtype == torch.float32 and float_vnni():
+        return "quant avx512-vnni int8x2"
     if dtype != torch.bfloat16 or not available():
         return "quant widened"
     return "quant amx-tiles" if tiles() else "quant avx512-bf16"

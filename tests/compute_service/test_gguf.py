@@ -171,7 +171,7 @@ CASES = [("llama", "F32"), ("llama", "Q8_0"), ("llama-tied", "Q4_0"), ("llama", 
 def test_gguf_greedy_equals_transformers_from_the_same_file(variant, qtype, make_tiny_model, tmp_path):
     tiny = make_tiny_model(variant)
     path = write_gguf(tiny.hf_model, tmp_path / f"tiny-{variant}.{qtype}.gguf", qtype, arch=ARCH[variant])
-    loaded = load_model(str(path), cache_dir=tmp_path / "cache", device="cpu", dtype="float32")
+    loaded = load_model(str(path), cache_dir=tmp_path / "cache", device="cpu", dtype="float32", quantization="none")
     reference = _hf_from_gguf(path)
     assert loaded.source.name == path.stem and loaded.source.was_converted
     assert loaded.config.model_type == ("qwen2" if variant == "qwen2" else "llama")
@@ -206,7 +206,7 @@ def test_gguf_k_quants_equal_transformers(tmp_path):
              "blk.0.attn_output.weight": "Q4_K", "blk.0.ffn_gate.weight": "Q5_K", "blk.0.ffn_up.weight": "Q6_K",
              "blk.0.ffn_down.weight": "Q4_K", "output.weight": "Q6_K"}
     path = write_gguf(hf_model, tmp_path / "tiny-k.gguf", "F16", arch="llama", tensor_types=types)
-    loaded = load_model(str(path), cache_dir=tmp_path / "cache", device="cpu", dtype="float32")
+    loaded = load_model(str(path), cache_dir=tmp_path / "cache", device="cpu", dtype="float32", quantization="none")
     reference = _hf_from_gguf(path)
     ours = dict(model_loader._iter_weights(loaded.source.path))
     for name, weight in reference.state_dict().items():
@@ -231,7 +231,7 @@ def test_gguf_llama3_rope_is_recognised_from_rope_freqs(tmp_path):
     divisors = gguf_file._llama3_divisors(500000.0, 16, params).numpy()
     assert 1.0 in divisors and 8.0 in divisors and ((divisors > 1) & (divisors < 8)).any()
     path = write_gguf(hf_model, tmp_path / "llama3.gguf", "F32", arch="llama", rope_freqs=divisors)
-    loaded = load_model(str(path), cache_dir=tmp_path / "cache", device="cpu", dtype="float32")
+    loaded = load_model(str(path), cache_dir=tmp_path / "cache", device="cpu", dtype="float32", quantization="none")
     assert loaded.config.rope == RopeConfig(theta=500000.0, scaling_type="llama3", factor=8.0, low_freq_factor=1.0,
                                             high_freq_factor=4.0, original_max_position=8192)
     assert _our_greedy(loaded.model, PROMPT, 12) == hf_greedy(hf_model, PROMPT, 12)
@@ -248,7 +248,7 @@ def test_gguf_tokenizer_and_chat_template_come_from_the_file(tmp_path):
     torch.manual_seed(0)
     hf_model = transformers.Qwen2ForCausalLM(config).eval()
     path = write_gguf(hf_model, tmp_path / "tiny-tok.Q8_0.gguf", "Q8_0", arch="qwen2", tokenizer=source)
-    loaded = load_model(str(path), cache_dir=tmp_path / "cache", device="cpu", dtype="float32")
+    loaded = load_model(str(path), cache_dir=tmp_path / "cache", device="cpu", dtype="float32", quantization="none")
     tokenizer = loaded.tokenizer
     assert tokenizer is not None and (loaded.source.path / "tokenizer.json").is_file()
     assert tokenizer.encode(TEXT, add_special_tokens=False) == source.encode(TEXT, add_special_tokens=False)
@@ -263,7 +263,7 @@ def test_gguf_tokenizer_and_chat_template_come_from_the_file(tmp_path):
     from compute_service import LLM
 
     prompt = source.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-    with LLM(model=str(path), cache_dir=tmp_path / "cache", device="cpu", dtype="float32",
+    with LLM(model=str(path), cache_dir=tmp_path / "cache", device="cpu", dtype="float32", quantization="none",
              kv_cache_bytes=4 << 20) as llm:
         output = llm.chat(messages, max_tokens=6, temperature=0.0, ignore_eos=True)
     assert output.token_ids == hf_greedy(_hf_from_gguf(path), list(prompt), 6)
@@ -444,13 +444,14 @@ def test_float32_copies_of_quantized_matrices_are_written_only_when_a_load_reads
     # replaces it.
     (directory / f"{gguf_file.DEQUANTIZED_PREFIX}-00009.safetensors").write_bytes(b"half a shard")
     assert [name for name, _ in model_loader._iter_weights(directory)] == names
-    loaded = load_model(str(path), cache_dir=tmp_path / "cache", device="cpu", dtype="float32")  # reads floats
+    # reads floats
+    loaded = load_model(str(path), cache_dir=tmp_path / "cache", device="cpu", dtype="float32", quantization="none")
     assert (directory / gguf_file.DEQUANTIZED_MARKER).is_file()
     assert not (directory / f"{gguf_file.DEQUANTIZED_PREFIX}-00009.safetensors").exists()
     assert loaded.model.quantization == "none"
     # Written once: the next float load reads them as they are.
     monkeypatch.setattr(model_loader, "write_dequantized", lambda *a: pytest.fail("written again"))
-    again = load_model(str(path), cache_dir=tmp_path / "cache", device="cpu", dtype="float32")
+    again = load_model(str(path), cache_dir=tmp_path / "cache", device="cpu", dtype="float32", quantization="none")
     assert again.fingerprint == loaded.fingerprint
 
 
@@ -469,6 +470,6 @@ def test_a_write_without_room_is_refused_with_the_sizes_and_leaves_nothing(make_
     source = resolve_model(str(path), cache_dir=cache)
     monkeypatch.setattr(gguf_file.shutil, "disk_usage", lambda directory: full)
     with pytest.raises(ValueError, match=r"de-quantizing m\.Q8_0\.gguf to float32 needs 2\d\d MiB free"):
-        load_model(str(path), cache_dir=cache, device="cpu", dtype="float32")
+        load_model(str(path), cache_dir=cache, device="cpu", dtype="float32", quantization="none")
     assert not (source.path / gguf_file.DEQUANTIZED_MARKER).exists()
     assert not list(source.path.glob(f"{gguf_file.DEQUANTIZED_PREFIX}-*"))

@@ -12,7 +12,7 @@ import torch
 from compute_service.model import gguf_file, model_loader
 from compute_service.model.gguf_quant import QUANTIZED_TYPES, MappedRows, file_quantization
 from compute_service.model.model_loader import load_model
-from pagedserve_kernels import cpu_ops
+from pagedserve_kernels import cpu_ops, quant
 from pagedserve_kernels.quant import QuantizedLinear, pack
 from tests.compute_service.test_cpu_paths import _assert_one_call_gives_the_loops_bits
 from tests.compute_service.test_gguf import PROMPT, _our_greedy, _random_blocks, write_gguf
@@ -162,8 +162,13 @@ def test_a_mixed_k_quant_file_is_served_quantized_in_the_right_rows(tmp_path, mo
                                atol=float(table_floats.abs().max()) * 2e-3)
     assert model.layer_stack().quantized and model.layer_stack().quant_meta
     _assert_one_call_gives_the_loops_bits(model, monkeypatch)
-    reference = load_model(str(path), cache_dir=tmp_path / "cache", device="cpu", dtype="float32").model
-    assert reference.quantization == "none"  # float32 activations: auto widens
+    reference = load_model(str(path), cache_dir=tmp_path / "cache", device="cpu", dtype="float32",
+                           quantization="none").model
+    assert reference.quantization == "none"
+    if quant.float_vnni():  # float32 activations at auto: the file's blocks, x split into two int8 parts
+        precise = load_model(str(path), cache_dir=tmp_path / "cache", device="cpu", dtype="float32").model
+        assert precise.quantization == model.quantization and precise.embed_quantized is not None
+        assert _our_greedy(precise, PROMPT, 8) == _our_greedy(reference, PROMPT, 8)
     assert quantized.fingerprint != load_model(str(path), cache_dir=tmp_path / "cache", device="cpu",
                                                dtype="bfloat16", quantization="none").fingerprint
     ours, theirs = _our_greedy(model, PROMPT, 8), _our_greedy(reference, PROMPT, 8)

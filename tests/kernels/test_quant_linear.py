@@ -51,6 +51,23 @@ def _int8_activations(x: torch.Tensor, group: int) -> torch.Tensor:
     return (q.double() * (amax / 127).double()).view(rows, inputs)
 
 
+def _split_activations(x: torch.Tensor, group: int) -> torch.Tensor:
+    """float32 x as `linear_float` multiplies it (csrc/quant_linear.h `quantize_split`), in float64: its
+    int8 values as `_int8_activations`, plus the int8 values of what those leave (x - q * scale, rounded
+    to float32 once, as the kernel's fused multiply-add does)."""
+    first = _int8_activations(x, group)
+    rest = (x.double() - first).float()
+    return first + _int8_activations(rest, group)
+
+
+def _float_reference(x: torch.Tensor, weight: quant.QuantizedWeight) -> torch.Tensor:
+    """What a float32 x times `weight` gives: its split activations where `quant.float_vnni()`, else
+    (the weight widened) x itself, times the integers as they are."""
+    xs = _split_activations(x, weight.group) if quant.float_vnni() and weight.group % 16 == 0 else x.double()
+    y = xs @ weight.dequantize().double().T
+    return y + weight.bias.double() if weight.bias is not None else y
+
+
 def _reference(x: torch.Tensor, weight: quant.QuantizedWeight, tiles: bool = False) -> torch.Tensor:
     w = weight.dequantize()
     # The few-row path and the int8 one multiply the integers as they are; elsewhere each value is
@@ -79,9 +96,9 @@ def test_quant_linear_equals_the_dequantized_product(scheme, out_features, in_fe
     assert rounded.dtype == torch.bfloat16
     reference = _reference(x, weight, quant.tiles())
     torch.testing.assert_close(rounded.float(), reference.float().bfloat16().float(), rtol=1e-2, atol=1e-2)
-    widened = quant.linear(x.float(), weight)  # float32 activations: the widened weight, exactly
-    torch.testing.assert_close(widened.double(), x.double() @ weight.dequantize().double().T + weight.bias.double(),
-                               rtol=1e-5, atol=1e-4)
+    precise = quant.linear(x.float(), weight)  # float32 activations: split in two int8 parts (or widened)
+    assert precise.dtype == torch.float32
+    torch.testing.assert_close(precise.double(), _float_reference(x.float(), weight), rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("rows", [5, 16, 24, 33, 40])
@@ -329,3 +346,43 @@ def test_with_int8_activations_off_the_bf16_paths_give_the_reference():
     _assert_every_path_gives_the_reference(x, weight)
     quant.release_scratch()  # what the engine does when idle: the next prompt takes its scratch again
     _assert_every_path_gives_the_reference(x, weight)
+
+
+@pytest.mark.skipif(not quant.float_vnni(), reason="float32 activations multiply the integers on AVX512-VNNI")
+@pytest.mark.parametrize(("bits", "group", "with_min"),
+                         [(8, 16, False), (8, 128, False), (6, 16, False), (6, 32, True), (4, 32, True),
+                          (4, 256, False)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 15, 16, 17, 18, 40])
+def test_float32_activations_split_in_two_int8_parts_nearly_equal_the_exact_product(bits, group, with_min, rows):
+    """A float32 model's linears (csrc/quant_linear.h `linear_float`): x as two int8 rows each, 2 x 16
+    rows on `vnni_block`, 17 and more (34 int8 rows) on `vnni_tiles` with every remainder of its 3-row
+    tiles; equal to the reference of the split, within 2^-13 of the exact float64 product where bf16
+    activations are 2^-9 off, with an outlier, a zero row and a zero group; int8 activations switched
+    off (a bf16 model's choice) leave this path as it is."""
+    generator = torch.Generator().manual_seed(rows * 10 + bits + group)
+    out_features, in_features = 192, 512
+    low, high = {8: (-128, 128), 6: (-32, 32), 4: (0, 16)}[bits]
+    q = torch.randint(low, high, (out_features, in_features), generator=generator)
+    scale = (torch.rand(out_features, in_features // group, generator=generator) * 0.01).half().float()
+    minimum = -(torch.rand(out_features, in_features // group, generator=generator) * 0.1) if with_min else None
+    weight = quant.pack(q, scale, minimum, bits).with_bias(torch.randn(out_features, generator=generator))
+    x = torch.randn(rows, in_features, generator=generator)
+    specials = rows > 2
+    if specials:
+        x[0, 5] = 1000.0
+        x[1] = 0.0
+        x[2, group:2 * group] = 0.0
+    rest = slice(1, None) if specials else slice(None)  # the outlier's row would dominate a norm over all rows
+    exact = x.double() @ weight.dequantize().double().T + weight.bias.double()
+    for int8_activations in (True, False):
+        quant.set_int8_activations(int8_activations)
+        y = quant.linear(x, weight)
+        assert y.dtype == torch.float32 and torch.isfinite(y).all()
+        torch.testing.assert_close(y.double(), _float_reference(x, weight), rtol=1e-5, atol=1e-4)
+        error = float((y[rest].double() - exact[rest]).norm() / exact[rest].norm())
+        assert error < 2**-13, error
+        if specials:
+            torch.testing.assert_close(y[1].double(), weight.bias.double(), rtol=0, atol=1e-6)
+    quant.set_int8_activations(True)
+    bf16 = quant.linear(x.bfloat16(), weight, float_out=True).double()
+    assert float((bf16[rest] - exact[rest]).norm() / exact[rest].norm()) > 4 * error  # what the split buys

@@ -627,6 +627,14 @@ at::Tensor quant_linear_op(const at::Tensor& x, const at::Tensor& q, const at::T
     }
     return y;
   }
+#ifdef __AVX512VNNI__
+  if (x.scalar_type() == at::kFloat && quant_linear::float_rows(w)) {
+    const int64_t M = x.size(0);
+    at::Tensor y = at::empty({M, n}, x.options());
+    if (M > 0) quant_linear::linear_float(w, x.data_ptr<float>(), bias_ptr, y.data_ptr<float>(), M, n);
+    return y;
+  }
+#endif
 #endif
   at::Tensor widened = quant_linear::dequantize_scalar(w).narrow(0, 0, n);
   at::Tensor y = at::linear(x.to(at::kFloat), widened, bias.has_value() ? std::optional<at::Tensor>(*bias) : std::nullopt);
@@ -681,6 +689,16 @@ int64_t quant_vnni_tile_rows() {
   return quant_linear::int8_here() ? quant_linear::kVnniRows + 1 : 0;
 #else
   return 0;
+#endif
+}
+
+// Whether a quantized linear with float32 activations runs on the VNNI kernels here (x split into two
+// int8 parts: csrc/quant_linear.h `linear_float`); false: its weight is widened to float32 at each call.
+bool quant_float_vnni() {
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+  return quant_linear::vnni_enabled();
+#else
+  return false;
 #endif
 }
 
@@ -995,6 +1013,7 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("quant_vnni_tile_rows() -> int");
   m.def("quant_set_int8_activations(bool on) -> bool");
   m.def("quant_release_scratch() -> ()");
+  m.def("quant_float_vnni() -> bool");
   m.def("quant_rows(Tensor q, Tensor scales, Tensor? mins, int bits, int group, int n, Tensor ids) -> Tensor");
   m.def("nucleus_draws(Tensor rows, Tensor inv_t, Tensor top_p, Tensor uniform, int k) -> Tensor");
   m.def("has_nucleus_draws() -> bool");
@@ -1037,6 +1056,7 @@ TORCH_LIBRARY_IMPL(pagedserve_cpu, CatchAll, m) {
   m.impl("quant_vnni_tile_rows", &quant_vnni_tile_rows);
   m.impl("quant_set_int8_activations", &quant_set_int8_activations);
   m.impl("quant_release_scratch", &quant_release_scratch);
+  m.impl("quant_float_vnni", &quant_float_vnni);
   m.impl("prompt_tiles_min_tokens", &prompt_tiles_min_tokens);
   m.impl("decode_tiles_min_group", &decode_tiles_min_group);
   m.impl("has_nucleus_draws", &sampler::has_nucleus_draws);

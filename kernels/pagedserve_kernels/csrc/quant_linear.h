@@ -734,40 +734,74 @@ struct Int8Rows {
   std::vector<int8_t> a;
   std::vector<float> scale, group_sum;
   std::vector<int32_t> sum;
+  std::vector<float> rest;  // quantize_split's remainders, kept from call to call as the rows are
 };
 
-inline void quantize_rows(const c10::BFloat16* x, int64_t M, int64_t K, int64_t group, Int8Rows& out) {
-  const int64_t block = int8_block(group), blocks = K / block, per_group = group / block;
-  out.block = block;
-  out.a.resize(M * K);
-  out.scale.resize(M * blocks);
-  out.sum.resize(M * blocks);
-  out.group_sum.assign(M * (K / group), 0.0f);
+__attribute__((always_inline)) inline __m512 load16(const c10::BFloat16* p) { return widen16(p); }
+__attribute__((always_inline)) inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+// Rows [row0, row0 + M) of `out` (sized for them: `size_rows`) from x (M, K) bf16 or float32, as
+// above; with `rest` (M, K) float32, also what each value leaves over its de-quantized one,
+// x - scale * a, there.
+template <typename T>
+inline void quantize_into(const T* x, int64_t M, int64_t K, int64_t group, Int8Rows& out, int64_t row0,
+                          float* rest) {
+  const int64_t block = out.block, blocks = K / block, per_group = group / block;
   const __m512 sign_off = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
   at::parallel_for(0, M, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
+      const int64_t row = row0 + i;
       for (int64_t j = 0; j < blocks; ++j) {
-        const c10::BFloat16* src = x + i * K + j * block;
+        const T* src = x + i * K + j * block;
         __m512 amax = _mm512_setzero_ps();
-        for (int64_t k = 0; k < block; k += 16) amax = _mm512_max_ps(amax, _mm512_and_ps(widen16(src + k), sign_off));
+        for (int64_t k = 0; k < block; k += 16) amax = _mm512_max_ps(amax, _mm512_and_ps(load16(src + k), sign_off));
         const float top = _mm512_reduce_max_ps(amax);
         const float inv = top > 0.0f ? 127.0f / top : 0.0f;
+        const float scale = top / 127.0f;
         __m512i total = _mm512_setzero_si512();
-        int8_t* dst = out.a.data() + i * K + j * block;
+        int8_t* dst = out.a.data() + row * K + j * block;
         for (int64_t k = 0; k < block; k += 16) {
-          // nearest, ties even
-          const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(widen16(src + k), _mm512_set1_ps(inv)));
+          const __m512 v = load16(src + k);
+          const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v, _mm512_set1_ps(inv)));  // nearest, ties even
           total = _mm512_add_epi32(total, q);
           _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + k), _mm512_cvtepi32_epi8(q));
+          if (rest) {
+            _mm512_storeu_ps(rest + i * K + j * block + k,
+                             _mm512_fnmadd_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(scale), v));
+          }
         }
-        const float scale = top / 127.0f;
         const int32_t sum = _mm512_reduce_add_epi32(total);
-        out.scale[i * blocks + j] = scale;
-        out.sum[i * blocks + j] = sum;
-        out.group_sum[i * (K / group) + j / per_group] += scale * static_cast<float>(sum);
+        out.scale[row * blocks + j] = scale;
+        out.sum[row * blocks + j] = sum;
+        out.group_sum[row * (K / group) + j / per_group] += scale * static_cast<float>(sum);
       }
     }
   });
+}
+
+inline void size_rows(int64_t M, int64_t K, int64_t group, Int8Rows& out) {
+  const int64_t block = int8_block(group);
+  out.block = block;
+  out.a.resize(M * K);
+  out.scale.resize(M * (K / block));
+  out.sum.resize(M * (K / block));
+  out.group_sum.assign(M * (K / group), 0.0f);
+}
+
+inline void quantize_rows(const c10::BFloat16* x, int64_t M, int64_t K, int64_t group, Int8Rows& out) {
+  size_rows(M, K, group, out);
+  quantize_into(x, M, K, group, out, 0, nullptr);
+}
+
+// x (M, K) float32 as 2M int8 rows: rows [0, M) x's own (as `quantize_rows`), rows [M, 2M) what those
+// leave, quantized again with their own scales (at most half of the first's step / 127 each). A weight
+// times the two, added, is the product with x to within 1/2 / 127 / 127 of each 32 inputs' largest
+// (about 2^-15: finer than bf16's 2^-9 of each value, where the block holds no outlier).
+inline void quantize_split(const float* x, int64_t M, int64_t K, int64_t group, Int8Rows& out) {
+  out.rest.resize(M * K);
+  size_rows(2 * M, K, group, out);
+  quantize_into(x, M, K, group, out, 0, out.rest.data());
+  quantize_into(out.rest.data(), M, K, group, out, M, nullptr);
 }
 
 // Column order of the unpacked byte registers (below): lane l of register X holds column order[X][l].
@@ -1125,20 +1159,33 @@ inline void vnni_tile_any(const VnniOperands& op, const Weight& w, const Int8Row
 }
 
 // y's block b (columns [n0, n0 + cols)) for all M rows, in tiles of 3 rows, each stored as it is done.
+// c's rows [0, rows) += the `rows` rows at `more` (both (rows, kBlockN)): x's two int8 parts' products.
+inline void add_rows(float* c, const float* more, int64_t rows) {
+  for (int64_t k = 0; k < rows * kBlockN; k += 16)
+    _mm512_storeu_ps(c + k, _mm512_add_ps(_mm512_loadu_ps(c + k), _mm512_loadu_ps(more + k)));
+}
+
+// y's columns of block b for M rows, three rows a tile. With `split` (float32 activations as
+// `quantize_split`'s 2M rows), each tile of rows [i, i + 3) adds the tile of their remainders at M + i.
 template <int BITS, typename TOut>
 inline void vnni_tiles(VnniOperands& op, const Weight& w, int64_t b, const Int8Rows& x, int64_t M, const float* bias,
-                       TOut* y, int64_t N) {
+                       TOut* y, int64_t N, bool split = false) {
   op.prepare<BITS>(w, b);
   const int64_t n0 = b * kBlockN, cols = std::min(kBlockN, N - n0);
-  alignas(64) float c[3 * kBlockN];
+  alignas(64) float c[3 * kBlockN], more[3 * kBlockN];
+  const auto tile = [&](auto rows, int64_t i) {
+    constexpr int MR = decltype(rows)::value;
+    vnni_tile_any<BITS, MR>(op, w, x, i, c);
+    if (split) {
+      vnni_tile_any<BITS, MR>(op, w, x, M + i, more);
+      add_rows(c, more, MR);
+    }
+    store_rows(c, MR, bias ? bias + n0 : nullptr, y + i * N + n0, N, cols);
+  };
   int64_t i = 0;
-  for (; i + 3 <= M; i += 3) {
-    vnni_tile_any<BITS, 3>(op, w, x, i, c);
-    store_rows(c, 3, bias ? bias + n0 : nullptr, y + i * N + n0, N, cols);
-  }
-  if (M - i == 2) vnni_tile_any<BITS, 2>(op, w, x, i, c);
-  if (M - i == 1) vnni_tile_any<BITS, 1>(op, w, x, i, c);
-  if (M > i) store_rows(c, M - i, bias ? bias + n0 : nullptr, y + i * N + n0, N, cols);
+  for (; i + 3 <= M; i += 3) tile(std::integral_constant<int, 3>{}, i);
+  if (M - i == 2) tile(std::integral_constant<int, 2>{}, i);
+  if (M - i == 1) tile(std::integral_constant<int, 1>{}, i);
 }
 
 // Whether `linear` takes the VNNI tiles for M rows of this weight: more than the decode batches' VNNI
@@ -1173,6 +1220,48 @@ inline void linear_vnni_tiles(const Weight& w, const c10::BFloat16* x, const flo
       if (w.bits == 8) vnni_tiles<8>(op, w, b, xq, M, bias, y, N);
       else if (w.bits == 6) vnni_tiles<6>(op, w, b, xq, M, bias, y, N);
       else vnni_tiles<4>(op, w, b, xq, M, bias, y, N);
+    });
+  });
+}
+// Whether `linear_float` takes float32 activations for this weight here: groups of whole 16-input
+// vectors, on any CPU with AVX512-VNNI in this build (AMX ones too: their tiles take bf16 only), unless
+// PAGEDSERVE_CPU_QUANT_VNNI=0; else the weight is widened to float32 (`quant_linear_op`).
+inline bool float_rows(const Weight& w) { return vnni_enabled() && w.group % 16 == 0; }
+
+// y (M, N) float32 = x (M, K) float32 @ W^T (+ bias): a float32 model's linears on its quantized weights.
+// x goes to int8 twice (`quantize_split`: itself, then what that leaves), and the VNNI kernels multiply
+// the 2M rows with the integer weights as they are: up to kVnniRows of them a column block at a time
+// (`vnni_block`, a decode batch's), more in tiles over whole blocks (`vnni_tiles`, a prompt's); each row's
+// two products added. Twice the int8 work of bf16 activations' path, read once from memory.
+inline void linear_float(const Weight& w, const float* x, const float* bias, float* y, int64_t M, int64_t N) {
+  static_assert(kBlockM >= kVnniRows, "vnni_block's rows fill c");
+  Int8Rows& xq = prompt_rows();
+  quantize_split(x, M, w.K, w.group, xq);
+  const int64_t blocks = std::min(w.blocks, (N + kBlockN - 1) / kBlockN);
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), blocks));
+  const bool few = 2 * M <= kVnniRows;
+  claims::Claims blocks_left(blocks, threads);
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    const auto by_bits = [&](auto run) {
+      if (w.bits == 8) run(std::integral_constant<int, 8>{});
+      else if (w.bits == 6) run(std::integral_constant<int, 6>{});
+      else run(std::integral_constant<int, 4>{});
+    };
+    if (!few) {
+      thread_local VnniOperands op;
+      blocks_left.each([&](int64_t b) {
+        by_bits([&](auto bits) { vnni_tiles<decltype(bits)::value>(op, w, b, xq, M, bias, y, N, true); });
+      });
+      return;
+    }
+    alignas(64) float c[kBlockM * kBlockN];
+    std::vector<__m512i> wq(w.group);
+    std::vector<float> acc(2 * M * kBlockN);
+    blocks_left.each([&](int64_t b) {
+      const int64_t n0 = b * kBlockN;
+      by_bits([&](auto bits) { vnni_block<decltype(bits)::value>(w, b, xq, 2 * M, wq.data(), acc.data(), c); });
+      add_rows(c, c + M * kBlockN, M);
+      store_rows(c, M, bias ? bias + n0 : nullptr, y + n0, N, std::min(kBlockN, N - n0));
     });
   });
 }
