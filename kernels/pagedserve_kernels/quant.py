@@ -239,15 +239,16 @@ def available() -> bool:
 
 def float_vnni() -> bool:
     """Whether float32 activations multiply the quantized weights as they are here (csrc/quant_linear.h
-    `linear_float`: each row as two int8 rows, itself and what that leaves, on AVX512-VNNI: within about
-    2^-15 of each 32 inputs' largest); else a float32 model's quantized weights are widened at each call."""
+    `linear_float`: a decode's single row as two bf16 rows, itself rounded and what that leaves, within
+    2^-17 of each value; more rows as two int8 rows each the same way, on AVX512-VNNI, within about 2^-15
+    of each 32 inputs' largest); else a float32 model's quantized weights are widened at each call."""
     return available() and bool(_ops().quant_float_vnni())
 
 
 def path(dtype: torch.dtype = torch.bfloat16) -> str:
     """Which kernel a quantized model's linears with `dtype` activations run here, for Info and the metrics."""
     if dtype == torch.float32 and float_vnni():
-        return "quant avx512-vnni int8x2"
+        return "quant float32 split: 1 row bf16x2, more avx512-vnni int8x2"
     if dtype != torch.bfloat16 or not available():
         return "quant widened"
     return "quant amx-tiles" if tiles() else "quant avx512-bf16"

@@ -60,10 +60,21 @@ def _split_activations(x: torch.Tensor, group: int) -> torch.Tensor:
     return first + _int8_activations(rest, group)
 
 
+def _bf16_parts(x: torch.Tensor) -> torch.Tensor:
+    """float32 x as `linear_float` multiplies it in the few-row path, in float64: its rounding to bf16
+    plus what that leaves (exact in float32) rounded to bf16."""
+    high = x.bfloat16()
+    return high.double() + (x - high.float()).bfloat16().double()
+
+
 def _float_reference(x: torch.Tensor, weight: quant.QuantizedWeight) -> torch.Tensor:
-    """What a float32 x times `weight` gives: its split activations where `quant.float_vnni()`, else
-    (the weight widened) x itself, times the integers as they are."""
-    xs = _split_activations(x, weight.group) if quant.float_vnni() and weight.group % 16 == 0 else x.double()
+    """What a float32 x times `weight` gives where `quant.float_vnni()`: two rows a row as bf16 parts
+    where they fit the few-row path, else as int8 parts; elsewhere (the weight widened) x itself;
+    times the integers as they are."""
+    if quant.float_vnni() and weight.group % 16 == 0:
+        xs = _bf16_parts(x) if _few_rows(2 * x.shape[0], weight) else _split_activations(x, weight.group)
+    else:
+        xs = x.double()
     y = xs @ weight.dequantize().double().T
     return y + weight.bias.double() if weight.bias is not None else y
 
@@ -353,12 +364,13 @@ def test_with_int8_activations_off_the_bf16_paths_give_the_reference():
                          [(8, 16, False), (8, 128, False), (6, 16, False), (6, 32, True), (4, 32, True),
                           (4, 256, False)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 15, 16, 17, 18, 40])
-def test_float32_activations_split_in_two_int8_parts_nearly_equal_the_exact_product(bits, group, with_min, rows):
-    """A float32 model's linears (csrc/quant_linear.h `linear_float`): x as two int8 rows each, 2 x 16
-    rows on `vnni_block`, 17 and more (34 int8 rows) on `vnni_tiles` with every remainder of its 3-row
-    tiles; equal to the reference of the split, within 2^-13 of the exact float64 product where bf16
-    activations are 2^-9 off, with an outlier, a zero row and a zero group; int8 activations switched
-    off (a bf16 model's choice) leave this path as it is."""
+def test_float32_activations_split_in_two_parts_nearly_equal_the_exact_product(bits, group, with_min, rows):
+    """A float32 model's linears (csrc/quant_linear.h `linear_float`): one row (two with one scale per
+    column) as two bf16 rows on the few-row path; more as two int8 rows each, 2 x 16 rows on
+    `vnni_block`, 17 and more (34 int8 rows) on `vnni_tiles` with every remainder of its 3-row tiles.
+    Equal to the reference of the split, within 2^-13 of the exact float64 product and several times
+    closer than bf16 activations, with an outlier, a zero row and a zero group (3 rows and more); int8
+    activations switched off (a bf16 model's choice) leave this path as it is."""
     generator = torch.Generator().manual_seed(rows * 10 + bits + group)
     out_features, in_features = 192, 512
     low, high = {8: (-128, 128), 6: (-32, 32), 4: (0, 16)}[bits]

@@ -121,6 +121,12 @@ struct Weight {
   static int64_t x_position(int64_t n) { return 16 * (n % 16 / 4) + 4 * (n / 16) + n % 4; }
 };
 
+// Whether the few-row paths scale each group of a column (4 and 6 bits always), not only its sum.
+inline bool by_group(const Weight& w) { return w.bits != 8 || w.group != w.K || w.mins != nullptr; }
+
+// Up to how many rows `linear` de-quantizes the weight in registers (`fused`).
+inline int64_t fused_rows(const Weight& w) { return by_group(w) ? kFusedRowsGrouped : kFusedRows; }
+
 // The float value of W[n, k] for column n of block b (the reference every path agrees with).
 inline float value(const Weight& w, int64_t b, int64_t k, int64_t n) {
   const uint8_t* q = w.q + b * w.block_bytes();
@@ -1228,12 +1234,13 @@ inline void linear_vnni_tiles(const Weight& w, const c10::BFloat16* x, const flo
 // PAGEDSERVE_CPU_QUANT_VNNI=0; else the weight is widened to float32 (`quant_linear_op`).
 inline bool float_rows(const Weight& w) { return vnni_enabled() && w.group % 16 == 0; }
 
-// y (M, N) float32 = x (M, K) float32 @ W^T (+ bias): a float32 model's linears on its quantized weights.
-// x goes to int8 twice (`quantize_split`: itself, then what that leaves), and the VNNI kernels multiply
-// the 2M rows with the integer weights as they are: up to kVnniRows of them a column block at a time
-// (`vnni_block`, a decode batch's), more in tiles over whole blocks (`vnni_tiles`, a prompt's); each row's
-// two products added. Twice the int8 work of bf16 activations' path, read once from memory.
-inline void linear_float(const Weight& w, const float* x, const float* bias, float* y, int64_t M, int64_t N) {
+// `linear_float` past the few rows: x goes to int8 twice (`quantize_split`: itself, then what that
+// leaves), and the VNNI kernels multiply the 2M rows with the integer weights as they are: up to
+// kVnniRows of them a column block at a time (`vnni_block`, a decode batch's), more in tiles over whole
+// blocks (`vnni_tiles`, a prompt's); each row's two products added. Twice the int8 work of bf16
+// activations' path, the weight read once.
+inline void linear_float_int8(const Weight& w, const float* x, const float* bias, float* y, int64_t M,
+                              int64_t N) {
   static_assert(kBlockM >= kVnniRows, "vnni_block's rows fill c");
   Int8Rows& xq = prompt_rows();
   quantize_split(x, M, w.K, w.group, xq);
@@ -1328,8 +1335,8 @@ inline void linear(const Weight& w, const c10::BFloat16* x, const float* bias, T
   const int64_t slice = one_pass ? std::min(K, kSliceK) : K;
   // Few rows: de-quantized in registers and used at once (`fused`), without a buffer; one symmetric
   // scale per column leaves the integers unscaled until the sum.
-  const bool grouped = w.bits != 8 || w.group != K || w.mins != nullptr;  // 4 and 6 bits: always by group
-  const bool few = M <= (grouped ? kFusedRowsGrouped : kFusedRows);
+  const bool grouped = by_group(w);
+  const bool few = M <= fused_rows(w);
   // The grouped few-row paths add each group's min times the group's sum of x: those sums, once.
   std::vector<float> xsum;
   if (few && grouped) {
@@ -1419,6 +1426,40 @@ inline void linear(const Weight& w, const c10::BFloat16* x, const float* bias, T
     if (tiles) at::native::cpublas::brgemm_release(true);
   });
 }
+
+#ifdef __AVX512VNNI__
+// y (M, N) float32 = x (M, K) float32 @ W^T (+ bias): a float32 model's linears on its quantized weights
+// (`float_rows(w)`), the integers multiplied as they are. Where two rows a row still fit the few-row
+// path (one row; two with one scale per column), each row goes as two bf16 rows, its rounding to bf16
+// and what that leaves (x - hi is exact in float32; rounded, within 2^-9 of itself: each value to
+// within 2^-17), on `fused`; more rows, as two int8 rows (`linear_float_int8`).
+inline void linear_float(const Weight& w, const float* x, const float* bias, float* y, int64_t M, int64_t N) {
+  if (2 * M > fused_rows(w)) return linear_float_int8(w, x, bias, y, M, N);
+  const int64_t K = w.K;
+  thread_local std::vector<c10::BFloat16> parts;
+  thread_local std::vector<float> both;
+  parts.resize(2 * M * K);
+  both.resize(2 * M * N);
+  for (int64_t i = 0; i < M * K; i += 16) {  // K: a whole number of 16-input vectors (float_rows)
+    const __m512 v = _mm512_loadu_ps(x + i);
+    const __m256i hi = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
+    const __m512 high = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(parts.data() + i), hi);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(parts.data() + M * K + i),
+                        reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_sub_ps(v, high))));
+  }
+  linear(w, parts.data(), nullptr, both.data(), 2 * M, N, false);
+  for (int64_t i = 0; i < M; ++i) {
+    for (int64_t j = 0; j < N; j += 16) {
+      const __mmask16 mask = first_lanes(N - j);
+      __m512 v = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, both.data() + i * N + j),
+                               _mm512_maskz_loadu_ps(mask, both.data() + (M + i) * N + j));
+      if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias + j));
+      _mm512_mask_storeu_ps(y + i * N + j, mask, v);
+    }
+  }
+}
+#endif  // __AVX512VNNI__
 
 #endif  // __AVX512BF16__
 
