@@ -86,7 +86,8 @@ class LLM:
 
     Args:
         model: "default" (SmolLM2-135M-Instruct), a local Hugging Face Llama-family directory or a GGUF
-            file (llama, qwen2; de-quantized at load, the conversion cached by the file's sha256).
+            file (llama, qwen2; its quantized blocks kept as they are on a CPU that computes on them, see
+            ``quantization``; the conversion cached by the file's sha256).
         cache_dir: where converted models are cached (default ``~/.cache/pagedserve``).
         memory: the whole config of the private memory service (its ``block_size`` and ``device``
             are the engine's); default: the memory service's defaults (without a size it sizes the

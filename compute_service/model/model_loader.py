@@ -136,7 +136,7 @@ def load_model(
             on a CPU with native bf16, float32 on other CPUs (`pagedserve.dtypes.resolve_auto`, logged).
         quantization: one of QUANTIZATIONS. "auto" keeps a GGUF file's quantized matrices as they are
             (integers and scales, computed on without widening) where the model runs bfloat16 on the
-            CPU, or float32 on a CPU with AVX512-VNNI (`quant.float_vnni`), and widens them to `dtype`
+            CPU, or float32 on a CPU with AVX512-BF16 and VNNI (`quant.float_vnni`), and widens them to `dtype`
             elsewhere; a float checkpoint stays in `dtype`;
             "none" widens everything to `dtype`; "int8" / "int4" quantize the projections at load (the
             head at int8). Quantized weights run on the CPU; `dtype` stays the activations' and the KV

@@ -81,7 +81,8 @@ def kernel_paths(device: torch.device, dtype: torch.dtype, head_dim: int, quanti
     "quant amx-tiles Q4_K+Q6_K, rows>=192 onednn": prompt chunks multiply on oneDNN; without AMX, where
     the model keeps int8 activations (compute_service/model/activation_check.py), ", rows<=32
     avx512-vnni int8, rows>=33 avx512-vnni int8 tiles": decode batches past two rows and prompts
-    multiply int8 activations, and oneDNN takes none).
+    multiply int8 activations, and oneDNN takes none; a float32 model's, "quant float32 split: ..."
+    where each activation row multiplies as two, `quant.float_vnni`).
     """
     if not step_path(device, dtype, head_dim).startswith("fused-cpp"):
         return {}

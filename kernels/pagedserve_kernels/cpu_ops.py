@@ -81,9 +81,12 @@ class Level:
 _V3_FLAGS = frozenset({"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"})
 _V4_FLAGS = _V3_FLAGS | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
 LEVELS: dict[str, Level] = {  # best first
-    # decode attention of grouped heads on AMX tiles (csrc/decode_tiles.h: Sapphire Rapids on)
-    "x86-64-v4-avx512bf16-amx": Level(("-march=x86-64-v4", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"),
-                                      _V4_FLAGS | {"avx512_bf16", "amx_tile", "amx_bf16"}, "__AMX_TILE__"),
+    # decode attention of grouped heads on AMX tiles (csrc/decode_tiles.h: Sapphire Rapids on, which all
+    # have AVX512-VNNI: a float32 model's quantized linears, csrc/quant_linear.h `linear_float`)
+    "x86-64-v4-avx512bf16-amx": Level(("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-mamx-tile",
+                                       "-mamx-bf16"),
+                                      _V4_FLAGS | {"avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16"},
+                                      "__AMX_TILE__"),
     # a quantized linear's decode batches and prompts on int8 activations (csrc/quant_linear.h
     # `vnni_block`, `vnni_tiles`: CPUs without AMX that have AVX512-VNNI and AVX512-BF16, Zen 4 on,
     # Cooper Lake)

@@ -15,8 +15,9 @@ Two sources make one:
 de-quantizes a slice of a column block into bf16 in L1 and multiplies every row by it, on AMX tiles
 where the CPU has them, else with AVX512-BF16 dot products; without AMX but with AVX512-VNNI, from 3
 rows on, on int8 activations (`vnni_rows`: a decode batch a group at a time; `vnni_tile_rows` and
-more: a prompt, in tiles of rows over whole column blocks); float32 activations, or a build without
-AVX512-BF16, widen the weight per call (correct, slow: `path` says which runs).
+more: a prompt, in tiles of rows over whole column blocks). float32 activations multiply the integers
+too, each row split in two (`float_vnni`), in a build with AVX512-BF16 and AVX512-VNNI; without them
+the weight is widened per call (correct, slow: `path` says which runs).
 """
 
 from __future__ import annotations
@@ -240,15 +241,16 @@ def available() -> bool:
 def float_vnni() -> bool:
     """Whether float32 activations multiply the quantized weights as they are here (csrc/quant_linear.h
     `linear_float`: a decode's single row as two bf16 rows, itself rounded and what that leaves, within
-    2^-17 of each value; more rows as two int8 rows each the same way, on AVX512-VNNI, within about 2^-15
-    of each 32 inputs' largest); else a float32 model's quantized weights are widened at each call."""
+    2^-16 of each value; more rows as two int8 rows each the same way, on AVX512-VNNI, within about 2^-16
+    of each 32 inputs' largest), in a build with AVX512-BF16 and AVX512-VNNI, for weights in groups of
+    whole 16-input vectors; else a float32 model's quantized weights are widened at each call."""
     return available() and bool(_ops().quant_float_vnni())
 
 
 def path(dtype: torch.dtype = torch.bfloat16) -> str:
     """Which kernel a quantized model's linears with `dtype` activations run here, for Info and the metrics."""
     if dtype == torch.float32 and float_vnni():
-        return "quant float32 split: 1 row bf16x2, more avx512-vnni int8x2"
+        return "quant float32 split: few rows bf16x2, more avx512-vnni int8x2"
     if dtype != torch.bfloat16 or not available():
         return "quant widened"
     return "quant amx-tiles" if tiles() else "quant avx512-bf16"

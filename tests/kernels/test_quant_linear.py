@@ -361,8 +361,8 @@ def test_with_int8_activations_off_the_bf16_paths_give_the_reference():
 
 @pytest.mark.skipif(not quant.float_vnni(), reason="float32 activations multiply the integers on AVX512-VNNI")
 @pytest.mark.parametrize(("bits", "group", "with_min"),
-                         [(8, 16, False), (8, 128, False), (6, 16, False), (6, 32, True), (4, 32, True),
-                          (4, 256, False)])
+                         [(8, 16, False), (8, 128, False), (8, 512, False), (6, 16, False), (6, 32, True),
+                          (4, 32, True), (4, 256, False)])  # (8, 512): one scale per column, 2 rows as 4 bf16
 @pytest.mark.parametrize("rows", [1, 2, 3, 15, 16, 17, 18, 40])
 def test_float32_activations_split_in_two_parts_nearly_equal_the_exact_product(bits, group, with_min, rows):
     """A float32 model's linears (csrc/quant_linear.h `linear_float`): one row (two with one scale per

@@ -31,8 +31,10 @@
 // group at a time (`vnni_block`), more (a prompt) in tiles of 3 rows over a block's whole K
 // (`vnni_tiles`), instead of oneDNN.
 // The products accumulate in float32 over the whole of K; outputs float32 or rounded to the
-// activations' bf16 once. A build without AVX512-BF16, or float32 activations, takes
-// `dequantize_scalar` (the same values) and at::linear on the widened weight: correct, not fast.
+// activations' bf16 once. float32 activations (a float32 model) multiply the integers as they are too,
+// each row split in two (`linear_float`), where the build has AVX512-BF16 and AVX512-VNNI. A build
+// without them takes `dequantize_scalar` (the same values) and at::linear on the widened weight:
+// correct, not fast.
 
 #pragma once
 
@@ -740,49 +742,40 @@ struct Int8Rows {
   std::vector<int8_t> a;
   std::vector<float> scale, group_sum;
   std::vector<int32_t> sum;
-  std::vector<float> rest;  // quantize_split's remainders, kept from call to call as the rows are
 };
 
 __attribute__((always_inline)) inline __m512 load16(const c10::BFloat16* p) { return widen16(p); }
 __attribute__((always_inline)) inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 
-// Rows [row0, row0 + M) of `out` (sized for them: `size_rows`) from x (M, K) bf16 or float32, as
-// above; with `rest` (M, K) float32, also what each value leaves over its de-quantized one,
-// x - scale * a, there.
-template <typename T>
-inline void quantize_into(const T* x, int64_t M, int64_t K, int64_t group, Int8Rows& out, int64_t row0,
-                          float* rest) {
+// Row `row` of `out` (sized for it: `size_rows`) from the K values at src (bf16 or float32), as above;
+// with REST, also what each value leaves over its de-quantized one, src - scale * a, into rest (K).
+template <bool REST, typename T>
+inline void quantize_row(const T* src, int64_t K, int64_t group, Int8Rows& out, int64_t row, float* rest) {
   const int64_t block = out.block, blocks = K / block, per_group = group / block;
   const __m512 sign_off = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
-  at::parallel_for(0, M, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t row = row0 + i;
-      for (int64_t j = 0; j < blocks; ++j) {
-        const T* src = x + i * K + j * block;
-        __m512 amax = _mm512_setzero_ps();
-        for (int64_t k = 0; k < block; k += 16) amax = _mm512_max_ps(amax, _mm512_and_ps(load16(src + k), sign_off));
-        const float top = _mm512_reduce_max_ps(amax);
-        const float inv = top > 0.0f ? 127.0f / top : 0.0f;
-        const float scale = top / 127.0f;
-        __m512i total = _mm512_setzero_si512();
-        int8_t* dst = out.a.data() + row * K + j * block;
-        for (int64_t k = 0; k < block; k += 16) {
-          const __m512 v = load16(src + k);
-          const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v, _mm512_set1_ps(inv)));  // nearest, ties even
-          total = _mm512_add_epi32(total, q);
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + k), _mm512_cvtepi32_epi8(q));
-          if (rest) {
-            _mm512_storeu_ps(rest + i * K + j * block + k,
-                             _mm512_fnmadd_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(scale), v));
-          }
-        }
-        const int32_t sum = _mm512_reduce_add_epi32(total);
-        out.scale[row * blocks + j] = scale;
-        out.sum[row * blocks + j] = sum;
-        out.group_sum[row * (K / group) + j / per_group] += scale * static_cast<float>(sum);
+  for (int64_t j = 0; j < blocks; ++j) {
+    const T* at = src + j * block;
+    __m512 amax = _mm512_setzero_ps();
+    for (int64_t k = 0; k < block; k += 16) amax = _mm512_max_ps(amax, _mm512_and_ps(load16(at + k), sign_off));
+    const float top = _mm512_reduce_max_ps(amax);
+    const float inv = top > 0.0f ? 127.0f / top : 0.0f;
+    const float scale = top / 127.0f;
+    __m512i total = _mm512_setzero_si512();
+    int8_t* dst = out.a.data() + row * K + j * block;
+    for (int64_t k = 0; k < block; k += 16) {
+      const __m512 v = load16(at + k);
+      const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v, _mm512_set1_ps(inv)));  // nearest, ties even
+      total = _mm512_add_epi32(total, q);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + k), _mm512_cvtepi32_epi8(q));
+      if constexpr (REST) {
+        _mm512_storeu_ps(rest + j * block + k, _mm512_fnmadd_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(scale), v));
       }
     }
-  });
+    const int32_t sum = _mm512_reduce_add_epi32(total);
+    out.scale[row * blocks + j] = scale;
+    out.sum[row * blocks + j] = sum;
+    out.group_sum[row * (K / group) + j / per_group] += scale * static_cast<float>(sum);
+  }
 }
 
 inline void size_rows(int64_t M, int64_t K, int64_t group, Int8Rows& out) {
@@ -796,18 +789,25 @@ inline void size_rows(int64_t M, int64_t K, int64_t group, Int8Rows& out) {
 
 inline void quantize_rows(const c10::BFloat16* x, int64_t M, int64_t K, int64_t group, Int8Rows& out) {
   size_rows(M, K, group, out);
-  quantize_into(x, M, K, group, out, 0, nullptr);
+  at::parallel_for(0, M, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) quantize_row<false>(x + i * K, K, group, out, i, nullptr);
+  });
 }
 
 // x (M, K) float32 as 2M int8 rows: rows [0, M) x's own (as `quantize_rows`), rows [M, 2M) what those
-// leave, quantized again with their own scales (at most half of the first's step / 127 each). A weight
-// times the two, added, is the product with x to within 1/2 / 127 / 127 of each 32 inputs' largest
-// (about 2^-15: finer than bf16's 2^-9 of each value, where the block holds no outlier).
+// leave (rounded to float32 once), quantized again with their own scales: at most half the first's
+// step / 127 each. A weight times the two, added, is the product with x to within 1/4 / 127^2 of each
+// 32 inputs' largest (about 2^-16; bf16 rounds each value to within 2^-8 of itself). Non-finite x
+// gives NaN products (inf - inf in the remainder).
 inline void quantize_split(const float* x, int64_t M, int64_t K, int64_t group, Int8Rows& out) {
-  out.rest.resize(M * K);
   size_rows(2 * M, K, group, out);
-  quantize_into(x, M, K, group, out, 0, out.rest.data());
-  quantize_into(out.rest.data(), M, K, group, out, M, nullptr);
+  at::parallel_for(0, M, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> rest(K);
+    for (int64_t i = begin; i < end; ++i) {
+      quantize_row<true>(x + i * K, K, group, out, i, rest.data());
+      quantize_row<false>(rest.data(), K, group, out, M + i, nullptr);
+    }
+  });
 }
 
 // Column order of the unpacked byte registers (below): lane l of register X holds column order[X][l].
@@ -1164,7 +1164,6 @@ inline void vnni_tile_any(const VnniOperands& op, const Weight& w, const Int8Row
   else vnni_tile<BITS, MR, 0>(op, w, x, i0, c);
 }
 
-// y's block b (columns [n0, n0 + cols)) for all M rows, in tiles of 3 rows, each stored as it is done.
 // c's rows [0, rows) += the `rows` rows at `more` (both (rows, kBlockN)): x's two int8 parts' products.
 inline void add_rows(float* c, const float* more, int64_t rows) {
   for (int64_t k = 0; k < rows * kBlockN; k += 16)
@@ -1210,6 +1209,46 @@ inline Int8Rows& prompt_rows() {
 
 inline void release_prompt_rows() { prompt_rows() = Int8Rows{}; }
 
+// f(std::integral_constant<int, w.bits>): a kernel instantiated for the weight's width.
+template <typename F>
+inline void by_bits(const Weight& w, F&& f) {
+  if (w.bits == 8) f(std::integral_constant<int, 8>{});
+  else if (w.bits == 6) f(std::integral_constant<int, 6>{});
+  else f(std::integral_constant<int, 4>{});
+}
+
+// y (M, N) = the int8 rows xq times W (+ bias), the threads claiming column blocks: up to kVnniRows
+// int8 rows a group at a time (`vnni_block`, a decode batch's), more in tiles of rows over whole blocks
+// (`vnni_tiles`, a prompt's). With `split`, xq holds 2M rows (`quantize_split`): each row's product is
+// its own plus its remainder's.
+template <typename TOut>
+inline void vnni_linear(const Weight& w, const Int8Rows& xq, int64_t M, bool split, const float* bias, TOut* y,
+                        int64_t N) {
+  static_assert(kBlockM >= kVnniRows, "vnni_block's rows fill c");
+  const int64_t rows = split ? 2 * M : M;
+  const int64_t blocks = std::min(w.blocks, (N + kBlockN - 1) / kBlockN);
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), blocks));
+  claims::Claims blocks_left(blocks, threads);
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    if (rows > kVnniRows) {
+      thread_local VnniOperands op;
+      blocks_left.each([&](int64_t b) {
+        by_bits(w, [&](auto bits) { vnni_tiles<decltype(bits)::value>(op, w, b, xq, M, bias, y, N, split); });
+      });
+      return;
+    }
+    alignas(64) float c[kBlockM * kBlockN];  // a block's outputs for every int8 row (written before read)
+    std::vector<__m512i> wq(w.group);         // a group's quads, unpacked: group / 4 x 4 registers
+    std::vector<float> acc(rows * kBlockN);
+    blocks_left.each([&](int64_t b) {
+      const int64_t n0 = b * kBlockN;
+      by_bits(w, [&](auto bits) { vnni_block<decltype(bits)::value>(w, b, xq, rows, wq.data(), acc.data(), c); });
+      if (split) add_rows(c, c + M * kBlockN, M);
+      store_rows(c, M, bias ? bias + n0 : nullptr, y + n0, N, std::min(kBlockN, N - n0));
+    });
+  });
+}
+
 // `linear` on the VNNI tiles: x quantized to int8 once (`prompt_rows`), then the threads claim column
 // blocks.
 template <typename TOut>
@@ -1217,61 +1256,13 @@ inline void linear_vnni_tiles(const Weight& w, const c10::BFloat16* x, const flo
                               int64_t N) {
   Int8Rows& xq = prompt_rows();  // (a thread_local named in the lambda below would be each worker's own)
   quantize_rows(x, M, w.K, w.group, xq);
-  const int64_t blocks = std::min(w.blocks, (N + kBlockN - 1) / kBlockN);
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), blocks));
-  claims::Claims blocks_left(blocks, threads);
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    thread_local VnniOperands op;
-    blocks_left.each([&](int64_t b) {
-      if (w.bits == 8) vnni_tiles<8>(op, w, b, xq, M, bias, y, N);
-      else if (w.bits == 6) vnni_tiles<6>(op, w, b, xq, M, bias, y, N);
-      else vnni_tiles<4>(op, w, b, xq, M, bias, y, N);
-    });
-  });
+  vnni_linear(w, xq, M, false, bias, y, N);
 }
-// Whether `linear_float` takes float32 activations for this weight here: groups of whole 16-input
-// vectors, on any CPU with AVX512-VNNI in this build (AMX ones too: their tiles take bf16 only), unless
-// PAGEDSERVE_CPU_QUANT_VNNI=0; else the weight is widened to float32 (`quant_linear_op`).
-inline bool float_rows(const Weight& w) { return vnni_enabled() && w.group % 16 == 0; }
 
-// `linear_float` past the few rows: x goes to int8 twice (`quantize_split`: itself, then what that
-// leaves), and the VNNI kernels multiply the 2M rows with the integer weights as they are: up to
-// kVnniRows of them a column block at a time (`vnni_block`, a decode batch's), more in tiles over whole
-// blocks (`vnni_tiles`, a prompt's); each row's two products added. Twice the int8 work of bf16
-// activations' path, the weight read once.
-inline void linear_float_int8(const Weight& w, const float* x, const float* bias, float* y, int64_t M,
-                              int64_t N) {
-  static_assert(kBlockM >= kVnniRows, "vnni_block's rows fill c");
-  Int8Rows& xq = prompt_rows();
-  quantize_split(x, M, w.K, w.group, xq);
-  const int64_t blocks = std::min(w.blocks, (N + kBlockN - 1) / kBlockN);
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), blocks));
-  const bool few = 2 * M <= kVnniRows;
-  claims::Claims blocks_left(blocks, threads);
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    const auto by_bits = [&](auto run) {
-      if (w.bits == 8) run(std::integral_constant<int, 8>{});
-      else if (w.bits == 6) run(std::integral_constant<int, 6>{});
-      else run(std::integral_constant<int, 4>{});
-    };
-    if (!few) {
-      thread_local VnniOperands op;
-      blocks_left.each([&](int64_t b) {
-        by_bits([&](auto bits) { vnni_tiles<decltype(bits)::value>(op, w, b, xq, M, bias, y, N, true); });
-      });
-      return;
-    }
-    alignas(64) float c[kBlockM * kBlockN];
-    std::vector<__m512i> wq(w.group);
-    std::vector<float> acc(2 * M * kBlockN);
-    blocks_left.each([&](int64_t b) {
-      const int64_t n0 = b * kBlockN;
-      by_bits([&](auto bits) { vnni_block<decltype(bits)::value>(w, b, xq, 2 * M, wq.data(), acc.data(), c); });
-      add_rows(c, c + M * kBlockN, M);
-      store_rows(c, M, bias ? bias + n0 : nullptr, y + n0, N, std::min(kBlockN, N - n0));
-    });
-  });
-}
+// Whether `linear_float` takes float32 activations for this weight here: groups of whole 16-input
+// vectors, in a build with AVX512-BF16 and AVX512-VNNI (on AMX CPUs too: their tiles take bf16 only),
+// unless PAGEDSERVE_CPU_QUANT_VNNI=0; else the weight is widened to float32 (`quant_linear_op`).
+inline bool float_rows(const Weight& w) { return vnni_enabled() && w.group % 16 == 0; }
 #endif  // __AVX512VNNI__
 
 // `linear` for many rows (M >= kOnednnRows, K a multiple of 32), bf16 outputs: the threads claim
@@ -1347,9 +1338,11 @@ inline void linear(const Weight& w, const c10::BFloat16* x, const float* bias, T
   const bool own_tiles = tiles && !few && tile_rows(M, K);
 #endif
 #ifdef __AVX512VNNI__
-  const bool vnni = !few && !tiles && vnni_rows(w, M);
-  Int8Rows xq;
-  if (vnni) quantize_rows(x, M, K, w.group, xq);
+  if (!few && !tiles && vnni_rows(w, M)) {  // a decode batch on int8 activations
+    Int8Rows xq;
+    quantize_rows(x, M, K, w.group, xq);
+    return vnni_linear(w, xq, M, false, bias, y, N);
+  }
 #endif
 #ifdef PAGEDSERVE_AMX_TILES
   if (own_tiles) {
@@ -1372,24 +1365,6 @@ inline void linear(const Weight& w, const c10::BFloat16* x, const float* bias, T
   claims::Claims blocks_left(std::min(w.blocks, (N + kBlockN - 1) / kBlockN), threads);
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     alignas(64) float c[kBlockM * kBlockN];  // a block's outputs for up to kBlockM rows (written before read)
-#ifdef __AVX512VNNI__
-    if (vnni) {
-      std::vector<__m512i> wq(w.group);  // a group's quads, unpacked: group / 4 x 4 registers
-      std::vector<float> acc(M * kBlockN);
-      blocks_left.each([&](int64_t b) {
-        const int64_t n0 = b * kBlockN;
-        if (w.bits == 8) {
-          vnni_block<8>(w, b, xq, M, wq.data(), acc.data(), c);
-        } else if (w.bits == 6) {
-          vnni_block<6>(w, b, xq, M, wq.data(), acc.data(), c);
-        } else {
-          vnni_block<4>(w, b, xq, M, wq.data(), acc.data(), c);
-        }
-        store_rows(c, M, bias ? bias + n0 : nullptr, y + n0, N, std::min(kBlockN, N - n0));
-      });
-      return;
-    }
-#endif
     // The de-quantized slice (not for few rows, which de-quantize in registers), left unfilled: a
     // std::vector would fill it element by element at every call.
     std::unique_ptr<c10::BFloat16[]> buf(few ? nullptr : new c10::BFloat16[slice * kBlockN]);
@@ -1431,10 +1406,16 @@ inline void linear(const Weight& w, const c10::BFloat16* x, const float* bias, T
 // y (M, N) float32 = x (M, K) float32 @ W^T (+ bias): a float32 model's linears on its quantized weights
 // (`float_rows(w)`), the integers multiplied as they are. Where two rows a row still fit the few-row
 // path (one row; two with one scale per column), each row goes as two bf16 rows, its rounding to bf16
-// and what that leaves (x - hi is exact in float32; rounded, within 2^-9 of itself: each value to
-// within 2^-17), on `fused`; more rows, as two int8 rows (`linear_float_int8`).
+// and what that leaves (x - hi is exact in float32; rounded, within 2^-8 of itself: each value to
+// within 2^-16), on `fused`. More rows go to int8 twice (`quantize_split`: itself, then what that
+// leaves) and the VNNI kernels multiply the 2M rows (`vnni_linear`), each row's two products added:
+// twice the int8 work of bf16 activations' path, the weight read once. Non-finite x gives NaN.
 inline void linear_float(const Weight& w, const float* x, const float* bias, float* y, int64_t M, int64_t N) {
-  if (2 * M > fused_rows(w)) return linear_float_int8(w, x, bias, y, M, N);
+  if (2 * M > fused_rows(w)) {
+    Int8Rows& xq = prompt_rows();
+    quantize_split(x, M, w.K, w.group, xq);
+    return vnni_linear(w, xq, M, true, bias, y, N);
+  }
   const int64_t K = w.K;
   thread_local std::vector<c10::BFloat16> parts;
   thread_local std::vector<float> both;
