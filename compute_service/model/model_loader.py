@@ -199,13 +199,13 @@ def _file_quantization(lm: CausalLM, path: Path, quantization: str
         return None
     from pagedserve_kernels import quant
 
-    if lm.device.type != "cpu" or not _quantized_kernels(lm.dtype):
+    if lm.device.type != "cpu" or not quant.takes(lm.dtype):
         # The quantized kernels take bf16 activations on the CPU, from the fused kernels built with
         # AVX512-BF16, and float32 ones where AVX512-VNNI is there too: elsewhere the file's weights are
         # widened (slower, never a failing model).
         log.info("quantization_widened", device=str(lm.device), dtype=str(lm.dtype), kernels=quant.available(),
-                 detail="the quantized kernels run bfloat16 on a CPU with AVX512-BF16 (float32 with AVX512-VNNI "
-                        "too); the file's weights are served in the dtype")
+                 detail="the quantized kernels run bfloat16 on a CPU with AVX512-BF16 (float32 with "
+                        "AVX512-VNNI too); the file's weights are served in the dtype")
         return None
     # An untied embedding table is read in place (only looked-up rows resident); a tied one is the head's.
     return read_file_quantization(path, frozenset() if lm.config.tie_word_embeddings else {EMBEDDING})
@@ -217,23 +217,16 @@ def _quantize(lm: CausalLM, quantization: str) -> str:
         return "none"
     if lm.device.type != "cpu":
         raise ValueError(f"--quantization {quantization} runs on the CPU only; this model is on {lm.device}")
-    from pagedserve_kernels import cpu_ops
+    from pagedserve_kernels import cpu_ops, quant
 
     if cpu_ops.load() is None:
         raise ValueError(f"--quantization {quantization} needs the fused CPU kernels, which did not load here "
                          "(see the kernels' error above); use --quantization none")
-    if not _quantized_kernels(lm.dtype):
+    if not quant.takes(lm.dtype):
         log.warning("quantization_slow", dtype=str(lm.dtype),
                     detail="the quantized kernels take bfloat16 activations (float32 ones on a CPU with "
-                           "AVX512-VNNI); here the weights are widened at each call")
+                           "AVX512-BF16 and VNNI); here the weights are widened at each call")
     return lm.quantize_weights(quantization)
-
-
-def _quantized_kernels(dtype: torch.dtype) -> bool:
-    """Whether the quantized kernels multiply `dtype` activations here (pagedserve_kernels.quant)."""
-    from pagedserve_kernels import quant
-
-    return quant.float_vnni() if dtype == torch.float32 else dtype == torch.bfloat16 and quant.available()
 
 
 def read_file_quantization(path: Path, mapped: frozenset[str] = frozenset()

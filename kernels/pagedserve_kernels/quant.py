@@ -247,6 +247,12 @@ def float_vnni() -> bool:
     return available() and bool(_ops().quant_float_vnni())
 
 
+def takes(dtype: torch.dtype) -> bool:
+    """Whether the quantized kernels multiply `dtype` activations by the integers here (bf16: `available`;
+    float32: `float_vnni`); elsewhere a quantized weight is widened at each call."""
+    return float_vnni() if dtype == torch.float32 else dtype == torch.bfloat16 and available()
+
+
 def path(dtype: torch.dtype = torch.bfloat16) -> str:
     """Which kernel a quantized model's linears with `dtype` activations run here, for Info and the metrics."""
     if dtype == torch.float32 and float_vnni():

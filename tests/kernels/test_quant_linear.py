@@ -301,6 +301,17 @@ def test_bad_operands_are_refused_by_name():
     assert torch.equal(zero.dequantize(), torch.zeros(64, 32))
 
 
+def _random_weight(bits: int, group: int, with_min: bool, generator: torch.Generator) -> quant.QuantizedWeight:
+    """A (192, 512) weight of random integers in the width's range, float16-exact scales per `group`
+    inputs, mins if `with_min`, and a bias."""
+    out_features, in_features = 192, 512
+    low, high = {8: (-128, 128), 6: (-32, 32), 4: (0, 16)}[bits]
+    q = torch.randint(low, high, (out_features, in_features), generator=generator)
+    scale = (torch.rand(out_features, in_features // group, generator=generator) * 0.01).half().float()
+    minimum = -(torch.rand(out_features, in_features // group, generator=generator) * 0.1) if with_min else None
+    return quant.pack(q, scale, minimum, bits).with_bias(torch.randn(out_features, generator=generator))
+
+
 @pytest.mark.skipif(not quant.vnni_rows(), reason="int8 activations run on CPUs with AVX512-VNNI and no AMX tiles")
 @pytest.mark.parametrize(("bits", "group", "with_min"),
                          [(8, 16, False), (8, 128, False), (6, 16, False), (6, 32, True), (4, 32, True),
@@ -312,19 +323,14 @@ def test_int8_activations_keep_outliers_zeros_and_every_row_count(bits, group, w
     one group (its scale is that group's alone), a row of zeros and a group of zeros (scale 0: no NaN):
     equal to its reference, and within 1% of the bf16 activations' product (what int8 activations cost)."""
     generator = torch.Generator().manual_seed(rows * 10 + bits + group)
-    out_features, in_features = 192, 512
-    low, high = {8: (-128, 128), 6: (-32, 32), 4: (0, 16)}[bits]
-    q = torch.randint(low, high, (out_features, in_features), generator=generator)
-    scale = (torch.rand(out_features, in_features // group, generator=generator) * 0.01).half().float()
-    minimum = -(torch.rand(out_features, in_features // group, generator=generator) * 0.1) if with_min else None
-    weight = quant.pack(q, scale, minimum, bits).with_bias(torch.randn(out_features, generator=generator))
-    x = torch.randn(rows, in_features, generator=generator)
+    weight = _random_weight(bits, group, with_min, generator)
+    x = torch.randn(rows, weight.in_features, generator=generator)
     x[0, 5] = 1000.0
     x[1] = 0.0
     x[2, group:2 * group] = 0.0
     x = x.bfloat16()
     y = torch.ops.pagedserve_cpu.quant_linear(x, weight.q, weight.scales, weight.mins, weight.bias, bits, group,
-                                              out_features, False, True)
+                                              weight.out_features, False, True)
     assert torch.isfinite(y).all()
     torch.testing.assert_close(y.double(), _reference(x, weight), rtol=1e-5, atol=1e-4)
     exact = x.double() @ weight.dequantize().double().T + weight.bias.double()
@@ -372,13 +378,8 @@ def test_float32_activations_split_in_two_parts_nearly_equal_the_exact_product(b
     closer than bf16 activations, with an outlier, a zero row and a zero group (3 rows and more); int8
     activations switched off (a bf16 model's choice) leave this path as it is."""
     generator = torch.Generator().manual_seed(rows * 10 + bits + group)
-    out_features, in_features = 192, 512
-    low, high = {8: (-128, 128), 6: (-32, 32), 4: (0, 16)}[bits]
-    q = torch.randint(low, high, (out_features, in_features), generator=generator)
-    scale = (torch.rand(out_features, in_features // group, generator=generator) * 0.01).half().float()
-    minimum = -(torch.rand(out_features, in_features // group, generator=generator) * 0.1) if with_min else None
-    weight = quant.pack(q, scale, minimum, bits).with_bias(torch.randn(out_features, generator=generator))
-    x = torch.randn(rows, in_features, generator=generator)
+    weight = _random_weight(bits, group, with_min, generator)
+    x = torch.randn(rows, weight.in_features, generator=generator)
     specials = rows > 2
     if specials:
         x[0, 5] = 1000.0
